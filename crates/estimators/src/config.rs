@@ -1,0 +1,411 @@
+//! Canonical names and hyper-parameters of every estimator, with the documented defaults.
+
+use crate::{EstimatorError, Setup};
+use std::fmt;
+use std::str::FromStr;
+
+/// The canonical estimator names (spec keys and parquet values use them verbatim).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub enum Kind {
+    OmdExact,
+    OmdHvpCg,
+    OmdReference,
+    Sgd,
+    Mle,
+    Adam,
+    AdamReference,
+    OmdHvpCgAdam,
+    SgdReplay,
+}
+
+impl Kind {
+    pub const ALL: [Kind; 9] = [
+        Kind::OmdExact,
+        Kind::OmdHvpCg,
+        Kind::OmdReference,
+        Kind::Sgd,
+        Kind::Mle,
+        Kind::Adam,
+        Kind::AdamReference,
+        Kind::OmdHvpCgAdam,
+        Kind::SgdReplay,
+    ];
+
+    pub fn as_str(&self) -> &'static str {
+        match self {
+            Kind::OmdExact => "omd-exact",
+            Kind::OmdHvpCg => "omd-hvp-cg",
+            Kind::OmdReference => "omd-reference",
+            Kind::Sgd => "sgd",
+            Kind::Mle => "mle",
+            Kind::Adam => "adam",
+            Kind::AdamReference => "adam-reference",
+            Kind::OmdHvpCgAdam => "omd-hvp-cg+adam",
+            Kind::SgdReplay => "sgd-replay",
+        }
+    }
+}
+
+impl fmt::Display for Kind {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
+impl FromStr for Kind {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, String> {
+        Kind::ALL.iter().copied().find(|k| k.as_str() == s).ok_or_else(|| {
+            let names: Vec<_> = Kind::ALL.iter().map(|k| k.as_str()).collect();
+            format!("unknown estimator `{s}`: expected one of {}", names.join(", "))
+        })
+    }
+}
+
+/// `omd-exact`: paper Alg. 1 / Eq. (3).
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct OmdExactConfig {
+    /// Step size η (default 1).
+    pub eta: f64,
+    /// 𝓗_1 = λI (default 1).
+    pub lambda: f64,
+    /// Project onto ‖θ‖₂ ≤ B in the H̃_t norm when set (default: no projection).
+    pub radius: Option<f64>,
+}
+
+impl Default for OmdExactConfig {
+    fn default() -> Self {
+        OmdExactConfig { eta: 1.0, lambda: 1.0, radius: None }
+    }
+}
+
+impl OmdExactConfig {
+    /// Lemma 1: η = ½ log 2 + (BL + 1), λ = 84√2·η·(dL² + BL³), projection onto ‖θ‖ ≤ B.
+    pub fn theory(b: f64, l: f64, dim: usize) -> Self {
+        let eta = 0.5 * std::f64::consts::LN_2 + (b * l + 1.0);
+        let lambda = 84.0 * std::f64::consts::SQRT_2 * eta * (dim as f64 * l * l + b * l.powi(3));
+        OmdExactConfig { eta, lambda, radius: Some(b) }
+    }
+}
+
+/// The damping shape f of omd-hvp-cg: λ_t = max(λ_min, λ0·f(min(1, t/T))).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum DampingSchedule {
+    /// f(u) = u (the paper's choice).
+    Linear,
+    /// f(u) = log(1 + (e − 1)u), so f(1) = 1.
+    Log,
+    /// f(u) = 1.
+    Constant,
+}
+
+impl DampingSchedule {
+    pub fn as_str(&self) -> &'static str {
+        match self {
+            DampingSchedule::Linear => "linear",
+            DampingSchedule::Log => "log",
+            DampingSchedule::Constant => "constant",
+        }
+    }
+}
+
+impl FromStr for DampingSchedule {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, String> {
+        match s {
+            "linear" => Ok(DampingSchedule::Linear),
+            "log" => Ok(DampingSchedule::Log),
+            "constant" => Ok(DampingSchedule::Constant),
+            _ => Err(format!("unknown damping schedule `{s}`: expected linear, log or constant")),
+        }
+    }
+}
+
+/// `omd-hvp-cg`: paper Alg. 5.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct HvpCgConfig {
+    /// K, the CG steps (default 3).
+    pub cg_steps: usize,
+    /// λ0 (default 0.8).
+    pub lambda0: f64,
+    pub schedule: DampingSchedule,
+    /// Floor of λ_t (default 1e-6), so the system stays positive definite at t = 1.
+    pub lambda_min: f64,
+    /// η of θ ← θ − η v (default 1e-3).
+    pub lr: f64,
+}
+
+impl Default for HvpCgConfig {
+    fn default() -> Self {
+        HvpCgConfig { cg_steps: 3, lambda0: 0.8, schedule: DampingSchedule::Linear, lambda_min: 1e-6, lr: 1e-3 }
+    }
+}
+
+/// `omd-reference`: what `rm_trainer_head_hvp.py` computes (reference-code.md §2.3).
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct OmdReferenceConfig {
+    pub lr: f64,
+    /// `--damping` λ0: the constant damping inside CG and the mixing weight (default 0.8).
+    pub lambda0: f64,
+    /// `--damping_growth_rate` G: c_t = min((1 − λ0)·t/G + λ0, 1), SGD once c_t ≥ 1 (default 100).
+    pub growth: f64,
+    /// `--num_cg_steps` K (default 3).
+    pub cg_steps: usize,
+    /// Round θ to bf16 after every update (the authors updated bf16 weights in place).
+    pub bf16_weights: bool,
+    /// `--use_momentum`: run the authors' Adam (§2.4) on the mixed direction ("hvp-adam").
+    pub adam: Option<AdamConfig>,
+}
+
+impl Default for OmdReferenceConfig {
+    fn default() -> Self {
+        OmdReferenceConfig { lr: 1e-3, lambda0: 0.8, growth: 100.0, cg_steps: 3, bf16_weights: false, adam: None }
+    }
+}
+
+/// `sgd`: θ ← θ − lr·clip(g).
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct SgdConfig {
+    pub lr: f64,
+    /// Global-norm clipping threshold (default 1.0, as DeepSpeed's `gradient_clipping` in the
+    /// authors' baseline); `None` disables it.
+    pub clip: Option<f64>,
+}
+
+impl Default for SgdConfig {
+    fn default() -> Self {
+        SgdConfig { lr: 1e-3, clip: Some(1.0) }
+    }
+}
+
+/// `adam`, `adam-reference` and the Adam half of `omd-hvp-cg+adam`.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct AdamConfig {
+    pub lr: f64,
+    pub beta1: f64,
+    pub beta2: f64,
+    pub eps: f64,
+}
+
+impl Default for AdamConfig {
+    fn default() -> Self {
+        AdamConfig { lr: 1e-3, beta1: 0.9, beta2: 0.999, eps: 1e-8 }
+    }
+}
+
+/// How `mle` re-fits.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum MleSolver {
+    /// Damped Newton with the exact d×d Hessian: O(t·d² + d³) per iteration, small d only.
+    Newton,
+    /// L-BFGS with an Armijo line search: O(t·d) per iteration.
+    Lbfgs,
+}
+
+impl MleSolver {
+    pub fn as_str(&self) -> &'static str {
+        match self {
+            MleSolver::Newton => "newton",
+            MleSolver::Lbfgs => "lbfgs",
+        }
+    }
+}
+
+impl FromStr for MleSolver {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, String> {
+        match s {
+            "newton" => Ok(MleSolver::Newton),
+            "lbfgs" => Ok(MleSolver::Lbfgs),
+            _ => Err(format!("unknown mle solver `{s}`: expected newton or lbfgs")),
+        }
+    }
+}
+
+/// `mle`: argmin Σ_{i≤t} ℓ_i(θ) + ridge·t·‖θ‖², re-fitted every `refit_every` updates.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct MleConfig {
+    /// Default 1e-4 (so the optimum exists while the data are separable).
+    pub ridge: f64,
+    /// Default 1.
+    pub refit_every: u64,
+    /// Default L-BFGS (Newton is exact but O(d³)).
+    pub solver: MleSolver,
+    /// Iteration cap of one re-fit (default 200); a re-fit that hits it reports converged = false.
+    pub max_iters: u32,
+    /// Pairs kept by L-BFGS (default 10).
+    pub lbfgs_memory: usize,
+}
+
+impl Default for MleConfig {
+    fn default() -> Self {
+        MleConfig { ridge: 1e-4, refit_every: 1, solver: MleSolver::Lbfgs, max_iters: 200, lbfgs_memory: 10 }
+    }
+}
+
+/// `sgd-replay`: SGD, plus one SGD pass over every stored batch after each step with t % R = 0.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct ReplayConfig {
+    pub sgd: SgdConfig,
+    /// R (default 200, the authors' `--retrain_step`).
+    pub every: u64,
+}
+
+impl Default for ReplayConfig {
+    fn default() -> Self {
+        ReplayConfig { sgd: SgdConfig::default(), every: 200 }
+    }
+}
+
+/// One estimator with its hyper-parameters.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub enum EstimatorConfig {
+    OmdExact(OmdExactConfig),
+    OmdHvpCg(HvpCgConfig),
+    OmdReference(OmdReferenceConfig),
+    Sgd(SgdConfig),
+    Mle(MleConfig),
+    Adam(AdamConfig),
+    AdamReference(AdamConfig),
+    OmdHvpCgAdam { cg: HvpCgConfig, adam: AdamConfig },
+    SgdReplay(ReplayConfig),
+}
+
+impl EstimatorConfig {
+    /// The config of `kind` with every default.
+    pub fn default_for(kind: Kind) -> Self {
+        match kind {
+            Kind::OmdExact => EstimatorConfig::OmdExact(Default::default()),
+            Kind::OmdHvpCg => EstimatorConfig::OmdHvpCg(Default::default()),
+            Kind::OmdReference => EstimatorConfig::OmdReference(Default::default()),
+            Kind::Sgd => EstimatorConfig::Sgd(Default::default()),
+            Kind::Mle => EstimatorConfig::Mle(Default::default()),
+            Kind::Adam => EstimatorConfig::Adam(Default::default()),
+            Kind::AdamReference => EstimatorConfig::AdamReference(Default::default()),
+            Kind::OmdHvpCgAdam => EstimatorConfig::OmdHvpCgAdam { cg: Default::default(), adam: Default::default() },
+            Kind::SgdReplay => EstimatorConfig::SgdReplay(Default::default()),
+        }
+    }
+
+    pub fn kind(&self) -> Kind {
+        match self {
+            EstimatorConfig::OmdExact(_) => Kind::OmdExact,
+            EstimatorConfig::OmdHvpCg(_) => Kind::OmdHvpCg,
+            EstimatorConfig::OmdReference(_) => Kind::OmdReference,
+            EstimatorConfig::Sgd(_) => Kind::Sgd,
+            EstimatorConfig::Mle(_) => Kind::Mle,
+            EstimatorConfig::Adam(_) => Kind::Adam,
+            EstimatorConfig::AdamReference(_) => Kind::AdamReference,
+            EstimatorConfig::OmdHvpCgAdam { .. } => Kind::OmdHvpCgAdam,
+            EstimatorConfig::SgdReplay(_) => Kind::SgdReplay,
+        }
+    }
+
+    /// Range checks of every hyper-parameter, and what they need of `setup`.
+    pub fn validate(&self, setup: &Setup) -> Result<(), EstimatorError> {
+        let kind = self.kind().as_str();
+        let bad = |field: &'static str, value: String, expected: &'static str| {
+            Err(EstimatorError::BadConfig { kind, field, value, expected })
+        };
+        let positive = |field: &'static str, v: f64| -> Result<(), EstimatorError> {
+            if v.is_finite() && v > 0.0 {
+                Ok(())
+            } else {
+                bad(field, v.to_string(), "a finite number > 0")
+            }
+        };
+        if setup.dim == 0 {
+            return bad("dim", "0".into(), "d ≥ 1");
+        }
+        if let crate::Init::Normal { std: Some(s) } = setup.init {
+            if !(s.is_finite() && s >= 0.0) {
+                return bad("init.std", s.to_string(), "a finite number ≥ 0");
+            }
+        }
+        let adam = |a: &AdamConfig| -> Result<(), EstimatorError> {
+            positive("lr", a.lr)?;
+            positive("eps", a.eps)?;
+            for (f, b) in [("beta1", a.beta1), ("beta2", a.beta2)] {
+                if !(0.0..1.0).contains(&b) {
+                    return bad(f, b.to_string(), "a number in [0, 1)");
+                }
+            }
+            Ok(())
+        };
+        let sgd = |s: &SgdConfig| -> Result<(), EstimatorError> {
+            positive("lr", s.lr)?;
+            if let Some(c) = s.clip {
+                positive("clip", c)?;
+            }
+            Ok(())
+        };
+        let cg = |c: &HvpCgConfig| -> Result<(), EstimatorError> {
+            if c.cg_steps == 0 {
+                return bad("cg_steps", "0".into(), "K ≥ 1");
+            }
+            positive("lambda0", c.lambda0)?;
+            positive("lambda_min", c.lambda_min)?;
+            positive("lr", c.lr)?;
+            if c.schedule != DampingSchedule::Constant && setup.planned_steps.unwrap_or(0) == 0 {
+                return bad("planned_steps", format!("{:?}", setup.planned_steps), "T ≥ 1 for a linear or log damping schedule");
+            }
+            Ok(())
+        };
+        match self {
+            EstimatorConfig::OmdExact(c) => {
+                positive("eta", c.eta)?;
+                positive("lambda", c.lambda)?;
+                if let Some(r) = c.radius {
+                    positive("radius", r)?;
+                }
+                Ok(())
+            }
+            EstimatorConfig::OmdHvpCg(c) => cg(c),
+            EstimatorConfig::OmdHvpCgAdam { cg: c, adam: a } => {
+                cg(c)?;
+                adam(a)
+            }
+            EstimatorConfig::OmdReference(c) => {
+                positive("lr", c.lr)?;
+                if !(c.lambda0 > 0.0 && c.lambda0 <= 1.0) {
+                    return bad("lambda0", c.lambda0.to_string(), "a number in (0, 1]");
+                }
+                if c.cg_steps == 0 {
+                    return bad("cg_steps", "0".into(), "K ≥ 1");
+                }
+                positive("growth", c.growth)?;
+                if c.growth <= 1.0 && setup.planned_steps.unwrap_or(0) == 0 {
+                    return bad("planned_steps", format!("{:?}", setup.planned_steps), "T ≥ 1 when growth ≤ 1 (c_t uses t/T then)");
+                }
+                if let Some(a) = &c.adam {
+                    adam(a)?;
+                }
+                Ok(())
+            }
+            EstimatorConfig::Sgd(s) => sgd(s),
+            EstimatorConfig::SgdReplay(r) => {
+                sgd(&r.sgd)?;
+                if r.every == 0 {
+                    return bad("every", "0".into(), "R ≥ 1");
+                }
+                Ok(())
+            }
+            EstimatorConfig::Adam(a) | EstimatorConfig::AdamReference(a) => adam(a),
+            EstimatorConfig::Mle(m) => {
+                if !(m.ridge.is_finite() && m.ridge >= 0.0) {
+                    return bad("ridge", m.ridge.to_string(), "a finite number ≥ 0");
+                }
+                if m.refit_every == 0 {
+                    return bad("refit_every", "0".into(), "≥ 1");
+                }
+                if m.max_iters == 0 {
+                    return bad("max_iters", "0".into(), "≥ 1");
+                }
+                if m.lbfgs_memory == 0 {
+                    return bad("lbfgs_memory", "0".into(), "≥ 1");
+                }
+                Ok(())
+            }
+        }
+    }
+}
