@@ -153,7 +153,8 @@ pub struct OmdReferenceConfig {
     pub cg_steps: usize,
     /// Round θ to bf16 after every update (the authors updated bf16 weights in place).
     pub bf16_weights: bool,
-    /// `--use_momentum`: run the authors' Adam (§2.4) on the mixed direction ("hvp-adam").
+    /// `--use_momentum`: run the authors' Adam (§2.4) on the mixed direction ("hvp-adam"),
+    /// with this config's `lr` (the `lr` above is then unused).
     pub adam: Option<AdamConfig>,
 }
 

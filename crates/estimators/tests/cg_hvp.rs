@@ -1,0 +1,174 @@
+//! CG against the dense Krylov-subspace optimum, the closed-form HVP against central
+//! differences of the gradient, and omd-hvp-cg against a dense solve when K ≥ d.
+mod common;
+use common::*;
+use estimators::cg::{self, Beta, CgOptions, CgScratch};
+use estimators::linalg::hvp_f32;
+use estimators::{Estimator, EstimatorConfig, FirstOrder, HvpCgConfig, DampingSchedule};
+use nalgebra::{DMatrix, DVector};
+
+/// A = Q diag(1..κ) Qᵀ, SPD, spread-out spectrum.
+fn spd(d: usize, kappa: f64) -> DMatrix<f64> {
+    let s = stream(11, d, d, 1.0, 1.0);
+    let m = DMatrix::from_row_slice(d, d, &s.z.iter().map(|&v| f64::from(v)).collect::<Vec<_>>());
+    let q = m.qr().q();
+    let diag = DMatrix::from_diagonal(&DVector::from_iterator(d, (0..d).map(|i| 1.0 + (kappa - 1.0) * i as f64 / (d - 1) as f64)));
+    &q * diag * q.transpose()
+}
+
+/// argmin_{x ∈ span{b, Ab, …, A^{k−1}b}} ½xᵀAx − bᵀx, densely.
+fn krylov_optimum(a: &DMatrix<f64>, b: &DVector<f64>, k: usize) -> DVector<f64> {
+    let d = b.len();
+    let mut basis: Vec<DVector<f64>> = Vec::new();
+    let mut v = b.clone();
+    for _ in 0..k {
+        let mut w = v.clone();
+        for q in &basis {
+            w -= q * q.dot(&w);
+        }
+        for q in &basis {
+            w -= q * q.dot(&w); // re-orthogonalise
+        }
+        basis.push(w.normalize());
+        v = a * &v;
+    }
+    let q = DMatrix::from_columns(&basis);
+    let _ = d;
+    let small = q.transpose() * a * &q;
+    let y = small.lu().solve(&(q.transpose() * b)).unwrap();
+    q * y
+}
+
+fn run_cg(a: &DMatrix<f64>, b: &DVector<f64>, k: usize, beta: Beta) -> DVector<f64> {
+    let d = b.len();
+    let a32: Vec<f32> = a.transpose().iter().map(|&v| v as f32).collect(); // row-major
+    let b32: Vec<f32> = b.iter().map(|&v| v as f32).collect();
+    let mut x = vec![0f32; d];
+    let opts = CgOptions { steps: k, beta, alpha_eps: 0.0, tol_sq: 0.0 };
+    cg::solve(
+        |p, out| {
+            for i in 0..d {
+                out[i] = (0..d).map(|j| a32[i * d + j] * p[j]).sum();
+            }
+        },
+        &b32,
+        &opts,
+        &mut x,
+        &mut CgScratch::new(d),
+    );
+    DVector::from_iterator(d, x.iter().map(|&v| f64::from(v)))
+}
+
+#[test]
+fn cg_after_k_steps_is_the_krylov_optimum() {
+    let d = 12;
+    let a = spd(d, 50.0);
+    let b = DVector::from_iterator(d, (0..d).map(|i| ((i as f64) * 0.7).sin() + 0.3));
+    for k in 1..=4 {
+        let want = krylov_optimum(&a, &b, k);
+        let got = run_cg(&a, &b, k, Beta::FletcherReeves);
+        let err = (&got - &want).norm() / want.norm();
+        assert!(err < 2e-5, "K={k}: relative error {err:e}");
+    }
+}
+
+#[test]
+fn beta_one_is_not_the_krylov_optimum() {
+    // negative control: the authors' β ≡ 1 leaves the Krylov optimum from K = 2 on
+    let d = 12;
+    let a = spd(d, 50.0);
+    let b = DVector::from_iterator(d, (0..d).map(|i| ((i as f64) * 0.7).sin() + 0.3));
+    assert!((run_cg(&a, &b, 1, Beta::One) - krylov_optimum(&a, &b, 1)).norm() < 1e-5 * b.norm());
+    for k in 2..=3 {
+        let want = krylov_optimum(&a, &b, k);
+        let err = (run_cg(&a, &b, k, Beta::One) - &want).norm() / want.norm();
+        assert!(err > 1e-2, "K={k}: β ≡ 1 should miss the optimum, error {err:e}");
+    }
+}
+
+fn grad64(z: &[f32], y: &[f32], d: usize, theta: &[f64]) -> Vec<f64> {
+    let n = y.len() as f64;
+    let mut g = vec![0.0; d];
+    for (row, &yi) in z.chunks_exact(d).zip(y) {
+        let r: Vec<f64> = row.iter().map(|&v| f64::from(v)).collect();
+        let c = (sigmoid(dot(&r, theta)) - f64::from(yi)) / n;
+        for j in 0..d {
+            g[j] += c * r[j];
+        }
+    }
+    g
+}
+
+#[test]
+fn closed_form_hvp_equals_central_differences() {
+    let (b, d) = (5, 10);
+    let s = stream(5, b, d, 3.0, 2.0);
+    let theta: Vec<f64> = (0..d).map(|i| ((i as f64) * 0.37).cos()).collect();
+    let p: Vec<f64> = (0..d).map(|i| ((i as f64) * 1.1).sin()).collect();
+    let w: Vec<f32> = s
+        .z
+        .chunks_exact(d)
+        .map(|row| {
+            let m: f64 = row.iter().zip(&theta).map(|(&a, b)| f64::from(a) * b).sum();
+            (sigmoid(m) * (1.0 - sigmoid(m)) / b as f64) as f32
+        })
+        .collect();
+    let p32: Vec<f32> = p.iter().map(|&v| v as f32).collect();
+    let mut hv = vec![0f32; d];
+    hvp_f32(&s.z, &w, &p32, &mut hv);
+    let h = 1e-5;
+    let plus: Vec<f64> = theta.iter().zip(&p).map(|(t, q)| t + h * q).collect();
+    let minus: Vec<f64> = theta.iter().zip(&p).map(|(t, q)| t - h * q).collect();
+    let (gp, gm) = (grad64(&s.z, &s.y, d, &plus), grad64(&s.z, &s.y, d, &minus));
+    for j in 0..d {
+        let fd = (gp[j] - gm[j]) / (2.0 * h);
+        assert!((fd - f64::from(hv[j])).abs() < 1e-5 * (1.0 + fd.abs()), "coord {j}: fd {fd} vs hvp {}", hv[j]);
+    }
+}
+
+#[test]
+fn omd_hvp_cg_with_k_ge_d_is_a_damped_newton_step() {
+    let (b, d) = (6, 5);
+    let s = stream(6, 60, d, 2.0, 2.0);
+    let cfg = HvpCgConfig { cg_steps: 30, lambda0: 0.8, schedule: DampingSchedule::Linear, lambda_min: 1e-6, lr: 0.5 };
+    let big_t = 10u64;
+    let theta0: Vec<f64> = (0..d).map(|i| 0.1 * i as f64).collect();
+    let mut est = FirstOrder::new(&EstimatorConfig::OmdHvpCg(cfg), theta0, Some(big_t)).unwrap();
+    for step in 0..10 {
+        let th: Vec<f64> = est.theta();
+        let batch = s.batch(step, b);
+        let rep = est.update(&batch).unwrap();
+        let t = (step + 1) as f64;
+        let lam = (0.8 * (t / big_t as f64).min(1.0)).max(1e-6);
+        assert!((rep.damping - lam).abs() < 1e-12);
+        // dense (H_B + λ_t I) v = g
+        let mut hm = DMatrix::<f64>::identity(d, d) * lam;
+        let g = DVector::from_vec(grad64(batch.z(), batch.y(), d, &th));
+        for row in batch.rows() {
+            let r = DVector::from_iterator(d, row.iter().map(|&v| f64::from(v)));
+            let sp = sigmoid(r.dot(&DVector::from_vec(th.clone())));
+            hm += (&r * r.transpose()) * (sp * (1.0 - sp) / b as f64);
+        }
+        let v = hm.lu().solve(&g).unwrap();
+        let want: Vec<f64> = th.iter().zip(v.iter()).map(|(t, vi)| t - 0.5 * vi).collect();
+        assert!(max_abs_diff(&est.theta(), &want) < 2e-5, "step {step}");
+    }
+}
+
+#[test]
+fn damping_schedules() {
+    let s = stream(7, 8, 4, 1.0, 1.0);
+    for (sched, f) in [
+        (DampingSchedule::Linear, Box::new(|u: f64| u) as Box<dyn Fn(f64) -> f64>),
+        (DampingSchedule::Log, Box::new(|u: f64| (1.0 + (std::f64::consts::E - 1.0) * u).ln())),
+        (DampingSchedule::Constant, Box::new(|_| 1.0)),
+    ] {
+        let cfg = HvpCgConfig { schedule: sched, ..Default::default() };
+        let mut est = FirstOrder::new(&EstimatorConfig::OmdHvpCg(cfg), vec![0.0; 4], Some(4)).unwrap();
+        for t in 1..=8u64 {
+            let rep = est.update(&s.batch(t as usize - 1, 1)).unwrap();
+            let want = (0.8 * f((t as f64 / 4.0).min(1.0))).max(1e-6);
+            assert!((rep.damping - want).abs() < 1e-12, "{sched:?} t={t}");
+        }
+    }
+}

@@ -1,0 +1,64 @@
+//! Cost counters and held memory: constant per step for every omd-* and sgd, growing with t
+//! for mle (asserted on the deterministic counters, never on time).
+mod common;
+use common::*;
+use estimators::*;
+
+fn per_step(kind: Kind, cfg: EstimatorConfig, steps: usize, b: usize, d: usize) -> (Vec<Counters>, Vec<usize>) {
+    let s = stream(51, steps * b, d, 2.0, 2.0);
+    let setup = Setup { dim: d, init: Init::Zero, seed: 0, planned_steps: Some(steps as u64) };
+    let mut e = build(&cfg, &setup).unwrap();
+    assert_eq!(e.kind(), kind);
+    let (mut costs, mut bytes) = (Vec::new(), Vec::new());
+    let mut total = Counters::default();
+    for t in 0..steps {
+        let rep = e.update(&s.batch(t, b)).unwrap();
+        total.add(&rep.cost);
+        costs.push(rep.cost);
+        bytes.push(e.state_bytes());
+    }
+    assert_eq!(total, e.counters(), "{kind}: per-step costs add up to the cumulative counters");
+    (costs, bytes)
+}
+
+#[test]
+fn one_pass_estimators_cost_o1_per_step_and_hold_constant_memory() {
+    let (steps, b, d) = (150, 4, 10);
+    for kind in [Kind::OmdExact, Kind::OmdHvpCg, Kind::OmdReference, Kind::Sgd, Kind::Adam, Kind::AdamReference, Kind::OmdHvpCgAdam] {
+        let (costs, bytes) = per_step(kind, EstimatorConfig::default_for(kind), steps, b, d);
+        let max = costs.iter().map(|c| c.flops).max().unwrap();
+        let first = costs[0];
+        assert!(max <= first.flops, "{kind}: per-step flops grew from {} to {max}", first.flops);
+        assert!(costs.iter().all(|c| c.grad_evals == b as u64), "{kind}: one gradient per sample");
+        assert!(costs.iter().all(|c| c.hvp_evals <= 3 * b as u64), "{kind}: at most K = 3 batch HVPs");
+        assert!(first.flops > 0);
+        assert_eq!(bytes[1], *bytes.last().unwrap(), "{kind}: held memory must not grow with t");
+    }
+}
+
+#[test]
+fn mle_cost_grows_with_the_history() {
+    let (steps, b, d) = (40, 5, 6);
+    for solver in [MleSolver::Newton, MleSolver::Lbfgs] {
+        let cfg = EstimatorConfig::Mle(MleConfig { solver, ..Default::default() });
+        let (costs, bytes) = per_step(Kind::Mle, cfg, steps, b, d);
+        for (t, c) in costs.iter().enumerate() {
+            let n = ((t + 1) * b) as u64;
+            // the prequential batch gradient, then whole passes over the n stored samples
+            let passes = c.grad_evals - b as u64;
+            assert!(passes >= n && passes % n == 0, "{solver:?} step {}: {} evaluations for n = {n}", t + 1, c.grad_evals);
+        }
+        assert!(costs[steps - 1].grad_evals >= 8 * costs[4].grad_evals / 2, "{solver:?}: cost must scale with t");
+        assert!(bytes[steps - 1] > bytes[0] * 10, "{solver:?}: the history is held");
+    }
+}
+
+#[test]
+fn sgd_replay_cost_grows_at_replay_steps() {
+    let cfg = EstimatorConfig::SgdReplay(ReplayConfig { every: 10, ..Default::default() });
+    let (costs, bytes) = per_step(Kind::SgdReplay, cfg, 40, 2, 4);
+    assert_eq!(costs[9].grad_evals, 2 + 20);
+    assert_eq!(costs[39].grad_evals, 2 + 80);
+    assert_eq!(costs[10].grad_evals, 2);
+    assert!(bytes[39] > bytes[0]);
+}
