@@ -1,7 +1,13 @@
 //! Truncated conjugate gradient for A v = b with A symmetric positive definite, given only
 //! products A·p: the inner solver of paper Alg. 5 and of the authors' coded update.
+//!
+//! For A = H_B + λI = ZᵀWZ + λI and b = g = Zᵀc, every CG vector stays of the form Zᵀβ
+//! (Ap = Zᵀ(WGβ + λβ) with G = ZZᵀ, and uᵀv = aᵀGb), so [`solve_row_space`] runs the same
+//! iteration on B-dimensional coefficients: one pass over Z to form G instead of two per
+//! HVP. In exact arithmetic its iterates are those of [`solve`]; the tests check both
+//! against the dense Krylov optimum.
 
-use crate::linalg::{axpy_f32, dot_f32};
+use crate::linalg::{axpy_f32, cg_step_f32, dot_f32};
 
 /// How p_{k+1} = r_{k+1} + β p_k picks β.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -56,12 +62,11 @@ pub fn solve(mut apply: impl FnMut(&[f32], &mut [f32]), b: &[f32], opts: &CgOpti
         apply(&s.p, &mut s.ap);
         products += 1;
         let alpha = rr / (dot_f32(&s.p, &s.ap) + opts.alpha_eps);
-        axpy_f32(alpha, &s.p, x);
         if k + 1 == opts.steps {
+            axpy_f32(alpha, &s.p, x);
             break;
         }
-        axpy_f32(-alpha, &s.ap, &mut s.r);
-        let rr_new = dot_f32(&s.r, &s.r);
+        let rr_new = cg_step_f32(alpha, &s.p, &s.ap, x, &mut s.r);
         if rr_new < opts.tol_sq {
             break;
         }
@@ -75,4 +80,59 @@ pub fn solve(mut apply: impl FnMut(&[f32], &mut [f32]), b: &[f32], opts: &CgOpti
         rr = rr_new;
     }
     products
+}
+
+/// CG for (ZᵀWZ + λI) v = Zᵀc in coefficient space: given G = ZZᵀ (row-major B×B), the
+/// weights w and c, writes β with v_K = Zᵀβ into `x` and returns the iterations taken.
+pub fn solve_row_space(gram: &[f64], w: &[f64], lambda: f64, c: &[f64], opts: &CgOptions, x: &mut [f64]) -> u32 {
+    let n = c.len();
+    assert!(gram.len() == n * n && w.len() == n && x.len() == n);
+    let gmul = |v: &[f64], out: &mut [f64]| {
+        for i in 0..n {
+            out[i] = (0..n).map(|j| gram[i * n + j] * v[j]).sum();
+        }
+    };
+    let inner = |a: &[f64], gb: &[f64]| -> f64 { a.iter().zip(gb).map(|(x, y)| x * y).sum() };
+    let (mut r, mut p) = (c.to_vec(), c.to_vec());
+    let (mut gr, mut gp, mut ap, mut gap) = (vec![0.0; n], vec![0.0; n], vec![0.0; n], vec![0.0; n]);
+    x.fill(0.0);
+    gmul(&r, &mut gr);
+    let mut rr = inner(&r, &gr);
+    if rr <= 0.0 {
+        return 0;
+    }
+    let mut iters = 0;
+    for k in 0..opts.steps {
+        // Ap = W G p + λ p, and pᵀAp = pᵀG(Ap)
+        gmul(&p, &mut gp);
+        for i in 0..n {
+            ap[i] = w[i] * gp[i] + lambda * p[i];
+        }
+        gmul(&ap, &mut gap);
+        iters += 1;
+        let alpha = rr / (inner(&p, &gap) + f64::from(opts.alpha_eps));
+        for i in 0..n {
+            x[i] += alpha * p[i];
+        }
+        if k + 1 == opts.steps {
+            break;
+        }
+        for i in 0..n {
+            r[i] -= alpha * ap[i];
+        }
+        gmul(&r, &mut gr);
+        let rr_new = inner(&r, &gr);
+        if rr_new < f64::from(opts.tol_sq) {
+            break;
+        }
+        let beta = match opts.beta {
+            Beta::FletcherReeves => rr_new / rr,
+            Beta::One => 1.0,
+        };
+        for i in 0..n {
+            p[i] = r[i] + beta * p[i];
+        }
+        rr = rr_new;
+    }
+    iters
 }

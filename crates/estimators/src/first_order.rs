@@ -4,7 +4,7 @@
 
 use crate::cg::{self, Beta, CgOptions, CgScratch};
 use crate::config::*;
-use crate::linalg::{axpy_f32, dot_f32, hvp_f32, norm_f32};
+use crate::linalg::{axpy_f32, damped_hvp_f32, gemv_f32, gemv_t_f32, gram_f32, norm_f32, step_geometry};
 use crate::logistic::BatchStats;
 use crate::{Batch, Counters, Estimator, EstimatorError, StepReport};
 
@@ -45,6 +45,12 @@ pub struct FirstOrder {
     coef: Vec<f64>,
     curv: Vec<f64>,
     w: Vec<f32>,
+    /// Per-row coefficients (gradient cᵢ/B, HVP scratch).
+    c32: Vec<f32>,
+    gram: Vec<f64>,
+    w64: Vec<f64>,
+    c64: Vec<f64>,
+    beta: Vec<f64>,
     g: Vec<f32>,
     dir: Vec<f32>,
     old: Vec<f32>,
@@ -107,6 +113,11 @@ impl FirstOrder {
             coef: Vec::new(),
             curv: Vec::new(),
             w: Vec::new(),
+            c32: Vec::new(),
+            gram: Vec::new(),
+            w64: Vec::new(),
+            c64: Vec::new(),
+            beta: Vec::new(),
             g: vec![0.0; d],
             dir: vec![0.0; d],
             old: vec![0.0; d],
@@ -125,14 +136,15 @@ impl FirstOrder {
         for v in [&mut self.margins, &mut self.coef, &mut self.curv] {
             v.resize(b, 0.0);
         }
-        for (m, row) in self.margins.iter_mut().zip(batch.rows()) {
-            *m = f64::from(dot_f32(row, &self.theta));
+        self.c32.resize(b, 0.0);
+        gemv_f32(batch.z(), &self.theta, &mut self.c32);
+        for (m, &v) in self.margins.iter_mut().zip(&self.c32) {
+            *m = f64::from(v);
         }
         let stats = BatchStats::compute(&self.margins, batch.y(), &mut self.coef, &mut self.curv);
-        self.g.fill(0.0);
-        for (row, &c) in batch.rows().zip(&self.coef) {
-            axpy_f32((c / b as f64) as f32, row, &mut self.g);
-        }
+        self.c32.clear();
+        self.c32.extend(self.coef.iter().map(|&c| (c / b as f64) as f32));
+        gemv_t_f32(batch.z(), &self.c32, &mut self.g);
         stats
     }
 
@@ -227,34 +239,44 @@ impl Estimator for FirstOrder {
         let mut damping = f64::NAN;
         let mut inner_iters = 0;
 
-        // Direction.
-        let cg_solve = |lambda: f32, opts: CgOptions, this: &mut FirstOrder| -> u32 {
-            this.w.clear();
-            this.w.extend(this.curv.iter().map(|&s| (s / b as f64) as f32));
-            let (z, w) = (batch.z(), &this.w);
-            cg::solve(
-                |p, out| {
-                    hvp_f32(z, w, p, out);
-                    axpy_f32(lambda, p, out);
-                },
-                &this.g,
-                &opts,
-                &mut this.dir,
-                &mut this.cg,
-            )
+        // Direction. CG on H_B + λI runs in row space (one pass over Z for G = ZZᵀ) when
+        // that is cheaper than K HVPs (two passes each): B(B+1)/2 ≤ 4K·B/2.
+        let cg_solve = |lambda: f32, opts: CgOptions, this: &mut FirstOrder, cost: &mut Counters| -> u32 {
+            if b + 1 <= 4 * opts.steps {
+                this.gram.resize(b * b, 0.0);
+                gram_f32(batch.z(), d, &mut this.gram);
+                this.w64.clear();
+                this.w64.extend(this.curv.iter().map(|&s| s / b as f64));
+                this.c64.clear();
+                this.c64.extend(this.coef.iter().map(|&c| c / b as f64));
+                this.beta.resize(b, 0.0);
+                let it = cg::solve_row_space(&this.gram, &this.w64, f64::from(lambda), &this.c64, &opts, &mut this.beta);
+                this.c32.clear();
+                this.c32.extend(this.beta.iter().map(|&v| v as f32));
+                gemv_t_f32(batch.z(), &this.c32, &mut this.dir);
+                cost.flops += (b * (b + 1)) as u64 * d64 + 2 * bd + u64::from(it) * 6 * (b * b) as u64;
+                it
+            } else {
+                this.w.clear();
+                this.w.extend(this.curv.iter().map(|&s| (s / b as f64) as f32));
+                let (z, w, sc) = (batch.z(), &this.w, &mut this.c32);
+                let it = cg::solve(|p, out| damped_hvp_f32(z, w, p, lambda, sc, out), &this.g, &opts, &mut this.dir, &mut this.cg);
+                cost.flops += u64::from(it) * (4 * bd + 12 * d64);
+                it
+            }
         };
         match self.direction {
             Direction::Gradient => self.dir.copy_from_slice(&self.g),
             Direction::Paper(c) => {
                 damping = paper_damping(&c, self.steps, self.planned_steps);
                 let opts = CgOptions { steps: c.cg_steps, beta: Beta::FletcherReeves, alpha_eps: 0.0, tol_sq: 1e-10 };
-                inner_iters = cg_solve(damping as f32, opts, self);
+                inner_iters = cg_solve(damping as f32, opts, self, &mut cost);
             }
             Direction::Reference(c) => {
                 damping = reference_gate(&c, self.steps, self.planned_steps);
                 if damping < 1.0 {
                     let opts = CgOptions { steps: c.cg_steps, beta: Beta::One, alpha_eps: 1e-8, tol_sq: 1e-10 };
-                    inner_iters = cg_solve(c.lambda0 as f32, opts, self);
+                    inner_iters = cg_solve(c.lambda0 as f32, opts, self, &mut cost);
                     if c.cg_steps > 1 {
                         let (l0, l1) = (c.lambda0 as f32, (1.0 - c.lambda0) as f32);
                         for (di, gi) in self.dir.iter_mut().zip(&self.g) {
@@ -267,14 +289,15 @@ impl Estimator for FirstOrder {
             }
         }
         cost.hvp_evals = u64::from(inner_iters) * b as u64;
-        cost.flops += u64::from(inner_iters) * (4 * bd + 12 * d64);
 
         // Optimizer.
         self.old.copy_from_slice(&self.theta);
         let mut clip = 1.0;
         match &mut self.opt {
             Optimizer::Sgd { lr, clip: threshold } => {
-                clip = clip_factor(norm_f32(&self.dir), *threshold);
+                if threshold.is_some() {
+                    clip = clip_factor(norm_f32(&self.dir), *threshold);
+                }
                 axpy_f32(-*lr * clip as f32, &self.dir, &mut self.theta);
                 cost.flops += 4 * d64;
             }
@@ -288,16 +311,13 @@ impl Estimator for FirstOrder {
                 let bc1 = (1.0 - cfg.beta1.powi(expo)) as f32;
                 let bc2 = (1.0 - cfg.beta2.powi(expo)) as f32;
                 let (lr, eps) = (cfg.lr as f32, cfg.eps as f32);
-                for i in 0..d {
-                    let u = self.dir[i];
-                    if first_buggy {
-                        m[i] = b1 * u;
-                        v[i] = b2 * u * u;
-                    } else {
-                        m[i] = b1 * m[i] + (1.0 - b1) * u;
-                        v[i] = b2 * v[i] + (1.0 - b2) * u * u;
-                    }
-                    self.theta[i] -= lr * (m[i] / bc1) / ((v[i] / bc2).sqrt() + eps);
+                // the authors' first step: m = β1·u, v = β2·u² (their m, v start as if "1")
+                let (a1, a2) = if first_buggy { (b1, b2) } else { (1.0 - b1, 1.0 - b2) };
+                let (k1, k2) = if first_buggy { (0.0, 0.0) } else { (b1, b2) };
+                for (((th, mi), vi), &u) in self.theta.iter_mut().zip(m.iter_mut()).zip(v.iter_mut()).zip(&self.dir) {
+                    *mi = k1 * *mi + a1 * u;
+                    *vi = k2 * *vi + a2 * u * u;
+                    *th -= lr * (*mi / bc1) / ((*vi / bc2).sqrt() + eps);
                 }
                 cost.flops += 12 * d64;
             }
@@ -307,12 +327,7 @@ impl Estimator for FirstOrder {
         }
 
         // Step geometry, against the gradient at θ_t.
-        let (mut ss, mut sg) = (0.0f64, 0.0f64);
-        for i in 0..d {
-            let s = f64::from(self.old[i]) - f64::from(self.theta[i]);
-            ss += s * s;
-            sg += s * f64::from(self.g[i]);
-        }
+        let (ss, sg) = step_geometry(&self.old, &self.theta, &self.g, &mut self.dir);
         let step_norm = ss.sqrt();
         if !step_norm.is_finite() {
             return Err(EstimatorError::NonFinite { kind: self.kind.as_str(), step: self.steps });

@@ -214,6 +214,33 @@ impl Mle {
         }
     }
 
+    /// Re-fits on the stored history now, warm-started from the current θ; returns the solver
+    /// iterations and whether ‖∇F_t‖ ≤ 1/t was reached. `update` calls this every
+    /// `refit_every` steps; benchmarks call it directly.
+    pub fn refit_now(&mut self) -> (u32, bool) {
+        let mut cost = Counters::default();
+        let fit = self.refit_into(&mut cost);
+        self.counters.add(&cost);
+        (fit.iterations, fit.converged)
+    }
+
+    fn refit_into(&mut self, cost: &mut Counters) -> Fit {
+        let d = self.theta.len();
+        let n = self.y.len();
+        if n == 0 {
+            return Fit { iterations: 0, converged: true, extra_flops: 0 };
+        }
+        let tol = 1.0 / n as f64;
+        let mut obj = Objective { z: &self.z, y: &self.y, d, reg: self.cfg.ridge * n as f64, evals: 0 };
+        let fit = match self.cfg.solver {
+            MleSolver::Newton => newton(&mut obj, &mut self.theta, tol, self.cfg.max_iters),
+            MleSolver::Lbfgs => lbfgs(&mut obj, &mut self.theta, tol, self.cfg.max_iters, self.cfg.lbfgs_memory),
+        };
+        cost.grad_evals += obj.evals;
+        cost.flops += 4 * obj.evals * d as u64 + fit.extra_flops;
+        fit
+    }
+
     /// Samples stored so far.
     pub fn history_len(&self) -> usize {
         self.y.len()
@@ -275,16 +302,8 @@ impl Estimator for Mle {
         let mut cost = Counters { grad_evals: b as u64, hvp_evals: 0, flops: 4 * (b * d) as u64 };
         let (mut step_norm, mut cos, mut iters, mut converged) = (0.0, 0.0, 0, true);
         if self.steps % self.cfg.refit_every == 0 {
-            let n = self.y.len();
-            let tol = 1.0 / n as f64;
-            let mut obj = Objective { z: &self.z, y: &self.y, d, reg: self.cfg.ridge * n as f64, evals: 0 };
             let old = self.theta.clone();
-            let fit = match self.cfg.solver {
-                MleSolver::Newton => newton(&mut obj, &mut self.theta, tol, self.cfg.max_iters),
-                MleSolver::Lbfgs => lbfgs(&mut obj, &mut self.theta, tol, self.cfg.max_iters, self.cfg.lbfgs_memory),
-            };
-            cost.grad_evals += obj.evals;
-            cost.flops += 4 * obj.evals * d as u64 + fit.extra_flops;
+            let fit = self.refit_into(&mut cost);
             let (mut ss, mut sg) = (0.0, 0.0);
             for i in 0..d {
                 let s = old[i] - self.theta[i];

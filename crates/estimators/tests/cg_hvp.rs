@@ -115,7 +115,7 @@ fn closed_form_hvp_equals_central_differences() {
         .collect();
     let p32: Vec<f32> = p.iter().map(|&v| v as f32).collect();
     let mut hv = vec![0f32; d];
-    hvp_f32(&s.z, &w, &p32, &mut hv);
+    hvp_f32(&s.z, &w, &p32, &mut vec![0.0; b], &mut hv);
     let h = 1e-5;
     let plus: Vec<f64> = theta.iter().zip(&p).map(|(t, q)| t + h * q).collect();
     let minus: Vec<f64> = theta.iter().zip(&p).map(|(t, q)| t - h * q).collect();
@@ -169,6 +169,45 @@ fn damping_schedules() {
             let rep = est.update(&s.batch(t as usize - 1, 1)).unwrap();
             let want = (0.8 * f((t as f64 / 4.0).min(1.0))).max(1e-6);
             assert!((rep.damping - want).abs() < 1e-12, "{sched:?} t={t}");
+        }
+    }
+}
+
+#[test]
+fn row_space_cg_equals_direct_cg_and_the_krylov_optimum() {
+    let (b, d) = (8, 40);
+    let s = stream(8, b, d, 3.0, 2.0);
+    let theta: Vec<f64> = (0..d).map(|i| ((i as f64) * 0.21).sin() * 0.5).collect();
+    let (mut w, mut c) = (vec![0.0; b], vec![0.0; b]);
+    for i in 0..b {
+        let m = dot(&s.row64(i), &theta);
+        w[i] = sigmoid(m) * (1.0 - sigmoid(m)) / b as f64;
+        c[i] = (sigmoid(m) - f64::from(s.y[i])) / b as f64;
+    }
+    let lambda = 0.05;
+    // dense A and g in f64
+    let zm = DMatrix::from_row_slice(b, d, &s.z.iter().map(|&v| f64::from(v)).collect::<Vec<_>>());
+    let a = zm.transpose() * DMatrix::from_diagonal(&DVector::from_vec(w.clone())) * &zm + DMatrix::<f64>::identity(d, d) * lambda;
+    let g = zm.transpose() * DVector::from_vec(c.clone());
+    let mut gram = vec![0.0; b * b];
+    estimators::linalg::gram_f32(&s.z, d, &mut gram);
+    let w32: Vec<f32> = w.iter().map(|&v| v as f32).collect();
+    let g32: Vec<f32> = g.iter().map(|&v| v as f32).collect();
+    for (beta_rule, k) in [(Beta::FletcherReeves, 1), (Beta::FletcherReeves, 2), (Beta::FletcherReeves, 3), (Beta::FletcherReeves, 5), (Beta::One, 3)] {
+        let opts = CgOptions { steps: k, beta: beta_rule, alpha_eps: 0.0, tol_sq: 0.0 };
+        let mut coef = vec![0.0; b];
+        cg::solve_row_space(&gram, &w, lambda, &c, &opts, &mut coef);
+        let row = zm.transpose() * DVector::from_vec(coef);
+        let mut x = vec![0f32; d];
+        let mut sc = vec![0f32; b];
+        cg::solve(|p, out| estimators::linalg::damped_hvp_f32(&s.z, &w32, p, lambda as f32, &mut sc, out), &g32, &opts, &mut x, &mut CgScratch::new(d));
+        let direct = DVector::from_iterator(d, x.iter().map(|&v| f64::from(v)));
+        let err = (&row - &direct).norm() / row.norm();
+        assert!(err < 1e-4, "{beta_rule:?} K={k}: row space vs direct {err:e}");
+        if beta_rule == Beta::FletcherReeves {
+            let opt = krylov_optimum(&a, &g, k);
+            let err = (&row - &opt).norm() / opt.norm();
+            assert!(err < 1e-6, "K={k}: row space vs Krylov optimum {err:e}");
         }
     }
 }
