@@ -20,7 +20,9 @@ const B: usize = 8;
 
 fn env_list(name: &str, default: &[usize]) -> Vec<usize> {
     match std::env::var(name) {
-        Ok(v) => v.split(',').map(|s| s.trim().parse().unwrap_or_else(|_| panic!("{name}: `{s}` is not a count"))).collect(),
+        Ok(v) => {
+            v.split(',').map(|s| s.trim().parse().unwrap_or_else(|_| panic!("{name}: `{s}` is not a count"))).collect()
+        }
         Err(_) => default.to_vec(),
     }
 }
@@ -47,7 +49,9 @@ fn setup(d: usize, planned: u64) -> Setup {
 /// d = 4096: every step reads a batch that is not in cache, as a long run does).
 fn time_updates(est: &mut dyn Estimator, pool: &(Vec<f32>, Vec<f32>), d: usize, steps: usize, reps: usize) -> f64 {
     let nb = pool.1.len() / B;
-    let batch = |i: usize| Batch::new(&pool.0[(i % nb) * B * d..(i % nb + 1) * B * d], &pool.1[(i % nb) * B..(i % nb + 1) * B], d).unwrap();
+    let batch = |i: usize| {
+        Batch::new(&pool.0[(i % nb) * B * d..(i % nb + 1) * B * d], &pool.1[(i % nb) * B..(i % nb + 1) * B], d).unwrap()
+    };
     for i in 0..steps.min(50) {
         black_box(est.update(&batch(i)).unwrap());
     }
@@ -80,7 +84,11 @@ fn copy_bandwidth() -> f64 {
 
 fn vm_hwm_kib() -> u64 {
     let status = std::fs::read_to_string("/proc/self/status").unwrap_or_default();
-    status.lines().find_map(|l| l.strip_prefix("VmHWM:")).and_then(|v| v.split_whitespace().next()?.parse().ok()).unwrap_or(0)
+    status
+        .lines()
+        .find_map(|l| l.strip_prefix("VmHWM:"))
+        .and_then(|v| v.split_whitespace().next()?.parse().ok())
+        .unwrap_or(0)
 }
 
 fn rss_config(kind: Kind) -> EstimatorConfig {
@@ -148,7 +156,17 @@ fn main() {
         let nb = pool.1.len() / B;
         let t0 = Instant::now();
         for i in 0..99 {
-            black_box(e.update(&Batch::new(&pool.0[(i % nb) * B * d..(i % nb + 1) * B * d], &pool.1[(i % nb) * B..(i % nb + 1) * B], d).unwrap()).unwrap());
+            black_box(
+                e.update(
+                    &Batch::new(
+                        &pool.0[(i % nb) * B * d..(i % nb + 1) * B * d],
+                        &pool.1[(i % nb) * B..(i % nb + 1) * B],
+                        d,
+                    )
+                    .unwrap(),
+                )
+                .unwrap(),
+            );
         }
         println!("| omd-reference (CG phase, steps 1–99) | {:.2} | | | |", t0.elapsed().as_secs_f64() * 1e6 / 99.0);
     }
@@ -165,7 +183,12 @@ fn main() {
         if ratio <= 1.5 { "met" } else { "MISSED" }
     );
     let sgd = per_step[&Kind::Sgd];
-    println!("\nratios to sgd per step: omd-hvp-cg {:.2}x, adam {:.2}x, omd-exact {:.0}x", per_step[&Kind::OmdHvpCg] / sgd, per_step[&Kind::Adam] / sgd, us / sgd);
+    println!(
+        "\nratios to sgd per step: omd-hvp-cg {:.2}x, adam {:.2}x, omd-exact {:.0}x",
+        per_step[&Kind::OmdHvpCg] / sgd,
+        per_step[&Kind::Adam] / sgd,
+        us / sgd
+    );
 
     println!("\n| mle history t | refit ms (warm, L-BFGS) | iterations | µs / sample, refit_every = 1 | µs / sample, refit_every = 200 |\n|---|---|---|---|---|");
     for t in env_list("ONEPASS_BENCH_MLE_T", &[1000, 5000, 20000]) {
@@ -202,7 +225,10 @@ fn main() {
     for kind in Kind::ALL {
         print!("| {kind} |");
         for &t in &ts {
-            let out = std::process::Command::new(&exe).env("ONEPASS_BENCH_RSS_CHILD", format!("{kind}:{t}")).output().unwrap();
+            let out = std::process::Command::new(&exe)
+                .env("ONEPASS_BENCH_RSS_CHILD", format!("{kind}:{t}"))
+                .output()
+                .unwrap();
             let kib: f64 = String::from_utf8_lossy(&out.stdout).trim().parse().unwrap_or(f64::NAN);
             print!(" {:.1} |", kib / 1024.0);
         }

@@ -45,7 +45,13 @@ impl CgScratch {
 }
 
 /// Runs CG from v₀ = 0 and writes v_K into `x`; returns the number of products A·p taken.
-pub fn solve(mut apply: impl FnMut(&[f32], &mut [f32]), b: &[f32], opts: &CgOptions, x: &mut [f32], s: &mut CgScratch) -> u32 {
+pub fn solve(
+    mut apply: impl FnMut(&[f32], &mut [f32]),
+    b: &[f32],
+    opts: &CgOptions,
+    x: &mut [f32],
+    s: &mut CgScratch,
+) -> u32 {
     let d = b.len();
     if s.r.len() != d {
         *s = CgScratch::new(d);

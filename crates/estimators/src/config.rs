@@ -348,7 +348,11 @@ impl EstimatorConfig {
             positive("lambda_min", c.lambda_min)?;
             positive("lr", c.lr)?;
             if c.schedule != DampingSchedule::Constant && setup.planned_steps.unwrap_or(0) == 0 {
-                return bad("planned_steps", format!("{:?}", setup.planned_steps), "T ≥ 1 for a linear or log damping schedule");
+                return bad(
+                    "planned_steps",
+                    format!("{:?}", setup.planned_steps),
+                    "T ≥ 1 for a linear or log damping schedule",
+                );
             }
             Ok(())
         };
@@ -376,7 +380,11 @@ impl EstimatorConfig {
                 }
                 positive("growth", c.growth)?;
                 if c.growth <= 1.0 && setup.planned_steps.unwrap_or(0) == 0 {
-                    return bad("planned_steps", format!("{:?}", setup.planned_steps), "T ≥ 1 when growth ≤ 1 (c_t uses t/T then)");
+                    return bad(
+                        "planned_steps",
+                        format!("{:?}", setup.planned_steps),
+                        "T ≥ 1 when growth ≤ 1 (c_t uses t/T then)",
+                    );
                 }
                 if let Some(a) = &c.adam {
                     adam(a)?;

@@ -40,7 +40,13 @@ impl Curvature {
             CurvatureKind::Gram { v0 } => v0,
         };
         assert!(base > 0.0 && base.is_finite(), "curvature base must be > 0 (validated by the caller)");
-        Curvature { kind, inv: PackedSym::scaled_identity(dim, 1.0 / base), u: vec![0.0; dim], x: vec![0.0; dim], added: 0 }
+        Curvature {
+            kind,
+            inv: PackedSym::scaled_identity(dim, 1.0 / base),
+            u: vec![0.0; dim],
+            x: vec![0.0; dim],
+            added: 0,
+        }
     }
 
     pub fn kind(&self) -> CurvatureKind {

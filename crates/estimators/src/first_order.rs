@@ -72,7 +72,9 @@ impl FirstOrder {
         let no_clip = |lr: f64| Optimizer::Sgd { lr: lr as f32, clip: None };
         let (direction, opt, replay, bf16) = match cfg {
             EstimatorConfig::OmdHvpCg(c) => (Direction::Paper(*c), no_clip(c.lr), None, false),
-            EstimatorConfig::OmdHvpCgAdam { cg, adam } => (Direction::Paper(*cg), adam_state(*adam, false, d), None, false),
+            EstimatorConfig::OmdHvpCgAdam { cg, adam } => {
+                (Direction::Paper(*cg), adam_state(*adam, false, d), None, false)
+            }
             EstimatorConfig::OmdReference(c) => {
                 let opt = match c.adam {
                     Some(a) => adam_state(a, true, d),
@@ -83,9 +85,12 @@ impl FirstOrder {
             EstimatorConfig::Sgd(s) => (Direction::Gradient, sgd(s), None, false),
             EstimatorConfig::Adam(a) => (Direction::Gradient, adam_state(*a, false, d), None, false),
             EstimatorConfig::AdamReference(a) => (Direction::Gradient, adam_state(*a, true, d), None, false),
-            EstimatorConfig::SgdReplay(r) => {
-                (Direction::Gradient, sgd(&r.sgd), Some(Replay { every: r.every, z: Vec::new(), y: Vec::new(), sizes: Vec::new() }), false)
-            }
+            EstimatorConfig::SgdReplay(r) => (
+                Direction::Gradient,
+                sgd(&r.sgd),
+                Some(Replay { every: r.every, z: Vec::new(), y: Vec::new(), sizes: Vec::new() }),
+                false,
+            ),
             EstimatorConfig::OmdExact(_) | EstimatorConfig::Mle(_) => {
                 return Err(EstimatorError::BadConfig {
                     kind: cfg.kind().as_str(),
@@ -242,7 +247,7 @@ impl Estimator for FirstOrder {
         // Direction. CG on H_B + λI runs in row space (one pass over Z for G = ZZᵀ) when
         // that is cheaper than K HVPs (two passes each): B(B+1)/2 ≤ 4K·B/2.
         let cg_solve = |lambda: f32, opts: CgOptions, this: &mut FirstOrder, cost: &mut Counters| -> u32 {
-            if b + 1 <= 4 * opts.steps {
+            if b < 4 * opts.steps {
                 this.gram.resize(b * b, 0.0);
                 gram_f32(batch.z(), d, &mut this.gram);
                 this.w64.clear();
@@ -250,7 +255,8 @@ impl Estimator for FirstOrder {
                 this.c64.clear();
                 this.c64.extend(this.coef.iter().map(|&c| c / b as f64));
                 this.beta.resize(b, 0.0);
-                let it = cg::solve_row_space(&this.gram, &this.w64, f64::from(lambda), &this.c64, &opts, &mut this.beta);
+                let it =
+                    cg::solve_row_space(&this.gram, &this.w64, f64::from(lambda), &this.c64, &opts, &mut this.beta);
                 this.c32.clear();
                 this.c32.extend(this.beta.iter().map(|&v| v as f32));
                 gemv_t_f32(batch.z(), &this.c32, &mut this.dir);
@@ -260,7 +266,13 @@ impl Estimator for FirstOrder {
                 this.w.clear();
                 this.w.extend(this.curv.iter().map(|&s| (s / b as f64) as f32));
                 let (z, w, sc) = (batch.z(), &this.w, &mut this.c32);
-                let it = cg::solve(|p, out| damped_hvp_f32(z, w, p, lambda, sc, out), &this.g, &opts, &mut this.dir, &mut this.cg);
+                let it = cg::solve(
+                    |p, out| damped_hvp_f32(z, w, p, lambda, sc, out),
+                    &this.g,
+                    &opts,
+                    &mut this.dir,
+                    &mut this.cg,
+                );
                 cost.flops += u64::from(it) * (4 * bd + 12 * d64);
                 it
             }

@@ -22,6 +22,9 @@
 //! fixed-order reductions, so a run is bit-reproducible across CPUs; this crate knows nothing
 //! of files, specs or the command line.
 
+// Numeric kernels index several arrays in lock-step; index loops read better there.
+#![allow(clippy::needless_range_loop)]
+
 pub mod cg;
 mod config;
 pub mod curvature;
@@ -74,7 +77,12 @@ impl<'a> Batch<'a> {
         }
         if z.len() != y.len() * dim {
             return Err(EstimatorError::BadBatch {
-                what: format!("z has {} values for {} labels of dimension {dim}: expected {}", z.len(), y.len(), y.len() * dim),
+                what: format!(
+                    "z has {} values for {} labels of dimension {dim}: expected {}",
+                    z.len(),
+                    y.len(),
+                    y.len() * dim
+                ),
             });
         }
         if let Some((i, v)) = y.iter().enumerate().find(|(_, v)| !(0.0..=1.0).contains(*v)) {
@@ -178,7 +186,9 @@ pub trait Estimator: Send {
 pub enum Init {
     Zero,
     /// `std: None` means 1/(d+1).
-    Normal { std: Option<f64> },
+    Normal {
+        std: Option<f64>,
+    },
 }
 
 impl Init {

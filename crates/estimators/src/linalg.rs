@@ -200,7 +200,8 @@ unsafe fn dot4_avx2(rows: &[f32], stride: usize, p: &[f32]) -> [f32; 4] {
         // SAFETY: j + 16 ≤ n ≤ d, and row r spans [r·stride, r·stride + d) of `rows`.
         let (p0, p1) = unsafe { (_mm256_loadu_ps(pp.add(j)), _mm256_loadu_ps(pp.add(j + 8))) };
         for (r, a) in acc.iter_mut().enumerate() {
-            let (z0, z1) = unsafe { (_mm256_loadu_ps(pz.add(r * stride + j)), _mm256_loadu_ps(pz.add(r * stride + j + 8))) };
+            let (z0, z1) =
+                unsafe { (_mm256_loadu_ps(pz.add(r * stride + j)), _mm256_loadu_ps(pz.add(r * stride + j + 8))) };
             a[0] = _mm256_add_ps(a[0], _mm256_mul_ps(z0, p0));
             a[1] = _mm256_add_ps(a[1], _mm256_mul_ps(z1, p1));
         }

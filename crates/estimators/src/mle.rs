@@ -58,7 +58,6 @@ impl Objective<'_> {
         }
         f
     }
-
 }
 
 /// Backtracking (Armijo, c = 1e-4) along `dir` from `theta`. On success `trial` holds the new

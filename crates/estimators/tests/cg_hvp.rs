@@ -4,7 +4,7 @@ mod common;
 use common::*;
 use estimators::cg::{self, Beta, CgOptions, CgScratch};
 use estimators::linalg::hvp_f32;
-use estimators::{Estimator, EstimatorConfig, FirstOrder, HvpCgConfig, DampingSchedule};
+use estimators::{DampingSchedule, Estimator, EstimatorConfig, FirstOrder, HvpCgConfig};
 use nalgebra::{DMatrix, DVector};
 
 /// A = Q diag(1..κ) Qᵀ, SPD, spread-out spectrum.
@@ -12,7 +12,10 @@ fn spd(d: usize, kappa: f64) -> DMatrix<f64> {
     let s = stream(11, d, d, 1.0, 1.0);
     let m = DMatrix::from_row_slice(d, d, &s.z.iter().map(|&v| f64::from(v)).collect::<Vec<_>>());
     let q = m.qr().q();
-    let diag = DMatrix::from_diagonal(&DVector::from_iterator(d, (0..d).map(|i| 1.0 + (kappa - 1.0) * i as f64 / (d - 1) as f64)));
+    let diag = DMatrix::from_diagonal(&DVector::from_iterator(
+        d,
+        (0..d).map(|i| 1.0 + (kappa - 1.0) * i as f64 / (d - 1) as f64),
+    ));
     &q * diag * q.transpose()
 }
 
@@ -105,14 +108,13 @@ fn closed_form_hvp_equals_central_differences() {
     let s = stream(5, b, d, 3.0, 2.0);
     let theta: Vec<f64> = (0..d).map(|i| ((i as f64) * 0.37).cos()).collect();
     let p: Vec<f64> = (0..d).map(|i| ((i as f64) * 1.1).sin()).collect();
-    let w: Vec<f32> = s
-        .z
-        .chunks_exact(d)
-        .map(|row| {
-            let m: f64 = row.iter().zip(&theta).map(|(&a, b)| f64::from(a) * b).sum();
-            (sigmoid(m) * (1.0 - sigmoid(m)) / b as f64) as f32
-        })
-        .collect();
+    let w: Vec<f32> =
+        s.z.chunks_exact(d)
+            .map(|row| {
+                let m: f64 = row.iter().zip(&theta).map(|(&a, b)| f64::from(a) * b).sum();
+                (sigmoid(m) * (1.0 - sigmoid(m)) / b as f64) as f32
+            })
+            .collect();
     let p32: Vec<f32> = p.iter().map(|&v| v as f32).collect();
     let mut hv = vec![0f32; d];
     hvp_f32(&s.z, &w, &p32, &mut vec![0.0; b], &mut hv);
@@ -187,20 +189,33 @@ fn row_space_cg_equals_direct_cg_and_the_krylov_optimum() {
     let lambda = 0.05;
     // dense A and g in f64
     let zm = DMatrix::from_row_slice(b, d, &s.z.iter().map(|&v| f64::from(v)).collect::<Vec<_>>());
-    let a = zm.transpose() * DMatrix::from_diagonal(&DVector::from_vec(w.clone())) * &zm + DMatrix::<f64>::identity(d, d) * lambda;
+    let a = zm.transpose() * DMatrix::from_diagonal(&DVector::from_vec(w.clone())) * &zm
+        + DMatrix::<f64>::identity(d, d) * lambda;
     let g = zm.transpose() * DVector::from_vec(c.clone());
     let mut gram = vec![0.0; b * b];
     estimators::linalg::gram_f32(&s.z, d, &mut gram);
     let w32: Vec<f32> = w.iter().map(|&v| v as f32).collect();
     let g32: Vec<f32> = g.iter().map(|&v| v as f32).collect();
-    for (beta_rule, k) in [(Beta::FletcherReeves, 1), (Beta::FletcherReeves, 2), (Beta::FletcherReeves, 3), (Beta::FletcherReeves, 5), (Beta::One, 3)] {
+    for (beta_rule, k) in [
+        (Beta::FletcherReeves, 1),
+        (Beta::FletcherReeves, 2),
+        (Beta::FletcherReeves, 3),
+        (Beta::FletcherReeves, 5),
+        (Beta::One, 3),
+    ] {
         let opts = CgOptions { steps: k, beta: beta_rule, alpha_eps: 0.0, tol_sq: 0.0 };
         let mut coef = vec![0.0; b];
         cg::solve_row_space(&gram, &w, lambda, &c, &opts, &mut coef);
         let row = zm.transpose() * DVector::from_vec(coef);
         let mut x = vec![0f32; d];
         let mut sc = vec![0f32; b];
-        cg::solve(|p, out| estimators::linalg::damped_hvp_f32(&s.z, &w32, p, lambda as f32, &mut sc, out), &g32, &opts, &mut x, &mut CgScratch::new(d));
+        cg::solve(
+            |p, out| estimators::linalg::damped_hvp_f32(&s.z, &w32, p, lambda as f32, &mut sc, out),
+            &g32,
+            &opts,
+            &mut x,
+            &mut CgScratch::new(d),
+        );
         let direct = DVector::from_iterator(d, x.iter().map(|&v| f64::from(v)));
         let err = (&row - &direct).norm() / row.norm();
         assert!(err < 1e-4, "{beta_rule:?} K={k}: row space vs direct {err:e}");

@@ -24,7 +24,15 @@ fn per_step(kind: Kind, cfg: EstimatorConfig, steps: usize, b: usize, d: usize) 
 #[test]
 fn one_pass_estimators_cost_o1_per_step_and_hold_constant_memory() {
     let (steps, b, d) = (150, 4, 10);
-    for kind in [Kind::OmdExact, Kind::OmdHvpCg, Kind::OmdReference, Kind::Sgd, Kind::Adam, Kind::AdamReference, Kind::OmdHvpCgAdam] {
+    for kind in [
+        Kind::OmdExact,
+        Kind::OmdHvpCg,
+        Kind::OmdReference,
+        Kind::Sgd,
+        Kind::Adam,
+        Kind::AdamReference,
+        Kind::OmdHvpCgAdam,
+    ] {
         let (costs, bytes) = per_step(kind, EstimatorConfig::default_for(kind), steps, b, d);
         let max = costs.iter().map(|c| c.flops).max().unwrap();
         let first = costs[0];
@@ -46,7 +54,12 @@ fn mle_cost_grows_with_the_history() {
             let n = ((t + 1) * b) as u64;
             // the prequential batch gradient, then whole passes over the n stored samples
             let passes = c.grad_evals - b as u64;
-            assert!(passes >= n && passes % n == 0, "{solver:?} step {}: {} evaluations for n = {n}", t + 1, c.grad_evals);
+            assert!(
+                passes >= n && passes % n == 0,
+                "{solver:?} step {}: {} evaluations for n = {n}",
+                t + 1,
+                c.grad_evals
+            );
         }
         assert!(costs[steps - 1].grad_evals >= 8 * costs[4].grad_evals / 2, "{solver:?}: cost must scale with t");
         assert!(bytes[steps - 1] > bytes[0] * 10, "{solver:?}: the history is held");

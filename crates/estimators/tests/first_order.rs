@@ -6,7 +6,8 @@ use common::*;
 use estimators::*;
 
 fn fixture() -> serde_json::Value {
-    let text = std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/tests/fixtures/omd_reference.json")).unwrap();
+    let text =
+        std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/tests/fixtures/omd_reference.json")).unwrap();
     serde_json::from_str(&text).unwrap()
 }
 
@@ -19,7 +20,8 @@ fn omd_reference_matches_the_transcription_of_the_authors_update() {
     let fx = fixture();
     for sc in fx["scenarios"].as_array().unwrap() {
         let name = sc["name"].as_str().unwrap();
-        let (d, b, steps) = (sc["d"].as_u64().unwrap() as usize, sc["b"].as_u64().unwrap() as usize, sc["steps"].as_u64().unwrap());
+        let (d, b, steps) =
+            (sc["d"].as_u64().unwrap() as usize, sc["b"].as_u64().unwrap() as usize, sc["steps"].as_u64().unwrap());
         let lr = sc["lr"].as_f64().unwrap();
         let cfg = OmdReferenceConfig {
             lr,
@@ -116,7 +118,8 @@ fn sgd_clips_the_global_norm_like_torch() {
     let z = vec![30.0f32, 0.0, 0.0, 0.0];
     let y = [1.0f32];
     let batch = Batch::new(&z, &y, d).unwrap();
-    let mut est = FirstOrder::new(&EstimatorConfig::Sgd(SgdConfig { lr: 0.1, clip: Some(1.0) }), vec![0.0; d], None).unwrap();
+    let mut est =
+        FirstOrder::new(&EstimatorConfig::Sgd(SgdConfig { lr: 0.1, clip: Some(1.0) }), vec![0.0; d], None).unwrap();
     let rep = est.update(&batch).unwrap();
     // g = (σ(0) − 1)·z = −15 e₁, ‖g‖ = 15: factor 1/(15 + 1e-6)
     assert!((rep.grad_norm - 15.0).abs() < 1e-9);
@@ -156,7 +159,8 @@ fn bf16_weights_stay_on_the_bf16_grid() {
     let (d, b) = (16, 4);
     let s = stream(43, 80, d, 2.0, 2.0);
     let cfg = OmdReferenceConfig { bf16_weights: true, lr: 0.05, ..Default::default() };
-    let mut est = FirstOrder::new(&EstimatorConfig::OmdReference(cfg), Init::Normal { std: None }.draw(d, 1), Some(20)).unwrap();
+    let mut est =
+        FirstOrder::new(&EstimatorConfig::OmdReference(cfg), Init::Normal { std: None }.draw(d, 1), Some(20)).unwrap();
     for t in 0..20 {
         est.update(&s.batch(t, b)).unwrap();
         for &v in est.theta_f32() {
@@ -191,9 +195,19 @@ fn bad_batches_and_configs_are_errors() {
     let setup = Setup { dim: 3, init: Init::Zero, seed: 0, planned_steps: None };
     let e = build(&EstimatorConfig::OmdHvpCg(HvpCgConfig::default()), &setup).err().unwrap();
     assert!(e.to_string().contains("planned_steps"), "{e}");
-    let e = build(&EstimatorConfig::OmdHvpCg(HvpCgConfig { cg_steps: 0, schedule: DampingSchedule::Constant, ..Default::default() }), &setup).err().unwrap();
+    let e = build(
+        &EstimatorConfig::OmdHvpCg(HvpCgConfig {
+            cg_steps: 0,
+            schedule: DampingSchedule::Constant,
+            ..Default::default()
+        }),
+        &setup,
+    )
+    .err()
+    .unwrap();
     assert!(e.to_string().contains("cg_steps"), "{e}");
-    let e = build(&EstimatorConfig::OmdExact(OmdExactConfig { lambda: -1.0, ..Default::default() }), &setup).err().unwrap();
+    let e =
+        build(&EstimatorConfig::OmdExact(OmdExactConfig { lambda: -1.0, ..Default::default() }), &setup).err().unwrap();
     assert!(e.to_string().contains("lambda"), "{e}");
     let mut est = build(&EstimatorConfig::Sgd(SgdConfig::default()), &setup).unwrap();
     let z4 = [1.0f32; 4];
@@ -207,7 +221,8 @@ fn every_estimator_learns_on_a_realizable_stream() {
     let (d, b, steps) = (8, 8, 300);
     let s = stream(45, b * steps + 2000, d, 4.0, 4.0);
     let eval = |th: &[f64]| -> f64 {
-        (b * steps..b * steps + 2000).filter(|&i| (dot(&s.row64(i), th) > 0.0) == (s.y[i] > 0.5)).count() as f64 / 2000.0
+        (b * steps..b * steps + 2000).filter(|&i| (dot(&s.row64(i), th) > 0.0) == (s.y[i] > 0.5)).count() as f64
+            / 2000.0
     };
     let oracle = eval(&s.theta_star);
     for kind in Kind::ALL {

@@ -79,7 +79,11 @@ fn matches_dense_eq3_with_projection() {
     let cfg = OmdExactConfig { eta: 1.7, lambda: 0.3, radius: Some(1.0) };
     let dense = dense_omd(&s, 300, 1.7, 0.3, Some(1.0));
     let (traj, est) = run(&s, 300, 3, cfg);
-    assert!(est.projection().count > 50, "the projection must bind often for this test to mean anything: {:?}", est.projection());
+    assert!(
+        est.projection().count > 50,
+        "the projection must bind often for this test to mean anything: {:?}",
+        est.projection()
+    );
     for (k, th) in traj.iter().enumerate() {
         let want = &dense[(k + 1) * 3 - 1];
         assert!(max_abs_diff(th, want) < 1e-8, "step {k}: {:?} vs {:?}", th, want);

@@ -21,7 +21,8 @@ pub fn stream(seed: u64, n: usize, d: usize, scale: f64, b: f64) -> Stream {
     let mut z = Vec::with_capacity(n * d);
     let mut y = Vec::with_capacity(n);
     for _ in 0..n {
-        let row: Vec<f32> = (0..d).map(|_| (rng.sample::<f64, _>(StandardNormal) * scale / (d as f64).sqrt()) as f32).collect();
+        let row: Vec<f32> =
+            (0..d).map(|_| (rng.sample::<f64, _>(StandardNormal) * scale / (d as f64).sqrt()) as f32).collect();
         let m: f64 = row.iter().zip(&theta_star).map(|(&a, b)| f64::from(a) * b).sum();
         let p = 1.0 / (1.0 + (-m).exp());
         y.push(if rng.random::<f64>() < p { 1.0 } else { 0.0 });
@@ -32,7 +33,8 @@ pub fn stream(seed: u64, n: usize, d: usize, scale: f64, b: f64) -> Stream {
 
 impl Stream {
     pub fn batch(&self, i: usize, b: usize) -> estimators::Batch<'_> {
-        estimators::Batch::new(&self.z[i * b * self.d..(i + 1) * b * self.d], &self.y[i * b..(i + 1) * b], self.d).unwrap()
+        estimators::Batch::new(&self.z[i * b * self.d..(i + 1) * b * self.d], &self.y[i * b..(i + 1) * b], self.d)
+            .unwrap()
     }
 
     pub fn row64(&self, i: usize) -> Vec<f64> {

@@ -1,0 +1,38 @@
+# onepass recipes. Fresh machine: `cargo install just --locked`, then `just test`.
+
+set shell := ["bash", "-euo", "pipefail", "-c"]
+
+# List the recipes.
+default:
+    @just --list
+
+# The test suite CI runs (release mode: the tests replay real numerics).
+test:
+    cargo test --workspace --release
+
+# Formatting and lints, as CI checks them.
+lint:
+    cargo fmt --all --check
+    cargo clippy --workspace --all-targets --release -- -D warnings
+
+# Estimator benchmark at d = 4096, B = 8 (µs/step, omd-exact vs memory bandwidth, mle refits, peak RSS).
+bench:
+    cargo bench -p estimators
+
+# Quick estimator benchmark: no peak-RSS table, mle at t = 1000 only.
+bench-quick:
+    ONEPASS_BENCH_SKIP_RSS=1 ONEPASS_BENCH_MLE_T=1000 cargo bench -p estimators
+
+# Mutation testing of the estimator update functions (slow: tens of minutes).
+mutants:
+    cargo mutants -p estimators --re 'update|solve|sample|project|refit|rank1|cg_step|gram|damping|gate' -- --release
+
+# Passive / active / deployment reproductions land with the runner issue.
+reproduce-passive preset="synthetic":
+    cargo run --release -p runner -- run experiments/passive/{{preset}}.toml
+
+reproduce-active preset="synthetic":
+    cargo run --release -p runner -- run experiments/active/{{preset}}.toml
+
+reproduce-deploy preset="synthetic":
+    cargo run --release -p runner -- run experiments/deploy/{{preset}}.toml
