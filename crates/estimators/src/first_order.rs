@@ -179,11 +179,9 @@ fn round_bf16(x: &mut [f32]) {
 
 /// λ_t = max(λ_min, λ0·f(min(1, t/T))) of paper Alg. 5, t the 1-based step.
 pub(crate) fn paper_damping(c: &HvpCgConfig, t: u64, planned: Option<u64>) -> f64 {
-    let u = match (c.schedule, planned) {
-        (DampingSchedule::Constant, _) => 1.0,
-        (_, Some(t_max)) if t_max > 0 => (t as f64 / t_max as f64).min(1.0),
-        _ => 1.0,
-    };
+    // u = min(1, t/T); a missing or zero T (only possible for the constant schedule, which
+    // ignores u) reads as u = 1
+    let u = planned.map_or(1.0, |t_max| (t as f64 / t_max as f64).min(1.0));
     let f = match c.schedule {
         DampingSchedule::Linear => u,
         DampingSchedule::Log => (1.0 + (std::f64::consts::E - 1.0) * u).ln(),

@@ -247,3 +247,20 @@ fn every_estimator_learns_on_a_realizable_stream() {
         assert!(acc > oracle - 0.05, "{kind}: accuracy {acc} vs oracle {oracle}");
     }
 }
+
+#[test]
+fn reference_gate_uses_t_over_big_t_when_growth_is_at_most_one() {
+    // get_current_damping: t = steps/total_T unless damping_growth_rate > 1
+    let s = stream(46, 40, 4, 1.0, 1.0);
+    for (growth, planned, open_steps) in [(1.0, 10u64, 9u64), (0.5, 5, 4), (4.0, 100, 3)] {
+        let cfg = OmdReferenceConfig { growth, lambda0: 0.8, ..Default::default() };
+        let mut est = FirstOrder::new(&EstimatorConfig::OmdReference(cfg), vec![0.0; 4], Some(planned)).unwrap();
+        for t in 1..=12u64 {
+            let rep = est.update(&s.batch(t as usize - 1, 2)).unwrap();
+            let frac = if growth > 1.0 { t as f64 / growth } else { t as f64 / planned as f64 };
+            let want = (0.2 * frac + 0.8).min(1.0);
+            assert!((rep.damping - want).abs() < 1e-12, "growth {growth} t {t}: {} vs {want}", rep.damping);
+            assert_eq!(rep.inner_iters > 0, t <= open_steps, "growth {growth} t {t}: CG runs only while c_t < 1");
+        }
+    }
+}
