@@ -28,6 +28,8 @@ pub enum CurvatureKind {
 pub struct Curvature {
     kind: CurvatureKind,
     inv: PackedSym,
+    /// M itself, when asked for (norms ‖x‖_M, e.g. ‖θ − θ*‖_𝓗).
+    forward: Option<PackedSym>,
     u: Vec<f64>,
     x: Vec<f64>,
     added: u64,
@@ -43,10 +45,24 @@ impl Curvature {
         Curvature {
             kind,
             inv: PackedSym::scaled_identity(dim, 1.0 / base),
+            forward: None,
             u: vec![0.0; dim],
             x: vec![0.0; dim],
             added: 0,
         }
+    }
+
+    /// Also keeps M (one more O(d²) pass per added term), for [`Curvature::norm`].
+    pub fn with_forward(kind: CurvatureKind, dim: usize) -> Self {
+        let mut c = Curvature::new(kind, dim);
+        let base = 1.0 / c.inv.get(0, 0);
+        c.forward = Some(PackedSym::scaled_identity(dim, base));
+        c
+    }
+
+    /// ‖x‖_M (needs [`Curvature::with_forward`]).
+    pub fn norm(&self, x: &[f64]) -> Option<f64> {
+        self.forward.as_ref().map(|m| m.quad_form(x).max(0.0).sqrt())
     }
 
     pub fn kind(&self) -> CurvatureKind {
@@ -78,6 +94,9 @@ impl Curvature {
         self.inv.matvec(&self.x, &mut self.u);
         let q = dot_f64(&self.x, &self.u);
         self.inv.rank1_update(w / (1.0 + w * q), &self.u);
+        if let Some(m) = &mut self.forward {
+            m.rank1_update(-w, &self.x);
+        }
         self.added += 1;
     }
 
@@ -102,7 +121,12 @@ impl Curvature {
     /// ‖x‖_{M⁻¹}.
     pub fn inv_norm(&self, x: &[f32]) -> f64 {
         let xd: Vec<f64> = x.iter().map(|&v| f64::from(v)).collect();
-        self.inv.quad_form(&xd).max(0.0).sqrt()
+        self.inv_norm_f64(&xd)
+    }
+
+    /// ‖x‖_{M⁻¹} of an f64 vector.
+    pub fn inv_norm_f64(&self, x: &[f64]) -> f64 {
+        self.inv.quad_form(x).max(0.0).sqrt()
     }
 
     /// ‖xᵢ‖_{M⁻¹} for every row of row-major `xs`.

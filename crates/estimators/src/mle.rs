@@ -71,6 +71,7 @@ fn armijo(
     f0: f64,
     slope: f64,
     dir: &[f64],
+    g0_norm: f64,
     trial: &mut [f64],
     grad: &mut [f64],
     m: &mut Vec<f64>,
@@ -81,7 +82,10 @@ fn armijo(
             trial[i] = theta[i] + t * dir[i];
         }
         let f = obj.eval(trial, grad, m);
-        if f <= f0 + 1e-4 * t * slope {
+        // Near the optimum F changes by less than its round-off; there a step that lowers
+        // ‖∇F‖ without raising F beyond round-off is accepted too.
+        let flat = f - f0 <= 1e-13 * f0.abs().max(1.0) && norm_f64(grad) < g0_norm;
+        if f <= f0 + 1e-4 * t * slope || flat {
             return Some((t, f));
         }
         t *= 0.5;
@@ -119,7 +123,8 @@ fn newton(obj: &mut Objective<'_>, theta: &mut [f64], tol: f64, max_iters: u32) 
             None => -rhs, // cannot happen for reg > 0; falls back to steepest descent
         };
         let slope = dot_f64(step.as_slice(), &grad);
-        match armijo(obj, theta, f, slope, step.as_slice(), &mut trial, &mut grad, &mut m) {
+        let g0 = norm_f64(&grad);
+        match armijo(obj, theta, f, slope, step.as_slice(), g0, &mut trial, &mut grad, &mut m) {
             Some((_, f_new)) => {
                 theta.copy_from_slice(&trial);
                 f = f_new;
@@ -177,7 +182,7 @@ fn lbfgs(obj: &mut Objective<'_>, theta: &mut [f64], tol: f64, max_iters: u32, m
             }
             slope = -gnorm;
         }
-        let Some((t, f_new)) = armijo(obj, theta, f, slope, &dir, &mut trial, &mut new_grad, &mut m) else {
+        let Some((t, f_new)) = armijo(obj, theta, f, slope, &dir, gnorm, &mut trial, &mut new_grad, &mut m) else {
             return Fit { iterations: it + 1, converged: false, extra_flops: 0 };
         };
         let s: Vec<f64> = dir.iter().map(|v| t * v).collect();

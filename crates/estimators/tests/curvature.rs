@@ -27,14 +27,14 @@ fn lookahead_tracker_reproduces_omd_exact_hessian() {
 fn gram_tracker_norms_match_dense_inverse() {
     let d = 5;
     let s = stream(32, 40, d, 1.0, 1.0);
-    let mut v = Curvature::new(CurvatureKind::Gram { v0: 1e-2 }, d);
+    let mut v = Curvature::with_forward(CurvatureKind::Gram { v0: 1e-2 }, d);
     let mut dense = DMatrix::<f64>::identity(d, d) * 1e-2;
     for i in 0..40 {
         v.add(&s.z[i * d..(i + 1) * d], 1.0);
         let z = DVector::from_vec(s.row64(i));
         dense += &z * z.transpose();
     }
-    let inv = dense.try_inverse().unwrap();
+    let inv = dense.clone().try_inverse().unwrap();
     let norms = v.inv_norms(&s.z[..3 * d]);
     for (i, got) in norms.iter().enumerate() {
         let x = DVector::from_vec(s.row64(i));
@@ -42,4 +42,8 @@ fn gram_tracker_norms_match_dense_inverse() {
         assert!((got - want).abs() < 1e-9 * want, "{got} vs {want}");
     }
     assert_eq!(v.added(), 40);
+    let x = DVector::from_vec(s.row64(5));
+    let want = (x.transpose() * &dense * &x)[0].sqrt();
+    assert!((v.norm(x.as_slice()).unwrap() - want).abs() < 1e-9 * want);
+    assert!(Curvature::new(CurvatureKind::Gram { v0: 1.0 }, d).norm(x.as_slice()).is_none());
 }

@@ -85,3 +85,26 @@ fn refit_every_holds_theta_between_refits() {
     }
     assert_eq!(est.history_len(), 100);
 }
+
+#[test]
+fn refits_reach_the_one_over_t_tolerance_on_a_long_history() {
+    // regression: near the optimum F's round-off stalled the Armijo search and re-fits at
+    // t = 20k reported converged = false after hundreds of passes
+    let (d, b, steps) = (64, 100, 200);
+    let s = stream(23, b * steps, d, 1.4, 3.0);
+    for solver in [MleSolver::Lbfgs, MleSolver::Newton] {
+        let mut est = Mle::new(MleConfig { solver, refit_every: 50, ..Default::default() }, vec![0.0; d]);
+        for i in 0..steps {
+            let rep = est.update(&s.batch(i, b)).unwrap();
+            if (i + 1) % 50 == 0 {
+                assert!(
+                    rep.converged,
+                    "{solver:?} refit at n = {} did not converge ({} iterations)",
+                    (i + 1) * b,
+                    rep.inner_iters
+                );
+            }
+        }
+        assert!(est.objective_gradient_norm() <= 1.0 / (b * steps) as f64);
+    }
+}

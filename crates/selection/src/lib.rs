@@ -83,11 +83,9 @@ impl FromStr for Strategy {
             "best-worst" => Strategy::BestWorst,
             "best-quantile" => Strategy::BestQuantile { q: 16.0 },
             "ucb" => Strategy::Ucb { beta: 1.0 },
-            _ => {
-                return Err(format!(
-                    "unknown strategy `{s}`: expected random-pair, best-random, best-two, best-worst, best-quantile or ucb"
-                ))
-            }
+            _ => return Err(format!(
+                "unknown strategy `{s}`: expected random-pair, best-random, best-two, best-worst, best-quantile or ucb"
+            )),
         })
     }
 }

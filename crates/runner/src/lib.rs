@@ -1,0 +1,142 @@
+//! The `onepass` runner: TOML specs ([`spec`]) validated into plans of cells ([`plan`]), the
+//! synthetic dueling bandit ([`env`]), the three settings ([`settings`]), and the run
+//! directory with its parquet tables ([`results`]). `main.rs` is the thin CLI over [`run`].
+//!
+//! This crate is the only place that knows about files, TOML, parquet and the command line;
+//! `estimators` and `selection` are pure maths.
+
+pub mod env;
+pub mod plan;
+pub mod results;
+pub mod settings;
+pub mod spec;
+
+use anyhow::{Context, Result};
+use rayon::prelude::*;
+use std::path::{Path, PathBuf};
+use std::time::Instant;
+
+/// How a run ended, for the exit code: 0 all cells ok, 1 some cell failed (2 is bad input,
+/// reported as an error before any cell runs).
+#[derive(Debug)]
+pub struct RunSummary {
+    pub dir: PathBuf,
+    pub failed: usize,
+    pub cells: usize,
+}
+
+/// Options of `onepass run`.
+pub struct RunOptions {
+    pub spec: PathBuf,
+    pub overrides: Vec<String>,
+    pub out: PathBuf,
+    pub threads: Option<usize>,
+}
+
+/// Parses and validates a spec (errors are [`spec::SpecError`]).
+pub fn load_plan(path: &Path, overrides: &[String]) -> Result<plan::Plan, spec::SpecError> {
+    let (s, text) = spec::load(path, overrides)?;
+    plan::build(s, path, &text)
+}
+
+/// Runs every cell of a plan and writes the run directory.
+pub fn run(opts: &RunOptions) -> Result<RunSummary> {
+    let plan = load_plan(&opts.spec, &opts.overrides)?;
+    let started = humantime::format_rfc3339_seconds(std::time::SystemTime::now()).to_string();
+    let dir = results::make_run_dir(&opts.out, &plan.name)?;
+    let resolved = toml::to_string(&plan.resolved_spec()).context("serialising the resolved spec")?;
+    results::write_atomic(&dir.join("spec.resolved.toml"), resolved.as_bytes())?;
+    let threads = opts.threads.unwrap_or(plan.spec.threads);
+    let pool = rayon::ThreadPoolBuilder::new().num_threads(threads).build().context("starting the worker threads")?;
+    eprintln!(
+        "onepass: {} cells ({} configs × {} seeds) → {}",
+        plan.cells.len(),
+        plan.configs.len(),
+        plan.spec.seeds,
+        dir.display()
+    );
+    let outcomes: Vec<results::CellOutcome<'_>> = pool.install(|| {
+        plan.cells
+            .par_iter()
+            .map(|cell| {
+                let config = &plan.configs[cell.config];
+                let t0 = Instant::now();
+                let result = std::panic::catch_unwind(|| settings::run_cell(&plan, config, cell.seed))
+                    .unwrap_or_else(|p| {
+                        let msg = p
+                            .downcast_ref::<String>()
+                            .cloned()
+                            .or_else(|| p.downcast_ref::<&str>().map(|s| s.to_string()));
+                        Err(anyhow::anyhow!("the cell panicked: {}", msg.unwrap_or_default()))
+                    })
+                    .map_err(|e| format!("{e:#}"));
+                if let Err(e) = &result {
+                    eprintln!("onepass: cell {} ({}, seed {}) failed: {e}", cell.cell_id, config.label, cell.seed);
+                }
+                results::CellOutcome {
+                    cell_id: &cell.cell_id,
+                    config,
+                    seed: cell.seed,
+                    result,
+                    wall_s: t0.elapsed().as_secs_f64(),
+                }
+            })
+            .collect()
+    });
+    let schemas = results::write_tables(&dir, &plan, &outcomes)?;
+    results::write_atomic(&dir.join("schema.json"), results::schema_json(&schemas).as_bytes())?;
+    let failed = outcomes.iter().filter(|o| o.result.is_err()).count();
+    let meta = serde_json::json!({
+        "onepass_version": env!("CARGO_PKG_VERSION"),
+        "git_revision": env!("ONEPASS_GIT_REV"),
+        "git_dirty": env!("ONEPASS_GIT_DIRTY"),
+        "spec_file": opts.spec.display().to_string(),
+        "overrides": opts.overrides,
+        "master_seed": plan.spec.master_seed,
+        "seeds": plan.spec.seeds,
+        "setting": plan.spec.setting.as_str(),
+        "cells": plan.cells.len(),
+        "failed_cells": failed,
+        "threads": pool.current_num_threads(),
+        "host": std::fs::read_to_string("/etc/hostname").map(|s| s.trim().to_string()).unwrap_or_default(),
+        "os": std::env::consts::OS,
+        "arch": std::env::consts::ARCH,
+        "crates": { "estimators": env!("CARGO_PKG_VERSION"), "selection": env!("CARGO_PKG_VERSION"), "runner": env!("CARGO_PKG_VERSION") },
+        "started": started,
+        "finished": humantime::format_rfc3339_seconds(std::time::SystemTime::now()).to_string(),
+    });
+    results::write_atomic(&dir.join("meta.json"), serde_json::to_string_pretty(&meta)?.as_bytes())?;
+    print_summary(&plan, &outcomes);
+    Ok(RunSummary { dir, failed, cells: outcomes.len() })
+}
+
+/// Final metrics per config, mean over seeds.
+fn print_summary(plan: &plan::Plan, outcomes: &[results::CellOutcome<'_>]) {
+    eprintln!("{:<44} {:>8} {:>10} {:>10} {:>12}", "config", "eval_acc", "theta_err", "subopt", "regret");
+    for c in &plan.configs {
+        let finals: Vec<&settings::MetricRow> = outcomes
+            .iter()
+            .filter(|o| o.config.config_id == c.config_id)
+            .filter_map(|o| o.result.as_ref().ok().and_then(|r| r.rows.last()))
+            .collect();
+        if finals.is_empty() {
+            eprintln!("{:<44} (every seed failed)", c.label);
+            continue;
+        }
+        let n = finals.len() as f64;
+        let mean = |f: &dyn Fn(&settings::MetricRow) -> f64| finals.iter().map(|r| f(r)).sum::<f64>() / n;
+        let regret = if finals[0].regret.is_some() {
+            format!("{:.3}", mean(&|r| r.regret.unwrap_or(f64::NAN)))
+        } else {
+            "-".into()
+        };
+        eprintln!(
+            "{:<44} {:>8.4} {:>10.4} {:>10.4} {:>12}",
+            c.label,
+            mean(&|r| r.eval_accuracy),
+            mean(&|r| r.theta_err),
+            mean(&|r| r.subopt),
+            regret
+        );
+    }
+}

@@ -1,0 +1,246 @@
+//! The run directory: spec.resolved.toml, meta.json, cells/metrics/steps/timings parquet
+//! tables, θ of every cell as .npy, and schema.json. Every file is written to a temporary
+//! name and renamed into place, so a reader never sees half a file.
+
+use crate::plan::{ConfigPlan, Plan};
+use crate::settings::{CellResult, MetricRow, StepRow};
+use anyhow::{Context, Result};
+use arrow_array::{ArrayRef, BooleanArray, Float64Array, RecordBatch, StringArray, UInt32Array, UInt64Array};
+use arrow_schema::{DataType, Field, Schema};
+use parquet::arrow::ArrowWriter;
+use parquet::basic::Compression;
+use parquet::file::properties::WriterProperties;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+
+/// Writes `bytes` to `path` through `path.tmp` and a rename.
+pub fn write_atomic(path: &Path, bytes: &[u8]) -> Result<()> {
+    let mut tmp = path.as_os_str().to_owned();
+    tmp.push(".tmp");
+    let tmp = PathBuf::from(tmp);
+    std::fs::write(&tmp, bytes).with_context(|| format!("writing {}", tmp.display()))?;
+    std::fs::rename(&tmp, path).with_context(|| format!("renaming {} to {}", tmp.display(), path.display()))?;
+    Ok(())
+}
+
+/// A fresh run directory `<out>/<name>-<UTC time>` (suffixed if it exists).
+pub fn make_run_dir(out: &Path, name: &str) -> Result<PathBuf> {
+    std::fs::create_dir_all(out).with_context(|| format!("creating the results directory {}", out.display()))?;
+    let stamp = humantime::format_rfc3339_seconds(std::time::SystemTime::now()).to_string().replace([':', '-'], "");
+    let base = out.join(format!("{name}-{stamp}"));
+    let mut dir = base.clone();
+    let mut k = 2;
+    while dir.exists() {
+        dir = PathBuf::from(format!("{}-{k}", base.display()));
+        k += 1;
+    }
+    std::fs::create_dir(&dir).with_context(|| format!("creating the run directory {}", dir.display()))?;
+    std::fs::create_dir(dir.join("theta")).with_context(|| format!("creating {}/theta", dir.display()))?;
+    Ok(dir)
+}
+
+/// Columns of one table, in order.
+#[derive(Default)]
+struct Table {
+    fields: Vec<Field>,
+    cols: Vec<ArrayRef>,
+}
+
+impl Table {
+    fn str(mut self, name: &str, v: impl IntoIterator<Item = String>) -> Self {
+        self.fields.push(Field::new(name, DataType::Utf8, false));
+        self.cols.push(Arc::new(StringArray::from(v.into_iter().collect::<Vec<_>>())));
+        self
+    }
+    fn opt_str(mut self, name: &str, v: impl IntoIterator<Item = Option<String>>) -> Self {
+        self.fields.push(Field::new(name, DataType::Utf8, true));
+        self.cols.push(Arc::new(StringArray::from(v.into_iter().collect::<Vec<_>>())));
+        self
+    }
+    fn u32(mut self, name: &str, v: impl IntoIterator<Item = u32>) -> Self {
+        self.fields.push(Field::new(name, DataType::UInt32, false));
+        self.cols.push(Arc::new(UInt32Array::from(v.into_iter().collect::<Vec<_>>())));
+        self
+    }
+    fn u64(mut self, name: &str, v: impl IntoIterator<Item = u64>) -> Self {
+        self.fields.push(Field::new(name, DataType::UInt64, false));
+        self.cols.push(Arc::new(UInt64Array::from(v.into_iter().collect::<Vec<_>>())));
+        self
+    }
+    fn f64(mut self, name: &str, v: impl IntoIterator<Item = f64>) -> Self {
+        self.fields.push(Field::new(name, DataType::Float64, false));
+        self.cols.push(Arc::new(Float64Array::from(v.into_iter().collect::<Vec<_>>())));
+        self
+    }
+    fn opt_f64(mut self, name: &str, v: impl IntoIterator<Item = Option<f64>>) -> Self {
+        self.fields.push(Field::new(name, DataType::Float64, true));
+        self.cols.push(Arc::new(Float64Array::from(v.into_iter().collect::<Vec<_>>())));
+        self
+    }
+    fn bool(mut self, name: &str, v: impl IntoIterator<Item = bool>) -> Self {
+        self.fields.push(Field::new(name, DataType::Boolean, false));
+        self.cols.push(Arc::new(BooleanArray::from(v.into_iter().collect::<Vec<_>>())));
+        self
+    }
+
+    fn schema(&self) -> Schema {
+        Schema::new(self.fields.clone())
+    }
+
+    fn write(self, path: &Path) -> Result<Schema> {
+        let schema = Arc::new(self.schema());
+        let batch = RecordBatch::try_new(schema.clone(), self.cols).context("assembling a record batch")?;
+        let mut buf = Vec::new();
+        let props = WriterProperties::builder().set_compression(Compression::SNAPPY).build();
+        let mut w = ArrowWriter::try_new(&mut buf, schema.clone(), Some(props))?;
+        w.write(&batch)?;
+        w.close()?;
+        write_atomic(path, &buf)?;
+        Ok(schema.as_ref().clone())
+    }
+}
+
+/// Everything a finished (or failed) cell contributes.
+pub struct CellOutcome<'a> {
+    pub cell_id: &'a str,
+    pub config: &'a ConfigPlan,
+    pub seed: u32,
+    pub result: Result<CellResult, String>,
+    pub wall_s: f64,
+}
+
+fn hparams_json(c: &ConfigPlan) -> String {
+    let m: serde_json::Map<String, serde_json::Value> =
+        c.hparams.iter().map(|(k, v)| (k.to_string(), serde_json::Value::String(v.to_string()))).collect();
+    serde_json::Value::Object(m).to_string()
+}
+
+/// Writes the tables of a finished run; returns the schema of every table.
+pub fn write_tables(dir: &Path, plan: &Plan, cells: &[CellOutcome<'_>]) -> Result<Vec<(String, Schema)>> {
+    let setting = plan.spec.setting.as_str();
+    let mut schemas = Vec::new();
+    let strategy = |c: &ConfigPlan| c.strategy.map(|s| s.to_string());
+
+    let t = Table::default()
+        .str("cell_id", cells.iter().map(|c| c.cell_id.to_string()))
+        .u32("config_id", cells.iter().map(|c| c.config.config_id as u32))
+        .str("estimator", cells.iter().map(|c| c.config.kind.to_string()))
+        .str("label", cells.iter().map(|c| c.config.label.clone()))
+        .opt_str("strategy", cells.iter().map(|c| strategy(c.config)))
+        .u32("seed", cells.iter().map(|c| c.seed))
+        .str("hparams", cells.iter().map(|c| hparams_json(c.config)))
+        .str("status", cells.iter().map(|c| if c.result.is_ok() { "ok".into() } else { "failed".into() }))
+        .opt_str("err", cells.iter().map(|c| c.result.as_ref().err().cloned()))
+        .opt_str(
+            "stream_hash",
+            cells.iter().map(|c| c.result.as_ref().ok().map(|r| format!("{:016x}", r.stream_hash))),
+        );
+    schemas.push(("cells.parquet".to_string(), t.write(&dir.join("cells.parquet"))?));
+
+    // metrics: one row per cell × evaluation point
+    let rows: Vec<(&CellOutcome<'_>, &MetricRow)> = cells
+        .iter()
+        .filter_map(|c| c.result.as_ref().ok().map(|r| (c, r)))
+        .flat_map(|(c, r)| r.rows.iter().map(move |m| (c, m)))
+        .collect();
+    let t = Table::default()
+        .str("setting", rows.iter().map(|_| setting.to_string()))
+        .str("cell_id", rows.iter().map(|(c, _)| c.cell_id.to_string()))
+        .u32("config_id", rows.iter().map(|(c, _)| c.config.config_id as u32))
+        .str("estimator", rows.iter().map(|(c, _)| c.config.kind.to_string()))
+        .str("label", rows.iter().map(|(c, _)| c.config.label.clone()))
+        .opt_str("strategy", rows.iter().map(|(c, _)| strategy(c.config)))
+        .u32("seed", rows.iter().map(|(c, _)| c.seed))
+        .u64("step", rows.iter().map(|(_, m)| m.step))
+        .u64("samples_seen", rows.iter().map(|(_, m)| m.samples_seen))
+        .f64("train_loss", rows.iter().map(|(_, m)| m.train_loss))
+        .f64("train_accuracy", rows.iter().map(|(_, m)| m.train_accuracy))
+        .f64("eval_loss", rows.iter().map(|(_, m)| m.eval_loss))
+        .f64("eval_accuracy", rows.iter().map(|(_, m)| m.eval_accuracy))
+        .f64("theta_err", rows.iter().map(|(_, m)| m.theta_err))
+        .f64("theta_err_h", rows.iter().map(|(_, m)| m.theta_err_h))
+        .f64("subopt", rows.iter().map(|(_, m)| m.subopt))
+        .opt_f64("subopt_avg", rows.iter().map(|(_, m)| m.subopt_avg))
+        .opt_f64("subopt_pessimistic", rows.iter().map(|(_, m)| m.subopt_pessimistic))
+        .opt_f64("regret", rows.iter().map(|(_, m)| m.regret))
+        .opt_f64("mean_reward", rows.iter().map(|(_, m)| m.mean_reward))
+        .f64("kappa", rows.iter().map(|(_, m)| m.kappa))
+        .f64("kappa_reference", rows.iter().map(|(_, m)| m.kappa_reference))
+        .u64("ties", rows.iter().map(|(_, m)| m.ties))
+        .u64("grad_evals", rows.iter().map(|(_, m)| m.grad_evals))
+        .u64("hvp_evals", rows.iter().map(|(_, m)| m.hvp_evals))
+        .u64("flops", rows.iter().map(|(_, m)| m.flops))
+        .bool("converged", rows.iter().map(|(_, m)| m.converged));
+    schemas.push(("metrics.parquet".to_string(), t.write(&dir.join("metrics.parquet"))?));
+
+    if plan.spec.stream.record_steps {
+        let rows: Vec<(&CellOutcome<'_>, &StepRow)> = cells
+            .iter()
+            .filter_map(|c| c.result.as_ref().ok().map(|r| (c, r)))
+            .flat_map(|(c, r)| r.steps.iter().map(move |m| (c, m)))
+            .collect();
+        let t = Table::default()
+            .str("cell_id", rows.iter().map(|(c, _)| c.cell_id.to_string()))
+            .str("estimator", rows.iter().map(|(c, _)| c.config.kind.to_string()))
+            .u32("seed", rows.iter().map(|(c, _)| c.seed))
+            .u64("step", rows.iter().map(|(_, s)| s.step))
+            .u64("samples_seen", rows.iter().map(|(_, s)| s.samples_seen))
+            .f64("loss", rows.iter().map(|(_, s)| s.loss))
+            .f64("accuracy", rows.iter().map(|(_, s)| s.accuracy))
+            .f64("grad_norm", rows.iter().map(|(_, s)| s.grad_norm))
+            .f64("step_norm", rows.iter().map(|(_, s)| s.step_norm))
+            .f64("clip_factor", rows.iter().map(|(_, s)| s.clip_factor))
+            .f64("cos_step_grad", rows.iter().map(|(_, s)| s.cos_step_grad))
+            .f64("damping", rows.iter().map(|(_, s)| s.damping))
+            .u32("inner_iters", rows.iter().map(|(_, s)| s.inner_iters));
+        schemas.push(("steps.parquet".to_string(), t.write(&dir.join("steps.parquet"))?));
+    }
+
+    let t = Table::default()
+        .str("cell_id", cells.iter().map(|c| c.cell_id.to_string()))
+        .str("estimator", cells.iter().map(|c| c.config.kind.to_string()))
+        .f64("wall_s", cells.iter().map(|c| c.wall_s))
+        .opt_f64("estimator_s", cells.iter().map(|c| c.result.as_ref().ok().map(|r| r.estimator_s)))
+        .opt_f64("other_s", cells.iter().map(|c| c.result.as_ref().ok().map(|r| r.other_s)));
+    schemas.push(("timings.parquet".to_string(), t.write(&dir.join("timings.parquet"))?));
+
+    for c in cells {
+        if let Ok(r) = &c.result {
+            write_atomic(&dir.join("theta").join(format!("{}.npy", c.cell_id)), &npy_f64(&r.theta))?;
+        }
+    }
+    Ok(schemas)
+}
+
+/// A 1-D little-endian f64 array in NPY format 1.0.
+pub fn npy_f64(v: &[f64]) -> Vec<u8> {
+    let mut header = format!("{{'descr': '<f8', 'fortran_order': False, 'shape': ({},), }}", v.len());
+    // magic (6) + version (2) + header length (2) + header, padded with spaces to a multiple of 64, ending in \n
+    let total = 10 + header.len() + 1;
+    header.push_str(&" ".repeat((64 - total % 64) % 64));
+    header.push('\n');
+    let mut out = Vec::with_capacity(10 + header.len() + v.len() * 8);
+    out.extend_from_slice(b"\x93NUMPY\x01\x00");
+    out.extend_from_slice(&(header.len() as u16).to_le_bytes());
+    out.extend_from_slice(header.as_bytes());
+    for x in v {
+        out.extend_from_slice(&x.to_le_bytes());
+    }
+    out
+}
+
+/// The schema of every table as JSON (name → [[column, type, nullable]]).
+pub fn schema_json(schemas: &[(String, Schema)]) -> String {
+    let m: serde_json::Map<String, serde_json::Value> = schemas
+        .iter()
+        .map(|(name, s)| {
+            let cols = s
+                .fields()
+                .iter()
+                .map(|f| serde_json::json!([f.name(), format!("{}", f.data_type()), f.is_nullable()]))
+                .collect();
+            (name.clone(), serde_json::Value::Array(cols))
+        })
+        .collect();
+    serde_json::to_string_pretty(&serde_json::Value::Object(m)).expect("plain JSON") + "\n"
+}

@@ -1,0 +1,505 @@
+//! The three settings of paper §5 on the synthetic bandit, each usable with any estimator:
+//! passive (Alg. 2), active (Alg. 3) and deployment (Alg. 4). A cell is one estimator config ×
+//! (deploy: one strategy) × one seed; it returns its metric rows, optional per-step rows and θ.
+
+use crate::env::{argmax, dot, stream, two_arms, Component, Env};
+use crate::plan::{theory_beta, ConfigPlan, Plan};
+use crate::spec::{ActiveRule, Beta, CurvaturePoint, Pessimism, ScoreNorm, Setting};
+use anyhow::{anyhow, Result};
+use estimators::logistic::{correct, log_loss};
+use estimators::{Batch, Curvature, CurvatureKind, Estimator, HessianPoint, Setup};
+use rand::Rng;
+use std::time::Instant;
+
+/// One row of metrics.parquet: a cell at an evaluation point. Deterministic: no wall clock.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct MetricRow {
+    pub step: u64,
+    pub samples_seen: u64,
+    /// Prequential (before each update), averaged since the previous evaluation point.
+    pub train_loss: f64,
+    pub train_accuracy: f64,
+    pub eval_loss: f64,
+    pub eval_accuracy: f64,
+    /// ‖θ_t − θ*‖₂ and ‖θ_t − θ*‖_{𝓗_t}.
+    pub theta_err: f64,
+    pub theta_err_h: f64,
+    /// SubOpt of the greedy policy of the last iterate.
+    pub subopt: f64,
+    /// Active: SubOpt of the greedy policy of the averaged iterate (1/t Σ θ_s).
+    pub subopt_avg: Option<f64>,
+    /// Passive, final row: SubOpt of the pessimistic policy.
+    pub subopt_pessimistic: Option<f64>,
+    /// Deploy: cumulative regret Σ r(x,π*) − ½(r(a)+r(a′)), and the mean of ½(r(a)+r(a′)).
+    pub regret: Option<f64>,
+    pub mean_reward: Option<f64>,
+    /// max 1/σ'(zᵀθ_t) over the samples since the previous row (the paper's κ on the data seen).
+    pub kappa: f64,
+    /// Mean over those batches of the authors' 1/(min σ' + 1e-3).
+    pub kappa_reference: f64,
+    /// Ties broken by a seeded draw so far (selection rules).
+    pub ties: u64,
+    pub grad_evals: u64,
+    pub hvp_evals: u64,
+    pub flops: u64,
+    /// Every re-fit so far reached its tolerance (mle; true otherwise).
+    pub converged: bool,
+}
+
+/// One row of steps.parquet.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct StepRow {
+    pub step: u64,
+    pub samples_seen: u64,
+    pub loss: f64,
+    pub accuracy: f64,
+    pub grad_norm: f64,
+    pub step_norm: f64,
+    pub clip_factor: f64,
+    pub cos_step_grad: f64,
+    pub damping: f64,
+    pub inner_iters: u32,
+}
+
+#[derive(Clone, Debug, Default)]
+pub struct CellResult {
+    pub rows: Vec<MetricRow>,
+    pub steps: Vec<StepRow>,
+    pub theta: Vec<f64>,
+    /// FNV-1a over the contexts, pairs and label noise the cell drew: equal for all cells of a
+    /// seed whose data do not depend on the method (passive, and the noise of all settings).
+    pub stream_hash: u64,
+    /// Seconds inside `Estimator::update` / everything else.
+    pub estimator_s: f64,
+    pub other_s: f64,
+}
+
+struct Hasher(u64);
+
+impl Hasher {
+    fn new() -> Self {
+        Hasher(0xcbf2_9ce4_8422_2325)
+    }
+    fn bytes(&mut self, b: &[u8]) {
+        for &x in b {
+            self.0 = (self.0 ^ u64::from(x)).wrapping_mul(0x100_0000_01b3);
+        }
+    }
+    fn f32s(&mut self, v: &[f32]) {
+        for x in v {
+            self.bytes(&x.to_le_bytes());
+        }
+    }
+}
+
+/// The estimator, its curvature tracker and the running window of training statistics.
+struct Learner {
+    est: Box<dyn Estimator>,
+    curv: Curvature,
+    d: usize,
+    steps: u64,
+    samples: u64,
+    record_steps: bool,
+    step_rows: Vec<StepRow>,
+    theta: Vec<f64>,
+    theta_sum: Vec<f64>,
+    iterates: u64,
+    win_loss: f64,
+    win_correct: f64,
+    win_n: f64,
+    win_kappa: f64,
+    win_kref: f64,
+    win_batches: f64,
+    converged: bool,
+    est_s: f64,
+}
+
+impl Learner {
+    fn new(plan: &Plan, c: &ConfigPlan, seed: u32) -> Result<Learner> {
+        let spec = &plan.spec;
+        let d = spec.env.dim;
+        let setup = Setup {
+            dim: d,
+            init: c.init,
+            seed: crate::env::seed_of(spec.master_seed, seed, Component::Init),
+            planned_steps: Some(spec.stream.samples / spec.stream.batch_size as u64),
+        };
+        let est = estimators::build(&c.cfg, &setup)?;
+        let point = match spec.curvature.point {
+            CurvaturePoint::LookAhead => HessianPoint::LookAhead,
+            CurvaturePoint::Current => HessianPoint::Current,
+        };
+        let curv = Curvature::with_forward(CurvatureKind::Hessian { lambda: spec.curvature.lambda, point }, d);
+        let theta = est.theta();
+        Ok(Learner {
+            est,
+            curv,
+            d,
+            steps: 0,
+            samples: 0,
+            record_steps: spec.stream.record_steps,
+            step_rows: Vec::new(),
+            theta_sum: theta.clone(),
+            theta,
+            iterates: 1,
+            win_loss: 0.0,
+            win_correct: 0.0,
+            win_n: 0.0,
+            win_kappa: 0.0,
+            win_kref: 0.0,
+            win_batches: 0.0,
+            converged: true,
+            est_s: 0.0,
+        })
+    }
+
+    fn update(&mut self, z: &[f32], y: &[f32]) -> Result<()> {
+        let batch = Batch::new(z, y, self.d)?;
+        let t0 = Instant::now();
+        let rep = self.est.update(&batch)?;
+        self.est_s += t0.elapsed().as_secs_f64();
+        let after = self.est.theta();
+        self.curv.observe(&batch, &self.theta, &after);
+        self.theta = after;
+        for (s, t) in self.theta_sum.iter_mut().zip(&self.theta) {
+            *s += t;
+        }
+        self.iterates += 1;
+        self.steps += 1;
+        let n = batch.len() as f64;
+        self.samples += batch.len() as u64;
+        self.win_loss += rep.before.loss * n;
+        self.win_correct += rep.before.accuracy * n;
+        self.win_n += n;
+        self.win_kappa = self.win_kappa.max(rep.before.kappa);
+        self.win_kref += rep.before.kappa_reference;
+        self.win_batches += 1.0;
+        self.converged &= rep.converged;
+        if self.record_steps {
+            self.step_rows.push(StepRow {
+                step: self.steps,
+                samples_seen: self.samples,
+                loss: rep.before.loss,
+                accuracy: rep.before.accuracy,
+                grad_norm: rep.grad_norm,
+                step_norm: rep.step_norm,
+                clip_factor: rep.clip_factor,
+                cos_step_grad: rep.cos_step_grad,
+                damping: rep.damping,
+                inner_iters: rep.inner_iters,
+            });
+        }
+        Ok(())
+    }
+
+    fn averaged(&self) -> Vec<f64> {
+        self.theta_sum.iter().map(|s| s / self.iterates as f64).collect()
+    }
+
+    /// A metric row at the current point; resets the training window.
+    fn row(&mut self, env: &Env) -> MetricRow {
+        let (mut loss, mut right) = (0.0, 0usize);
+        for (z, &y) in env.eval_z.chunks_exact(self.d).zip(&env.eval_y) {
+            let m = dot(z, &self.theta);
+            loss += log_loss(m, f64::from(y));
+            right += usize::from(correct(m, f64::from(y)));
+        }
+        let n = env.eval_y.len() as f64;
+        let err: Vec<f64> = self.theta.iter().zip(&env.theta_star).map(|(a, b)| a - b).collect();
+        let c = self.est.counters();
+        let row = MetricRow {
+            step: self.steps,
+            samples_seen: self.samples,
+            train_loss: self.win_loss / self.win_n.max(1.0),
+            train_accuracy: self.win_correct / self.win_n.max(1.0),
+            eval_loss: loss / n,
+            eval_accuracy: right as f64 / n,
+            theta_err: err.iter().map(|v| v * v).sum::<f64>().sqrt(),
+            theta_err_h: self.curv.norm(&err).unwrap_or(f64::NAN),
+            subopt: env.subopt_of(&env.greedy(&self.theta)),
+            kappa: self.win_kappa,
+            kappa_reference: self.win_kref / self.win_batches.max(1.0),
+            grad_evals: c.grad_evals,
+            hvp_evals: c.hvp_evals,
+            flops: c.flops,
+            converged: self.converged,
+            ..Default::default()
+        };
+        self.win_loss = 0.0;
+        self.win_correct = 0.0;
+        self.win_n = 0.0;
+        self.win_kappa = 0.0;
+        self.win_kref = 0.0;
+        self.win_batches = 0.0;
+        row
+    }
+
+    fn due(&self, eval_every: u64, last: bool) -> bool {
+        last || self.samples % eval_every == 0
+    }
+}
+
+/// Runs one cell.
+pub fn run_cell(plan: &Plan, config: &ConfigPlan, seed: u32) -> Result<CellResult> {
+    let t0 = Instant::now();
+    let spec = &plan.spec;
+    let env = Env::new(&spec.env, spec.master_seed, seed);
+    let mut learner = Learner::new(plan, config, seed)?;
+    let mut out = match spec.setting {
+        Setting::Passive => passive(plan, &env, &mut learner, seed)?,
+        Setting::Active => active(plan, &env, &mut learner, seed)?,
+        Setting::Deploy => deploy(plan, config, &env, &mut learner, seed)?,
+    };
+    out.theta = learner.theta.clone();
+    out.steps = std::mem::take(&mut learner.step_rows);
+    out.estimator_s = learner.est_s;
+    out.other_s = t0.elapsed().as_secs_f64() - learner.est_s;
+    Ok(out)
+}
+
+fn passive(plan: &Plan, env: &Env, l: &mut Learner, seed: u32) -> Result<CellResult> {
+    let spec = &plan.spec;
+    let (b, d) = (spec.stream.batch_size, env.d);
+    let steps = spec.stream.samples / b as u64;
+    let mut data = stream(spec.master_seed, seed, Component::Data);
+    let mut labels = stream(spec.master_seed, seed, Component::Labels);
+    let mut h = Hasher::new();
+    let mut rows = Vec::new();
+    let (mut z, mut y) = (Vec::with_capacity(b * d), Vec::with_capacity(b));
+    for s in 1..=steps {
+        z.clear();
+        y.clear();
+        for _ in 0..b {
+            let c = env.draw_context(&mut data);
+            let (a1, a2) = two_arms(&mut data, env.k);
+            let zi = env.diff(&c, a1, a2);
+            y.push(env.label(&zi, labels.random()));
+            z.extend(zi);
+        }
+        h.f32s(&z);
+        h.f32s(&y);
+        l.update(&z, &y)?;
+        if l.due(spec.stream.eval_every, s == steps) {
+            rows.push(l.row(env));
+        }
+    }
+    let beta = match spec.passive.beta {
+        Beta::Theory => theory_beta(d, spec.stream.samples, spec.passive.delta),
+        Beta::Value(v) => v,
+    };
+    let pess = pessimistic(env, &l.theta, &l.curv, beta, spec.passive.pessimism);
+    if let Some(last) = rows.last_mut() {
+        last.subopt_pessimistic = Some(env.subopt_of(&pess));
+    }
+    Ok(CellResult { rows, stream_hash: h.0, ..Default::default() })
+}
+
+/// The pessimistic policy of Alg. 2 with width β over the contexts.
+pub fn pessimistic(env: &Env, theta: &[f64], curv: &Curvature, beta: f64, how: Pessimism) -> Vec<usize> {
+    let k = env.k;
+    let phi64 =
+        |c: usize, a: usize| -> Vec<f64> { env.arm(&env.contexts[c], a).iter().map(|&v| f64::from(v)).collect() };
+    match how {
+        Pessimism::PerContext => (0..env.contexts.len())
+            .map(|c| {
+                argmax(
+                    (0..k).map(|a| dot(env.arm(&env.contexts[c], a), theta) - beta * curv.inv_norm_f64(&phi64(c, a))),
+                )
+            })
+            .collect(),
+        Pessimism::Policy => {
+            // Eq. (5): J(π) = mᵀθ − β‖m‖_{𝓗⁻¹}, m = mean_x φ(x, π(x)); exhaustive when the
+            // policy class is small, else coordinate ascent from the greedy policy
+            let n = env.contexts.len();
+            let objective = |m: &[f64]| -> f64 {
+                m.iter().zip(theta).map(|(a, b)| a * b).sum::<f64>() - beta * curv.inv_norm_f64(m)
+            };
+            let mean = |choice: &[usize]| -> Vec<f64> {
+                let mut m = vec![0.0; env.d];
+                for (c, &a) in choice.iter().enumerate() {
+                    for (mi, v) in m.iter_mut().zip(phi64(c, a)) {
+                        *mi += v / n as f64;
+                    }
+                }
+                m
+            };
+            if (k as f64).powi(n as i32) <= 1e5 {
+                let mut best = (f64::NEG_INFINITY, vec![0; n]);
+                let mut choice = vec![0usize; n];
+                loop {
+                    let v = objective(&mean(&choice));
+                    if v > best.0 {
+                        best = (v, choice.clone());
+                    }
+                    // next policy in lexicographic order
+                    let mut i = 0;
+                    while i < n && choice[i] + 1 == k {
+                        choice[i] = 0;
+                        i += 1;
+                    }
+                    if i == n {
+                        break;
+                    }
+                    choice[i] += 1;
+                }
+                best.1
+            } else {
+                let mut choice = env.greedy(theta);
+                let mut m = mean(&choice);
+                let mut current = objective(&m);
+                loop {
+                    let mut improved = false;
+                    for c in 0..n {
+                        for a in 0..k {
+                            if a == choice[c] {
+                                continue;
+                            }
+                            let (old, new) = (phi64(c, choice[c]), phi64(c, a));
+                            let trial: Vec<f64> = m
+                                .iter()
+                                .zip(old.iter().zip(&new))
+                                .map(|(mi, (o, w))| mi + (w - o) / n as f64)
+                                .collect();
+                            let v = objective(&trial);
+                            if v > current + 1e-12 {
+                                current = v;
+                                m = trial;
+                                choice[c] = a;
+                                improved = true;
+                            }
+                        }
+                    }
+                    if !improved {
+                        break choice;
+                    }
+                }
+            }
+        }
+    }
+}
+
+fn active(plan: &Plan, env: &Env, l: &mut Learner, seed: u32) -> Result<CellResult> {
+    let spec = &plan.spec;
+    let a = &spec.active;
+    let (b, d) = (spec.stream.batch_size, env.d);
+    let steps = spec.stream.samples / b as u64;
+    let mut data = stream(spec.master_seed, seed, Component::Data);
+    let mut labels = stream(spec.master_seed, seed, Component::Labels);
+    let mut select = stream(spec.master_seed, seed, Component::Select);
+    let mut h = Hasher::new();
+    // the pool: pairs drawn once, each with its label drawn once (a re-queried pair keeps it)
+    let (mut pool_z, mut pool_y) = (Vec::with_capacity(a.pool * d), Vec::with_capacity(a.pool));
+    for _ in 0..a.pool {
+        let c = env.draw_context(&mut data);
+        let (a1, a2) = two_arms(&mut data, env.k);
+        let z = env.diff(&c, a1, a2);
+        pool_y.push(env.label(&z, labels.random()));
+        pool_z.extend(z);
+    }
+    h.f32s(&pool_z);
+    h.f32s(&pool_y);
+    let row_of = |i: usize| &pool_z[i * d..(i + 1) * d];
+    let mut used = vec![false; a.pool];
+    let mut vtrack = Curvature::new(CurvatureKind::Gram { v0: a.v0 }, d);
+    let mut ties = 0u64;
+    let mut rows = Vec::new();
+    let (mut z, mut y) = (Vec::with_capacity(b * d), Vec::with_capacity(b));
+    for s in 1..=steps {
+        let avail: Vec<usize> = (0..a.pool).filter(|&i| a.replacement || !used[i]).collect();
+        if avail.len() < b {
+            return Err(anyhow!("active: the pool ran out after {} steps", s - 1));
+        }
+        let chosen: Vec<usize> = match a.rule {
+            ActiveRule::PoolArgmax => {
+                let scores: Vec<f64> = avail.iter().map(|&i| l.curv.inv_norm(row_of(i))).collect();
+                let (top, t) = selection::top_k(&scores, b, &mut select);
+                ties += u64::from(t);
+                top.iter().map(|&j| avail[j]).collect()
+            }
+            ActiveRule::Random => {
+                rand::seq::index::sample(&mut data, avail.len(), b).iter().map(|j| avail[j]).collect()
+            }
+            ActiveRule::Stream => {
+                let m = a.candidates.min(avail.len());
+                let cand: Vec<usize> =
+                    rand::seq::index::sample(&mut data, avail.len(), m).iter().map(|j| avail[j]).collect();
+                let scores: Vec<f64> = match a.score_norm {
+                    ScoreNorm::V => {
+                        // the authors add every candidate to V before scoring
+                        for &i in &cand {
+                            vtrack.add(row_of(i), 1.0);
+                        }
+                        cand.iter().map(|&i| vtrack.inv_norm(row_of(i))).collect()
+                    }
+                    ScoreNorm::H => cand.iter().map(|&i| l.curv.inv_norm(row_of(i))).collect(),
+                };
+                let (top, t) = selection::top_k(&scores, a.keep, &mut select);
+                ties += u64::from(t);
+                top.iter().map(|&j| cand[j]).collect()
+            }
+        };
+        z.clear();
+        y.clear();
+        for &i in &chosen {
+            used[i] = true;
+            z.extend_from_slice(row_of(i));
+            y.push(pool_y[i]);
+        }
+        l.update(&z, &y)?;
+        if l.due(spec.stream.eval_every, s == steps) {
+            let mut row = l.row(env);
+            row.subopt_avg = Some(env.subopt_of(&env.greedy(&l.averaged())));
+            row.ties = ties;
+            rows.push(row);
+        }
+    }
+    Ok(CellResult { rows, stream_hash: h.0, ..Default::default() })
+}
+
+fn deploy(plan: &Plan, config: &ConfigPlan, env: &Env, l: &mut Learner, seed: u32) -> Result<CellResult> {
+    let spec = &plan.spec;
+    let strategy = config.strategy.ok_or_else(|| anyhow!("deploy cell without a strategy"))?;
+    let (b, d, k) = (spec.stream.batch_size, env.d, env.k);
+    let steps = spec.stream.samples / b as u64;
+    let mut data = stream(spec.master_seed, seed, Component::Data);
+    let mut labels = stream(spec.master_seed, seed, Component::Labels);
+    let mut select = stream(spec.master_seed, seed, Component::Select);
+    let mut h = Hasher::new();
+    let (mut regret, mut reward_sum, mut ties, mut rounds) = (0.0, 0.0, 0u64, 0u64);
+    let mut rows = Vec::new();
+    let (mut z, mut y) = (Vec::with_capacity(b * d), Vec::with_capacity(b));
+    for s in 1..=steps {
+        z.clear();
+        y.clear();
+        for _ in 0..b {
+            let c = env.draw_context(&mut data);
+            let u: f64 = labels.random();
+            h.f32s(&c.phi);
+            h.bytes(&u.to_le_bytes());
+            let est: Vec<f64> = (0..k).map(|a| dot(env.arm(&c, a), &l.theta)).collect();
+            let bonus: Option<Vec<f64>> = strategy.needs_bonus().then(|| {
+                let first = selection::first_arm(&est, &select);
+                (0..k).map(|a| l.curv.inv_norm(&env.diff(&c, a, first))).collect()
+            });
+            let pair = selection::select_pair(&strategy, &est, bonus.as_deref(), &mut select);
+            ties += u64::from(pair.ties);
+            let zi = env.diff(&c, pair.first, pair.second);
+            y.push(env.label(&zi, u));
+            z.extend(zi);
+            let best = (0..k).map(|a| env.reward(&c, a)).fold(f64::NEG_INFINITY, f64::max);
+            let got = 0.5 * (env.reward(&c, pair.first) + env.reward(&c, pair.second));
+            regret += best - got;
+            reward_sum += got;
+            rounds += 1;
+        }
+        l.update(&z, &y)?;
+        if l.due(spec.stream.eval_every, s == steps) {
+            let mut row = l.row(env);
+            row.regret = Some(regret);
+            row.mean_reward = Some(reward_sum / rounds as f64);
+            row.ties = ties;
+            rows.push(row);
+        }
+    }
+    Ok(CellResult { rows, stream_hash: h.0, ..Default::default() })
+}

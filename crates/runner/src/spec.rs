@@ -1,0 +1,655 @@
+//! Experiment specs: serde structs that mirror the TOML (unknown keys are errors, defaults are
+//! declared on the types), `--set key=value` overrides, and the errors that name the file, the
+//! key path and the line. `plan.rs` turns a parsed spec into validated cells.
+
+use serde::{de, Deserialize, Deserializer, Serialize, Serializer};
+use std::fmt;
+use std::path::{Path, PathBuf};
+
+/// A bad spec: where, and what was expected. Exit code 2.
+#[derive(Debug, Clone, PartialEq)]
+pub struct SpecError {
+    pub file: PathBuf,
+    /// Dotted key path, e.g. `estimator[1].lr` (empty when the error is about the whole file).
+    pub key: String,
+    pub line: Option<usize>,
+    pub message: String,
+}
+
+impl fmt::Display for SpecError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{}", self.file.display())?;
+        if let Some(l) = self.line {
+            write!(f, ":{l}")?;
+        }
+        if !self.key.is_empty() {
+            write!(f, ": `{}`", self.key)?;
+        }
+        write!(f, ": {}", self.message)
+    }
+}
+
+impl std::error::Error for SpecError {}
+
+/// One value or an array of values to sweep over.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Sweep<T>(pub Vec<T>);
+
+impl<T> Sweep<T> {
+    pub fn one(v: T) -> Self {
+        Sweep(vec![v])
+    }
+}
+
+impl<T: Serialize> Serialize for Sweep<T> {
+    fn serialize<S: Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        if self.0.len() == 1 {
+            self.0[0].serialize(s)
+        } else {
+            self.0.serialize(s)
+        }
+    }
+}
+
+impl<'de, T: Deserialize<'de>> Deserialize<'de> for Sweep<T> {
+    fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        struct V<T>(std::marker::PhantomData<T>);
+        macro_rules! scalar {
+            ($name:ident, $ty:ty, $de:ident) => {
+                fn $name<E: de::Error>(self, v: $ty) -> Result<Self::Value, E> {
+                    T::deserialize(de::value::$de::<E>::new(v)).map(|x| Sweep(vec![x]))
+                }
+            };
+        }
+        impl<'de, T: Deserialize<'de>> de::Visitor<'de> for V<T> {
+            type Value = Sweep<T>;
+            fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+                f.write_str("a value or a non-empty array of values to sweep over")
+            }
+            scalar!(visit_bool, bool, BoolDeserializer);
+            scalar!(visit_i64, i64, I64Deserializer);
+            scalar!(visit_u64, u64, U64Deserializer);
+            scalar!(visit_f64, f64, F64Deserializer);
+            fn visit_str<E: de::Error>(self, v: &str) -> Result<Self::Value, E> {
+                T::deserialize(de::value::StrDeserializer::<E>::new(v)).map(|x| Sweep(vec![x]))
+            }
+            fn visit_seq<A: de::SeqAccess<'de>>(self, mut seq: A) -> Result<Self::Value, A::Error> {
+                let mut out = Vec::new();
+                while let Some(x) = seq.next_element()? {
+                    out.push(x);
+                }
+                if out.is_empty() {
+                    return Err(de::Error::custom("an empty array sweeps over nothing: give at least one value"));
+                }
+                Ok(Sweep(out))
+            }
+        }
+        d.deserialize_any(V(std::marker::PhantomData))
+    }
+}
+
+/// A number, or the word "none" (no clipping, no projection).
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub enum OrNone {
+    None,
+    Value(f64),
+}
+
+impl OrNone {
+    pub fn get(&self) -> Option<f64> {
+        match self {
+            OrNone::None => None,
+            OrNone::Value(v) => Some(*v),
+        }
+    }
+}
+
+impl Serialize for OrNone {
+    fn serialize<S: Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        match self {
+            OrNone::None => s.serialize_str("none"),
+            OrNone::Value(v) => s.serialize_f64(*v),
+        }
+    }
+}
+
+impl<'de> Deserialize<'de> for OrNone {
+    fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        struct V;
+        impl de::Visitor<'_> for V {
+            type Value = OrNone;
+            fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+                f.write_str("a number or \"none\"")
+            }
+            fn visit_f64<E: de::Error>(self, v: f64) -> Result<OrNone, E> {
+                Ok(OrNone::Value(v))
+            }
+            fn visit_i64<E: de::Error>(self, v: i64) -> Result<OrNone, E> {
+                Ok(OrNone::Value(v as f64))
+            }
+            fn visit_u64<E: de::Error>(self, v: u64) -> Result<OrNone, E> {
+                Ok(OrNone::Value(v as f64))
+            }
+            fn visit_str<E: de::Error>(self, v: &str) -> Result<OrNone, E> {
+                if v == "none" {
+                    Ok(OrNone::None)
+                } else {
+                    Err(E::invalid_value(de::Unexpected::Str(v), &self))
+                }
+            }
+        }
+        d.deserialize_any(V)
+    }
+}
+
+/// A confidence width β: a number, or "theory" (√d·log(T/δ), the order of Lemma 1).
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub enum Beta {
+    Theory,
+    Value(f64),
+}
+
+impl Serialize for Beta {
+    fn serialize<S: Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        match self {
+            Beta::Theory => s.serialize_str("theory"),
+            Beta::Value(v) => s.serialize_f64(*v),
+        }
+    }
+}
+
+impl<'de> Deserialize<'de> for Beta {
+    fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        match OrWord::deserialize(d)? {
+            OrWord::Num(v) => Ok(Beta::Value(v)),
+            OrWord::Word(w) if w == "theory" => Ok(Beta::Theory),
+            OrWord::Word(w) => Err(de::Error::custom(format!("`{w}`: expected a number or \"theory\""))),
+        }
+    }
+}
+
+#[derive(Deserialize)]
+#[serde(untagged)]
+enum OrWord {
+    Num(f64),
+    Word(String),
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum Setting {
+    Passive,
+    Active,
+    Deploy,
+}
+
+impl Setting {
+    pub fn as_str(&self) -> &'static str {
+        match self {
+            Setting::Passive => "passive",
+            Setting::Active => "active",
+            Setting::Deploy => "deploy",
+        }
+    }
+}
+
+/// The whole spec file.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Spec {
+    pub setting: Setting,
+    /// Run name (default: the file stem).
+    #[serde(default)]
+    pub name: Option<String>,
+    /// Every random stream derives from (master_seed, seed index, component).
+    #[serde(default = "d_master_seed")]
+    pub master_seed: u64,
+    /// Seed indices 0..seeds.
+    #[serde(default = "d_seeds")]
+    pub seeds: u32,
+    /// Worker threads for the cells (0: one per core).
+    #[serde(default)]
+    pub threads: usize,
+    #[serde(default)]
+    pub env: EnvSpec,
+    #[serde(default)]
+    pub stream: StreamSpec,
+    #[serde(default)]
+    pub curvature: CurvatureSpec,
+    #[serde(default)]
+    pub passive: PassiveSpec,
+    #[serde(default)]
+    pub active: ActiveSpec,
+    #[serde(default)]
+    pub deploy: DeploySpec,
+    #[serde(rename = "estimator", default)]
+    pub estimators: Vec<EstimatorEntry>,
+}
+
+fn d_master_seed() -> u64 {
+    20251
+}
+fn d_seeds() -> u32 {
+    1
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum FeatureDist {
+    /// g ~ N(0, I/d), clipped to ‖g‖ ≤ 1, times L.
+    Gaussian,
+    /// Uniform on the sphere of radius L.
+    Sphere,
+}
+
+/// The synthetic contextual dueling bandit (the theory's setting).
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct EnvSpec {
+    #[serde(default = "d_env_kind")]
+    pub kind: String,
+    #[serde(default = "d_dim")]
+    pub dim: usize,
+    /// N contexts, drawn uniformly each round (ρ).
+    #[serde(default = "d_contexts")]
+    pub contexts: usize,
+    /// Draw a fresh context every round instead (N is then the size of the evaluation set).
+    #[serde(default)]
+    pub fresh_contexts: bool,
+    /// K arms per context.
+    #[serde(default = "d_arms")]
+    pub arms: usize,
+    #[serde(default = "d_features")]
+    pub features: FeatureDist,
+    /// L: ‖φ‖ ≤ L.
+    #[serde(default = "d_one")]
+    pub feature_norm: f64,
+    /// B: θ* uniform on the sphere of radius B.
+    #[serde(default = "d_theta_norm")]
+    pub theta_norm: f64,
+    /// Held-out labelled pairs for eval_loss / eval_accuracy.
+    #[serde(default = "d_eval_pairs")]
+    pub eval_pairs: usize,
+}
+
+impl Default for EnvSpec {
+    fn default() -> Self {
+        toml::from_str("").expect("all EnvSpec fields have defaults")
+    }
+}
+
+fn d_env_kind() -> String {
+    "synthetic".into()
+}
+fn d_dim() -> usize {
+    16
+}
+fn d_contexts() -> usize {
+    100
+}
+fn d_arms() -> usize {
+    8
+}
+fn d_features() -> FeatureDist {
+    FeatureDist::Gaussian
+}
+fn d_one() -> f64 {
+    1.0
+}
+fn d_theta_norm() -> f64 {
+    3.0
+}
+fn d_eval_pairs() -> usize {
+    2000
+}
+
+/// Stream length and evaluation cadence.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct StreamSpec {
+    /// T: labelled samples (passive: pairs seen; active: the label budget; deploy: rounds).
+    #[serde(default = "d_samples")]
+    pub samples: u64,
+    #[serde(default = "d_batch")]
+    pub batch_size: usize,
+    /// Evaluate every this many samples (and at the end).
+    #[serde(default = "d_eval_every")]
+    pub eval_every: u64,
+    /// Also write steps.parquet (one row per update).
+    #[serde(default)]
+    pub record_steps: bool,
+}
+
+impl Default for StreamSpec {
+    fn default() -> Self {
+        toml::from_str("").expect("all StreamSpec fields have defaults")
+    }
+}
+
+fn d_samples() -> u64 {
+    2000
+}
+fn d_batch() -> usize {
+    1
+}
+fn d_eval_every() -> u64 {
+    500
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum CurvaturePoint {
+    LookAhead,
+    Current,
+}
+
+/// The 𝓗_t tracker attached to every cell (its norms drive pessimism, UCB, active selection
+/// and theta_err_H), whatever the estimator.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct CurvatureSpec {
+    /// 𝓗_1 = λI.
+    #[serde(default = "d_one")]
+    pub lambda: f64,
+    #[serde(default = "d_point")]
+    pub point: CurvaturePoint,
+}
+
+impl Default for CurvatureSpec {
+    fn default() -> Self {
+        toml::from_str("").expect("defaults")
+    }
+}
+
+fn d_point() -> CurvaturePoint {
+    CurvaturePoint::LookAhead
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum Pessimism {
+    /// argmax_a φᵀθ − β‖φ‖_{𝓗⁻¹} in every context.
+    PerContext,
+    /// Eq. (5) over the policy class (exhaustive when small, else coordinate ascent).
+    Policy,
+}
+
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct PassiveSpec {
+    #[serde(default = "d_pessimism")]
+    pub pessimism: Pessimism,
+    #[serde(default = "d_beta")]
+    pub beta: Beta,
+    /// δ of β = "theory".
+    #[serde(default = "d_delta")]
+    pub delta: f64,
+}
+
+impl Default for PassiveSpec {
+    fn default() -> Self {
+        toml::from_str("").expect("defaults")
+    }
+}
+
+fn d_pessimism() -> Pessimism {
+    Pessimism::PerContext
+}
+fn d_beta() -> Beta {
+    Beta::Theory
+}
+fn d_delta() -> f64 {
+    0.05
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum ActiveRule {
+    /// argmax over the pool of ‖φ(x,a) − φ(x,a′)‖_{𝓗⁻¹} (paper Eq. (4)).
+    PoolArgmax,
+    /// The authors' stream: score `candidates` random pool pairs, keep the top `keep`.
+    Stream,
+    /// Uniformly random pool pairs.
+    Random,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum ScoreNorm {
+    /// V_t = V₀I + Σzzᵀ with all candidates added before scoring (the authors' uncertainty_score).
+    V,
+    /// The cell's 𝓗_t.
+    H,
+}
+
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ActiveSpec {
+    #[serde(default = "d_rule")]
+    pub rule: ActiveRule,
+    /// Pool size: pairs (x, a, a′) drawn once per seed, each with its label drawn once.
+    #[serde(default = "d_pool")]
+    pub pool: usize,
+    /// Whether a pool pair can be queried again (it keeps its label).
+    #[serde(default = "d_true")]
+    pub replacement: bool,
+    #[serde(default = "d_candidates")]
+    pub candidates: usize,
+    #[serde(default = "d_keep")]
+    pub keep: usize,
+    #[serde(default = "d_score_norm")]
+    pub score_norm: ScoreNorm,
+    /// V₀ of the V-norm.
+    #[serde(default = "d_v0")]
+    pub v0: f64,
+}
+
+impl Default for ActiveSpec {
+    fn default() -> Self {
+        toml::from_str("").expect("defaults")
+    }
+}
+
+fn d_rule() -> ActiveRule {
+    ActiveRule::PoolArgmax
+}
+fn d_pool() -> usize {
+    1000
+}
+fn d_true() -> bool {
+    true
+}
+fn d_candidates() -> usize {
+    8
+}
+fn d_keep() -> usize {
+    2
+}
+fn d_score_norm() -> ScoreNorm {
+    ScoreNorm::V
+}
+fn d_v0() -> f64 {
+    1e-5
+}
+
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct DeploySpec {
+    /// Swept: every strategy is crossed with every estimator.
+    #[serde(default = "d_strategies")]
+    pub strategies: Sweep<String>,
+    /// q of best-quantile.
+    #[serde(default = "d_q")]
+    pub q: f64,
+    /// β of ucb.
+    #[serde(default = "d_beta")]
+    pub beta: Beta,
+    #[serde(default = "d_delta")]
+    pub delta: f64,
+}
+
+impl Default for DeploySpec {
+    fn default() -> Self {
+        toml::from_str("").expect("defaults")
+    }
+}
+
+fn d_strategies() -> Sweep<String> {
+    Sweep(["ucb", "best-quantile", "best-two", "best-worst", "random-pair"].map(String::from).to_vec())
+}
+fn d_q() -> f64 {
+    4.0
+}
+
+/// One `[[estimator]]` table: a kind and its hyper-parameters, any of which may be an array to
+/// sweep over. Keys that do not belong to the kind are errors (checked in the plan).
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize, Default)]
+#[serde(deny_unknown_fields)]
+pub struct EstimatorEntry {
+    pub kind: String,
+    /// "zero" (default) or "normal" (N(0, init_std²), std default 1/(d+1)).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub init: Option<String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub init_std: Option<f64>,
+    // omd-exact
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub eta: Option<Sweep<f64>>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub lambda: Option<Sweep<f64>>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub radius: Option<Sweep<OrNone>>,
+    /// Lemma 1's η, λ and radius from env.theta_norm and env.feature_norm.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub theory: Option<bool>,
+    // first-order
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub lr: Option<Sweep<f64>>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub clip: Option<Sweep<OrNone>>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub cg_steps: Option<Sweep<usize>>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub lambda0: Option<Sweep<f64>>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub schedule: Option<Sweep<String>>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub lambda_min: Option<Sweep<f64>>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub growth: Option<Sweep<f64>>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub bf16_weights: Option<bool>,
+    /// omd-reference: the authors' Adam on the mixed direction.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub adam: Option<bool>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub beta1: Option<Sweep<f64>>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub beta2: Option<Sweep<f64>>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub eps: Option<Sweep<f64>>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub replay_every: Option<Sweep<u64>>,
+    // mle
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub ridge: Option<Sweep<f64>>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub refit_every: Option<Sweep<u64>>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub solver: Option<Sweep<String>>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub max_iters: Option<Sweep<u32>>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub lbfgs_memory: Option<Sweep<usize>>,
+}
+
+/// 1-based line of byte offset `at` in `text`.
+pub fn line_of(text: &str, at: usize) -> usize {
+    text[..at.min(text.len())].bytes().filter(|&b| b == b'\n').count() + 1
+}
+
+/// The line where `path` (e.g. ["estimator", "1", "lr"]) is written, if it is; else the line
+/// of its closest written parent.
+pub fn locate(text: &str, path: &[String]) -> Option<usize> {
+    let doc = toml_edit::Document::parse(text.to_string()).ok()?;
+    find_span(doc.as_item(), path).map(|s| line_of(text, s.start))
+}
+
+type Span = std::ops::Range<usize>;
+
+fn find_span(item: &toml_edit::Item, path: &[String]) -> Option<Span> {
+    let Some((seg, rest)) = path.split_first() else { return item.span() };
+    match item {
+        toml_edit::Item::Table(t) => find_in_table(t, seg, rest),
+        toml_edit::Item::ArrayOfTables(a) => {
+            let t = a.get(seg.parse().ok()?)?;
+            match rest.split_first() {
+                None => t.span(),
+                Some((s2, r2)) => find_in_table(t, s2, r2).or_else(|| t.span()),
+            }
+        }
+        toml_edit::Item::Value(toml_edit::Value::InlineTable(t)) => t.key(seg).and_then(|k| k.span()),
+        _ => None,
+    }
+}
+
+fn find_in_table(t: &toml_edit::Table, seg: &str, rest: &[String]) -> Option<Span> {
+    let key_span = t.key(seg).and_then(|k| k.span());
+    let child = t.get(seg)?;
+    if rest.is_empty() {
+        key_span.or_else(|| child.span())
+    } else {
+        find_span(child, rest).or(key_span)
+    }
+}
+
+/// Reads a spec file, applies `--set key=value` overrides, and parses it.
+pub fn load(path: &Path, overrides: &[String]) -> Result<(Spec, String), SpecError> {
+    let err = |key: &str, line, message: String| SpecError { file: path.to_path_buf(), key: key.into(), line, message };
+    let text = std::fs::read_to_string(path).map_err(|e| err("", None, format!("cannot read the spec: {e}")))?;
+    let text = apply_overrides(&text, overrides).map_err(|(k, m)| err(&k, None, m))?;
+    let spec: Spec = toml::from_str(&text).map_err(|e: toml::de::Error| {
+        let line = e.span().map(|s| line_of(&text, s.start));
+        err("", line, e.message().trim().to_string())
+    })?;
+    Ok((spec, text))
+}
+
+/// Applies `key=value` overrides (dotted keys; array-of-table entries by index, e.g.
+/// `estimator.0.lr=0.1`); the value is read as TOML, else as a string.
+pub fn apply_overrides(text: &str, overrides: &[String]) -> Result<String, (String, String)> {
+    if overrides.is_empty() {
+        return Ok(text.to_string());
+    }
+    let mut doc: toml_edit::DocumentMut =
+        text.parse().map_err(|e: toml_edit::TomlError| (String::new(), e.message().to_string()))?;
+    for o in overrides {
+        let (key, raw) = o.split_once('=').ok_or_else(|| (o.clone(), "--set expects key=value".to_string()))?;
+        let value: toml_edit::Value = raw.parse().unwrap_or_else(|_| toml_edit::Value::from(raw));
+        let segs: Vec<&str> = key.split('.').collect();
+        set_in_table(doc.as_table_mut(), &segs, value).map_err(|m| (key.to_string(), m))?;
+    }
+    Ok(doc.to_string())
+}
+
+fn set_in_table(t: &mut toml_edit::Table, segs: &[&str], value: toml_edit::Value) -> Result<(), String> {
+    let (seg, rest) = segs.split_first().ok_or("empty key")?;
+    if rest.is_empty() {
+        t[seg] = toml_edit::Item::Value(value);
+        return Ok(());
+    }
+    match t.entry(seg).or_insert(toml_edit::table()) {
+        toml_edit::Item::Table(child) => set_in_table(child, rest, value),
+        toml_edit::Item::ArrayOfTables(a) => {
+            let (idx, rest) = rest.split_first().ok_or("expected an index after an array of tables")?;
+            let idx: usize = idx.parse().map_err(|_| format!("`{idx}` is not an index"))?;
+            let len = a.len();
+            let child = a.get_mut(idx).ok_or_else(|| format!("index {idx} out of range: {len} entries"))?;
+            if rest.is_empty() {
+                return Err("cannot replace a whole table".into());
+            }
+            set_in_table(child, rest, value)
+        }
+        _ => Err(format!("`{seg}` is not a table")),
+    }
+}
