@@ -48,7 +48,7 @@ fn run_cg(a: &DMatrix<f64>, b: &DVector<f64>, k: usize, beta: Beta) -> DVector<f
     let b32: Vec<f32> = b.iter().map(|&v| v as f32).collect();
     let mut x = vec![0f32; d];
     let opts = CgOptions { steps: k, beta, alpha_eps: 0.0, tol_sq: 0.0 };
-    cg::solve(
+    let taken = cg::solve(
         |p, out| {
             for i in 0..d {
                 out[i] = (0..d).map(|j| a32[i * d + j] * p[j]).sum();
@@ -59,6 +59,7 @@ fn run_cg(a: &DMatrix<f64>, b: &DVector<f64>, k: usize, beta: Beta) -> DVector<f
         &mut x,
         &mut CgScratch::new(d),
     );
+    assert_eq!(taken as usize, k, "tol 0 never stops early on this system");
     DVector::from_iterator(d, x.iter().map(|&v| f64::from(v)))
 }
 
@@ -223,6 +224,37 @@ fn row_space_cg_equals_direct_cg_and_the_krylov_optimum() {
             let opt = krylov_optimum(&a, &g, k);
             let err = (&row - &opt).norm() / opt.norm();
             assert!(err < 1e-6, "K={k}: row space vs Krylov optimum {err:e}");
+        }
+    }
+}
+
+#[test]
+fn cg_stops_once_the_residual_vanishes() {
+    // A = 2I: one step solves exactly, r₁ = 0; going on would divide 0 by 0
+    let d = 6;
+    let b32: Vec<f32> = (0..d).map(|i| i as f32 - 2.5).collect();
+    for beta in [Beta::FletcherReeves, Beta::One] {
+        let opts = CgOptions { steps: 4, beta, alpha_eps: 0.0, tol_sq: 1e-10 };
+        let mut x = vec![0f32; d];
+        let taken = cg::solve(
+            |p, out| out.iter_mut().zip(p).for_each(|(o, v)| *o = 2.0 * v),
+            &b32,
+            &opts,
+            &mut x,
+            &mut CgScratch::new(d),
+        );
+        assert_eq!(taken, 1);
+        for (xi, bi) in x.iter().zip(&b32) {
+            assert!((xi - bi / 2.0).abs() < 1e-6, "{x:?}");
+        }
+        // the same in row space: Z = I (d×d), W = 0, λ = 2
+        let gram: Vec<f64> = (0..d * d).map(|i| if i % (d + 1) == 0 { 1.0 } else { 0.0 }).collect();
+        let c: Vec<f64> = b32.iter().map(|&v| f64::from(v)).collect();
+        let mut coef = vec![0.0; d];
+        let taken = cg::solve_row_space(&gram, &vec![0.0; d], 2.0, &c, &opts, &mut coef);
+        assert_eq!(taken, 1);
+        for (xi, ci) in coef.iter().zip(&c) {
+            assert!((xi - ci / 2.0).abs() < 1e-12 && xi.is_finite());
         }
     }
 }

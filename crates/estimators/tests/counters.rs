@@ -75,3 +75,29 @@ fn sgd_replay_cost_grows_at_replay_steps() {
     assert_eq!(costs[10].grad_evals, 2);
     assert!(bytes[39] > bytes[0]);
 }
+
+#[test]
+fn hvp_counts_follow_the_cg_iterations_and_flops_order_the_methods() {
+    let (b, d) = (4, 10);
+    let s = stream(52, 40 * b, d, 2.0, 2.0);
+    let setup = Setup { dim: d, init: Init::Zero, seed: 0, planned_steps: Some(40) };
+    let mut total = std::collections::BTreeMap::new();
+    for kind in [Kind::Sgd, Kind::Adam, Kind::OmdHvpCg, Kind::OmdExact] {
+        let mut e = build(&EstimatorConfig::default_for(kind), &setup).unwrap();
+        for t in 0..40 {
+            let rep = e.update(&s.batch(t, b)).unwrap();
+            assert_eq!(rep.cost.hvp_evals, u64::from(rep.inner_iters) * b as u64, "{kind}");
+            if kind == Kind::OmdHvpCg {
+                assert!(rep.inner_iters >= 1);
+            }
+        }
+        total.insert(kind, e.counters().flops);
+    }
+    // a gradient step reads the batch twice (4Bd flops) and touches θ; Adam adds per-coordinate
+    // work; Alg. 5 adds the CG; omd-exact's O(d²) per sample dwarfs them all
+    let d64 = d as u64;
+    assert!(total[&Kind::Sgd] >= 40 * 4 * b as u64 * d64);
+    assert!(total[&Kind::Adam] > total[&Kind::Sgd]);
+    assert!(total[&Kind::OmdHvpCg] > total[&Kind::Sgd]);
+    assert!(total[&Kind::OmdExact] >= 40 * b as u64 * 3 * d64 * d64);
+}

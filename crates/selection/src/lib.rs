@@ -83,9 +83,11 @@ impl FromStr for Strategy {
             "best-worst" => Strategy::BestWorst,
             "best-quantile" => Strategy::BestQuantile { q: 16.0 },
             "ucb" => Strategy::Ucb { beta: 1.0 },
-            _ => return Err(format!(
+            _ => {
+                return Err(format!(
                 "unknown strategy `{s}`: expected random-pair, best-random, best-two, best-worst, best-quantile or ucb"
-            )),
+            ))
+            }
         })
     }
 }
