@@ -27,12 +27,13 @@ bench-quick:
 mutants:
     cargo mutants -p estimators --re 'update|solve|sample|project|refit|rank1|cg_step|gram|damping|gate' -- --release
 
-# Passive / active / deployment reproductions land with the runner issue.
-reproduce-passive preset="synthetic":
-    cargo run --release -p runner -- run experiments/passive/{{preset}}.toml
+# Run a preset of experiments/<setting>/ (file stem); extra arguments go to `onepass run`,
+# e.g. `just reproduce-passive synthetic --set seeds=2`.
+reproduce-passive preset="synthetic" *args="":
+    cargo run --release -p runner -- run experiments/passive/{{preset}}.toml {{args}}
 
-reproduce-active preset="synthetic":
-    cargo run --release -p runner -- run experiments/active/{{preset}}.toml
+reproduce-active preset="synthetic" *args="":
+    cargo run --release -p runner -- run experiments/active/{{preset}}.toml {{args}}
 
-reproduce-deploy preset="synthetic":
-    cargo run --release -p runner -- run experiments/deploy/{{preset}}.toml
+reproduce-deploy preset="synthetic" *args="":
+    cargo run --release -p runner -- run experiments/deploy/{{preset}}.toml {{args}}

@@ -349,6 +349,7 @@ pub fn pessimistic(env: &Env, theta: &[f64], curv: &Curvature, beta: f64, how: P
                 let mut current = objective(&m);
                 loop {
                     let mut improved = false;
+                    #[allow(clippy::needless_range_loop)] // c indexes contexts and `choice`
                     for c in 0..n {
                         for a in 0..k {
                             if a == choice[c] {
@@ -502,4 +503,52 @@ fn deploy(plan: &Plan, config: &ConfigPlan, env: &Env, l: &mut Learner, seed: u3
         }
     }
     Ok(CellResult { rows, stream_hash: h.0, ..Default::default() })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::spec::EnvSpec;
+
+    fn objective(env: &Env, theta: &[f64], curv: &Curvature, beta: f64, choice: &[usize]) -> f64 {
+        let n = env.contexts.len() as f64;
+        let mut m = vec![0.0; env.d];
+        for (c, &a) in choice.iter().enumerate() {
+            for (mi, &v) in m.iter_mut().zip(env.arm(&env.contexts[c], a)) {
+                *mi += f64::from(v) / n;
+            }
+        }
+        m.iter().zip(theta).map(|(a, b)| a * b).sum::<f64>() - beta * curv.inv_norm_f64(&m)
+    }
+
+    #[test]
+    fn pessimistic_policies() {
+        for contexts in [5, 12] {
+            // 3^5 policies are enumerated; 3^12 > 1e5 use coordinate ascent
+            let spec = EnvSpec { dim: 4, contexts, arms: 3, eval_pairs: 10, ..Default::default() };
+            let env = Env::new(&spec, 7, 0);
+            let mut curv = Curvature::new(CurvatureKind::Hessian { lambda: 1.0, point: HessianPoint::LookAhead }, 4);
+            curv.add(&env.contexts[0].phi[..4], 3.0);
+            let theta: Vec<f64> = env.theta_star.iter().map(|v| 0.7 * v + 0.1).collect();
+            let greedy = env.greedy(&theta);
+            assert_eq!(pessimistic(&env, &theta, &curv, 0.0, Pessimism::PerContext), greedy);
+            let p0 = pessimistic(&env, &theta, &curv, 0.0, Pessimism::Policy);
+            assert!(
+                (objective(&env, &theta, &curv, 0.0, &p0) - objective(&env, &theta, &curv, 0.0, &greedy)).abs() < 1e-12
+            );
+            let p = pessimistic(&env, &theta, &curv, 2.0, Pessimism::Policy);
+            let v = objective(&env, &theta, &curv, 2.0, &p);
+            assert!(v >= objective(&env, &theta, &curv, 2.0, &greedy) - 1e-12, "never worse than its start");
+            if contexts == 5 {
+                // exhaustive: no single-context change improves Eq. (5)
+                for c in 0..contexts {
+                    for a in 0..3 {
+                        let mut q = p.clone();
+                        q[c] = a;
+                        assert!(objective(&env, &theta, &curv, 2.0, &q) <= v + 1e-12);
+                    }
+                }
+            }
+        }
+    }
 }

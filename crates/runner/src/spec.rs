@@ -430,8 +430,10 @@ pub struct ActiveSpec {
     /// Pool size: pairs (x, a, a′) drawn once per seed, each with its label drawn once.
     #[serde(default = "d_pool")]
     pub pool: usize,
-    /// Whether a pool pair can be queried again (it keeps its label).
-    #[serde(default = "d_true")]
+    /// Whether a pool pair can be queried again (it keeps its label). Off by default: a
+    /// re-queried pair only duplicates its fixed label, and the 𝓗⁻¹-norm argmax then keeps
+    /// choosing the pairs whose σ' is small.
+    #[serde(default)]
     pub replacement: bool,
     #[serde(default = "d_candidates")]
     pub candidates: usize,
@@ -454,10 +456,7 @@ fn d_rule() -> ActiveRule {
     ActiveRule::PoolArgmax
 }
 fn d_pool() -> usize {
-    1000
-}
-fn d_true() -> bool {
-    true
+    5000
 }
 fn d_candidates() -> usize {
     8

@@ -1,0 +1,258 @@
+//! The real `onepass` binary on small specs in fresh temporary directories.
+
+use arrow_array::{Array, Float64Array, StringArray, UInt32Array};
+use parquet::arrow::arrow_reader::ParquetRecordBatchReaderBuilder;
+use std::path::{Path, PathBuf};
+use std::process::Command;
+
+struct Run {
+    code: i32,
+    stdout: String,
+    stderr: String,
+}
+
+fn onepass(dir: &Path, args: &[&str]) -> Run {
+    let out = Command::new(env!("CARGO_BIN_EXE_onepass")).current_dir(dir).args(args).output().unwrap();
+    Run {
+        code: out.status.code().unwrap_or(-1),
+        stdout: String::from_utf8_lossy(&out.stdout).into_owned(),
+        stderr: String::from_utf8_lossy(&out.stderr).into_owned(),
+    }
+}
+
+fn write(dir: &Path, name: &str, text: &str) -> PathBuf {
+    let p = dir.join(name);
+    std::fs::write(&p, text).unwrap();
+    p
+}
+
+const PASSIVE: &str = r#"
+setting = "passive"
+seeds = 2
+[env]
+dim = 6
+contexts = 20
+arms = 4
+eval_pairs = 200
+[stream]
+samples = 400
+batch_size = 4
+eval_every = 100
+record_steps = true
+[[estimator]]
+kind = "omd-exact"
+[[estimator]]
+kind = "sgd"
+lr = [0.1, 0.5]
+[[estimator]]
+kind = "mle"
+refit_every = 10
+"#;
+
+fn read_table(path: &Path) -> Vec<arrow_array::RecordBatch> {
+    let f = std::fs::File::open(path).unwrap();
+    ParquetRecordBatchReaderBuilder::try_new(f).unwrap().build().unwrap().map(|b| b.unwrap()).collect()
+}
+
+fn col<'a, T: 'static>(b: &'a arrow_array::RecordBatch, name: &str) -> &'a T {
+    b.column_by_name(name).unwrap_or_else(|| panic!("no column {name}")).as_any().downcast_ref::<T>().unwrap()
+}
+
+fn run_dir(stdout: &str) -> PathBuf {
+    PathBuf::from(stdout.trim().lines().last().unwrap())
+}
+
+#[test]
+fn passive_run_writes_every_table_and_methods_share_the_stream() {
+    let tmp = tempfile::tempdir().unwrap();
+    let spec = write(tmp.path(), "tiny.toml", PASSIVE);
+    let r = onepass(tmp.path(), &["run", spec.to_str().unwrap(), "--out", "out"]);
+    assert_eq!(r.code, 0, "{}", r.stderr);
+    let dir = tmp.path().join(run_dir(&r.stdout));
+    for f in [
+        "spec.resolved.toml",
+        "meta.json",
+        "cells.parquet",
+        "metrics.parquet",
+        "steps.parquet",
+        "timings.parquet",
+        "schema.json",
+    ] {
+        assert!(dir.join(f).is_file(), "{f} missing");
+    }
+    assert!(!std::fs::read_dir(&dir).unwrap().any(|e| e.unwrap().file_name().to_string_lossy().ends_with(".tmp")));
+    // 4 configs (omd-exact, sgd ×2, mle) × 2 seeds
+    let cells = &read_table(&dir.join("cells.parquet"))[0];
+    assert_eq!(cells.num_rows(), 8);
+    let (est, seed, hash) = (
+        col::<StringArray>(cells, "estimator"),
+        col::<UInt32Array>(cells, "seed"),
+        col::<StringArray>(cells, "stream_hash"),
+    );
+    for s in 0..2 {
+        let hashes: std::collections::BTreeSet<&str> =
+            (0..8).filter(|&i| seed.value(i) == s).map(|i| hash.value(i)).collect();
+        assert_eq!(hashes.len(), 1, "seed {s}: every method saw the same stream");
+    }
+    let h0 = (0..8).find(|&i| seed.value(i) == 0).unwrap();
+    let h1 = (0..8).find(|&i| seed.value(i) == 1).unwrap();
+    assert_ne!(hash.value(h0), hash.value(h1), "seeds differ");
+    assert_eq!((0..8).filter(|&i| est.value(i) == "sgd").count(), 4);
+    // metrics: 4 evaluation points per cell, pessimistic SubOpt on the last row only
+    let m = &read_table(&dir.join("metrics.parquet"))[0];
+    assert_eq!(m.num_rows(), 8 * 4);
+    let pess = col::<Float64Array>(m, "subopt_pessimistic");
+    assert_eq!(pess.len() - pess.null_count(), 8);
+    let acc = col::<Float64Array>(m, "eval_accuracy");
+    assert!((0..m.num_rows()).all(|i| (0.0..=1.0).contains(&acc.value(i))));
+    // θ of every cell, as NPY
+    let npy = std::fs::read(dir.join("theta/c0000.npy")).unwrap();
+    assert_eq!(&npy[..6], b"\x93NUMPY");
+    let hlen = u16::from_le_bytes([npy[8], npy[9]]) as usize;
+    assert_eq!((10 + hlen) % 64, 0);
+    assert!(String::from_utf8_lossy(&npy[10..10 + hlen]).contains("'shape': (6,)"));
+    assert_eq!(npy.len(), 10 + hlen + 6 * 8);
+    // the resolved spec runs the same cells
+    let resolved = std::fs::read_to_string(dir.join("spec.resolved.toml")).unwrap();
+    assert!(resolved.contains("refit_every = 10") && resolved.contains("eta = 1.0"), "{resolved}");
+    let meta: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(dir.join("meta.json")).unwrap()).unwrap();
+    assert_eq!(meta["master_seed"], 20251);
+    assert!(meta["git_revision"].as_str().unwrap().len() >= 7);
+}
+
+#[test]
+fn same_spec_same_bytes_with_one_or_two_threads() {
+    let tmp = tempfile::tempdir().unwrap();
+    let spec = write(tmp.path(), "tiny.toml", PASSIVE);
+    let a = onepass(tmp.path(), &["run", spec.to_str().unwrap(), "--out", "a", "--threads", "1"]);
+    let b = onepass(tmp.path(), &["run", spec.to_str().unwrap(), "--out", "b", "--threads", "2"]);
+    assert_eq!(a.code, 0, "{}", a.stderr);
+    assert_eq!(b.code, 0, "{}", b.stderr);
+    let (da, db) = (tmp.path().join(run_dir(&a.stdout)), tmp.path().join(run_dir(&b.stdout)));
+    for f in ["metrics.parquet", "steps.parquet", "cells.parquet", "spec.resolved.toml", "theta/c0003.npy"] {
+        assert_eq!(std::fs::read(da.join(f)).unwrap(), std::fs::read(db.join(f)).unwrap(), "{f} differs");
+    }
+}
+
+#[test]
+fn schema_matches_the_committed_snapshot() {
+    let tmp = tempfile::tempdir().unwrap();
+    let spec = write(tmp.path(), "tiny.toml", PASSIVE);
+    let r = onepass(tmp.path(), &["run", spec.to_str().unwrap(), "--out", "out"]);
+    assert_eq!(r.code, 0, "{}", r.stderr);
+    let got = std::fs::read_to_string(tmp.path().join(run_dir(&r.stdout)).join("schema.json")).unwrap();
+    let snap = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/snapshots/schema.json");
+    if std::env::var("ONEPASS_UPDATE_SNAPSHOTS").is_ok() {
+        std::fs::write(&snap, &got).unwrap();
+    }
+    let want = std::fs::read_to_string(&snap).expect("snapshot missing: run with ONEPASS_UPDATE_SNAPSHOTS=1");
+    assert_eq!(got, want, "the result schema changed: review, then ONEPASS_UPDATE_SNAPSHOTS=1 cargo test");
+}
+
+#[test]
+fn active_and_deploy_presets_run() {
+    let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("../..");
+    let tmp = tempfile::tempdir().unwrap();
+    for (setting, extra) in [("active", "active.pool=500"), ("deploy", "deploy.q=4")] {
+        let spec = root.join(format!("experiments/{setting}/synthetic.toml"));
+        let r = onepass(
+            tmp.path(),
+            &[
+                "run",
+                spec.to_str().unwrap(),
+                "--out",
+                "out",
+                "--set",
+                "seeds=1",
+                "--set",
+                "stream.samples=200",
+                "--set",
+                "stream.eval_every=100",
+                "--set",
+                extra,
+            ],
+        );
+        assert_eq!(r.code, 0, "{setting}: {}", r.stderr);
+        let m = &read_table(&tmp.path().join(run_dir(&r.stdout)).join("metrics.parquet"))[0];
+        let name = if setting == "active" { "subopt_avg" } else { "regret" };
+        let c = col::<Float64Array>(m, name);
+        assert_eq!(c.null_count(), 0, "{setting}: {name} on every row");
+        if setting == "deploy" {
+            assert!((0..c.len()).all(|i| c.value(i) >= 0.0), "regret is a sum of non-negative terms");
+            let strat = col::<StringArray>(m, "strategy");
+            assert!(strat.null_count() == 0 && (0..strat.len()).any(|i| strat.value(i) == "ucb"));
+        }
+    }
+}
+
+#[test]
+fn a_failing_cell_is_recorded_and_the_sweep_goes_on() {
+    let tmp = tempfile::tempdir().unwrap();
+    let spec = write(tmp.path(), "boom.toml", &PASSIVE.replace("lr = [0.1, 0.5]", "lr = [0.1, 1e38]\nclip = \"none\""));
+    let r = onepass(tmp.path(), &["run", spec.to_str().unwrap(), "--out", "out"]);
+    assert_eq!(r.code, 1, "{}", r.stderr);
+    assert!(!r.stderr.contains("panicked"), "{}", r.stderr);
+    let cells = &read_table(&tmp.path().join(run_dir(&r.stdout)).join("cells.parquet"))[0];
+    let status = col::<StringArray>(cells, "status");
+    let err = col::<StringArray>(cells, "err");
+    let failed: Vec<usize> = (0..cells.num_rows()).filter(|&i| status.value(i) == "failed").collect();
+    assert_eq!(failed.len(), 2, "the lr = 1e38 cells of both seeds");
+    assert!(err.value(failed[0]).contains("non-finite"), "{}", err.value(failed[0]));
+    assert_eq!((0..cells.num_rows()).filter(|&i| status.value(i) == "ok").count(), 6);
+}
+
+#[test]
+fn bad_specs_name_the_file_the_key_and_the_line() {
+    let tmp = tempfile::tempdir().unwrap();
+    let cases: [(&str, &str, &[&str]); 7] = [
+        ("typo.toml", "setting = \"passive\"\n[env]\ndimm = 4\n[[estimator]]\nkind = \"sgd\"\n", &["typo.toml:3", "dimm"]),
+        ("kindkey.toml", "setting = \"passive\"\n[[estimator]]\nkind = \"omd-exact\"\nlr = 0.1\n", &["kindkey.toml:4", "estimator[0].lr", "not a hyper-parameter of `omd-exact`"]),
+        ("range.toml", "setting = \"passive\"\n[[estimator]]\nkind = \"omd-exact\"\nlambda = -1.0\n", &["range.toml:4", "lambda", "expected a finite number > 0"]),
+        ("k0.toml", "setting = \"passive\"\n[[estimator]]\nkind = \"omd-hvp-cg\"\ncg_steps = 0\n", &["k0.toml:4", "cg_steps", "K ≥ 1"]),
+        ("q.toml", "setting = \"deploy\"\n[env]\narms = 4\n[deploy]\nstrategies = [\"best-quantile\"]\nq = 8\n[[estimator]]\nkind = \"sgd\"\n", &["q.toml:5", "deploy.strategies", "q = 8 with n = 4"]),
+        ("kind.toml", "setting = \"passive\"\n[[estimator]]\nkind = \"omd\"\n", &["kind.toml:3", "unknown estimator `omd`"]),
+        ("type.toml", "setting = \"passive\"\n[stream]\nsamples = \"many\"\n[[estimator]]\nkind = \"sgd\"\n", &["type.toml:3"]),
+    ];
+    for (name, text, wants) in cases {
+        let spec = write(tmp.path(), name, text);
+        let r = onepass(tmp.path(), &["run", spec.to_str().unwrap(), "--out", "out"]);
+        assert_eq!(r.code, 2, "{name}: {}", r.stderr);
+        assert!(!r.stderr.contains("panicked"), "{name}: {}", r.stderr);
+        assert_eq!(r.stderr.trim().lines().count(), 1, "{name}: one line: {}", r.stderr);
+        for w in wants {
+            assert!(r.stderr.contains(w), "{name}: `{w}` not in: {}", r.stderr);
+        }
+    }
+    assert!(!tmp.path().join("out").exists(), "nothing is written for a bad spec");
+    let r = onepass(tmp.path(), &["run", "missing.toml"]);
+    assert_eq!(r.code, 2);
+    assert!(r.stderr.contains("missing.toml") && r.stderr.contains("cannot read"), "{}", r.stderr);
+}
+
+#[test]
+fn set_overrides_keys_and_estimator_entries() {
+    let tmp = tempfile::tempdir().unwrap();
+    let spec = write(tmp.path(), "tiny.toml", PASSIVE);
+    let r = onepass(
+        tmp.path(),
+        &[
+            "run",
+            spec.to_str().unwrap(),
+            "--dry-run",
+            "--set",
+            "env.dim=9",
+            "--set",
+            "estimator.1.lr=[0.2]",
+            "--set",
+            "seeds=1",
+        ],
+    );
+    assert_eq!(r.code, 0, "{}", r.stderr);
+    assert!(r.stdout.contains("dim = 9"), "{}", r.stdout);
+    assert!(r.stdout.contains("lr = 0.2"), "{}", r.stdout);
+    assert_eq!(r.stdout.lines().filter(|l| l.starts_with("# c")).count(), 3);
+    let r = onepass(tmp.path(), &["run", spec.to_str().unwrap(), "--dry-run", "--set", "estimator.7.lr=1"]);
+    assert_eq!(r.code, 2);
+    assert!(r.stderr.contains("estimator.7.lr") && r.stderr.contains("out of range"), "{}", r.stderr);
+}

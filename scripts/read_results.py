@@ -1,0 +1,22 @@
+"""Reads a onepass run directory with pandas and polars, as a notebook would, and checks the
+basics (CI runs it on a freshly produced run). Usage: python3 scripts/read_results.py RUN_DIR"""
+import json
+import pathlib
+import sys
+
+import numpy as np
+import pandas as pd
+import polars as pl
+
+run = pathlib.Path(sys.argv[1])
+metrics = pd.read_parquet(run / "metrics.parquet")
+cells = pl.read_parquet(run / "cells.parquet")
+schema = json.loads((run / "schema.json").read_text())
+assert list(metrics.columns) == [c[0] for c in schema["metrics.parquet"]], "metrics columns match schema.json"
+assert cells.height == json.loads((run / "meta.json").read_text())["cells"]
+final = metrics.sort_values("step").groupby(["label", "seed"]).last().reset_index()
+table = final.groupby("label")[["eval_accuracy", "theta_err", "subopt"]].agg(["mean", "std"])
+print(table.to_string())
+theta = np.load(run / "theta" / f"{cells['cell_id'][0]}.npy")
+assert theta.ndim == 1 and np.isfinite(theta).all()
+print(f"read {len(metrics)} metric rows, {cells.height} cells, theta of dimension {theta.shape[0]}")
