@@ -7,6 +7,7 @@
 
 pub mod env;
 pub mod plan;
+pub mod report;
 pub mod results;
 pub mod settings;
 pub mod spec;

@@ -36,6 +36,13 @@ enum Cmd {
         #[arg(long)]
         dry_run: bool,
     },
+    /// Write <run-dir>/report/: report.md (final metrics, mean ± std over seeds) and figures.
+    Report { run: PathBuf },
+    /// Print the final metrics of several runs side by side (markdown).
+    Compare {
+        #[arg(required = true)]
+        runs: Vec<PathBuf>,
+    },
     /// List the estimator names a spec may use.
     Estimators,
 }
@@ -43,6 +50,26 @@ enum Cmd {
 fn main() -> ExitCode {
     let cli = Cli::parse();
     match cli.cmd {
+        Cmd::Report { run } => match runner::report::report(&run) {
+            Ok(dir) => {
+                println!("{}", dir.join("report.md").display());
+                ExitCode::SUCCESS
+            }
+            Err(e) => {
+                eprintln!("onepass: {e:#}");
+                ExitCode::from(2)
+            }
+        },
+        Cmd::Compare { runs } => match runner::report::compare(&runs) {
+            Ok(md) => {
+                print!("{md}");
+                ExitCode::SUCCESS
+            }
+            Err(e) => {
+                eprintln!("onepass: {e:#}");
+                ExitCode::from(2)
+            }
+        },
         Cmd::Estimators => {
             for k in estimators::Kind::ALL {
                 println!("{k}");

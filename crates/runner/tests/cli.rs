@@ -256,3 +256,31 @@ fn set_overrides_keys_and_estimator_entries() {
     assert_eq!(r.code, 2);
     assert!(r.stderr.contains("estimator.7.lr") && r.stderr.contains("out of range"), "{}", r.stderr);
 }
+
+#[test]
+fn report_and_compare_read_a_run() {
+    let tmp = tempfile::tempdir().unwrap();
+    let spec = write(tmp.path(), "tiny.toml", PASSIVE);
+    let r = onepass(tmp.path(), &["run", spec.to_str().unwrap(), "--out", "out"]);
+    assert_eq!(r.code, 0, "{}", r.stderr);
+    let dir = tmp.path().join(run_dir(&r.stdout));
+    let rep = onepass(tmp.path(), &["report", dir.to_str().unwrap()]);
+    assert_eq!(rep.code, 0, "{}", rep.stderr);
+    let md = std::fs::read_to_string(dir.join("report/report.md")).unwrap();
+    for label in ["omd-exact", "sgd lr=0.1", "sgd lr=0.5", "mle"] {
+        assert!(md.contains(&format!("| {label} | 2 |")), "{label} row in:\n{md}");
+    }
+    assert!(md.contains("subopt_pessimistic"));
+    if Path::new("/usr/share/fonts/truetype/dejavu/DejaVuSans.ttf").exists() {
+        for f in ["eval_accuracy.png", "theta_err.svg", "cost.png"] {
+            assert!(dir.join("report").join(f).metadata().unwrap().len() > 1000, "{f}");
+        }
+        assert!(md.contains("![cost](cost.png)"));
+    }
+    let cmp = onepass(tmp.path(), &["compare", dir.to_str().unwrap(), dir.to_str().unwrap()]);
+    assert_eq!(cmp.code, 0, "{}", cmp.stderr);
+    assert_eq!(cmp.stdout.lines().filter(|l| l.contains(": omd-exact |")).count(), 2);
+    let bad = onepass(tmp.path(), &["report", tmp.path().join("nope").to_str().unwrap()]);
+    assert_eq!(bad.code, 2);
+    assert!(bad.stderr.contains("metrics.parquet"), "{}", bad.stderr);
+}

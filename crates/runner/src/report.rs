@@ -1,0 +1,328 @@
+//! `onepass report <run-dir>` and `onepass compare <run-dir>…`: they only read a run's tables.
+//! The report is `report/report.md` (final metrics, mean ± std over seeds) and one PNG + SVG
+//! figure per metric against samples seen, with a ±1 std band over seeds; `cost` plots the
+//! flops per sample between evaluation points, flat for one-pass estimators and growing for mle.
+
+use anyhow::{anyhow, bail, Context, Result};
+use arrow_array::{Array, BooleanArray, Float64Array, RecordBatch, StringArray, UInt32Array, UInt64Array};
+use parquet::arrow::arrow_reader::ParquetRecordBatchReaderBuilder;
+use plotters::prelude::*;
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+
+/// The metrics.parquet columns the report uses.
+#[derive(Clone, Debug)]
+pub struct Row {
+    pub label: String,
+    pub seed: u32,
+    pub samples: u64,
+    pub values: BTreeMap<&'static str, f64>,
+}
+
+/// Metrics that get a figure, with their axis titles.
+pub const FIGURES: [(&str, &str); 8] = [
+    ("train_loss", "train loss (prequential)"),
+    ("eval_loss", "eval loss"),
+    ("eval_accuracy", "eval accuracy"),
+    ("theta_err", "‖θ − θ*‖"),
+    ("subopt", "SubOpt (greedy)"),
+    ("regret", "cumulative regret"),
+    ("subopt_avg", "SubOpt (averaged iterate)"),
+    ("cost", "flops per sample"),
+];
+
+fn read_batches(path: &Path) -> Result<Vec<RecordBatch>> {
+    let f = std::fs::File::open(path).with_context(|| format!("opening {}", path.display()))?;
+    let reader = ParquetRecordBatchReaderBuilder::try_new(f)
+        .with_context(|| format!("{}: not a parquet file", path.display()))?
+        .build()?;
+    reader.map(|b| b.with_context(|| format!("reading {}", path.display()))).collect()
+}
+
+fn column<'a, T: 'static>(b: &'a RecordBatch, name: &str, path: &Path) -> Result<&'a T> {
+    b.column_by_name(name)
+        .ok_or_else(|| anyhow!("{}: no column `{name}`", path.display()))?
+        .as_any()
+        .downcast_ref::<T>()
+        .ok_or_else(|| anyhow!("{}: column `{name}` has an unexpected type", path.display()))
+}
+
+/// Reads a run's metrics.parquet.
+pub fn read_metrics(run: &Path) -> Result<Vec<Row>> {
+    let path = run.join("metrics.parquet");
+    let mut rows = Vec::new();
+    for b in read_batches(&path)? {
+        let label = column::<StringArray>(&b, "label", &path)?;
+        let seed = column::<UInt32Array>(&b, "seed", &path)?;
+        let samples = column::<UInt64Array>(&b, "samples_seen", &path)?;
+        let flops = column::<UInt64Array>(&b, "flops", &path)?;
+        let _ = column::<BooleanArray>(&b, "converged", &path)?;
+        let mut floats = Vec::new();
+        for name in
+            FIGURES.iter().map(|(n, _)| *n).filter(|n| *n != "cost").chain(["subopt_pessimistic", "theta_err_h"])
+        {
+            floats.push((name, column::<Float64Array>(&b, name, &path)?));
+        }
+        for i in 0..b.num_rows() {
+            let mut values = BTreeMap::new();
+            for (name, col) in &floats {
+                if col.is_valid(i) {
+                    values.insert(*name, col.value(i));
+                }
+            }
+            values.insert("flops_cum", flops.value(i) as f64);
+            rows.push(Row {
+                label: label.value(i).to_string(),
+                seed: seed.value(i),
+                samples: samples.value(i),
+                values,
+            });
+        }
+    }
+    add_cost(&mut rows);
+    Ok(rows)
+}
+
+/// cost = Δflops / Δsamples between consecutive rows of a cell.
+fn add_cost(rows: &mut [Row]) {
+    let mut last: BTreeMap<(String, u32), (u64, f64)> = BTreeMap::new();
+    for r in rows.iter_mut() {
+        let key = (r.label.clone(), r.seed);
+        let (s0, f0) = last.get(&key).copied().unwrap_or((0, 0.0));
+        let f = r.values["flops_cum"];
+        if r.samples > s0 {
+            r.values.insert("cost", (f - f0) / (r.samples - s0) as f64);
+        }
+        last.insert(key, (r.samples, f));
+    }
+}
+
+/// mean and sample std of `v` (std 0 for one value).
+fn mean_std(v: &[f64]) -> (f64, f64) {
+    let n = v.len() as f64;
+    let m = v.iter().sum::<f64>() / n;
+    let var = if v.len() > 1 { v.iter().map(|x| (x - m).powi(2)).sum::<f64>() / (n - 1.0) } else { 0.0 };
+    (m, var.sqrt())
+}
+
+/// label → samples → values over seeds, for one metric.
+fn series(rows: &[Row], metric: &str) -> BTreeMap<String, BTreeMap<u64, Vec<f64>>> {
+    let mut out: BTreeMap<String, BTreeMap<u64, Vec<f64>>> = BTreeMap::new();
+    for r in rows {
+        if let Some(&v) = r.values.get(metric) {
+            out.entry(r.label.clone()).or_default().entry(r.samples).or_default().push(v);
+        }
+    }
+    out
+}
+
+/// The final row of every cell, grouped by label.
+fn finals(rows: &[Row]) -> BTreeMap<String, Vec<&Row>> {
+    let mut last: BTreeMap<(String, u32), &Row> = BTreeMap::new();
+    for r in rows {
+        let k = (r.label.clone(), r.seed);
+        if last.get(&k).is_none_or(|p| p.samples <= r.samples) {
+            last.insert(k, r);
+        }
+    }
+    let mut out: BTreeMap<String, Vec<&Row>> = BTreeMap::new();
+    for ((label, _), r) in last {
+        out.entry(label).or_default().push(r);
+    }
+    out
+}
+
+/// The final-metrics table in markdown (`prefix` labels the rows, for `compare`).
+pub fn final_table(runs: &[(String, Vec<Row>)]) -> String {
+    let metrics = ["eval_accuracy", "eval_loss", "theta_err", "subopt", "subopt_pessimistic", "subopt_avg", "regret"];
+    let present: Vec<&str> = metrics
+        .iter()
+        .copied()
+        .filter(|m| runs.iter().any(|(_, rows)| rows.iter().any(|r| r.values.contains_key(m))))
+        .collect();
+    let mut s = String::from("| config | seeds |");
+    for m in &present {
+        s.push_str(&format!(" {m} |"));
+    }
+    s.push_str(&format!("\n|---|---|{}\n", "---|".repeat(present.len())));
+    for (prefix, rows) in runs {
+        for (label, fin) in finals(rows) {
+            let name = if prefix.is_empty() { label } else { format!("{prefix}: {label}") };
+            s.push_str(&format!("| {name} | {} |", fin.len()));
+            for m in &present {
+                let v: Vec<f64> = fin.iter().filter_map(|r| r.values.get(m).copied()).collect();
+                if v.is_empty() {
+                    s.push_str(" – |");
+                } else {
+                    let (mu, sd) = mean_std(&v);
+                    s.push_str(&format!(" {mu:.4} ± {sd:.4} |"));
+                }
+            }
+            s.push('\n');
+        }
+    }
+    s
+}
+
+/// Matplotlib's tab10: distinct, and familiar to readers of ML papers.
+const TAB10: [RGBColor; 10] = [
+    RGBColor(31, 119, 180),
+    RGBColor(255, 127, 14),
+    RGBColor(44, 160, 44),
+    RGBColor(214, 39, 40),
+    RGBColor(148, 103, 189),
+    RGBColor(140, 86, 75),
+    RGBColor(227, 119, 194),
+    RGBColor(127, 127, 127),
+    RGBColor(188, 189, 34),
+    RGBColor(23, 190, 207),
+];
+
+const FONT_PATHS: [&str; 5] = [
+    "/usr/share/fonts/truetype/dejavu/DejaVuSans.ttf",
+    "/usr/share/fonts/TTF/DejaVuSans.ttf",
+    "/usr/share/fonts/dejavu/DejaVuSans.ttf",
+    "/Library/Fonts/Arial.ttf",
+    "C:\\Windows\\Fonts\\arial.ttf",
+];
+
+/// Registers a TTF font for the figures: $ONEPASS_FONT, else a few system locations.
+fn register_font() -> Result<PathBuf> {
+    let candidates: Vec<PathBuf> = std::env::var_os("ONEPASS_FONT")
+        .map(PathBuf::from)
+        .into_iter()
+        .chain(FONT_PATHS.iter().map(PathBuf::from))
+        .collect();
+    for p in &candidates {
+        if let Ok(bytes) = std::fs::read(p) {
+            let bytes: &'static [u8] = Box::leak(bytes.into_boxed_slice());
+            if plotters::style::register_font("sans-serif", FontStyle::Normal, bytes).is_ok() {
+                return Ok(p.clone());
+            }
+        }
+    }
+    bail!(
+        "no TTF font for the figures: set ONEPASS_FONT to a .ttf file (looked in {})",
+        candidates.iter().map(|p| p.display().to_string()).collect::<Vec<_>>().join(", ")
+    )
+}
+
+fn draw<DB: DrawingBackend>(
+    root: DrawingArea<DB, plotters::coord::Shift>,
+    metric: &str,
+    title: &str,
+    rows: &[Row],
+) -> Result<()>
+where
+    DB::ErrorType: 'static,
+{
+    let data = series(rows, metric);
+    let mut pts: Vec<(f64, f64, f64)> = Vec::new();
+    for by in data.values() {
+        for vals in by.values() {
+            let (m, s) = mean_std(vals);
+            pts.push((0.0, m - s, m + s));
+        }
+    }
+    let xs: Vec<f64> = data.values().flat_map(|by| by.keys().map(|&k| k as f64)).collect();
+    let (x0, x1) =
+        (xs.iter().copied().fold(f64::INFINITY, f64::min), xs.iter().copied().fold(f64::NEG_INFINITY, f64::max));
+    let (mut y0, mut y1) = pts.iter().fold((f64::INFINITY, f64::NEG_INFINITY), |(a, b), p| (a.min(p.1), b.max(p.2)));
+    if !(y0.is_finite() && y1.is_finite()) {
+        bail!("no finite values of {metric}");
+    }
+    if y1 - y0 < 1e-12 {
+        y0 -= 0.5;
+        y1 += 0.5;
+    }
+    let pad = 0.05 * (y1 - y0);
+    root.fill(&WHITE).map_err(|e| anyhow!("{e:?}"))?;
+    let mut chart = ChartBuilder::on(&root)
+        .caption(title, ("sans-serif", 22))
+        .margin(12)
+        .x_label_area_size(40)
+        .y_label_area_size(70)
+        .build_cartesian_2d(x0..x1.max(x0 + 1.0), (y0 - pad)..(y1 + pad))
+        .map_err(|e| anyhow!("{e:?}"))?;
+    chart.configure_mesh().x_desc("samples seen").y_desc(title).draw().map_err(|e| anyhow!("{e:?}"))?;
+    for (i, (label, by)) in data.iter().enumerate() {
+        let color = TAB10[i % TAB10.len()].to_rgba();
+        let stats: Vec<(f64, f64, f64)> = by
+            .iter()
+            .map(|(&x, v)| {
+                let (m, s) = mean_std(v);
+                (x as f64, m, s)
+            })
+            .collect();
+        let band: Vec<(f64, f64)> =
+            stats.iter().map(|&(x, m, s)| (x, m + s)).chain(stats.iter().rev().map(|&(x, m, s)| (x, m - s))).collect();
+        chart.draw_series(std::iter::once(Polygon::new(band, color.mix(0.15)))).map_err(|e| anyhow!("{e:?}"))?;
+        chart
+            .draw_series(LineSeries::new(stats.iter().map(|&(x, m, _)| (x, m)), color.stroke_width(2)))
+            .map_err(|e| anyhow!("{e:?}"))?
+            .label(label.clone())
+            .legend(move |(x, y)| PathElement::new(vec![(x, y), (x + 18, y)], color.stroke_width(2)));
+    }
+    chart
+        .configure_series_labels()
+        .background_style(WHITE.mix(0.8))
+        .border_style(BLACK)
+        .position(SeriesLabelPosition::UpperRight)
+        .draw()
+        .map_err(|e| anyhow!("{e:?}"))?;
+    root.present().map_err(|e| anyhow!("{e:?}"))?;
+    Ok(())
+}
+
+/// Writes `<run>/report/`; returns the report directory.
+pub fn report(run: &Path) -> Result<PathBuf> {
+    let rows = read_metrics(run)?;
+    if rows.is_empty() {
+        bail!("{}: no metric rows (did every cell fail? see cells.parquet)", run.display());
+    }
+    let out = run.join("report");
+    std::fs::create_dir_all(&out).with_context(|| format!("creating {}", out.display()))?;
+    let mut md = format!(
+        "# {}\n\nFinal metrics, mean ± std over seeds.\n\n",
+        run.file_name().unwrap_or_default().to_string_lossy()
+    );
+    md.push_str(&final_table(&[(String::new(), rows.clone())]));
+    let figures = match register_font() {
+        Ok(_) => {
+            let mut made = Vec::new();
+            for (metric, title) in FIGURES {
+                if series(&rows, metric).is_empty() {
+                    continue;
+                }
+                let png = out.join(format!("{metric}.png"));
+                let svg = out.join(format!("{metric}.svg"));
+                draw(BitMapBackend::new(&png, (900, 560)).into_drawing_area(), metric, title, &rows)
+                    .with_context(|| format!("drawing {}", png.display()))?;
+                draw(SVGBackend::new(&svg, (900, 560)).into_drawing_area(), metric, title, &rows)
+                    .with_context(|| format!("drawing {}", svg.display()))?;
+                made.push(metric);
+            }
+            made
+        }
+        Err(e) => {
+            eprintln!("onepass: {e:#}; writing the tables only");
+            Vec::new()
+        }
+    };
+    md.push_str("\n## Figures\n\n");
+    for m in &figures {
+        md.push_str(&format!("![{m}]({m}.png)\n\n"));
+    }
+    crate::results::write_atomic(&out.join("report.md"), md.as_bytes())?;
+    Ok(out)
+}
+
+/// Final metrics of several runs side by side, as markdown.
+pub fn compare(runs: &[PathBuf]) -> Result<String> {
+    let mut all = Vec::new();
+    for r in runs {
+        let name = r.file_name().unwrap_or_default().to_string_lossy().into_owned();
+        all.push((name, read_metrics(r)?));
+    }
+    Ok(final_table(&all))
+}
