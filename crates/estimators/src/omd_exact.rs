@@ -40,7 +40,6 @@ pub struct OmdExact {
     pending_c: f64,
     pending_u: Vec<f64>,
     steps: u64,
-    samples: u64,
     counters: Counters,
     projection: Projection,
     // scratch
@@ -63,7 +62,6 @@ impl OmdExact {
             pending_c: 0.0,
             pending_u: vec![0.0; d],
             steps: 0,
-            samples: 0,
             counters: Counters::default(),
             projection: Projection::default(),
             zd: vec![0.0; d],
@@ -142,7 +140,6 @@ impl OmdExact {
         let s_next = sigmoid_prime(dot_f64(&self.zd, &self.theta));
         self.pending_c = s_next / (1.0 + s_next * q);
         std::mem::swap(&mut self.pending_u, &mut self.u);
-        self.samples += 1;
     }
 }
 

@@ -281,3 +281,52 @@ fn a_zero_gradient_reports_a_zero_step_and_cosine() {
         assert_eq!(rep.cos_step_grad, 0.0, "{kind}: no NaN from 0/0");
     }
 }
+
+#[test]
+fn step_reports_match_an_independent_computation() {
+    let (d, b, steps) = (7, 5, 25);
+    let s = stream(47, b * steps, d, 2.0, 2.0);
+    for kind in Kind::ALL {
+        let mut cfg = EstimatorConfig::default_for(kind);
+        if let EstimatorConfig::OmdExact(c) = &mut cfg {
+            c.radius = Some(0.8); // let the projection bind
+        }
+        let setup = Setup { dim: d, init: Init::Normal { std: Some(0.3) }, seed: 3, planned_steps: Some(steps as u64) };
+        let mut e = build(&cfg, &setup).unwrap();
+        for t in 0..steps {
+            let before = e.theta();
+            let batch = s.batch(t, b);
+            let rep = e.update(&batch).unwrap();
+            let after = e.theta();
+            assert_eq!(e.steps(), t as u64 + 1, "{kind}");
+            let (mut g, mut loss) = (vec![0.0; d], 0.0);
+            for (i, row) in batch.rows().enumerate() {
+                let z: Vec<f64> = row.iter().map(|&v| f64::from(v)).collect();
+                let m = dot(&z, &before);
+                let y = f64::from(batch.y()[i]);
+                loss += ((1.0 + m.exp()).ln() - y * m) / b as f64;
+                for j in 0..d {
+                    g[j] += (sigmoid(m) - y) * z[j] / b as f64;
+                }
+            }
+            let step: Vec<f64> = before.iter().zip(&after).map(|(x, y)| x - y).collect();
+            let (sn, gn) = (norm(&step), norm(&g));
+            let tol = |x: f64| 1e-4 * (1.0 + x.abs());
+            assert!((rep.before.loss - loss).abs() < tol(loss), "{kind} step {t}: loss");
+            assert!((rep.grad_norm - gn).abs() < tol(gn), "{kind} step {t}: ‖g‖ {} vs {gn}", rep.grad_norm);
+            assert!((rep.step_norm - sn).abs() < tol(sn), "{kind} step {t}: step norm {} vs {sn}", rep.step_norm);
+            if sn > 1e-6 {
+                let cos = dot(&step, &g) / (sn * gn);
+                assert!((rep.cos_step_grad - cos).abs() < 1e-3, "{kind} step {t}: cos {} vs {cos}", rep.cos_step_grad);
+            }
+        }
+        assert!(e.counters().flops > 0);
+    }
+    let mut ex = OmdExact::new(OmdExactConfig { radius: Some(0.8), ..Default::default() }, vec![0.0; d]).unwrap();
+    for t in 0..steps {
+        ex.update(&s.batch(t, b)).unwrap();
+    }
+    let p = ex.projection();
+    assert!(p.count >= 1 && p.count <= (b * steps) as u64, "{p:?}");
+    assert!(p.mu > 0.0);
+}
