@@ -228,11 +228,52 @@ pub fn build(cfg: &EstimatorConfig, setup: &Setup) -> Result<Box<dyn Estimator>,
     })
 }
 
-/// Σ cᵢ zᵢ / n over the batch rows, into f64 `out`.
-pub(crate) fn mean_gradient_f64(batch: &Batch<'_>, coef: &[f64], out: &mut [f64]) {
-    out.fill(0.0);
-    let n = batch.len() as f64;
-    for (row, &c) in batch.rows().zip(coef) {
-        linalg::axpy_f32_f64(c / n, row, out);
+/// Per-batch statistics of an estimator that keeps θ in f64 (omd-exact, mle): margins, loss,
+/// accuracy and κ at θ_t, and the batch-mean gradient `g` (for ‖g‖ and cos(step, g)).
+#[derive(Clone, Debug, Default)]
+pub(crate) struct PrequentialF64 {
+    margins: Vec<f64>,
+    coef: Vec<f64>,
+    curv: Vec<f64>,
+    pub g: Vec<f64>,
+}
+
+impl PrequentialF64 {
+    /// Checks the batch's dimension, then measures it at `theta`; returns the stats and ‖g‖.
+    pub fn measure(&mut self, batch: &Batch<'_>, theta: &[f64]) -> Result<(BatchStats, f64), EstimatorError> {
+        let d = theta.len();
+        if batch.dim() != d {
+            return Err(EstimatorError::BadBatch { what: format!("dimension {}: expected {d}", batch.dim()) });
+        }
+        let b = batch.len();
+        for v in [&mut self.margins, &mut self.coef, &mut self.curv] {
+            v.resize(b, 0.0);
+        }
+        for (m, row) in self.margins.iter_mut().zip(batch.rows()) {
+            *m = linalg::dot_f32_f64(row, theta);
+        }
+        let stats = BatchStats::compute(&self.margins, batch.y(), &mut self.coef, &mut self.curv);
+        self.g.resize(d, 0.0);
+        self.g.fill(0.0);
+        for (row, &c) in batch.rows().zip(&self.coef) {
+            linalg::axpy_f32_f64(c / b as f64, row, &mut self.g);
+        }
+        Ok((stats, linalg::norm_f64(&self.g)))
+    }
+
+    /// (‖old − new‖, cos∠(old − new, g)) with the `g` of the last `measure`.
+    pub fn step_geometry(&self, old: &[f64], new: &[f64], grad_norm: f64) -> (f64, f64) {
+        let (mut ss, mut sg) = (0.0, 0.0);
+        for ((o, n), g) in old.iter().zip(new).zip(&self.g) {
+            let s = o - n;
+            ss += s * s;
+            sg += s * g;
+        }
+        let step = ss.sqrt();
+        (step, if step > 0.0 && grad_norm > 0.0 { sg / (step * grad_norm) } else { 0.0 })
+    }
+
+    pub fn bytes(&self) -> usize {
+        (self.margins.len() * 3 + self.g.len()) * 8
     }
 }

@@ -7,8 +7,8 @@
 
 use crate::config::{Kind, MleConfig, MleSolver};
 use crate::linalg::{axpy_f32_f64, dot_f32_f64, dot_f64, norm_f64};
-use crate::logistic::{log_loss, sigmoid, sigmoid_prime, BatchStats};
-use crate::{mean_gradient_f64, Batch, Counters, Estimator, EstimatorError, StepReport};
+use crate::logistic::{log_loss, sigmoid, sigmoid_prime};
+use crate::{Batch, Counters, Estimator, EstimatorError, PrequentialF64, StepReport};
 use nalgebra::{DMatrix, DVector};
 use std::collections::VecDeque;
 
@@ -19,10 +19,7 @@ pub struct Mle {
     y: Vec<f32>,
     steps: u64,
     counters: Counters,
-    margins: Vec<f64>,
-    coef: Vec<f64>,
-    curv: Vec<f64>,
-    g: Vec<f64>,
+    stats: PrequentialF64,
 }
 
 /// F, ∇F and the per-sample evaluation count of one pass.
@@ -203,7 +200,6 @@ fn lbfgs(obj: &mut Objective<'_>, theta: &mut [f64], tol: f64, max_iters: u32, m
 
 impl Mle {
     pub fn new(cfg: MleConfig, theta0: Vec<f64>) -> Self {
-        let d = theta0.len();
         Mle {
             cfg,
             theta: theta0,
@@ -211,10 +207,7 @@ impl Mle {
             y: Vec::new(),
             steps: 0,
             counters: Counters::default(),
-            margins: Vec::new(),
-            coef: Vec::new(),
-            curv: Vec::new(),
-            g: vec![0.0; d],
+            stats: PrequentialF64::default(),
         }
     }
 
@@ -282,25 +275,14 @@ impl Estimator for Mle {
     }
 
     fn state_bytes(&self) -> usize {
-        (self.z.len() + self.y.len()) * 4 + 2 * self.theta.len() * 8
+        (self.z.len() + self.y.len()) * 4 + self.theta.len() * 8 + self.stats.bytes()
     }
 
     fn update(&mut self, batch: &Batch<'_>) -> Result<StepReport, EstimatorError> {
         let d = self.theta.len();
-        if batch.dim() != d {
-            return Err(EstimatorError::BadBatch { what: format!("dimension {}: expected {d}", batch.dim()) });
-        }
+        let (before, grad_norm) = self.stats.measure(batch, &self.theta)?;
         self.steps += 1;
         let b = batch.len();
-        for v in [&mut self.margins, &mut self.coef, &mut self.curv] {
-            v.resize(b, 0.0);
-        }
-        for (m, row) in self.margins.iter_mut().zip(batch.rows()) {
-            *m = dot_f32_f64(row, &self.theta);
-        }
-        let before = BatchStats::compute(&self.margins, batch.y(), &mut self.coef, &mut self.curv);
-        mean_gradient_f64(batch, &self.coef, &mut self.g);
-        let grad_norm = norm_f64(&self.g);
         self.z.extend_from_slice(batch.z());
         self.y.extend_from_slice(batch.y());
         let mut cost = Counters { grad_evals: b as u64, hvp_evals: 0, flops: 4 * (b * d) as u64 };
@@ -308,14 +290,7 @@ impl Estimator for Mle {
         if self.steps % self.cfg.refit_every == 0 {
             let old = self.theta.clone();
             let fit = self.refit_into(&mut cost);
-            let (mut ss, mut sg) = (0.0, 0.0);
-            for i in 0..d {
-                let s = old[i] - self.theta[i];
-                ss += s * s;
-                sg += s * self.g[i];
-            }
-            step_norm = ss.sqrt();
-            cos = if step_norm > 0.0 && grad_norm > 0.0 { sg / (step_norm * grad_norm) } else { 0.0 };
+            (step_norm, cos) = self.stats.step_geometry(&old, &self.theta, grad_norm);
             iters = fit.iterations;
             converged = fit.converged;
             if !step_norm.is_finite() {

@@ -16,9 +16,9 @@
 //! when it does not bind (‖θ′‖ ≤ B is checked first, O(d)).
 
 use crate::config::{Kind, OmdExactConfig};
-use crate::linalg::{dot_f32_f64, dot_f64, norm_f64, PackedSym};
-use crate::logistic::{sigmoid, sigmoid_prime, BatchStats};
-use crate::{mean_gradient_f64, Batch, Counters, Estimator, EstimatorError, StepReport};
+use crate::linalg::{dot_f64, norm_f64, PackedSym};
+use crate::logistic::{sigmoid, sigmoid_prime};
+use crate::{Batch, Counters, Estimator, EstimatorError, PrequentialF64, StepReport};
 use nalgebra::{DMatrix, DVector, SymmetricEigen};
 
 /// Outcome of the last projection.
@@ -45,10 +45,7 @@ pub struct OmdExact {
     // scratch
     zd: Vec<f64>,
     u: Vec<f64>,
-    g: Vec<f64>,
-    margins: Vec<f64>,
-    coef: Vec<f64>,
-    curv: Vec<f64>,
+    stats: PrequentialF64,
     old: Vec<f64>,
 }
 
@@ -66,10 +63,7 @@ impl OmdExact {
             projection: Projection::default(),
             zd: vec![0.0; d],
             u: vec![0.0; d],
-            g: vec![0.0; d],
-            margins: Vec::new(),
-            coef: Vec::new(),
-            curv: Vec::new(),
+            stats: PrequentialF64::default(),
             old: vec![0.0; d],
         })
     }
@@ -200,37 +194,20 @@ impl Estimator for OmdExact {
     }
 
     fn state_bytes(&self) -> usize {
-        self.hinv.bytes() + 7 * self.theta.len() * 8 + self.margins.len() * 3 * 8
+        self.hinv.bytes() + 5 * self.theta.len() * 8 + self.stats.bytes()
     }
 
     fn update(&mut self, batch: &Batch<'_>) -> Result<StepReport, EstimatorError> {
         let d = self.theta.len();
-        if batch.dim() != d {
-            return Err(EstimatorError::BadBatch { what: format!("dimension {}: expected {d}", batch.dim()) });
-        }
+        let (before, grad_norm) = self.stats.measure(batch, &self.theta)?;
         self.steps += 1;
         let b = batch.len();
-        for v in [&mut self.margins, &mut self.coef, &mut self.curv] {
-            v.resize(b, 0.0);
-        }
-        for (m, row) in self.margins.iter_mut().zip(batch.rows()) {
-            *m = dot_f32_f64(row, &self.theta);
-        }
-        let before = BatchStats::compute(&self.margins, batch.y(), &mut self.coef, &mut self.curv);
-        mean_gradient_f64(batch, &self.coef, &mut self.g);
-        let grad_norm = norm_f64(&self.g);
         self.old.copy_from_slice(&self.theta);
         let flops_before = self.counters.flops;
         for (row, &y) in batch.rows().zip(batch.y()) {
             self.sample(row, f64::from(y));
         }
-        let (mut ss, mut sg) = (0.0, 0.0);
-        for i in 0..d {
-            let s = self.old[i] - self.theta[i];
-            ss += s * s;
-            sg += s * self.g[i];
-        }
-        let step_norm = f64::sqrt(ss);
+        let (step_norm, cos_step_grad) = self.stats.step_geometry(&self.old, &self.theta, grad_norm);
         if !step_norm.is_finite() {
             return Err(EstimatorError::NonFinite { kind: "omd-exact", step: self.steps });
         }
@@ -249,7 +226,7 @@ impl Estimator for OmdExact {
             grad_norm,
             step_norm,
             clip_factor: 1.0,
-            cos_step_grad: if step_norm > 0.0 && grad_norm > 0.0 { sg / (step_norm * grad_norm) } else { 0.0 },
+            cos_step_grad,
             damping: f64::NAN,
             inner_iters: 0,
             converged: true,
