@@ -196,12 +196,23 @@ pub fn write_tables(dir: &Path, plan: &Plan, cells: &[CellOutcome<'_>]) -> Resul
         schemas.push(("steps.parquet".to_string(), t.write(&dir.join("steps.parquet"))?));
     }
 
+    // timings: one row per cell × evaluation bucket (wall clock lives only here)
+    let rows: Vec<(&CellOutcome<'_>, &CellResult, &crate::settings::Bucket)> = cells
+        .iter()
+        .filter_map(|c| c.result.as_ref().ok().map(|r| (c, r)))
+        .flat_map(|(c, r)| r.buckets.iter().map(move |b| (c, r, b)))
+        .collect();
     let t = Table::default()
-        .str("cell_id", cells.iter().map(|c| c.cell_id.to_string()))
-        .str("estimator", cells.iter().map(|c| c.config.kind.to_string()))
-        .f64("wall_s", cells.iter().map(|c| c.wall_s))
-        .opt_f64("estimator_s", cells.iter().map(|c| c.result.as_ref().ok().map(|r| r.estimator_s)))
-        .opt_f64("other_s", cells.iter().map(|c| c.result.as_ref().ok().map(|r| r.other_s)));
+        .str("cell_id", rows.iter().map(|(c, _, _)| c.cell_id.to_string()))
+        .str("estimator", rows.iter().map(|(c, _, _)| c.config.kind.to_string()))
+        .str("label", rows.iter().map(|(c, _, _)| c.config.label.clone()))
+        .u32("seed", rows.iter().map(|(c, _, _)| c.seed))
+        .u64("step", rows.iter().map(|(_, _, b)| b.step))
+        .u64("samples_seen", rows.iter().map(|(_, _, b)| b.samples_seen))
+        .f64("estimator_s", rows.iter().map(|(_, _, b)| b.estimator_s))
+        .f64("other_s", rows.iter().map(|(_, _, b)| b.other_s))
+        .f64("cell_wall_s", rows.iter().map(|(c, _, _)| c.wall_s))
+        .f64("cell_estimator_s", rows.iter().map(|(_, r, _)| r.estimator_s));
     schemas.push(("timings.parquet".to_string(), t.write(&dir.join("timings.parquet"))?));
 
     for c in cells {

@@ -61,17 +61,29 @@ pub struct StepRow {
     pub inner_iters: u32,
 }
 
+/// Wall time between two evaluation points (timings.parquet; never in metrics.parquet).
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct Bucket {
+    pub step: u64,
+    pub samples_seen: u64,
+    /// Inside `Estimator::update`.
+    pub estimator_s: f64,
+    /// Everything else: drawing data, selection, the curvature tracker, evaluation.
+    pub other_s: f64,
+}
+
 #[derive(Clone, Debug, Default)]
 pub struct CellResult {
+    /// Timings per evaluation bucket.
+    pub buckets: Vec<Bucket>,
     pub rows: Vec<MetricRow>,
     pub steps: Vec<StepRow>,
     pub theta: Vec<f64>,
     /// FNV-1a over the contexts, pairs and label noise the cell drew: equal for all cells of a
     /// seed whose data do not depend on the method (passive, and the noise of all settings).
     pub stream_hash: u64,
-    /// Seconds inside `Estimator::update` / everything else.
+    /// Seconds inside `Estimator::update`, over the whole cell.
     pub estimator_s: f64,
-    pub other_s: f64,
 }
 
 struct Hasher(u64);
@@ -112,6 +124,9 @@ struct Learner {
     win_batches: f64,
     converged: bool,
     est_s: f64,
+    bucket_start: Instant,
+    bucket_est_s: f64,
+    buckets: Vec<Bucket>,
 }
 
 impl Learner {
@@ -150,6 +165,9 @@ impl Learner {
             win_batches: 0.0,
             converged: true,
             est_s: 0.0,
+            bucket_start: Instant::now(),
+            bucket_est_s: 0.0,
+            buckets: Vec::new(),
         })
     }
 
@@ -198,6 +216,16 @@ impl Learner {
 
     /// A metric row at the current point; resets the training window.
     fn row(&mut self, env: &Env) -> MetricRow {
+        let wall = self.bucket_start.elapsed().as_secs_f64();
+        let est = self.est_s - self.bucket_est_s;
+        self.buckets.push(Bucket {
+            step: self.steps,
+            samples_seen: self.samples,
+            estimator_s: est,
+            other_s: wall - est,
+        });
+        self.bucket_start = Instant::now();
+        self.bucket_est_s = self.est_s;
         let (mut loss, mut right) = (0.0, 0usize);
         for (z, &y) in env.eval_z.chunks_exact(self.d).zip(&env.eval_y) {
             let m = dot(z, &self.theta);
@@ -241,7 +269,6 @@ impl Learner {
 
 /// Runs one cell.
 pub fn run_cell(plan: &Plan, config: &ConfigPlan, seed: u32) -> Result<CellResult> {
-    let t0 = Instant::now();
     let spec = &plan.spec;
     let env = Env::new(&spec.env, spec.master_seed, seed);
     let mut learner = Learner::new(plan, config, seed)?;
@@ -253,7 +280,7 @@ pub fn run_cell(plan: &Plan, config: &ConfigPlan, seed: u32) -> Result<CellResul
     out.theta = learner.theta.clone();
     out.steps = std::mem::take(&mut learner.step_rows);
     out.estimator_s = learner.est_s;
-    out.other_s = t0.elapsed().as_secs_f64() - learner.est_s;
+    out.buckets = std::mem::take(&mut learner.buckets);
     Ok(out)
 }
 
