@@ -330,3 +330,18 @@ fn step_reports_match_an_independent_computation() {
     assert!(p.count >= 1 && p.count <= (b * steps) as u64, "{p:?}");
     assert!(p.mu > 0.0);
 }
+
+#[test]
+fn a_step_rounded_away_reports_zero_step_and_cosine() {
+    // bf16 weights swallow a 1e-9 step: the gradient is non-zero, the step is exactly zero
+    let (d, b) = (6, 3);
+    let s = stream(48, 3 * b, d, 2.0, 2.0);
+    let cfg = OmdReferenceConfig { bf16_weights: true, lr: 1e-9, ..Default::default() };
+    let mut est = FirstOrder::new(&EstimatorConfig::OmdReference(cfg), vec![0.5; d], Some(3)).unwrap();
+    for t in 0..3 {
+        let rep = est.update(&s.batch(t, b)).unwrap();
+        assert!(rep.grad_norm > 0.0);
+        assert_eq!(rep.step_norm, 0.0);
+        assert_eq!(rep.cos_step_grad, 0.0, "no NaN from 0/0");
+    }
+}
