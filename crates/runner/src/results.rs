@@ -185,14 +185,14 @@ pub fn write_tables(dir: &Path, plan: &Plan, cells: &[CellOutcome<'_>]) -> Resul
             .u32("seed", rows.iter().map(|(c, _)| c.seed))
             .u64("step", rows.iter().map(|(_, s)| s.step))
             .u64("samples_seen", rows.iter().map(|(_, s)| s.samples_seen))
-            .f64("loss", rows.iter().map(|(_, s)| s.loss))
-            .f64("accuracy", rows.iter().map(|(_, s)| s.accuracy))
-            .f64("grad_norm", rows.iter().map(|(_, s)| s.grad_norm))
-            .f64("step_norm", rows.iter().map(|(_, s)| s.step_norm))
-            .f64("clip_factor", rows.iter().map(|(_, s)| s.clip_factor))
-            .f64("cos_step_grad", rows.iter().map(|(_, s)| s.cos_step_grad))
-            .f64("damping", rows.iter().map(|(_, s)| s.damping))
-            .u32("inner_iters", rows.iter().map(|(_, s)| s.inner_iters));
+            .f64("loss", rows.iter().map(|(_, s)| s.report.before.loss))
+            .f64("accuracy", rows.iter().map(|(_, s)| s.report.before.accuracy))
+            .f64("grad_norm", rows.iter().map(|(_, s)| s.report.grad_norm))
+            .f64("step_norm", rows.iter().map(|(_, s)| s.report.step_norm))
+            .f64("clip_factor", rows.iter().map(|(_, s)| s.report.clip_factor))
+            .f64("cos_step_grad", rows.iter().map(|(_, s)| s.report.cos_step_grad))
+            .f64("damping", rows.iter().map(|(_, s)| s.report.damping))
+            .u32("inner_iters", rows.iter().map(|(_, s)| s.report.inner_iters));
         schemas.push(("steps.parquet".to_string(), t.write(&dir.join("steps.parquet"))?));
     }
 

@@ -46,19 +46,12 @@ pub struct MetricRow {
     pub converged: bool,
 }
 
-/// One row of steps.parquet.
+/// One row of steps.parquet: the estimator's own report of one update.
 #[derive(Clone, Debug, Default, PartialEq)]
 pub struct StepRow {
     pub step: u64,
     pub samples_seen: u64,
-    pub loss: f64,
-    pub accuracy: f64,
-    pub grad_norm: f64,
-    pub step_norm: f64,
-    pub clip_factor: f64,
-    pub cos_step_grad: f64,
-    pub damping: f64,
-    pub inner_iters: u32,
+    pub report: estimators::StepReport,
 }
 
 /// Wall time between two evaluation points (timings.parquet; never in metrics.parquet).
@@ -194,18 +187,7 @@ impl Learner {
         self.win_batches += 1.0;
         self.converged &= rep.converged;
         if self.record_steps {
-            self.step_rows.push(StepRow {
-                step: self.steps,
-                samples_seen: self.samples,
-                loss: rep.before.loss,
-                accuracy: rep.before.accuracy,
-                grad_norm: rep.grad_norm,
-                step_norm: rep.step_norm,
-                clip_factor: rep.clip_factor,
-                cos_step_grad: rep.cos_step_grad,
-                damping: rep.damping,
-                inner_iters: rep.inner_iters,
-            });
+            self.step_rows.push(StepRow { step: self.steps, samples_seen: self.samples, report: rep });
         }
         Ok(())
     }
