@@ -118,10 +118,12 @@ impl Curvature {
         }
     }
 
-    /// ‖x‖_{M⁻¹}.
-    pub fn inv_norm(&self, x: &[f32]) -> f64 {
-        let xd: Vec<f64> = x.iter().map(|&v| f64::from(v)).collect();
-        self.inv_norm_f64(&xd)
+    /// ‖x‖_{M⁻¹} (widens x into the tracker's scratch: no allocation).
+    pub fn inv_norm(&mut self, x: &[f32]) -> f64 {
+        for (a, &b) in self.x.iter_mut().zip(x) {
+            *a = f64::from(b);
+        }
+        self.inv.quad_form(&self.x).max(0.0).sqrt()
     }
 
     /// ‖x‖_{M⁻¹} of an f64 vector.
@@ -130,7 +132,8 @@ impl Curvature {
     }
 
     /// ‖xᵢ‖_{M⁻¹} for every row of row-major `xs`.
-    pub fn inv_norms(&self, xs: &[f32]) -> Vec<f64> {
-        xs.chunks_exact(self.dim()).map(|x| self.inv_norm(x)).collect()
+    pub fn inv_norms(&mut self, xs: &[f32]) -> Vec<f64> {
+        let d = self.dim();
+        xs.chunks_exact(d).map(|x| self.inv_norm(x)).collect()
     }
 }

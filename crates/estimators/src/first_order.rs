@@ -205,8 +205,10 @@ impl Estimator for FirstOrder {
         self.theta.len()
     }
 
-    fn theta(&self) -> Vec<f64> {
-        self.theta.iter().map(|&v| f64::from(v)).collect()
+    fn theta_into(&self, out: &mut [f64]) {
+        for (o, &v) in out.iter_mut().zip(&self.theta) {
+            *o = f64::from(v);
+        }
     }
 
     fn steps(&self) -> u64 {

@@ -167,8 +167,14 @@ pub struct StepReport {
 pub trait Estimator: Send {
     fn kind(&self) -> Kind;
     fn dim(&self) -> usize;
+    /// Writes the current θ_t (widened to f64) into `out` (length `dim`), allocating nothing.
+    fn theta_into(&self, out: &mut [f64]);
     /// The current θ_t (widened to f64).
-    fn theta(&self) -> Vec<f64>;
+    fn theta(&self) -> Vec<f64> {
+        let mut out = vec![0.0; self.dim()];
+        self.theta_into(&mut out);
+        out
+    }
     /// Consumes one batch: θ_t → θ_{t+1}.
     fn update(&mut self, batch: &Batch<'_>) -> Result<StepReport, EstimatorError>;
     /// Number of `update` calls so far.

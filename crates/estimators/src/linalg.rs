@@ -310,16 +310,6 @@ pub fn norm_f64(x: &[f64]) -> f64 {
     dot_f64(x, x).sqrt()
 }
 
-/// cos∠(a, b), 0 when either vector is zero.
-pub fn cosine(a: &[f64], b: &[f64]) -> f64 {
-    let (na, nb) = (norm_f64(a), norm_f64(b));
-    if na == 0.0 || nb == 0.0 {
-        0.0
-    } else {
-        dot_f64(a, b) / (na * nb)
-    }
-}
-
 /// For s = old − new: (Σ sᵢ², Σ sᵢgᵢ) — the step norm and its projection on g. `s` is scratch.
 pub fn step_geometry(old: &[f32], new: &[f32], g: &[f32], s: &mut [f32]) -> (f64, f64) {
     for ((si, o), n) in s.iter_mut().zip(old).zip(new) {

@@ -181,8 +181,8 @@ impl Estimator for OmdExact {
         self.theta.len()
     }
 
-    fn theta(&self) -> Vec<f64> {
-        self.theta.clone()
+    fn theta_into(&self, out: &mut [f64]) {
+        out.copy_from_slice(&self.theta);
     }
 
     fn steps(&self) -> u64 {

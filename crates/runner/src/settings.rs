@@ -107,6 +107,8 @@ struct Learner {
     record_steps: bool,
     step_rows: Vec<StepRow>,
     theta: Vec<f64>,
+    /// θ_{t+1}, filled by `theta_into` and swapped with `theta` (no allocation per step).
+    next: Vec<f64>,
     theta_sum: Vec<f64>,
     iterates: u64,
     win_loss: f64,
@@ -148,6 +150,7 @@ impl Learner {
             record_steps: spec.stream.record_steps,
             step_rows: Vec::new(),
             theta_sum: theta.clone(),
+            next: theta.clone(),
             theta,
             iterates: 1,
             win_loss: 0.0,
@@ -169,9 +172,9 @@ impl Learner {
         let t0 = Instant::now();
         let rep = self.est.update(&batch)?;
         self.est_s += t0.elapsed().as_secs_f64();
-        let after = self.est.theta();
-        self.curv.observe(&batch, &self.theta, &after);
-        self.theta = after;
+        self.est.theta_into(&mut self.next);
+        self.curv.observe(&batch, &self.theta, &self.next);
+        std::mem::swap(&mut self.theta, &mut self.next);
         for (s, t) in self.theta_sum.iter_mut().zip(&self.theta) {
             *s += t;
         }
