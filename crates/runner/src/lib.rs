@@ -6,6 +6,7 @@
 //! `estimators` and `selection` are pure maths.
 
 pub mod env;
+pub mod pairs;
 pub mod plan;
 pub mod report;
 pub mod results;
@@ -96,6 +97,15 @@ pub fn run(opts: &RunOptions) -> Result<RunSummary> {
         "master_seed": plan.spec.master_seed,
         "seeds": plan.spec.seeds,
         "setting": plan.spec.setting.as_str(),
+        "data": plan.data.as_ref().map(|d| serde_json::json!({
+            "path": d.train_path.display().to_string(),
+            "blake3": d.train.digest,
+            "train_rows": d.train.len(),
+            "eval_path": d.eval_path.as_ref().map(|p| p.display().to_string()),
+            "eval_blake3": d.eval_path.as_ref().map(|_| d.eval.digest.clone()),
+            "eval_rows": d.eval.len(),
+            "dim": d.d,
+        })),
         "cells": plan.cells.len(),
         "failed_cells": failed,
         "threads": pool.current_num_threads(),
@@ -126,18 +136,20 @@ fn print_summary(plan: &plan::Plan, outcomes: &[results::CellOutcome<'_>]) {
         }
         let n = finals.len() as f64;
         let mean = |f: &dyn Fn(&settings::MetricRow) -> f64| finals.iter().map(|r| f(r)).sum::<f64>() / n;
-        let regret = if finals[0].regret.is_some() {
-            format!("{:.3}", mean(&|r| r.regret.unwrap_or(f64::NAN)))
-        } else {
-            "-".into()
+        let opt = |f: &dyn Fn(&settings::MetricRow) -> Option<f64>, digits: usize| {
+            if f(finals[0]).is_some() {
+                format!("{:.digits$}", mean(&|r| f(r).unwrap_or(f64::NAN)))
+            } else {
+                "-".into()
+            }
         };
         eprintln!(
-            "{:<44} {:>8.4} {:>10.4} {:>10.4} {:>12}",
+            "{:<44} {:>8.4} {:>10} {:>10} {:>12}",
             c.label,
             mean(&|r| r.eval_accuracy),
-            mean(&|r| r.theta_err),
-            mean(&|r| r.subopt),
-            regret
+            opt(&|r| r.theta_err, 4),
+            opt(&|r| r.subopt, 4),
+            opt(&|r| r.regret, 3)
         );
     }
 }

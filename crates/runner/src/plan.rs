@@ -2,10 +2,12 @@
 //! are expanded over their swept hyper-parameters into configs; configs × (deploy: strategies)
 //! × seeds are the cells.
 
+use crate::pairs::{read_pairs, PairData, Pairs};
 use crate::spec::*;
 use estimators::*;
 use selection::Strategy;
 use std::path::Path;
+use std::sync::Arc;
 
 /// A hyper-parameter value, as swept.
 #[derive(Clone, Debug, PartialEq)]
@@ -259,6 +261,8 @@ pub struct Plan {
     pub spec: Spec,
     pub configs: Vec<ConfigPlan>,
     pub cells: Vec<CellPlan>,
+    /// kind = "features": the pairs, read once and shared by every cell.
+    pub data: Option<Arc<PairData>>,
 }
 
 impl Plan {
@@ -332,7 +336,7 @@ pub fn theory_beta(d: usize, t: u64, delta: f64) -> f64 {
 }
 
 /// Validates `spec` (read from `file`, whose text is `text`) into a plan.
-pub fn build(spec: Spec, file: &Path, text: &str) -> Result<Plan, SpecError> {
+pub fn build(mut spec: Spec, file: &Path, text: &str) -> Result<Plan, SpecError> {
     let err = |path: &[&str], message: String| {
         let p: Vec<String> = path.iter().map(|s| s.to_string()).collect();
         let key = path
@@ -360,13 +364,23 @@ pub fn build(spec: Spec, file: &Path, text: &str) -> Result<Plan, SpecError> {
             format!("`{name}`: expected letters, digits, `-`, `_` or `.` (it names the run directory)"),
         ));
     }
+    let data = match spec.env.kind {
+        EnvKind::Synthetic => {
+            for k in ["path", "eval_path", "order"] {
+                if is_written(text, &["env", k]) {
+                    return Err(err(&["env", k], "applies to kind = \"features\" only".into()));
+                }
+            }
+            None
+        }
+        EnvKind::Features => {
+            let data = load_features(&spec, text, &err)?;
+            spec.env.dim = data.d;
+            Some(Arc::new(data))
+        }
+    };
+    let spec = spec;
     let env = &spec.env;
-    if env.kind != "synthetic" {
-        return Err(err(
-            &["env", "kind"],
-            format!("`{}`: only \"synthetic\" exists until the data issue lands", env.kind),
-        ));
-    }
     let checks: [(&[&str], bool, &str); 11] = [
         (&["seeds"], spec.seeds >= 1, "at least 1 seed"),
         (&["env", "dim"], env.dim >= 1, "d ≥ 1"),
@@ -489,6 +503,12 @@ pub fn build(spec: Spec, file: &Path, text: &str) -> Result<Plan, SpecError> {
         }
         let mut base = EstimatorConfig::default_for(kind);
         if kind == Kind::OmdExact && e.theory == Some(true) {
+            if data.is_some() {
+                return Err(err(
+                    &at("theory"),
+                    "needs the bounds B and L of the synthetic environment; kind = \"features\" has none".into(),
+                ));
+            }
             base = EstimatorConfig::OmdExact(OmdExactConfig::theory(env.theta_norm, env.feature_norm, env.dim));
         }
         // `adam = true` first, so the Adam keys find their config
@@ -545,5 +565,65 @@ pub fn build(spec: Spec, file: &Path, text: &str) -> Result<Plan, SpecError> {
         .enumerate()
         .map(|(i, (config, seed))| CellPlan { cell_id: format!("c{i:04}"), config, seed })
         .collect();
-    Ok(Plan { name, spec, configs, cells })
+    Ok(Plan { name, spec, configs, cells, data })
+}
+
+/// Reads and checks the pairs of a `kind = "features"` environment.
+fn load_features(spec: &Spec, text: &str, err: &dyn Fn(&[&str], String) -> SpecError) -> Result<PairData, SpecError> {
+    let given = |k: &str| is_written(text, &["env", k]);
+    for k in ["contexts", "fresh_contexts", "arms", "features", "feature_norm", "theta_norm"] {
+        if given(k) {
+            return Err(err(&["env", k], "applies to kind = \"synthetic\" only".into()));
+        }
+    }
+    if spec.setting == Setting::Deploy {
+        return Err(err(
+            &["env", "kind"],
+            "deploy needs several arms per context; kind = \"features\" holds labelled pairs (use passive or active)"
+                .into(),
+        ));
+    }
+    let env = &spec.env;
+    let path = env.path.as_ref().ok_or_else(|| err(&["env", "path"], "required when kind = \"features\"".into()))?;
+    let mut train = read_pairs(path, None)?;
+    if given("dim") && env.dim != train.d {
+        return Err(err(
+            &["env", "dim"],
+            format!("{}, but the rows of {} have {} features", env.dim, path.display(), train.d),
+        ));
+    }
+    let eval = match &env.eval_path {
+        Some(p) => read_pairs(p, Some(train.d))?,
+        None => {
+            if env.eval_pairs >= train.len() {
+                return Err(err(
+                    &["env", "eval_pairs"],
+                    format!(
+                        "{}: the held-out rows are the last `eval_pairs` rows of {}, which has only {} (or give eval_path)",
+                        env.eval_pairs,
+                        path.display(),
+                        train.len()
+                    ),
+                ));
+            }
+            let n = train.len() - env.eval_pairs;
+            Pairs {
+                d: train.d,
+                z: train.z.split_off(n * train.d),
+                y: train.y.split_off(n),
+                digest: train.digest.clone(),
+            }
+        }
+    };
+    let n = train.len() as u64;
+    if spec.stream.samples > n && !(spec.setting == Setting::Active && spec.active.replacement) {
+        return Err(err(
+            &["stream", "samples"],
+            format!("{}: one pass over {} holds only {n} training pairs", spec.stream.samples, path.display()),
+        ));
+    }
+    if spec.setting == Setting::Active && is_written(text, &["active", "pool"]) {
+        return Err(err(&["active", "pool"], "kind = \"features\": the pool is every training row of `path`".into()));
+    }
+    Ok(PairData { d: train.d, train, eval, train_path: path.clone(), eval_path: env.eval_path.clone() })
 }

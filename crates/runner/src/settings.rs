@@ -3,12 +3,15 @@
 //! (deploy: one strategy) × one seed; it returns its metric rows, optional per-step rows and θ.
 
 use crate::env::{argmax, dot, stream, two_arms, Component, Env};
+use crate::pairs::PairData;
 use crate::plan::{theory_beta, ConfigPlan, Plan};
-use crate::spec::{ActiveRule, Beta, CurvaturePoint, Pessimism, ScoreNorm, Setting};
+use crate::spec::{ActiveRule, Beta, CurvaturePoint, Order, Pessimism, ScoreNorm, Setting, Spec};
 use anyhow::{anyhow, Result};
 use estimators::logistic::{correct, log_loss};
 use estimators::{Batch, Curvature, CurvatureKind, Estimator, HessianPoint, Setup};
+use rand::seq::SliceRandom;
 use rand::Rng;
+use std::borrow::Cow;
 use std::time::Instant;
 
 /// One row of metrics.parquet: a cell at an evaluation point. Deterministic: no wall clock.
@@ -21,11 +24,11 @@ pub struct MetricRow {
     pub train_accuracy: f64,
     pub eval_loss: f64,
     pub eval_accuracy: f64,
-    /// ‖θ_t − θ*‖₂ and ‖θ_t − θ*‖_{𝓗_t}.
-    pub theta_err: f64,
-    pub theta_err_h: f64,
-    /// SubOpt of the greedy policy of the last iterate.
-    pub subopt: f64,
+    /// ‖θ_t − θ*‖₂ and ‖θ_t − θ*‖_{𝓗_t} (None without a θ*: kind = "features").
+    pub theta_err: Option<f64>,
+    pub theta_err_h: Option<f64>,
+    /// SubOpt of the greedy policy of the last iterate (None without a θ*).
+    pub subopt: Option<f64>,
     /// Active: SubOpt of the greedy policy of the averaged iterate (1/t Σ θ_s).
     pub subopt_avg: Option<f64>,
     /// Passive, final row: SubOpt of the pessimistic policy.
@@ -200,7 +203,11 @@ impl Learner {
     }
 
     /// A metric row at the current point; resets the training window.
-    fn row(&mut self, env: &Env) -> MetricRow {
+    fn row(&mut self, world: &World<'_>) -> MetricRow {
+        self.row_at(world.eval(), world.truth())
+    }
+
+    fn row_at(&mut self, (eval_z, eval_y): (&[f32], &[f32]), truth: Option<&Env>) -> MetricRow {
         let wall = self.bucket_start.elapsed().as_secs_f64();
         let est = self.est_s - self.bucket_est_s;
         self.buckets.push(Bucket {
@@ -212,13 +219,14 @@ impl Learner {
         self.bucket_start = Instant::now();
         self.bucket_est_s = self.est_s;
         let (mut loss, mut right) = (0.0, 0usize);
-        for (z, &y) in env.eval_z.chunks_exact(self.d).zip(&env.eval_y) {
+        for (z, &y) in eval_z.chunks_exact(self.d).zip(eval_y) {
             let m = dot(z, &self.theta);
             loss += log_loss(m, f64::from(y));
             right += usize::from(correct(m, f64::from(y)));
         }
-        let n = env.eval_y.len() as f64;
-        let err: Vec<f64> = self.theta.iter().zip(&env.theta_star).map(|(a, b)| a - b).collect();
+        let n = eval_y.len() as f64;
+        let err: Option<Vec<f64>> =
+            truth.map(|env| self.theta.iter().zip(&env.theta_star).map(|(a, b)| a - b).collect());
         let c = self.est.counters();
         let row = MetricRow {
             step: self.steps,
@@ -227,9 +235,9 @@ impl Learner {
             train_accuracy: self.win_correct / self.win_n.max(1.0),
             eval_loss: loss / n,
             eval_accuracy: right as f64 / n,
-            theta_err: err.iter().map(|v| v * v).sum::<f64>().sqrt(),
-            theta_err_h: self.curv.norm(&err).unwrap_or(f64::NAN),
-            subopt: env.subopt_of(&env.greedy(&self.theta)),
+            theta_err: err.as_ref().map(|e| e.iter().map(|v| v * v).sum::<f64>().sqrt()),
+            theta_err_h: err.as_ref().map(|e| self.curv.norm(e).unwrap_or(f64::NAN)),
+            subopt: truth.map(|env| env.subopt_of(&env.greedy(&self.theta))),
             kappa: self.win_kappa,
             kappa_reference: self.win_kref / self.win_batches.max(1.0),
             grad_evals: c.grad_evals,
@@ -252,15 +260,42 @@ impl Learner {
     }
 }
 
+/// Where a cell's pairs come from.
+enum World<'a> {
+    Synthetic(Env),
+    Pairs(&'a PairData),
+}
+
+impl World<'_> {
+    /// Held-out z rows and labels.
+    fn eval(&self) -> (&[f32], &[f32]) {
+        match self {
+            World::Synthetic(env) => (&env.eval_z, &env.eval_y),
+            World::Pairs(p) => (&p.eval.z, &p.eval.y),
+        }
+    }
+    /// The environment with θ*, when there is one.
+    fn truth(&self) -> Option<&Env> {
+        match self {
+            World::Synthetic(env) => Some(env),
+            World::Pairs(_) => None,
+        }
+    }
+}
+
 /// Runs one cell.
 pub fn run_cell(plan: &Plan, config: &ConfigPlan, seed: u32) -> Result<CellResult> {
     let spec = &plan.spec;
-    let env = Env::new(&spec.env, spec.master_seed, seed);
+    let world = match &plan.data {
+        Some(p) => World::Pairs(p),
+        None => World::Synthetic(Env::new(&spec.env, spec.master_seed, seed)),
+    };
     let mut learner = Learner::new(plan, config, seed)?;
-    let mut out = match spec.setting {
-        Setting::Passive => passive(plan, &env, &mut learner, seed)?,
-        Setting::Active => active(plan, &env, &mut learner, seed)?,
-        Setting::Deploy => deploy(plan, config, &env, &mut learner, seed)?,
+    let mut out = match (spec.setting, &world) {
+        (Setting::Passive, _) => passive(plan, &world, &mut learner, seed)?,
+        (Setting::Active, _) => active(plan, &world, &mut learner, seed)?,
+        (Setting::Deploy, World::Synthetic(env)) => deploy(plan, config, env, &mut learner, seed)?,
+        (Setting::Deploy, World::Pairs(_)) => return Err(anyhow!("deploy needs the synthetic environment")),
     };
     out.theta = learner.theta.clone();
     out.steps = std::mem::take(&mut learner.step_rows);
@@ -269,32 +304,58 @@ pub fn run_cell(plan: &Plan, config: &ConfigPlan, seed: u32) -> Result<CellResul
     Ok(out)
 }
 
-fn passive(plan: &Plan, env: &Env, l: &mut Learner, seed: u32) -> Result<CellResult> {
+/// The training rows of a features file in stream order.
+fn file_order(spec: &Spec, p: &PairData, data: &mut rand_chacha::ChaCha20Rng) -> Vec<usize> {
+    let mut order: Vec<usize> = (0..p.train.len()).collect();
+    if spec.env.order == Order::Shuffled {
+        order.shuffle(data);
+    }
+    order
+}
+
+fn passive(plan: &Plan, world: &World<'_>, l: &mut Learner, seed: u32) -> Result<CellResult> {
     let spec = &plan.spec;
-    let (b, d) = (spec.stream.batch_size, env.d);
+    let (b, d) = (spec.stream.batch_size, spec.env.dim);
     let steps = spec.stream.samples / b as u64;
     let mut data = stream(spec.master_seed, seed, Component::Data);
     let mut labels = stream(spec.master_seed, seed, Component::Labels);
     let mut h = Hasher::new();
     let mut rows = Vec::new();
+    let order = match world {
+        World::Pairs(p) => file_order(spec, p, &mut data),
+        World::Synthetic(_) => Vec::new(),
+    };
+    let mut next = order.iter();
     let (mut z, mut y) = (Vec::with_capacity(b * d), Vec::with_capacity(b));
     for s in 1..=steps {
         z.clear();
         y.clear();
         for _ in 0..b {
-            let c = env.draw_context(&mut data);
-            let (a1, a2) = two_arms(&mut data, env.k);
-            let zi = env.diff(&c, a1, a2);
-            y.push(env.label(&zi, labels.random()));
-            z.extend(zi);
+            match world {
+                World::Synthetic(env) => {
+                    let c = env.draw_context(&mut data);
+                    let (a1, a2) = two_arms(&mut data, env.k);
+                    let zi = env.diff(&c, a1, a2);
+                    y.push(env.label(&zi, labels.random()));
+                    z.extend(zi);
+                }
+                World::Pairs(p) => {
+                    let i = *next.next().ok_or_else(|| anyhow!("the features file ran out of rows"))?;
+                    z.extend_from_slice(p.train.row(i));
+                    y.push(p.train.y[i]);
+                }
+            }
         }
         h.f32s(&z);
         h.f32s(&y);
         l.update(&z, &y)?;
         if l.due(spec.stream.eval_every, s == steps) {
-            rows.push(l.row(env));
+            rows.push(l.row(world));
         }
     }
+    let Some(env) = world.truth() else {
+        return Ok(CellResult { rows, stream_hash: h.0, ..Default::default() });
+    };
     let beta = match spec.passive.beta {
         Beta::Theory => theory_beta(d, spec.stream.samples, spec.passive.delta),
         Beta::Value(v) => v,
@@ -391,34 +452,42 @@ pub fn pessimistic(env: &Env, theta: &[f64], curv: &Curvature, beta: f64, how: P
     }
 }
 
-fn active(plan: &Plan, env: &Env, l: &mut Learner, seed: u32) -> Result<CellResult> {
+fn active(plan: &Plan, world: &World<'_>, l: &mut Learner, seed: u32) -> Result<CellResult> {
     let spec = &plan.spec;
     let a = &spec.active;
-    let (b, d) = (spec.stream.batch_size, env.d);
+    let (b, d) = (spec.stream.batch_size, spec.env.dim);
     let steps = spec.stream.samples / b as u64;
     let mut data = stream(spec.master_seed, seed, Component::Data);
     let mut labels = stream(spec.master_seed, seed, Component::Labels);
     let mut select = stream(spec.master_seed, seed, Component::Select);
     let mut h = Hasher::new();
     // the pool: pairs drawn once, each with its label drawn once (a re-queried pair keeps it)
-    let (mut pool_z, mut pool_y) = (Vec::with_capacity(a.pool * d), Vec::with_capacity(a.pool));
-    for _ in 0..a.pool {
-        let c = env.draw_context(&mut data);
-        let (a1, a2) = two_arms(&mut data, env.k);
-        let z = env.diff(&c, a1, a2);
-        pool_y.push(env.label(&z, labels.random()));
-        pool_z.extend(z);
-    }
+    let (pool_z, pool_y): (Cow<'_, [f32]>, Cow<'_, [f32]>) = match world {
+        World::Synthetic(env) => {
+            let (mut pool_z, mut pool_y) = (Vec::with_capacity(a.pool * d), Vec::with_capacity(a.pool));
+            for _ in 0..a.pool {
+                let c = env.draw_context(&mut data);
+                let (a1, a2) = two_arms(&mut data, env.k);
+                let z = env.diff(&c, a1, a2);
+                pool_y.push(env.label(&z, labels.random()));
+                pool_z.extend(z);
+            }
+            (pool_z.into(), pool_y.into())
+        }
+        // the pool is every training row; its labels are the file's
+        World::Pairs(p) => (Cow::Borrowed(&p.train.z[..]), Cow::Borrowed(&p.train.y[..])),
+    };
+    let pool = pool_y.len();
     h.f32s(&pool_z);
     h.f32s(&pool_y);
     let row_of = |i: usize| &pool_z[i * d..(i + 1) * d];
-    let mut used = vec![false; a.pool];
+    let mut used = vec![false; pool];
     let mut vtrack = Curvature::new(CurvatureKind::Gram { v0: a.v0 }, d);
     let mut ties = 0u64;
     let mut rows = Vec::new();
     let (mut z, mut y) = (Vec::with_capacity(b * d), Vec::with_capacity(b));
     for s in 1..=steps {
-        let avail: Vec<usize> = (0..a.pool).filter(|&i| a.replacement || !used[i]).collect();
+        let avail: Vec<usize> = (0..pool).filter(|&i| a.replacement || !used[i]).collect();
         if avail.len() < b {
             return Err(anyhow!("active: the pool ran out after {} steps", s - 1));
         }
@@ -460,8 +529,8 @@ fn active(plan: &Plan, env: &Env, l: &mut Learner, seed: u32) -> Result<CellResu
         }
         l.update(&z, &y)?;
         if l.due(spec.stream.eval_every, s == steps) {
-            let mut row = l.row(env);
-            row.subopt_avg = Some(env.subopt_of(&env.greedy(&l.averaged())));
+            let mut row = l.row(world);
+            row.subopt_avg = world.truth().map(|env| env.subopt_of(&env.greedy(&l.averaged())));
             row.ties = ties;
             rows.push(row);
         }
@@ -507,7 +576,7 @@ fn deploy(plan: &Plan, config: &ConfigPlan, env: &Env, l: &mut Learner, seed: u3
         }
         l.update(&z, &y)?;
         if l.due(spec.stream.eval_every, s == steps) {
-            let mut row = l.row(env);
+            let mut row = l.row_at((&env.eval_z, &env.eval_y), Some(env));
             row.regret = Some(regret);
             row.mean_reward = Some(reward_sum / rounds as f64);
             row.ties = ties;

@@ -242,14 +242,43 @@ pub enum FeatureDist {
     Sphere,
 }
 
-/// The synthetic contextual dueling bandit (the theory's setting).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum EnvKind {
+    /// The synthetic contextual dueling bandit of the theory.
+    Synthetic,
+    /// "Bring your own features": labelled pairs from a parquet file (`path`).
+    Features,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum Order {
+    /// A permutation of the training rows drawn from the seed's data stream.
+    Shuffled,
+    /// The file's order (the authors' "first N rows"); every seed sees the same stream.
+    File,
+}
+
+/// Where the pairs come from: the synthetic contextual dueling bandit (the theory's setting),
+/// or a parquet file of features.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct EnvSpec {
     #[serde(default = "d_env_kind")]
-    pub kind: String,
+    pub kind: EnvKind,
+    /// d (features: read from the file; an explicit value must agree with it).
     #[serde(default = "d_dim")]
     pub dim: usize,
+    /// features: parquet with list<float32> columns phi_chosen, phi_rejected and optional label.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub path: Option<PathBuf>,
+    /// features: held-out pairs in the same layout (default: the last `eval_pairs` rows of `path`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub eval_path: Option<PathBuf>,
+    /// features: the order in which training rows are streamed.
+    #[serde(default = "d_order")]
+    pub order: Order,
     /// N contexts, drawn uniformly each round (ρ).
     #[serde(default = "d_contexts")]
     pub contexts: usize,
@@ -278,8 +307,11 @@ impl Default for EnvSpec {
     }
 }
 
-fn d_env_kind() -> String {
-    "synthetic".into()
+fn d_env_kind() -> EnvKind {
+    EnvKind::Synthetic
+}
+fn d_order() -> Order {
+    Order::Shuffled
 }
 fn d_dim() -> usize {
     16
@@ -572,6 +604,19 @@ pub fn line_of(text: &str, at: usize) -> usize {
 pub fn locate(text: &str, path: &[String]) -> Option<usize> {
     let doc = toml_edit::Document::parse(text.to_string()).ok()?;
     find_span(doc.as_item(), path).map(|s| line_of(text, s.start))
+}
+
+/// Whether the key at `path` of plain tables (e.g. ["env", "dim"]) is written in `text`.
+pub fn is_written(text: &str, path: &[&str]) -> bool {
+    let Ok(doc) = toml_edit::Document::parse(text.to_string()) else { return false };
+    let mut item = doc.as_item();
+    for seg in path {
+        match item.get(seg) {
+            Some(next) => item = next,
+            None => return false,
+        }
+    }
+    true
 }
 
 type Span = std::ops::Range<usize>;

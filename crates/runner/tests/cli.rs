@@ -284,3 +284,189 @@ fn report_and_compare_read_a_run() {
     assert_eq!(bad.code, 2);
     assert!(bad.stderr.contains("metrics.parquet"), "{}", bad.stderr);
 }
+
+/// Writes a "bring your own features" parquet: `n` pairs in dimension `d` from a fixed θ*,
+/// with a `label` column (some rows say the rejected side won) unless `labels` is false.
+fn write_pairs(path: &Path, n: usize, d: usize, labels: bool) -> (Vec<Vec<f32>>, Vec<Vec<f32>>, Vec<f32>) {
+    use arrow_array::builder::{Float32Builder, ListBuilder};
+    use arrow_array::{ArrayRef, Int64Array, RecordBatch};
+    let mut s = 0x9e37_79b9_7f4a_7c15u64;
+    let mut u = || {
+        s ^= s << 13;
+        s ^= s >> 7;
+        s ^= s << 17;
+        (s >> 11) as f32 / (1u64 << 53) as f32 * 2.0 - 1.0
+    };
+    let theta: Vec<f32> = (0..d).map(|i| if i % 2 == 0 { 2.0 } else { -1.0 }).collect();
+    let (mut ch, mut rj, mut y) = (Vec::new(), Vec::new(), Vec::new());
+    for i in 0..n {
+        let a: Vec<f32> = (0..d).map(|_| u()).collect();
+        let b: Vec<f32> = (0..d).map(|_| u()).collect();
+        let m: f32 = a.iter().zip(&b).zip(&theta).map(|((x, y), t)| (x - y) * t).sum();
+        ch.push(a);
+        rj.push(b);
+        // the label agrees with θ* except every 7th row
+        let agree = i % 7 != 0;
+        y.push(if (m > 0.0) == agree { 1.0 } else { 0.0 });
+    }
+    let list = |rows: &[Vec<f32>]| -> ArrayRef {
+        let mut b = ListBuilder::new(Float32Builder::new());
+        for r in rows {
+            b.values().append_slice(r);
+            b.append(true);
+        }
+        std::sync::Arc::new(b.finish())
+    };
+    let mut cols = vec![("phi_chosen", list(&ch)), ("phi_rejected", list(&rj))];
+    if labels {
+        cols.push(("label", std::sync::Arc::new(Int64Array::from_iter_values(y.iter().map(|&v| v as i64)))));
+    }
+    let batch = RecordBatch::try_from_iter(cols).unwrap();
+    let f = std::fs::File::create(path).unwrap();
+    let mut w = parquet::arrow::ArrowWriter::try_new(f, batch.schema(), None).unwrap();
+    w.write(&batch).unwrap();
+    w.close().unwrap();
+    (ch, rj, if labels { y } else { vec![1.0; n] })
+}
+
+fn read_npy_f64(path: &Path) -> Vec<f64> {
+    let b = std::fs::read(path).unwrap();
+    let hlen = u16::from_le_bytes([b[8], b[9]]) as usize;
+    b[10 + hlen..].chunks_exact(8).map(|c| f64::from_le_bytes(c.try_into().unwrap())).collect()
+}
+
+const FEATURES: &str = r#"
+setting = "passive"
+seeds = 2
+[env]
+kind = "features"
+path = "pairs.parquet"
+eval_pairs = 100
+order = "file"
+[stream]
+samples = 300
+eval_every = 100
+[[estimator]]
+kind = "sgd"
+lr = 0.5
+clip = "none"
+init = "zero"
+[[estimator]]
+kind = "omd-exact"
+"#;
+
+#[test]
+fn bring_your_own_features_streams_the_file_rows() {
+    let tmp = tempfile::tempdir().unwrap();
+    let (ch, rj, y) = write_pairs(&tmp.path().join("pairs.parquet"), 400, 5, true);
+    let spec = write(tmp.path(), "byo.toml", FEATURES);
+    let r = onepass(tmp.path(), &["run", spec.to_str().unwrap(), "--out", "out"]);
+    assert_eq!(r.code, 0, "{}", r.stderr);
+    let dir = tmp.path().join(run_dir(&r.stdout));
+    // an independent f64 SGD over the first 300 rows in file order, z = chosen − rejected
+    let mut theta = vec![0.0f64; 5];
+    for i in 0..300 {
+        let z: Vec<f64> = ch[i].iter().zip(&rj[i]).map(|(a, b)| f64::from(*a) - f64::from(*b)).collect();
+        let m: f64 = z.iter().zip(&theta).map(|(a, b)| a * b).sum();
+        let g = 1.0 / (1.0 + (-m).exp()) - f64::from(y[i]);
+        theta.iter_mut().zip(&z).for_each(|(t, zj)| *t -= 0.5 * g * zj);
+    }
+    let got = read_npy_f64(&dir.join("theta/c0000.npy"));
+    for (a, b) in got.iter().zip(&theta) {
+        assert!((a - b).abs() < 1e-3 * (1.0 + b.abs()), "θ {got:?} vs independent SGD {theta:?}");
+    }
+    // no θ*: the truth columns are null; the held-out rows give a sensible accuracy
+    let m = &read_table(&dir.join("metrics.parquet"))[0];
+    assert_eq!(col::<Float64Array>(m, "theta_err").null_count(), m.num_rows());
+    assert_eq!(col::<Float64Array>(m, "subopt").null_count(), m.num_rows());
+    let acc = col::<Float64Array>(m, "eval_accuracy");
+    assert!(acc.value(m.num_rows() - 1) > 0.7, "eval accuracy {}", acc.value(m.num_rows() - 1));
+    // file order: every cell, both seeds, saw the same stream
+    let c = &read_table(&dir.join("cells.parquet"))[0];
+    let h = col::<StringArray>(c, "stream_hash");
+    assert!((1..c.num_rows()).all(|i| h.value(i) == h.value(0)));
+    let meta = std::fs::read_to_string(dir.join("meta.json")).unwrap();
+    assert!(meta.contains("\"train_rows\": 300") && meta.contains("\"eval_rows\": 100"), "{meta}");
+    let resolved = std::fs::read_to_string(dir.join("spec.resolved.toml")).unwrap();
+    assert!(resolved.contains("dim = 5"), "{resolved}");
+
+    // shuffled: the seeds differ, the methods of a seed agree; no label column means chosen wins
+    write_pairs(&tmp.path().join("pairs.parquet"), 400, 5, false);
+    let r = onepass(tmp.path(), &["run", spec.to_str().unwrap(), "--out", "out", "--set", "env.order=shuffled"]);
+    assert_eq!(r.code, 0, "{}", r.stderr);
+    let c = &read_table(&tmp.path().join(run_dir(&r.stdout)).join("cells.parquet"))[0];
+    let (seed, h) = (col::<UInt32Array>(c, "seed"), col::<StringArray>(c, "stream_hash"));
+    for i in 0..c.num_rows() {
+        for j in 0..c.num_rows() {
+            assert_eq!(seed.value(i) == seed.value(j), h.value(i) == h.value(j), "cells {i} and {j}");
+        }
+    }
+
+    // active: the pool is every training row, labelled by the file
+    let r = onepass(
+        tmp.path(),
+        &["run", spec.to_str().unwrap(), "--out", "out", "--set", "setting=active", "--set", "stream.samples=50"],
+    );
+    assert_eq!(r.code, 0, "{}", r.stderr);
+    let m = &read_table(&tmp.path().join(run_dir(&r.stdout)).join("metrics.parquet"))[0];
+    assert_eq!(col::<Float64Array>(m, "subopt_avg").null_count(), m.num_rows());
+    assert_eq!(col::<arrow_array::UInt64Array>(m, "samples_seen").value(m.num_rows() - 1), 50);
+}
+
+#[test]
+fn bad_features_files_name_the_file_the_row_and_the_column() {
+    use arrow_array::builder::{Float32Builder, ListBuilder};
+    use arrow_array::{ArrayRef, Float64Array as F64, RecordBatch};
+    let tmp = tempfile::tempdir().unwrap();
+    let spec = write(tmp.path(), "byo.toml", FEATURES);
+    let save = |cols: Vec<(&str, ArrayRef)>| {
+        let batch = RecordBatch::try_from_iter(cols).unwrap();
+        let f = std::fs::File::create(tmp.path().join("pairs.parquet")).unwrap();
+        let mut w = parquet::arrow::ArrowWriter::try_new(f, batch.schema(), None).unwrap();
+        w.write(&batch).unwrap();
+        w.close().unwrap();
+    };
+    let list = |rows: &[&[f32]]| -> ArrayRef {
+        let mut b = ListBuilder::new(Float32Builder::new());
+        for r in rows {
+            b.values().append_slice(r);
+            b.append(true);
+        }
+        std::sync::Arc::new(b.finish())
+    };
+    let expect = |extra: &[&str], needles: &[&str]| {
+        let mut args = vec!["run", spec.to_str().unwrap(), "--out", "out"];
+        for e in extra {
+            args.extend(["--set", e]);
+        }
+        let r = onepass(tmp.path(), &args);
+        assert_eq!(r.code, 2, "{extra:?}: {}", r.stderr);
+        for n in needles {
+            assert!(r.stderr.contains(n), "{extra:?}: {n:?} not in {}", r.stderr);
+        }
+    };
+    expect(&[], &["pairs.parquet", "cannot read"]);
+    save(vec![("phi_chosen", list(&[&[1.0, 2.0]])), ("phi_other", list(&[&[1.0, 2.0]]))]);
+    expect(&[], &["pairs.parquet", "no column `phi_rejected`", "phi_other"]);
+    save(vec![("phi_chosen", list(&[&[1.0, 2.0], &[1.0, 2.0]])), ("phi_rejected", list(&[&[1.0, 2.0], &[1.0]]))]);
+    expect(&[], &["pairs.parquet", "row 1, column `phi_rejected`", "has 1 values, expected 2"]);
+    save(vec![("phi_chosen", list(&[&[1.0, f32::NAN]])), ("phi_rejected", list(&[&[1.0, 2.0]]))]);
+    expect(&[], &["row 0, column `phi_chosen`", "element 1 is NaN"]);
+    let rows: Vec<&[f32]> = vec![&[1.0, 2.0]; 3];
+    save(vec![
+        ("phi_chosen", list(&rows)),
+        ("phi_rejected", list(&rows)),
+        ("label", std::sync::Arc::new(F64::from(vec![1.0, 0.0, 0.5]))),
+    ]);
+    expect(&[], &["row 2, column `label`", "is 0.5, expected 0 or 1"]);
+    write_pairs(&tmp.path().join("pairs.parquet"), 150, 3, true);
+    expect(&[], &["stream.samples", "300", "only 50 training pairs"]);
+    expect(&["stream.samples=10", "env.dim=4"], &["env.dim", "have 3 features"]);
+    expect(&["stream.samples=10", "env.arms=4"], &["env.arms", "synthetic"]);
+    expect(&["stream.samples=10", "env.eval_pairs=150"], &["env.eval_pairs", "only 150"]);
+    expect(&["stream.samples=10", "setting=deploy"], &["env.kind", "deploy"]);
+    expect(&["stream.samples=10", "env.kind=synthetic"], &["env.path", "features"]);
+    expect(&["stream.samples=10", "env.eval_path=nope.parquet"], &["nope.parquet", "cannot read"]);
+    let r = onepass(tmp.path(), &["run", spec.to_str().unwrap(), "--out", "out", "--set", "stream.samples=10"]);
+    assert_eq!(r.code, 0, "{}", r.stderr);
+}
