@@ -1,5 +1,42 @@
-//! φ(x, a): the final-norm hidden state of a frozen instruct LLM at the last token of the
-//! chat-templated conversation (Llama, Qwen2, SmolLM2; safetensors or GGUF), a tokenizer and
-//! chat template, and a content-addressed feature cache.
+//! φ(x, a): the hidden state of a frozen instruct LLM at the last token of the chat-templated
+//! conversation (paper §6; reference-code.md §1), computed with candle.
 //!
-//! Placeholder: the features issue fills this crate. Nothing here is used yet.
+//! - [`model::Model`]: Llama-family and Qwen2 decoders returning hidden states `[b, t, d]`
+//!   (after the final norm by default), from safetensors or GGUF ([`gguf::Gguf`], weights
+//!   dequantized to dense tensors at load).
+//! - [`tokenizer::Tok`]: `tokenizer.json`, or a byte-level BPE built from GGUF metadata.
+//! - [`template::ChatTemplate`]: the model's Jinja chat template, rendered with minijinja.
+//! - [`extract::Backbone`]: the three together, with [`extract::PhiOptions`] (max length, EOS
+//!   rule, truncation side, layer, pooling): conversation → ids → φ.
+//!
+//! This crate knows nothing of specs, parquet or the CLI.
+
+pub mod extract;
+pub mod gguf;
+pub mod model;
+pub mod template;
+pub mod tokenizer;
+
+pub use extract::{Backbone, EosRule, PhiOptions, Pool, Prepared, Source, Truncation};
+pub use template::Message;
+
+/// What went wrong, with the file, tensor or template it concerns.
+#[derive(Debug, thiserror::Error)]
+pub enum Error {
+    #[error("{0}")]
+    Io(String),
+    /// Not the expected file format (a truncated or non-GGUF file, bad JSON, …).
+    #[error("{0}")]
+    Format(String),
+    #[error("unsupported: {0}")]
+    Unsupported(String),
+    /// A missing or mis-shaped tensor.
+    #[error("weights: {0}")]
+    Weights(String),
+    #[error("chat template: {0}")]
+    Template(String),
+    #[error("{0}")]
+    Input(String),
+    #[error("candle: {0}")]
+    Candle(#[from] candle_core::Error),
+}

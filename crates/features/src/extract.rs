@@ -1,0 +1,314 @@
+//! A backbone (model + tokenizer + chat template) and the φ options: conversation → token ids
+//! (template, EOS rule, truncation) → padded batches → hidden states at the last token (or the
+//! mean over the response).
+
+use crate::gguf::{meta_str, Gguf};
+use crate::model::{gather_rows, mean_rows, resolve_layer, Config, HfConfig, Model};
+use crate::template::{ChatTemplate, Message};
+use crate::tokenizer::Tok;
+use crate::Error;
+use candle_core::{DType, Device, Tensor};
+use candle_nn::VarBuilder;
+use serde::{Deserialize, Serialize};
+use std::path::{Path, PathBuf};
+
+/// How the text ends (reference-code.md §1.2).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum EosRule {
+    /// The authors': strip trailing newlines, append `" " + eos` unless the text ends with
+    /// eos, and after truncation force the last token to eos.
+    Reference,
+    /// The rendered template as is.
+    Plain,
+}
+
+/// Which tokens go when a conversation exceeds `max_len`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum Truncation {
+    /// Keep the first `max_len` tokens (the authors'): a long prompt can cut the response off.
+    Right,
+    /// Drop tokens from the start of the conversation, after its opening BOS, keeping the whole
+    /// response (if the response alone is too long, its end is cut and the row is counted).
+    PromptFirst,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum Pool {
+    /// The hidden state at the last token (the paper).
+    Last,
+    /// The mean over the response's tokens.
+    Mean,
+}
+
+/// Everything that decides φ besides the model, the tokenizer, the template and the text.
+#[derive(Clone, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
+pub struct PhiOptions {
+    pub max_len: usize,
+    pub eos_rule: EosRule,
+    pub truncation: Truncation,
+    /// Hugging Face's `hidden_states[layer]`; negative counts from the end (−1: final norm).
+    pub layer: i64,
+    pub pool: Pool,
+}
+
+impl Default for PhiOptions {
+    fn default() -> Self {
+        PhiOptions { max_len: 1024, eos_rule: EosRule::Reference, truncation: Truncation::PromptFirst, layer: -1, pool: Pool::Last }
+    }
+}
+
+/// A conversation made ready for the model.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Prepared {
+    pub ids: Vec<u32>,
+    /// [start, end) of the response's tokens in `ids`.
+    pub response: (usize, usize),
+    /// Tokens dropped by truncation.
+    pub dropped: usize,
+    /// The response itself lost tokens to truncation.
+    pub response_cut: bool,
+}
+
+/// Model, tokenizer, template and the identity of the weights.
+pub struct Backbone {
+    pub model: Model,
+    pub tok: Tok,
+    pub template: ChatTemplate,
+    /// blake3 over the weight files (GGUF: the file), so a safetensors download and a GGUF of
+    /// the same model are never confused.
+    pub weights_digest: String,
+    pub source: String,
+}
+
+/// Where a model comes from.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Source {
+    Gguf(PathBuf),
+    Dir(PathBuf),
+}
+
+impl Source {
+    pub fn parse(s: &str) -> Result<Source, Error> {
+        if let Some(repo) = s.strip_prefix("hf:") {
+            return Err(Error::Unsupported(format!(
+                "hf:{repo}: downloading from the Hugging Face hub is not built yet; download the repository and give its directory"
+            )));
+        }
+        let p = PathBuf::from(s);
+        if p.is_dir() {
+            Ok(Source::Dir(p))
+        } else if p.extension().is_some_and(|e| e == "gguf") {
+            Ok(Source::Gguf(p))
+        } else {
+            Err(Error::Input(format!(
+                "model `{s}`: expected a .gguf file, a directory with config.json, tokenizer.json and safetensors, or hf:<repo>"
+            )))
+        }
+    }
+}
+
+fn file_digest(paths: &[PathBuf]) -> Result<String, Error> {
+    let mut h = blake3::Hasher::new();
+    for p in paths {
+        let f = std::fs::File::open(p).map_err(|e| Error::Io(format!("{}: {e}", p.display())))?;
+        h.update_reader(f).map_err(|e| Error::Io(format!("{}: {e}", p.display())))?;
+    }
+    Ok(h.finalize().to_hex().to_string())
+}
+
+fn read(p: &Path) -> Result<String, Error> {
+    std::fs::read_to_string(p).map_err(|e| Error::Io(format!("{}: {e}", p.display())))
+}
+
+/// A special token in tokenizer_config.json: a string or an AddedToken dict.
+fn special(v: Option<&serde_json::Value>) -> Option<String> {
+    match v? {
+        serde_json::Value::String(s) => Some(s.clone()),
+        serde_json::Value::Object(o) => o.get("content").and_then(|c| c.as_str()).map(String::from),
+        _ => None,
+    }
+}
+
+impl Backbone {
+    pub fn load(source: &Source, device: &Device, dtype: DType, max_len: usize) -> Result<Backbone, Error> {
+        match source {
+            Source::Gguf(path) => {
+                let g = Gguf::read(path, device, dtype)?;
+                let tok = Tok::from_gguf(&g.metadata)?;
+                let tmpl = meta_str(&g.metadata, "tokenizer.chat_template").ok_or_else(|| {
+                    Error::Template(format!("{}: no `tokenizer.chat_template` in the metadata", path.display()))
+                })?;
+                let template = ChatTemplate::new(
+                    tmpl,
+                    &format!("{} tokenizer.chat_template", path.display()),
+                    tok.bos.as_ref().map(|b| b.0.as_str()),
+                    tok.eos.as_ref().map(|b| b.0.as_str()),
+                )?;
+                let vb = VarBuilder::from_tensors(g.tensors, dtype, device);
+                let model = Model::load(vb, g.cfg, max_len)?;
+                Ok(Backbone {
+                    model,
+                    tok,
+                    template,
+                    weights_digest: file_digest(std::slice::from_ref(path))?,
+                    source: path.display().to_string(),
+                })
+            }
+            Source::Dir(dir) => {
+                let cfg_text = read(&dir.join("config.json"))?;
+                let hf: HfConfig = serde_json::from_str(&cfg_text)
+                    .map_err(|e| Error::Format(format!("{}: {e}", dir.join("config.json").display())))?;
+                let cfg = Config::from_hf(&hf)?;
+                let tc_path = dir.join("tokenizer_config.json");
+                let tc: serde_json::Value = serde_json::from_str(&read(&tc_path)?)
+                    .map_err(|e| Error::Format(format!("{}: {e}", tc_path.display())))?;
+                let (bos, eos) = (special(tc.get("bos_token")), special(tc.get("eos_token")));
+                let tok = Tok::from_json(&read(&dir.join("tokenizer.json"))?, bos.as_deref(), eos.as_deref())?;
+                let tmpl = match tc.get("chat_template") {
+                    Some(serde_json::Value::String(s)) => s.clone(),
+                    Some(serde_json::Value::Array(list)) => list
+                        .iter()
+                        .find(|t| t.get("name").and_then(|n| n.as_str()) == Some("default"))
+                        .and_then(|t| t.get("template")?.as_str().map(String::from))
+                        .ok_or_else(|| Error::Template(format!("{}: no `default` chat template", tc_path.display())))?,
+                    _ => match std::fs::read_to_string(dir.join("chat_template.jinja")) {
+                        Ok(s) => s,
+                        Err(_) => {
+                            return Err(Error::Template(format!(
+                                "{}: no `chat_template` (and no chat_template.jinja beside it)",
+                                tc_path.display()
+                            )))
+                        }
+                    },
+                };
+                let template =
+                    ChatTemplate::new(&tmpl, &format!("{} chat_template", tc_path.display()), bos.as_deref(), eos.as_deref())?;
+                let files = safetensors_files(dir)?;
+                // SAFETY: the weight files are memory-mapped read-only; onepass never writes them.
+                let vb = unsafe { VarBuilder::from_mmaped_safetensors(&files, dtype, device) }
+                    .map_err(|e| Error::Weights(format!("{}: {e}", dir.display())))?;
+                let model = Model::load(vb, cfg, max_len)?;
+                Ok(Backbone { model, tok, template, weights_digest: file_digest(&files)?, source: dir.display().to_string() })
+            }
+        }
+    }
+
+    pub fn dim(&self) -> usize {
+        self.model.cfg.hidden
+    }
+
+    fn eos(&self) -> Result<&(String, u32), Error> {
+        self.tok.eos.as_ref().ok_or_else(|| Error::Input("the EOS rule `reference` needs an EOS token; the tokenizer names none".into()))
+    }
+
+    /// Template, EOS rule and truncation for one conversation whose last message is the response.
+    pub fn prepare(&self, messages: &[Message], opts: &PhiOptions) -> Result<Prepared, Error> {
+        let Some((last, prompt)) = messages.split_last() else {
+            return Err(Error::Input("an empty conversation: expected at least the response message".into()));
+        };
+        if last.content.trim().is_empty() && prompt.iter().all(|m| m.content.trim().is_empty()) {
+            return Err(Error::Input("an empty text: every message of the conversation is blank".into()));
+        }
+        let mut text = self.template.render(messages, false)?;
+        if opts.eos_rule == EosRule::Reference {
+            let eos = &self.eos()?.0;
+            text = text.trim_end_matches('\n').to_string();
+            if !text.ends_with(eos.as_str()) {
+                text.push(' ');
+                text.push_str(eos);
+            }
+        }
+        let mut ids = self.tok.encode(&text)?;
+        if ids.is_empty() {
+            return Err(Error::Input("the conversation tokenizes to nothing".into()));
+        }
+        if let Some((_, bos)) = &self.tok.bos {
+            if ids.len() >= 2 && ids[0] == *bos && ids[1] == *bos {
+                return Err(Error::Input(format!(
+                    "the rendered conversation starts with two BOS tokens ({}): the template and the tokenizer both added one",
+                    self.template.origin
+                )));
+            }
+        }
+        let prefix = self.tok.encode(&self.template.render(prompt, true)?)?;
+        let mut start = ids.iter().zip(&prefix).take_while(|(a, b)| a == b).count().min(ids.len() - 1);
+        let (mut dropped, mut response_cut) = (0, false);
+        if ids.len() > opts.max_len {
+            dropped = ids.len() - opts.max_len;
+            match opts.truncation {
+                Truncation::Right => {
+                    ids.truncate(opts.max_len);
+                    response_cut = true;
+                    start = start.min(ids.len() - 1);
+                }
+                Truncation::PromptFirst => {
+                    let opening = usize::from(self.tok.bos.as_ref().is_some_and(|(_, b)| ids[0] == *b));
+                    let prompt_room = start.saturating_sub(opening);
+                    let cut = dropped.min(prompt_room);
+                    ids.drain(opening..opening + cut);
+                    start -= cut;
+                    if ids.len() > opts.max_len {
+                        ids.truncate(opts.max_len);
+                        response_cut = true;
+                    }
+                    start = start.min(ids.len() - 1);
+                }
+            }
+            if opts.eos_rule == EosRule::Reference {
+                let eos = self.eos()?.1;
+                *ids.last_mut().expect("non-empty") = eos;
+            }
+        }
+        let end = ids.len();
+        Ok(Prepared { ids, response: (start, end), dropped, response_cut })
+    }
+
+    /// φ of prepared conversations, in order, `batch` at a time (right-padded; each row read at
+    /// its own length, never by searching for a pad id).
+    pub fn features(&self, items: &[&Prepared], opts: &PhiOptions) -> Result<Vec<Vec<f32>>, Error> {
+        let layer = resolve_layer(opts.layer, self.model.cfg.layers)?;
+        let t = items.iter().map(|p| p.ids.len()).max().unwrap_or(0);
+        if items.is_empty() {
+            return Ok(Vec::new());
+        }
+        let pad = self.tok.eos.as_ref().map_or(0, |e| e.1);
+        let mut ids = Vec::with_capacity(items.len() * t);
+        for p in items {
+            ids.extend_from_slice(&p.ids);
+            ids.extend(std::iter::repeat_n(pad, t - p.ids.len()));
+        }
+        let ids = Tensor::from_vec(ids, (items.len(), t), self.model.device())?;
+        let h = self.model.hidden_states(&ids, layer)?;
+        let rows = match opts.pool {
+            Pool::Last => gather_rows(&h, &items.iter().map(|p| p.ids.len() - 1).collect::<Vec<_>>())?,
+            Pool::Mean => mean_rows(&h, &items.iter().map(|p| p.response).collect::<Vec<_>>())?,
+        };
+        Ok(rows.to_dtype(DType::F32)?.to_vec2()?)
+    }
+}
+
+/// The safetensors files of a model directory: the shards named by
+/// `model.safetensors.index.json`, else `model.safetensors`.
+fn safetensors_files(dir: &Path) -> Result<Vec<PathBuf>, Error> {
+    let index = dir.join("model.safetensors.index.json");
+    if index.exists() {
+        let v: serde_json::Value =
+            serde_json::from_str(&read(&index)?).map_err(|e| Error::Format(format!("{}: {e}", index.display())))?;
+        let map = v
+            .get("weight_map")
+            .and_then(|m| m.as_object())
+            .ok_or_else(|| Error::Format(format!("{}: no `weight_map` object", index.display())))?;
+        let mut files: Vec<String> = map.values().filter_map(|f| f.as_str().map(String::from)).collect();
+        files.sort();
+        files.dedup();
+        return Ok(files.into_iter().map(|f| dir.join(f)).collect());
+    }
+    let single = dir.join("model.safetensors");
+    if single.exists() {
+        return Ok(vec![single]);
+    }
+    Err(Error::Weights(format!("{}: no model.safetensors or model.safetensors.index.json", dir.display())))
+}

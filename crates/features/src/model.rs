@@ -1,0 +1,424 @@
+//! Llama-family and Qwen2 decoders (candle-transformers' layout: a config mirror, blocks with
+//! `load(vb, cfg)` and `forward`) that return hidden states instead of last-token logits.
+//!
+//! Weights are read through a `VarBuilder` under Hugging Face's names (`model.layers.{i}.…`);
+//! GGUF files are renamed to them at load (`gguf.rs`). Qwen2 differs from Llama only by the
+//! q/k/v biases, so one file serves both. The attention mask is built here, causal, for
+//! right-padded batches: a real token never sees a pad, so padded rows give the same states at
+//! their real positions as unpadded ones (candle's own qwen2 mask is not causal: issue 3567).
+
+use crate::Error;
+use candle_core::{DType, Device, Module, Tensor};
+use candle_nn::{Embedding, Linear, VarBuilder};
+use serde::Deserialize;
+
+/// The subset of a Hugging Face `config.json` we read (Llama and Qwen2).
+#[derive(Clone, Debug, Deserialize)]
+pub struct HfConfig {
+    #[serde(default)]
+    pub architectures: Vec<String>,
+    #[serde(default)]
+    pub model_type: Option<String>,
+    pub hidden_size: usize,
+    pub intermediate_size: usize,
+    pub num_hidden_layers: usize,
+    pub num_attention_heads: usize,
+    #[serde(default)]
+    pub num_key_value_heads: Option<usize>,
+    #[serde(default)]
+    pub head_dim: Option<usize>,
+    pub rms_norm_eps: f64,
+    /// transformers < 5 (and most hub configs); ≥ 5 writes `rope_parameters` instead.
+    #[serde(default)]
+    pub rope_theta: Option<f64>,
+    pub vocab_size: usize,
+    #[serde(default)]
+    pub tie_word_embeddings: bool,
+    /// Llama: q/k/v/o biases (Qwen2 always has q/k/v biases and no o bias).
+    #[serde(default)]
+    pub attention_bias: bool,
+    #[serde(default)]
+    pub rope_scaling: Option<RopeScaling>,
+    /// transformers ≥ 5: `rope_theta` and the scaling in one table.
+    #[serde(default)]
+    pub rope_parameters: Option<RopeScaling>,
+    #[serde(default)]
+    pub hidden_act: Option<String>,
+}
+
+/// `rope_scaling` (or transformers 5's `rope_parameters`): `default`, or Llama-3.1's `llama3`.
+#[derive(Clone, Debug, Deserialize)]
+pub struct RopeScaling {
+    #[serde(alias = "type", default = "d_rope_type")]
+    pub rope_type: String,
+    #[serde(default)]
+    pub rope_theta: Option<f64>,
+    #[serde(default)]
+    pub factor: Option<f64>,
+    #[serde(default)]
+    pub low_freq_factor: Option<f64>,
+    #[serde(default)]
+    pub high_freq_factor: Option<f64>,
+    #[serde(default)]
+    pub original_max_position_embeddings: Option<usize>,
+}
+
+fn d_rope_type() -> String {
+    "default".into()
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Family {
+    Llama,
+    Qwen2,
+}
+
+/// The validated configuration the blocks are built from.
+#[derive(Clone, Debug)]
+pub struct Config {
+    pub family: Family,
+    pub hidden: usize,
+    pub intermediate: usize,
+    pub layers: usize,
+    pub heads: usize,
+    pub kv_heads: usize,
+    pub head_dim: usize,
+    pub eps: f64,
+    pub rope_theta: f64,
+    pub vocab: usize,
+    pub qkv_bias: bool,
+    pub o_bias: bool,
+    /// llama.cpp stores Llama's q/k rows permuted for interleaved RoPE; HF uses rotate-half.
+    pub rope_interleaved: bool,
+    /// Per-frequency divisors of the inverse frequencies (Llama-3.1 `rope_freqs`).
+    pub rope_factors: Option<Vec<f64>>,
+}
+
+impl Config {
+    /// From a Hugging Face `config.json`.
+    pub fn from_hf(c: &HfConfig) -> Result<Config, Error> {
+        let kind = c.model_type.clone().or_else(|| c.architectures.first().cloned()).unwrap_or_default();
+        let family = match kind.as_str() {
+            "llama" | "LlamaForCausalLM" | "mistral" => Family::Llama,
+            "qwen2" | "Qwen2ForCausalLM" => Family::Qwen2,
+            other => {
+                return Err(Error::Unsupported(format!(
+                    "architecture `{other}`: expected llama (Llama, SmolLM2) or qwen2 (Qwen2, Qwen2.5)"
+                )))
+            }
+        };
+        if let Some(act) = &c.hidden_act {
+            if act != "silu" {
+                return Err(Error::Unsupported(format!("hidden_act `{act}`: expected silu")));
+            }
+        }
+        let head_dim = c.head_dim.unwrap_or(c.hidden_size / c.num_attention_heads);
+        let rope_theta = c.rope_parameters.as_ref().and_then(|p| p.rope_theta).or(c.rope_theta).unwrap_or(10_000.0);
+        let scaling = c.rope_parameters.as_ref().or(c.rope_scaling.as_ref());
+        let rope_factors = match scaling {
+            None => None,
+            Some(s) if s.rope_type == "llama3" => Some(llama3_factors(s, head_dim, rope_theta)?),
+            Some(s) if s.rope_type == "default" => None,
+            Some(s) => return Err(Error::Unsupported(format!("rope_scaling type `{}`", s.rope_type))),
+        };
+        Ok(Config {
+            family,
+            hidden: c.hidden_size,
+            intermediate: c.intermediate_size,
+            layers: c.num_hidden_layers,
+            heads: c.num_attention_heads,
+            kv_heads: c.num_key_value_heads.unwrap_or(c.num_attention_heads),
+            head_dim,
+            eps: c.rms_norm_eps,
+            rope_theta,
+            vocab: c.vocab_size,
+            qkv_bias: family == Family::Qwen2 || c.attention_bias,
+            o_bias: family == Family::Llama && c.attention_bias,
+            rope_interleaved: false,
+            rope_factors,
+        })
+    }
+
+    pub fn check(&self) -> Result<(), Error> {
+        if self.heads == 0 || self.kv_heads == 0 || self.heads % self.kv_heads != 0 || self.head_dim % 2 != 0 {
+            return Err(Error::Unsupported(format!(
+                "{} query heads, {} key/value heads, head_dim {}: expected heads divisible by kv heads and an even head_dim",
+                self.heads, self.kv_heads, self.head_dim
+            )));
+        }
+        Ok(())
+    }
+}
+
+/// Llama-3.1's frequency-dependent RoPE scaling, as divisors of the inverse frequencies.
+fn llama3_factors(s: &RopeScaling, head_dim: usize, theta: f64) -> Result<Vec<f64>, Error> {
+    let need = |v: Option<f64>, k: &str| v.ok_or_else(|| Error::Unsupported(format!("rope_scaling.{k} is missing")));
+    let factor = need(s.factor, "factor")?;
+    let low = need(s.low_freq_factor, "low_freq_factor")?;
+    let high = need(s.high_freq_factor, "high_freq_factor")?;
+    let old = s.original_max_position_embeddings.ok_or_else(|| {
+        Error::Unsupported("rope_scaling.original_max_position_embeddings is missing".into())
+    })? as f64;
+    let (low_wl, high_wl) = (old / low, old / high);
+    Ok((0..head_dim / 2)
+        .map(|i| {
+            let freq = 1.0 / theta.powf(2.0 * i as f64 / head_dim as f64);
+            let wl = 2.0 * std::f64::consts::PI / freq;
+            if wl < high_wl {
+                1.0
+            } else if wl > low_wl {
+                factor
+            } else {
+                let smooth = (old / wl - low) / (high - low);
+                // new freq = (1 − smooth)·freq/factor + smooth·freq
+                1.0 / ((1.0 - smooth) / factor + smooth)
+            }
+        })
+        .collect())
+}
+
+fn linear(vb: VarBuilder, inp: usize, out: usize, bias: bool) -> candle_core::Result<Linear> {
+    let w = vb.get((out, inp), "weight")?;
+    let b = if bias { Some(vb.get(out, "bias")?) } else { None };
+    Ok(Linear::new(w, b))
+}
+
+struct Rope {
+    cos: Tensor,
+    sin: Tensor,
+    interleaved: bool,
+}
+
+impl Rope {
+    fn new(cfg: &Config, max_len: usize, dev: &Device, dtype: DType) -> candle_core::Result<Rope> {
+        let half = cfg.head_dim / 2;
+        let inv: Vec<f32> = (0..half)
+            .map(|i| {
+                let f = 1.0 / cfg.rope_theta.powf(2.0 * i as f64 / cfg.head_dim as f64);
+                let div = cfg.rope_factors.as_ref().map_or(1.0, |v| v[i]);
+                (f / div) as f32
+            })
+            .collect();
+        let inv = Tensor::from_vec(inv, (1, half), dev)?;
+        let t = Tensor::arange(0u32, max_len as u32, dev)?.to_dtype(DType::F32)?.reshape((max_len, 1))?;
+        let freqs = t.matmul(&inv)?;
+        Ok(Rope { cos: freqs.cos()?.to_dtype(dtype)?, sin: freqs.sin()?.to_dtype(dtype)?, interleaved: cfg.rope_interleaved })
+    }
+
+    fn apply(&self, x: &Tensor, len: usize) -> candle_core::Result<Tensor> {
+        let (cos, sin) = (self.cos.narrow(0, 0, len)?, self.sin.narrow(0, 0, len)?);
+        if self.interleaved {
+            candle_nn::rotary_emb::rope_i(&x.contiguous()?, &cos, &sin)
+        } else {
+            candle_nn::rotary_emb::rope(&x.contiguous()?, &cos, &sin)
+        }
+    }
+}
+
+struct Attention {
+    q: Linear,
+    k: Linear,
+    v: Linear,
+    o: Linear,
+    heads: usize,
+    kv_heads: usize,
+    head_dim: usize,
+}
+
+impl Attention {
+    fn load(vb: VarBuilder, cfg: &Config) -> candle_core::Result<Self> {
+        let (h, hd) = (cfg.hidden, cfg.head_dim);
+        Ok(Attention {
+            q: linear(vb.pp("q_proj"), h, cfg.heads * hd, cfg.qkv_bias)?,
+            k: linear(vb.pp("k_proj"), h, cfg.kv_heads * hd, cfg.qkv_bias)?,
+            v: linear(vb.pp("v_proj"), h, cfg.kv_heads * hd, cfg.qkv_bias)?,
+            o: linear(vb.pp("o_proj"), cfg.heads * hd, h, cfg.o_bias)?,
+            heads: cfg.heads,
+            kv_heads: cfg.kv_heads,
+            head_dim: hd,
+        })
+    }
+
+    fn forward(&self, x: &Tensor, rope: &Rope, mask: &Tensor) -> candle_core::Result<Tensor> {
+        let (b, t, _) = x.dims3()?;
+        let split = |y: Tensor, n: usize| y.reshape((b, t, n, self.head_dim))?.transpose(1, 2);
+        let q = rope.apply(&split(self.q.forward(x)?, self.heads)?, t)?;
+        let k = rope.apply(&split(self.k.forward(x)?, self.kv_heads)?, t)?;
+        let v = split(self.v.forward(x)?, self.kv_heads)?.contiguous()?;
+        let rep = self.heads / self.kv_heads;
+        let (k, v) = (repeat_kv(k, rep)?, repeat_kv(v, rep)?);
+        let scale = 1.0 / (self.head_dim as f64).sqrt();
+        let att = (q.matmul(&k.t()?)? * scale)?.broadcast_add(mask)?;
+        let att = candle_nn::ops::softmax_last_dim(&att)?;
+        let y = att.matmul(&v)?.transpose(1, 2)?.reshape((b, t, self.heads * self.head_dim))?;
+        self.o.forward(&y)
+    }
+}
+
+/// (b, kv, t, d) → (b, kv·rep, t, d), each key/value head repeated `rep` times in place.
+fn repeat_kv(x: Tensor, rep: usize) -> candle_core::Result<Tensor> {
+    if rep == 1 {
+        return Ok(x);
+    }
+    let (b, kv, t, d) = x.dims4()?;
+    x.unsqueeze(2)?.expand((b, kv, rep, t, d))?.reshape((b, kv * rep, t, d))
+}
+
+struct Mlp {
+    gate: Linear,
+    up: Linear,
+    down: Linear,
+}
+
+impl Mlp {
+    fn load(vb: VarBuilder, cfg: &Config) -> candle_core::Result<Self> {
+        Ok(Mlp {
+            gate: linear(vb.pp("gate_proj"), cfg.hidden, cfg.intermediate, false)?,
+            up: linear(vb.pp("up_proj"), cfg.hidden, cfg.intermediate, false)?,
+            down: linear(vb.pp("down_proj"), cfg.intermediate, cfg.hidden, false)?,
+        })
+    }
+    fn forward(&self, x: &Tensor) -> candle_core::Result<Tensor> {
+        self.down.forward(&(self.gate.forward(x)?.silu()? * self.up.forward(x)?)?)
+    }
+}
+
+struct RmsNorm {
+    w: Tensor,
+    eps: f32,
+}
+
+impl RmsNorm {
+    fn load(vb: VarBuilder, cfg: &Config) -> candle_core::Result<Self> {
+        Ok(RmsNorm { w: vb.get(cfg.hidden, "weight")?, eps: cfg.eps as f32 })
+    }
+    fn forward(&self, x: &Tensor) -> candle_core::Result<Tensor> {
+        candle_nn::ops::rms_norm(&x.contiguous()?, &self.w, self.eps)
+    }
+}
+
+struct Block {
+    norm1: RmsNorm,
+    attn: Attention,
+    norm2: RmsNorm,
+    mlp: Mlp,
+}
+
+impl Block {
+    fn load(vb: VarBuilder, cfg: &Config) -> candle_core::Result<Self> {
+        Ok(Block {
+            norm1: RmsNorm::load(vb.pp("input_layernorm"), cfg)?,
+            attn: Attention::load(vb.pp("self_attn"), cfg)?,
+            norm2: RmsNorm::load(vb.pp("post_attention_layernorm"), cfg)?,
+            mlp: Mlp::load(vb.pp("mlp"), cfg)?,
+        })
+    }
+    fn forward(&self, x: &Tensor, rope: &Rope, mask: &Tensor) -> candle_core::Result<Tensor> {
+        let x = (x + self.attn.forward(&self.norm1.forward(x)?, rope, mask)?)?;
+        &x + self.mlp.forward(&self.norm2.forward(&x)?)?
+    }
+}
+
+/// A decoder that returns hidden states.
+pub struct Model {
+    pub cfg: Config,
+    embed: Embedding,
+    blocks: Vec<Block>,
+    norm: RmsNorm,
+    rope: Rope,
+    dtype: DType,
+    device: Device,
+}
+
+/// Which hidden state to return: Hugging Face's `hidden_states[layer]` (0: the embeddings,
+/// L: the output of the final norm); negative values count from the end (−1: the final norm).
+pub fn resolve_layer(layer: i64, layers: usize) -> Result<usize, Error> {
+    let l = layers as i64;
+    let idx = if layer < 0 { l + 1 + layer } else { layer };
+    if !(0..=l).contains(&idx) {
+        return Err(Error::Input(format!(
+            "layer {layer}: the model has hidden states 0..={l} (or −1..=−{}, counted from the end)",
+            l + 1
+        )));
+    }
+    Ok(idx as usize)
+}
+
+impl Model {
+    /// Builds the model from weights under Hugging Face names. `max_len`: the longest sequence.
+    pub fn load(vb: VarBuilder, cfg: Config, max_len: usize) -> Result<Model, Error> {
+        cfg.check()?;
+        let ctx = |what: String| move |e: candle_core::Error| Error::Weights(format!("{what}: {e}"));
+        let m = vb.pp("model");
+        let embed_w = m.get((cfg.vocab, cfg.hidden), "embed_tokens.weight").map_err(ctx("embeddings".into()))?;
+        let embed = Embedding::new(embed_w, cfg.hidden);
+        let blocks = (0..cfg.layers)
+            .map(|i| Block::load(m.pp("layers").pp(i), &cfg).map_err(ctx(format!("layer {i}"))))
+            .collect::<Result<Vec<_>, _>>()?;
+        let norm = RmsNorm::load(m.pp("norm"), &cfg).map_err(ctx("final norm".into()))?;
+        let (device, dtype) = (vb.device().clone(), vb.dtype());
+        let rope = Rope::new(&cfg, max_len.max(1), &device, dtype).map_err(ctx("rope tables".into()))?;
+        Ok(Model { cfg, embed, blocks, norm, rope, dtype, device })
+    }
+
+    pub fn device(&self) -> &Device {
+        &self.device
+    }
+    pub fn dtype(&self) -> DType {
+        self.dtype
+    }
+    pub fn max_len(&self) -> usize {
+        self.rope.cos.dim(0).unwrap_or(0)
+    }
+
+    /// Hidden states (b, t, d) of `layer` (see [`resolve_layer`]) for right-padded `ids` (b, t).
+    pub fn hidden_states(&self, ids: &Tensor, layer: usize) -> Result<Tensor, Error> {
+        let (_, t) = ids.dims2()?;
+        if t > self.max_len() {
+            return Err(Error::Input(format!("a batch of {t} tokens exceeds max_len = {}", self.max_len())));
+        }
+        let mask = causal_mask(t, &self.device, self.dtype)?;
+        let mut x = self.embed.forward(ids)?;
+        if layer == 0 {
+            return Ok(x);
+        }
+        for (i, b) in self.blocks.iter().enumerate() {
+            x = b.forward(&x, &self.rope, &mask)?;
+            if i + 1 == layer && layer < self.cfg.layers {
+                return Ok(x);
+            }
+        }
+        Ok(self.norm.forward(&x)?)
+    }
+}
+
+/// (1, 1, t, t): 0 on and below the diagonal, −∞ above.
+fn causal_mask(t: usize, dev: &Device, dtype: DType) -> candle_core::Result<Tensor> {
+    let m: Vec<f32> = (0..t).flat_map(|i| (0..t).map(move |j| if j <= i { 0.0 } else { f32::NEG_INFINITY })).collect();
+    Tensor::from_vec(m, (1, 1, t, t), dev)?.to_dtype(dtype)
+}
+
+/// Rows of `h` (b, t, d) at the given positions: (b, d).
+pub fn gather_rows(h: &Tensor, pos: &[usize]) -> Result<Tensor, Error> {
+    let (b, t, d) = h.dims3()?;
+    let idx: Vec<u32> = pos.iter().enumerate().map(|(i, &p)| (i * t + p) as u32).collect();
+    if pos.len() != b || pos.iter().any(|&p| p >= t) {
+        return Err(Error::Input(format!("gather positions {pos:?} out of range for a ({b}, {t}) batch")));
+    }
+    let idx = Tensor::from_vec(idx, b, h.device())?;
+    Ok(h.reshape((b * t, d))?.index_select(&idx, 0)?)
+}
+
+/// Mean of `h` (b, t, d) over positions [start_i, end_i) of each row: (b, d).
+pub fn mean_rows(h: &Tensor, spans: &[(usize, usize)]) -> Result<Tensor, Error> {
+    let (b, t, _) = h.dims3()?;
+    if spans.len() != b || spans.iter().any(|&(s, e)| s >= e || e > t) {
+        return Err(Error::Input(format!("mean spans {spans:?} out of range for a ({b}, {t}) batch")));
+    }
+    let w: Vec<f32> = spans
+        .iter()
+        .flat_map(|&(s, e)| (0..t).map(move |j| if j >= s && j < e { 1.0 / (e - s) as f32 } else { 0.0 }))
+        .collect();
+    let w = Tensor::from_vec(w, (b, 1, t), h.device())?.to_dtype(h.dtype())?;
+    Ok(w.matmul(&h.contiguous()?)?.squeeze(1)?)
+}
