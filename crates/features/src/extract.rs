@@ -56,7 +56,13 @@ pub struct PhiOptions {
 
 impl Default for PhiOptions {
     fn default() -> Self {
-        PhiOptions { max_len: 1024, eos_rule: EosRule::Reference, truncation: Truncation::PromptFirst, layer: -1, pool: Pool::Last }
+        PhiOptions {
+            max_len: 1024,
+            eos_rule: EosRule::Reference,
+            truncation: Truncation::PromptFirst,
+            layer: -1,
+            pool: Pool::Last,
+        }
     }
 }
 
@@ -184,14 +190,24 @@ impl Backbone {
                         }
                     },
                 };
-                let template =
-                    ChatTemplate::new(&tmpl, &format!("{} chat_template", tc_path.display()), bos.as_deref(), eos.as_deref())?;
+                let template = ChatTemplate::new(
+                    &tmpl,
+                    &format!("{} chat_template", tc_path.display()),
+                    bos.as_deref(),
+                    eos.as_deref(),
+                )?;
                 let files = safetensors_files(dir)?;
                 // SAFETY: the weight files are memory-mapped read-only; onepass never writes them.
                 let vb = unsafe { VarBuilder::from_mmaped_safetensors(&files, dtype, device) }
                     .map_err(|e| Error::Weights(format!("{}: {e}", dir.display())))?;
                 let model = Model::load(vb, cfg, max_len)?;
-                Ok(Backbone { model, tok, template, weights_digest: file_digest(&files)?, source: dir.display().to_string() })
+                Ok(Backbone {
+                    model,
+                    tok,
+                    template,
+                    weights_digest: file_digest(&files)?,
+                    source: dir.display().to_string(),
+                })
             }
         }
     }
@@ -201,7 +217,10 @@ impl Backbone {
     }
 
     fn eos(&self) -> Result<&(String, u32), Error> {
-        self.tok.eos.as_ref().ok_or_else(|| Error::Input("the EOS rule `reference` needs an EOS token; the tokenizer names none".into()))
+        self.tok
+            .eos
+            .as_ref()
+            .ok_or_else(|| Error::Input("the EOS rule `reference` needs an EOS token; the tokenizer names none".into()))
     }
 
     /// Template, EOS rule and truncation for one conversation whose last message is the response.

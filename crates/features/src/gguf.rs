@@ -92,9 +92,10 @@ impl Gguf {
         let heads = meta_u(md, &k("attention.head_count"), path)?;
         let kv_heads = meta_u(md, &k("attention.head_count_kv"), path).unwrap_or(heads);
         let head_dim = meta_u(md, &k("rope.dimension_count"), path).unwrap_or(hidden / heads);
-        let embd = content.tensor_infos.get("token_embd.weight").ok_or_else(|| {
-            Error::Weights(format!("{}: tensor `token_embd.weight` is missing", path.display()))
-        })?;
+        let embd = content
+            .tensor_infos
+            .get("token_embd.weight")
+            .ok_or_else(|| Error::Weights(format!("{}: tensor `token_embd.weight` is missing", path.display())))?;
         let vocab = embd.shape.dims()[0];
         let mut tensors = HashMap::new();
         let mut rope_factors = None;

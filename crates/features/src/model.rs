@@ -156,9 +156,10 @@ fn llama3_factors(s: &RopeScaling, head_dim: usize, theta: f64) -> Result<Vec<f6
     let factor = need(s.factor, "factor")?;
     let low = need(s.low_freq_factor, "low_freq_factor")?;
     let high = need(s.high_freq_factor, "high_freq_factor")?;
-    let old = s.original_max_position_embeddings.ok_or_else(|| {
-        Error::Unsupported("rope_scaling.original_max_position_embeddings is missing".into())
-    })? as f64;
+    let old = s
+        .original_max_position_embeddings
+        .ok_or_else(|| Error::Unsupported("rope_scaling.original_max_position_embeddings is missing".into()))?
+        as f64;
     let (low_wl, high_wl) = (old / low, old / high);
     Ok((0..head_dim / 2)
         .map(|i| {
@@ -202,7 +203,11 @@ impl Rope {
         let inv = Tensor::from_vec(inv, (1, half), dev)?;
         let t = Tensor::arange(0u32, max_len as u32, dev)?.to_dtype(DType::F32)?.reshape((max_len, 1))?;
         let freqs = t.matmul(&inv)?;
-        Ok(Rope { cos: freqs.cos()?.to_dtype(dtype)?, sin: freqs.sin()?.to_dtype(dtype)?, interleaved: cfg.rope_interleaved })
+        Ok(Rope {
+            cos: freqs.cos()?.to_dtype(dtype)?,
+            sin: freqs.sin()?.to_dtype(dtype)?,
+            interleaved: cfg.rope_interleaved,
+        })
     }
 
     fn apply(&self, x: &Tensor, len: usize) -> candle_core::Result<Tensor> {

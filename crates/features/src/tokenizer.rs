@@ -13,7 +13,6 @@ use tokenizers::decoders::byte_level::ByteLevel as ByteLevelDecoder;
 use tokenizers::models::bpe::BPE;
 use tokenizers::normalizers::unicode::NFC;
 use tokenizers::pre_tokenizers::byte_level::ByteLevel;
-use tokenizers::pre_tokenizers::digits::Digits;
 use tokenizers::pre_tokenizers::sequence::Sequence;
 use tokenizers::pre_tokenizers::split::{Split, SplitPattern};
 use tokenizers::pre_tokenizers::PreTokenizerWrapper;
@@ -22,7 +21,8 @@ use tokenizers::{AddedToken, SplitDelimiterBehavior, Tokenizer};
 /// Llama-3's pre-tokenizer regex (llama.cpp `llama-bpe`).
 const LLAMA3_REGEX: &str = r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+";
 /// Qwen2's pre-tokenizer regex (single digits).
-const QWEN2_REGEX: &str = r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+";
+const QWEN2_REGEX: &str =
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+";
 
 /// A tokenizer with the special tokens the chat template and the EOS rule need.
 pub struct Tok {
@@ -68,7 +68,8 @@ impl Tok {
             _ => vec![1; tokens.len()],
         };
         let pre = meta_str(md, "tokenizer.ggml.pre").unwrap_or("default").to_string();
-        let vocab: tokenizers::models::bpe::Vocab = tokens.iter().enumerate().map(|(i, t)| (t.clone(), i as u32)).collect();
+        let vocab: tokenizers::models::bpe::Vocab =
+            tokens.iter().enumerate().map(|(i, t)| (t.clone(), i as u32)).collect();
         let merges: Vec<(String, String)> = merges
             .iter()
             .map(|m| {
@@ -85,7 +86,11 @@ impl Tok {
         let mut tok = Tokenizer::new(bpe);
         let byte_level = || PreTokenizerWrapper::from(ByteLevel::new(false, true, false));
         let pre_tok: PreTokenizerWrapper = match pre.as_str() {
-            "smollm" => Sequence::new(vec![Digits::new(true).into(), ByteLevel::new(false, true, true).into()]).into(),
+            // SmolLM2's own tokenizer.json splits digits first ([Digits, ByteLevel]); transformers'
+            // GGUF converter does not, which changes whitespace runs before a digit (":\n\n1"
+            // → "\n","\n" instead of "\n\n"). We match transformers, the tested reference; a
+            // tokenizer.json beside the GGUF (`Tok::from_json`) gives the original behaviour.
+            "smollm" => ByteLevel::new(false, true, true).into(),
             "llama-bpe" | "llama3" => Sequence::new(vec![split(LLAMA3_REGEX)?, byte_level()]).into(),
             "qwen2" => {
                 tok.with_normalizer(Some(NFC)).map_err(|e| Error::Format(format!("normalizer: {e}")))?;

@@ -102,7 +102,8 @@ fn a_padded_batch_gives_the_states_of_one_at_a_time() {
         let got: Vec<Vec<f32>> = features::model::gather_rows(&h, &last).unwrap().to_vec2().unwrap();
         for (c, g) in cs.iter().zip(&got) {
             let one = Tensor::new(c.ids.as_slice(), &Device::Cpu).unwrap().unsqueeze(0).unwrap();
-            let alone: Vec<Vec<f32>> = model.hidden_states(&one, model.cfg.layers).unwrap().squeeze(0).unwrap().to_vec2().unwrap();
+            let alone: Vec<Vec<f32>> =
+                model.hidden_states(&one, model.cfg.layers).unwrap().squeeze(0).unwrap().to_vec2().unwrap();
             let want = alone.last().unwrap();
             let md = g.iter().zip(want).map(|(a, b)| (a - b).abs()).fold(0.0f32, f32::max);
             assert!(md < 1e-5, "{name}: {} tokens: padded vs alone differ by {md}", c.ids.len());
@@ -116,11 +117,8 @@ fn a_missing_tensor_is_named() {
     let d = dir("tiny-llama");
     let bytes = std::fs::read(d.join("model.safetensors")).unwrap();
     let st = safetensors::SafeTensors::deserialize(&bytes).unwrap();
-    let keep: Vec<(String, safetensors::tensor::TensorView<'_>)> = st
-        .tensors()
-        .into_iter()
-        .filter(|(n, _)| n != "model.layers.1.mlp.down_proj.weight")
-        .collect();
+    let keep: Vec<(String, safetensors::tensor::TensorView<'_>)> =
+        st.tensors().into_iter().filter(|(n, _)| n != "model.layers.1.mlp.down_proj.weight").collect();
     let tmp = tempfile::tempdir().unwrap();
     let f = tmp.path().join("model.safetensors");
     safetensors::serialize_to_file(keep, None, &f).unwrap();
