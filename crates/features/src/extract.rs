@@ -309,6 +309,95 @@ impl Backbone {
     }
 }
 
+/// What one cached extraction did.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct ExtractStats {
+    pub rows: usize,
+    pub hits: usize,
+    pub misses: usize,
+    /// Tokens run through the model (misses only) and the seconds it took.
+    pub tokens: usize,
+    pub forward_s: f64,
+}
+
+impl Backbone {
+    /// The cache space of this backbone under `opts` and `dtype`: weights, tokenizer, template
+    /// and φ options.
+    pub fn space(&self, opts: &PhiOptions) -> (String, serde_json::Value) {
+        let o = serde_json::to_string(opts).expect("options serialise");
+        let dtype = format!("{:?}", self.model.dtype());
+        let parts = [
+            ("weights", self.weights_digest.as_str()),
+            ("tokenizer", self.tok.digest.as_str()),
+            ("template", self.template.source.as_str()),
+            ("options", o.as_str()),
+            ("dtype", dtype.as_str()),
+        ];
+        let describe = serde_json::json!({
+            "source": self.source, "weights_blake3": self.weights_digest, "tokenizer_blake3": self.tok.digest,
+            "options": opts, "dtype": dtype, "dim": self.dim(),
+        });
+        (crate::cache::space_key(&parts), describe)
+    }
+
+    /// φ of every item, from `cache` where present; the misses are computed `batch` rows at a
+    /// time in order of length (so a padded batch wastes little) and written to the cache.
+    /// `progress(done_rows, tokens)` is called after every batch.
+    pub fn features_cached(
+        &self,
+        cache: &mut crate::cache::FeatureCache,
+        keys: &[crate::cache::Key],
+        items: &[Prepared],
+        opts: &PhiOptions,
+        batch: usize,
+        progress: &mut dyn FnMut(usize, usize),
+    ) -> Result<(Vec<Vec<f32>>, ExtractStats), Error> {
+        let mut out: Vec<Option<Vec<f32>>> = keys.iter().map(|k| cache.get(k)).collect();
+        let mut stats = ExtractStats { rows: items.len(), ..Default::default() };
+        stats.hits = out.iter().filter(|o| o.is_some()).count();
+        // the same conversation twice is computed once
+        let mut first: std::collections::HashMap<crate::cache::Key, usize> = std::collections::HashMap::new();
+        let mut todo = Vec::new();
+        for i in (0..items.len()).filter(|&i| out[i].is_none()) {
+            if let std::collections::hash_map::Entry::Vacant(e) = first.entry(keys[i]) {
+                e.insert(i);
+                todo.push(i);
+            }
+        }
+        stats.misses = todo.len();
+        todo.sort_by_key(|&i| (items[i].ids.len(), i));
+        let mut done = stats.hits;
+        let (mut pend_k, mut pend_v) = (Vec::new(), Vec::new());
+        for chunk in todo.chunks(batch.max(1)) {
+            let t0 = std::time::Instant::now();
+            let refs: Vec<&Prepared> = chunk.iter().map(|&i| &items[i]).collect();
+            let rows = self.features(&refs, opts)?;
+            stats.forward_s += t0.elapsed().as_secs_f64();
+            stats.tokens += refs.iter().map(|p| p.ids.len()).sum::<usize>();
+            for (&i, r) in chunk.iter().zip(rows) {
+                pend_k.push(keys[i]);
+                pend_v.push(r.clone());
+                out[i] = Some(r);
+            }
+            if pend_k.len() >= 1024 {
+                cache.put(&pend_k, &pend_v)?;
+                pend_k.clear();
+                pend_v.clear();
+            }
+            done += chunk.len();
+            progress(done, stats.tokens);
+        }
+        cache.put(&pend_k, &pend_v)?;
+        let out = (0..items.len())
+            .map(|i| match &out[i] {
+                Some(v) => v.clone(),
+                None => out[first[&keys[i]]].clone().expect("computed"),
+            })
+            .collect();
+        Ok((out, stats))
+    }
+}
+
 /// The safetensors files of a model directory: the shards named by
 /// `model.safetensors.index.json`, else `model.safetensors`.
 fn safetensors_files(dir: &Path) -> Result<Vec<PathBuf>, Error> {

@@ -9,15 +9,20 @@
 //! - [`extract::Backbone`]: the three together, with [`extract::PhiOptions`] (max length, EOS
 //!   rule, truncation side, layer, pooling): conversation → ids → φ.
 //!
+//! - [`cache::FeatureCache`]: content-addressed safetensors shards, one directory per
+//!   (model, tokenizer, template, options) space.
+//!
 //! This crate knows nothing of specs, parquet or the CLI.
 
+pub mod cache;
 pub mod extract;
 pub mod gguf;
 pub mod model;
 pub mod template;
 pub mod tokenizer;
 
-pub use extract::{Backbone, EosRule, PhiOptions, Pool, Prepared, Source, Truncation};
+pub use cache::FeatureCache;
+pub use extract::{Backbone, EosRule, ExtractStats, PhiOptions, Pool, Prepared, Source, Truncation};
 pub use template::Message;
 
 /// What went wrong, with the file, tensor or template it concerns.

@@ -5,7 +5,9 @@
 //! This crate is the only place that knows about files, TOML, parquet and the command line;
 //! `estimators` and `selection` are pure maths.
 
+pub mod datasets;
 pub mod env;
+pub mod extract;
 pub mod pairs;
 pub mod plan;
 pub mod report;

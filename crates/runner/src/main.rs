@@ -45,6 +45,119 @@ enum Cmd {
     },
     /// List the estimator names a spec may use.
     Estimators,
+    /// Reward features φ(x, a) from a frozen LLM.
+    Features {
+        #[command(subcommand)]
+        cmd: FeaturesCmd,
+    },
+}
+
+#[derive(Subcommand)]
+enum FeaturesCmd {
+    /// φ of both sides of every pair of a dataset, through the feature cache.
+    Extract {
+        /// A .gguf file or a model directory (config.json, tokenizer.json, tokenizer_config.json, safetensors).
+        #[arg(long)]
+        model: String,
+        /// HH-RLHF jsonl(.gz) or UltraFeedback-binarized parquet.
+        #[arg(long)]
+        dataset: PathBuf,
+        #[arg(long, value_enum, default_value = "auto")]
+        format: runner::datasets::Format,
+        /// Only the first N pairs.
+        #[arg(long)]
+        limit: Option<usize>,
+        #[arg(long, default_value = ".cache/features")]
+        cache: PathBuf,
+        /// Also write a "bring your own features" parquet (phi_chosen, phi_rejected, label).
+        #[arg(long)]
+        out: Option<PathBuf>,
+        #[arg(long, default_value_t = 8)]
+        batch: usize,
+        #[arg(long, default_value_t = 1024)]
+        max_len: usize,
+        #[arg(long, default_value = "reference")]
+        eos_rule: String,
+        #[arg(long, default_value = "prompt-first")]
+        truncation: String,
+        /// hidden_states[layer]; negative counts from the end (-1: after the final norm).
+        #[arg(long, default_value_t = -1, allow_hyphen_values = true)]
+        layer: i64,
+        #[arg(long, default_value = "last")]
+        pool: String,
+        #[arg(long, default_value = "f32")]
+        dtype: String,
+        /// cpu, cuda, metal or auto.
+        #[arg(long, default_value = "cpu")]
+        device: String,
+    },
+}
+
+fn word<T: serde::de::DeserializeOwned>(flag: &str, v: &str) -> anyhow::Result<T> {
+    serde_json::from_value(serde_json::Value::String(v.to_string()))
+        .map_err(|_| anyhow::anyhow!("--{flag} {v}: not one of the accepted values (see --help)"))
+}
+
+fn features_cmd(cmd: FeaturesCmd) -> anyhow::Result<()> {
+    let FeaturesCmd::Extract {
+        model,
+        dataset,
+        format,
+        limit,
+        cache,
+        out,
+        batch,
+        max_len,
+        eos_rule,
+        truncation,
+        layer,
+        pool,
+        dtype,
+        device,
+    } = cmd;
+    let dtype = match dtype.as_str() {
+        "f32" => candle_core::DType::F32,
+        "bf16" => candle_core::DType::BF16,
+        "f16" => candle_core::DType::F16,
+        other => anyhow::bail!("--dtype {other}: expected f32, bf16 or f16"),
+    };
+    let phi = features::PhiOptions {
+        max_len,
+        eos_rule: word("eos-rule", &eos_rule)?,
+        truncation: word("truncation", &truncation)?,
+        layer,
+        pool: word("pool", &pool)?,
+    };
+    let o = runner::extract::ExtractOptions {
+        model,
+        dataset,
+        format,
+        limit,
+        cache,
+        out,
+        batch,
+        phi,
+        dtype,
+        device: runner::extract::device(&device)?,
+        progress: std::io::IsTerminal::is_terminal(&std::io::stderr()),
+    };
+    let s = runner::extract::extract(&o)?;
+    eprintln!(
+        "onepass: {} pairs, {} sequences: {} cache hits, {} computed ({} tokens in {:.1} s, {:.0} tok/s); {} degenerate pairs (both sides the same tokens), {} sequences truncated ({} lost response tokens); cache space {}",
+        s.pairs,
+        s.sequences,
+        s.hits,
+        s.misses,
+        s.tokens,
+        s.forward_s,
+        s.tokens as f64 / s.forward_s.max(1e-9),
+        s.degenerate_pairs,
+        s.truncated_sequences,
+        s.response_cut_sequences,
+        s.space
+    );
+    println!("{}", serde_json::to_string(&s)?);
+    Ok(())
 }
 
 fn main() -> ExitCode {
@@ -65,6 +178,13 @@ fn main() -> ExitCode {
                 print!("{md}");
                 ExitCode::SUCCESS
             }
+            Err(e) => {
+                eprintln!("onepass: {e:#}");
+                ExitCode::from(2)
+            }
+        },
+        Cmd::Features { cmd } => match features_cmd(cmd) {
+            Ok(()) => ExitCode::SUCCESS,
             Err(e) => {
                 eprintln!("onepass: {e:#}");
                 ExitCode::from(2)

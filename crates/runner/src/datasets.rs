@@ -1,0 +1,153 @@
+//! Preference datasets as (chosen, rejected) conversations: UltraFeedback-binarized parquet
+//! (`chosen`/`rejected` message lists) and HH-RLHF jsonl(.gz) transcripts
+//! ("\n\nHuman: … \n\nAssistant: …"). Errors name the file, the row and the field.
+
+use anyhow::{anyhow, bail, Context, Result};
+use arrow_array::{Array, ListArray, StringArray, StructArray};
+use features::Message;
+use parquet::arrow::arrow_reader::ParquetRecordBatchReaderBuilder;
+use std::io::{BufRead, BufReader};
+use std::path::Path;
+
+/// One preference pair: two conversations whose last message is the response.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Pair {
+    pub row: usize,
+    pub chosen: Vec<Message>,
+    pub rejected: Vec<Message>,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
+pub enum Format {
+    /// From the file name: .jsonl / .jsonl.gz → hh-rlhf, .parquet → ultrafeedback.
+    Auto,
+    HhRlhf,
+    Ultrafeedback,
+}
+
+/// The first `limit` pairs of `path` (all when None).
+pub fn read_pairs(path: &Path, format: Format, limit: Option<usize>) -> Result<Vec<Pair>> {
+    let name = path.to_string_lossy();
+    let format = match format {
+        Format::Auto if name.ends_with(".parquet") => Format::Ultrafeedback,
+        Format::Auto if name.ends_with(".jsonl") || name.ends_with(".jsonl.gz") => Format::HhRlhf,
+        Format::Auto => bail!("{name}: cannot tell the format from the name; give --format"),
+        f => f,
+    };
+    match format {
+        Format::HhRlhf => hh(path, limit),
+        Format::Ultrafeedback => ultrafeedback(path, limit),
+        Format::Auto => unreachable!(),
+    }
+}
+
+/// A "\n\nHuman: … \n\nAssistant: …" transcript as messages (user/assistant, stripped).
+pub fn hh_messages(text: &str) -> Result<Vec<Message>, String> {
+    const TAGS: [(&str, &str); 2] = [("\n\nHuman: ", "user"), ("\n\nAssistant: ", "assistant")];
+    let mut msgs: Vec<Message> = Vec::new();
+    let mut rest = text;
+    loop {
+        let next = TAGS.iter().filter_map(|(tag, role)| rest.find(tag).map(|i| (i, *tag, *role))).min_by_key(|x| x.0);
+        match next {
+            None => {
+                if let Some(m) = msgs.last_mut() {
+                    m.content.push_str(rest);
+                }
+                break;
+            }
+            Some((i, tag, role)) => {
+                if let Some(m) = msgs.last_mut() {
+                    m.content.push_str(&rest[..i]);
+                }
+                msgs.push(Message::new(role, ""));
+                rest = &rest[i + tag.len()..];
+            }
+        }
+    }
+    for m in &mut msgs {
+        m.content = m.content.trim().to_string();
+    }
+    match msgs.last() {
+        None => Err("no \"\\n\\nHuman: \" or \"\\n\\nAssistant: \" turn".into()),
+        Some(m) if m.role != "assistant" => Err("the transcript does not end with an Assistant turn".into()),
+        Some(_) => Ok(msgs),
+    }
+}
+
+fn hh(path: &Path, limit: Option<usize>) -> Result<Vec<Pair>> {
+    let f = std::fs::File::open(path).with_context(|| format!("opening {}", path.display()))?;
+    let r: Box<dyn BufRead> = if path.to_string_lossy().ends_with(".gz") {
+        Box::new(BufReader::new(flate2::read::GzDecoder::new(f)))
+    } else {
+        Box::new(BufReader::new(f))
+    };
+    let mut out = Vec::new();
+    for (row, line) in r.lines().enumerate() {
+        if limit.is_some_and(|l| out.len() >= l) {
+            break;
+        }
+        let line = line.with_context(|| format!("{}: reading row {row}", path.display()))?;
+        let v: serde_json::Value =
+            serde_json::from_str(&line).map_err(|e| anyhow!("{}: row {row}: not JSON: {e}", path.display()))?;
+        let side = |k: &str| -> Result<Vec<Message>> {
+            let s = v
+                .get(k)
+                .and_then(|x| x.as_str())
+                .ok_or_else(|| anyhow!("{}: row {row}: field `{k}` is missing or not a string", path.display()))?;
+            hh_messages(s).map_err(|m| anyhow!("{}: row {row}, field `{k}`: {m}", path.display()))
+        };
+        out.push(Pair { row, chosen: side("chosen")?, rejected: side("rejected")? });
+    }
+    Ok(out)
+}
+
+fn messages_at(list: &ListArray, i: usize) -> Result<Vec<Message>, String> {
+    if list.is_null(i) {
+        return Err("is null".into());
+    }
+    let v = list.value(i);
+    let s = v.as_any().downcast_ref::<StructArray>().ok_or("is not a list of {role, content} structs")?;
+    let col = |n: &str| {
+        s.column_by_name(n)
+            .and_then(|c| c.as_any().downcast_ref::<StringArray>())
+            .ok_or_else(|| format!("has no string field `{n}` in its messages"))
+    };
+    let (role, content) = (col("role")?, col("content")?);
+    Ok((0..s.len()).map(|j| Message::new(role.value(j), content.value(j))).collect())
+}
+
+fn ultrafeedback(path: &Path, limit: Option<usize>) -> Result<Vec<Pair>> {
+    let f = std::fs::File::open(path).with_context(|| format!("opening {}", path.display()))?;
+    let reader = ParquetRecordBatchReaderBuilder::try_new(f)
+        .with_context(|| format!("{}: not a readable parquet file", path.display()))?
+        .build()?;
+    let mut out = Vec::new();
+    let mut row = 0;
+    for batch in reader {
+        let batch = batch.with_context(|| format!("reading {}", path.display()))?;
+        let list = |k: &str| {
+            batch.column_by_name(k).and_then(|c| c.as_any().downcast_ref::<ListArray>()).ok_or_else(|| {
+                anyhow!("{}: no list column `{k}` (expected the ultrafeedback_binarized schema)", path.display())
+            })
+        };
+        let (c, r) = (list("chosen")?, list("rejected")?);
+        for i in 0..batch.num_rows() {
+            if limit.is_some_and(|l| out.len() >= l) {
+                return Ok(out);
+            }
+            let get = |l: &ListArray, k: &str| {
+                let m = messages_at(l, i).map_err(|m| anyhow!("{}: row {row}, field `{k}`: {m}", path.display()))?;
+                match m.last() {
+                    Some(last) if last.role == "assistant" => Ok(m),
+                    _ => Err(anyhow!(
+                        "{}: row {row}, field `{k}`: does not end with an assistant message",
+                        path.display()
+                    )),
+                }
+            };
+            out.push(Pair { row, chosen: get(c, "chosen")?, rejected: get(r, "rejected")? });
+            row += 1;
+        }
+    }
+    Ok(out)
+}

@@ -1,0 +1,140 @@
+//! `onepass features extract`: a preference dataset → φ of both sides of every pair through a
+//! frozen LLM, read from and written to the feature cache, optionally saved as a "bring your
+//! own features" parquet (`phi_chosen`, `phi_rejected`, `label`) that `env.kind = "features"`
+//! reads.
+
+use crate::datasets::{read_pairs, Format};
+use crate::results::write_atomic;
+use anyhow::{anyhow, Context, Result};
+use arrow_array::builder::{Float32Builder, ListBuilder};
+use arrow_array::{ArrayRef, BooleanArray, Float32Array, RecordBatch, UInt64Array};
+use candle_core::{DType, Device};
+use features::cache::{text_key, FeatureCache};
+use features::{Backbone, PhiOptions, Source};
+use std::path::PathBuf;
+use std::sync::Arc;
+
+pub struct ExtractOptions {
+    pub model: String,
+    pub dataset: PathBuf,
+    pub format: Format,
+    pub limit: Option<usize>,
+    pub cache: PathBuf,
+    pub out: Option<PathBuf>,
+    pub batch: usize,
+    pub phi: PhiOptions,
+    pub dtype: DType,
+    pub device: Device,
+    pub progress: bool,
+}
+
+/// What an extraction did (printed, and returned for tests).
+#[derive(Clone, Debug, Default, serde::Serialize)]
+pub struct ExtractSummary {
+    pub pairs: usize,
+    pub sequences: usize,
+    pub hits: usize,
+    pub misses: usize,
+    /// Pairs whose two sides became the same token sequence (after truncation): z = 0.
+    pub degenerate_pairs: usize,
+    pub truncated_sequences: usize,
+    pub response_cut_sequences: usize,
+    pub tokens: usize,
+    pub forward_s: f64,
+    pub space: String,
+    pub dim: usize,
+}
+
+pub fn device(name: &str) -> Result<Device> {
+    Ok(match name {
+        "cpu" => Device::Cpu,
+        "cuda" => Device::new_cuda(0).context("opening CUDA device 0 (build with --features cuda)")?,
+        "metal" => Device::new_metal(0).context("opening Metal device 0 (build with --features metal)")?,
+        "auto" => {
+            if candle_core::utils::cuda_is_available() {
+                Device::new_cuda(0)?
+            } else if candle_core::utils::metal_is_available() {
+                Device::new_metal(0)?
+            } else {
+                Device::Cpu
+            }
+        }
+        other => return Err(anyhow!("--device {other}: expected cpu, cuda, metal or auto")),
+    })
+}
+
+pub fn extract(o: &ExtractOptions) -> Result<ExtractSummary> {
+    let pairs = read_pairs(&o.dataset, o.format, o.limit)?;
+    if pairs.is_empty() {
+        return Err(anyhow!("{}: no pairs", o.dataset.display()));
+    }
+    let source = Source::parse(&o.model)?;
+    let backbone = Backbone::load(&source, &o.device, o.dtype, o.phi.max_len)
+        .with_context(|| format!("loading the model {}", o.model))?;
+    let mut items = Vec::with_capacity(pairs.len() * 2);
+    let mut keys = Vec::with_capacity(pairs.len() * 2);
+    let mut s = ExtractSummary { pairs: pairs.len(), dim: backbone.dim(), ..Default::default() };
+    for p in &pairs {
+        let mut ids = Vec::new();
+        for (side, msgs) in [("chosen", &p.chosen), ("rejected", &p.rejected)] {
+            let prep = backbone
+                .prepare(msgs, &o.phi)
+                .map_err(|e| anyhow!("{}: row {}, field `{side}`: {e}", o.dataset.display(), p.row))?;
+            s.truncated_sequences += usize::from(prep.dropped > 0);
+            s.response_cut_sequences += usize::from(prep.response_cut);
+            ids.push(prep.ids.clone());
+            items.push(prep);
+            keys.push(text_key(msgs));
+        }
+        s.degenerate_pairs += usize::from(ids[0] == ids[1]);
+    }
+    s.sequences = items.len();
+    let (space, describe) = backbone.space(&o.phi);
+    s.space = space.clone();
+    let mut cache = FeatureCache::open(&o.cache, &space, backbone.dim(), describe)?;
+    let bar =
+        if o.progress { indicatif::ProgressBar::new(items.len() as u64) } else { indicatif::ProgressBar::hidden() };
+    bar.set_style(
+        indicatif::ProgressStyle::with_template("{bar:30} {pos}/{len} sequences {msg} [{elapsed} < {eta}]")
+            .expect("template"),
+    );
+    let t0 = std::time::Instant::now();
+    let (phi, stats) = backbone.features_cached(&mut cache, &keys, &items, &o.phi, o.batch, &mut |done, tokens| {
+        bar.set_position(done as u64);
+        bar.set_message(format!("{:.0} tok/s", tokens as f64 / t0.elapsed().as_secs_f64().max(1e-9)));
+    })?;
+    bar.finish_and_clear();
+    s.hits = stats.hits;
+    s.misses = stats.misses;
+    s.tokens = stats.tokens;
+    s.forward_s = stats.forward_s;
+    if let Some(out) = &o.out {
+        write_pairs_parquet(out, &pairs.iter().map(|p| p.row as u64).collect::<Vec<_>>(), &phi, s.dim)?;
+    }
+    Ok(s)
+}
+
+/// phi rows alternate chosen, rejected.
+fn write_pairs_parquet(path: &std::path::Path, rows: &[u64], phi: &[Vec<f32>], d: usize) -> Result<()> {
+    let list = |side: usize| -> ArrayRef {
+        let mut b = ListBuilder::new(Float32Builder::with_capacity(rows.len() * d));
+        for pair in phi.chunks_exact(2) {
+            b.values().append_slice(&pair[side]);
+            b.append(true);
+        }
+        Arc::new(b.finish())
+    };
+    let degenerate: BooleanArray = phi.chunks_exact(2).map(|p| Some(p[0] == p[1])).collect();
+    let batch = RecordBatch::try_from_iter([
+        ("row", Arc::new(UInt64Array::from(rows.to_vec())) as ArrayRef),
+        ("phi_chosen", list(0)),
+        ("phi_rejected", list(1)),
+        ("label", Arc::new(Float32Array::from(vec![1.0f32; rows.len()])) as ArrayRef),
+        ("degenerate", Arc::new(degenerate) as ArrayRef),
+    ])?;
+    let mut buf = Vec::new();
+    let mut w = parquet::arrow::ArrowWriter::try_new(&mut buf, batch.schema(), None)?;
+    w.write(&batch)?;
+    w.close()?;
+    write_atomic(path, &buf)
+}
