@@ -37,7 +37,8 @@ pub fn space_key(parts: &[(&str, &str)]) -> String {
 
 struct Shard {
     map: Mmap,
-    rows: usize,
+    /// Byte range of `phi` inside `map` (found once at open, not per lookup).
+    phi: std::ops::Range<usize>,
 }
 
 pub struct FeatureCache {
@@ -122,8 +123,10 @@ impl FeatureCache {
         for (r, k) in keys.data().chunks_exact(32).enumerate() {
             self.index.insert(k.try_into().expect("32 bytes"), (s, r as u32));
         }
+        let start = phi.data().as_ptr() as usize - map.as_ptr() as usize;
+        let phi = start..start + rows * d * 4;
         drop(st);
-        self.shards.push(Shard { map, rows });
+        self.shards.push(Shard { map, phi });
         Ok(())
     }
 
@@ -145,9 +148,7 @@ impl FeatureCache {
         };
         self.hits += 1;
         let shard = &self.shards[s as usize];
-        let st = SafeTensors::deserialize(&shard.map).expect("checked at open");
-        let data = st.tensor("phi").expect("checked at open").data();
-        debug_assert!((r as usize) < shard.rows);
+        let data = &shard.map[shard.phi.clone()];
         let row = &data[r as usize * self.dim * 4..(r as usize + 1) * self.dim * 4];
         Some(row.chunks_exact(4).map(|b| f32::from_le_bytes(b.try_into().expect("4 bytes"))).collect())
     }

@@ -62,7 +62,7 @@ impl Tok {
             )));
         }
         let tokens = strings(md, "tokenizer.ggml.tokens")?;
-        let merges = strings(md, "tokenizer.ggml.merges")?;
+        let raw_merges = strings(md, "tokenizer.ggml.merges")?;
         let types: Vec<i64> = match md.get("tokenizer.ggml.token_type").map(|v| v.to_vec()) {
             Some(Ok(v)) => v.iter().map(|x| x.to_i32().map(i64::from).unwrap_or(1)).collect(),
             _ => vec![1; tokens.len()],
@@ -70,7 +70,7 @@ impl Tok {
         let pre = meta_str(md, "tokenizer.ggml.pre").unwrap_or("default").to_string();
         let vocab: tokenizers::models::bpe::Vocab =
             tokens.iter().enumerate().map(|(i, t)| (t.clone(), i as u32)).collect();
-        let merges: Vec<(String, String)> = merges
+        let merges: Vec<(String, String)> = raw_merges
             .iter()
             .map(|m| {
                 m.split_once(' ')
@@ -101,25 +101,23 @@ impl Tok {
         };
         tok.with_pre_tokenizer(Some(pre_tok));
         tok.with_decoder(Some(ByteLevelDecoder::default()));
-        let special: Vec<AddedToken> = tokens
-            .iter()
-            .zip(&types)
-            .filter(|(_, &t)| t == 3)
-            .map(|(s, _)| AddedToken::from(s.clone(), true))
-            .collect();
-        let user: Vec<AddedToken> = tokens
-            .iter()
-            .zip(&types)
-            .filter(|(_, &t)| t == 4)
-            .map(|(s, _)| AddedToken::from(s.clone(), false))
-            .collect();
+        // token type 3 (control) → special added tokens, 4 (user-defined) → plain added tokens
+        let added = |ty: i64, special: bool| -> Vec<AddedToken> {
+            tokens
+                .iter()
+                .zip(&types)
+                .filter(|(_, &t)| t == ty)
+                .map(|(s, _)| AddedToken::from(s.clone(), special))
+                .collect()
+        };
+        let (special, user) = (added(3, true), added(4, false));
         tok.add_special_tokens(special).map_err(|e| Error::Format(format!("special tokens: {e}")))?;
         tok.add_tokens(user).map_err(|e| Error::Format(format!("added tokens: {e}")))?;
         let named = |k: &str| id(md, k).and_then(|i| tokens.get(i as usize).map(|s| (s.clone(), i)));
         let mut h = blake3::Hasher::new();
         h.update(b"gguf-tokenizer\0");
         h.update(pre.as_bytes());
-        for t in tokens.iter().chain(strings(md, "tokenizer.ggml.merges")?.iter()) {
+        for t in tokens.iter().chain(&raw_merges) {
             h.update(t.as_bytes());
             h.update(b"\0");
         }

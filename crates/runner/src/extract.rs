@@ -75,18 +75,17 @@ pub fn extract(o: &ExtractOptions) -> Result<ExtractSummary> {
     let mut keys = Vec::with_capacity(pairs.len() * 2);
     let mut s = ExtractSummary { pairs: pairs.len(), dim: backbone.dim(), ..Default::default() };
     for p in &pairs {
-        let mut ids = Vec::new();
         for (side, msgs) in [("chosen", &p.chosen), ("rejected", &p.rejected)] {
             let prep = backbone
                 .prepare(msgs, &o.phi)
                 .map_err(|e| anyhow!("{}: row {}, field `{side}`: {e}", o.dataset.display(), p.row))?;
             s.truncated_sequences += usize::from(prep.dropped > 0);
             s.response_cut_sequences += usize::from(prep.response_cut);
-            ids.push(prep.ids.clone());
             items.push(prep);
             keys.push(text_key(msgs));
         }
-        s.degenerate_pairs += usize::from(ids[0] == ids[1]);
+        let n = items.len();
+        s.degenerate_pairs += usize::from(items[n - 2].ids == items[n - 1].ids);
     }
     s.sequences = items.len();
     let (space, describe) = backbone.space(&o.phi);

@@ -379,7 +379,6 @@ pub fn build(mut spec: Spec, file: &Path, text: &str) -> Result<Plan, SpecError>
             Some(Arc::new(data))
         }
     };
-    let spec = spec;
     let env = &spec.env;
     let checks: [(&[&str], bool, &str); 11] = [
         (&["seeds"], spec.seeds >= 1, "at least 1 seed"),
