@@ -18,6 +18,7 @@ pub mod cache;
 pub mod extract;
 pub mod gguf;
 pub mod model;
+pub mod ops;
 pub mod template;
 pub mod tokenizer;
 

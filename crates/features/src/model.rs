@@ -9,7 +9,7 @@
 
 use crate::Error;
 use candle_core::{DType, Device, Module, Tensor};
-use candle_nn::{Embedding, Linear, VarBuilder};
+use candle_nn::{Embedding, VarBuilder};
 use serde::Deserialize;
 
 /// The subset of a Hugging Face `config.json` we read (Llama and Qwen2).
@@ -178,10 +178,47 @@ fn llama3_factors(s: &RopeScaling, head_dim: usize, theta: f64) -> Result<Vec<f6
         .collect())
 }
 
-fn linear(vb: VarBuilder, inp: usize, out: usize, bias: bool) -> candle_core::Result<Linear> {
-    let w = vb.get((out, inp), "weight")?;
-    let b = if bias { Some(vb.get(out, "bias")?) } else { None };
-    Ok(Linear::new(w, b))
+/// A dense layer y = x Wᵀ (+ b) applied to the flattened rows of x: one 2-D gemm per call, so
+/// the weight is packed once per batch rather than once per sequence (candle_nn::Linear runs a
+/// batched matmul over a broadcast weight).
+struct Lin {
+    w: Tensor,
+    b: Option<Tensor>,
+}
+
+impl Lin {
+    /// Several layers that read the same input, fused along the output dimension.
+    fn load_fused(vb: &VarBuilder, names: &[(&str, usize)], inp: usize, bias: bool) -> candle_core::Result<Lin> {
+        let ws = names.iter().map(|(n, out)| vb.pp(n).get((*out, inp), "weight")).collect::<Result<Vec<_>, _>>()?;
+        let b = if bias {
+            let bs = names.iter().map(|(n, out)| vb.pp(n).get(*out, "bias")).collect::<Result<Vec<_>, _>>()?;
+            Some(Tensor::cat(&bs, 0)?)
+        } else {
+            None
+        };
+        Ok(Lin { w: Tensor::cat(&ws, 0)?, b })
+    }
+
+    fn load(vb: VarBuilder, inp: usize, out: usize, bias: bool) -> candle_core::Result<Lin> {
+        let w = vb.get((out, inp), "weight")?;
+        let b = if bias { Some(vb.get(out, "bias")?) } else { None };
+        Ok(Lin { w, b })
+    }
+
+    /// (…, in) → (…, out).
+    fn forward(&self, x: &Tensor) -> candle_core::Result<Tensor> {
+        let dims = x.dims();
+        let inp = dims[dims.len() - 1];
+        let rows = x.elem_count() / inp.max(1);
+        let y = x.reshape((rows, inp))?.matmul(&self.w.t()?)?;
+        let y = match &self.b {
+            Some(b) => y.broadcast_add(b)?,
+            None => y,
+        };
+        let mut out = dims.to_vec();
+        *out.last_mut().expect("rank ≥ 1") = self.w.dim(0)?;
+        y.reshape(out)
+    }
 }
 
 struct Rope {
@@ -210,6 +247,7 @@ impl Rope {
         })
     }
 
+    /// `x`: (b, heads, t, head_dim).
     fn apply(&self, x: &Tensor, len: usize) -> candle_core::Result<Tensor> {
         let (cos, sin) = (self.cos.narrow(0, 0, len)?, self.sin.narrow(0, 0, len)?);
         if self.interleaved {
@@ -221,10 +259,9 @@ impl Rope {
 }
 
 struct Attention {
-    q: Linear,
-    k: Linear,
-    v: Linear,
-    o: Linear,
+    /// q, k and v fused: (heads + 2·kv_heads)·head_dim outputs.
+    qkv: Lin,
+    o: Lin,
     heads: usize,
     kv_heads: usize,
     head_dim: usize,
@@ -233,58 +270,74 @@ struct Attention {
 impl Attention {
     fn load(vb: VarBuilder, cfg: &Config) -> candle_core::Result<Self> {
         let (h, hd) = (cfg.hidden, cfg.head_dim);
+        let names = [("q_proj", cfg.heads * hd), ("k_proj", cfg.kv_heads * hd), ("v_proj", cfg.kv_heads * hd)];
         Ok(Attention {
-            q: linear(vb.pp("q_proj"), h, cfg.heads * hd, cfg.qkv_bias)?,
-            k: linear(vb.pp("k_proj"), h, cfg.kv_heads * hd, cfg.qkv_bias)?,
-            v: linear(vb.pp("v_proj"), h, cfg.kv_heads * hd, cfg.qkv_bias)?,
-            o: linear(vb.pp("o_proj"), cfg.heads * hd, h, cfg.o_bias)?,
+            qkv: Lin::load_fused(&vb, &names, h, cfg.qkv_bias)?,
+            o: Lin::load(vb.pp("o_proj"), cfg.heads * hd, h, cfg.o_bias)?,
             heads: cfg.heads,
             kv_heads: cfg.kv_heads,
             head_dim: hd,
         })
     }
 
-    fn forward(&self, x: &Tensor, rope: &Rope, mask: &Tensor) -> candle_core::Result<Tensor> {
+    fn forward(&self, x: &Tensor, rope: &Rope) -> candle_core::Result<Tensor> {
         let (b, t, _) = x.dims3()?;
-        let split = |y: Tensor, n: usize| y.reshape((b, t, n, self.head_dim))?.transpose(1, 2);
-        let q = rope.apply(&split(self.q.forward(x)?, self.heads)?, t)?;
-        let k = rope.apply(&split(self.k.forward(x)?, self.kv_heads)?, t)?;
-        let v = split(self.v.forward(x)?, self.kv_heads)?.contiguous()?;
-        let rep = self.heads / self.kv_heads;
-        let (k, v) = (repeat_kv(k, rep)?, repeat_kv(v, rep)?);
-        let scale = 1.0 / (self.head_dim as f64).sqrt();
-        let att = (q.matmul(&k.t()?)? * scale)?.broadcast_add(mask)?;
-        let att = candle_nn::ops::softmax_last_dim(&att)?;
-        let y = att.matmul(&v)?.transpose(1, 2)?.reshape((b, t, self.heads * self.head_dim))?;
+        let (h, kv, hd) = (self.heads, self.kv_heads, self.head_dim);
+        let qkv = {
+            let _s = tracing::trace_span!("qkv").entered();
+            self.qkv.forward(x)?.reshape((b, t, h + 2 * kv, hd))?
+        };
+        let _s = tracing::trace_span!("rope").entered();
+        let q = rope.apply(&qkv.narrow(2, 0, h)?.transpose(1, 2)?, t)?;
+        let k = rope.apply(&qkv.narrow(2, h, kv)?.transpose(1, 2)?, t)?;
+        let v = qkv.narrow(2, h + kv, kv)?.transpose(1, 2)?.contiguous()?;
+        drop(_s);
+        // Grouped-query attention without copying k and v per query head: the `rep` query heads
+        // of one key/value head are stacked as rows, (b, kv, rep·t, hd) against (b, kv, t, hd).
+        let rep = h / kv;
+        let q = q.reshape((b, kv, rep * t, hd))?;
+        let s = {
+            let _s = tracing::trace_span!("scores").entered();
+            q.matmul(&k.t()?)?
+        };
+        let p = {
+            let _s = tracing::trace_span!("softmax").entered();
+            crate::ops::causal_softmax(&s, 1.0 / (hd as f64).sqrt(), t)?
+        };
+        let y = {
+            let _s = tracing::trace_span!("attn_v").entered();
+            p.matmul(&v)?.reshape((b, h, t, hd))?.transpose(1, 2)?.reshape((b, t, h * hd))?
+        };
+        let _s = tracing::trace_span!("o_proj").entered();
         self.o.forward(&y)
     }
 }
 
-/// (b, kv, t, d) → (b, kv·rep, t, d), each key/value head repeated `rep` times in place.
-fn repeat_kv(x: Tensor, rep: usize) -> candle_core::Result<Tensor> {
-    if rep == 1 {
-        return Ok(x);
-    }
-    let (b, kv, t, d) = x.dims4()?;
-    x.unsqueeze(2)?.expand((b, kv, rep, t, d))?.reshape((b, kv * rep, t, d))
-}
-
 struct Mlp {
-    gate: Linear,
-    up: Linear,
-    down: Linear,
+    /// gate and up fused: 2·intermediate outputs.
+    gate_up: Lin,
+    down: Lin,
 }
 
 impl Mlp {
     fn load(vb: VarBuilder, cfg: &Config) -> candle_core::Result<Self> {
+        let names = [("gate_proj", cfg.intermediate), ("up_proj", cfg.intermediate)];
         Ok(Mlp {
-            gate: linear(vb.pp("gate_proj"), cfg.hidden, cfg.intermediate, false)?,
-            up: linear(vb.pp("up_proj"), cfg.hidden, cfg.intermediate, false)?,
-            down: linear(vb.pp("down_proj"), cfg.intermediate, cfg.hidden, false)?,
+            gate_up: Lin::load_fused(&vb, &names, cfg.hidden, false)?,
+            down: Lin::load(vb.pp("down_proj"), cfg.intermediate, cfg.hidden, false)?,
         })
     }
     fn forward(&self, x: &Tensor) -> candle_core::Result<Tensor> {
-        self.down.forward(&(self.gate.forward(x)?.silu()? * self.up.forward(x)?)?)
+        let gu = {
+            let _s = tracing::trace_span!("gate_up").entered();
+            self.gate_up.forward(x)?
+        };
+        let a = {
+            let _s = tracing::trace_span!("silu_mul").entered();
+            crate::ops::silu_mul(&gu)?
+        };
+        let _s = tracing::trace_span!("down").entered();
+        self.down.forward(&a)
     }
 }
 
@@ -298,6 +351,7 @@ impl RmsNorm {
         Ok(RmsNorm { w: vb.get(cfg.hidden, "weight")?, eps: cfg.eps as f32 })
     }
     fn forward(&self, x: &Tensor) -> candle_core::Result<Tensor> {
+        let _s = tracing::trace_span!("rms_norm").entered();
         candle_nn::ops::rms_norm(&x.contiguous()?, &self.w, self.eps)
     }
 }
@@ -318,9 +372,21 @@ impl Block {
             mlp: Mlp::load(vb.pp("mlp"), cfg)?,
         })
     }
-    fn forward(&self, x: &Tensor, rope: &Rope, mask: &Tensor) -> candle_core::Result<Tensor> {
-        let x = (x + self.attn.forward(&self.norm1.forward(x)?, rope, mask)?)?;
-        &x + self.mlp.forward(&self.norm2.forward(&x)?)?
+    fn forward(&self, x: &Tensor, rope: &Rope) -> candle_core::Result<Tensor> {
+        let a = {
+            let _s = tracing::trace_span!("attention").entered();
+            self.attn.forward(&self.norm1.forward(x)?, rope)?
+        };
+        let x = {
+            let _s = tracing::trace_span!("residual").entered();
+            (x + a)?
+        };
+        let m = {
+            let _s = tracing::trace_span!("mlp").entered();
+            self.mlp.forward(&self.norm2.forward(&x)?)?
+        };
+        let _s = tracing::trace_span!("residual").entered();
+        &x + m
     }
 }
 
@@ -382,25 +448,19 @@ impl Model {
         if t > self.max_len() {
             return Err(Error::Input(format!("a batch of {t} tokens exceeds max_len = {}", self.max_len())));
         }
-        let mask = causal_mask(t, &self.device, self.dtype)?;
         let mut x = self.embed.forward(ids)?;
         if layer == 0 {
             return Ok(x);
         }
         for (i, b) in self.blocks.iter().enumerate() {
-            x = b.forward(&x, &self.rope, &mask)?;
+            let _s = tracing::debug_span!("block", i).entered();
+            x = b.forward(&x, &self.rope)?;
             if i + 1 == layer && layer < self.cfg.layers {
                 return Ok(x);
             }
         }
         Ok(self.norm.forward(&x)?)
     }
-}
-
-/// (1, 1, t, t): 0 on and below the diagonal, −∞ above.
-fn causal_mask(t: usize, dev: &Device, dtype: DType) -> candle_core::Result<Tensor> {
-    let m: Vec<f32> = (0..t).flat_map(|i| (0..t).map(move |j| if j <= i { 0.0 } else { f32::NEG_INFINITY })).collect();
-    Tensor::from_vec(m, (1, 1, t, t), dev)?.to_dtype(dtype)
 }
 
 /// Rows of `h` (b, t, d) at the given positions: (b, d).

@@ -5,6 +5,7 @@
 //! This crate is the only place that knows about files, TOML, parquet and the command line;
 //! `estimators` and `selection` are pure maths.
 
+pub mod bench;
 pub mod datasets;
 pub mod env;
 pub mod extract;

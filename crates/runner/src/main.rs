@@ -91,6 +91,42 @@ enum FeaturesCmd {
         #[arg(long, default_value = "cpu")]
         device: String,
     },
+    /// Forward-pass throughput on deterministic random ids (batch × len), as `just bench-features` runs it.
+    Bench {
+        /// A .gguf file or a model directory.
+        #[arg(long)]
+        model: String,
+        #[arg(long, default_value_t = 8)]
+        batch: usize,
+        #[arg(long, default_value_t = 256)]
+        len: usize,
+        #[arg(long, default_value_t = 3)]
+        reps: usize,
+        #[arg(long, default_value_t = 1)]
+        warmup: usize,
+        #[arg(long, default_value_t = 0)]
+        seed: u64,
+        #[arg(long, default_value = "f32")]
+        dtype: String,
+        #[arg(long, default_value = "cpu")]
+        device: String,
+        /// Write the token ids (JSON) for the PyTorch side of the benchmark.
+        #[arg(long)]
+        ids_out: Option<PathBuf>,
+        /// Write a Chrome trace (chrome://tracing, ui.perfetto.dev) of the timed passes: one span
+        /// per block and per op (qkv, rope, scores, softmax, attn_v, o_proj, gate_up, silu_mul, down, …).
+        #[arg(long)]
+        trace: Option<PathBuf>,
+    },
+}
+
+fn parse_dtype(dtype: &str) -> anyhow::Result<candle_core::DType> {
+    Ok(match dtype {
+        "f32" => candle_core::DType::F32,
+        "bf16" => candle_core::DType::BF16,
+        "f16" => candle_core::DType::F16,
+        other => anyhow::bail!("--dtype {other}: expected f32, bf16 or f16"),
+    })
 }
 
 fn word<T: serde::de::DeserializeOwned>(flag: &str, v: &str) -> anyhow::Result<T> {
@@ -99,28 +135,49 @@ fn word<T: serde::de::DeserializeOwned>(flag: &str, v: &str) -> anyhow::Result<T
 }
 
 fn features_cmd(cmd: FeaturesCmd) -> anyhow::Result<()> {
-    let FeaturesCmd::Extract {
-        model,
-        dataset,
-        format,
-        limit,
-        cache,
-        out,
-        batch,
-        max_len,
-        eos_rule,
-        truncation,
-        layer,
-        pool,
-        dtype,
-        device,
-    } = cmd;
-    let dtype = match dtype.as_str() {
-        "f32" => candle_core::DType::F32,
-        "bf16" => candle_core::DType::BF16,
-        "f16" => candle_core::DType::F16,
-        other => anyhow::bail!("--dtype {other}: expected f32, bf16 or f16"),
-    };
+    let (model, dataset, format, limit, cache, out, batch, max_len, eos_rule, truncation, layer, pool, dtype, device) =
+        match cmd {
+            FeaturesCmd::Bench { model, batch, len, reps, warmup, seed, dtype, device, ids_out, trace } => {
+                if batch == 0 || len == 0 || reps == 0 {
+                    anyhow::bail!("--batch, --len and --reps must be at least 1");
+                }
+                let o = runner::bench::BenchOptions {
+                    model,
+                    batch,
+                    len,
+                    reps,
+                    warmup,
+                    seed,
+                    dtype: parse_dtype(&dtype)?,
+                    device: runner::extract::device(&device)?,
+                    ids_out,
+                    trace,
+                };
+                let r = runner::bench::bench(&o)?;
+                println!("{}", serde_json::to_string(&r)?);
+                return Ok(());
+            }
+            FeaturesCmd::Extract {
+                model,
+                dataset,
+                format,
+                limit,
+                cache,
+                out,
+                batch,
+                max_len,
+                eos_rule,
+                truncation,
+                layer,
+                pool,
+                dtype,
+                device,
+            } => (
+                model, dataset, format, limit, cache, out, batch, max_len, eos_rule, truncation, layer, pool, dtype,
+                device,
+            ),
+        };
+    let dtype = parse_dtype(&dtype)?;
     let phi = features::PhiOptions {
         max_len,
         eos_rule: word("eos-rule", &eos_rule)?,
