@@ -29,6 +29,13 @@ bench:
 bench-quick:
     ONEPASS_BENCH_SKIP_RSS=1 ONEPASS_BENCH_MLE_T=1000 cargo bench -p estimators
 
+# Feature-model throughput: candle (onepass) vs PyTorch f32 and bf16 on identical token ids,
+# batch and threads (default 8 x 256, 3 passes, 3 alternating rounds); prints tok/s, peak RSS and
+# the ratios. Set ONEPASS_BENCH_PYTHON to a python with torch + transformers + gguf + accelerate,
+# or let it create .venv-bench from PyPI.
+bench-features batch="8" len="256" reps="3": fetch-models
+    scripts/bench_features.sh {{batch}} {{len}} {{reps}}
+
 # Mutation testing of the estimator update functions (slow: tens of minutes).
 mutants:
     cargo mutants -p estimators --re 'update|solve|sample|project|refit|rank1|cg_step|gram|damping|gate' -- --release

@@ -292,21 +292,9 @@ impl Attention {
         let k = rope.apply(&qkv.narrow(2, h, kv)?.transpose(1, 2)?, t)?;
         let v = qkv.narrow(2, h + kv, kv)?.transpose(1, 2)?.contiguous()?;
         drop(_s);
-        // Grouped-query attention without copying k and v per query head: the `rep` query heads
-        // of one key/value head are stacked as rows, (b, kv, rep·t, hd) against (b, kv, t, hd).
-        let rep = h / kv;
-        let q = q.reshape((b, kv, rep * t, hd))?;
-        let s = {
-            let _s = tracing::trace_span!("scores").entered();
-            q.matmul(&k.t()?)?
-        };
-        let p = {
-            let _s = tracing::trace_span!("softmax").entered();
-            crate::ops::causal_softmax(&s, 1.0 / (hd as f64).sqrt(), t)?
-        };
         let y = {
-            let _s = tracing::trace_span!("attn_v").entered();
-            p.matmul(&v)?.reshape((b, h, t, hd))?.transpose(1, 2)?.reshape((b, t, h * hd))?
+            let _s = tracing::trace_span!("causal_attention").entered();
+            crate::ops::causal_attention(&q, &k, &v, 1.0 / (hd as f64).sqrt())?.reshape((b, t, h * hd))?
         };
         let _s = tracing::trace_span!("o_proj").entered();
         self.o.forward(&y)

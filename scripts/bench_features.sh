@@ -1,0 +1,46 @@
+#!/usr/bin/env bash
+# `just bench-features`: candle (onepass) against PyTorch + transformers on the same model file,
+# the same token ids (batch × len, written by onepass), the same thread count. Rounds alternate the
+# engines so that both see the same machine noise; the table reports medians over rounds.
+#
+# Environment:
+#   ONEPASS_BENCH_MODEL    model file or directory (default: the SmolLM2-135M GGUF of fetch-models)
+#   ONEPASS_BENCH_THREADS  threads for both engines (default: nproc)
+#   ONEPASS_BENCH_PYTHON   a python with torch, transformers, gguf and accelerate; when unset,
+#                          .venv-bench/ is created and filled from PyPI (once; ~3 GB with torch)
+#   ONEPASS_BENCH_ROUNDS   rounds (default 3);  ONEPASS_BENCH_TRACE=path: also a Chrome trace
+set -euo pipefail
+cd "$(dirname "$0")/.."
+batch=${1:-8}
+len=${2:-256}
+reps=${3:-3}
+model=${ONEPASS_BENCH_MODEL:-models/SmolLM2-135M-Instruct.Q4_1.gguf}
+threads=${ONEPASS_BENCH_THREADS:-$(nproc)}
+rounds=${ONEPASS_BENCH_ROUNDS:-3}
+py=${ONEPASS_BENCH_PYTHON:-}
+if [[ -z "$py" ]]; then
+    if [[ ! -x .venv-bench/bin/python ]]; then
+        echo "bench-features: creating .venv-bench (torch, transformers, gguf, accelerate from PyPI)" >&2
+        python3 -m venv .venv-bench
+        .venv-bench/bin/pip install --quiet torch transformers gguf accelerate numpy
+    fi
+    py=.venv-bench/bin/python
+fi
+[[ -e "$model" ]] || { echo "bench-features: $model not found (run just fetch-models)" >&2; exit 2; }
+cargo build --release -p runner --quiet
+out=$(mktemp -d)
+trap 'rm -rf "$out"' EXIT
+ids="$out/ids.json"
+bin=target/release/onepass
+# The ids (and a warm page cache) first.
+RAYON_NUM_THREADS=$threads $bin features bench --model "$model" --batch "$batch" --len "$len" --reps 1 --warmup 0 --ids-out "$ids" >/dev/null
+for r in $(seq 1 "$rounds"); do
+    echo "bench-features: round $r/$rounds" >&2
+    RAYON_NUM_THREADS=$threads $bin features bench --model "$model" --batch "$batch" --len "$len" --reps "$reps" \
+        ${ONEPASS_BENCH_TRACE:+--trace "$ONEPASS_BENCH_TRACE"} >"$out/candle-f32-$r.json"
+    for dt in float32 bfloat16; do
+        "$py" scripts/bench_features_torch.py --model "$model" --ids "$ids" --dtype $dt --threads "$threads" \
+            --reps "$reps" 2>/dev/null >"$out/torch-$dt-$r.json"
+    done
+done
+python3 scripts/bench_features_report.py "$out"/candle-*.json "$out"/torch-*.json
