@@ -140,6 +140,50 @@ impl FeatureCache {
         self.index.contains_key(k)
     }
 
+    /// Every cached (key, φ), in shard and row order.
+    pub fn rows(&self) -> impl Iterator<Item = (Key, Vec<f32>)> + '_ {
+        let mut all: Vec<(&Key, &(u32, u32))> = self.index.iter().collect();
+        all.sort_by_key(|(_, &pos)| pos);
+        all.into_iter().map(|(k, &(s, r))| (*k, self.row(s, r)))
+    }
+
+    fn row(&self, s: u32, r: u32) -> Vec<f32> {
+        let shard = &self.shards[s as usize];
+        let data = &shard.map[shard.phi.clone()];
+        let row = &data[r as usize * self.dim * 4..(r as usize + 1) * self.dim * 4];
+        row.chunks_exact(4).map(|b| f32::from_le_bytes(b.try_into().expect("4 bytes"))).collect()
+    }
+
+    /// Copies the rows of another directory of the same space (e.g. the cache of one shard of an
+    /// extraction) that this one lacks, as one new shard. Returns (rows added, rows already here).
+    pub fn merge_from(&mut self, other: &Path) -> Result<(usize, usize), Error> {
+        let index_path = other.join("index.json");
+        let v: serde_json::Value =
+            serde_json::from_str(&std::fs::read_to_string(&index_path).map_err(|e| io(&index_path, e))?)
+                .map_err(|e| Error::Format(format!("{}: {e}", index_path.display())))?;
+        let space = self.dir.file_name().map(|s| s.to_string_lossy().into_owned()).unwrap_or_default();
+        if v.get("space").and_then(|s| s.as_str()) != Some(space.as_str()) {
+            return Err(Error::Input(format!(
+                "{}: `space` is {}, expected {space}",
+                index_path.display(),
+                v.get("space").map_or("missing".to_string(), |s| s.to_string())
+            )));
+        }
+        let src =
+            FeatureCache::open(other.parent().unwrap_or(Path::new(".")), &space, self.dim, v["describe"].clone())?;
+        let (mut keys, mut rows, mut present) = (Vec::new(), Vec::new(), 0);
+        for (k, r) in src.rows() {
+            if self.index.contains_key(&k) {
+                present += 1;
+            } else {
+                keys.push(k);
+                rows.push(r);
+            }
+        }
+        self.put(&keys, &rows)?;
+        Ok((keys.len(), present))
+    }
+
     /// The cached φ of `k` (counts a hit or a miss).
     pub fn get(&mut self, k: &Key) -> Option<Vec<f32>> {
         let Some(&(s, r)) = self.index.get(k) else {
@@ -147,10 +191,7 @@ impl FeatureCache {
             return None;
         };
         self.hits += 1;
-        let shard = &self.shards[s as usize];
-        let data = &shard.map[shard.phi.clone()];
-        let row = &data[r as usize * self.dim * 4..(r as usize + 1) * self.dim * 4];
-        Some(row.chunks_exact(4).map(|b| f32::from_le_bytes(b.try_into().expect("4 bytes"))).collect())
+        Some(self.row(s, r))
     }
 
     /// Writes new rows as one shard (keys already present are skipped).

@@ -340,9 +340,13 @@ impl Backbone {
         (crate::cache::space_key(&parts), describe)
     }
 
-    /// φ of every item, from `cache` where present; the misses are computed `batch` rows at a
-    /// time in order of length (so a padded batch wastes little) and written to the cache.
-    /// `progress(done_rows, tokens)` is called after every batch.
+    /// φ of every item of `shard`, from `cache` where present, the rest computed and written to
+    /// the cache. The batch plan is global: the distinct conversations of *all* items, sorted by
+    /// length (so a padded batch wastes little) and cut into batches of `batch`; shard i of N
+    /// owns batches i, i + N, i + 2N, … So which rows share a padded batch never depends on the
+    /// sharding or on what is cached, and a sharded extraction gives the same bytes as one
+    /// process. A batch with any row missing from the cache is run whole. Rows outside the shard
+    /// come back as `None`. `progress(done_rows, tokens)` is called after every batch.
     pub fn features_cached(
         &self,
         cache: &mut crate::cache::FeatureCache,
@@ -350,34 +354,46 @@ impl Backbone {
         items: &[Prepared],
         opts: &PhiOptions,
         batch: usize,
+        shard: ShardSpec,
         progress: &mut dyn FnMut(usize, usize),
-    ) -> Result<(Vec<Vec<f32>>, ExtractStats), Error> {
-        let mut out: Vec<Option<Vec<f32>>> = keys.iter().map(|k| cache.get(k)).collect();
-        let mut stats = ExtractStats { rows: items.len(), ..Default::default() };
-        stats.hits = out.iter().filter(|o| o.is_some()).count();
-        // the same conversation twice is computed once
-        let mut first: std::collections::HashMap<crate::cache::Key, usize> = std::collections::HashMap::new();
-        let mut todo = Vec::new();
-        for i in (0..items.len()).filter(|&i| out[i].is_none()) {
-            if let std::collections::hash_map::Entry::Vacant(e) = first.entry(keys[i]) {
-                e.insert(i);
-                todo.push(i);
-            }
-        }
-        stats.misses = todo.len();
-        todo.sort_by_key(|&i| (items[i].ids.len(), i));
-        let mut done = stats.hits;
+    ) -> Result<(Vec<Option<Vec<f32>>>, ExtractStats), Error> {
+        let plan = batch_plan(keys, items, batch);
+        let mut stats = ExtractStats::default();
+        // key → φ of the rows this shard owns
+        let mut got: std::collections::HashMap<crate::cache::Key, Vec<f32>> = std::collections::HashMap::new();
+        let mut from_cache = std::collections::HashSet::new();
+        let mut done = 0;
         let (mut pend_k, mut pend_v) = (Vec::new(), Vec::new());
-        for chunk in todo.chunks(batch.max(1)) {
-            let t0 = std::time::Instant::now();
-            let refs: Vec<&Prepared> = chunk.iter().map(|&i| &items[i]).collect();
-            let rows = self.features(&refs, opts)?;
-            stats.forward_s += t0.elapsed().as_secs_f64();
-            stats.tokens += refs.iter().map(|p| p.ids.len()).sum::<usize>();
-            for (&i, r) in chunk.iter().zip(rows) {
-                pend_k.push(keys[i]);
-                pend_v.push(r.clone());
-                out[i] = Some(r);
+        for chunk in plan.iter().skip(shard.index).step_by(shard.count) {
+            let cached: Vec<Option<Vec<f32>>> = chunk.iter().map(|&i| cache.get(&keys[i])).collect();
+            for (&i, c) in chunk.iter().zip(&cached) {
+                if c.is_some() {
+                    from_cache.insert(keys[i]);
+                }
+            }
+            if cached.iter().all(Option::is_some) {
+                for (&i, v) in chunk.iter().zip(cached) {
+                    got.insert(keys[i], v.expect("checked"));
+                }
+            } else {
+                let t0 = std::time::Instant::now();
+                let refs: Vec<&Prepared> = chunk.iter().map(|&i| &items[i]).collect();
+                let rows = self.features(&refs, opts)?;
+                stats.forward_s += t0.elapsed().as_secs_f64();
+                stats.tokens += refs.iter().map(|p| p.ids.len()).sum::<usize>();
+                for ((&i, r), c) in chunk.iter().zip(rows).zip(cached) {
+                    match c {
+                        Some(v) => {
+                            got.insert(keys[i], v);
+                        }
+                        None => {
+                            stats.misses += 1;
+                            pend_k.push(keys[i]);
+                            pend_v.push(r.clone());
+                            got.insert(keys[i], r);
+                        }
+                    }
+                }
             }
             if pend_k.len() >= 1024 {
                 cache.put(&pend_k, &pend_v)?;
@@ -388,14 +404,45 @@ impl Backbone {
             progress(done, stats.tokens);
         }
         cache.put(&pend_k, &pend_v)?;
-        let out = (0..items.len())
-            .map(|i| match &out[i] {
-                Some(v) => v.clone(),
-                None => out[first[&keys[i]]].clone().expect("computed"),
-            })
-            .collect();
+        let out: Vec<Option<Vec<f32>>> = keys.iter().map(|k| got.get(k).cloned()).collect();
+        stats.rows = out.iter().filter(|o| o.is_some()).count();
+        stats.hits = keys.iter().filter(|k| from_cache.contains(*k)).count();
         Ok((out, stats))
     }
+}
+
+/// Which part of an extraction one process runs: batches `index`, `index + count`, … of the
+/// global plan. `ShardSpec::ALL` is the whole extraction.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct ShardSpec {
+    pub index: usize,
+    pub count: usize,
+}
+
+impl ShardSpec {
+    pub const ALL: ShardSpec = ShardSpec { index: 0, count: 1 };
+
+    /// `i/N` with 0 ≤ i < N (SLURM's `$SLURM_ARRAY_TASK_ID/$SLURM_ARRAY_TASK_COUNT` for an
+    /// array 0..N−1).
+    pub fn parse(s: &str) -> Result<ShardSpec, Error> {
+        let bad = || Error::Input(format!("shard `{s}`: expected i/N with 0 <= i < N, e.g. 0/4"));
+        let (i, n) = s.split_once('/').ok_or_else(bad)?;
+        let (index, count): (usize, usize) =
+            (i.trim().parse().map_err(|_| bad())?, n.trim().parse().map_err(|_| bad())?);
+        if count == 0 || index >= count {
+            return Err(bad());
+        }
+        Ok(ShardSpec { index, count })
+    }
+}
+
+/// The global batch plan: indices of the first item of every distinct key, sorted by (length,
+/// index), in batches of `batch`.
+pub fn batch_plan(keys: &[crate::cache::Key], items: &[Prepared], batch: usize) -> Vec<Vec<usize>> {
+    let mut seen = std::collections::HashSet::new();
+    let mut firsts: Vec<usize> = (0..keys.len()).filter(|&i| seen.insert(keys[i])).collect();
+    firsts.sort_by_key(|&i| (items[i].ids.len(), i));
+    firsts.chunks(batch.max(1)).map(<[usize]>::to_vec).collect()
 }
 
 /// The safetensors files of a model directory: the shards named by

@@ -23,7 +23,9 @@ pub mod template;
 pub mod tokenizer;
 
 pub use cache::FeatureCache;
-pub use extract::{Backbone, EosRule, ExtractStats, PhiOptions, Pool, Prepared, Source, Truncation};
+pub use extract::{
+    batch_plan, Backbone, EosRule, ExtractStats, PhiOptions, Pool, Prepared, ShardSpec, Source, Truncation,
+};
 pub use template::Message;
 
 /// What went wrong, with the file, tensor or template it concerns.

@@ -10,7 +10,7 @@ use arrow_array::builder::{Float32Builder, ListBuilder};
 use arrow_array::{ArrayRef, BooleanArray, Float32Array, RecordBatch, UInt64Array};
 use candle_core::{DType, Device};
 use features::cache::{text_key, FeatureCache};
-use features::{Backbone, PhiOptions, Source};
+use features::{Backbone, PhiOptions, ShardSpec, Source};
 use std::path::PathBuf;
 use std::sync::Arc;
 
@@ -26,6 +26,8 @@ pub struct ExtractOptions {
     pub dtype: DType,
     pub device: Device,
     pub progress: bool,
+    /// Run one part of the global batch plan (`--shard i/N`); `--out` needs the whole.
+    pub shard: ShardSpec,
 }
 
 /// What an extraction did (printed, and returned for tests).
@@ -33,6 +35,10 @@ pub struct ExtractOptions {
 pub struct ExtractSummary {
     pub pairs: usize,
     pub sequences: usize,
+    /// `i/N` when sharded.
+    pub shard: String,
+    /// Sequences this process owns (all of them unless sharded).
+    pub shard_sequences: usize,
     pub hits: usize,
     pub misses: usize,
     /// Pairs whose two sides became the same token sequence (after truncation): z = 0.
@@ -64,6 +70,13 @@ pub fn device(name: &str) -> Result<Device> {
 }
 
 pub fn extract(o: &ExtractOptions) -> Result<ExtractSummary> {
+    if o.shard.count > 1 && o.out.is_some() {
+        return Err(anyhow!(
+            "--out needs every row, but --shard {}/{} computes a part: run the shards, `onepass features merge` their caches, then extract once more without --shard (all cache hits) to write --out",
+            o.shard.index,
+            o.shard.count
+        ));
+    }
     let pairs = read_pairs(&o.dataset, o.format, o.limit)?;
     if pairs.is_empty() {
         return Err(anyhow!("{}: no pairs", o.dataset.display()));
@@ -98,16 +111,27 @@ pub fn extract(o: &ExtractOptions) -> Result<ExtractSummary> {
             .expect("template"),
     );
     let t0 = std::time::Instant::now();
-    let (phi, stats) = backbone.features_cached(&mut cache, &keys, &items, &o.phi, o.batch, &mut |done, tokens| {
-        bar.set_position(done as u64);
-        bar.set_message(format!("{:.0} tok/s", tokens as f64 / t0.elapsed().as_secs_f64().max(1e-9)));
-    })?;
+    let mine: usize = features::batch_plan(&keys, &items, o.batch)
+        .iter()
+        .skip(o.shard.index)
+        .step_by(o.shard.count)
+        .map(Vec::len)
+        .sum();
+    bar.set_length(mine as u64);
+    let (phi, stats) =
+        backbone.features_cached(&mut cache, &keys, &items, &o.phi, o.batch, o.shard, &mut |done, tokens| {
+            bar.set_position(done as u64);
+            bar.set_message(format!("{:.0} tok/s", tokens as f64 / t0.elapsed().as_secs_f64().max(1e-9)));
+        })?;
     bar.finish_and_clear();
+    s.shard = format!("{}/{}", o.shard.index, o.shard.count);
+    s.shard_sequences = stats.rows;
     s.hits = stats.hits;
     s.misses = stats.misses;
     s.tokens = stats.tokens;
     s.forward_s = stats.forward_s;
     if let Some(out) = &o.out {
+        let phi: Vec<Vec<f32>> = phi.into_iter().map(|r| r.expect("unsharded: every row")).collect();
         write_pairs_parquet(out, &pairs.iter().map(|p| p.row as u64).collect::<Vec<_>>(), &phi, s.dim)?;
     }
     Ok(s)
@@ -136,4 +160,43 @@ fn write_pairs_parquet(path: &std::path::Path, rows: &[u64], phi: &[Vec<f32>], d
     w.write(&batch)?;
     w.close()?;
     write_atomic(path, &buf)
+}
+
+/// What `onepass features merge` did for one space of one source cache.
+#[derive(Clone, Debug, serde::Serialize)]
+pub struct MergeReport {
+    pub from: String,
+    pub space: String,
+    pub added: usize,
+    pub already_present: usize,
+}
+
+/// Merges feature caches (e.g. one per shard of a SLURM array) into `into`: every space of every
+/// source, the rows `into` lacks, one new shard per space and source.
+pub fn merge(into: &std::path::Path, sources: &[PathBuf]) -> Result<Vec<MergeReport>> {
+    let mut out = Vec::new();
+    for src in sources {
+        let entries =
+            std::fs::read_dir(src).with_context(|| format!("{}: not a feature cache directory", src.display()))?;
+        let mut spaces: Vec<PathBuf> =
+            entries.filter_map(|e| e.ok().map(|e| e.path())).filter(|p| p.join("index.json").is_file()).collect();
+        spaces.sort();
+        if spaces.is_empty() {
+            return Err(anyhow!("{}: no feature cache space in it (expected <space>/index.json)", src.display()));
+        }
+        for dir in spaces {
+            let index = dir.join("index.json");
+            let v: serde_json::Value = serde_json::from_str(
+                &std::fs::read_to_string(&index).with_context(|| format!("reading {}", index.display()))?,
+            )
+            .with_context(|| format!("{}: not JSON", index.display()))?;
+            let dim =
+                v.get("dim").and_then(|d| d.as_u64()).ok_or_else(|| anyhow!("{}: no `dim`", index.display()))? as usize;
+            let space = dir.file_name().map(|s| s.to_string_lossy().into_owned()).unwrap_or_default();
+            let mut dst = FeatureCache::open(into, &space, dim, v["describe"].clone())?;
+            let (added, already_present) = dst.merge_from(&dir)?;
+            out.push(MergeReport { from: dir.display().to_string(), space, added, already_present });
+        }
+    }
+    Ok(out)
 }

@@ -2,7 +2,7 @@
 //! writes a run directory under `results/`; `onepass estimators` lists the estimator names.
 //! Exit codes: 0 ok, 1 a cell failed (the others still ran and were written), 2 bad input.
 
-use clap::{Parser, Subcommand};
+use clap::{Args, Parser, Subcommand};
 use std::path::PathBuf;
 use std::process::ExitCode;
 
@@ -55,69 +55,87 @@ enum Cmd {
 #[derive(Subcommand)]
 enum FeaturesCmd {
     /// φ of both sides of every pair of a dataset, through the feature cache.
-    Extract {
-        /// A .gguf file or a model directory (config.json, tokenizer.json, tokenizer_config.json, safetensors).
-        #[arg(long)]
-        model: String,
-        /// HH-RLHF jsonl(.gz) or UltraFeedback-binarized parquet.
-        #[arg(long)]
-        dataset: PathBuf,
-        #[arg(long, value_enum, default_value = "auto")]
-        format: runner::datasets::Format,
-        /// Only the first N pairs.
-        #[arg(long)]
-        limit: Option<usize>,
+    Extract(ExtractArgs),
+    /// Merge feature caches (e.g. one per shard of a SLURM array) into one.
+    Merge {
+        /// The cache to merge into.
         #[arg(long, default_value = ".cache/features")]
-        cache: PathBuf,
-        /// Also write a "bring your own features" parquet (phi_chosen, phi_rejected, label).
-        #[arg(long)]
-        out: Option<PathBuf>,
-        #[arg(long, default_value_t = 8)]
-        batch: usize,
-        #[arg(long, default_value_t = 1024)]
-        max_len: usize,
-        #[arg(long, default_value = "reference")]
-        eos_rule: String,
-        #[arg(long, default_value = "prompt-first")]
-        truncation: String,
-        /// hidden_states[layer]; negative counts from the end (-1: after the final norm).
-        #[arg(long, default_value_t = -1, allow_hyphen_values = true)]
-        layer: i64,
-        #[arg(long, default_value = "last")]
-        pool: String,
-        #[arg(long, default_value = "f32")]
-        dtype: String,
-        /// cpu, cuda, metal or auto.
-        #[arg(long, default_value = "cpu")]
-        device: String,
+        into: PathBuf,
+        /// Caches to merge from.
+        #[arg(required = true)]
+        from: Vec<PathBuf>,
     },
     /// Forward-pass throughput on deterministic random ids (batch × len), as `just bench-features` runs it.
-    Bench {
-        /// A .gguf file or a model directory.
-        #[arg(long)]
-        model: String,
-        #[arg(long, default_value_t = 8)]
-        batch: usize,
-        #[arg(long, default_value_t = 256)]
-        len: usize,
-        #[arg(long, default_value_t = 3)]
-        reps: usize,
-        #[arg(long, default_value_t = 1)]
-        warmup: usize,
-        #[arg(long, default_value_t = 0)]
-        seed: u64,
-        #[arg(long, default_value = "f32")]
-        dtype: String,
-        #[arg(long, default_value = "cpu")]
-        device: String,
-        /// Write the token ids (JSON) for the PyTorch side of the benchmark.
-        #[arg(long)]
-        ids_out: Option<PathBuf>,
-        /// Write a Chrome trace (chrome://tracing, ui.perfetto.dev) of the timed passes: one span
-        /// per block and per op (qkv, rope, scores, softmax, attn_v, o_proj, gate_up, silu_mul, down, …).
-        #[arg(long)]
-        trace: Option<PathBuf>,
-    },
+    Bench(BenchArgs),
+}
+
+#[derive(Args)]
+struct ExtractArgs {
+    /// A .gguf file or a model directory (config.json, tokenizer.json, tokenizer_config.json, safetensors).
+    #[arg(long)]
+    model: String,
+    /// HH-RLHF jsonl(.gz) or UltraFeedback-binarized parquet.
+    #[arg(long)]
+    dataset: PathBuf,
+    #[arg(long, value_enum, default_value = "auto")]
+    format: runner::datasets::Format,
+    /// Only the first N pairs.
+    #[arg(long)]
+    limit: Option<usize>,
+    #[arg(long, default_value = ".cache/features")]
+    cache: PathBuf,
+    /// Also write a "bring your own features" parquet (phi_chosen, phi_rejected, label).
+    #[arg(long)]
+    out: Option<PathBuf>,
+    #[arg(long, default_value_t = 8)]
+    batch: usize,
+    #[arg(long, default_value_t = 1024)]
+    max_len: usize,
+    #[arg(long, default_value = "reference")]
+    eos_rule: String,
+    #[arg(long, default_value = "prompt-first")]
+    truncation: String,
+    /// hidden_states[layer]; negative counts from the end (-1: after the final norm).
+    #[arg(long, default_value_t = -1, allow_hyphen_values = true)]
+    layer: i64,
+    #[arg(long, default_value = "last")]
+    pool: String,
+    #[arg(long, default_value = "f32")]
+    dtype: String,
+    /// cpu, cuda, metal or auto.
+    #[arg(long, default_value = "cpu")]
+    device: String,
+    /// Compute part i of N (0 <= i < N) of the global batch plan; merge the caches afterwards.
+    #[arg(long, default_value = "0/1")]
+    shard: String,
+}
+
+#[derive(Args)]
+struct BenchArgs {
+    /// A .gguf file or a model directory.
+    #[arg(long)]
+    model: String,
+    #[arg(long, default_value_t = 8)]
+    batch: usize,
+    #[arg(long, default_value_t = 256)]
+    len: usize,
+    #[arg(long, default_value_t = 3)]
+    reps: usize,
+    #[arg(long, default_value_t = 1)]
+    warmup: usize,
+    #[arg(long, default_value_t = 0)]
+    seed: u64,
+    #[arg(long, default_value = "f32")]
+    dtype: String,
+    #[arg(long, default_value = "cpu")]
+    device: String,
+    /// Write the token ids (JSON) for the PyTorch side of the benchmark.
+    #[arg(long)]
+    ids_out: Option<PathBuf>,
+    /// Write a Chrome trace (chrome://tracing, ui.perfetto.dev) of the timed passes: one span
+    /// per block and per op (qkv, rope, causal_attention, o_proj, gate_up, silu_mul, down, …).
+    #[arg(long)]
+    trace: Option<PathBuf>,
 }
 
 fn parse_dtype(dtype: &str) -> anyhow::Result<candle_core::DType> {
@@ -135,74 +153,77 @@ fn word<T: serde::de::DeserializeOwned>(flag: &str, v: &str) -> anyhow::Result<T
 }
 
 fn features_cmd(cmd: FeaturesCmd) -> anyhow::Result<()> {
-    let (model, dataset, format, limit, cache, out, batch, max_len, eos_rule, truncation, layer, pool, dtype, device) =
-        match cmd {
-            FeaturesCmd::Bench { model, batch, len, reps, warmup, seed, dtype, device, ids_out, trace } => {
-                if batch == 0 || len == 0 || reps == 0 {
-                    anyhow::bail!("--batch, --len and --reps must be at least 1");
-                }
-                let o = runner::bench::BenchOptions {
-                    model,
-                    batch,
-                    len,
-                    reps,
-                    warmup,
-                    seed,
-                    dtype: parse_dtype(&dtype)?,
-                    device: runner::extract::device(&device)?,
-                    ids_out,
-                    trace,
-                };
-                let r = runner::bench::bench(&o)?;
-                println!("{}", serde_json::to_string(&r)?);
-                return Ok(());
+    match cmd {
+        FeaturesCmd::Extract(a) => extract_cmd(a),
+        FeaturesCmd::Bench(a) => {
+            if a.batch == 0 || a.len == 0 || a.reps == 0 {
+                anyhow::bail!("--batch, --len and --reps must be at least 1");
             }
-            FeaturesCmd::Extract {
-                model,
-                dataset,
-                format,
-                limit,
-                cache,
-                out,
-                batch,
-                max_len,
-                eos_rule,
-                truncation,
-                layer,
-                pool,
-                dtype,
-                device,
-            } => (
-                model, dataset, format, limit, cache, out, batch, max_len, eos_rule, truncation, layer, pool, dtype,
-                device,
-            ),
-        };
-    let dtype = parse_dtype(&dtype)?;
+            let o = runner::bench::BenchOptions {
+                model: a.model,
+                batch: a.batch,
+                len: a.len,
+                reps: a.reps,
+                warmup: a.warmup,
+                seed: a.seed,
+                dtype: parse_dtype(&a.dtype)?,
+                device: runner::extract::device(&a.device)?,
+                ids_out: a.ids_out,
+                trace: a.trace,
+            };
+            let r = runner::bench::bench(&o)?;
+            println!("{}", serde_json::to_string(&r)?);
+            Ok(())
+        }
+        FeaturesCmd::Merge { into, from } => {
+            for r in runner::extract::merge(&into, &from)? {
+                eprintln!(
+                    "onepass: {} → {}: {} rows added, {} already there (space {})",
+                    r.from,
+                    into.display(),
+                    r.added,
+                    r.already_present,
+                    r.space
+                );
+                println!("{}", serde_json::to_string(&r)?);
+            }
+            Ok(())
+        }
+    }
+}
+
+fn extract_cmd(a: ExtractArgs) -> anyhow::Result<()> {
+    if a.batch == 0 {
+        anyhow::bail!("--batch must be at least 1");
+    }
     let phi = features::PhiOptions {
-        max_len,
-        eos_rule: word("eos-rule", &eos_rule)?,
-        truncation: word("truncation", &truncation)?,
-        layer,
-        pool: word("pool", &pool)?,
+        max_len: a.max_len,
+        eos_rule: word("eos-rule", &a.eos_rule)?,
+        truncation: word("truncation", &a.truncation)?,
+        layer: a.layer,
+        pool: word("pool", &a.pool)?,
     };
     let o = runner::extract::ExtractOptions {
-        model,
-        dataset,
-        format,
-        limit,
-        cache,
-        out,
-        batch,
+        model: a.model,
+        dataset: a.dataset,
+        format: a.format,
+        limit: a.limit,
+        cache: a.cache,
+        out: a.out,
+        batch: a.batch,
         phi,
-        dtype,
-        device: runner::extract::device(&device)?,
+        dtype: parse_dtype(&a.dtype)?,
+        device: runner::extract::device(&a.device)?,
         progress: std::io::IsTerminal::is_terminal(&std::io::stderr()),
+        shard: features::ShardSpec::parse(&a.shard)?,
     };
     let s = runner::extract::extract(&o)?;
     eprintln!(
-        "onepass: {} pairs, {} sequences: {} cache hits, {} computed ({} tokens in {:.1} s, {:.0} tok/s); {} degenerate pairs (both sides the same tokens), {} sequences truncated ({} lost response tokens); cache space {}",
+        "onepass: {} pairs, {} sequences (shard {}: {}): {} cache hits, {} computed ({} tokens in {:.1} s, {:.0} tok/s); {} degenerate pairs (both sides the same tokens), {} sequences truncated ({} lost response tokens); cache space {}",
         s.pairs,
         s.sequences,
+        s.shard,
+        s.shard_sequences,
         s.hits,
         s.misses,
         s.tokens,

@@ -111,3 +111,98 @@ fn hh_transcripts_split_into_messages() {
     assert!(runner::datasets::hh_messages("\n\nHuman: only a question").is_err());
     assert!(runner::datasets::hh_messages("no tags").is_err());
 }
+
+/// Two processes, each one shard of the global batch plan into its own cache; merged, the
+/// caches give a pairs file byte-identical to a one-process extraction. (On CPU in f32, φ turned
+/// out not to depend on which rows share a padded batch at all — batch 2 and batch 3 give the same
+/// bytes — so the byte identity alone cannot tell a global plan from a per-shard one; the shard
+/// sizes can: 20 sequences in batches of 3 are 7 batches, 11 + 9 rows under the global plan, where
+/// splitting the pairs first would give 10 + 10.)
+#[test]
+fn sharded_extraction_in_two_processes_merges_to_the_same_bytes() {
+    let tmp = tempfile::tempdir().unwrap();
+    let qs = [
+        "What is 2+2?",
+        "Name a colour.",
+        "Say hi.",
+        "Capital of France?",
+        "Is water wet?",
+        "Write a haiku about rust.",
+        "How many legs does a spider have?",
+        "Translate 'cat' to French.",
+        "What is the boiling point of water at sea level, in Celsius and in Fahrenheit?",
+        "Why is the sky blue?",
+    ];
+    let lines: Vec<String> = qs
+        .iter()
+        .enumerate()
+        .map(|(i, q)| {
+            hh_line(q, &format!("Answer {i}: {}", "yes ".repeat(i + 1)), &format!("No idea {}.", "hm ".repeat(i)))
+        })
+        .collect();
+    std::fs::write(tmp.path().join("hh.jsonl"), lines.join("\n") + "\n").unwrap();
+    let base = |cache: &str| -> Vec<String> {
+        ["features", "extract", "--model", &gguf(), "--dataset", "hh.jsonl", "--batch", "3", "--cache", cache]
+            .iter()
+            .map(|s| s.to_string())
+            .collect()
+    };
+    // one process
+    let mut one = base("c-one");
+    one.extend(["--out".into(), "one.parquet".into()]);
+    let (code, _, stderr) = onepass(tmp.path(), &one.iter().map(String::as_str).collect::<Vec<_>>());
+    assert_eq!(code, 0, "{stderr}");
+    // two processes at once
+    let spawn = |i: usize| {
+        let mut a = base(&format!("c-{i}"));
+        a.extend(["--shard".into(), format!("{i}/2")]);
+        Command::new(env!("CARGO_BIN_EXE_onepass")).current_dir(tmp.path()).args(&a).output().unwrap()
+    };
+    let (p0, p1) = std::thread::scope(|s| {
+        let h0 = s.spawn(|| spawn(0));
+        let h1 = s.spawn(|| spawn(1));
+        (h0.join().unwrap(), h1.join().unwrap())
+    });
+    for (p, want) in [(&p0, 11), (&p1, 9)] {
+        assert!(p.status.success(), "{}", String::from_utf8_lossy(&p.stderr));
+        let s: serde_json::Value = serde_json::from_slice(&p.stdout).unwrap();
+        assert_eq!(s["misses"].as_u64(), Some(want), "batches 0, 2, 4, 6 vs 1, 3, 5 of the global plan: {s}");
+        assert_eq!(s["shard_sequences"].as_u64(), Some(want), "{s}");
+    }
+    // merge and write the pairs file from the merged cache: all hits, the same bytes
+    let (code, stdout, stderr) = onepass(tmp.path(), &["features", "merge", "--into", "c-merged", "c-0", "c-1"]);
+    assert_eq!(code, 0, "{stderr}");
+    let added: u64 =
+        stdout.lines().map(|l| serde_json::from_str::<serde_json::Value>(l).unwrap()["added"].as_u64().unwrap()).sum();
+    assert_eq!(added, 20);
+    let mut again = base("c-merged");
+    again.extend(["--out".into(), "merged.parquet".into()]);
+    let (code, stdout, stderr) = onepass(tmp.path(), &again.iter().map(String::as_str).collect::<Vec<_>>());
+    assert_eq!(code, 0, "{stderr}");
+    let s: serde_json::Value = serde_json::from_str(stdout.trim()).unwrap();
+    assert_eq!((s["hits"].as_u64(), s["misses"].as_u64()), (Some(20), Some(0)), "{s}");
+    assert_eq!(
+        std::fs::read(tmp.path().join("one.parquet")).unwrap(),
+        std::fs::read(tmp.path().join("merged.parquet")).unwrap(),
+        "sharded + merged differs from one process"
+    );
+    // merging again adds nothing
+    let (code, stdout, _) = onepass(tmp.path(), &["features", "merge", "--into", "c-merged", "c-0"]);
+    assert_eq!(code, 0);
+    assert!(stdout.contains("\"added\":0"), "{stdout}");
+
+    // --out with --shard, a bad shard, a source that is not a cache: clear errors, exit 2
+    let mut bad = base("c-x");
+    bad.extend(["--shard".into(), "0/2".into(), "--out".into(), "x.parquet".into()]);
+    let (code, _, stderr) = onepass(tmp.path(), &bad.iter().map(String::as_str).collect::<Vec<_>>());
+    assert_eq!(code, 2);
+    assert!(stderr.contains("--out needs every row"), "{stderr}");
+    let mut bad = base("c-x");
+    bad.extend(["--shard".into(), "2/2".into()]);
+    let (code, _, stderr) = onepass(tmp.path(), &bad.iter().map(String::as_str).collect::<Vec<_>>());
+    assert_eq!(code, 2);
+    assert!(stderr.contains("shard `2/2`"), "{stderr}");
+    let (code, _, stderr) = onepass(tmp.path(), &["features", "merge", "--into", "c-merged", "."]);
+    assert_eq!(code, 2);
+    assert!(stderr.contains("no feature cache space"), "{stderr}");
+}
