@@ -353,10 +353,10 @@ impl Backbone {
         keys: &[crate::cache::Key],
         items: &[Prepared],
         opts: &PhiOptions,
-        batch: usize,
-        shard: ShardSpec,
+        schedule: Schedule,
         progress: &mut dyn FnMut(usize, usize),
-    ) -> Result<(Vec<Option<Vec<f32>>>, ExtractStats), Error> {
+    ) -> Result<(ShardRows, ExtractStats), Error> {
+        let Schedule { batch, shard } = schedule;
         let plan = batch_plan(keys, items, batch);
         let mut stats = ExtractStats::default();
         // key → φ of the rows this shard owns
@@ -409,6 +409,16 @@ impl Backbone {
         stats.hits = keys.iter().filter(|k| from_cache.contains(*k)).count();
         Ok((out, stats))
     }
+}
+
+/// φ per item: `None` for the items of other shards.
+pub type ShardRows = Vec<Option<Vec<f32>>>;
+
+/// Batch size and shard of a cached extraction.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Schedule {
+    pub batch: usize,
+    pub shard: ShardSpec,
 }
 
 /// Which part of an extraction one process runs: batches `index`, `index + count`, … of the

@@ -24,7 +24,7 @@ pub mod tokenizer;
 
 pub use cache::FeatureCache;
 pub use extract::{
-    batch_plan, Backbone, EosRule, ExtractStats, PhiOptions, Pool, Prepared, ShardSpec, Source, Truncation,
+    batch_plan, Backbone, EosRule, ExtractStats, PhiOptions, Pool, Prepared, Schedule, ShardSpec, Source, Truncation,
 };
 pub use template::Message;
 

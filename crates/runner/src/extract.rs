@@ -118,11 +118,11 @@ pub fn extract(o: &ExtractOptions) -> Result<ExtractSummary> {
         .map(Vec::len)
         .sum();
     bar.set_length(mine as u64);
-    let (phi, stats) =
-        backbone.features_cached(&mut cache, &keys, &items, &o.phi, o.batch, o.shard, &mut |done, tokens| {
-            bar.set_position(done as u64);
-            bar.set_message(format!("{:.0} tok/s", tokens as f64 / t0.elapsed().as_secs_f64().max(1e-9)));
-        })?;
+    let schedule = features::Schedule { batch: o.batch, shard: o.shard };
+    let (phi, stats) = backbone.features_cached(&mut cache, &keys, &items, &o.phi, schedule, &mut |done, tokens| {
+        bar.set_position(done as u64);
+        bar.set_message(format!("{:.0} tok/s", tokens as f64 / t0.elapsed().as_secs_f64().max(1e-9)));
+    })?;
     bar.finish_and_clear();
     s.shard = format!("{}/{}", o.shard.index, o.shard.count);
     s.shard_sequences = stats.rows;
