@@ -94,14 +94,14 @@ pub struct Backbone {
 pub enum Source {
     Gguf(PathBuf),
     Dir(PathBuf),
+    /// `hf:<owner>/<name>[@<revision>][:<file.gguf>]`, resolved through the hub cache at load.
+    Hub(crate::hub::HubSpec),
 }
 
 impl Source {
     pub fn parse(s: &str) -> Result<Source, Error> {
         if let Some(repo) = s.strip_prefix("hf:") {
-            return Err(Error::Unsupported(format!(
-                "hf:{repo}: downloading from the Hugging Face hub is not built yet; download the repository and give its directory"
-            )));
+            return Ok(Source::Hub(crate::hub::HubSpec::parse(repo)?));
         }
         let p = PathBuf::from(s);
         if p.is_dir() {
@@ -141,6 +141,15 @@ fn special(v: Option<&serde_json::Value>) -> Option<String> {
 impl Backbone {
     pub fn load(source: &Source, device: &Device, dtype: DType, max_len: usize) -> Result<Backbone, Error> {
         match source {
+            Source::Hub(spec) => {
+                let local = match crate::hub::resolve(spec, &crate::hub::HubEnv::from_env())? {
+                    crate::hub::Resolved::Dir(d) => Source::Dir(d),
+                    crate::hub::Resolved::Gguf(f) => Source::Gguf(f),
+                };
+                let mut b = Backbone::load(&local, device, dtype, max_len)?;
+                b.source = spec.display();
+                Ok(b)
+            }
             Source::Gguf(path) => {
                 let g = Gguf::read(path, device, dtype)?;
                 let tok = Tok::from_gguf(&g.metadata)?;

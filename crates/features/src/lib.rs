@@ -17,6 +17,7 @@
 pub mod cache;
 pub mod extract;
 pub mod gguf;
+pub mod hub;
 pub mod model;
 pub mod ops;
 pub mod template;

@@ -1,0 +1,204 @@
+//! `hf:<owner>/<name>[@<revision>][:<file.gguf>]` model sources, through hf-hub's blocking client
+//! and its cache (the same layout as Python's `huggingface_hub`, so models downloaded by either
+//! are shared).
+//!
+//! Environment, as `huggingface_hub` reads it: `HF_HOME` (cache under `$HF_HOME/hub`, token at
+//! `$HF_HOME/token`; default `~/.cache/huggingface`), `HF_ENDPOINT`, `HF_TOKEN` (wins over the
+//! token file), `HF_HUB_OFFLINE=1` (never touch the network: the files must be in the cache).
+
+use crate::Error;
+use hf_hub::api::sync::{ApiBuilder, ApiError};
+use hf_hub::{Cache, Repo, RepoType};
+use std::path::PathBuf;
+
+/// A parsed `hf:` source.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct HubSpec {
+    pub repo: String,
+    pub revision: String,
+    /// A single GGUF file of the repository; `None`: the safetensors layout.
+    pub file: Option<String>,
+}
+
+impl HubSpec {
+    /// Parses what follows `hf:`.
+    pub fn parse(s: &str) -> Result<HubSpec, Error> {
+        let bad = |why: &str| {
+            Error::Input(format!(
+                "model `hf:{s}`: {why}; expected hf:<owner>/<name>[@<revision>][:<file.gguf>], e.g. hf:HuggingFaceTB/SmolLM2-135M-Instruct"
+            ))
+        };
+        let (rest, file) = match s.rsplit_once(':') {
+            Some((r, f)) => {
+                if !f.ends_with(".gguf") {
+                    return Err(bad("only a .gguf file may follow `:`"));
+                }
+                (r, Some(f.to_string()))
+            }
+            None => (s, None),
+        };
+        let (repo, revision) = match rest.split_once('@') {
+            Some((r, v)) if !v.is_empty() => (r, v.to_string()),
+            Some(_) => return Err(bad("an empty revision after `@`")),
+            None => (rest, "main".to_string()),
+        };
+        let parts: Vec<&str> = repo.split('/').collect();
+        if parts.len() != 2 || parts.iter().any(|p| p.is_empty() || p.contains(char::is_whitespace)) {
+            return Err(bad("the repository must be <owner>/<name>"));
+        }
+        Ok(HubSpec { repo: repo.to_string(), revision, file })
+    }
+
+    pub fn display(&self) -> String {
+        let mut s = format!("hf:{}@{}", self.repo, self.revision);
+        if let Some(f) = &self.file {
+            s.push(':');
+            s.push_str(f);
+        }
+        s
+    }
+}
+
+/// The hub settings of this process (see the module docs); tests build their own.
+#[derive(Clone, Debug, Default)]
+pub struct HubEnv {
+    /// `$HF_HOME`; `None`: `~/.cache/huggingface`.
+    pub home: Option<PathBuf>,
+    pub endpoint: Option<String>,
+    pub token: Option<String>,
+    pub offline: bool,
+    pub progress: bool,
+}
+
+impl HubEnv {
+    pub fn from_env() -> HubEnv {
+        let var = |k: &str| std::env::var(k).ok().filter(|v| !v.is_empty());
+        HubEnv {
+            home: var("HF_HOME").map(PathBuf::from),
+            endpoint: var("HF_ENDPOINT"),
+            token: var("HF_TOKEN"),
+            offline: var("HF_HUB_OFFLINE")
+                .is_some_and(|v| matches!(v.to_ascii_lowercase().as_str(), "1" | "true" | "yes" | "on")),
+            progress: std::io::IsTerminal::is_terminal(&std::io::stderr()),
+        }
+    }
+
+    fn cache(&self) -> Cache {
+        match &self.home {
+            Some(h) => Cache::new(h.join("hub")),
+            None => Cache::from_env(),
+        }
+    }
+}
+
+/// Where the files of a resolved source are.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Resolved {
+    /// A snapshot directory with config.json, tokenizer files and safetensors.
+    Dir(PathBuf),
+    Gguf(PathBuf),
+}
+
+/// Downloads (or, offline, finds in the cache) what a model needs: the GGUF file, or config.json,
+/// tokenizer.json, tokenizer_config.json, chat_template.jinja when the repository has one, and
+/// the safetensors (every shard named by model.safetensors.index.json, else model.safetensors).
+pub fn resolve(spec: &HubSpec, env: &HubEnv) -> Result<Resolved, Error> {
+    let repo = Repo::with_revision(spec.repo.clone(), RepoType::Model, spec.revision.clone());
+    let cache = env.cache();
+    let name = spec.display();
+    let fetch: Box<dyn Fn(&str) -> Result<Option<PathBuf>, Error>> = if env.offline {
+        let cached = cache.repo(repo.clone());
+        let name = name.clone();
+        let root = cache.path().clone();
+        Box::new(move |f: &str| {
+            match cached.get(f) {
+            Some(p) => Ok(Some(p)),
+            None => Err(Error::Io(format!(
+                "{name}: `{f}` is not in the Hugging Face cache {} and HF_HUB_OFFLINE is set: download it once with network access (or unset HF_HUB_OFFLINE)",
+                root.display()
+            ))),
+        }
+        })
+    } else {
+        let mut b = ApiBuilder::from_cache(cache.clone()).with_progress(env.progress);
+        if let Some(e) = &env.endpoint {
+            b = b.with_endpoint(e.clone());
+        }
+        if let Some(t) = &env.token {
+            b = b.with_token(Some(t.clone()));
+        }
+        let api = b.build().map_err(|e| Error::Io(format!("{name}: starting the hub client: {e}")))?;
+        let api_repo = api.repo(repo.clone());
+        let name = name.clone();
+        let has_token = env.token.is_some() || cache.token().is_some();
+        Box::new(move |f: &str| {
+            match api_repo.get(f) {
+            Ok(p) => Ok(Some(p)),
+            Err(e) => match status(&e) {
+                Some(404) => Ok(None),
+                Some(401) | Some(403) => Err(Error::Io(format!(
+                    "{name}: the hub refused `{f}` (HTTP {}): the repository is gated or private. Accept its licence on its Hugging Face page, then {}",
+                    status(&e).unwrap_or(0),
+                    if has_token {
+                        "check that your token (HF_TOKEN or $HF_HOME/token) belongs to that account and may read gated repositories"
+                    } else {
+                        "set HF_TOKEN (or run `huggingface-cli login`): no token was found"
+                    }
+                ))),
+                _ => Err(Error::Io(format!(
+                    "{name}: downloading `{f}` failed: {e}. Without network access set HF_HUB_OFFLINE=1 to use the cache, or give a local directory or .gguf file"
+                ))),
+            },
+        }
+        })
+    };
+    let need = |f: &str| -> Result<PathBuf, Error> {
+        fetch(f)?.ok_or_else(|| Error::Io(format!("{name}: the repository has no `{f}` (HTTP 404)")))
+    };
+    if let Some(f) = &spec.file {
+        return Ok(Resolved::Gguf(need(f)?));
+    }
+    let config = need("config.json")?;
+    need("tokenizer.json")?;
+    need("tokenizer_config.json")?;
+    // optional: newer repositories keep the template beside tokenizer_config.json
+    if !env.offline {
+        fetch("chat_template.jinja")?;
+    } else {
+        let _ = fetch("chat_template.jinja");
+    }
+    match fetch("model.safetensors.index.json") {
+        Ok(Some(index)) => {
+            let text = std::fs::read_to_string(&index).map_err(|e| Error::Io(format!("{}: {e}", index.display())))?;
+            let v: serde_json::Value =
+                serde_json::from_str(&text).map_err(|e| Error::Format(format!("{}: {e}", index.display())))?;
+            let map = v
+                .get("weight_map")
+                .and_then(|m| m.as_object())
+                .ok_or_else(|| Error::Format(format!("{}: no `weight_map` object", index.display())))?;
+            let mut files: Vec<&str> = map.values().filter_map(|f| f.as_str()).collect();
+            files.sort();
+            files.dedup();
+            for f in files {
+                need(f)?;
+            }
+        }
+        Ok(None) | Err(_) => {
+            need("model.safetensors")?;
+        }
+    }
+    let dir = config.parent().map(PathBuf::from).unwrap_or_default();
+    Ok(Resolved::Dir(dir))
+}
+
+/// The HTTP status of a failed request, when there was one.
+fn status(e: &ApiError) -> Option<u16> {
+    match e {
+        ApiError::RequestError(r) => match r.as_ref() {
+            ureq::Error::Status(code, _) => Some(*code),
+            _ => None,
+        },
+        ApiError::TooManyRetries(inner) => status(inner),
+        _ => None,
+    }
+}
