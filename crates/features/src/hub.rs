@@ -91,6 +91,9 @@ impl HubEnv {
     }
 }
 
+/// Gets one file of the repository: `Ok(None)` when the hub says it does not exist.
+type Fetch = Box<dyn Fn(&str) -> Result<Option<PathBuf>, Error>>;
+
 /// Where the files of a resolved source are.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum Resolved {
@@ -106,7 +109,7 @@ pub fn resolve(spec: &HubSpec, env: &HubEnv) -> Result<Resolved, Error> {
     let repo = Repo::with_revision(spec.repo.clone(), RepoType::Model, spec.revision.clone());
     let cache = env.cache();
     let name = spec.display();
-    let fetch: Box<dyn Fn(&str) -> Result<Option<PathBuf>, Error>> = if env.offline {
+    let fetch: Fetch = if env.offline {
         let cached = cache.repo(repo.clone());
         let name = name.clone();
         let root = cache.path().clone();
