@@ -31,14 +31,18 @@ pub fn log_loss(m: f64, y: f64) -> f64 {
     softplus(m) - y * m
 }
 
-/// Whether margin `m` predicts label `y`: m > 0 for y = 1, m < 0 for y = 0.
-/// A tie (m = 0) counts as wrong, as the authors' `r_chosen > r_rejected` does.
+/// Accuracy credit of margin `m` for label `y`: 1 when the sign of m predicts y (m > 0 for
+/// y = 1, m < 0 for y = 0), 0 when it predicts the other side, ½ for a tie (m = 0: the model
+/// cannot tell the sides apart, e.g. both responses became the same tokens). The authors'
+/// `r_chosen > r_rejected` counts a tie as wrong; with ½ a coin flip is what a tie is worth.
 #[inline]
-pub fn correct(m: f64, y: f64) -> bool {
-    if y >= 0.5 {
-        m > 0.0
+pub fn accuracy_credit(m: f64, y: f64) -> f64 {
+    if m == 0.0 {
+        0.5
+    } else if (m > 0.0) == (y >= 0.5) {
+        1.0
     } else {
-        m < 0.0
+        0.0
     }
 }
 
@@ -47,7 +51,7 @@ pub fn correct(m: f64, y: f64) -> bool {
 pub struct BatchStats {
     /// Mean logistic loss.
     pub loss: f64,
-    /// Fraction of samples whose margin has the label's sign.
+    /// Mean [`accuracy_credit`]: the fraction of samples whose margin has the label's sign, ties ½.
     pub accuracy: f64,
     /// max 1/σ'(m) over the batch: the paper's κ (Def. 2) restricted to these samples at θ_t.
     pub kappa: f64,
@@ -60,7 +64,7 @@ impl BatchStats {
     /// gradient coefficients) and σ'(mᵢ) into `coef` and `curv`.
     pub fn compute(m: &[f64], y: &[f32], coef: &mut [f64], curv: &mut [f64]) -> BatchStats {
         let n = m.len() as f64;
-        let (mut loss, mut right, mut min_sp) = (0.0, 0usize, f64::INFINITY);
+        let (mut loss, mut right, mut min_sp) = (0.0, 0.0, f64::INFINITY);
         for i in 0..m.len() {
             let yi = f64::from(y[i]);
             let s = sigmoid(m[i]);
@@ -68,14 +72,9 @@ impl BatchStats {
             curv[i] = s * (1.0 - s);
             min_sp = min_sp.min(curv[i]);
             loss += log_loss(m[i], yi);
-            right += usize::from(correct(m[i], yi));
+            right += accuracy_credit(m[i], yi);
         }
-        BatchStats {
-            loss: loss / n,
-            accuracy: right as f64 / n,
-            kappa: 1.0 / min_sp,
-            kappa_reference: 1.0 / (min_sp + 1e-3),
-        }
+        BatchStats { loss: loss / n, accuracy: right / n, kappa: 1.0 / min_sp, kappa_reference: 1.0 / (min_sp + 1e-3) }
     }
 }
 
@@ -110,13 +109,16 @@ mod tests {
     }
 
     #[test]
-    fn batch_stats_count_ties_as_wrong() {
+    fn batch_stats_count_ties_as_half() {
         let m = [0.0, 2.0, -1.0, 1.0];
         let y = [1.0f32, 1.0, 0.0, 0.0];
         let mut c = [0.0; 4];
         let mut s = [0.0; 4];
         let st = BatchStats::compute(&m, &y, &mut c, &mut s);
-        assert_eq!(st.accuracy, 0.5);
+        // ½ (tie) + 1 + 1 + 0, over 4
+        assert_eq!(st.accuracy, 2.5 / 4.0);
+        assert_eq!((accuracy_credit(0.0, 0.0), accuracy_credit(-0.0, 1.0)), (0.5, 0.5));
+        assert_eq!((accuracy_credit(-1e-300, 0.0), accuracy_credit(1e-300, 0.0)), (1.0, 0.0));
         // κ = max 1/σ'(m): the largest |m| (= 2) has the smallest σ'
         let sp2 = sigmoid(2.0) * (1.0 - sigmoid(2.0));
         assert!((st.kappa - 1.0 / sp2).abs() < 1e-9);

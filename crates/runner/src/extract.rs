@@ -3,7 +3,7 @@
 //! own features" parquet (`phi_chosen`, `phi_rejected`, `label`) that `env.kind = "features"`
 //! reads.
 
-use crate::datasets::{read_pairs, Format};
+use crate::datasets::{read_pairs, Format, Pair};
 use crate::results::write_atomic;
 use anyhow::{anyhow, Context, Result};
 use arrow_array::builder::{Float32Builder, ListBuilder};
@@ -69,45 +69,62 @@ pub fn device(name: &str) -> Result<Device> {
     })
 }
 
-pub fn extract(o: &ExtractOptions) -> Result<ExtractSummary> {
-    if o.shard.count > 1 && o.out.is_some() {
-        return Err(anyhow!(
-            "--out needs every row, but --shard {}/{} computes a part: run the shards, `onepass features merge` their caches, then extract once more without --shard (all cache hits) to write --out",
-            o.shard.index,
-            o.shard.count
-        ));
-    }
-    let pairs = read_pairs(&o.dataset, o.format, o.limit)?;
+/// How φ is computed: model, options, cache, batching, device.
+pub struct PhiRun {
+    pub model: String,
+    pub cache: PathBuf,
+    pub batch: usize,
+    pub phi: PhiOptions,
+    pub dtype: DType,
+    pub device: Device,
+    pub progress: bool,
+    pub shard: ShardSpec,
+}
+
+/// φ of both sides of some pairs.
+pub struct Extracted {
+    /// chosen, rejected, chosen, … (`None`: another shard's row).
+    pub phi: Vec<Option<Vec<f32>>>,
+    /// Both sides became the same token sequence (so z = 0).
+    pub degenerate: Vec<bool>,
+    pub summary: ExtractSummary,
+    /// blake3 of the weight files, and the source as given.
+    pub weights_blake3: String,
+    pub source: String,
+}
+
+/// φ of both sides of every pair, through the feature cache. `origin` names the data in errors.
+pub fn extract_pairs(pairs: &[Pair], origin: &str, o: &PhiRun) -> Result<Extracted> {
     if pairs.is_empty() {
-        return Err(anyhow!("{}: no pairs", o.dataset.display()));
+        return Err(anyhow!("{origin}: no pairs"));
     }
     let source = Source::parse(&o.model)?;
     let backbone = Backbone::load(&source, &o.device, o.dtype, o.phi.max_len)
         .with_context(|| format!("loading the model {}", o.model))?;
     let mut items = Vec::with_capacity(pairs.len() * 2);
     let mut keys = Vec::with_capacity(pairs.len() * 2);
+    let mut degenerate = Vec::with_capacity(pairs.len());
     let mut s = ExtractSummary { pairs: pairs.len(), dim: backbone.dim(), ..Default::default() };
-    for p in &pairs {
+    for p in pairs {
         for (side, msgs) in [("chosen", &p.chosen), ("rejected", &p.rejected)] {
-            let prep = backbone
-                .prepare(msgs, &o.phi)
-                .map_err(|e| anyhow!("{}: row {}, field `{side}`: {e}", o.dataset.display(), p.row))?;
+            let prep =
+                backbone.prepare(msgs, &o.phi).map_err(|e| anyhow!("{origin}: row {}, field `{side}`: {e}", p.row))?;
             s.truncated_sequences += usize::from(prep.dropped > 0);
             s.response_cut_sequences += usize::from(prep.response_cut);
             items.push(prep);
             keys.push(text_key(msgs));
         }
         let n = items.len();
-        s.degenerate_pairs += usize::from(items[n - 2].ids == items[n - 1].ids);
+        degenerate.push(items[n - 2].ids == items[n - 1].ids);
     }
+    s.degenerate_pairs = degenerate.iter().filter(|&&d| d).count();
     s.sequences = items.len();
     let (space, describe) = backbone.space(&o.phi);
     s.space = space.clone();
     let mut cache = FeatureCache::open(&o.cache, &space, backbone.dim(), describe)?;
-    let bar =
-        if o.progress { indicatif::ProgressBar::new(items.len() as u64) } else { indicatif::ProgressBar::hidden() };
+    let bar = if o.progress { indicatif::ProgressBar::new(0) } else { indicatif::ProgressBar::hidden() };
     bar.set_style(
-        indicatif::ProgressStyle::with_template("{bar:30} {pos}/{len} sequences {msg} [{elapsed} < {eta}]")
+        indicatif::ProgressStyle::with_template("φ {bar:30} {pos}/{len} sequences {msg} [{elapsed} < {eta}]")
             .expect("template"),
     );
     let t0 = std::time::Instant::now();
@@ -130,11 +147,40 @@ pub fn extract(o: &ExtractOptions) -> Result<ExtractSummary> {
     s.misses = stats.misses;
     s.tokens = stats.tokens;
     s.forward_s = stats.forward_s;
-    if let Some(out) = &o.out {
-        let phi: Vec<Vec<f32>> = phi.into_iter().map(|r| r.expect("unsharded: every row")).collect();
-        write_pairs_parquet(out, &pairs.iter().map(|p| p.row as u64).collect::<Vec<_>>(), &phi, s.dim)?;
+    Ok(Extracted {
+        phi,
+        degenerate,
+        summary: s,
+        weights_blake3: backbone.weights_digest.clone(),
+        source: backbone.source,
+    })
+}
+
+pub fn extract(o: &ExtractOptions) -> Result<ExtractSummary> {
+    if o.shard.count > 1 && o.out.is_some() {
+        return Err(anyhow!(
+            "--out needs every row, but --shard {}/{} computes a part: run the shards, `onepass features merge` their caches, then extract once more without --shard (all cache hits) to write --out",
+            o.shard.index,
+            o.shard.count
+        ));
     }
-    Ok(s)
+    let pairs = read_pairs(&o.dataset, o.format, o.limit)?;
+    let run = PhiRun {
+        model: o.model.clone(),
+        cache: o.cache.clone(),
+        batch: o.batch,
+        phi: o.phi.clone(),
+        dtype: o.dtype,
+        device: o.device.clone(),
+        progress: o.progress,
+        shard: o.shard,
+    };
+    let ex = extract_pairs(&pairs, &o.dataset.display().to_string(), &run)?;
+    if let Some(out) = &o.out {
+        let phi: Vec<Vec<f32>> = ex.phi.into_iter().map(|r| r.expect("unsharded: every row")).collect();
+        write_pairs_parquet(out, &pairs.iter().map(|p| p.row as u64).collect::<Vec<_>>(), &phi, ex.summary.dim)?;
+    }
+    Ok(ex.summary)
 }
 
 /// phi rows alternate chosen, rejected.

@@ -6,6 +6,7 @@
 //! `estimators` and `selection` are pure maths.
 
 pub mod bench;
+pub mod dataset_env;
 pub mod datasets;
 pub mod env;
 pub mod extract;
@@ -108,6 +109,7 @@ pub fn run(opts: &RunOptions) -> Result<RunSummary> {
             "eval_blake3": d.eval_path.as_ref().map(|_| d.eval.digest.clone()),
             "eval_rows": d.eval.len(),
             "dim": d.d,
+            "dataset": d.report,
         })),
         "cells": plan.cells.len(),
         "failed_cells": failed,

@@ -39,6 +39,8 @@ pub struct PairData {
     pub eval: Pairs,
     pub train_path: PathBuf,
     pub eval_path: Option<PathBuf>,
+    /// kind = "dataset": what was read, split, dropped and computed (meta.json).
+    pub report: Option<serde_json::Value>,
 }
 
 fn bad(path: &Path, message: String) -> SpecError {

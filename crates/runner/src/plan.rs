@@ -378,7 +378,15 @@ pub fn build(mut spec: Spec, file: &Path, text: &str) -> Result<Plan, SpecError>
             spec.env.dim = data.d;
             Some(Arc::new(data))
         }
+        EnvKind::Dataset => {
+            let data = load_dataset(&spec, text, &err)?;
+            spec.env.dim = data.d;
+            Some(Arc::new(data))
+        }
     };
+    if spec.env.kind != EnvKind::Dataset && spec.data.is_some() {
+        return Err(err(&["data"], "applies to env.kind = \"dataset\" only".into()));
+    }
     let env = &spec.env;
     let checks: [(&[&str], bool, &str); 11] = [
         (&["seeds"], spec.seeds >= 1, "at least 1 seed"),
@@ -614,15 +622,69 @@ fn load_features(spec: &Spec, text: &str, err: &dyn Fn(&[&str], String) -> SpecE
             }
         }
     };
-    let n = train.len() as u64;
+    let data =
+        PairData { d: train.d, train, eval, train_path: path.clone(), eval_path: env.eval_path.clone(), report: None };
+    check_pairs(spec, text, err, &data)?;
+    Ok(data)
+}
+
+/// Checks shared by the pair-data kinds (features, dataset).
+fn check_pairs(
+    spec: &Spec,
+    text: &str,
+    err: &dyn Fn(&[&str], String) -> SpecError,
+    data: &PairData,
+) -> Result<(), SpecError> {
+    let n = data.train.len() as u64;
     if spec.stream.samples > n && !(spec.setting == Setting::Active && spec.active.replacement) {
         return Err(err(
             &["stream", "samples"],
-            format!("{}: one pass over {} holds only {n} training pairs", spec.stream.samples, path.display()),
+            format!(
+                "{}: one pass over {} holds only {n} training pairs",
+                spec.stream.samples,
+                data.train_path.display()
+            ),
         ));
     }
     if spec.setting == Setting::Active && is_written(text, &["active", "pool"]) {
-        return Err(err(&["active", "pool"], "kind = \"features\": the pool is every training row of `path`".into()));
+        return Err(err(&["active", "pool"], "the pool is every training pair of the data".into()));
     }
-    Ok(PairData { d: train.d, train, eval, train_path: path.clone(), eval_path: env.eval_path.clone() })
+    Ok(())
+}
+
+/// kind = "dataset": the `[data]` table read, split and run through the feature model.
+fn load_dataset(spec: &Spec, text: &str, err: &dyn Fn(&[&str], String) -> SpecError) -> Result<PairData, SpecError> {
+    let given = |k: &str| is_written(text, &["env", k]);
+    for k in [
+        "contexts",
+        "fresh_contexts",
+        "arms",
+        "features",
+        "feature_norm",
+        "theta_norm",
+        "path",
+        "eval_path",
+        "eval_pairs",
+    ] {
+        if given(k) {
+            return Err(err(&["env", k], "does not apply to kind = \"dataset\" (the data is named in [data])".into()));
+        }
+    }
+    if spec.setting == Setting::Deploy {
+        return Err(err(
+            &["env", "kind"],
+            "deploy needs several arms per context; kind = \"dataset\" holds labelled pairs (use passive or active)"
+                .into(),
+        ));
+    }
+    let d = spec.data.as_ref().ok_or_else(|| err(&["data"], "required when env.kind = \"dataset\"".into()))?;
+    d.check().map_err(|(k, m)| err(&["data", k], m))?;
+    let progress = std::io::IsTerminal::is_terminal(&std::io::stderr());
+    let (mut data, report) = crate::dataset_env::load(d, progress).map_err(|e| err(&["data"], format!("{e:#}")))?;
+    if given("dim") && spec.env.dim != data.d {
+        return Err(err(&["env", "dim"], format!("{}, but the model gives {} features", spec.env.dim, data.d)));
+    }
+    data.report = serde_json::to_value(&report).ok();
+    check_pairs(spec, text, err, &data)?;
+    Ok(data)
 }

@@ -157,6 +157,7 @@ pub fn write_tables(dir: &Path, plan: &Plan, cells: &[CellOutcome<'_>]) -> Resul
         .f64("train_accuracy", rows.iter().map(|(_, m)| m.train_accuracy))
         .f64("eval_loss", rows.iter().map(|(_, m)| m.eval_loss))
         .f64("eval_accuracy", rows.iter().map(|(_, m)| m.eval_accuracy))
+        .u64("eval_ties", rows.iter().map(|(_, m)| m.eval_ties))
         .opt_f64("theta_err", rows.iter().map(|(_, m)| m.theta_err))
         .opt_f64("theta_err_h", rows.iter().map(|(_, m)| m.theta_err_h))
         .opt_f64("subopt", rows.iter().map(|(_, m)| m.subopt))

@@ -7,7 +7,7 @@ use crate::pairs::PairData;
 use crate::plan::{theory_beta, ConfigPlan, Plan};
 use crate::spec::{ActiveRule, Beta, CurvaturePoint, Order, Pessimism, ScoreNorm, Setting, Spec};
 use anyhow::{anyhow, Result};
-use estimators::logistic::{correct, log_loss};
+use estimators::logistic::{accuracy_credit, log_loss};
 use estimators::{Batch, Curvature, CurvatureKind, Estimator, HessianPoint, Setup};
 use rand::seq::SliceRandom;
 use rand::Rng;
@@ -23,7 +23,10 @@ pub struct MetricRow {
     pub train_loss: f64,
     pub train_accuracy: f64,
     pub eval_loss: f64,
+    /// Held-out accuracy, a tie (zᵀθ = 0) counted as ½.
     pub eval_accuracy: f64,
+    /// Held-out pairs with zᵀθ = 0 exactly (e.g. z = 0: both sides the same tokens).
+    pub eval_ties: u64,
     /// ‖θ_t − θ*‖₂ and ‖θ_t − θ*‖_{𝓗_t} (None without a θ*: kind = "features").
     pub theta_err: Option<f64>,
     pub theta_err_h: Option<f64>,
@@ -218,11 +221,12 @@ impl Learner {
         });
         self.bucket_start = Instant::now();
         self.bucket_est_s = self.est_s;
-        let (mut loss, mut right) = (0.0, 0usize);
+        let (mut loss, mut right, mut ties) = (0.0, 0.0, 0u64);
         for (z, &y) in eval_z.chunks_exact(self.d).zip(eval_y) {
             let m = dot(z, &self.theta);
             loss += log_loss(m, f64::from(y));
-            right += usize::from(correct(m, f64::from(y)));
+            right += accuracy_credit(m, f64::from(y));
+            ties += u64::from(m == 0.0);
         }
         let n = eval_y.len() as f64;
         let err: Option<Vec<f64>> =
@@ -234,7 +238,8 @@ impl Learner {
             train_loss: self.win_loss / self.win_n.max(1.0),
             train_accuracy: self.win_correct / self.win_n.max(1.0),
             eval_loss: loss / n,
-            eval_accuracy: right as f64 / n,
+            eval_accuracy: right / n,
+            eval_ties: ties,
             theta_err: err.as_ref().map(|e| e.iter().map(|v| v * v).sum::<f64>().sqrt()),
             theta_err_h: err.as_ref().map(|e| self.curv.norm(e).unwrap_or(f64::NAN)),
             subopt: truth.map(|env| env.subopt_of(&env.greedy(&self.theta))),

@@ -224,6 +224,9 @@ pub struct Spec {
     pub deploy: DeploySpec,
     #[serde(rename = "estimator", default)]
     pub estimators: Vec<EstimatorEntry>,
+    /// env.kind = "dataset": the preference data and the feature model.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub data: Option<crate::dataset_env::DataSpec>,
 }
 
 fn d_master_seed() -> u64 {
@@ -249,6 +252,8 @@ pub enum EnvKind {
     Synthetic,
     /// "Bring your own features": labelled pairs from a parquet file (`path`).
     Features,
+    /// A preference dataset and a feature model (`[data]`): φ computed through the feature cache.
+    Dataset,
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]

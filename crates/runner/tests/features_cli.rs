@@ -206,3 +206,70 @@ fn sharded_extraction_in_two_processes_merges_to_the_same_bytes() {
     assert_eq!(code, 2);
     assert!(stderr.contains("no feature cache space"), "{stderr}");
 }
+
+/// `env.kind = "dataset"`: the spec names an HH file and the model; the runner splits, extracts
+/// (through the cache), drops degenerate pairs, and the run's meta.json says what it did.
+#[test]
+fn dataset_kind_runs_from_a_spec() {
+    let tmp = tempfile::tempdir().unwrap();
+    let mut lines: Vec<String> = (0..14)
+        .map(|i| hh_line(&format!("Question number {i}?"), &format!("A helpful answer {i}."), "I don't know."))
+        .collect();
+    lines.push(hh_line("Same?", "Same.", "Same.")); // degenerate
+    lines.push(hh_line("Same again?", "Yes.", "Yes.")); // degenerate
+    std::fs::write(tmp.path().join("hh.jsonl"), lines.join("\n") + "\n").unwrap();
+    let spec = |extra: &str| {
+        format!(
+            "setting = \"passive\"\nseeds = 2\n[env]\nkind = \"dataset\"\n[stream]\nsamples = 10\neval_every = 5\n\
+             [data]\npath = \"${{ONEPASS_TEST_DATA_DIR:-.}}/hh.jsonl\"\nmodel = \"{}\"\nmax_len = 64\neval_fraction = 0.25\nsplit_seed = 3\n{extra}\n\
+             [[estimator]]\nkind = \"mle\"\n[[estimator]]\nkind = \"sgd\"\nlr = 0.01\n",
+            gguf()
+        )
+    };
+    std::fs::write(tmp.path().join("run.toml"), spec("")).unwrap();
+    let (code, stdout, stderr) = onepass(tmp.path(), &["run", "run.toml", "--out", "out"]);
+    assert_eq!(code, 0, "{stderr}");
+    let dir = PathBuf::from(tmp.path()).join(stdout.trim());
+    let meta: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(dir.join("meta.json")).unwrap()).unwrap();
+    let d = &meta["data"]["dataset"];
+    assert_eq!(d["rows_read"].as_u64(), Some(16), "{d}");
+    assert_eq!(d["degenerate_train"].as_u64().unwrap() + d["degenerate_eval"].as_u64().unwrap(), 2, "{d}");
+    // 16 pairs, 4 held out; the 2 degenerate ones dropped wherever they fell
+    assert_eq!(d["train_pairs"].as_u64().unwrap() + d["eval_pairs"].as_u64().unwrap(), 14, "{d}");
+    assert_eq!(d["cache_misses"].as_u64(), Some(30), "16 pairs, 2 × 2 identical sides: 30 distinct sequences");
+    assert_eq!(meta["data"]["dim"].as_u64(), Some(576));
+    // a second run: the same split, every φ from the cache, the same metrics
+    let (code, stdout2, stderr) = onepass(tmp.path(), &["run", "run.toml", "--out", "out2"]);
+    assert_eq!(code, 0, "{stderr}");
+    let dir2 = PathBuf::from(tmp.path()).join(stdout2.trim());
+    let meta2: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(dir2.join("meta.json")).unwrap()).unwrap();
+    assert_eq!(meta2["data"]["dataset"]["cache_misses"].as_u64(), Some(0));
+    assert_eq!(meta2["data"]["dataset"]["cache_hits"].as_u64(), Some(32));
+    assert_eq!(
+        std::fs::read(dir.join("metrics.parquet")).unwrap(),
+        std::fs::read(dir2.join("metrics.parquet")).unwrap(),
+        "same spec, same seed, same bytes"
+    );
+
+    // bad specs: a typo in [data], an unset variable, a bad share, [data] with another kind
+    let bad = [
+        (spec("max_lenn = 3"), "max_lenn"),
+        (spec("").replace("eval_fraction = 0.25", "eval_fraction = 1.5"), "data.eval_fraction"),
+        (
+            spec("").replace("${ONEPASS_TEST_DATA_DIR:-.}", "${ONEPASS_TEST_SURELY_UNSET}"),
+            "ONEPASS_TEST_SURELY_UNSET is not set",
+        ),
+        (spec("").replace("kind = \"dataset\"", "kind = \"synthetic\""), "applies to env.kind = \"dataset\" only"),
+        (spec("").replace("hh.jsonl", "missing.jsonl"), "missing.jsonl"),
+        (spec("").replace("samples = 10", "samples = 100"), "stream.samples"),
+    ];
+    for (text, want) in bad {
+        std::fs::write(tmp.path().join("bad.toml"), &text).unwrap();
+        let (code, _, stderr) = onepass(tmp.path(), &["run", "bad.toml", "--out", "bad"]);
+        assert_eq!(code, 2, "{want}: {stderr}");
+        assert!(stderr.contains(want) && stderr.contains("bad.toml"), "want `{want}` in: {stderr}");
+        assert!(!stderr.contains("panicked"), "{stderr}");
+    }
+}
