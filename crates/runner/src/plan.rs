@@ -330,6 +330,42 @@ fn fill(e: &mut EstimatorEntry, key: &str, v: &Hv) {
     }
 }
 
+/// Two `[[estimator]]` entries of one kind (e.g. sgd with and without clipping) would share a
+/// label: append the hyper-parameters whose values differ within each such group, or the entry's
+/// index when none does.
+fn disambiguate_labels(configs: &mut [ConfigPlan]) {
+    let mut groups: std::collections::BTreeMap<String, Vec<usize>> = std::collections::BTreeMap::new();
+    for (i, c) in configs.iter().enumerate() {
+        groups.entry(c.label.clone()).or_default().push(i);
+    }
+    for (_, members) in groups.into_iter().filter(|(_, m)| m.len() > 1) {
+        let first = &configs[members[0]].hparams;
+        let differing: Vec<&'static str> = first
+            .iter()
+            .map(|(k, _)| *k)
+            .filter(|k| {
+                let val = |i: usize| configs[i].hparams.iter().find(|(kk, _)| kk == k).map(|(_, v)| v.to_string());
+                members.iter().any(|&i| val(i) != val(members[0]))
+            })
+            .collect();
+        for &i in &members {
+            let extra: Vec<String> = if differing.is_empty() {
+                vec![format!("#{}", configs[i].estimator_index)]
+            } else {
+                differing
+                    .iter()
+                    .filter_map(|k| configs[i].hparams.iter().find(|(kk, _)| kk == k).map(|(k, v)| format!("{k}={v}")))
+                    .collect()
+            };
+            let c = &mut configs[i];
+            c.label = match c.label.split_once(" / ") {
+                Some((head, strategy)) => format!("{head} {} / {strategy}", extra.join(" ")),
+                None => format!("{} {}", c.label, extra.join(" ")),
+            };
+        }
+    }
+}
+
 /// β = "theory": √d · log(T/δ), the order of β̃_T in Lemma 1 (the constant is not given).
 pub fn theory_beta(d: usize, t: u64, delta: f64) -> f64 {
     (d as f64).sqrt() * ((t.max(2) as f64) / delta).ln()
@@ -566,6 +602,7 @@ pub fn build(mut spec: Spec, file: &Path, text: &str) -> Result<Plan, SpecError>
             }
         }
     }
+    disambiguate_labels(&mut configs);
     let cells = configs
         .iter()
         .flat_map(|c| (0..spec.seeds).map(move |s| (c.config_id, s)))

@@ -110,6 +110,8 @@ struct Learner {
     d: usize,
     steps: u64,
     samples: u64,
+    /// `samples` before the latest update.
+    prev_samples: u64,
     record_steps: bool,
     step_rows: Vec<StepRow>,
     theta: Vec<f64>,
@@ -153,6 +155,7 @@ impl Learner {
             d,
             steps: 0,
             samples: 0,
+            prev_samples: 0,
             record_steps: spec.stream.record_steps,
             step_rows: Vec::new(),
             theta_sum: theta.clone(),
@@ -187,6 +190,7 @@ impl Learner {
         self.iterates += 1;
         self.steps += 1;
         let n = batch.len() as f64;
+        self.prev_samples = self.samples;
         self.samples += batch.len() as u64;
         self.win_loss += rep.before.loss * n;
         self.win_correct += rep.before.accuracy * n;
@@ -260,8 +264,10 @@ impl Learner {
         row
     }
 
+    /// At the last step, and at every step whose batch crossed a multiple of `eval_every`
+    /// samples (so `eval_every` need not be a multiple of the batch size).
     fn due(&self, eval_every: u64, last: bool) -> bool {
-        last || self.samples % eval_every == 0
+        last || self.samples / eval_every > self.prev_samples / eval_every
     }
 }
 
