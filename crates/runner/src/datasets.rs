@@ -113,7 +113,14 @@ fn messages_at(list: &ListArray, i: usize) -> Result<Vec<Message>, String> {
             .ok_or_else(|| format!("has no string field `{n}` in its messages"))
     };
     let (role, content) = (col("role")?, col("content")?);
-    Ok((0..s.len()).map(|j| Message::new(role.value(j), content.value(j))).collect())
+    (0..s.len())
+        .map(|j| {
+            if s.is_null(j) || role.is_null(j) || content.is_null(j) {
+                return Err(format!("message {j} has a null `role` or `content`"));
+            }
+            Ok(Message::new(role.value(j), content.value(j)))
+        })
+        .collect()
 }
 
 fn ultrafeedback(path: &Path, limit: Option<usize>) -> Result<Vec<Pair>> {
