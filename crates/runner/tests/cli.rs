@@ -470,3 +470,92 @@ fn bad_features_files_name_the_file_the_row_and_the_column() {
     let r = onepass(tmp.path(), &["run", spec.to_str().unwrap(), "--out", "out", "--set", "stream.samples=10"]);
     assert_eq!(r.code, 0, "{}", r.stderr);
 }
+
+fn save_pairs(path: &Path, ch: &[Vec<f32>], rj: &[Vec<f32>], y: &[f32]) {
+    use arrow_array::builder::{Float32Builder, ListBuilder};
+    use arrow_array::{ArrayRef, Float32Array, RecordBatch};
+    let list = |rows: &[Vec<f32>]| -> ArrayRef {
+        let mut b = ListBuilder::new(Float32Builder::new());
+        for r in rows {
+            b.values().append_slice(r);
+            b.append(true);
+        }
+        std::sync::Arc::new(b.finish())
+    };
+    let batch = RecordBatch::try_from_iter([
+        ("phi_chosen", list(ch)),
+        ("phi_rejected", list(rj)),
+        ("label", std::sync::Arc::new(Float32Array::from(y.to_vec())) as ArrayRef),
+    ])
+    .unwrap();
+    let mut w =
+        parquet::arrow::ArrowWriter::try_new(std::fs::File::create(path).unwrap(), batch.schema(), None).unwrap();
+    w.write(&batch).unwrap();
+    w.close().unwrap();
+}
+
+/// With no bias term, presenting a pair the other way round (z → −z, y → 1 − y) is the same
+/// observation: the loss, its gradient and its Hessian are unchanged. So swapping the sides of a
+/// random half of the pairs must leave every estimator's trajectory the same (up to rounding in
+/// σ(−m) vs 1 − σ(m)) — which is why labels are chosen-first and side swapping is not an option.
+#[test]
+fn swapping_sides_of_pairs_changes_nothing() {
+    let tmp = tempfile::tempdir().unwrap();
+    let (ch, rj, y) = write_pairs(&tmp.path().join("pairs.parquet"), 400, 6, true);
+    let (mut ch2, mut rj2, mut y2) = (ch.clone(), rj.clone(), y.clone());
+    let mut flipped = 0;
+    for i in 0..y.len() {
+        if (i * 7919) % 13 < 6 {
+            std::mem::swap(&mut ch2[i], &mut rj2[i]);
+            y2[i] = 1.0 - y2[i];
+            flipped += 1;
+        }
+    }
+    assert!(flipped > 100);
+    save_pairs(&tmp.path().join("swapped.parquet"), &ch2, &rj2, &y2);
+    let spec = |file: &str| {
+        format!(
+            "setting = \"passive\"\nseeds = 2\n[env]\nkind = \"features\"\npath = \"{file}\"\neval_pairs = 100\norder = \"shuffled\"\n\
+             [stream]\nsamples = 296\nbatch_size = 4\neval_every = 100\n\
+             [[estimator]]\nkind = \"omd-exact\"\n[[estimator]]\nkind = \"omd-hvp-cg\"\nlr = 0.1\n[[estimator]]\nkind = \"sgd\"\nlr = 0.1\n\
+             [[estimator]]\nkind = \"adam\"\nlr = 0.05\n[[estimator]]\nkind = \"mle\"\nrefit_every = 10\n"
+        )
+    };
+    let mut dirs = Vec::new();
+    for (name, file) in [("a.toml", "pairs.parquet"), ("b.toml", "swapped.parquet")] {
+        std::fs::write(tmp.path().join(name), spec(file)).unwrap();
+        let r = onepass(tmp.path(), &["run", name, "--out", &format!("out-{name}")]);
+        assert_eq!(r.code, 0, "{}", r.stderr);
+        dirs.push(tmp.path().join(run_dir(&r.stdout)));
+    }
+    let (ma, mb) = (&read_table(&dirs[0].join("metrics.parquet"))[0], &read_table(&dirs[1].join("metrics.parquet"))[0]);
+    let (aa, ab) = (col::<Float64Array>(ma, "eval_accuracy"), col::<Float64Array>(mb, "eval_accuracy"));
+    let (la, lb) = (col::<Float64Array>(ma, "eval_loss"), col::<Float64Array>(mb, "eval_loss"));
+    assert_eq!(ma.num_rows(), mb.num_rows());
+    for i in 0..ma.num_rows() {
+        assert!((aa.value(i) - ab.value(i)).abs() < 1e-9, "row {i}: accuracy {} vs {}", aa.value(i), ab.value(i));
+        assert!((la.value(i) - lb.value(i)).abs() < 1e-5 * la.value(i).abs().max(1.0), "row {i}: loss");
+    }
+    for c in 0..10 {
+        let f = format!("theta/c{c:04}.npy");
+        let (ta, tb) = (read_npy_f64(&dirs[0].join(&f)), read_npy_f64(&dirs[1].join(&f)));
+        let scale = ta.iter().map(|v| v.abs()).fold(1e-12, f64::max);
+        let diff = ta.iter().zip(&tb).map(|(x, y)| (x - y).abs()).fold(0.0, f64::max);
+        assert!(diff / scale < 1e-4, "cell {c}: θ differs by {diff} (scale {scale})");
+        assert!(scale > 1e-3, "cell {c}: θ moved");
+    }
+    // the check has teeth: flipping z without flipping y is a different dataset
+    let mut y3 = y.clone();
+    for (i, v) in y3.iter_mut().enumerate() {
+        if (i * 7919) % 13 < 6 {
+            *v = 1.0 - *v;
+        }
+    }
+    save_pairs(&tmp.path().join("wrong.parquet"), &ch, &rj, &y3);
+    std::fs::write(tmp.path().join("c.toml"), spec("wrong.parquet")).unwrap();
+    let r = onepass(tmp.path(), &["run", "c.toml", "--out", "c"]);
+    assert_eq!(r.code, 0, "{}", r.stderr);
+    let tc = read_npy_f64(&tmp.path().join(run_dir(&r.stdout)).join("theta/c0000.npy"));
+    let ta = read_npy_f64(&dirs[0].join("theta/c0000.npy"));
+    assert!(ta.iter().zip(&tc).any(|(x, y)| (x - y).abs() > 1e-3), "flipping labels alone must change θ");
+}
