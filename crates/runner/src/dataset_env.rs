@@ -43,6 +43,10 @@ pub struct DataSpec {
     /// Pairs whose two sides became the same tokens (z = 0): dropped (counted) or kept.
     #[serde(default = "d_degenerate")]
     pub degenerate: Degenerate,
+    /// Pairs whose two sides have the same score (UltraFeedback): kept (default: the dataset as
+    /// published) or dropped; counted either way.
+    #[serde(default = "d_score_ties")]
+    pub score_ties: ScoreTies,
     /// The feature model: a .gguf file, a model directory or hf:<owner>/<name>.
     pub model: String,
     #[serde(default = "d_max_len")]
@@ -89,6 +93,16 @@ pub enum Degenerate {
     Keep,
 }
 
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum ScoreTies {
+    Keep,
+    Drop,
+}
+
+fn d_score_ties() -> ScoreTies {
+    ScoreTies::Keep
+}
 fn d_format() -> DataFormat {
     DataFormat::Auto
 }
@@ -201,6 +215,9 @@ pub struct DataReport {
     pub degenerate_train: usize,
     pub degenerate_eval: usize,
     pub degenerate_dropped: bool,
+    /// Selected pairs (train + held out) whose sides have equal scores, and whether they were dropped.
+    pub score_ties: usize,
+    pub score_ties_dropped: bool,
     pub truncated_sequences: usize,
     pub response_cut_sequences: usize,
     pub model: String,
@@ -286,6 +303,12 @@ pub fn load(d: &DataSpec, progress: bool) -> Result<(PairData, DataReport)> {
             (tr, ev, None)
         }
     };
+    let score_ties = train.iter().chain(&eval).filter(|p| p.score_tie()).count();
+    let (train, eval): (Vec<Pair>, Vec<Pair>) = if d.score_ties == ScoreTies::Drop {
+        (train.into_iter().filter(|p| !p.score_tie()).collect(), eval.into_iter().filter(|p| !p.score_tie()).collect())
+    } else {
+        (train, eval)
+    };
     let dtype = match d.dtype.as_str() {
         "bf16" => candle_core::DType::BF16,
         "f16" => candle_core::DType::F16,
@@ -352,6 +375,8 @@ pub fn load(d: &DataSpec, progress: bool) -> Result<(PairData, DataReport)> {
         degenerate_train: ex.degenerate[..n_train].iter().filter(|&&x| x).count(),
         degenerate_eval: ex.degenerate[n_train..].iter().filter(|&&x| x).count(),
         degenerate_dropped: drop,
+        score_ties,
+        score_ties_dropped: d.score_ties == ScoreTies::Drop,
         truncated_sequences: ex.summary.truncated_sequences,
         response_cut_sequences: ex.summary.response_cut_sequences,
         model: ex.source.clone(),

@@ -10,11 +10,20 @@ use std::io::{BufRead, BufReader};
 use std::path::Path;
 
 /// One preference pair: two conversations whose last message is the response.
-#[derive(Clone, Debug, PartialEq, Eq)]
+#[derive(Clone, Debug, PartialEq)]
 pub struct Pair {
     pub row: usize,
     pub chosen: Vec<Message>,
     pub rejected: Vec<Message>,
+    /// (score_chosen, score_rejected) when the file has them (UltraFeedback).
+    pub scores: Option<(f64, f64)>,
+}
+
+impl Pair {
+    /// The two sides have the same score: the "chosen" side is an arbitrary pick.
+    pub fn score_tie(&self) -> bool {
+        self.scores.is_some_and(|(c, r)| c == r)
+    }
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
@@ -96,7 +105,7 @@ fn hh(path: &Path, limit: Option<usize>) -> Result<Vec<Pair>> {
                 .ok_or_else(|| anyhow!("{}: row {row}: field `{k}` is missing or not a string", path.display()))?;
             hh_messages(s).map_err(|m| anyhow!("{}: row {row}, field `{k}`: {m}", path.display()))
         };
-        out.push(Pair { row, chosen: side("chosen")?, rejected: side("rejected")? });
+        out.push(Pair { row, chosen: side("chosen")?, rejected: side("rejected")?, scores: None });
     }
     Ok(out)
 }
@@ -138,6 +147,22 @@ fn ultrafeedback(path: &Path, limit: Option<usize>) -> Result<Vec<Pair>> {
             })
         };
         let (c, r) = (list("chosen")?, list("rejected")?);
+        // optional numeric score columns
+        let score = |k: &str| -> Result<Option<Vec<Option<f64>>>> {
+            let Some(col) = batch.column_by_name(k) else { return Ok(None) };
+            let any = col.as_any();
+            let v: Vec<Option<f64>> = if let Some(a) = any.downcast_ref::<arrow_array::Float64Array>() {
+                a.iter().collect()
+            } else if let Some(a) = any.downcast_ref::<arrow_array::Float32Array>() {
+                a.iter().map(|x| x.map(f64::from)).collect()
+            } else if let Some(a) = any.downcast_ref::<arrow_array::Int64Array>() {
+                a.iter().map(|x| x.map(|v| v as f64)).collect()
+            } else {
+                bail!("{}: column `{k}` has type {}, expected a number", path.display(), col.data_type())
+            };
+            Ok(Some(v))
+        };
+        let (sc, sr) = (score("score_chosen")?, score("score_rejected")?);
         for i in 0..batch.num_rows() {
             if limit.is_some_and(|l| out.len() >= l) {
                 return Ok(out);
@@ -152,7 +177,14 @@ fn ultrafeedback(path: &Path, limit: Option<usize>) -> Result<Vec<Pair>> {
                     )),
                 }
             };
-            out.push(Pair { row, chosen: get(c, "chosen")?, rejected: get(r, "rejected")? });
+            let scores = match (&sc, &sr) {
+                (Some(a), Some(b)) => match (a[i], b[i]) {
+                    (Some(x), Some(y)) if x.is_finite() && y.is_finite() => Some((x, y)),
+                    _ => bail!("{}: row {row}: `score_chosen`/`score_rejected` is null or not finite", path.display()),
+                },
+                _ => None,
+            };
+            out.push(Pair { row, chosen: get(c, "chosen")?, rejected: get(r, "rejected")?, scores });
             row += 1;
         }
     }

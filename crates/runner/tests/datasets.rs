@@ -31,14 +31,24 @@ fn messages(rows: &[Vec<(&str, Option<&str>)>]) -> ArrayRef {
 }
 
 fn write_uf(path: &std::path::Path, chosen: &[Vec<(&str, Option<&str>)>], rejected: &[Vec<(&str, Option<&str>)>]) {
+    let scores: Vec<(f64, f64)> = vec![(8.0, 3.0); chosen.len()];
+    write_uf_scored(path, chosen, rejected, &scores);
+}
+
+fn write_uf_scored(
+    path: &std::path::Path,
+    chosen: &[Vec<(&str, Option<&str>)>],
+    rejected: &[Vec<(&str, Option<&str>)>],
+    scores: &[(f64, f64)],
+) {
     let n = chosen.len();
     let batch = RecordBatch::try_from_iter([
         ("prompt", Arc::new(StringArray::from(vec!["p"; n])) as ArrayRef),
         ("prompt_id", Arc::new(StringArray::from(vec!["id"; n])) as ArrayRef),
         ("chosen", messages(chosen)),
         ("rejected", messages(rejected)),
-        ("score_chosen", Arc::new(Float64Array::from(vec![8.0; n])) as ArrayRef),
-        ("score_rejected", Arc::new(Float64Array::from(vec![3.0; n])) as ArrayRef),
+        ("score_chosen", Arc::new(Float64Array::from(scores.iter().map(|s| s.0).collect::<Vec<_>>())) as ArrayRef),
+        ("score_rejected", Arc::new(Float64Array::from(scores.iter().map(|s| s.1).collect::<Vec<_>>())) as ArrayRef),
     ])
     .unwrap();
     let props = WriterProperties::builder().set_compression(Compression::ZSTD(ZstdLevel::default())).build();
@@ -67,6 +77,8 @@ fn ultrafeedback_parquet_zstd() {
     assert_eq!(pairs[1].chosen.len(), 4);
     assert_eq!(pairs[1].rejected[3].role, "assistant");
     assert_eq!(read_pairs(&p, Format::Ultrafeedback, Some(1)).unwrap().len(), 1);
+    assert_eq!(pairs[0].scores, Some((8.0, 3.0)));
+    assert!(!pairs[0].score_tie());
 
     // a null content and a conversation that does not end with the assistant: file, row, field
     let bad = tmp.path().join("bad.parquet");
@@ -87,4 +99,48 @@ fn ultrafeedback_parquet_zstd() {
     write_uf(&bad2, &[vec![("user", Some("q"))]], &[vec![("user", Some("q")), ("assistant", Some("a"))]]);
     let e = format!("{:#}", read_pairs(&bad2, Format::Auto, None).unwrap_err());
     assert!(e.contains("row 0") && e.contains("does not end with an assistant message"), "{e}");
+}
+
+fn gguf() -> String {
+    let p = std::path::PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../models/SmolLM2-135M-Instruct.Q4_1.gguf");
+    assert!(p.exists(), "{} is missing: run `just fetch-models` first", p.display());
+    p.to_string_lossy().into_owned()
+}
+
+/// Score ties (UltraFeedback pairs whose sides scored the same) are counted, and dropped when the
+/// spec says so.
+#[test]
+fn score_ties_are_counted_and_dropped_on_request() {
+    let tmp = tempfile::tempdir().unwrap();
+    let qs: Vec<String> = (0..10).map(|i| format!("Question {i}?")).collect();
+    let good: Vec<String> = (0..10).map(|i| format!("Good answer {i}.")).collect();
+    let chosen: Vec<Vec<(&str, Option<&str>)>> =
+        (0..10).map(|i| vec![("user", Some(qs[i].as_str())), ("assistant", Some(good[i].as_str()))]).collect();
+    let rejected: Vec<Vec<(&str, Option<&str>)>> =
+        (0..10).map(|i| vec![("user", Some(qs[i].as_str())), ("assistant", Some("Bad answer."))]).collect();
+    let scores: Vec<(f64, f64)> = (0..10).map(|i| if i % 4 == 1 { (5.0, 5.0) } else { (9.0, 2.0) }).collect();
+    write_uf_scored(&tmp.path().join("uf.parquet"), &chosen, &rejected, &scores);
+    let spec = |ties: &str| {
+        format!(
+            "setting = \"passive\"\n[env]\nkind = \"dataset\"\n[stream]\nsamples = 4\neval_every = 2\n[data]\npath = \"uf.parquet\"\nmodel = \"{}\"\nmax_len = 64\neval_fraction = 0.3\nscore_ties = \"{ties}\"\n[[estimator]]\nkind = \"sgd\"\n",
+            gguf()
+        )
+    };
+    let mut seen = Vec::new();
+    for ties in ["keep", "drop"] {
+        std::fs::write(tmp.path().join("s.toml"), spec(ties)).unwrap();
+        let out = std::process::Command::new(env!("CARGO_BIN_EXE_onepass"))
+            .current_dir(tmp.path())
+            .args(["run", "s.toml", "--out", &format!("out-{ties}")])
+            .output()
+            .unwrap();
+        assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+        let dir = tmp.path().join(String::from_utf8_lossy(&out.stdout).trim().lines().last().unwrap());
+        let meta: serde_json::Value =
+            serde_json::from_str(&std::fs::read_to_string(dir.join("meta.json")).unwrap()).unwrap();
+        let d = meta["data"]["dataset"].clone();
+        assert_eq!(d["score_ties"].as_u64(), Some(3), "rows 1, 5, 9: {d}");
+        seen.push(d["train_pairs"].as_u64().unwrap() + d["eval_pairs"].as_u64().unwrap());
+    }
+    assert_eq!(seen, vec![10, 7], "keep all 10 pairs, or drop the 3 ties");
 }
