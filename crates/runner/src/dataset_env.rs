@@ -226,6 +226,9 @@ pub struct DataReport {
     pub cache_hits: usize,
     pub cache_misses: usize,
     pub tokens_computed: usize,
+    /// Tokens of the kept training and held-out sequences (both sides), for the cost model.
+    pub train_tokens: usize,
+    pub eval_tokens: usize,
     pub extraction_s: f64,
     pub dim: usize,
 }
@@ -353,6 +356,10 @@ pub fn load(d: &DataSpec, progress: bool) -> Result<(PairData, DataReport)> {
         }
         Pairs { d: dim, z, y, digest: String::new() }
     };
+    let kept_tokens = |range: std::ops::Range<usize>| -> usize {
+        range.filter(|&i| !(drop && ex.degenerate[i])).map(|i| ex.lengths[2 * i] + ex.lengths[2 * i + 1]).sum()
+    };
+    let (train_tokens, eval_tokens) = (kept_tokens(0..n_train), kept_tokens(n_train..both.len()));
     let digest = file_blake3(&path)?;
     let mut tr = build(0..n_train);
     let mut ev = build(n_train..both.len());
@@ -385,6 +392,8 @@ pub fn load(d: &DataSpec, progress: bool) -> Result<(PairData, DataReport)> {
         cache_hits: ex.summary.hits,
         cache_misses: ex.summary.misses,
         tokens_computed: ex.summary.tokens,
+        train_tokens,
+        eval_tokens,
         extraction_s: ex.summary.forward_s,
         dim,
     };

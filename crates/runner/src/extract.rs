@@ -91,6 +91,8 @@ pub struct Extracted {
     /// blake3 of the weight files, and the source as given.
     pub weights_blake3: String,
     pub source: String,
+    /// Token count of every sequence (chosen, rejected, …), computed or read from the cache.
+    pub lengths: Vec<usize>,
 }
 
 /// φ of both sides of every pair, through the feature cache. `origin` names the data in errors.
@@ -147,12 +149,14 @@ pub fn extract_pairs(pairs: &[Pair], origin: &str, o: &PhiRun) -> Result<Extract
     s.misses = stats.misses;
     s.tokens = stats.tokens;
     s.forward_s = stats.forward_s;
+    let lengths = items.iter().map(|p| p.ids.len()).collect();
     Ok(Extracted {
         phi,
         degenerate,
         summary: s,
         weights_blake3: backbone.weights_digest.clone(),
         source: backbone.source,
+        lengths,
     })
 }
 

@@ -110,6 +110,7 @@ pub fn run(opts: &RunOptions) -> Result<RunSummary> {
             "eval_rows": d.eval.len(),
             "dim": d.d,
             "dataset": d.report,
+            "backbone_cost": backbone_cost(&plan),
         })),
         "cells": plan.cells.len(),
         "failed_cells": failed,
@@ -157,4 +158,44 @@ fn print_summary(plan: &plan::Plan, outcomes: &[results::CellOutcome<'_>]) {
             opt(&|r| r.regret, 3)
         );
     }
+}
+
+/// kind = "dataset": how many backbone forward passes (sequences and tokens) the run's methods
+/// would need under the authors' schedule — the frozen LLM re-run on every training batch and on
+/// the held-out set at every evaluation, for every cell (reference-code.md §1.6) — against
+/// onepass's cache, where each distinct sequence is computed once for every cell, seed and later
+/// run. A cost model to discuss timing claims with, not a measurement.
+fn backbone_cost(plan: &plan::Plan) -> Option<serde_json::Value> {
+    let d = plan.data.as_ref()?;
+    let r = d.report.as_ref()?;
+    let get = |k: &str| r.get(k).and_then(|v| v.as_u64()).unwrap_or(0) as f64;
+    let (train_pairs, eval_pairs) = (get("train_pairs").max(1.0), get("eval_pairs"));
+    let (train_tok, eval_tok) = (get("train_tokens"), get("eval_tokens"));
+    let s = &plan.spec.stream;
+    let samples = s.samples as f64;
+    let evals = (s.samples / s.eval_every + u64::from(s.samples % s.eval_every != 0)) as f64;
+    // pairs pushed through the backbone per labelled sample: 1, or the stream rule's candidates/keep
+    let per_sample = match (plan.spec.setting, plan.spec.active.rule) {
+        (spec::Setting::Active, spec::ActiveRule::Stream) => {
+            plan.spec.active.candidates as f64 / plan.spec.active.keep.max(1) as f64
+        }
+        _ => 1.0,
+    };
+    let cells = plan.cells.len() as f64;
+    let cell_seq = 2.0 * samples * per_sample + 2.0 * eval_pairs * evals;
+    let cell_tok = samples * per_sample * train_tok / train_pairs + eval_tok * evals;
+    Some(serde_json::json!({
+        "authors_schedule": {
+            "per_cell_sequences": cell_seq,
+            "per_cell_tokens": cell_tok,
+            "all_cells_sequences": cell_seq * cells,
+            "all_cells_tokens": cell_tok * cells,
+        },
+        "onepass_cache": {
+            "sequences_once": 2.0 * (train_pairs + eval_pairs),
+            "tokens_once": train_tok + eval_tok,
+            "tokens_computed_this_run": get("tokens_computed"),
+            "extraction_s_this_run": r.get("extraction_s"),
+        },
+    }))
 }

@@ -239,6 +239,21 @@ fn dataset_kind_runs_from_a_spec() {
     assert_eq!(d["train_pairs"].as_u64().unwrap() + d["eval_pairs"].as_u64().unwrap(), 14, "{d}");
     assert_eq!(d["cache_misses"].as_u64(), Some(30), "16 pairs, 2 × 2 identical sides: 30 distinct sequences");
     assert_eq!(meta["data"]["dim"].as_u64(), Some(576));
+    // the cost model: 10 samples and 2 evaluation points (5, 10) over the held-out pairs per cell
+    let c = &meta["data"]["backbone_cost"];
+    let ev = d["eval_pairs"].as_f64().unwrap();
+    assert_eq!(c["authors_schedule"]["per_cell_sequences"].as_f64(), Some(2.0 * 10.0 + 2.0 * ev * 2.0), "{c}");
+    assert_eq!(
+        c["authors_schedule"]["all_cells_sequences"].as_f64(),
+        Some(4.0 * (20.0 + 4.0 * ev)),
+        "2 methods × 2 seeds"
+    );
+    let (tt, et) = (d["train_tokens"].as_f64().unwrap(), d["eval_tokens"].as_f64().unwrap());
+    assert!(tt > 0.0 && et > 0.0);
+    let tp = d["train_pairs"].as_f64().unwrap();
+    let want = 10.0 * tt / tp + 2.0 * et;
+    assert!((c["authors_schedule"]["per_cell_tokens"].as_f64().unwrap() - want).abs() < 1e-6, "{c}");
+    assert_eq!(c["onepass_cache"]["tokens_once"].as_f64(), Some(tt + et));
     // a second run: the same split, every φ from the cache, the same metrics
     let (code, stdout2, stderr) = onepass(tmp.path(), &["run", "run.toml", "--out", "out2"]);
     assert_eq!(code, 0, "{stderr}");
