@@ -107,8 +107,52 @@ pub enum Resolved {
 /// the safetensors (every shard named by model.safetensors.index.json, else model.safetensors).
 pub fn resolve(spec: &HubSpec, env: &HubEnv) -> Result<Resolved, Error> {
     let repo = Repo::with_revision(spec.repo.clone(), RepoType::Model, spec.revision.clone());
-    let cache = env.cache();
     let name = spec.display();
+    let fetch = fetcher(&repo, &name, env)?;
+    let need = |f: &str| -> Result<PathBuf, Error> {
+        fetch(f)?.ok_or_else(|| Error::Io(format!("{name}: the repository has no `{f}` (HTTP 404)")))
+    };
+    if let Some(f) = &spec.file {
+        return Ok(Resolved::Gguf(need(f)?));
+    }
+    let config = need("config.json")?;
+    need("tokenizer.json")?;
+    need("tokenizer_config.json")?;
+    // optional: newer repositories keep the template beside tokenizer_config.json
+    if !env.offline {
+        fetch("chat_template.jinja")?;
+    } else {
+        let _ = fetch("chat_template.jinja");
+    }
+    match fetch("model.safetensors.index.json") {
+        Ok(Some(index)) => {
+            let text = std::fs::read_to_string(&index).map_err(|e| Error::Io(format!("{}: {e}", index.display())))?;
+            let v: serde_json::Value =
+                serde_json::from_str(&text).map_err(|e| Error::Format(format!("{}: {e}", index.display())))?;
+            let map = v
+                .get("weight_map")
+                .and_then(|m| m.as_object())
+                .ok_or_else(|| Error::Format(format!("{}: no `weight_map` object", index.display())))?;
+            let mut files: Vec<&str> = map.values().filter_map(|f| f.as_str()).collect();
+            files.sort();
+            files.dedup();
+            for f in files {
+                need(f)?;
+            }
+        }
+        Ok(None) | Err(_) => {
+            need("model.safetensors")?;
+        }
+    }
+    let dir = config.parent().map(PathBuf::from).unwrap_or_default();
+    Ok(Resolved::Dir(dir))
+}
+
+/// Gets files of `repo` through the hub (or, offline, from the cache), with the error messages
+/// of [`resolve`].
+fn fetcher(repo: &Repo, name: &str, env: &HubEnv) -> Result<Fetch, Error> {
+    let cache = env.cache();
+    let name = name.to_string();
     let fetch: Fetch = if env.offline {
         let cached = cache.repo(repo.clone());
         let name = name.clone();
@@ -155,43 +199,122 @@ pub fn resolve(spec: &HubSpec, env: &HubEnv) -> Result<Resolved, Error> {
         }
         })
     };
-    let need = |f: &str| -> Result<PathBuf, Error> {
-        fetch(f)?.ok_or_else(|| Error::Io(format!("{name}: the repository has no `{f}` (HTTP 404)")))
-    };
-    if let Some(f) = &spec.file {
-        return Ok(Resolved::Gguf(need(f)?));
+    Ok(fetch)
+}
+
+/// A file (or `*` pattern) of a Hugging Face dataset repository:
+/// `hf:datasets/<owner>/<name>[@<revision>]:<path>`.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct HubDataset {
+    pub repo: String,
+    pub revision: String,
+    pub file: String,
+}
+
+impl HubDataset {
+    /// Parses what follows `hf:datasets/`.
+    pub fn parse(s: &str) -> Result<HubDataset, Error> {
+        let bad = |why: &str| {
+            Error::Input(format!(
+                "dataset `hf:datasets/{s}`: {why}; expected hf:datasets/<owner>/<name>[@<revision>]:<file or pattern>, e.g. hf:datasets/HuggingFaceH4/ultrafeedback_binarized:data/train_prefs-*.parquet"
+            ))
+        };
+        let (rest, file) = s.split_once(':').ok_or_else(|| bad("no `:<file>`"))?;
+        if file.is_empty() {
+            return Err(bad("an empty file after `:`"));
+        }
+        let (repo, revision) = match rest.split_once('@') {
+            Some((r, v)) if !v.is_empty() => (r, v.to_string()),
+            Some(_) => return Err(bad("an empty revision after `@`")),
+            None => (rest, "main".to_string()),
+        };
+        let parts: Vec<&str> = repo.split('/').collect();
+        if parts.len() != 2 || parts.iter().any(|p| p.is_empty() || p.contains(char::is_whitespace)) {
+            return Err(bad("the repository must be <owner>/<name>"));
+        }
+        Ok(HubDataset { repo: repo.to_string(), revision, file: file.to_string() })
     }
-    let config = need("config.json")?;
-    need("tokenizer.json")?;
-    need("tokenizer_config.json")?;
-    // optional: newer repositories keep the template beside tokenizer_config.json
-    if !env.offline {
-        fetch("chat_template.jinja")?;
-    } else {
-        let _ = fetch("chat_template.jinja");
+
+    pub fn display(&self) -> String {
+        format!("hf:datasets/{}@{}:{}", self.repo, self.revision, self.file)
     }
-    match fetch("model.safetensors.index.json") {
-        Ok(Some(index)) => {
-            let text = std::fs::read_to_string(&index).map_err(|e| Error::Io(format!("{}: {e}", index.display())))?;
-            let v: serde_json::Value =
-                serde_json::from_str(&text).map_err(|e| Error::Format(format!("{}: {e}", index.display())))?;
-            let map = v
-                .get("weight_map")
-                .and_then(|m| m.as_object())
-                .ok_or_else(|| Error::Format(format!("{}: no `weight_map` object", index.display())))?;
-            let mut files: Vec<&str> = map.values().filter_map(|f| f.as_str()).collect();
-            files.sort();
-            files.dedup();
-            for f in files {
-                need(f)?;
+}
+
+/// `*` matches any run of characters (also `/`); everything else matches itself.
+pub fn glob_match(pattern: &str, name: &str) -> bool {
+    let parts: Vec<&str> = pattern.split('*').collect();
+    if parts.len() == 1 {
+        return pattern == name;
+    }
+    let (first, last) = (parts[0], parts[parts.len() - 1]);
+    if name.len() < first.len() + last.len() || !name.starts_with(first) || !name.ends_with(last) {
+        return false;
+    }
+    let mut rest = &name[first.len()..name.len() - last.len()];
+    for p in &parts[1..parts.len() - 1] {
+        match rest.find(p) {
+            Some(i) => rest = &rest[i + p.len()..],
+            None => return false,
+        }
+    }
+    true
+}
+
+/// Downloads (or, offline, finds in the cache) the dataset files `spec` names, sorted by name.
+/// A pattern is matched against the repository's file list (online) or the cached snapshot.
+pub fn dataset_files(spec: &HubDataset, env: &HubEnv) -> Result<Vec<PathBuf>, Error> {
+    let repo = Repo::with_revision(spec.repo.clone(), RepoType::Dataset, spec.revision.clone());
+    let name = spec.display();
+    let names: Vec<String> = if !spec.file.contains('*') {
+        vec![spec.file.clone()]
+    } else if env.offline {
+        let refs = env.cache().path().join(repo.folder_name()).join("refs").join(&spec.revision);
+        let commit = std::fs::read_to_string(&refs).unwrap_or_else(|_| spec.revision.clone());
+        let snap = env.cache().path().join(repo.folder_name()).join("snapshots").join(commit.trim());
+        let mut found = Vec::new();
+        let mut stack = vec![snap.clone()];
+        while let Some(dir) = stack.pop() {
+            for e in std::fs::read_dir(&dir).into_iter().flatten().flatten() {
+                let p = e.path();
+                if p.is_dir() {
+                    stack.push(p);
+                } else if let Ok(rel) = p.strip_prefix(&snap) {
+                    found.push(rel.to_string_lossy().replace('\\', "/"));
+                }
             }
         }
-        Ok(None) | Err(_) => {
-            need("model.safetensors")?;
+        found.retain(|f| glob_match(&spec.file, f));
+        found
+    } else {
+        let mut b = ApiBuilder::from_cache(env.cache()).with_progress(env.progress);
+        if let Some(e) = &env.endpoint {
+            b = b.with_endpoint(e.clone());
         }
+        if let Some(t) = &env.token {
+            b = b.with_token(Some(t.clone()));
+        }
+        let api = b.build().map_err(|e| Error::Io(format!("{name}: starting the hub client: {e}")))?;
+        let info = api.repo(repo.clone()).info().map_err(|e| {
+            Error::Io(format!(
+                "{name}: listing the repository failed: {e}. Without network access set HF_HUB_OFFLINE=1 to use the cache, or give a local path"
+            ))
+        })?;
+        info.siblings.into_iter().map(|s| s.rfilename).filter(|f| glob_match(&spec.file, f)).collect()
+    };
+    if names.is_empty() {
+        return Err(Error::Io(format!(
+            "{name}: no file of the repository matches `{}`{}",
+            spec.file,
+            if env.offline { " in the Hugging Face cache (HF_HUB_OFFLINE is set)" } else { "" }
+        )));
     }
-    let dir = config.parent().map(PathBuf::from).unwrap_or_default();
-    Ok(Resolved::Dir(dir))
+    let fetch = fetcher(&repo, &name, env)?;
+    let mut names = names;
+    names.sort();
+    names
+        .iter()
+        .map(|f| fetch(f)?.ok_or_else(|| Error::Io(format!("{name}: the repository has no `{f}` (HTTP 404)"))))
+        .collect()
 }
 
 /// The HTTP status of a failed request, when there was one.

@@ -117,3 +117,47 @@ fn refused_missing_and_unreachable_hubs_say_what_to_do() {
     let e = resolve(&spec, &online(tmp.path(), format!("http://127.0.0.1:{port}"), None)).unwrap_err().to_string();
     assert!(e.contains("downloading `config.json` failed") && e.contains("HF_HUB_OFFLINE=1"), "{e}");
 }
+
+#[test]
+fn dataset_files_from_the_cache_by_pattern() {
+    use features::hub::{dataset_files, HubDataset};
+    let d = HubDataset::parse("OpenRLHF/preference_dataset_mixture2_and_safe_pku:data/train-*.parquet").unwrap();
+    assert_eq!((d.revision.as_str(), d.file.as_str()), ("main", "data/train-*.parquet"));
+    assert!(HubDataset::parse("owner/name").unwrap_err().to_string().contains("no `:<file>`"));
+    assert!(HubDataset::parse("owner:x.parquet").unwrap_err().to_string().contains("<owner>/<name>"));
+    assert_eq!(HubDataset::parse("o/n@v1:a.parquet").unwrap().display(), "hf:datasets/o/n@v1:a.parquet");
+
+    let tmp = tempfile::tempdir().unwrap();
+    let repo = tmp.path().join("hub").join("datasets--owner--data");
+    std::fs::create_dir_all(repo.join("refs")).unwrap();
+    std::fs::write(repo.join("refs").join("main"), "beef").unwrap();
+    let snap = repo.join("snapshots").join("beef");
+    std::fs::create_dir_all(snap.join("data")).unwrap();
+    for f in ["data/train-00001-of-00002-b.parquet", "data/train-00000-of-00002-a.parquet", "data/test-0.parquet"] {
+        std::fs::write(snap.join(f), "x").unwrap();
+    }
+    let got =
+        dataset_files(&HubDataset::parse("owner/data:data/train-*.parquet").unwrap(), &offline(tmp.path())).unwrap();
+    assert_eq!(
+        got,
+        vec![snap.join("data/train-00000-of-00002-a.parquet"), snap.join("data/train-00001-of-00002-b.parquet")]
+    );
+    let one =
+        dataset_files(&HubDataset::parse("owner/data:data/test-0.parquet").unwrap(), &offline(tmp.path())).unwrap();
+    assert_eq!(one, vec![snap.join("data/test-0.parquet")]);
+    let e = dataset_files(&HubDataset::parse("owner/data:data/dev-*.parquet").unwrap(), &offline(tmp.path()))
+        .unwrap_err()
+        .to_string();
+    assert!(
+        e.contains("no file of the repository matches `data/dev-*.parquet`") && e.contains("HF_HUB_OFFLINE"),
+        "{e}"
+    );
+    // online, a hub that cannot list the repository
+    let e = dataset_files(
+        &HubDataset::parse("owner/data:data/train-*.parquet").unwrap(),
+        &online(tmp.path(), server("500 Internal Server Error"), None),
+    )
+    .unwrap_err()
+    .to_string();
+    assert!(e.contains("listing the repository failed") && e.contains("HF_HUB_OFFLINE=1"), "{e}");
+}

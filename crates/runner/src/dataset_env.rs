@@ -3,7 +3,7 @@
 //! seed (so every run of a preset sees the same split), computes φ through the feature cache, and
 //! hands the cells z = φ(chosen) − φ(rejected) with y = 1 (chosen first).
 
-use crate::datasets::{read_pairs, Format, Pair};
+use crate::datasets::{expand_glob, read_dataset, Format, Keys, Pair, ReadOptions};
 use crate::extract::{device, extract_pairs, PhiRun};
 use crate::pairs::{PairData, Pairs};
 use anyhow::{anyhow, Result};
@@ -16,13 +16,22 @@ use std::path::PathBuf;
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct DataSpec {
-    /// The dataset file. `${VAR}` and `${VAR:-default}` are expanded from the environment.
+    /// The dataset: a file, a `*` pattern in the file name (several files read in name order), or
+    /// `hf:datasets/<owner>/<name>[@rev]:<file or pattern>`. `${VAR}` and `${VAR:-default}` are
+    /// expanded from the environment.
     pub path: String,
-    /// Held-out pairs from another file (e.g. UltraFeedback test_prefs); default: a seeded split.
+    /// Held-out pairs from other files (e.g. UltraFeedback test_prefs); default: a seeded split.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub eval_path: Option<String>,
     #[serde(default = "d_format")]
-    pub format: DataFormat,
+    pub format: Format,
+    /// Key names of the `generic` format.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub keys: Option<Keys>,
+    /// A malformed row (missing or null field, a conversation not ending with the assistant):
+    /// an error naming file, row and field, or skipped and counted in meta.json.
+    #[serde(default = "d_malformed")]
+    pub malformed: Malformed,
     /// Pairs to use (default: every row of `path`).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub rows: Option<usize>,
@@ -73,10 +82,9 @@ pub struct DataSpec {
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "kebab-case")]
-pub enum DataFormat {
-    Auto,
-    HhRlhf,
-    Ultrafeedback,
+pub enum Malformed {
+    Error,
+    Skip,
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
@@ -103,8 +111,11 @@ pub enum ScoreTies {
 fn d_score_ties() -> ScoreTies {
     ScoreTies::Keep
 }
-fn d_format() -> DataFormat {
-    DataFormat::Auto
+fn d_format() -> Format {
+    Format::Auto
+}
+fn d_malformed() -> Malformed {
+    Malformed::Error
 }
 fn d_select() -> Select {
     Select::First
@@ -195,6 +206,9 @@ impl DataSpec {
             return Err(("device", format!("`{}`: expected cpu, cuda, metal or auto", self.device)));
         }
         expand_env(&self.path).map_err(|m| ("path", m))?;
+        if self.keys.is_some() && self.format != Format::Generic {
+            return Err(("keys", "only the `generic` format reads key names: set data.format = \"generic\"".into()));
+        }
         if let Some(e) = &self.eval_path {
             expand_env(e).map_err(|m| ("eval_path", m))?;
         }
@@ -206,9 +220,18 @@ impl DataSpec {
 #[derive(Clone, Debug, Serialize)]
 pub struct DataReport {
     pub path: String,
+    /// Every file read (a pattern or hub dataset may name several); `blake3` covers them all.
+    pub files: Vec<String>,
     pub blake3: String,
     pub eval_path: Option<String>,
+    pub eval_files: Vec<String>,
+    /// Pairs read from `files` (after skipping malformed rows).
     pub rows_read: usize,
+    /// Malformed rows skipped (`data.malformed = "skip"`), over all files, and the first reasons.
+    pub malformed_skipped: usize,
+    pub malformed_examples: Vec<String>,
+    /// Held-out pairs whose two conversations also occur in the training pairs.
+    pub eval_in_train: usize,
     pub selected: usize,
     pub train_pairs: usize,
     pub eval_pairs: usize,
@@ -240,22 +263,70 @@ fn file_blake3(p: &std::path::Path) -> Result<String> {
     Ok(h.finalize().to_hex().to_string())
 }
 
-fn format_of(f: DataFormat) -> Format {
-    match f {
-        DataFormat::Auto => Format::Auto,
-        DataFormat::HhRlhf => Format::HhRlhf,
-        DataFormat::Ultrafeedback => Format::Ultrafeedback,
+/// The files a `path` names (local file or pattern, or hub dataset files).
+pub fn resolve_files(key: &str, raw: &str) -> Result<Vec<PathBuf>> {
+    let s = expand_env(raw).map_err(|m| anyhow!("data.{key}: {m}"))?;
+    match s.strip_prefix("hf:datasets/") {
+        Some(rest) => {
+            let spec = features::hub::HubDataset::parse(rest).map_err(|e| anyhow!("data.{key}: {e}"))?;
+            features::hub::dataset_files(&spec, &features::hub::HubEnv::from_env())
+                .map_err(|e| anyhow!("data.{key}: {e}"))
+        }
+        None => expand_glob(std::path::Path::new(&s)).map_err(|e| anyhow!("data.{key}: {e:#}")),
     }
+}
+
+fn files_blake3(files: &[PathBuf]) -> Result<String> {
+    if files.len() == 1 {
+        return file_blake3(&files[0]);
+    }
+    let mut h = blake3::Hasher::new();
+    for f in files {
+        h.update(file_blake3(f)?.as_bytes());
+    }
+    Ok(h.finalize().to_hex().to_string())
+}
+
+fn display_files(files: &[PathBuf]) -> String {
+    match files {
+        [one] => one.display().to_string(),
+        many => format!("{} (+{} files)", many[0].display(), many.len() - 1),
+    }
+}
+
+/// Pairs whose (chosen, rejected) conversations are the same: held-out rows also in training.
+fn overlap(train: &[Pair], eval: &[Pair]) -> usize {
+    let key = |p: &Pair| {
+        let mut h = blake3::Hasher::new();
+        for m in p.chosen.iter().chain(&p.rejected) {
+            for s in [&m.role, &m.content] {
+                h.update(&(s.len() as u64).to_le_bytes());
+                h.update(s.as_bytes());
+            }
+        }
+        *h.finalize().as_bytes()
+    };
+    let seen: std::collections::HashSet<[u8; 32]> = train.iter().map(key).collect();
+    eval.iter().filter(|p| seen.contains(&key(p))).count()
 }
 
 /// Reads, selects, splits and extracts: the pairs every cell of the run shares.
 pub fn load(d: &DataSpec, progress: bool) -> Result<(PairData, DataReport)> {
-    let path = PathBuf::from(expand_env(&d.path).map_err(|m| anyhow!("data.path: {m}"))?);
-    let all = read_pairs(&path, format_of(d.format), None)?;
+    let files = resolve_files("path", &d.path)?;
+    let path = files[0].clone();
+    let opts = ReadOptions {
+        format: Some(d.format),
+        keys: d.keys.clone().unwrap_or_default(),
+        limit: None,
+        skip_malformed: d.malformed == Malformed::Skip,
+    };
+    let read = read_dataset(&files, &opts)?;
+    let (mut skipped, mut skipped_examples) = (read.skipped, read.skipped_examples);
+    let all = read.pairs;
     let rows_read = all.len();
     let take = d.rows.unwrap_or(rows_read);
     if take > rows_read {
-        return Err(anyhow!("data.rows = {take}, but {} holds only {rows_read} pairs", path.display()));
+        return Err(anyhow!("data.rows = {take}, but {} holds only {rows_read} pairs", display_files(&files)));
     }
     let mut selected: Vec<Pair> = match d.select {
         Select::First => all.into_iter().take(take).collect(),
@@ -270,15 +341,22 @@ pub fn load(d: &DataSpec, progress: bool) -> Result<(PairData, DataReport)> {
     };
     let (train, eval, eval_file) = match &d.eval_path {
         Some(e) => {
-            let ep = PathBuf::from(expand_env(e).map_err(|m| anyhow!("data.eval_path: {m}"))?);
-            let mut ev = read_pairs(&ep, format_of(d.format), d.eval_rows)?;
+            let ef = resolve_files("eval_path", e)?;
+            let r = read_dataset(&ef, &ReadOptions { limit: d.eval_rows, ..opts.clone() })?;
+            skipped += r.skipped;
+            skipped_examples.extend(r.skipped_examples);
+            let mut ev = r.pairs;
             if let Some(n) = d.eval_rows {
                 if ev.len() < n {
-                    return Err(anyhow!("data.eval_rows = {n}, but {} holds only {} pairs", ep.display(), ev.len()));
+                    return Err(anyhow!(
+                        "data.eval_rows = {n}, but {} holds only {} pairs",
+                        display_files(&ef),
+                        ev.len()
+                    ));
                 }
             }
             ev.truncate(d.eval_rows.unwrap_or(ev.len()));
-            (std::mem::take(&mut selected), ev, Some(ep))
+            (std::mem::take(&mut selected), ev, Some(ef))
         }
         None => {
             let n_eval = ((selected.len() as f64) * d.eval_fraction).round() as usize;
@@ -307,6 +385,7 @@ pub fn load(d: &DataSpec, progress: bool) -> Result<(PairData, DataReport)> {
         }
     };
     let score_ties = train.iter().chain(&eval).filter(|p| p.score_tie()).count();
+    let eval_in_train = overlap(&train, &eval);
     let (train, eval): (Vec<Pair>, Vec<Pair>) = if d.score_ties == ScoreTies::Drop {
         (train.into_iter().filter(|p| !p.score_tie()).collect(), eval.into_iter().filter(|p| !p.score_tie()).collect())
     } else {
@@ -337,8 +416,8 @@ pub fn load(d: &DataSpec, progress: bool) -> Result<(PairData, DataReport)> {
     let n_train = train.len();
     let both: Vec<Pair> = train.into_iter().chain(eval).collect();
     let origin = match &eval_file {
-        Some(e) => format!("{} + {}", path.display(), e.display()),
-        None => path.display().to_string(),
+        Some(e) => format!("{} + {}", display_files(&files), display_files(e)),
+        None => display_files(&files),
     };
     let ex = extract_pairs(&both, &origin, &run)?;
     let dim = ex.summary.dim;
@@ -360,12 +439,12 @@ pub fn load(d: &DataSpec, progress: bool) -> Result<(PairData, DataReport)> {
         range.filter(|&i| !(drop && ex.degenerate[i])).map(|i| ex.lengths[2 * i] + ex.lengths[2 * i + 1]).sum()
     };
     let (train_tokens, eval_tokens) = (kept_tokens(0..n_train), kept_tokens(n_train..both.len()));
-    let digest = file_blake3(&path)?;
+    let digest = files_blake3(&files)?;
     let mut tr = build(0..n_train);
     let mut ev = build(n_train..both.len());
     tr.digest = digest.clone();
     ev.digest = match &eval_file {
-        Some(e) => file_blake3(e)?,
+        Some(e) => files_blake3(e)?,
         None => digest.clone(),
     };
     if tr.is_empty() || ev.is_empty() {
@@ -373,9 +452,14 @@ pub fn load(d: &DataSpec, progress: bool) -> Result<(PairData, DataReport)> {
     }
     let report = DataReport {
         path: path.display().to_string(),
+        files: files.iter().map(|f| f.display().to_string()).collect(),
         blake3: digest,
-        eval_path: eval_file.as_ref().map(|e| e.display().to_string()),
+        eval_path: eval_file.as_ref().map(|e| e[0].display().to_string()),
+        eval_files: eval_file.iter().flatten().map(|f| f.display().to_string()).collect(),
         rows_read,
+        malformed_skipped: skipped,
+        malformed_examples: skipped_examples,
+        eval_in_train,
         selected: take,
         train_pairs: tr.len(),
         eval_pairs: ev.len(),
@@ -397,7 +481,14 @@ pub fn load(d: &DataSpec, progress: bool) -> Result<(PairData, DataReport)> {
         extraction_s: ex.summary.forward_s,
         dim,
     };
-    let data = PairData { d: dim, train: tr, eval: ev, train_path: path, eval_path: eval_file, report: None };
+    let data = PairData {
+        d: dim,
+        train: tr,
+        eval: ev,
+        train_path: path,
+        eval_path: eval_file.map(|e| e[0].clone()),
+        report: None,
+    };
     Ok((data, report))
 }
 

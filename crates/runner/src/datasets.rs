@@ -1,17 +1,31 @@
-//! Preference datasets as (chosen, rejected) conversations: UltraFeedback-binarized parquet
-//! (`chosen`/`rejected` message lists) and HH-RLHF jsonl(.gz) transcripts
-//! ("\n\nHuman: … \n\nAssistant: …"). Errors name the file, the row and the field.
+//! Preference datasets as (chosen, rejected) conversations.
+//!
+//! Every file is read row by row into a JSON value (jsonl lines as they are; parquet rows through
+//! [`arrow_cell`], only the columns a format names), then a format maps the row to a [`Pair`]:
+//! - `hh-rlhf`: `chosen`/`rejected` strings, "\n\nHuman: … \n\nAssistant: …" transcripts;
+//! - `ultrafeedback`: `chosen`/`rejected` message lists (the whole conversation, ending with the
+//!   assistant), optional `score_chosen`/`score_rejected` (HuggingFaceH4/ultrafeedback_binarized);
+//! - `mixture2`: `chosen`/`rejected` message lists (OpenRLHF/preference_dataset_mixture2_and_safe_pku);
+//! - `generic`: key names from [`Keys`]; the prompt (optional) is a string or a message list, the
+//!   sides are response strings or message lists.
+//!
+//! Errors name the file, the row and the field. A malformed row is an error, or, with
+//! `skip_malformed`, skipped and counted (the first few reasons are kept for the run's report).
 
 use anyhow::{anyhow, bail, Context, Result};
-use arrow_array::{Array, ListArray, StringArray, StructArray};
+use arrow_array::{Array, RecordBatch};
+use arrow_schema::DataType;
 use features::Message;
 use parquet::arrow::arrow_reader::ParquetRecordBatchReaderBuilder;
+use serde::{Deserialize, Serialize};
+use serde_json::Value;
 use std::io::{BufRead, BufReader};
-use std::path::Path;
+use std::path::{Path, PathBuf};
 
 /// One preference pair: two conversations whose last message is the response.
 #[derive(Clone, Debug, PartialEq)]
 pub struct Pair {
+    /// Row index over the files read, in order (0-based).
     pub row: usize,
     pub chosen: Vec<Message>,
     pub rejected: Vec<Message>,
@@ -26,28 +40,223 @@ impl Pair {
     }
 }
 
-#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum, Serialize, Deserialize)]
+#[serde(rename_all = "kebab-case")]
 pub enum Format {
     /// From the file name: .jsonl / .jsonl.gz → hh-rlhf, .parquet → ultrafeedback.
     Auto,
     HhRlhf,
     Ultrafeedback,
+    Mixture2,
+    /// Key names from `[data.keys]` (jsonl(.gz) or parquet).
+    Generic,
 }
 
-/// The first `limit` pairs of `path` (all when None).
-pub fn read_pairs(path: &Path, format: Format, limit: Option<usize>) -> Result<Vec<Pair>> {
-    let name = path.to_string_lossy();
-    let format = match format {
-        Format::Auto if name.ends_with(".parquet") => Format::Ultrafeedback,
-        Format::Auto if name.ends_with(".jsonl") || name.ends_with(".jsonl.gz") => Format::HhRlhf,
-        Format::Auto => bail!("{name}: cannot tell the format from the name; give --format"),
-        f => f,
-    };
-    match format {
-        Format::HhRlhf => hh(path, limit),
-        Format::Ultrafeedback => ultrafeedback(path, limit),
-        Format::Auto => unreachable!(),
+/// Column (or JSON key) names of the `generic` format.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Keys {
+    /// The prompt: a string (one user message) or a message list. Absent: the sides are whole
+    /// conversations (message lists). Present: it is put before each side.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub prompt: Option<String>,
+    #[serde(default = "d_chosen")]
+    pub chosen: String,
+    #[serde(default = "d_rejected")]
+    pub rejected: String,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub score_chosen: Option<String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub score_rejected: Option<String>,
+}
+
+fn d_chosen() -> String {
+    "chosen".into()
+}
+fn d_rejected() -> String {
+    "rejected".into()
+}
+
+impl Default for Keys {
+    fn default() -> Self {
+        Keys { prompt: None, chosen: d_chosen(), rejected: d_rejected(), score_chosen: None, score_rejected: None }
     }
+}
+
+/// How to read a dataset.
+#[derive(Clone, Debug, Default)]
+pub struct ReadOptions {
+    pub format: Option<Format>,
+    pub keys: Keys,
+    /// Stop after this many pairs.
+    pub limit: Option<usize>,
+    pub skip_malformed: bool,
+}
+
+/// What a read returned.
+#[derive(Clone, Debug, Default)]
+pub struct ReadOut {
+    pub pairs: Vec<Pair>,
+    /// Rows looked at (kept + skipped).
+    pub rows_read: usize,
+    pub skipped: usize,
+    /// The first reasons for skipping (file, row, field, what was wrong).
+    pub skipped_examples: Vec<String>,
+}
+
+/// The first `limit` pairs of `path` (all when None); any malformed row is an error.
+pub fn read_pairs(path: &Path, format: Format, limit: Option<usize>) -> Result<Vec<Pair>> {
+    let o = ReadOptions { format: Some(format), limit, ..Default::default() };
+    Ok(read_dataset(&[path.to_path_buf()], &o)?.pairs)
+}
+
+/// Reads `files` in order as one dataset.
+pub fn read_dataset(files: &[PathBuf], o: &ReadOptions) -> Result<ReadOut> {
+    let mut out = ReadOut::default();
+    for path in files {
+        let name = path.to_string_lossy();
+        let format = match o.format.unwrap_or(Format::Auto) {
+            Format::Auto if name.ends_with(".parquet") => Format::Ultrafeedback,
+            Format::Auto if is_jsonl(&name) => Format::HhRlhf,
+            Format::Auto => bail!("{name}: cannot tell the format from the name; give the format"),
+            f => f,
+        };
+        let keys = keys_of(format, &o.keys);
+        let mut visit = |row_in_file: usize, v: Result<Value, String>| -> Result<bool> {
+            if o.limit.is_some_and(|l| out.pairs.len() >= l) {
+                return Ok(false);
+            }
+            let row = out.rows_read;
+            out.rows_read += 1;
+            match v.and_then(|v| to_pair(&v, format, &keys, row)) {
+                Ok(p) => out.pairs.push(p),
+                Err(why) => {
+                    let msg = format!("{name}: row {row_in_file}{why}");
+                    if !o.skip_malformed {
+                        bail!("{msg}");
+                    }
+                    out.skipped += 1;
+                    if out.skipped_examples.len() < 10 {
+                        out.skipped_examples.push(msg);
+                    }
+                }
+            }
+            Ok(true)
+        };
+        if name.ends_with(".parquet") {
+            parquet_rows(path, &columns_of(format, &keys), &mut visit)?;
+        } else if is_jsonl(&name) {
+            jsonl_rows(path, &mut visit)?;
+        } else {
+            bail!("{name}: expected a .jsonl, .jsonl.gz or .parquet file");
+        }
+    }
+    Ok(out)
+}
+
+fn is_jsonl(name: &str) -> bool {
+    name.ends_with(".jsonl") || name.ends_with(".jsonl.gz") || name.ends_with(".json.gz")
+}
+
+/// The keys each named format reads.
+fn keys_of(format: Format, generic: &Keys) -> Keys {
+    match format {
+        Format::Generic => generic.clone(),
+        Format::Ultrafeedback => Keys {
+            score_chosen: Some("score_chosen".into()),
+            score_rejected: Some("score_rejected".into()),
+            ..Keys::default()
+        },
+        _ => Keys::default(),
+    }
+}
+
+/// The parquet columns a format needs: (name, required).
+fn columns_of(format: Format, k: &Keys) -> Vec<(String, bool)> {
+    let mut c = vec![(k.chosen.clone(), true), (k.rejected.clone(), true)];
+    if let Some(p) = &k.prompt {
+        c.push((p.clone(), true));
+    }
+    // UltraFeedback's scores are optional columns; a generic spec that names them needs them
+    let scores_required = format == Format::Generic;
+    for s in [&k.score_chosen, &k.score_rejected].into_iter().flatten() {
+        c.push((s.clone(), scores_required));
+    }
+    c
+}
+
+/// Row errors are written as ", field `x`: what" or ": what" after "file: row N".
+fn to_pair(v: &Value, format: Format, k: &Keys, row: usize) -> Result<Pair, String> {
+    let field = |key: &str| -> Result<&Value, String> {
+        match v.get(key) {
+            None | Some(Value::Null) => Err(format!(", field `{key}`: missing or null")),
+            Some(x) => Ok(x),
+        }
+    };
+    let (chosen, rejected) = if format == Format::HhRlhf {
+        let side = |key: &str| -> Result<Vec<Message>, String> {
+            let s = field(key)?.as_str().ok_or_else(|| format!(", field `{key}`: not a string"))?;
+            hh_messages(s).map_err(|m| format!(", field `{key}`: {m}"))
+        };
+        (side(&k.chosen)?, side(&k.rejected)?)
+    } else {
+        let prompt = match &k.prompt {
+            None => None,
+            Some(key) => Some(match field(key)? {
+                Value::String(s) => vec![Message::new("user", s)],
+                x => messages(x).map_err(|m| format!(", field `{key}`: {m}"))?,
+            }),
+        };
+        let side = |key: &str| -> Result<Vec<Message>, String> {
+            let mut conv = prompt.clone().unwrap_or_default();
+            match (field(key)?, &prompt) {
+                (Value::String(s), Some(_)) => conv.push(Message::new("assistant", s)),
+                (Value::String(_), None) => {
+                    return Err(format!(
+                        ", field `{key}`: a response string needs a prompt: name the prompt's key (data.keys.prompt)"
+                    ))
+                }
+                (x, _) => conv.extend(messages(x).map_err(|m| format!(", field `{key}`: {m}"))?),
+            }
+            match conv.last() {
+                Some(m) if m.role == "assistant" => Ok(conv),
+                _ => Err(format!(", field `{key}`: does not end with an assistant message")),
+            }
+        };
+        (side(&k.chosen)?, side(&k.rejected)?)
+    };
+    let score = |key: &Option<String>| -> Result<Option<f64>, String> {
+        match key {
+            None => Ok(None),
+            Some(key) => match v.get(key.as_str()) {
+                None => Ok(None),
+                Some(x) => match x.as_f64() {
+                    Some(s) if s.is_finite() => Ok(Some(s)),
+                    _ => Err(format!(", field `{key}`: {x} is null or not a finite number")),
+                },
+            },
+        }
+    };
+    let scores = match (score(&k.score_chosen)?, score(&k.score_rejected)?) {
+        (Some(a), Some(b)) => Some((a, b)),
+        _ => None,
+    };
+    Ok(Pair { row, chosen, rejected, scores })
+}
+
+/// A list of {role, content} objects.
+fn messages(v: &Value) -> Result<Vec<Message>, String> {
+    let list = v.as_array().ok_or("is neither a string nor a list of {role, content} messages")?;
+    list.iter()
+        .enumerate()
+        .map(|(j, m)| {
+            let s = |k: &str| m.get(k).and_then(|x| x.as_str());
+            match (s("role"), s("content")) {
+                (Some(r), Some(c)) => Ok(Message::new(r, c)),
+                _ => Err(format!("message {j} has a null or missing `role` or `content`")),
+            }
+        })
+        .collect()
 }
 
 /// A "\n\nHuman: … \n\nAssistant: …" transcript as messages (user/assistant, stripped).
@@ -83,110 +292,173 @@ pub fn hh_messages(text: &str) -> Result<Vec<Message>, String> {
     }
 }
 
-fn hh(path: &Path, limit: Option<usize>) -> Result<Vec<Pair>> {
+type Visit<'a> = dyn FnMut(usize, Result<Value, String>) -> Result<bool> + 'a;
+
+fn jsonl_rows(path: &Path, visit: &mut Visit<'_>) -> Result<()> {
     let f = std::fs::File::open(path).with_context(|| format!("opening {}", path.display()))?;
     let r: Box<dyn BufRead> = if path.to_string_lossy().ends_with(".gz") {
         Box::new(BufReader::new(flate2::read::GzDecoder::new(f)))
     } else {
         Box::new(BufReader::new(f))
     };
-    let mut out = Vec::new();
     for (row, line) in r.lines().enumerate() {
-        if limit.is_some_and(|l| out.len() >= l) {
+        let line = line.with_context(|| format!("{}: reading row {row}", path.display()))?;
+        let v = serde_json::from_str::<Value>(&line).map_err(|e| format!(": not JSON: {e}"));
+        if !visit(row, v)? {
             break;
         }
-        let line = line.with_context(|| format!("{}: reading row {row}", path.display()))?;
-        let v: serde_json::Value =
-            serde_json::from_str(&line).map_err(|e| anyhow!("{}: row {row}: not JSON: {e}", path.display()))?;
-        let side = |k: &str| -> Result<Vec<Message>> {
-            let s = v
-                .get(k)
-                .and_then(|x| x.as_str())
-                .ok_or_else(|| anyhow!("{}: row {row}: field `{k}` is missing or not a string", path.display()))?;
-            hh_messages(s).map_err(|m| anyhow!("{}: row {row}, field `{k}`: {m}", path.display()))
-        };
-        out.push(Pair { row, chosen: side("chosen")?, rejected: side("rejected")?, scores: None });
     }
-    Ok(out)
+    Ok(())
 }
 
-fn messages_at(list: &ListArray, i: usize) -> Result<Vec<Message>, String> {
-    if list.is_null(i) {
-        return Err("is null".into());
-    }
-    let v = list.value(i);
-    let s = v.as_any().downcast_ref::<StructArray>().ok_or("is not a list of {role, content} structs")?;
-    let col = |n: &str| {
-        s.column_by_name(n)
-            .and_then(|c| c.as_any().downcast_ref::<StringArray>())
-            .ok_or_else(|| format!("has no string field `{n}` in its messages"))
-    };
-    let (role, content) = (col("role")?, col("content")?);
-    (0..s.len())
-        .map(|j| {
-            if s.is_null(j) || role.is_null(j) || content.is_null(j) {
-                return Err(format!("message {j} has a null `role` or `content`"));
-            }
-            Ok(Message::new(role.value(j), content.value(j)))
-        })
-        .collect()
-}
-
-fn ultrafeedback(path: &Path, limit: Option<usize>) -> Result<Vec<Pair>> {
+fn parquet_rows(path: &Path, columns: &[(String, bool)], visit: &mut Visit<'_>) -> Result<()> {
     let f = std::fs::File::open(path).with_context(|| format!("opening {}", path.display()))?;
-    let reader = ParquetRecordBatchReaderBuilder::try_new(f)
-        .with_context(|| format!("{}: not a readable parquet file", path.display()))?
-        .build()?;
-    let mut out = Vec::new();
+    let builder = ParquetRecordBatchReaderBuilder::try_new(f)
+        .with_context(|| format!("{}: not a readable parquet file", path.display()))?;
+    let schema = builder.schema().clone();
+    for (c, required) in columns {
+        if *required && schema.field_with_name(c).is_err() {
+            let have: Vec<&str> = schema.fields().iter().map(|f| f.name().as_str()).collect();
+            bail!("{}: no column `{c}` (the file has: {})", path.display(), have.join(", "));
+        }
+    }
     let mut row = 0;
-    for batch in reader {
-        let batch = batch.with_context(|| format!("reading {}", path.display()))?;
-        let list = |k: &str| {
-            batch.column_by_name(k).and_then(|c| c.as_any().downcast_ref::<ListArray>()).ok_or_else(|| {
-                anyhow!("{}: no list column `{k}` (expected the ultrafeedback_binarized schema)", path.display())
-            })
-        };
-        let (c, r) = (list("chosen")?, list("rejected")?);
-        // optional numeric score columns
-        let score = |k: &str| -> Result<Option<Vec<Option<f64>>>> {
-            let Some(col) = batch.column_by_name(k) else { return Ok(None) };
-            let any = col.as_any();
-            let v: Vec<Option<f64>> = if let Some(a) = any.downcast_ref::<arrow_array::Float64Array>() {
-                a.iter().collect()
-            } else if let Some(a) = any.downcast_ref::<arrow_array::Float32Array>() {
-                a.iter().map(|x| x.map(f64::from)).collect()
-            } else if let Some(a) = any.downcast_ref::<arrow_array::Int64Array>() {
-                a.iter().map(|x| x.map(|v| v as f64)).collect()
-            } else {
-                bail!("{}: column `{k}` has type {}, expected a number", path.display(), col.data_type())
-            };
-            Ok(Some(v))
-        };
-        let (sc, sr) = (score("score_chosen")?, score("score_rejected")?);
+    for batch in builder.build()? {
+        let batch: RecordBatch = batch.with_context(|| format!("reading {}", path.display()))?;
+        let cols: Vec<(&str, &dyn Array)> =
+            columns.iter().filter_map(|(c, _)| batch.column_by_name(c).map(|a| (c.as_str(), a.as_ref()))).collect();
         for i in 0..batch.num_rows() {
-            if limit.is_some_and(|l| out.len() >= l) {
-                return Ok(out);
-            }
-            let get = |l: &ListArray, k: &str| {
-                let m = messages_at(l, i).map_err(|m| anyhow!("{}: row {row}, field `{k}`: {m}", path.display()))?;
-                match m.last() {
-                    Some(last) if last.role == "assistant" => Ok(m),
-                    _ => Err(anyhow!(
-                        "{}: row {row}, field `{k}`: does not end with an assistant message",
-                        path.display()
-                    )),
+            let mut obj = serde_json::Map::new();
+            let mut err = None;
+            for (name, col) in &cols {
+                match arrow_cell(*col, i) {
+                    Ok(v) => {
+                        obj.insert(name.to_string(), v);
+                    }
+                    Err(e) => {
+                        err = Some(format!(", field `{name}`: {e}"));
+                        break;
+                    }
                 }
+            }
+            let v = match err {
+                Some(e) => Err(e),
+                None => Ok(Value::Object(obj)),
             };
-            let scores = match (&sc, &sr) {
-                (Some(a), Some(b)) => match (a[i], b[i]) {
-                    (Some(x), Some(y)) if x.is_finite() && y.is_finite() => Some((x, y)),
-                    _ => bail!("{}: row {row}: `score_chosen`/`score_rejected` is null or not finite", path.display()),
-                },
-                _ => None,
-            };
-            out.push(Pair { row, chosen: get(c, "chosen")?, rejected: get(r, "rejected")?, scores });
+            if !visit(row, v)? {
+                return Ok(());
+            }
             row += 1;
         }
     }
-    Ok(out)
+    Ok(())
+}
+
+/// One cell of an arrow column as JSON: strings, numbers, booleans, and lists and structs of them.
+pub fn arrow_cell(col: &dyn Array, i: usize) -> Result<Value, String> {
+    use arrow_array::cast::AsArray;
+    use arrow_array::types::*;
+    if col.is_null(i) {
+        return Ok(Value::Null);
+    }
+    let num = |x: f64| serde_json::Number::from_f64(x).map(Value::Number).unwrap_or(Value::Null);
+    Ok(match col.data_type() {
+        DataType::Utf8 => Value::String(col.as_string::<i32>().value(i).to_string()),
+        DataType::LargeUtf8 => Value::String(col.as_string::<i64>().value(i).to_string()),
+        DataType::Utf8View => Value::String(col.as_string_view().value(i).to_string()),
+        DataType::Boolean => Value::Bool(col.as_boolean().value(i)),
+        DataType::Float64 => num(col.as_primitive::<Float64Type>().value(i)),
+        DataType::Float32 => num(f64::from(col.as_primitive::<Float32Type>().value(i))),
+        DataType::Int64 => Value::from(col.as_primitive::<Int64Type>().value(i)),
+        DataType::Int32 => Value::from(col.as_primitive::<Int32Type>().value(i)),
+        DataType::Int16 => Value::from(col.as_primitive::<Int16Type>().value(i)),
+        DataType::Int8 => Value::from(col.as_primitive::<Int8Type>().value(i)),
+        DataType::UInt64 => Value::from(col.as_primitive::<UInt64Type>().value(i)),
+        DataType::UInt32 => Value::from(col.as_primitive::<UInt32Type>().value(i)),
+        DataType::List(_) => list(col.as_list::<i32>().value(i).as_ref())?,
+        DataType::LargeList(_) => list(col.as_list::<i64>().value(i).as_ref())?,
+        DataType::Struct(fields) => {
+            let s = col.as_struct();
+            let mut obj = serde_json::Map::new();
+            for (f, c) in fields.iter().zip(s.columns()) {
+                obj.insert(f.name().clone(), arrow_cell(c.as_ref(), i)?);
+            }
+            Value::Object(obj)
+        }
+        t => return Err(format!("has type {t}, which onepass does not read (strings, numbers, lists, structs)")),
+    })
+}
+
+fn list(values: &dyn Array) -> Result<Value, String> {
+    (0..values.len()).map(|j| arrow_cell(values, j)).collect::<Result<Vec<_>, _>>().map(Value::Array)
+}
+
+/// The files a dataset path names: one file, or a `*` pattern in the file name (sorted).
+pub fn expand_glob(path: &Path) -> Result<Vec<PathBuf>> {
+    let name = path.file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_default();
+    if !name.contains('*') {
+        if !path.exists() {
+            bail!("{}: no such file", path.display());
+        }
+        return Ok(vec![path.to_path_buf()]);
+    }
+    let dir = path.parent().filter(|p| !p.as_os_str().is_empty()).unwrap_or(Path::new("."));
+    let mut files: Vec<PathBuf> = std::fs::read_dir(dir)
+        .with_context(|| format!("{}: listing the directory", dir.display()))?
+        .filter_map(|e| e.ok())
+        .filter(|e| features::hub::glob_match(&name, &e.file_name().to_string_lossy()))
+        .map(|e| e.path())
+        .collect();
+    files.sort();
+    if files.is_empty() {
+        return Err(anyhow!("{}: no file matches", path.display()));
+    }
+    Ok(files)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn globs() {
+        use features::hub::glob_match;
+        assert!(glob_match("train-*.parquet", "train-00000-of-00004-cee3.parquet"));
+        assert!(!glob_match("train-*.parquet", "test-00000.parquet"));
+        assert!(glob_match("*", "x"));
+        assert!(glob_match("a*b*c", "aXbYc"));
+        assert!(!glob_match("a*b*c", "aXcYb"));
+        assert!(!glob_match("ab*ba", "aba"));
+        assert!(glob_match("plain.jsonl", "plain.jsonl"));
+    }
+
+    #[test]
+    fn generic_rows() {
+        let k = Keys { prompt: Some("q".into()), chosen: "good".into(), rejected: "bad".into(), ..Keys::default() };
+        let v: Value = serde_json::json!({"q": "Hi?", "good": "Hello.", "bad": "Go away."});
+        let p = to_pair(&v, Format::Generic, &k, 3).unwrap();
+        assert_eq!(p.chosen, vec![Message::new("user", "Hi?"), Message::new("assistant", "Hello.")]);
+        assert_eq!(p.rejected[1].content, "Go away.");
+        assert_eq!(p.row, 3);
+        // the prompt as a message list (a system turn first)
+        let v: Value = serde_json::json!({"q": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi?"}],
+            "good": "Hello.", "bad": [{"role": "assistant", "content": "No."}]});
+        let p = to_pair(&v, Format::Generic, &k, 0).unwrap();
+        assert_eq!(p.chosen.len(), 3);
+        assert_eq!(p.rejected[2], Message::new("assistant", "No."));
+        // a response string without a prompt key, a missing side, a user-final conversation
+        let k2 = Keys::default();
+        let e = to_pair(&serde_json::json!({"chosen": "a", "rejected": "b"}), Format::Generic, &k2, 0).unwrap_err();
+        assert!(e.contains("`chosen`") && e.contains("data.keys.prompt"), "{e}");
+        let e = to_pair(&serde_json::json!({"q": "x", "good": "a"}), Format::Generic, &k, 0).unwrap_err();
+        assert!(e.contains("`bad`: missing"), "{e}");
+        let e = to_pair(
+            &serde_json::json!({"chosen": [{"role": "user", "content": "x"}], "rejected": []}),
+            Format::Mixture2,
+            &k2,
+            0,
+        )
+        .unwrap_err();
+        assert!(e.contains("does not end with an assistant"), "{e}");
+    }
 }

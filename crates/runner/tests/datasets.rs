@@ -7,7 +7,7 @@ use arrow_schema::{DataType, Field, Fields};
 use parquet::arrow::ArrowWriter;
 use parquet::basic::{Compression, ZstdLevel};
 use parquet::file::properties::WriterProperties;
-use runner::datasets::{read_pairs, Format};
+use runner::datasets::{expand_glob, read_dataset, read_pairs, Format, Keys, ReadOptions};
 use std::sync::Arc;
 
 fn messages(rows: &[Vec<(&str, Option<&str>)>]) -> ArrayRef {
@@ -143,4 +143,82 @@ fn score_ties_are_counted_and_dropped_on_request() {
         seen.push(d["train_pairs"].as_u64().unwrap() + d["eval_pairs"].as_u64().unwrap());
     }
     assert_eq!(seen, vec![10, 7], "keep all 10 pairs, or drop the 3 ties");
+}
+
+fn borrow<'a>(v: &'a [Vec<(&'a str, Option<String>)>]) -> Vec<Vec<(&'a str, Option<&'a str>)>> {
+    v.iter().map(|c| c.iter().map(|(r, x)| (*r, x.as_deref())).collect()).collect()
+}
+
+/// Mixture2 (message lists, no scores) over several parquet files named by a pattern, and the
+/// generic format on jsonl with a prompt string and response strings; malformed rows are errors
+/// naming file, row and field, or skipped and counted.
+#[test]
+fn mixture2_shards_generic_jsonl_and_malformed_rows() {
+    let tmp = tempfile::tempdir().unwrap();
+    let conv = |q: &str, a: &str| vec![("user", Some(q.to_string())), ("assistant", Some(a.to_string()))];
+    let mut written = Vec::new();
+    for shard in 0..2 {
+        let qs: Vec<Vec<(&str, Option<String>)>> =
+            (0..3).map(|i| conv(&format!("q{shard}{i}"), &format!("good{shard}{i}"))).collect();
+        let rs: Vec<Vec<(&str, Option<String>)>> =
+            (0..3).map(|i| conv(&format!("q{shard}{i}"), &format!("bad{shard}{i}"))).collect();
+        let n = 3;
+        let batch = RecordBatch::try_from_iter([
+            ("chosen", messages(&borrow(&qs))),
+            ("rejected", messages(&borrow(&rs))),
+            ("source", Arc::new(StringArray::from(vec!["hh"; n])) as ArrayRef),
+        ])
+        .unwrap();
+        // written in reverse name order: the reader sorts by name
+        let p = tmp.path().join(format!("train-0000{}-of-00002-h{}.parquet", shard, 9 - shard));
+        let mut w = ArrowWriter::try_new(std::fs::File::create(&p).unwrap(), batch.schema(), None).unwrap();
+        w.write(&batch).unwrap();
+        w.close().unwrap();
+        written.push(p);
+    }
+    let files = expand_glob(&tmp.path().join("train-*.parquet")).unwrap();
+    assert_eq!(files, written);
+    let o = ReadOptions { format: Some(Format::Mixture2), ..Default::default() };
+    let r = read_dataset(&files, &o).unwrap();
+    assert_eq!((r.pairs.len(), r.rows_read, r.skipped), (6, 6, 0));
+    assert_eq!(r.pairs[4].row, 4);
+    assert_eq!(r.pairs[4].chosen[1].content, "good11");
+    assert_eq!(r.pairs[4].rejected[0].content, "q11");
+    assert_eq!(r.pairs[0].scores, None);
+    let r = read_dataset(&files, &ReadOptions { limit: Some(4), ..o.clone() }).unwrap();
+    assert_eq!(r.pairs.len(), 4);
+    let e = format!("{:#}", expand_glob(&tmp.path().join("dev-*.parquet")).unwrap_err());
+    assert!(e.contains("no file matches"), "{e}");
+    // generic keys on a parquet without the column: the file and the columns it has
+    let bad_keys = Keys { prompt: Some("question".into()), ..Keys::default() };
+    let e = format!(
+        "{:#}",
+        read_dataset(&files, &ReadOptions { format: Some(Format::Generic), keys: bad_keys, ..Default::default() })
+            .unwrap_err()
+    );
+    assert!(e.contains("no column `question`") && e.contains("chosen, rejected, source"), "{e}");
+
+    let j = tmp.path().join("g.jsonl");
+    std::fs::write(
+        &j,
+        [
+            r#"{"question": "2+2?", "pos": "4", "neg": "5"}"#,
+            r#"{"question": "Hi", "pos": "Hello", "neg": null}"#,
+            r#"not json"#,
+            r#"{"question": [{"role": "system", "content": "Be terse."}, {"role": "user", "content": "Bye"}], "pos": "Bye!", "neg": "No."}"#,
+        ]
+        .join("\n"),
+    )
+    .unwrap();
+    let keys =
+        Keys { prompt: Some("question".into()), chosen: "pos".into(), rejected: "neg".into(), ..Keys::default() };
+    let g = ReadOptions { format: Some(Format::Generic), keys, ..Default::default() };
+    let e = format!("{:#}", read_dataset(&[j.clone()], &g).unwrap_err());
+    assert!(e.contains("g.jsonl: row 1, field `neg`: missing or null"), "{e}");
+    let r = read_dataset(&[j.clone()], &ReadOptions { skip_malformed: true, ..g }).unwrap();
+    assert_eq!((r.pairs.len(), r.rows_read, r.skipped), (2, 4, 2));
+    assert!(r.skipped_examples[1].contains("row 2: not JSON"), "{:?}", r.skipped_examples);
+    assert_eq!(r.pairs[1].chosen.len(), 3);
+    assert_eq!(r.pairs[1].chosen[0].role, "system");
+    assert_eq!(r.pairs[1].row, 3);
 }
