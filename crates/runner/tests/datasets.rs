@@ -213,9 +213,9 @@ fn mixture2_shards_generic_jsonl_and_malformed_rows() {
     let keys =
         Keys { prompt: Some("question".into()), chosen: "pos".into(), rejected: "neg".into(), ..Keys::default() };
     let g = ReadOptions { format: Some(Format::Generic), keys, ..Default::default() };
-    let e = format!("{:#}", read_dataset(&[j.clone()], &g).unwrap_err());
+    let e = format!("{:#}", read_dataset(std::slice::from_ref(&j), &g).unwrap_err());
     assert!(e.contains("g.jsonl: row 1, field `neg`: missing or null"), "{e}");
-    let r = read_dataset(&[j.clone()], &ReadOptions { skip_malformed: true, ..g }).unwrap();
+    let r = read_dataset(std::slice::from_ref(&j), &ReadOptions { skip_malformed: true, ..g }).unwrap();
     assert_eq!((r.pairs.len(), r.rows_read, r.skipped), (2, 4, 2));
     assert!(r.skipped_examples[1].contains("row 2: not JSON"), "{:?}", r.skipped_examples);
     assert_eq!(r.pairs[1].chosen.len(), 3);
