@@ -488,6 +488,9 @@ pub fn load(d: &DataSpec, progress: bool) -> Result<(PairData, DataReport)> {
         train_path: path,
         eval_path: eval_file.map(|e| e[0].clone()),
         report: None,
+        train_origin: (0..n_train).filter(|&i| !(drop && ex.degenerate[i])).collect(),
+        train_total: n_train,
+        order: None,
     };
     Ok((data, report))
 }

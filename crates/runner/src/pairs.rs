@@ -41,6 +41,14 @@ pub struct PairData {
     pub eval_path: Option<PathBuf>,
     /// kind = "dataset": what was read, split, dropped and computed (meta.json).
     pub report: Option<serde_json::Value>,
+    /// For each training row, its index among the training pairs before any was dropped
+    /// (degenerate pairs): what an `env.order_path` file indexes. Empty: the identity.
+    pub train_origin: Vec<usize>,
+    /// Training pairs before dropping (the range of `env.order_path` indices).
+    pub train_total: usize,
+    /// `env.order = "indices"`: the training rows in stream order (read from `env.order_path`,
+    /// dropped rows left out).
+    pub order: Option<Vec<usize>>,
 }
 
 fn bad(path: &Path, message: String) -> SpecError {
@@ -100,6 +108,90 @@ fn labels_of(col: &ArrayRef) -> Result<Vec<Option<f64>>, String> {
         DataType::UInt64 => num!(UInt64Type),
         other => return Err(format!("has type {other}, expected 0/1 as an integer, float or boolean")),
     })
+}
+
+/// An `env.order_path` file: 0-based row indices, from a 1-D integer .npy (little-endian
+/// i8/i16/i32/i64/u8/u16/u32/u64, what `np.save(torch.randperm(n).numpy())` writes) or a text file
+/// of whitespace-separated integers. Indices must be distinct and below `n`.
+pub fn read_order(path: &Path, n: usize) -> Result<Vec<usize>, SpecError> {
+    let bytes = std::fs::read(path).map_err(|e| bad(path, format!("cannot read the order file: {e}")))?;
+    let idx: Vec<i128> = if bytes.starts_with(b"\x93NUMPY") {
+        npy_ints(&bytes).map_err(|m| bad(path, m))?
+    } else {
+        let text = std::str::from_utf8(&bytes).map_err(|_| bad(path, "neither a .npy nor a text file".into()))?;
+        text.split_whitespace()
+            .enumerate()
+            .map(|(i, w)| w.parse::<i128>().map_err(|_| bad(path, format!("entry {i}: `{w}` is not an integer"))))
+            .collect::<Result<_, _>>()?
+    };
+    let mut seen = vec![false; n];
+    idx.iter()
+        .enumerate()
+        .map(|(i, &v)| {
+            if v < 0 || v >= n as i128 {
+                return Err(bad(path, format!("entry {i}: {v} is not a training-row index (expected 0..{n})")));
+            }
+            let u = v as usize;
+            if std::mem::replace(&mut seen[u], true) {
+                return Err(bad(path, format!("entry {i}: index {u} appears twice")));
+            }
+            Ok(u)
+        })
+        .collect()
+}
+
+fn npy_ints(b: &[u8]) -> Result<Vec<i128>, String> {
+    let (hlen, start) = match b.get(6) {
+        Some(1) if b.len() >= 10 => (u16::from_le_bytes([b[8], b[9]]) as usize, 10),
+        Some(2 | 3) if b.len() >= 12 => (u32::from_le_bytes([b[8], b[9], b[10], b[11]]) as usize, 12),
+        _ => return Err("not a .npy file (bad version or truncated header)".into()),
+    };
+    let header = b.get(start..start + hlen).ok_or("truncated .npy header")?;
+    let header = String::from_utf8_lossy(header);
+    let field = |k: &str| -> Option<String> {
+        let i = header.find(&format!("'{k}'"))?;
+        let rest = &header[i + k.len() + 2..];
+        let rest = rest.trim_start().strip_prefix(':')?.trim_start();
+        let end = if rest.starts_with('(') { rest.find(')')? + 1 } else { rest.find([',', '}'])? };
+        Some(rest[..end].trim().trim_matches('\'').to_string())
+    };
+    let descr = field("descr").ok_or("no 'descr' in the .npy header")?;
+    if field("fortran_order").as_deref() == Some("True") {
+        return Err("a Fortran-ordered .npy: save a 1-D array".into());
+    }
+    let shape = field("shape").ok_or("no 'shape' in the .npy header")?;
+    let dims: Vec<&str> =
+        shape.trim_matches(|c| c == '(' || c == ')').split(',').map(str::trim).filter(|s| !s.is_empty()).collect();
+    if dims.len() != 1 {
+        return Err(format!("shape {shape}: expected a 1-D array of indices"));
+    }
+    let len: usize = dims[0].parse().map_err(|_| format!("shape {shape}: not a length"))?;
+    let (signed, width) = match descr.as_str() {
+        "<i8" => (true, 8),
+        "<i4" => (true, 4),
+        "<i2" => (true, 2),
+        "|i1" => (true, 1),
+        "<u8" => (false, 8),
+        "<u4" => (false, 4),
+        "<u2" => (false, 2),
+        "|u1" => (false, 1),
+        d => return Err(format!("dtype {d}: expected little-endian integers (e.g. int64)")),
+    };
+    let data = &b[start + hlen..];
+    if data.len() != len * width {
+        return Err(format!("{} data bytes for {len} entries of {width} bytes", data.len()));
+    }
+    Ok(data
+        .chunks_exact(width)
+        .map(|c| {
+            let mut buf = [0u8; 16];
+            buf[..width].copy_from_slice(c);
+            if signed && c[width - 1] & 0x80 != 0 {
+                buf[width..].fill(0xff);
+            }
+            i128::from_le_bytes(buf)
+        })
+        .collect())
 }
 
 /// Reads one pairs file. `dim`: the dimension the rows must have, when already known.

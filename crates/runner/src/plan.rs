@@ -402,7 +402,7 @@ pub fn build(mut spec: Spec, file: &Path, text: &str) -> Result<Plan, SpecError>
     }
     let data = match spec.env.kind {
         EnvKind::Synthetic => {
-            for k in ["path", "eval_path", "order"] {
+            for k in ["path", "eval_path", "order", "order_path"] {
                 if is_written(text, &["env", k]) {
                     return Err(err(&["env", k], "applies to kind = \"features\" only".into()));
                 }
@@ -437,6 +437,25 @@ pub fn build(mut spec: Spec, file: &Path, text: &str) -> Result<Plan, SpecError>
         (&["stream", "eval_every"], spec.stream.eval_every >= 1, "≥ 1 sample"),
         (&["curvature", "lambda"], spec.curvature.lambda.is_finite() && spec.curvature.lambda > 0.0, "λ > 0"),
     ];
+    let ranks = spec.stream.ranks;
+    if ranks == 0 {
+        return Err(err(&["stream", "ranks"], "expected at least 1 head".into()));
+    }
+    if ranks > 1 && (spec.setting != Setting::Passive || spec.env.kind == EnvKind::Synthetic) {
+        return Err(err(
+            &["stream", "ranks"],
+            format!("{ranks} heads: only the passive setting on pairs (env.kind = \"features\" or \"dataset\") runs rank-local heads"),
+        ));
+    }
+    if spec.stream.samples < (ranks * spec.stream.batch_size) as u64 {
+        return Err(err(
+            &["stream", "samples"],
+            format!(
+                "{}: fewer than one micro-batch per head ({ranks} heads × batch {})",
+                spec.stream.samples, spec.stream.batch_size
+            ),
+        ));
+    }
     for (path, ok, expected) in checks {
         if !ok {
             return Err(err(path, format!("out of range: expected {expected}")));
@@ -659,9 +678,19 @@ fn load_features(spec: &Spec, text: &str, err: &dyn Fn(&[&str], String) -> SpecE
             }
         }
     };
-    let data =
-        PairData { d: train.d, train, eval, train_path: path.clone(), eval_path: env.eval_path.clone(), report: None };
-    check_pairs(spec, text, err, &data)?;
+    let train_total = train.len();
+    let mut data = PairData {
+        d: train.d,
+        train,
+        eval,
+        train_path: path.clone(),
+        eval_path: env.eval_path.clone(),
+        report: None,
+        train_origin: Vec::new(),
+        train_total,
+        order: None,
+    };
+    check_pairs(spec, text, err, &mut data)?;
     Ok(data)
 }
 
@@ -670,9 +699,27 @@ fn check_pairs(
     spec: &Spec,
     text: &str,
     err: &dyn Fn(&[&str], String) -> SpecError,
-    data: &PairData,
+    data: &mut PairData,
 ) -> Result<(), SpecError> {
-    let n = data.train.len() as u64;
+    if spec.env.order == Order::Indices {
+        let p = spec
+            .env
+            .order_path
+            .as_ref()
+            .ok_or_else(|| err(&["env", "order_path"], "required when env.order = \"indices\"".into()))?;
+        let idx = crate::pairs::read_order(p, data.train_total)?;
+        let mut pos = vec![usize::MAX; data.train_total];
+        for (row, &o) in data.train_origin.iter().enumerate() {
+            pos[o] = row;
+        }
+        if data.train_origin.is_empty() {
+            pos = (0..data.train_total).collect();
+        }
+        data.order = Some(idx.into_iter().map(|i| pos[i]).filter(|&r| r != usize::MAX).collect());
+    } else if is_written(text, &["env", "order_path"]) {
+        return Err(err(&["env", "order_path"], "applies to env.order = \"indices\" only".into()));
+    }
+    let n = data.order.as_ref().map_or(data.train.len(), |o| o.len()) as u64;
     if spec.stream.samples > n && !(spec.setting == Setting::Active && spec.active.replacement) {
         return Err(err(
             &["stream", "samples"],
@@ -722,6 +769,6 @@ fn load_dataset(spec: &Spec, text: &str, err: &dyn Fn(&[&str], String) -> SpecEr
         return Err(err(&["env", "dim"], format!("{}, but the model gives {} features", spec.env.dim, data.d)));
     }
     data.report = serde_json::to_value(&report).ok();
-    check_pairs(spec, text, err, &data)?;
+    check_pairs(spec, text, err, &mut data)?;
     Ok(data)
 }

@@ -140,7 +140,8 @@ impl Learner {
             dim: d,
             init: c.init,
             seed: crate::env::seed_of(spec.master_seed, seed, Component::Init),
-            planned_steps: Some(spec.stream.samples / spec.stream.batch_size as u64),
+            // per head: with R ranks each head makes 1/R of the updates
+            planned_steps: Some(spec.stream.samples / (spec.stream.batch_size * spec.stream.ranks.max(1)) as u64),
         };
         let est = estimators::build(&c.cfg, &setup)?;
         let point = match spec.curvature.point {
@@ -303,6 +304,9 @@ pub fn run_cell(plan: &Plan, config: &ConfigPlan, seed: u32) -> Result<CellResul
     };
     let mut learner = Learner::new(plan, config, seed)?;
     let mut out = match (spec.setting, &world) {
+        (Setting::Passive, World::Pairs(_)) if spec.stream.ranks > 1 => {
+            passive_ranks(plan, config, &world, &mut learner, seed)?
+        }
         (Setting::Passive, _) => passive(plan, &world, &mut learner, seed)?,
         (Setting::Active, _) => active(plan, &world, &mut learner, seed)?,
         (Setting::Deploy, World::Synthetic(env)) => deploy(plan, config, env, &mut learner, seed)?,
@@ -317,11 +321,93 @@ pub fn run_cell(plan: &Plan, config: &ConfigPlan, seed: u32) -> Result<CellResul
 
 /// The training rows of a features file in stream order.
 fn file_order(spec: &Spec, p: &PairData, data: &mut rand_chacha::ChaCha20Rng) -> Vec<usize> {
+    if let Some(o) = &p.order {
+        return o.clone();
+    }
     let mut order: Vec<usize> = (0..p.train.len()).collect();
     if spec.env.order == Order::Shuffled {
         order.shuffle(data);
     }
     order
+}
+
+/// The mean over heads of one evaluation point (counters summed, κ and ties the largest).
+fn mean_rows(rows: &[MetricRow]) -> MetricRow {
+    let n = rows.len() as f64;
+    let mean = |f: fn(&MetricRow) -> f64| rows.iter().map(f).sum::<f64>() / n;
+    let sum = |f: fn(&MetricRow) -> u64| rows.iter().map(f).sum::<u64>();
+    MetricRow {
+        step: rows[0].step,
+        samples_seen: sum(|r| r.samples_seen),
+        train_loss: mean(|r| r.train_loss),
+        train_accuracy: mean(|r| r.train_accuracy),
+        eval_loss: mean(|r| r.eval_loss),
+        eval_accuracy: mean(|r| r.eval_accuracy),
+        eval_ties: rows.iter().map(|r| r.eval_ties).max().unwrap_or(0),
+        kappa: rows.iter().map(|r| r.kappa).fold(0.0, f64::max),
+        kappa_reference: mean(|r| r.kappa_reference),
+        grad_evals: sum(|r| r.grad_evals),
+        hvp_evals: sum(|r| r.hvp_evals),
+        flops: sum(|r| r.flops),
+        converged: rows.iter().all(|r| r.converged),
+        ..Default::default()
+    }
+}
+
+/// Passive with `stream.ranks` = R independent heads (the authors' un-synchronised OMD ranks):
+/// head r reads rows r, r+R, … of the stream; a metric row is the mean over heads.
+fn passive_ranks(
+    plan: &Plan,
+    config: &ConfigPlan,
+    world: &World<'_>,
+    l0: &mut Learner,
+    seed: u32,
+) -> Result<CellResult> {
+    let spec = &plan.spec;
+    let World::Pairs(p) = world else { return Err(anyhow!("stream.ranks > 1 needs pairs")) };
+    let (b, r) = (spec.stream.batch_size, spec.stream.ranks);
+    let steps = spec.stream.samples / (b * r) as u64;
+    let mut data = stream(spec.master_seed, seed, Component::Data);
+    let order = file_order(spec, p, &mut data);
+    let shards: Vec<Vec<usize>> = (0..r).map(|k| order.iter().skip(k).step_by(r).copied().collect()).collect();
+    // every head starts from the same θ (DeepSpeed broadcasts rank 0's initial weights)
+    let mut others: Vec<Learner> = (1..r).map(|_| Learner::new(plan, config, seed)).collect::<Result<_>>()?;
+    let mut h = Hasher::new();
+    let mut rows = Vec::new();
+    let (mut z, mut y) = (Vec::with_capacity(b * spec.env.dim), Vec::with_capacity(b));
+    let per_step = (b * r) as u64;
+    for s in 1..=steps {
+        for k in 0..r {
+            z.clear();
+            y.clear();
+            let at = (s as usize - 1) * b;
+            let rows_k = shards[k].get(at..at + b).ok_or_else(|| anyhow!("rank {k}: the stream ran out of rows"))?;
+            for &i in rows_k {
+                z.extend_from_slice(p.train.row(i));
+                y.push(p.train.y[i]);
+            }
+            h.f32s(&z);
+            h.f32s(&y);
+            let learner = if k == 0 { &mut *l0 } else { &mut others[k - 1] };
+            learner.update(&z, &y)?;
+        }
+        let (now, before) = (s * per_step, (s - 1) * per_step);
+        if s == steps || now / spec.stream.eval_every > before / spec.stream.eval_every {
+            let mut each = vec![l0.row(world)];
+            each.extend(others.iter_mut().map(|o| o.row(world)));
+            rows.push(mean_rows(&each));
+        }
+    }
+    // rank 0's buckets carry every head's estimator time
+    for o in &others {
+        for (b0, bo) in l0.buckets.iter_mut().zip(&o.buckets) {
+            b0.estimator_s += bo.estimator_s;
+            b0.other_s -= bo.estimator_s;
+            b0.samples_seen = b0.step * per_step;
+        }
+        l0.est_s += o.est_s;
+    }
+    Ok(CellResult { rows, stream_hash: h.0, ..Default::default() })
 }
 
 fn passive(plan: &Plan, world: &World<'_>, l: &mut Learner, seed: u32) -> Result<CellResult> {

@@ -263,6 +263,9 @@ pub enum Order {
     Shuffled,
     /// The file's order (the authors' "first N rows"); every seed sees the same stream.
     File,
+    /// The training rows in the order listed by `order_path` (e.g. a permutation exported from
+    /// PyTorch's `randperm`, which Rust cannot reproduce); every seed sees the same stream.
+    Indices,
 }
 
 /// Where the pairs come from: the synthetic contextual dueling bandit (the theory's setting),
@@ -284,6 +287,10 @@ pub struct EnvSpec {
     /// features: the order in which training rows are streamed.
     #[serde(default = "d_order")]
     pub order: Order,
+    /// order = "indices": 0-based training-row indices, a .npy (integer, 1-D) or a text file
+    /// (whitespace-separated); distinct, each below the number of training pairs.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub order_path: Option<PathBuf>,
     /// N contexts, drawn uniformly each round (ρ).
     #[serde(default = "d_contexts")]
     pub contexts: usize,
@@ -355,6 +362,17 @@ pub struct StreamSpec {
     /// Also write steps.parquet (one row per update).
     #[serde(default)]
     pub record_steps: bool,
+    /// Passive on pairs: R independent heads, as the authors' 4 GPUs ran their OMD (no
+    /// all-reduce): rank r trains on rows r, r+R, r+2R, … of the stream (the tail that does not
+    /// fill all ranks dropped), each with micro-batch `batch_size`. `samples` counts over all
+    /// ranks; metrics are the mean over heads (each evaluated on every held-out pair); θ is rank
+    /// 0's head. An all-reduced head of R ranks is one head with batch_size × R.
+    #[serde(default = "d_ranks")]
+    pub ranks: usize,
+}
+
+fn d_ranks() -> usize {
+    1
 }
 
 impl Default for StreamSpec {

@@ -559,3 +559,118 @@ fn swapping_sides_of_pairs_changes_nothing() {
     let ta = read_npy_f64(&dirs[0].join("theta/c0000.npy"));
     assert!(ta.iter().zip(&tc).any(|(x, y)| (x - y).abs() > 1e-3), "flipping labels alone must change θ");
 }
+
+/// A .npy of int64 as numpy writes it (header padded to a multiple of 64 bytes).
+fn npy_i64(v: &[i64]) -> Vec<u8> {
+    let mut h = format!("{{'descr': '<i8', 'fortran_order': False, 'shape': ({},), }}", v.len());
+    while (10 + h.len() + 1) % 64 != 0 {
+        h.push(' ');
+    }
+    h.push('\n');
+    let mut b = b"\x93NUMPY\x01\x00".to_vec();
+    b.extend_from_slice(&(h.len() as u16).to_le_bytes());
+    b.extend_from_slice(h.as_bytes());
+    for x in v {
+        b.extend_from_slice(&x.to_le_bytes());
+    }
+    b
+}
+
+const RANKS: &str = r#"
+setting = "passive"
+seeds = 1
+[env]
+kind = "features"
+path = "pairs.parquet"
+eval_pairs = 100
+order = "indices"
+order_path = "perm.npy"
+[stream]
+samples = 240
+batch_size = 8
+eval_every = 80
+[[estimator]]
+kind = "omd-reference"
+lr = 0.3
+[[estimator]]
+kind = "sgd"
+lr = 0.5
+"#;
+
+/// `stream.ranks = 2`: each head equals a single-head run over its rows r, r+2, … of the order
+/// file (θ of rank 0 byte for byte), and the run's held-out accuracy and loss are the heads' mean.
+#[test]
+fn rank_local_heads_and_order_files() {
+    let tmp = tempfile::tempdir().unwrap();
+    write_pairs(&tmp.path().join("pairs.parquet"), 400, 5, true);
+    // a fixed permutation of the 300 training rows (as torch.randperm would give)
+    let mut perm: Vec<i64> = (0..300).collect();
+    let mut s = 12345u64;
+    for i in (1..perm.len()).rev() {
+        s = s.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+        perm.swap(i, (s >> 33) as usize % (i + 1));
+    }
+    std::fs::write(tmp.path().join("perm.npy"), npy_i64(&perm)).unwrap();
+    let spec = write(tmp.path(), "ranks.toml", RANKS);
+    let run = |out: &str, sets: &[&str]| -> PathBuf {
+        let mut args = vec!["run", spec.to_str().unwrap(), "--out", out];
+        for s in sets {
+            args.extend(["--set", s]);
+        }
+        let r = onepass(tmp.path(), &args);
+        assert_eq!(r.code, 0, "{}", r.stderr);
+        tmp.path().join(run_dir(&r.stdout))
+    };
+    let both = run("a", &["stream.ranks=2"]);
+    // each rank's rows as its own order file, half the samples, one head
+    let mut single = Vec::new();
+    for k in 0..2 {
+        let rows: Vec<String> = perm.iter().skip(k).step_by(2).map(|v| v.to_string()).collect();
+        write(tmp.path(), &format!("rank{k}.txt"), &rows.join("\n"));
+        single.push(run(
+            &format!("r{k}"),
+            &[&format!("env.order_path=rank{k}.txt"), "stream.samples=120", "stream.eval_every=40"],
+        ));
+    }
+    for cell in ["c0000", "c0001"] {
+        let a = std::fs::read(both.join(format!("theta/{cell}.npy"))).unwrap();
+        let b = std::fs::read(single[0].join(format!("theta/{cell}.npy"))).unwrap();
+        assert_eq!(a, b, "{cell}: rank 0's head differs from the single-head run over its rows");
+    }
+    let m = &read_table(&both.join("metrics.parquet"))[0];
+    let m0 = &read_table(&single[0].join("metrics.parquet"))[0];
+    let m1 = &read_table(&single[1].join("metrics.parquet"))[0];
+    assert_eq!(m.num_rows(), m0.num_rows());
+    let samples = col::<arrow_array::UInt64Array>(m, "samples_seen");
+    assert_eq!((samples.value(0), samples.value(m.num_rows() - 1)), (80, 240));
+    for k in ["eval_accuracy", "eval_loss", "train_loss"] {
+        let (a, b, c) = (col::<Float64Array>(m, k), col::<Float64Array>(m0, k), col::<Float64Array>(m1, k));
+        for i in 0..m.num_rows() {
+            assert!((a.value(i) - 0.5 * (b.value(i) + c.value(i))).abs() < 1e-12, "{k} row {i}");
+        }
+    }
+    // the two heads really differ (else the mean test proves nothing)
+    assert_ne!(
+        col::<Float64Array>(m0, "eval_loss").value(m0.num_rows() - 1),
+        col::<Float64Array>(m1, "eval_loss").value(m1.num_rows() - 1)
+    );
+
+    // bad order files and rank settings: named, exit 2
+    for (text, needle) in [
+        ("0 1 1", "index 1 appears twice"),
+        ("0 300", "entry 1: 300 is not a training-row index (expected 0..300)"),
+        ("0 x", "entry 1: `x` is not an integer"),
+    ] {
+        write(tmp.path(), "bad.txt", text);
+        let r = onepass(tmp.path(), &["run", spec.to_str().unwrap(), "--set", "env.order_path=bad.txt", "--dry-run"]);
+        assert_eq!(r.code, 2, "{}", r.stderr);
+        assert!(r.stderr.contains("bad.txt") && r.stderr.contains(needle), "{}", r.stderr);
+    }
+    let r = onepass(tmp.path(), &["run", spec.to_str().unwrap(), "--set", "env.order=file", "--dry-run"]);
+    assert!(r.code == 2 && r.stderr.contains("order_path") && r.stderr.contains("\"indices\" only"), "{}", r.stderr);
+    let r = onepass(
+        tmp.path(),
+        &["run", spec.to_str().unwrap(), "--set", "stream.ranks=2", "--set", "setting=active", "--dry-run"],
+    );
+    assert!(r.code == 2 && r.stderr.contains("stream.ranks"), "{}", r.stderr);
+}
