@@ -175,21 +175,24 @@ fn backbone_cost(plan: &plan::Plan) -> Option<serde_json::Value> {
     let samples = s.samples as f64;
     let evals = (s.samples / s.eval_every + u64::from(s.samples % s.eval_every != 0)) as f64;
     // pairs pushed through the backbone per labelled sample: 1, or the stream rule's candidates/keep
-    let per_sample = match (plan.spec.setting, plan.spec.active.rule) {
-        (spec::Setting::Active, spec::ActiveRule::Stream) => {
-            plan.spec.active.candidates as f64 / plan.spec.active.keep.max(1) as f64
-        }
+    let per_sample = |c: &plan::ConfigPlan| match c.rule {
+        Some(spec::ActiveRule::Stream) => plan.spec.active.candidates as f64 / plan.spec.active.keep.max(1) as f64,
         _ => 1.0,
     };
-    let cells = plan.cells.len() as f64;
-    let cell_seq = 2.0 * samples * per_sample + 2.0 * eval_pairs * evals;
-    let cell_tok = samples * per_sample * train_tok / train_pairs + eval_tok * evals;
+    let cost = |c: &plan::ConfigPlan| {
+        let seq = 2.0 * samples * per_sample(c) + 2.0 * eval_pairs * evals;
+        let tok = samples * per_sample(c) * train_tok / train_pairs + eval_tok * evals;
+        (seq, tok)
+    };
+    let (cell_seq, cell_tok) = cost(&plan.configs[0]);
+    let (all_seq, all_tok) =
+        plan.cells.iter().map(|c| cost(&plan.configs[c.config])).fold((0.0, 0.0), |a, b| (a.0 + b.0, a.1 + b.1));
     Some(serde_json::json!({
         "authors_schedule": {
             "per_cell_sequences": cell_seq,
             "per_cell_tokens": cell_tok,
-            "all_cells_sequences": cell_seq * cells,
-            "all_cells_tokens": cell_tok * cells,
+            "all_cells_sequences": all_seq,
+            "all_cells_tokens": all_tok,
         },
         "onepass_cache": {
             "sequences_once": 2.0 * (train_pairs + eval_pairs),

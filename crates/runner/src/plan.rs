@@ -240,9 +240,11 @@ pub struct ConfigPlan {
     pub hparams: Vec<(&'static str, Hv)>,
     pub swept: Vec<&'static str>,
     pub strategy: Option<Strategy>,
+    /// Active: the selection rule of this config.
+    pub rule: Option<ActiveRule>,
     /// Index of the expanded estimator config (shared by the strategies of a deploy run).
     pub estimator_index: usize,
-    /// Index of the strategy in `deploy.strategies` (0 outside deploy).
+    /// Index of the strategy in `deploy.strategies` or of the rule in `active.rule` (else 0).
     pub strategy_index: usize,
     /// e.g. `sgd lr=0.1` or `omd-exact / ucb`.
     pub label: String,
@@ -483,13 +485,17 @@ pub fn build(mut spec: Spec, file: &Path, text: &str) -> Result<Plan, SpecError>
             if a.pool < 2 {
                 return Err(err(&["active", "pool"], "expected a pool of at least 2 pairs".into()));
             }
-            if a.rule == ActiveRule::Stream && !(1 <= a.keep && a.keep <= a.candidates) {
+            let stream_rule = a.rule.0.contains(&ActiveRule::Stream);
+            if a.rule.0.is_empty() {
+                return Err(err(&["active", "rule"], "an empty list: expected at least one rule".into()));
+            }
+            if stream_rule && !(1 <= a.keep && a.keep <= a.candidates) {
                 return Err(err(
                     &["active", "keep"],
                     format!("{}: expected 1 ≤ keep ≤ candidates = {}", a.keep, a.candidates),
                 ));
             }
-            if a.rule == ActiveRule::Stream && spec.stream.batch_size != a.keep {
+            if stream_rule && spec.stream.batch_size != a.keep {
                 return Err(err(
                     &["stream", "batch_size"],
                     format!(
@@ -536,6 +542,14 @@ pub fn build(mut spec: Spec, file: &Path, text: &str) -> Result<Plan, SpecError>
     } else {
         vec![None]
     };
+    // deploy: the strategies; active: the rules (labelled only when there are several)
+    let rules: Vec<Option<ActiveRule>> = if spec.setting == Setting::Active {
+        spec.active.rule.0.iter().map(|r| Some(*r)).collect()
+    } else {
+        vec![None]
+    };
+    let arms: Vec<(Option<Strategy>, Option<ActiveRule>)> =
+        strategies.iter().flat_map(|s| rules.iter().map(move |r| (*s, *r))).collect();
     if spec.estimators.is_empty() {
         return Err(err(&[], "no [[estimator]] tables: expected at least one".into()));
     }
@@ -586,7 +600,7 @@ pub fn build(mut spec: Spec, file: &Path, text: &str) -> Result<Plan, SpecError>
                 .collect();
         }
         for combo in combos {
-            let estimator_index = configs.len() / strategies.len();
+            let estimator_index = configs.len() / arms.len();
             let mut cfg = base;
             for (k, v) in &combo {
                 set(&mut cfg, k, v).map_err(|m| err(&at(k), m))?;
@@ -598,13 +612,16 @@ pub fn build(mut spec: Spec, file: &Path, text: &str) -> Result<Plan, SpecError>
             })?;
             let sweep_label: Vec<String> =
                 combo.iter().filter(|(k, _)| swept.contains(k)).map(|(k, v)| format!("{k}={v}")).collect();
-            for (strategy_index, strategy) in strategies.iter().enumerate() {
+            for (strategy_index, (strategy, rule)) in arms.iter().enumerate() {
                 let mut label = kind.to_string();
                 if !sweep_label.is_empty() {
                     label = format!("{label} {}", sweep_label.join(" "));
                 }
                 if let Some(s) = strategy {
                     label = format!("{label} / {s}");
+                }
+                if let (Some(r), true) = (rule, rules.len() > 1) {
+                    label = format!("{label} / {r}");
                 }
                 configs.push(ConfigPlan {
                     config_id: configs.len(),
@@ -614,6 +631,7 @@ pub fn build(mut spec: Spec, file: &Path, text: &str) -> Result<Plan, SpecError>
                     hparams: hparams(&cfg),
                     swept: swept.clone(),
                     strategy: *strategy,
+                    rule: *rule,
                     estimator_index,
                     strategy_index,
                     label,

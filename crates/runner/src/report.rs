@@ -58,9 +58,12 @@ pub fn read_metrics(run: &Path) -> Result<Vec<Row>> {
         let flops = column::<UInt64Array>(&b, "flops", &path)?;
         let _ = column::<BooleanArray>(&b, "converged", &path)?;
         let mut floats = Vec::new();
-        for name in
-            FIGURES.iter().map(|(n, _)| *n).filter(|n| *n != "cost").chain(["subopt_pessimistic", "theta_err_h"])
-        {
+        for name in FIGURES.iter().map(|(n, _)| *n).filter(|n| *n != "cost").chain([
+            "subopt_pessimistic",
+            "theta_err_h",
+            "kappa",
+            "kappa_reference",
+        ]) {
             floats.push((name, column::<Float64Array>(&b, name, &path)?));
         }
         for i in 0..b.num_rows() {
@@ -274,6 +277,175 @@ where
     Ok(())
 }
 
+/// Per label: (estimator seconds, cell wall seconds) of every cell, from timings.parquet.
+fn cell_times(run: &Path) -> Result<BTreeMap<String, Vec<(f64, f64)>>> {
+    let path = run.join("timings.parquet");
+    let mut seen: BTreeMap<(String, u32), (f64, f64)> = BTreeMap::new();
+    for b in read_batches(&path)? {
+        let label = column::<StringArray>(&b, "label", &path)?;
+        let seed = column::<UInt32Array>(&b, "seed", &path)?;
+        let est = column::<Float64Array>(&b, "cell_estimator_s", &path)?;
+        let wall = column::<Float64Array>(&b, "cell_wall_s", &path)?;
+        for i in 0..b.num_rows() {
+            seen.insert((label.value(i).to_string(), seed.value(i)), (est.value(i), wall.value(i)));
+        }
+    }
+    let mut out: BTreeMap<String, Vec<(f64, f64)>> = BTreeMap::new();
+    for ((label, _), t) in seen {
+        out.entry(label).or_default().push(t);
+    }
+    Ok(out)
+}
+
+/// Time per cell (the paper's Fig. 3c reports accuracy and time) and the κ the data showed.
+fn time_and_kappa_table(rows: &[Row], times: &BTreeMap<String, Vec<(f64, f64)>>) -> String {
+    let mut s = String::from(
+        "| config | estimator s / cell | cell wall s | κ = max 1/σ′(zᵀθ) | authors' κ = 1/(min σ′ + 1e-3) |\n|---|---|---|---|---|\n",
+    );
+    let mut labels: Vec<&String> = times.keys().collect();
+    for r in rows {
+        if !times.contains_key(&r.label) && !labels.contains(&&r.label) {
+            labels.push(&r.label);
+        }
+    }
+    labels.sort();
+    labels.dedup();
+    let ms = |v: &[f64]| {
+        if v.is_empty() {
+            "–".to_string()
+        } else {
+            let (m, sd) = mean_std(v);
+            format!("{m:.3} ± {sd:.3}")
+        }
+    };
+    for label in labels {
+        let t = times.get(label).cloned().unwrap_or_default();
+        let est: Vec<f64> = t.iter().map(|x| x.0).collect();
+        let wall: Vec<f64> = t.iter().map(|x| x.1).collect();
+        let k: Vec<f64> =
+            rows.iter().filter(|r| &r.label == label).filter_map(|r| r.values.get("kappa").copied()).collect();
+        let kr: Vec<f64> = rows
+            .iter()
+            .filter(|r| &r.label == label)
+            .filter_map(|r| r.values.get("kappa_reference").copied())
+            .filter(|v| *v > 0.0)
+            .collect();
+        let kmax = k.iter().copied().fold(f64::NAN, f64::max);
+        s.push_str(&format!("| {label} | {} | {} | {} (max {kmax:.1}) | {} |\n", ms(&est), ms(&wall), ms(&k), ms(&kr)));
+    }
+    s
+}
+
+/// The `data` block of meta.json in words (kind = "dataset" and "features").
+fn data_summary(meta: &serde_json::Value) -> Option<String> {
+    let d = meta.get("data")?;
+    let ds = d.get("dataset");
+    let g =
+        |v: Option<&serde_json::Value>, k: &str| v.and_then(|x| x.get(k)).map(|x| x.to_string()).unwrap_or("–".into());
+    let mut s = String::from("## Data\n\n");
+    s.push_str(&format!(
+        "- training pairs {}, held-out pairs {} (`{}`)\n",
+        g(Some(d), "train_rows"),
+        g(Some(d), "eval_rows"),
+        g(Some(d), "path").trim_matches('"')
+    ));
+    if ds.is_some() {
+        s.push_str(&format!(
+            "- feature model `{}` (d = {}); degenerate pairs (z = 0) train/held-out {}/{} (dropped: {}); truncated sequences {} (response cut {}); score ties {}; malformed rows skipped {}; held-out pairs also in training {}\n",
+            g(ds, "model").trim_matches('"'),
+            g(ds, "dim"),
+            g(ds, "degenerate_train"),
+            g(ds, "degenerate_eval"),
+            g(ds, "degenerate_dropped"),
+            g(ds, "truncated_sequences"),
+            g(ds, "response_cut_sequences"),
+            g(ds, "score_ties"),
+            g(ds, "malformed_skipped"),
+            g(ds, "eval_in_train"),
+        ));
+        s.push_str(&format!(
+            "- feature cache: {} hits, {} misses, {} tokens computed in {} s\n",
+            g(ds, "cache_hits"),
+            g(ds, "cache_misses"),
+            g(ds, "tokens_computed"),
+            ds.and_then(|x| x.get("extraction_s")).and_then(|x| x.as_f64()).map_or("–".into(), |v| format!("{v:.1}"))
+        ));
+    }
+    if let Some(c) = d.get("backbone_cost") {
+        let a = c.get("authors_schedule");
+        let o = c.get("onepass_cache");
+        let num = |v: Option<&serde_json::Value>, k: &str| {
+            v.and_then(|x| x.get(k)).and_then(|x| x.as_f64()).map_or("–".into(), |x| format!("{x:.3e}"))
+        };
+        s.push_str(&format!(
+            "- backbone cost model: the authors' schedule (φ recomputed for every labelled pair and every evaluation, per cell) needs {} tokens per cell, {} for all cells; the cache computes each sequence once: {} tokens\n",
+            num(a, "per_cell_tokens"),
+            num(a, "all_cells_tokens"),
+            num(o, "tokens_once"),
+        ));
+    }
+    Some(s)
+}
+
+/// File-name form of a config label.
+fn slug(label: &str) -> String {
+    let s: String =
+        label.chars().map(|c| if c.is_ascii_alphanumeric() || "-_.=".contains(c) { c } else { '_' }).collect();
+    s.split('_').filter(|p| !p.is_empty()).collect::<Vec<_>>().join("_")
+}
+
+/// θ of the first seed of every config as `score.weight` (shape [1, d], f32, no bias): the head of
+/// transformers' `*ForSequenceClassification` over the feature model. Returns the files written.
+pub fn export_heads(run: &Path, out: &Path) -> Result<Vec<PathBuf>> {
+    let path = run.join("cells.parquet");
+    let mut first: BTreeMap<String, (u32, String)> = BTreeMap::new();
+    for b in read_batches(&path)? {
+        let label = column::<StringArray>(&b, "label", &path)?;
+        let seed = column::<UInt32Array>(&b, "seed", &path)?;
+        let cell = column::<StringArray>(&b, "cell_id", &path)?;
+        let status = column::<StringArray>(&b, "status", &path)?;
+        for i in 0..b.num_rows() {
+            if status.value(i) != "ok" {
+                continue;
+            }
+            let e = first.entry(label.value(i).to_string()).or_insert((u32::MAX, String::new()));
+            if seed.value(i) < e.0 {
+                *e = (seed.value(i), cell.value(i).to_string());
+            }
+        }
+    }
+    let meta: serde_json::Value = std::fs::read_to_string(run.join("meta.json"))
+        .ok()
+        .and_then(|t| serde_json::from_str(&t).ok())
+        .unwrap_or_default();
+    let model = meta.pointer("/data/dataset/model").and_then(|v| v.as_str()).unwrap_or("").to_string();
+    let dir = out.join("heads");
+    std::fs::create_dir_all(&dir).with_context(|| format!("creating {}", dir.display()))?;
+    let mut written = Vec::new();
+    for (label, (seed, cell)) in first {
+        let npy = run.join("theta").join(format!("{cell}.npy"));
+        let theta = crate::results::read_npy_f64(&npy)?;
+        let bytes: Vec<u8> = theta.iter().flat_map(|&v| (v as f32).to_le_bytes()).collect();
+        let view = safetensors::tensor::TensorView::new(safetensors::Dtype::F32, vec![1, theta.len()], &bytes)
+            .map_err(|e| anyhow!("{}: {e}", npy.display()))?;
+        let info: std::collections::HashMap<String, String> = [
+            ("label".to_string(), label.clone()),
+            ("seed".to_string(), seed.to_string()),
+            ("cell_id".to_string(), cell.clone()),
+            ("feature_model".to_string(), model.clone()),
+            ("format".to_string(), "pt".to_string()),
+        ]
+        .into_iter()
+        .collect();
+        let data = safetensors::tensor::serialize([("score.weight", view)], Some(info))
+            .map_err(|e| anyhow!("{}: {e}", npy.display()))?;
+        let f = dir.join(format!("{}.safetensors", slug(&label)));
+        crate::results::write_atomic(&f, &data)?;
+        written.push(f);
+    }
+    Ok(written)
+}
+
 /// Writes `<run>/report/`; returns the report directory.
 pub fn report(run: &Path) -> Result<PathBuf> {
     let rows = read_metrics(run)?;
@@ -282,11 +454,28 @@ pub fn report(run: &Path) -> Result<PathBuf> {
     }
     let out = run.join("report");
     std::fs::create_dir_all(&out).with_context(|| format!("creating {}", out.display()))?;
-    let mut md = format!(
-        "# {}\n\nFinal metrics, mean ± std over seeds.\n\n",
-        run.file_name().unwrap_or_default().to_string_lossy()
-    );
+    let mut md = format!("# {}\n\n", run.file_name().unwrap_or_default().to_string_lossy());
+    let spec: Option<crate::spec::Spec> =
+        std::fs::read_to_string(run.join("spec.resolved.toml")).ok().and_then(|t| toml::from_str(&t).ok());
+    if let Some(d) = spec.as_ref().and_then(|s| s.description.as_ref()) {
+        md.push_str(&format!("{}\n\n", d.trim()));
+    }
+    md.push_str("Final metrics, mean ± std over seeds.\n\n");
     md.push_str(&final_table(&[(String::new(), rows.clone())]));
+    let times = cell_times(run).unwrap_or_default();
+    md.push_str("\n## Time and κ\n\nPer cell, mean ± std over seeds. κ over the samples each estimator trained on (windows between evaluations, all seeds); the paper's appendix reports κ = 171.6 ± 85.5 (Llama-3-8B, UltraFeedback).\n\n");
+    md.push_str(&time_and_kappa_table(&rows, &times));
+    let meta: Option<serde_json::Value> =
+        std::fs::read_to_string(run.join("meta.json")).ok().and_then(|t| serde_json::from_str(&t).ok());
+    if let Some(s) = meta.as_ref().and_then(data_summary) {
+        md.push('\n');
+        md.push_str(&s);
+    }
+    let heads = export_heads(run, &out)?;
+    md.push_str("\n## Reward heads\n\nθ of the first seed of each config as `score.weight` ([1, d], f32, no bias), the head of transformers' `*ForSequenceClassification` on the feature model:\n\n");
+    for h in &heads {
+        md.push_str(&format!("- `heads/{}`\n", h.file_name().unwrap_or_default().to_string_lossy()));
+    }
     let figures = match register_font() {
         Ok(_) => {
             let mut made = Vec::new();

@@ -119,7 +119,8 @@ fn hparams_json(c: &ConfigPlan) -> String {
 pub fn write_tables(dir: &Path, plan: &Plan, cells: &[CellOutcome<'_>]) -> Result<Vec<(String, Schema)>> {
     let setting = plan.spec.setting.as_str();
     let mut schemas = Vec::new();
-    let strategy = |c: &ConfigPlan| c.strategy.map(|s| s.to_string());
+    // deploy: the pair-selection strategy; active: the selection rule
+    let strategy = |c: &ConfigPlan| c.strategy.map(|s| s.to_string()).or_else(|| c.rule.map(|r| r.to_string()));
 
     let t = Table::default()
         .str("cell_id", cells.iter().map(|c| c.cell_id.to_string()))
@@ -255,4 +256,22 @@ pub fn schema_json(schemas: &[(String, Schema)]) -> String {
         })
         .collect();
     serde_json::to_string_pretty(&serde_json::Value::Object(m)).expect("plain JSON") + "\n"
+}
+
+/// Reads what [`npy_f64`] wrote (a 1-D `<f8` array); other files are errors naming the file.
+pub fn read_npy_f64(path: &Path) -> Result<Vec<f64>> {
+    let b = std::fs::read(path).with_context(|| format!("reading {}", path.display()))?;
+    if !b.starts_with(b"\x93NUMPY\x01\x00") || b.len() < 10 {
+        anyhow::bail!("{}: not a version-1 .npy file", path.display());
+    }
+    let hlen = u16::from_le_bytes([b[8], b[9]]) as usize;
+    let header = String::from_utf8_lossy(b.get(10..10 + hlen).unwrap_or_default());
+    if !header.contains("'descr': '<f8'") {
+        anyhow::bail!("{}: expected float64 ('<f8'), header {}", path.display(), header.trim());
+    }
+    let data = &b[(10 + hlen).min(b.len())..];
+    if data.len() % 8 != 0 {
+        anyhow::bail!("{}: truncated data", path.display());
+    }
+    Ok(data.chunks_exact(8).map(|c| f64::from_le_bytes(c.try_into().expect("8 bytes"))).collect())
 }

@@ -308,7 +308,7 @@ pub fn run_cell(plan: &Plan, config: &ConfigPlan, seed: u32) -> Result<CellResul
             passive_ranks(plan, config, &world, &mut learner, seed)?
         }
         (Setting::Passive, _) => passive(plan, &world, &mut learner, seed)?,
-        (Setting::Active, _) => active(plan, &world, &mut learner, seed)?,
+        (Setting::Active, _) => active(plan, config, &world, &mut learner, seed)?,
         (Setting::Deploy, World::Synthetic(env)) => deploy(plan, config, env, &mut learner, seed)?,
         (Setting::Deploy, World::Pairs(_)) => return Err(anyhow!("deploy needs the synthetic environment")),
     };
@@ -549,7 +549,7 @@ pub fn pessimistic(env: &Env, theta: &[f64], curv: &Curvature, beta: f64, how: P
     }
 }
 
-fn active(plan: &Plan, world: &World<'_>, l: &mut Learner, seed: u32) -> Result<CellResult> {
+fn active(plan: &Plan, config: &ConfigPlan, world: &World<'_>, l: &mut Learner, seed: u32) -> Result<CellResult> {
     let spec = &plan.spec;
     let a = &spec.active;
     let (b, d) = (spec.stream.batch_size, spec.env.dim);
@@ -588,7 +588,7 @@ fn active(plan: &Plan, world: &World<'_>, l: &mut Learner, seed: u32) -> Result<
         if avail.len() < b {
             return Err(anyhow!("active: the pool ran out after {} steps", s - 1));
         }
-        let chosen: Vec<usize> = match a.rule {
+        let chosen: Vec<usize> = match config.rule.unwrap_or(a.rule.0[0]) {
             ActiveRule::PoolArgmax => {
                 let scores: Vec<f64> = avail.iter().map(|&i| l.curv.inv_norm(row_of(i))).collect();
                 let (top, t) = selection::top_k(&scores, b, &mut select);

@@ -201,6 +201,9 @@ pub struct Spec {
     /// Run name (default: the file stem).
     #[serde(default)]
     pub name: Option<String>,
+    /// What the preset is and how to read it: printed at the top of `onepass report`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub description: Option<String>,
     /// Every random stream derives from (master_seed, seed index, component).
     #[serde(default = "d_master_seed")]
     pub master_seed: u64,
@@ -480,8 +483,10 @@ pub enum ScoreNorm {
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct ActiveSpec {
+    /// One rule, or a list: every estimator runs under each (Rand-MLE, Active-MLE, Rand-OMD and
+    /// Ours in one run, on the same features and seeds).
     #[serde(default = "d_rule")]
-    pub rule: ActiveRule,
+    pub rule: Sweep<ActiveRule>,
     /// Pool size: pairs (x, a, a′) drawn once per seed, each with its label drawn once.
     #[serde(default = "d_pool")]
     pub pool: usize,
@@ -507,8 +512,18 @@ impl Default for ActiveSpec {
     }
 }
 
-fn d_rule() -> ActiveRule {
-    ActiveRule::PoolArgmax
+fn d_rule() -> Sweep<ActiveRule> {
+    Sweep::one(ActiveRule::PoolArgmax)
+}
+
+impl fmt::Display for ActiveRule {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(match self {
+            ActiveRule::PoolArgmax => "pool-argmax",
+            ActiveRule::Stream => "stream",
+            ActiveRule::Random => "random",
+        })
+    }
 }
 fn d_pool() -> usize {
     5000

@@ -260,7 +260,8 @@ fn set_overrides_keys_and_estimator_entries() {
 #[test]
 fn report_and_compare_read_a_run() {
     let tmp = tempfile::tempdir().unwrap();
-    let spec = write(tmp.path(), "tiny.toml", PASSIVE);
+    let text = format!("description = \"A tiny run: plumbing only.\"\n{PASSIVE}");
+    let spec = write(tmp.path(), "tiny.toml", &text);
     let r = onepass(tmp.path(), &["run", spec.to_str().unwrap(), "--out", "out"]);
     assert_eq!(r.code, 0, "{}", r.stderr);
     let dir = tmp.path().join(run_dir(&r.stdout));
@@ -271,6 +272,18 @@ fn report_and_compare_read_a_run() {
         assert!(md.contains(&format!("| {label} | 2 |")), "{label} row in:\n{md}");
     }
     assert!(md.contains("subopt_pessimistic"));
+    assert!(md.contains("A tiny run: plumbing only."), "{md}");
+    assert!(md.contains("| sgd lr=0.5 | ") && md.contains("authors' κ"), "{md}");
+    // the learned head of omd-exact, seed 0 (cell c0000) as score.weight [1, d] f32
+    let bytes = std::fs::read(dir.join("report/heads/omd-exact.safetensors")).unwrap();
+    let st = safetensors::SafeTensors::deserialize(&bytes).unwrap();
+    let w = st.tensor("score.weight").unwrap();
+    assert_eq!((w.dtype(), w.shape()), (safetensors::Dtype::F32, &[1usize, 6][..]));
+    let theta = read_npy_f64(&dir.join("theta/c0000.npy"));
+    let got: Vec<f32> = w.data().chunks_exact(4).map(|c| f32::from_le_bytes(c.try_into().unwrap())).collect();
+    assert_eq!(got, theta.iter().map(|&v| v as f32).collect::<Vec<_>>());
+    assert!(theta.iter().any(|&v| v != 0.0));
+    assert!(dir.join("report/heads/sgd_lr=0.1.safetensors").exists());
     if Path::new("/usr/share/fonts/truetype/dejavu/DejaVuSans.ttf").exists() {
         for f in ["eval_accuracy.png", "theta_err.svg", "cost.png"] {
             assert!(dir.join("report").join(f).metadata().unwrap().len() > 1000, "{f}");
