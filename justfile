@@ -40,13 +40,28 @@ bench-features batch="8" len="256" reps="3": fetch-models
 mutants:
     cargo mutants -p estimators --re 'update|solve|sample|project|refit|rank1|cg_step|gram|damping|gate' -- --release
 
-# Run a preset of experiments/<setting>/ (file stem); extra arguments go to `onepass run`,
-# e.g. `just reproduce-passive synthetic --set seeds=2`.
-reproduce-passive preset="synthetic" *args="":
-    cargo run --release -p runner -- run experiments/passive/{{preset}}.toml {{args}}
+# Run a preset of experiments/<setting>/ (file stem), then `onepass report` on it (tables,
+# figures, heads); extra arguments go to `onepass run`, e.g.
+# `just reproduce-passive synthetic --set seeds=2`. The run directory is the last line printed.
+reproduce-passive preset="synthetic" *args="": (_reproduce "passive" preset args)
 
-reproduce-active preset="synthetic" *args="":
-    cargo run --release -p runner -- run experiments/active/{{preset}}.toml {{args}}
+reproduce-active preset="synthetic" *args="": (_reproduce "active" preset args)
 
-reproduce-deploy preset="synthetic" *args="":
-    cargo run --release -p runner -- run experiments/deploy/{{preset}}.toml {{args}}
+reproduce-deploy preset="synthetic" *args="": (_reproduce "deploy" preset args)
+
+_reproduce setting preset args:
+    #!/usr/bin/env bash
+    set -euo pipefail
+    spec=experiments/{{setting}}/{{preset}}.toml
+    if [[ ! -f "$spec" ]]; then
+        echo "no preset {{preset}} in experiments/{{setting}}/; presets:" $(ls experiments/{{setting}} | sed 's/\.toml$//') >&2
+        exit 2
+    fi
+    cargo build --quiet --release -p runner
+    dir=$(target/release/onepass run "$spec" {{args}} | tee /dev/stderr | tail -n 1)
+    target/release/onepass report "$dir" >&2
+    echo "$dir"
+
+# `onepass report` on a run directory (report/report.md, figures, heads/*.safetensors).
+report run:
+    cargo run --quiet --release -p runner -- report {{run}}
