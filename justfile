@@ -62,6 +62,13 @@ _reproduce setting preset args:
     target/release/onepass report "$dir" >&2
     echo "$dir"
 
+# The order of PyTorch's DistributedSampler (torch.randperm(n), seed) as experiments/orders/*.npy,
+# for the reference-* presets (`env.order = "indices"`). Needs a python with torch
+# (ONEPASS_BENCH_PYTHON, else python3).
+export-randperm n="30000" seed="42":
+    mkdir -p experiments/orders
+    ${ONEPASS_BENCH_PYTHON:-python3} scripts/export_randperm.py {{n}} {{seed}} experiments/orders/randperm-{{n}}-seed{{seed}}.npy
+
 # `onepass report` on a run directory (report/report.md, figures, heads/*.safetensors).
 report run:
     cargo run --quiet --release -p runner -- report {{run}}
