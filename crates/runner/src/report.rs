@@ -311,12 +311,25 @@ fn time_and_kappa_table(rows: &[Row], times: &BTreeMap<String, Vec<(f64, f64)>>)
     labels.sort();
     labels.dedup();
     let ms = |v: &[f64]| {
-        if v.is_empty() {
-            "–".to_string()
-        } else {
-            let (m, sd) = mean_std(v);
-            format!("{m:.3} ± {sd:.3}")
+        let finite: Vec<f64> = v.iter().copied().filter(|x| x.is_finite()).collect();
+        let inf = v.len() - finite.len();
+        if finite.is_empty() && inf == 0 {
+            return "–".to_string();
         }
+        let mut s = if finite.is_empty() {
+            "∞".to_string()
+        } else {
+            let (m, sd) = mean_std(&finite);
+            if m.abs() < 1e5 {
+                format!("{m:.3} ± {sd:.3}")
+            } else {
+                format!("{m:.3e} ± {sd:.3e}")
+            }
+        };
+        if inf > 0 {
+            s.push_str(&format!(" (∞ in {inf} of {} windows: σ′ underflowed to 0)", v.len()));
+        }
+        s
     };
     for label in labels {
         let t = times.get(label).cloned().unwrap_or_default();
@@ -331,7 +344,8 @@ fn time_and_kappa_table(rows: &[Row], times: &BTreeMap<String, Vec<(f64, f64)>>)
             .filter(|v| *v > 0.0)
             .collect();
         let kmax = k.iter().copied().fold(f64::NAN, f64::max);
-        s.push_str(&format!("| {label} | {} | {} | {} (max {kmax:.1}) | {} |\n", ms(&est), ms(&wall), ms(&k), ms(&kr)));
+        let kmax = if kmax.is_infinite() { "∞".to_string() } else { format!("{kmax:.1}") };
+        s.push_str(&format!("| {label} | {} | {} | {} (max {kmax}) | {} |\n", ms(&est), ms(&wall), ms(&k), ms(&kr)));
     }
     s
 }
