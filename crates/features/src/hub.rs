@@ -83,6 +83,18 @@ impl HubEnv {
         }
     }
 
+    /// The blocking client over this cache, endpoint and token.
+    fn api(&self, name: &str) -> Result<hf_hub::api::sync::Api, Error> {
+        let mut b = ApiBuilder::from_cache(self.cache()).with_progress(self.progress);
+        if let Some(e) = &self.endpoint {
+            b = b.with_endpoint(e.clone());
+        }
+        if let Some(t) = &self.token {
+            b = b.with_token(Some(t.clone()));
+        }
+        b.build().map_err(|e| Error::Io(format!("{name}: starting the hub client: {e}")))
+    }
+
     fn cache(&self) -> Cache {
         match &self.home {
             Some(h) => Cache::new(h.join("hub")),
@@ -167,14 +179,7 @@ fn fetcher(repo: &Repo, name: &str, env: &HubEnv) -> Result<Fetch, Error> {
         }
         })
     } else {
-        let mut b = ApiBuilder::from_cache(cache.clone()).with_progress(env.progress);
-        if let Some(e) = &env.endpoint {
-            b = b.with_endpoint(e.clone());
-        }
-        if let Some(t) = &env.token {
-            b = b.with_token(Some(t.clone()));
-        }
-        let api = b.build().map_err(|e| Error::Io(format!("{name}: starting the hub client: {e}")))?;
+        let api = env.api(&name)?;
         let api_repo = api.repo(repo.clone());
         let name = name.clone();
         let has_token = env.token.is_some() || cache.token().is_some();
@@ -286,14 +291,7 @@ pub fn dataset_files(spec: &HubDataset, env: &HubEnv) -> Result<Vec<PathBuf>, Er
         found.retain(|f| glob_match(&spec.file, f));
         found
     } else {
-        let mut b = ApiBuilder::from_cache(env.cache()).with_progress(env.progress);
-        if let Some(e) = &env.endpoint {
-            b = b.with_endpoint(e.clone());
-        }
-        if let Some(t) = &env.token {
-            b = b.with_token(Some(t.clone()));
-        }
-        let api = b.build().map_err(|e| Error::Io(format!("{name}: starting the hub client: {e}")))?;
+        let api = env.api(&name)?;
         let info = api.repo(repo.clone()).info().map_err(|e| {
             Error::Io(format!(
                 "{name}: listing the repository failed: {e}. Without network access set HF_HUB_OFFLINE=1 to use the cache, or give a local path"
