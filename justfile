@@ -58,7 +58,11 @@ _reproduce setting preset args:
         exit 2
     fi
     cargo build --quiet --release -p runner
-    dir=$(target/release/onepass run "$spec" {{args}} | tee /dev/stderr | tail -n 1)
+    # stdout (the final table, then the run directory) is shown on stderr; no `tee /dev/stderr`,
+    # which re-opens (and truncates) a log file that stderr is redirected to
+    out=$(target/release/onepass run "$spec" {{args}})
+    printf '%s\n' "$out" >&2
+    dir=$(printf '%s\n' "$out" | tail -n 1)
     target/release/onepass report "$dir" >&2
     echo "$dir"
 
