@@ -37,16 +37,8 @@ impl HubSpec {
             }
             None => (s, None),
         };
-        let (repo, revision) = match rest.split_once('@') {
-            Some((r, v)) if !v.is_empty() => (r, v.to_string()),
-            Some(_) => return Err(bad("an empty revision after `@`")),
-            None => (rest, "main".to_string()),
-        };
-        let parts: Vec<&str> = repo.split('/').collect();
-        if parts.len() != 2 || parts.iter().any(|p| p.is_empty() || p.contains(char::is_whitespace)) {
-            return Err(bad("the repository must be <owner>/<name>"));
-        }
-        Ok(HubSpec { repo: repo.to_string(), revision, file })
+        let (repo, revision) = repo_revision(rest).map_err(bad)?;
+        Ok(HubSpec { repo, revision, file })
     }
 
     pub fn display(&self) -> String {
@@ -57,6 +49,20 @@ impl HubSpec {
         }
         s
     }
+}
+
+/// `<owner>/<name>[@<revision>]` → (repository, revision; default `main`), or what is wrong.
+fn repo_revision(s: &str) -> Result<(String, String), &'static str> {
+    let (repo, revision) = match s.split_once('@') {
+        Some((r, v)) if !v.is_empty() => (r, v),
+        Some(_) => return Err("an empty revision after `@`"),
+        None => (s, "main"),
+    };
+    let parts: Vec<&str> = repo.split('/').collect();
+    if parts.len() != 2 || parts.iter().any(|p| p.is_empty() || p.contains(char::is_whitespace)) {
+        return Err("the repository must be <owner>/<name>");
+    }
+    Ok((repo.to_string(), revision.to_string()))
 }
 
 /// The hub settings of this process (see the module docs); tests build their own.
@@ -228,16 +234,8 @@ impl HubDataset {
         if file.is_empty() {
             return Err(bad("an empty file after `:`"));
         }
-        let (repo, revision) = match rest.split_once('@') {
-            Some((r, v)) if !v.is_empty() => (r, v.to_string()),
-            Some(_) => return Err(bad("an empty revision after `@`")),
-            None => (rest, "main".to_string()),
-        };
-        let parts: Vec<&str> = repo.split('/').collect();
-        if parts.len() != 2 || parts.iter().any(|p| p.is_empty() || p.contains(char::is_whitespace)) {
-            return Err(bad("the repository must be <owner>/<name>"));
-        }
-        Ok(HubDataset { repo: repo.to_string(), revision, file: file.to_string() })
+        let (repo, revision) = repo_revision(rest).map_err(bad)?;
+        Ok(HubDataset { repo, revision, file: file.to_string() })
     }
 
     pub fn display(&self) -> String {

@@ -726,14 +726,17 @@ fn check_pairs(
             .as_ref()
             .ok_or_else(|| err(&["env", "order_path"], "required when env.order = \"indices\"".into()))?;
         let idx = crate::pairs::read_order(p, data.train_total)?;
-        let mut pos = vec![usize::MAX; data.train_total];
-        for (row, &o) in data.train_origin.iter().enumerate() {
-            pos[o] = row;
-        }
-        if data.train_origin.is_empty() {
-            pos = (0..data.train_total).collect();
-        }
-        data.order = Some(idx.into_iter().map(|i| pos[i]).filter(|&r| r != usize::MAX).collect());
+        // file index (before dropping) → training row; dropped pairs map to nothing
+        let pos: Vec<Option<usize>> = if data.train_origin.is_empty() {
+            (0..data.train_total).map(Some).collect()
+        } else {
+            let mut pos = vec![None; data.train_total];
+            for (row, &o) in data.train_origin.iter().enumerate() {
+                pos[o] = Some(row);
+            }
+            pos
+        };
+        data.order = Some(idx.into_iter().filter_map(|i| pos[i]).collect());
     } else if is_written(text, &["env", "order_path"]) {
         return Err(err(&["env", "order_path"], "applies to env.order = \"indices\" only".into()));
     }

@@ -301,8 +301,7 @@ fn report_and_compare_read_a_run() {
 /// Writes a "bring your own features" parquet: `n` pairs in dimension `d` from a fixed θ*,
 /// with a `label` column (some rows say the rejected side won) unless `labels` is false.
 fn write_pairs(path: &Path, n: usize, d: usize, labels: bool) -> (Vec<Vec<f32>>, Vec<Vec<f32>>, Vec<f32>) {
-    use arrow_array::builder::{Float32Builder, ListBuilder};
-    use arrow_array::{ArrayRef, Int64Array, RecordBatch};
+    use arrow_array::{ArrayRef, Int64Array};
     let mut s = 0x9e37_79b9_7f4a_7c15u64;
     let mut u = || {
         s ^= s << 13;
@@ -322,23 +321,10 @@ fn write_pairs(path: &Path, n: usize, d: usize, labels: bool) -> (Vec<Vec<f32>>,
         let agree = i % 7 != 0;
         y.push(if (m > 0.0) == agree { 1.0 } else { 0.0 });
     }
-    let list = |rows: &[Vec<f32>]| -> ArrayRef {
-        let mut b = ListBuilder::new(Float32Builder::new());
-        for r in rows {
-            b.values().append_slice(r);
-            b.append(true);
-        }
-        std::sync::Arc::new(b.finish())
-    };
-    let mut cols = vec![("phi_chosen", list(&ch)), ("phi_rejected", list(&rj))];
-    if labels {
-        cols.push(("label", std::sync::Arc::new(Int64Array::from_iter_values(y.iter().map(|&v| v as i64)))));
-    }
-    let batch = RecordBatch::try_from_iter(cols).unwrap();
-    let f = std::fs::File::create(path).unwrap();
-    let mut w = parquet::arrow::ArrowWriter::try_new(f, batch.schema(), None).unwrap();
-    w.write(&batch).unwrap();
-    w.close().unwrap();
+    // integer labels here; save_pairs' callers write float ones: the reader takes both
+    let label: Option<ArrayRef> =
+        labels.then(|| std::sync::Arc::new(Int64Array::from_iter_values(y.iter().map(|&v| v as i64))) as ArrayRef);
+    write_parquet(path, &ch, &rj, label);
     (ch, rj, if labels { y } else { vec![1.0; n] })
 }
 
@@ -485,8 +471,14 @@ fn bad_features_files_name_the_file_the_row_and_the_column() {
 }
 
 fn save_pairs(path: &Path, ch: &[Vec<f32>], rj: &[Vec<f32>], y: &[f32]) {
+    let label = std::sync::Arc::new(arrow_array::Float32Array::from(y.to_vec())) as arrow_array::ArrayRef;
+    write_parquet(path, ch, rj, Some(label));
+}
+
+/// phi_chosen / phi_rejected list<float32> columns and an optional label column.
+fn write_parquet(path: &Path, ch: &[Vec<f32>], rj: &[Vec<f32>], label: Option<arrow_array::ArrayRef>) {
     use arrow_array::builder::{Float32Builder, ListBuilder};
-    use arrow_array::{ArrayRef, Float32Array, RecordBatch};
+    use arrow_array::{ArrayRef, RecordBatch};
     let list = |rows: &[Vec<f32>]| -> ArrayRef {
         let mut b = ListBuilder::new(Float32Builder::new());
         for r in rows {
@@ -495,12 +487,9 @@ fn save_pairs(path: &Path, ch: &[Vec<f32>], rj: &[Vec<f32>], y: &[f32]) {
         }
         std::sync::Arc::new(b.finish())
     };
-    let batch = RecordBatch::try_from_iter([
-        ("phi_chosen", list(ch)),
-        ("phi_rejected", list(rj)),
-        ("label", std::sync::Arc::new(Float32Array::from(y.to_vec())) as ArrayRef),
-    ])
-    .unwrap();
+    let mut cols = vec![("phi_chosen", list(ch)), ("phi_rejected", list(rj))];
+    cols.extend(label.map(|l| ("label", l)));
+    let batch = RecordBatch::try_from_iter(cols).unwrap();
     let mut w =
         parquet::arrow::ArrowWriter::try_new(std::fs::File::create(path).unwrap(), batch.schema(), None).unwrap();
     w.write(&batch).unwrap();
