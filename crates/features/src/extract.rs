@@ -140,18 +140,31 @@ fn special(v: Option<&serde_json::Value>) -> Option<String> {
 
 impl Backbone {
     pub fn load(source: &Source, device: &Device, dtype: DType, max_len: usize) -> Result<Backbone, Error> {
+        Backbone::load_with(source, device, dtype, max_len, false)
+    }
+
+    /// As [`Backbone::load`]; with `lm_head`, also the LM head, so the model can generate
+    /// ([`crate::generate`]).
+    pub fn load_with(
+        source: &Source,
+        device: &Device,
+        dtype: DType,
+        max_len: usize,
+        lm_head: bool,
+    ) -> Result<Backbone, Error> {
         match source {
             Source::Hub(spec) => {
                 let local = match crate::hub::resolve(spec, &crate::hub::HubEnv::from_env())? {
                     crate::hub::Resolved::Dir(d) => Source::Dir(d),
                     crate::hub::Resolved::Gguf(f) => Source::Gguf(f),
                 };
-                let mut b = Backbone::load(&local, device, dtype, max_len)?;
+                let mut b = Backbone::load_with(&local, device, dtype, max_len, lm_head)?;
                 b.source = spec.display();
                 Ok(b)
             }
             Source::Gguf(path) => {
-                let g = Gguf::read(path, device, dtype)?;
+                let g = Gguf::read_with(path, device, dtype, lm_head)?;
+                let tied = !g.tensors.contains_key("lm_head.weight");
                 let tok = Tok::from_gguf(&g.metadata)?;
                 let tmpl = meta_str(&g.metadata, "tokenizer.chat_template").ok_or_else(|| {
                     Error::Template(format!("{}: no `tokenizer.chat_template` in the metadata", path.display()))
@@ -163,7 +176,7 @@ impl Backbone {
                     tok.eos.as_ref().map(|b| b.0.as_str()),
                 )?;
                 let vb = VarBuilder::from_tensors(g.tensors, dtype, device);
-                let model = Model::load(vb, g.cfg, max_len)?;
+                let model = Model::load_with(vb, g.cfg, max_len, lm_head.then_some(tied))?;
                 Ok(Backbone {
                     model,
                     tok,
@@ -209,7 +222,7 @@ impl Backbone {
                 // SAFETY: the weight files are memory-mapped read-only; onepass never writes them.
                 let vb = unsafe { VarBuilder::from_mmaped_safetensors(&files, dtype, device) }
                     .map_err(|e| Error::Weights(format!("{}: {e}", dir.display())))?;
-                let model = Model::load(vb, cfg, max_len)?;
+                let model = Model::load_with(vb, cfg, max_len, lm_head.then_some(hf.tie_word_embeddings))?;
                 Ok(Backbone {
                     model,
                     tok,

@@ -67,8 +67,14 @@ fn meta_f(md: &HashMap<String, Value>, key: &str) -> Option<f64> {
 }
 
 impl Gguf {
-    /// Reads `path`, dequantizing every weight to `dtype` on `device`.
+    /// Reads `path`, dequantizing every weight to `dtype` on `device` (not the LM head).
     pub fn read(path: &Path, device: &Device, dtype: DType) -> Result<Gguf, Error> {
+        Gguf::read_with(path, device, dtype, false)
+    }
+
+    /// As [`Gguf::read`]; with `lm_head`, `output.weight` too (as `lm_head.weight`), when the
+    /// file has one (llama.cpp omits it when the head is tied to the embeddings).
+    pub fn read_with(path: &Path, device: &Device, dtype: DType, lm_head: bool) -> Result<Gguf, Error> {
         let f = File::open(path).map_err(|e| Error::Io(format!("{}: {e}", path.display())))?;
         let mut r = BufReader::new(f);
         let content = Content::read(&mut r)
@@ -102,7 +108,8 @@ impl Gguf {
         let mut names: Vec<&String> = content.tensor_infos.keys().collect();
         names.sort();
         for name in names {
-            let hf = hf_name(name);
+            let hf =
+                if lm_head && name == "output.weight" { Some("lm_head.weight".to_string()) } else { hf_name(name) };
             if hf.is_none() && name != "rope_freqs.weight" {
                 continue; // output.weight (the LM head) is not needed for hidden states
             }

@@ -9,6 +9,7 @@
 //! - [`extract::Backbone`]: the three together, with [`extract::PhiOptions`] (max length, EOS
 //!   rule, truncation side, layer, pooling): conversation → ids → φ.
 //!
+//! - [`generate`]: sampling responses with a KV cache (n per prompt, temperature, top-p).
 //! - [`cache::FeatureCache`]: content-addressed safetensors shards, one directory per
 //!   (model, tokenizer, template, options) space.
 //!
@@ -16,6 +17,7 @@
 
 pub mod cache;
 pub mod extract;
+pub mod generate;
 pub mod gguf;
 pub mod hub;
 pub mod model;

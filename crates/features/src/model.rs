@@ -249,7 +249,12 @@ impl Rope {
 
     /// `x`: (b, heads, t, head_dim).
     fn apply(&self, x: &Tensor, len: usize) -> candle_core::Result<Tensor> {
-        let (cos, sin) = (self.cos.narrow(0, 0, len)?, self.sin.narrow(0, 0, len)?);
+        self.apply_at(x, 0, len)
+    }
+
+    /// `x`: (b, heads, t, head_dim) at positions offset..offset + t.
+    fn apply_at(&self, x: &Tensor, offset: usize, len: usize) -> candle_core::Result<Tensor> {
+        let (cos, sin) = (self.cos.narrow(0, offset, len)?, self.sin.narrow(0, offset, len)?);
         if self.interleaved {
             candle_nn::rotary_emb::rope_i(&x.contiguous()?, &cos, &sin)
         } else {
@@ -297,6 +302,42 @@ impl Attention {
             crate::ops::causal_attention(&q, &k, &v, 1.0 / (hd as f64).sqrt())?.reshape((b, t, h * hd))?
         };
         let _s = tracing::trace_span!("o_proj").entered();
+        self.o.forward(&y)
+    }
+}
+
+impl Attention {
+    /// One step of incremental decoding: `x` (b, t, d) are the tokens at cache slots
+    /// offset..offset + t; their k and v are written into `kv` and attention runs over slots
+    /// 0..offset + t under `mask` (b, 1, 1, t, offset + t; 0 or −∞). Positions are the slot
+    /// indices: RoPE scores depend on position differences only, so a row left-padded by p slots
+    /// gets the same scores as the unpadded sequence, as long as its pads are masked.
+    fn forward_cached(
+        &self,
+        x: &Tensor,
+        rope: &Rope,
+        kv_cache: &mut (Tensor, Tensor),
+        offset: usize,
+        mask: &Tensor,
+    ) -> candle_core::Result<Tensor> {
+        let (b, t, _) = x.dims3()?;
+        let (h, kv, hd) = (self.heads, self.kv_heads, self.head_dim);
+        let qkv = self.qkv.forward(x)?.reshape((b, t, h + 2 * kv, hd))?;
+        let q = rope.apply_at(&qkv.narrow(2, 0, h)?.transpose(1, 2)?, offset, t)?;
+        let k = rope.apply_at(&qkv.narrow(2, h, kv)?.transpose(1, 2)?, offset, t)?;
+        let v = qkv.narrow(2, h + kv, kv)?.transpose(1, 2)?.contiguous()?;
+        kv_cache.0.slice_set(&k, 2, offset)?;
+        kv_cache.1.slice_set(&v, 2, offset)?;
+        let len = offset + t;
+        let (kc, vc) = (kv_cache.0.narrow(2, 0, len)?, kv_cache.1.narrow(2, 0, len)?);
+        // grouped-query attention without repeating k/v: query head j uses kv head j / g
+        let g = h / kv;
+        let q = q.reshape((b, kv, g * t, hd))?;
+        let s = (q.matmul(&kc.t()?)? * (1.0 / (hd as f64).sqrt()))?;
+        let s = s.reshape((b, kv, g, t, len))?.broadcast_add(mask)?;
+        let p = candle_nn::ops::softmax_last_dim(&s)?;
+        let y = p.reshape((b, kv, g * t, len))?.matmul(&vc.contiguous()?)?;
+        let y = y.reshape((b, h, t, hd))?.transpose(1, 2)?.reshape((b, t, h * hd))?;
         self.o.forward(&y)
     }
 }
@@ -378,10 +419,86 @@ impl Block {
     }
 }
 
+impl Block {
+    fn forward_cached(
+        &self,
+        x: &Tensor,
+        rope: &Rope,
+        kv: &mut (Tensor, Tensor),
+        offset: usize,
+        mask: &Tensor,
+    ) -> candle_core::Result<Tensor> {
+        let a = self.attn.forward_cached(&self.norm1.forward(x)?, rope, kv, offset, mask)?;
+        let x = (x + a)?;
+        let m = self.mlp.forward(&self.norm2.forward(&x)?)?;
+        &x + m
+    }
+}
+
+/// The keys and values of every layer for a batch of left-padded rows, preallocated to a
+/// capacity of slots; `len` slots are filled. Row i's first `pads[i]` slots are padding.
+pub struct KvCache {
+    layers: Vec<(Tensor, Tensor)>,
+    len: usize,
+    cap: usize,
+    pads: Vec<usize>,
+}
+
+impl KvCache {
+    pub fn len(&self) -> usize {
+        self.len
+    }
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+    pub fn rows(&self) -> usize {
+        self.pads.len()
+    }
+    pub fn capacity(&self) -> usize {
+        self.cap
+    }
+
+    /// Keeps (or repeats) the given rows, in that order: to expand one prefilled prompt into n
+    /// samples, or to drop rows that finished.
+    pub fn select(&mut self, rows: &[usize]) -> Result<(), Error> {
+        if rows.iter().any(|&r| r >= self.pads.len()) {
+            return Err(Error::Input(format!("cache rows {rows:?} out of range: {} rows", self.pads.len())));
+        }
+        let dev = self.layers.first().map(|l| l.0.device().clone()).unwrap_or(Device::Cpu);
+        let idx = Tensor::from_vec(rows.iter().map(|&r| r as u32).collect::<Vec<_>>(), rows.len(), &dev)?;
+        for (k, v) in self.layers.iter_mut() {
+            *k = k.index_select(&idx, 0)?;
+            *v = v.index_select(&idx, 0)?;
+        }
+        self.pads = rows.iter().map(|&r| self.pads[r]).collect();
+        Ok(())
+    }
+
+    /// Additive mask (b, 1, 1, t, len + t) for t new tokens: slot m is visible from slot q when
+    /// m ≤ q and m is not a pad of the row; a pad slot sees itself (so its softmax is defined).
+    fn mask(&self, t: usize, dev: &Device, dtype: DType) -> candle_core::Result<Tensor> {
+        let (b, len) = (self.pads.len(), self.len + t);
+        let mut m = vec![0f32; b * t * len];
+        for (i, &pad) in self.pads.iter().enumerate() {
+            for qi in 0..t {
+                let q = self.len + qi;
+                for k in 0..len {
+                    if k > q || (k < pad && k != q) {
+                        m[(i * t + qi) * len + k] = f32::NEG_INFINITY;
+                    }
+                }
+            }
+        }
+        Tensor::from_vec(m, (b, 1, 1, t, len), dev)?.to_dtype(dtype)
+    }
+}
+
 /// A decoder that returns hidden states.
 pub struct Model {
     pub cfg: Config,
     embed: Embedding,
+    /// The LM head (vocab, d) when loaded for generation (tied: the embeddings).
+    lm_head: Option<Tensor>,
     blocks: Vec<Block>,
     norm: RmsNorm,
     rope: Rope,
@@ -406,10 +523,26 @@ pub fn resolve_layer(layer: i64, layers: usize) -> Result<usize, Error> {
 impl Model {
     /// Builds the model from weights under Hugging Face names. `max_len`: the longest sequence.
     pub fn load(vb: VarBuilder, cfg: Config, max_len: usize) -> Result<Model, Error> {
+        Model::load_with(vb, cfg, max_len, None)
+    }
+
+    /// As [`Model::load`], with the LM head for generation: `Some(tied)`, where `tied` says the
+    /// head is the embedding matrix (`tie_word_embeddings`; a GGUF without `output.weight`),
+    /// else `lm_head.weight` must be present.
+    pub fn load_with(vb: VarBuilder, cfg: Config, max_len: usize, lm_head: Option<bool>) -> Result<Model, Error> {
         cfg.check()?;
         let ctx = |what: String| move |e: candle_core::Error| Error::Weights(format!("{what}: {e}"));
         let m = vb.pp("model");
         let embed_w = m.get((cfg.vocab, cfg.hidden), "embed_tokens.weight").map_err(ctx("embeddings".into()))?;
+        let lm_head = match lm_head {
+            None => None,
+            Some(true) => Some(embed_w.clone()),
+            Some(false) => Some(vb.get((cfg.vocab, cfg.hidden), "lm_head.weight").map_err(|e| {
+                Error::Weights(format!(
+                    "`lm_head.weight` (the LM head a policy needs to generate; the model does not tie it to the embeddings): {e}"
+                ))
+            })?),
+        };
         let embed = Embedding::new(embed_w, cfg.hidden);
         let blocks = (0..cfg.layers)
             .map(|i| Block::load(m.pp("layers").pp(i), &cfg).map_err(ctx(format!("layer {i}"))))
@@ -417,7 +550,7 @@ impl Model {
         let norm = RmsNorm::load(m.pp("norm"), &cfg).map_err(ctx("final norm".into()))?;
         let (device, dtype) = (vb.device().clone(), vb.dtype());
         let rope = Rope::new(&cfg, max_len.max(1), &device, dtype).map_err(ctx("rope tables".into()))?;
-        Ok(Model { cfg, embed, blocks, norm, rope, dtype, device })
+        Ok(Model { cfg, embed, lm_head, blocks, norm, rope, dtype, device })
     }
 
     pub fn device(&self) -> &Device {
@@ -448,6 +581,59 @@ impl Model {
             }
         }
         Ok(self.norm.forward(&x)?)
+    }
+}
+
+impl Model {
+    /// An empty cache for `pads.len()` rows of up to `cap` slots (pads included).
+    pub fn new_cache(&self, pads: Vec<usize>, cap: usize) -> Result<KvCache, Error> {
+        if cap > self.max_len() {
+            return Err(Error::Input(format!(
+                "a generation of {cap} slots (left padding, prompt and new tokens) exceeds max_len = {}",
+                self.max_len()
+            )));
+        }
+        let (kv, hd) = (self.cfg.kv_heads, self.cfg.head_dim);
+        let zeros = || Tensor::zeros((pads.len(), kv, cap, hd), self.dtype, &self.device);
+        let layers = (0..self.cfg.layers).map(|_| Ok((zeros()?, zeros()?))).collect::<candle_core::Result<Vec<_>>>()?;
+        Ok(KvCache { layers, len: 0, cap, pads })
+    }
+
+    /// Feeds `ids` (b, t) at the next t slots of `cache` and returns the logits (b, vocab) of
+    /// the last of them, in f32. Needs the LM head ([`Model::load_with`]).
+    pub fn forward_cached(&self, ids: &Tensor, cache: &mut KvCache) -> Result<Tensor, Error> {
+        let head = self
+            .lm_head
+            .as_ref()
+            .ok_or_else(|| Error::Input("the model was loaded without its LM head: it cannot generate".into()))?;
+        let (b, t) = ids.dims2()?;
+        if b != cache.rows() || cache.len + t > cache.cap {
+            return Err(Error::Input(format!(
+                "{b} rows × {t} tokens do not fit a cache of {} rows with {} of {} slots used",
+                cache.rows(),
+                cache.len,
+                cache.cap
+            )));
+        }
+        let mask = cache.mask(t, &self.device, self.dtype)?;
+        let offset = cache.len;
+        let mut x = self.embed.forward(ids)?;
+        for (blk, kv) in self.blocks.iter().zip(cache.layers.iter_mut()) {
+            x = blk.forward_cached(&x, &self.rope, kv, offset, &mask)?;
+        }
+        cache.len += t;
+        let last = self.norm.forward(&x.narrow(1, t - 1, 1)?)?.squeeze(1)?;
+        Ok(last.matmul(&head.t()?)?.to_dtype(DType::F32)?)
+    }
+
+    /// Logits (b, t, vocab) of every position of right-padded `ids` by the full forward pass
+    /// (the reference the incremental path is tested against).
+    pub fn logits(&self, ids: &Tensor) -> Result<Tensor, Error> {
+        let head =
+            self.lm_head.as_ref().ok_or_else(|| Error::Input("the model was loaded without its LM head".into()))?;
+        let h = self.hidden_states(ids, self.cfg.layers)?;
+        let (b, t, d) = h.dims3()?;
+        Ok(h.reshape((b * t, d))?.matmul(&head.t()?)?.reshape((b, t, ()))?.to_dtype(DType::F32)?)
     }
 }
 

@@ -172,3 +172,33 @@ fn bad_inputs_are_errors_that_name_the_problem() {
         features::template::ChatTemplate::new("{% for %}", "broken-template", None, None).err().unwrap().to_string();
     assert!(e.contains("broken-template"), "{e}");
 }
+
+/// Greedy decoding with the KV cache reproduces transformers' `generate(do_sample=False)` on the
+/// same GGUF token for token (fixtures/make_fixtures.py smollm2-greedy), several prompts in one
+/// left-padded batch, two samples each.
+#[test]
+fn greedy_generation_matches_transformers() {
+    use features::generate::SampleOptions;
+    let b = Backbone::load_with(&Source::Gguf(gguf()), &Device::Cpu, DType::F32, 512, true).unwrap();
+    let f = fixture("smollm2_greedy.json");
+    let cases = f["cases"].as_array().unwrap();
+    let prompts: Vec<Vec<Message>> =
+        cases.iter().map(|c| vec![Message::new("user", c["prompt"].as_str().unwrap())]).collect();
+    let max = f["max_new_tokens"].as_u64().unwrap() as usize;
+    let opts = SampleOptions { n: 2, temperature: 0.0, top_p: 1.0, max_new_tokens: max, seed: 0 };
+    let mut last = features::generate::GenProgress::default();
+    let out = b.generate(&prompts, &opts, 3, &mut |p| last = p).unwrap();
+    eprintln!("{} tokens in {:.2} s", last.tokens, last.seconds);
+    let stops = b.stop_ids();
+    for (c, samples) in cases.iter().zip(&out) {
+        let want_prompt: Vec<u32> = serde_json::from_value(c["prompt_ids"].clone()).unwrap();
+        assert_eq!(b.prompt_ids(&[Message::new("user", c["prompt"].as_str().unwrap())]).unwrap(), want_prompt);
+        let new: Vec<u32> = serde_json::from_value(c["new_ids"].clone()).unwrap();
+        let stopped = stops.contains(new.last().unwrap());
+        let body = if stopped { &new[..new.len() - 1] } else { &new[..] };
+        let want = b.tok.decode(body).unwrap();
+        for s in samples {
+            assert_eq!((s.text.as_str(), s.tokens, s.stopped), (want.as_str(), new.len(), stopped), "{}", c["prompt"]);
+        }
+    }
+}

@@ -1,0 +1,255 @@
+//! Sampling responses from a policy model with a KV cache (paper §6 "Deployment-time
+//! adaptation": n responses per prompt at temperature T).
+//!
+//! Prompts are rendered with the policy's chat template and `add_generation_prompt`, grouped
+//! into batches of up to `batch_prompts` prompts (left-padded, the pads masked), prefilled once
+//! per prompt, and each prompt's cache rows repeated for its n samples. Every sample draws its
+//! tokens from its own ChaCha20 stream keyed by (seed, prompt, sample index), so a sample does
+//! not depend on which prompts share its batch or in which order prompts come. Rows stop at an
+//! end-of-turn token or after `max_new_tokens`; finished rows leave the batch.
+
+use crate::extract::Backbone;
+use crate::template::Message;
+use crate::Error;
+use candle_core::Tensor;
+use rand::{Rng, SeedableRng};
+use rand_chacha::ChaCha20Rng;
+use serde::{Deserialize, Serialize};
+
+/// How to sample.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct SampleOptions {
+    /// Responses per prompt.
+    pub n: usize,
+    /// 0: greedy (argmax).
+    pub temperature: f64,
+    /// Nucleus sampling: the smallest set of tokens whose probability reaches `top_p` (1: off).
+    pub top_p: f64,
+    pub max_new_tokens: usize,
+    pub seed: u64,
+}
+
+impl SampleOptions {
+    pub fn check(&self) -> Result<(), Error> {
+        if self.n == 0 || self.max_new_tokens == 0 {
+            return Err(Error::Input(format!(
+                "n = {} and max_new_tokens = {}: expected both ≥ 1",
+                self.n, self.max_new_tokens
+            )));
+        }
+        if !(self.temperature.is_finite() && self.temperature >= 0.0) {
+            return Err(Error::Input(format!("temperature = {}: expected a finite number ≥ 0", self.temperature)));
+        }
+        if !(self.top_p > 0.0 && self.top_p <= 1.0) {
+            return Err(Error::Input(format!("top_p = {}: expected 0 < top_p ≤ 1", self.top_p)));
+        }
+        Ok(())
+    }
+}
+
+/// One sampled response.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct Sample {
+    pub text: String,
+    /// New tokens, the stop token included when there was one.
+    pub tokens: usize,
+    /// Stopped at an end-of-turn token (false: cut at max_new_tokens).
+    pub stopped: bool,
+}
+
+/// Progress of a generation: prompts finished, new tokens so far, seconds so far.
+#[derive(Clone, Copy, Debug, Default)]
+pub struct GenProgress {
+    pub prompts_done: usize,
+    pub tokens: usize,
+    pub seconds: f64,
+}
+
+/// The next token from `logits`: argmax at temperature 0, else a draw from
+/// softmax(logits / T) restricted to the top-p nucleus, using the uniform `u` ∈ [0, 1).
+/// Ties in the argmax go to the lowest id.
+pub fn sample_token(logits: &[f32], temperature: f64, top_p: f64, u: f64) -> u32 {
+    let argmax = || {
+        let mut best = 0;
+        for (i, &l) in logits.iter().enumerate() {
+            if l > logits[best] {
+                best = i;
+            }
+        }
+        best as u32
+    };
+    if temperature == 0.0 {
+        return argmax();
+    }
+    let max = logits.iter().copied().fold(f32::NEG_INFINITY, f32::max) as f64;
+    if !max.is_finite() {
+        return argmax();
+    }
+    let mut p: Vec<(u32, f64)> =
+        logits.iter().enumerate().map(|(i, &l)| (i as u32, ((l as f64 - max) / temperature).exp())).collect();
+    let total: f64 = p.iter().map(|x| x.1).sum();
+    if top_p < 1.0 {
+        p.sort_by(|a, b| b.1.total_cmp(&a.1).then(a.0.cmp(&b.0)));
+        let mut acc = 0.0;
+        let mut keep = p.len();
+        for (i, x) in p.iter().enumerate() {
+            acc += x.1 / total;
+            if acc >= top_p {
+                keep = i + 1;
+                break;
+            }
+        }
+        p.truncate(keep);
+    }
+    let kept: f64 = p.iter().map(|x| x.1).sum();
+    let mut target = u * kept;
+    for &(id, w) in &p {
+        if target < w {
+            return id;
+        }
+        target -= w;
+    }
+    p.last().map_or(0, |x| x.0)
+}
+
+/// The stream of one sample: (seed, prompt text, sample index).
+fn sample_rng(seed: u64, prompt_key: &[u8; 32], index: usize) -> ChaCha20Rng {
+    let mut h = blake3::Hasher::new();
+    h.update(b"onepass-sample");
+    h.update(&seed.to_le_bytes());
+    h.update(prompt_key);
+    h.update(&(index as u64).to_le_bytes());
+    ChaCha20Rng::from_seed(*h.finalize().as_bytes())
+}
+
+struct Row {
+    prompt: usize,
+    sample: usize,
+    rng: ChaCha20Rng,
+    out: Vec<u32>,
+}
+
+impl Backbone {
+    /// Token ids of a prompt rendered for generation (the assistant turn opened).
+    pub fn prompt_ids(&self, prompt: &[Message]) -> Result<Vec<u32>, Error> {
+        let text = self.template.render(prompt, true)?;
+        let ids = self.tok.encode(&text)?;
+        if ids.is_empty() {
+            return Err(Error::Input("the prompt tokenizes to nothing".into()));
+        }
+        Ok(ids)
+    }
+
+    /// Token ids that end a response: the tokenizer's EOS and the end-of-turn tokens of the
+    /// chat formats onepass knows (ChatML `<|im_end|>`, Llama-3 `<|eot_id|>`), where present.
+    pub fn stop_ids(&self) -> Vec<u32> {
+        let mut ids: Vec<u32> = self.tok.eos.iter().map(|e| e.1).collect();
+        for s in ["<|im_end|>", "<|eot_id|>", "<|end_of_text|>", "<|endoftext|>", "</s>"] {
+            if let Some(i) = self.tok.inner.token_to_id(s) {
+                if !ids.contains(&i) {
+                    ids.push(i);
+                }
+            }
+        }
+        ids
+    }
+
+    /// n samples for each prompt, in prompt order. `batch_prompts` prompts share a batch
+    /// (n · batch_prompts rows). `progress` is called after every decoding step.
+    pub fn generate(
+        &self,
+        prompts: &[Vec<Message>],
+        opts: &SampleOptions,
+        batch_prompts: usize,
+        progress: &mut dyn FnMut(GenProgress),
+    ) -> Result<Vec<Vec<Sample>>, Error> {
+        opts.check()?;
+        let stops = self.stop_ids();
+        if stops.is_empty() {
+            return Err(Error::Input(
+                "the tokenizer names no EOS or end-of-turn token: generation could not stop".into(),
+            ));
+        }
+        let ids: Vec<Vec<u32>> = prompts.iter().map(|p| self.prompt_ids(p)).collect::<Result<_, _>>()?;
+        let keys: Vec<[u8; 32]> = prompts.iter().map(|p| crate::cache::text_key(p)).collect();
+        let mut out: Vec<Vec<Sample>> = vec![Vec::new(); prompts.len()];
+        let t0 = std::time::Instant::now();
+        let mut prog = GenProgress::default();
+        // longest prompts first within a batch keeps the padding small
+        let mut order: Vec<usize> = (0..prompts.len()).collect();
+        order.sort_by_key(|&i| std::cmp::Reverse(ids[i].len()));
+        for group in order.chunks(batch_prompts.max(1)) {
+            let longest = group.iter().map(|&i| ids[i].len()).max().unwrap_or(0);
+            let pads: Vec<usize> = group.iter().map(|&i| longest - ids[i].len()).collect();
+            let pad_id = stops[0];
+            let mut flat = Vec::with_capacity(group.len() * longest);
+            for (&i, &p) in group.iter().zip(&pads) {
+                flat.extend(std::iter::repeat_n(pad_id, p));
+                flat.extend_from_slice(&ids[i]);
+            }
+            let dev = self.model.device().clone();
+            let mut cache = self.model.new_cache(pads, longest + opts.max_new_tokens)?;
+            let logits =
+                self.model.forward_cached(&Tensor::from_vec(flat, (group.len(), longest), &dev)?, &mut cache)?;
+            let logits: Vec<Vec<f32>> = logits.to_vec2()?;
+            let mut rows: Vec<Row> = Vec::new();
+            let mut expand = Vec::new();
+            for (g, &i) in group.iter().enumerate() {
+                for s in 0..opts.n {
+                    rows.push(Row { prompt: i, sample: s, rng: sample_rng(opts.seed, &keys[i], s), out: Vec::new() });
+                    expand.push(g);
+                }
+            }
+            cache.select(&expand)?;
+            let mut next: Vec<u32> = rows
+                .iter_mut()
+                .zip(&expand)
+                .map(|(r, &g)| sample_token(&logits[g], opts.temperature, opts.top_p, r.rng.random()))
+                .collect();
+            let mut done: Vec<(Row, bool)> = Vec::new();
+            loop {
+                prog.tokens += next.len();
+                // record the new tokens; retire rows that stopped or reached the limit
+                let mut keep = Vec::new();
+                let mut live = Vec::new();
+                for (k, (mut r, tok)) in rows.drain(..).zip(next.iter().copied()).enumerate() {
+                    r.out.push(tok);
+                    if stops.contains(&tok) {
+                        done.push((r, true));
+                    } else if r.out.len() >= opts.max_new_tokens {
+                        done.push((r, false));
+                    } else {
+                        keep.push(k);
+                        live.push(r);
+                    }
+                }
+                rows = live;
+                prog.seconds = t0.elapsed().as_secs_f64();
+                progress(prog);
+                if rows.is_empty() {
+                    break;
+                }
+                if keep.len() < cache.rows() {
+                    cache.select(&keep)?;
+                }
+                let feed: Vec<u32> = rows.iter().map(|r| *r.out.last().expect("one token at least")).collect();
+                let logits = self.model.forward_cached(&Tensor::from_vec(feed, (rows.len(), 1), &dev)?, &mut cache)?;
+                let logits: Vec<Vec<f32>> = logits.to_vec2()?;
+                next = rows
+                    .iter_mut()
+                    .zip(&logits)
+                    .map(|(r, l)| sample_token(l, opts.temperature, opts.top_p, r.rng.random()))
+                    .collect();
+            }
+            done.sort_by_key(|(r, _)| (r.prompt, r.sample));
+            for (r, stopped) in done {
+                let body = if stopped { &r.out[..r.out.len() - 1] } else { &r.out[..] };
+                let text = self.tok.decode(body)?;
+                out[r.prompt].push(Sample { text, tokens: r.out.len(), stopped });
+            }
+            prog.prompts_done += group.len();
+            progress(prog);
+        }
+        Ok(out)
+    }
+}
