@@ -479,7 +479,7 @@ pub fn batch_plan(keys: &[crate::cache::Key], items: &[Prepared], batch: usize) 
 
 /// The safetensors files of a model directory: the shards named by
 /// `model.safetensors.index.json`, else `model.safetensors`.
-fn safetensors_files(dir: &Path) -> Result<Vec<PathBuf>, Error> {
+pub fn safetensors_files(dir: &Path) -> Result<Vec<PathBuf>, Error> {
     let index = dir.join("model.safetensors.index.json");
     if index.exists() {
         let v: serde_json::Value =

@@ -19,6 +19,7 @@ pub mod cache;
 pub mod extract;
 pub mod generate;
 pub mod gguf;
+pub mod head;
 pub mod hub;
 pub mod model;
 pub mod ops;

@@ -100,26 +100,45 @@ pub fn extract_pairs(pairs: &[Pair], origin: &str, o: &PhiRun) -> Result<Extract
     if pairs.is_empty() {
         return Err(anyhow!("{origin}: no pairs"));
     }
+    let convs: Vec<(String, &[features::Message])> = pairs
+        .iter()
+        .flat_map(|p| {
+            [
+                (format!("row {}, field `chosen`", p.row), p.chosen.as_slice()),
+                (format!("row {}, field `rejected`", p.row), p.rejected.as_slice()),
+            ]
+        })
+        .collect();
+    let (mut ex, items) = extract_conversations(&convs, origin, o)?;
+    ex.degenerate = items.chunks_exact(2).map(|p| p[0].ids == p[1].ids).collect();
+    ex.summary.pairs = pairs.len();
+    ex.summary.degenerate_pairs = ex.degenerate.iter().filter(|&&d| d).count();
+    Ok(ex)
+}
+
+/// φ of conversations (each ending with the response), through the feature cache; each comes
+/// with where it is from (for errors: "row 3, field `chosen`"). `degenerate` is left empty.
+pub fn extract_conversations(
+    convs: &[(String, &[features::Message])],
+    origin: &str,
+    o: &PhiRun,
+) -> Result<(Extracted, Vec<features::Prepared>)> {
+    if convs.is_empty() {
+        return Err(anyhow!("{origin}: no conversations"));
+    }
     let source = Source::parse(&o.model)?;
     let backbone = Backbone::load(&source, &o.device, o.dtype, o.phi.max_len)
         .with_context(|| format!("loading the model {}", o.model))?;
-    let mut items = Vec::with_capacity(pairs.len() * 2);
-    let mut keys = Vec::with_capacity(pairs.len() * 2);
-    let mut degenerate = Vec::with_capacity(pairs.len());
-    let mut s = ExtractSummary { pairs: pairs.len(), dim: backbone.dim(), ..Default::default() };
-    for p in pairs {
-        for (side, msgs) in [("chosen", &p.chosen), ("rejected", &p.rejected)] {
-            let prep =
-                backbone.prepare(msgs, &o.phi).map_err(|e| anyhow!("{origin}: row {}, field `{side}`: {e}", p.row))?;
-            s.truncated_sequences += usize::from(prep.dropped > 0);
-            s.response_cut_sequences += usize::from(prep.response_cut);
-            items.push(prep);
-            keys.push(text_key(msgs));
-        }
-        let n = items.len();
-        degenerate.push(items[n - 2].ids == items[n - 1].ids);
+    let mut items = Vec::with_capacity(convs.len());
+    let mut keys = Vec::with_capacity(convs.len());
+    let mut s = ExtractSummary { dim: backbone.dim(), ..Default::default() };
+    for (what, msgs) in convs {
+        let prep = backbone.prepare(msgs, &o.phi).map_err(|e| anyhow!("{origin}: {what}: {e}"))?;
+        s.truncated_sequences += usize::from(prep.dropped > 0);
+        s.response_cut_sequences += usize::from(prep.response_cut);
+        items.push(prep);
+        keys.push(text_key(msgs));
     }
-    s.degenerate_pairs = degenerate.iter().filter(|&&d| d).count();
     s.sequences = items.len();
     let (space, describe) = backbone.space(&o.phi);
     s.space = space.clone();
@@ -150,14 +169,15 @@ pub fn extract_pairs(pairs: &[Pair], origin: &str, o: &PhiRun) -> Result<Extract
     s.tokens = stats.tokens;
     s.forward_s = stats.forward_s;
     let lengths = items.iter().map(|p| p.ids.len()).collect();
-    Ok(Extracted {
+    let ex = Extracted {
         phi,
-        degenerate,
+        degenerate: Vec::new(),
         summary: s,
         weights_blake3: backbone.weights_digest.clone(),
         source: backbone.source,
         lengths,
-    })
+    };
+    Ok((ex, items))
 }
 
 pub fn extract(o: &ExtractOptions) -> Result<ExtractSummary> {

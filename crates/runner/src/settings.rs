@@ -234,8 +234,9 @@ impl Learner {
             ties += u64::from(m == 0.0);
         }
         let n = eval_y.len() as f64;
-        let err: Option<Vec<f64>> =
-            truth.map(|env| self.theta.iter().zip(&env.theta_star).map(|(a, b)| a - b).collect());
+        let err: Option<Vec<f64>> = truth
+            .filter(|env| !env.theta_star.is_empty())
+            .map(|env| self.theta.iter().zip(&env.theta_star).map(|(a, b)| a - b).collect());
         let c = self.est.counters();
         let row = MetricRow {
             step: self.steps,
@@ -433,7 +434,7 @@ fn passive(plan: &Plan, world: &World<'_>, l: &mut Learner, seed: u32) -> Result
                     let c = env.draw_context(&mut data);
                     let (a1, a2) = two_arms(&mut data, env.k);
                     let zi = env.diff(&c, a1, a2);
-                    y.push(env.label(&zi, labels.random()));
+                    y.push(env.label(&c, a1, a2, &zi, labels.random()));
                     z.extend(zi);
                 }
                 World::Pairs(p) => {
@@ -566,7 +567,7 @@ fn active(plan: &Plan, config: &ConfigPlan, world: &World<'_>, l: &mut Learner, 
                 let c = env.draw_context(&mut data);
                 let (a1, a2) = two_arms(&mut data, env.k);
                 let z = env.diff(&c, a1, a2);
-                pool_y.push(env.label(&z, labels.random()));
+                pool_y.push(env.label(&c, a1, a2, &z, labels.random()));
                 pool_z.extend(z);
             }
             (pool_z.into(), pool_y.into())
@@ -663,7 +664,7 @@ fn deploy(plan: &Plan, config: &ConfigPlan, env: &Env, l: &mut Learner, seed: u3
             let pair = selection::select_pair(&strategy, &est, bonus.as_deref(), &mut select);
             ties += u64::from(pair.ties);
             let zi = env.diff(&c, pair.first, pair.second);
-            y.push(env.label(&zi, u));
+            y.push(env.label(&c, pair.first, pair.second, &zi, u));
             z.extend(zi);
             let best = (0..k).map(|a| env.reward(&c, a)).fold(f64::NEG_INFINITY, f64::max);
             let got = 0.5 * (env.reward(&c, pair.first) + env.reward(&c, pair.second));
