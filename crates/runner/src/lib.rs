@@ -10,6 +10,7 @@ pub mod dataset_env;
 pub mod datasets;
 pub mod env;
 pub mod extract;
+pub mod generated;
 pub mod pairs;
 pub mod plan;
 pub mod report;
@@ -112,6 +113,7 @@ pub fn run(opts: &RunOptions) -> Result<RunSummary> {
             "dataset": d.report,
             "backbone_cost": backbone_cost(&plan),
         })),
+        "generated": plan.generated.as_ref().map(|g| serde_json::to_value(&g.report).unwrap_or_default()),
         "cells": plan.cells.len(),
         "failed_cells": failed,
         "threads": pool.current_num_threads(),
@@ -129,6 +131,9 @@ pub fn run(opts: &RunOptions) -> Result<RunSummary> {
 
 /// Final metrics per config, mean over seeds.
 fn print_summary(plan: &plan::Plan, outcomes: &[results::CellOutcome<'_>]) {
+    if plan.generated.is_some() && plan.spec.setting == spec::Setting::Deploy {
+        return print_deploy_summary(plan, outcomes);
+    }
     eprintln!("{:<44} {:>8} {:>10} {:>10} {:>12}", "config", "eval_acc", "theta_err", "subopt", "regret");
     for c in &plan.configs {
         let finals: Vec<&settings::MetricRow> = outcomes
@@ -156,6 +161,51 @@ fn print_summary(plan: &plan::Plan, outcomes: &[results::CellOutcome<'_>]) {
             opt(&|r| r.theta_err, 4),
             opt(&|r| r.subopt, 4),
             opt(&|r| r.regret, 3)
+        );
+    }
+}
+
+/// Chunked deployment: cumulative metrics at the last chunk (mean over seeds) and win rates.
+fn print_deploy_summary(plan: &plan::Plan, outcomes: &[results::CellOutcome<'_>]) {
+    let wins = results::win_rates(plan, outcomes);
+    eprintln!(
+        "{:<34} {:>9} {:>9} {:>9} {:>8} {:>8} {:>7} {:>7}",
+        "config", "cum_pair", "mean_rew", "regret", "policy", "tau", "win/ch", "win/pr"
+    );
+    for c in &plan.configs {
+        let finals: Vec<&settings::MetricRow> = outcomes
+            .iter()
+            .filter(|o| o.config.config_id == c.config_id)
+            .filter_map(|o| o.result.as_ref().ok().and_then(|r| r.rows.last()))
+            .collect();
+        if finals.is_empty() {
+            eprintln!("{:<34} (every seed failed)", c.label);
+            continue;
+        }
+        let n = finals.len() as f64;
+        let mean =
+            |f: &dyn Fn(&settings::MetricRow) -> Option<f64>| finals.iter().filter_map(|r| f(r)).sum::<f64>() / n;
+        // the mean over the run of the chunks' policy reward and τ
+        let all: Vec<&settings::MetricRow> = outcomes
+            .iter()
+            .filter(|o| o.config.config_id == c.config_id)
+            .filter_map(|o| o.result.as_ref().ok())
+            .flat_map(|r| r.rows.iter())
+            .collect();
+        let avg = |f: &dyn Fn(&settings::MetricRow) -> Option<f64>| {
+            all.iter().filter_map(|r| f(r)).sum::<f64>() / all.len().max(1) as f64
+        };
+        let w = &wins[c.config_id];
+        eprintln!(
+            "{:<34} {:>9.3} {:>9.4} {:>9.2} {:>8.4} {:>8.3} {:>7.3} {:>7.3}",
+            c.label,
+            mean(&|r| r.cum_pair_reward),
+            mean(&|r| r.mean_reward),
+            mean(&|r| r.regret),
+            avg(&|r| r.policy_reward),
+            avg(&|r| r.kendall_tau),
+            w.chunk_wins / w.chunks.max(1) as f64,
+            w.prompt_wins / w.prompts.max(1) as f64
         );
     }
 }

@@ -265,6 +265,8 @@ pub struct Plan {
     pub cells: Vec<CellPlan>,
     /// kind = "features": the pairs, read once and shared by every cell.
     pub data: Option<Arc<PairData>>,
+    /// kind = "generated": the responses, their φ and rewards, shared by every cell.
+    pub generated: Option<Arc<crate::generated::Generated>>,
 }
 
 impl Plan {
@@ -402,7 +404,13 @@ pub fn build(mut spec: Spec, file: &Path, text: &str) -> Result<Plan, SpecError>
             format!("`{name}`: expected letters, digits, `-`, `_` or `.` (it names the run directory)"),
         ));
     }
+    let mut generated = None;
     let data = match spec.env.kind {
+        EnvKind::Generated => {
+            let g = load_generated(&mut spec, text, &err)?;
+            generated = Some(Arc::new(g));
+            None
+        }
         EnvKind::Synthetic => {
             for k in ["path", "eval_path", "order", "order_path"] {
                 if is_written(text, &["env", k]) {
@@ -424,6 +432,22 @@ pub fn build(mut spec: Spec, file: &Path, text: &str) -> Result<Plan, SpecError>
     };
     if spec.env.kind != EnvKind::Dataset && spec.data.is_some() {
         return Err(err(&["data"], "applies to env.kind = \"dataset\" only".into()));
+    }
+    if spec.env.kind != EnvKind::Generated {
+        for (k, given) in [
+            ("generate", spec.generate.is_some()),
+            ("features", spec.features.is_some()),
+            ("oracle", spec.oracle.is_some()),
+        ] {
+            if given {
+                return Err(err(&[k], "applies to env.kind = \"generated\" only".into()));
+            }
+        }
+        for k in ["chunks", "prompt_order", "policy", "reset_each_chunk"] {
+            if is_written(text, &["deploy", k]) {
+                return Err(err(&["deploy", k], "applies to env.kind = \"generated\" only".into()));
+            }
+        }
     }
     let env = &spec.env;
     let checks: [(&[&str], bool, &str); 11] = [
@@ -463,7 +487,8 @@ pub fn build(mut spec: Spec, file: &Path, text: &str) -> Result<Plan, SpecError>
             return Err(err(path, format!("out of range: expected {expected}")));
         }
     }
-    if spec.stream.samples % spec.stream.batch_size as u64 != 0 {
+    let chunked = spec.setting == Setting::Deploy && generated.is_some();
+    if !chunked && spec.stream.samples % spec.stream.batch_size as u64 != 0 {
         return Err(err(
             &["stream", "samples"],
             format!("{} is not a multiple of batch_size = {}", spec.stream.samples, spec.stream.batch_size),
@@ -579,7 +604,7 @@ pub fn build(mut spec: Spec, file: &Path, text: &str) -> Result<Plan, SpecError>
         }
         let mut base = EstimatorConfig::default_for(kind);
         if kind == Kind::OmdExact && e.theory == Some(true) {
-            if data.is_some() {
+            if data.is_some() || generated.is_some() {
                 return Err(err(
                     &at("theory"),
                     "needs the bounds B and L of the synthetic environment; kind = \"features\" has none".into(),
@@ -646,7 +671,70 @@ pub fn build(mut spec: Spec, file: &Path, text: &str) -> Result<Plan, SpecError>
         .enumerate()
         .map(|(i, (config, seed))| CellPlan { cell_id: format!("c{i:04}"), config, seed })
         .collect();
-    Ok(Plan { name, spec, configs, cells, data })
+    Ok(Plan { name, spec, configs, cells, data, generated })
+}
+
+/// Generates (or reads from the caches) the responses of a `kind = "generated"` environment and
+/// fills env.dim, env.arms, env.contexts and, for deploy, stream.samples from them.
+fn load_generated(
+    spec: &mut Spec,
+    text: &str,
+    err: &dyn Fn(&[&str], String) -> SpecError,
+) -> Result<crate::generated::Generated, SpecError> {
+    for k in
+        ["contexts", "fresh_contexts", "arms", "features", "feature_norm", "theta_norm", "path", "eval_path", "order"]
+    {
+        if is_written(text, &["env", k]) {
+            return Err(err(
+                &["env", k],
+                "does not apply to kind = \"generated\" (see [generate], [features], [oracle])".into(),
+            ));
+        }
+    }
+    let g =
+        spec.generate.as_ref().ok_or_else(|| err(&["generate"], "required when env.kind = \"generated\"".into()))?;
+    let f =
+        spec.features.as_ref().ok_or_else(|| err(&["features"], "required when env.kind = \"generated\"".into()))?;
+    let o = spec.oracle.as_ref().ok_or_else(|| err(&["oracle"], "required when env.kind = \"generated\"".into()))?;
+    g.check().map_err(|(k, m)| err(&["generate", k], m))?;
+    f.check().map_err(|(k, m)| err(&["features", k], m))?;
+    o.check().map_err(|(k, m)| err(&["oracle", k], m))?;
+    if spec.setting == Setting::Deploy {
+        let c = spec.deploy.chunks;
+        let prompts = g.rows.unwrap_or(usize::MAX);
+        if c == 0 || (c > prompts) {
+            return Err(err(&["deploy", "chunks"], format!("{c}: expected 1 ≤ chunks ≤ the number of prompts")));
+        }
+    }
+    let progress = std::io::IsTerminal::is_terminal(&std::io::stderr());
+    let out = crate::generated::build(g, f, o, progress).map_err(|e| err(&["generate"], format!("{e:#}")))?;
+    let given = |k: &str| is_written(text, &["env", k]);
+    if given("dim") && spec.env.dim != out.bank.d {
+        return Err(err(
+            &["env", "dim"],
+            format!("{}, but the feature model gives {} features", spec.env.dim, out.bank.d),
+        ));
+    }
+    spec.env.dim = out.bank.d;
+    spec.env.arms = out.bank.k;
+    spec.env.contexts = out.bank.contexts.len();
+    if spec.setting == Setting::Deploy {
+        let p = out.bank.contexts.len() as u64;
+        if spec.deploy.chunks > p as usize {
+            return Err(err(
+                &["deploy", "chunks"],
+                format!("{}: more chunks than the {p} prompts", spec.deploy.chunks),
+            ));
+        }
+        if is_written(text, &["stream", "samples"]) && spec.stream.samples != p {
+            return Err(err(
+                &["stream", "samples"],
+                format!("{}: a deployment run labels one pair per prompt, i.e. {p}; leave it out", spec.stream.samples),
+            ));
+        }
+        spec.stream.samples = p;
+    }
+    Ok(out)
 }
 
 /// Reads and checks the pairs of a `kind = "features"` environment.

@@ -67,6 +67,11 @@ impl Table {
         self.cols.push(Arc::new(UInt64Array::from(v.into_iter().collect::<Vec<_>>())));
         self
     }
+    fn opt_u64(mut self, name: &str, v: impl IntoIterator<Item = Option<u64>>) -> Self {
+        self.fields.push(Field::new(name, DataType::UInt64, true));
+        self.cols.push(Arc::new(UInt64Array::from(v.into_iter().collect::<Vec<_>>())));
+        self
+    }
     fn f64(mut self, name: &str, v: impl IntoIterator<Item = f64>) -> Self {
         self.fields.push(Field::new(name, DataType::Float64, false));
         self.cols.push(Arc::new(Float64Array::from(v.into_iter().collect::<Vec<_>>())));
@@ -173,7 +178,74 @@ pub fn write_tables(dir: &Path, plan: &Plan, cells: &[CellOutcome<'_>]) -> Resul
         .u64("hvp_evals", rows.iter().map(|(_, m)| m.hvp_evals))
         .u64("flops", rows.iter().map(|(_, m)| m.flops))
         .bool("converged", rows.iter().map(|(_, m)| m.converged));
+    let chunked = plan.generated.is_some() && setting == "deploy";
+    let t = if chunked {
+        t.opt_u64("chunk", rows.iter().map(|(_, m)| m.chunk))
+            .opt_f64("pair_reward", rows.iter().map(|(_, m)| m.pair_reward))
+            .opt_f64("cum_pair_reward", rows.iter().map(|(_, m)| m.cum_pair_reward))
+            .opt_f64("policy_reward", rows.iter().map(|(_, m)| m.policy_reward))
+            .opt_f64("kendall_tau", rows.iter().map(|(_, m)| m.kendall_tau))
+            .opt_u64("oracle_ties", rows.iter().map(|(_, m)| m.oracle_ties))
+    } else {
+        t
+    };
     schemas.push(("metrics.parquet".to_string(), t.write(&dir.join("metrics.parquet"))?));
+
+    if chunked {
+        let rows: Vec<(&CellOutcome<'_>, &crate::settings::RoundRow)> = cells
+            .iter()
+            .filter_map(|c| c.result.as_ref().ok().map(|r| (c, r)))
+            .flat_map(|(c, r)| r.rounds.iter().map(move |m| (c, m)))
+            .collect();
+        let t = Table::default()
+            .str("cell_id", rows.iter().map(|(c, _)| c.cell_id.to_string()))
+            .u32("config_id", rows.iter().map(|(c, _)| c.config.config_id as u32))
+            .str("estimator", rows.iter().map(|(c, _)| c.config.kind.to_string()))
+            .opt_str("strategy", rows.iter().map(|(c, _)| strategy(c.config)))
+            .u32("seed", rows.iter().map(|(c, _)| c.seed))
+            .u64("chunk", rows.iter().map(|(_, r)| r.chunk))
+            .u64("prompt", rows.iter().map(|(_, r)| r.prompt))
+            .u32("first", rows.iter().map(|(_, r)| r.first))
+            .u32("second", rows.iter().map(|(_, r)| r.second))
+            .f64("reward_first", rows.iter().map(|(_, r)| r.reward_first))
+            .f64("reward_second", rows.iter().map(|(_, r)| r.reward_second))
+            .f64("label", rows.iter().map(|(_, r)| f64::from(r.label)))
+            .u32("policy_pick", rows.iter().map(|(_, r)| r.policy_pick))
+            .f64("policy_reward", rows.iter().map(|(_, r)| r.policy_reward))
+            .f64("best_reward", rows.iter().map(|(_, r)| r.best_reward))
+            .f64("kendall_tau", rows.iter().map(|(_, r)| r.kendall_tau));
+        schemas.push(("rounds.parquet".to_string(), t.write(&dir.join("rounds.parquet"))?));
+        let w = win_rates(plan, cells);
+        let t = Table::default()
+            .u32("config_id", w.iter().map(|r| r.config_id as u32))
+            .str("label", w.iter().map(|r| plan.configs[r.config_id].label.clone()))
+            .str("estimator", w.iter().map(|r| plan.configs[r.config_id].kind.to_string()))
+            .opt_str("strategy", w.iter().map(|r| strategy(&plan.configs[r.config_id])))
+            .f64("chunk_win_rate", w.iter().map(|r| r.chunk_wins / r.chunks.max(1) as f64))
+            .f64("prompt_win_rate", w.iter().map(|r| r.prompt_wins / r.prompts.max(1) as f64))
+            .u64("chunks_compared", w.iter().map(|r| r.chunks))
+            .u64("prompts_compared", w.iter().map(|r| r.prompts));
+        schemas.push(("winrates.parquet".to_string(), t.write(&dir.join("winrates.parquet"))?));
+    }
+    if let Some(g) = &plan.generated {
+        let rows: Vec<(usize, usize, &features::generate::Sample)> = g
+            .samples
+            .iter()
+            .enumerate()
+            .flat_map(|(i, ss)| ss.iter().enumerate().map(move |(j, s)| (i, j, s)))
+            .collect();
+        let prompt_text = |i: usize| g.prompts[i].last().map(|m| m.content.clone()).unwrap_or_default();
+        let reward = |i: usize, j: usize| g.bank.contexts[i].reward.as_ref().map_or(f64::NAN, |r| r[j]);
+        let t = Table::default()
+            .u64("prompt", rows.iter().map(|(i, _, _)| *i as u64))
+            .str("prompt_text", rows.iter().map(|(i, _, _)| prompt_text(*i)))
+            .u32("sample", rows.iter().map(|(_, j, _)| *j as u32))
+            .str("response", rows.iter().map(|(_, _, s)| s.text.clone()))
+            .u64("tokens", rows.iter().map(|(_, _, s)| s.tokens as u64))
+            .bool("stopped", rows.iter().map(|(_, _, s)| s.stopped))
+            .f64("oracle_reward", rows.iter().map(|(i, j, _)| reward(*i, *j)));
+        schemas.push(("generations.parquet".to_string(), t.write(&dir.join("generations.parquet"))?));
+    }
 
     if plan.spec.stream.record_steps {
         let rows: Vec<(&CellOutcome<'_>, &StepRow)> = cells
@@ -223,6 +295,64 @@ pub fn write_tables(dir: &Path, plan: &Plan, cells: &[CellOutcome<'_>]) -> Resul
         }
     }
     Ok(schemas)
+}
+
+/// Win counts of one config over the cells of a chunked deployment run.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct WinRate {
+    pub config_id: usize,
+    /// Σ over (seed, chunk) of 1/w when this config is among the w cells with the highest
+    /// chunk mean of r(a) + r(a′); `chunks` counts the (seed, chunk) pairs compared.
+    pub chunk_wins: f64,
+    pub chunks: u64,
+    /// The same per (seed, prompt), on r(a) + r(a′) of the pair each cell chose.
+    pub prompt_wins: f64,
+    pub prompts: u64,
+}
+
+/// Win rates across every estimator × strategy cell of a run, per seed (cells of one seed see
+/// the same prompt order and label noise). Configs whose cell failed do not compete.
+pub fn win_rates(plan: &Plan, cells: &[CellOutcome<'_>]) -> Vec<WinRate> {
+    use std::collections::BTreeMap;
+    let mut out: Vec<WinRate> =
+        plan.configs.iter().map(|c| WinRate { config_id: c.config_id, ..Default::default() }).collect();
+    // (seed, chunk or prompt) → [(config, score)]
+    let mut by_chunk: BTreeMap<(u32, u64), Vec<(usize, f64)>> = BTreeMap::new();
+    let mut by_prompt: BTreeMap<(u32, u64), Vec<(usize, f64)>> = BTreeMap::new();
+    for c in cells {
+        let Ok(r) = &c.result else { continue };
+        for m in &r.rows {
+            if let (Some(ch), Some(v)) = (m.chunk, m.pair_reward) {
+                by_chunk.entry((c.seed, ch)).or_default().push((c.config.config_id, v));
+            }
+        }
+        for rr in &r.rounds {
+            by_prompt
+                .entry((c.seed, rr.prompt))
+                .or_default()
+                .push((c.config.config_id, rr.reward_first + rr.reward_second));
+        }
+    }
+    let credit = |groups: BTreeMap<(u32, u64), Vec<(usize, f64)>>, out: &mut Vec<WinRate>, chunk: bool| {
+        for (_, g) in groups {
+            let best = g.iter().map(|x| x.1).fold(f64::NEG_INFINITY, f64::max);
+            let winners = g.iter().filter(|x| x.1 == best).count() as f64;
+            for (cfg, v) in g {
+                let w = &mut out[cfg];
+                let share = if v == best { 1.0 / winners } else { 0.0 };
+                if chunk {
+                    w.chunk_wins += share;
+                    w.chunks += 1;
+                } else {
+                    w.prompt_wins += share;
+                    w.prompts += 1;
+                }
+            }
+        }
+    };
+    credit(by_chunk, &mut out, true);
+    credit(by_prompt, &mut out, false);
+    out
 }
 
 /// A 1-D little-endian f64 array in NPY format 1.0.

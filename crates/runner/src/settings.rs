@@ -39,6 +39,17 @@ pub struct MetricRow {
     /// Deploy: cumulative regret Σ r(x,π*) − ½(r(a)+r(a′)), and the mean of ½(r(a)+r(a′)).
     pub regret: Option<f64>,
     pub mean_reward: Option<f64>,
+    /// Deploy on generated responses, per chunk: its index (1-based); the chunk's mean of
+    /// r(a) + r(a′) (the authors' number) and its running sum over chunks; the mean oracle
+    /// reward of the deployed policy's response (best-of-n under θ at the chunk's start, or the
+    /// fixed first sample); the mean Kendall τ_b between learned and oracle rankings of the n
+    /// samples; label ties of the argmax oracle so far.
+    pub chunk: Option<u64>,
+    pub pair_reward: Option<f64>,
+    pub cum_pair_reward: Option<f64>,
+    pub policy_reward: Option<f64>,
+    pub kendall_tau: Option<f64>,
+    pub oracle_ties: Option<u64>,
     /// max 1/σ'(zᵀθ_t) over the samples since the previous row (the paper's κ on the data seen).
     pub kappa: f64,
     /// Mean over those batches of the authors' 1/(min σ' + 1e-3).
@@ -83,6 +94,52 @@ pub struct CellResult {
     pub stream_hash: u64,
     /// Seconds inside `Estimator::update`, over the whole cell.
     pub estimator_s: f64,
+    /// Deploy on generated responses: one row per prompt (rounds.parquet).
+    pub rounds: Vec<RoundRow>,
+}
+
+/// One prompt of a chunked deployment run.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct RoundRow {
+    pub chunk: u64,
+    /// Index of the prompt in the prompt file (generations.parquet).
+    pub prompt: u64,
+    pub first: u32,
+    pub second: u32,
+    pub reward_first: f64,
+    pub reward_second: f64,
+    /// 1: the first response preferred.
+    pub label: f32,
+    pub policy_pick: u32,
+    pub policy_reward: f64,
+    /// max_a r(a) over the prompt's samples.
+    pub best_reward: f64,
+    pub kendall_tau: f64,
+}
+
+/// Kendall's τ_b between two score vectors (ties in either counted as τ_b does); 0 when either
+/// is constant.
+pub fn kendall_tau_b(a: &[f64], b: &[f64]) -> f64 {
+    let (mut conc, mut disc, mut ta, mut tb) = (0i64, 0i64, 0i64, 0i64);
+    for i in 0..a.len() {
+        for j in i + 1..a.len() {
+            let (x, y) = ((a[i] - a[j]).signum(), (b[i] - b[j]).signum());
+            let (x, y) = (if a[i] == a[j] { 0.0 } else { x }, if b[i] == b[j] { 0.0 } else { y });
+            match (x == 0.0, y == 0.0) {
+                (true, true) => {}
+                (true, false) => ta += 1,
+                (false, true) => tb += 1,
+                _ if x == y => conc += 1,
+                _ => disc += 1,
+            }
+        }
+    }
+    let n = ((conc + disc + ta) as f64 * (conc + disc + tb) as f64).sqrt();
+    if n == 0.0 {
+        0.0
+    } else {
+        (conc - disc) as f64 / n
+    }
 }
 
 struct Hasher(u64);
@@ -299,9 +356,10 @@ impl World<'_> {
 /// Runs one cell.
 pub fn run_cell(plan: &Plan, config: &ConfigPlan, seed: u32) -> Result<CellResult> {
     let spec = &plan.spec;
-    let world = match &plan.data {
-        Some(p) => World::Pairs(p),
-        None => World::Synthetic(Env::new(&spec.env, spec.master_seed, seed)),
+    let world = match (&plan.data, &plan.generated) {
+        (Some(p), _) => World::Pairs(p),
+        (None, Some(g)) => World::Synthetic(Env::from_bank(&g.bank, spec.env.eval_pairs, spec.master_seed, seed)),
+        (None, None) => World::Synthetic(Env::new(&spec.env, spec.master_seed, seed)),
     };
     let mut learner = Learner::new(plan, config, seed)?;
     let mut out = match (spec.setting, &world) {
@@ -310,6 +368,9 @@ pub fn run_cell(plan: &Plan, config: &ConfigPlan, seed: u32) -> Result<CellResul
         }
         (Setting::Passive, _) => passive(plan, &world, &mut learner, seed)?,
         (Setting::Active, _) => active(plan, config, &world, &mut learner, seed)?,
+        (Setting::Deploy, World::Synthetic(env)) if plan.generated.is_some() => {
+            deploy_chunked(plan, config, env, &mut learner, seed)?
+        }
         (Setting::Deploy, World::Synthetic(env)) => deploy(plan, config, env, &mut learner, seed)?,
         (Setting::Deploy, World::Pairs(_)) => return Err(anyhow!("deploy needs the synthetic environment")),
     };
@@ -682,6 +743,102 @@ fn deploy(plan: &Plan, config: &ConfigPlan, env: &Env, l: &mut Learner, seed: u3
         }
     }
     Ok(CellResult { rows, stream_hash: h.0, ..Default::default() })
+}
+
+/// Deployment on generated responses (paper Alg. 4 in the authors' chunked form): the prompts,
+/// in a per-seed order, are cut into chunks; within a chunk θ is fixed — it ranks every
+/// prompt's n responses, the strategy picks a pair, the oracle labels it — then the estimator
+/// updates on the chunk's pairs in mini-batches of `stream.batch_size`.
+fn deploy_chunked(plan: &Plan, config: &ConfigPlan, env: &Env, l: &mut Learner, seed: u32) -> Result<CellResult> {
+    let spec = &plan.spec;
+    let strategy = config.strategy.ok_or_else(|| anyhow!("deploy cell without a strategy"))?;
+    let (k, b) = (env.k, spec.stream.batch_size);
+    let mut data = stream(spec.master_seed, seed, Component::Data);
+    let mut labels = stream(spec.master_seed, seed, Component::Labels);
+    let mut select = stream(spec.master_seed, seed, Component::Select);
+    let p = env.contexts.len();
+    let mut order: Vec<usize> = (0..p).collect();
+    if spec.deploy.prompt_order == Order::Shuffled {
+        order.shuffle(&mut data);
+    }
+    let chunks = spec.deploy.chunks.max(1);
+    let mut h = Hasher::new();
+    let (mut regret, mut reward_sum, mut cum_pair, mut ties, mut oracle_ties) = (0.0, 0.0, 0.0, 0u64, 0u64);
+    let (mut rows, mut rounds) = (Vec::new(), Vec::new());
+    let mut seen = 0usize;
+    for c in 0..chunks {
+        // chunk c holds prompts [c·p/chunks, (c+1)·p/chunks) of the order
+        let (lo, hi) = (c * p / chunks, (c + 1) * p / chunks);
+        if c > 0 && spec.deploy.reset_each_chunk {
+            let carried = (l.steps, l.samples);
+            *l = Learner::new(plan, config, seed)?;
+            (l.steps, l.samples) = carried;
+        }
+        let (mut z, mut y) = (Vec::new(), Vec::new());
+        let (mut pair_sum, mut pol_sum, mut tau_sum) = (0.0, 0.0, 0.0);
+        for &x in &order[lo..hi] {
+            let ctx = &env.contexts[x];
+            let est: Vec<f64> = (0..k).map(|a| dot(env.arm(ctx, a), &l.theta)).collect();
+            let truth: Vec<f64> = (0..k).map(|a| env.reward(ctx, a)).collect();
+            let bonus: Option<Vec<f64>> = strategy.needs_bonus().then(|| {
+                let first = selection::first_arm(&est, &select);
+                (0..k).map(|a| l.curv.inv_norm(&env.diff(ctx, a, first))).collect()
+            });
+            let pair = selection::select_pair(&strategy, &est, bonus.as_deref(), &mut select);
+            ties += u64::from(pair.ties);
+            let zi = env.diff(ctx, pair.first, pair.second);
+            let u: f64 = labels.random();
+            h.bytes(&(x as u64).to_le_bytes());
+            h.bytes(&u.to_le_bytes());
+            let label = env.label(ctx, pair.first, pair.second, &zi, u);
+            oracle_ties += u64::from(truth[pair.first] == truth[pair.second]);
+            y.push(label);
+            z.extend(zi);
+            let best = truth.iter().copied().fold(f64::NEG_INFINITY, f64::max);
+            let (ra, rb) = (truth[pair.first], truth[pair.second]);
+            regret += best - 0.5 * (ra + rb);
+            reward_sum += 0.5 * (ra + rb);
+            pair_sum += ra + rb;
+            let pick = match spec.deploy.policy {
+                crate::spec::DeployPolicy::BestOfN => argmax(est.iter().copied()),
+                crate::spec::DeployPolicy::Fixed => 0,
+            };
+            pol_sum += truth[pick];
+            let tau = kendall_tau_b(&est, &truth);
+            tau_sum += tau;
+            rounds.push(RoundRow {
+                chunk: c as u64 + 1,
+                prompt: x as u64,
+                first: pair.first as u32,
+                second: pair.second as u32,
+                reward_first: ra,
+                reward_second: rb,
+                label,
+                policy_pick: pick as u32,
+                policy_reward: truth[pick],
+                best_reward: best,
+                kendall_tau: tau,
+            });
+        }
+        for (zb, yb) in z.chunks(b * env.d).zip(y.chunks(b)) {
+            l.update(zb, yb)?;
+        }
+        seen += hi - lo;
+        let n = (hi - lo) as f64;
+        cum_pair += pair_sum / n;
+        let mut row = l.row_at((&env.eval_z, &env.eval_y), Some(env));
+        row.regret = Some(regret);
+        row.mean_reward = Some(reward_sum / seen as f64);
+        row.ties = ties;
+        row.chunk = Some(c as u64 + 1);
+        row.pair_reward = Some(pair_sum / n);
+        row.cum_pair_reward = Some(cum_pair);
+        row.policy_reward = Some(pol_sum / n);
+        row.kendall_tau = Some(tau_sum / n);
+        row.oracle_ties = Some(oracle_ties);
+        rows.push(row);
+    }
+    Ok(CellResult { rows, rounds, stream_hash: h.0, ..Default::default() })
 }
 
 #[cfg(test)]

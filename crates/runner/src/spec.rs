@@ -230,6 +230,15 @@ pub struct Spec {
     /// env.kind = "dataset": the preference data and the feature model.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub data: Option<crate::dataset_env::DataSpec>,
+    /// env.kind = "generated": prompts, policy and sampling.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub generate: Option<crate::generated::GenerateSpec>,
+    /// env.kind = "generated": the learner's feature model.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub features: Option<crate::generated::FeatureSpec>,
+    /// env.kind = "generated": the oracle that scores and labels responses.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub oracle: Option<crate::generated::OracleSpec>,
 }
 
 fn d_master_seed() -> u64 {
@@ -257,6 +266,9 @@ pub enum EnvKind {
     Features,
     /// A preference dataset and a feature model (`[data]`): φ computed through the feature cache.
     Dataset,
+    /// Responses sampled from a policy (`[generate]`), their φ (`[features]`) and an oracle's
+    /// rewards (`[oracle]`): contexts are prompts, arms are samples.
+    Generated,
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
@@ -555,6 +567,39 @@ pub struct DeploySpec {
     pub beta: Beta,
     #[serde(default = "d_delta")]
     pub delta: f64,
+    /// env.kind = "generated": the prompts are split into this many chunks, in order; the learned
+    /// reward ranks a chunk's responses with θ fixed at the chunk's start, then the estimator
+    /// updates on the chunk's labelled pairs (mini-batches of stream.batch_size).
+    #[serde(default = "d_chunks")]
+    pub chunks: usize,
+    /// The order of the prompts: a permutation per seed ("shuffled") or the file's ("file").
+    #[serde(default = "d_prompt_order")]
+    pub prompt_order: Order,
+    /// The deployed policy between chunks: the best of the n samples under the learned reward
+    /// ("best-of-n"), or the policy's first sample ("fixed"). A trained policy (DPO/PPO) would
+    /// regenerate the responses here.
+    #[serde(default = "d_policy")]
+    pub policy: DeployPolicy,
+    /// Re-initialise the estimator at every chunk (the authors' pipeline did, by accident).
+    #[serde(default)]
+    pub reset_each_chunk: bool,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum DeployPolicy {
+    BestOfN,
+    Fixed,
+}
+
+fn d_chunks() -> usize {
+    10
+}
+fn d_prompt_order() -> Order {
+    Order::Shuffled
+}
+fn d_policy() -> DeployPolicy {
+    DeployPolicy::BestOfN
 }
 
 impl Default for DeploySpec {

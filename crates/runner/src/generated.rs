@@ -1,0 +1,580 @@
+//! `env.kind = "generated"`: a policy model samples n responses to each prompt (`[generate]`),
+//! a feature model gives the learner's φ (`[features]`), and an oracle (`[oracle]`) scores
+//! every response. The result is a [`Bank`] of contexts (prompts) × arms (samples) that every
+//! cell of the run shares: deployment runs its chunked loop over it, passive and active draw
+//! pairs from it like from the synthetic bandit, with exact SubOpt and regret.
+//!
+//! Generated texts are cached per (policy weights, tokenizer, template, sampling options,
+//! prompt) under `generate.cache`, written after every batch, so a second run (or a killed one)
+//! generates nothing twice.
+
+use crate::dataset_env::{expand_env, resolve_files};
+use crate::env::{Bank, Context, LabelRule};
+use crate::extract::{device, extract_conversations, PhiRun};
+use crate::results::write_atomic;
+use anyhow::{anyhow, bail, Context as _, Result};
+use features::generate::{Sample, SampleOptions};
+use features::{Backbone, Message, Source};
+use rand::SeedableRng;
+use rand_distr::{Distribution, StandardNormal};
+use serde::{Deserialize, Serialize};
+use std::path::PathBuf;
+use std::sync::Arc;
+
+/// The `[generate]` table: prompts, policy and sampling.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct GenerateSpec {
+    /// Prompts: a .jsonl(.gz) or .parquet file, a `*` pattern, or `hf:datasets/<o>/<n>[@rev]:<file>`.
+    pub prompts: String,
+    /// The column or key holding each prompt (a string or a list of messages).
+    #[serde(default = "d_prompt_key")]
+    pub prompt_key: String,
+    /// The first `rows` prompts (default: all).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub rows: Option<usize>,
+    /// The policy: a .gguf file, a model directory or hf:<owner>/<name>.
+    pub policy: String,
+    #[serde(default = "d_n")]
+    pub n: usize,
+    #[serde(default = "d_one")]
+    pub temperature: f64,
+    #[serde(default = "d_one")]
+    pub top_p: f64,
+    #[serde(default = "d_max_new")]
+    pub max_new_tokens: usize,
+    /// Seed of the sampling streams (one per prompt × sample; the same for every run seed, so
+    /// all cells and seeds see the same responses).
+    #[serde(default)]
+    pub seed: u64,
+    /// Prompts per generation batch (× n rows).
+    #[serde(default = "d_batch_prompts")]
+    pub batch_prompts: usize,
+    /// Prompts longer than this (templated tokens) are an error naming the row.
+    #[serde(default = "d_max_prompt")]
+    pub max_prompt_tokens: usize,
+    #[serde(default = "d_dtype")]
+    pub dtype: String,
+    #[serde(default = "d_device")]
+    pub device: String,
+    #[serde(default = "d_gen_cache")]
+    pub cache: PathBuf,
+}
+
+/// The `[features]` table: the learner's φ over (prompt, response).
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct FeatureSpec {
+    pub model: String,
+    #[serde(default = "d_max_len")]
+    pub max_len: usize,
+    #[serde(default = "d_eos_rule")]
+    pub eos_rule: features::EosRule,
+    #[serde(default = "d_truncation")]
+    pub truncation: features::Truncation,
+    #[serde(default = "d_layer")]
+    pub layer: i64,
+    #[serde(default = "d_pool")]
+    pub pool: features::Pool,
+    #[serde(default = "d_dtype")]
+    pub dtype: String,
+    #[serde(default = "d_device")]
+    pub device: String,
+    #[serde(default = "d_batch")]
+    pub batch: usize,
+    #[serde(default = "d_feat_cache")]
+    pub cache: PathBuf,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum OracleKind {
+    /// θ* over the learner's φ from `seed` (realizable Bradley–Terry, the paper's Assumption 1),
+    /// scaled to `reward_std` or to ‖θ*‖ = `norm`.
+    Linear,
+    /// A head over the learner's φ read from `path` (`score.weight` [1, d]), e.g. a teacher
+    /// trained by onepass (`report/heads/<config>.safetensors`).
+    Head,
+    /// A sequence-classifier reward model (`model`: its backbone and trained `score` head, e.g.
+    /// NCSOFT/Llama-3-OffsetBias-RM-8B), read at the last token of its own chat template.
+    RewardModel,
+}
+
+/// The `[oracle]` table.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct OracleSpec {
+    pub kind: OracleKind,
+    /// linear: the direction's seed.
+    #[serde(default)]
+    pub seed: u64,
+    /// linear: scale θ* so the rewards of one prompt's samples have this standard deviation
+    /// (pooled over prompts; default 1 unless `norm` is given).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub reward_std: Option<f64>,
+    /// linear: ‖θ*‖ = norm instead.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub norm: Option<f64>,
+    /// head: the safetensors file.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub path: Option<String>,
+    /// reward-model: the checkpoint (a directory or hf:<owner>/<name>).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub model: Option<String>,
+    #[serde(default = "d_rm_max_len")]
+    pub max_len: usize,
+    #[serde(default = "d_dtype")]
+    pub dtype: String,
+    #[serde(default = "d_device")]
+    pub device: String,
+    #[serde(default = "d_batch")]
+    pub batch: usize,
+    /// Bradley–Terry labels (the paper's model) or the oracle's argmax (the authors' pipeline).
+    #[serde(default = "d_labels")]
+    pub labels: LabelRule,
+}
+
+fn d_prompt_key() -> String {
+    "prompt".into()
+}
+fn d_n() -> usize {
+    8
+}
+fn d_one() -> f64 {
+    1.0
+}
+fn d_max_new() -> usize {
+    64
+}
+fn d_batch_prompts() -> usize {
+    8
+}
+fn d_max_prompt() -> usize {
+    512
+}
+fn d_dtype() -> String {
+    "f32".into()
+}
+fn d_device() -> String {
+    "cpu".into()
+}
+fn d_gen_cache() -> PathBuf {
+    PathBuf::from(".cache/generations")
+}
+fn d_feat_cache() -> PathBuf {
+    PathBuf::from(".cache/features")
+}
+fn d_max_len() -> usize {
+    1024
+}
+fn d_rm_max_len() -> usize {
+    2048
+}
+fn d_eos_rule() -> features::EosRule {
+    features::EosRule::Reference
+}
+fn d_truncation() -> features::Truncation {
+    features::Truncation::PromptFirst
+}
+fn d_layer() -> i64 {
+    -1
+}
+fn d_pool() -> features::Pool {
+    features::Pool::Last
+}
+fn d_batch() -> usize {
+    8
+}
+fn d_labels() -> LabelRule {
+    LabelRule::BradleyTerry
+}
+
+fn dtype_of(s: &str) -> candle_core::DType {
+    match s {
+        "bf16" => candle_core::DType::BF16,
+        "f16" => candle_core::DType::F16,
+        _ => candle_core::DType::F32,
+    }
+}
+
+fn check_dtype_device(dtype: &str, dev: &str) -> Result<(), (&'static str, String)> {
+    if !["f32", "bf16", "f16"].contains(&dtype) {
+        return Err(("dtype", format!("`{dtype}`: expected f32, bf16 or f16")));
+    }
+    if !["cpu", "cuda", "metal", "auto"].contains(&dev) {
+        return Err(("device", format!("`{dev}`: expected cpu, cuda, metal or auto")));
+    }
+    Ok(())
+}
+
+impl GenerateSpec {
+    /// Checks that need no file: (key, message).
+    pub fn check(&self) -> Result<(), (&'static str, String)> {
+        let o = self.sample_options();
+        o.check().map_err(|e| {
+            let key = if e.to_string().contains("top_p") {
+                "top_p"
+            } else if e.to_string().contains("temperature") {
+                "temperature"
+            } else {
+                "n"
+            };
+            (key, e.to_string())
+        })?;
+        if self.n < 2 {
+            return Err(("n", format!("{}: a pair needs at least 2 responses per prompt", self.n)));
+        }
+        if self.rows == Some(0) {
+            return Err(("rows", "expected at least 1 prompt".into()));
+        }
+        if self.batch_prompts == 0 {
+            return Err(("batch_prompts", "expected at least 1".into()));
+        }
+        if self.max_prompt_tokens == 0 {
+            return Err(("max_prompt_tokens", "expected at least 1".into()));
+        }
+        expand_env(&self.prompts).map_err(|m| ("prompts", m))?;
+        check_dtype_device(&self.dtype, &self.device)
+    }
+
+    pub fn sample_options(&self) -> SampleOptions {
+        SampleOptions {
+            n: self.n,
+            temperature: self.temperature,
+            top_p: self.top_p,
+            max_new_tokens: self.max_new_tokens,
+            seed: self.seed,
+        }
+    }
+}
+
+impl FeatureSpec {
+    pub fn check(&self) -> Result<(), (&'static str, String)> {
+        if self.batch == 0 {
+            return Err(("batch", "expected at least 1".into()));
+        }
+        if self.max_len < 8 {
+            return Err(("max_len", format!("{}: expected at least 8 tokens", self.max_len)));
+        }
+        check_dtype_device(&self.dtype, &self.device)
+    }
+
+    fn run(&self, progress: bool) -> Result<PhiRun> {
+        Ok(PhiRun {
+            model: expand_env(&self.model).map_err(|m| anyhow!("features.model: {m}"))?,
+            cache: self.cache.clone(),
+            batch: self.batch,
+            phi: features::PhiOptions {
+                max_len: self.max_len,
+                eos_rule: self.eos_rule,
+                truncation: self.truncation,
+                layer: self.layer,
+                pool: self.pool,
+            },
+            dtype: dtype_of(&self.dtype),
+            device: device(&self.device)?,
+            progress,
+            shard: features::ShardSpec::ALL,
+        })
+    }
+}
+
+impl OracleSpec {
+    pub fn check(&self) -> Result<(), (&'static str, String)> {
+        let pos = |v: Option<f64>| v.is_none_or(|x| x.is_finite() && x > 0.0);
+        if !pos(self.reward_std) {
+            return Err(("reward_std", format!("{:?}: expected a finite number > 0", self.reward_std)));
+        }
+        if !pos(self.norm) {
+            return Err(("norm", format!("{:?}: expected a finite number > 0", self.norm)));
+        }
+        match self.kind {
+            OracleKind::Linear if self.reward_std.is_some() && self.norm.is_some() => {
+                return Err(("norm", "give reward_std or norm, not both".into()))
+            }
+            OracleKind::Linear if self.path.is_some() || self.model.is_some() => {
+                return Err((
+                    "kind",
+                    "a linear oracle is drawn from `seed`: `path` and `model` belong to kinds head and reward-model"
+                        .into(),
+                ))
+            }
+            OracleKind::Head if self.path.is_none() => {
+                return Err(("path", "kind = \"head\" needs the safetensors file with `score.weight`".into()))
+            }
+            OracleKind::RewardModel if self.model.is_none() => {
+                return Err((
+                    "model",
+                    "kind = \"reward-model\" needs the checkpoint (a directory or hf:<owner>/<name>)".into(),
+                ))
+            }
+            OracleKind::Head | OracleKind::RewardModel if self.reward_std.is_some() || self.norm.is_some() => {
+                return Err(("reward_std", "only a linear oracle is rescaled; a trained head keeps its scale".into()))
+            }
+            _ => {}
+        }
+        check_dtype_device(&self.dtype, &self.device)
+    }
+}
+
+/// What was generated, computed and scored (meta.json's `generated` block).
+#[derive(Clone, Debug, Default, Serialize)]
+pub struct BankReport {
+    pub prompts_file: Vec<String>,
+    pub prompts: usize,
+    pub samples_per_prompt: usize,
+    pub policy: String,
+    pub policy_weights_blake3: String,
+    pub generation_cache_hits: usize,
+    pub generated_prompts: usize,
+    pub generated_tokens: usize,
+    pub generation_s: f64,
+    /// New tokens per second over the prompts generated in this run (0 when all were cached).
+    pub generation_tok_per_s: f64,
+    pub mean_response_tokens: f64,
+    /// Responses cut at max_new_tokens (no end-of-turn token).
+    pub responses_cut: usize,
+    pub empty_responses: usize,
+    pub features_model: String,
+    pub features_cache_hits: usize,
+    pub features_tokens_computed: usize,
+    pub features_s: f64,
+    pub dim: usize,
+    pub oracle: String,
+    /// ‖θ*‖ of a linear or head oracle over the learner's φ.
+    pub theta_star_norm: Option<f64>,
+    /// Standard deviation of the rewards within a prompt (pooled) and over all responses.
+    pub reward_std_within: f64,
+    pub reward_std_all: f64,
+    /// Prompts whose n rewards are not all distinct (ties in the oracle's ranking).
+    pub prompts_with_reward_ties: usize,
+}
+
+/// The bank and what it took.
+#[derive(Debug)]
+pub struct Generated {
+    pub bank: Bank,
+    pub prompts: Vec<Vec<Message>>,
+    pub samples: Vec<Vec<Sample>>,
+    pub report: BankReport,
+}
+
+fn policy_key(b: &Backbone, o: &SampleOptions) -> String {
+    let mut h = blake3::Hasher::new();
+    for part in [b.weights_digest.as_str(), b.tok.digest.as_str(), b.template.source.as_str()] {
+        h.update(&(part.len() as u64).to_le_bytes());
+        h.update(part.as_bytes());
+    }
+    h.update(serde_json::to_string(o).expect("options serialise").as_bytes());
+    h.finalize().to_hex()[..24].to_string()
+}
+
+/// The generated responses of every prompt, from the cache where present.
+fn generate(
+    g: &GenerateSpec,
+    prompts: &[Vec<Message>],
+    progress: bool,
+    rep: &mut BankReport,
+) -> Result<Vec<Vec<Sample>>> {
+    let policy = expand_env(&g.policy).map_err(|m| anyhow!("generate.policy: {m}"))?;
+    let max_len = g.max_prompt_tokens + g.max_new_tokens;
+    let b = Backbone::load_with(&Source::parse(&policy)?, &device(&g.device)?, dtype_of(&g.dtype), max_len, true)
+        .with_context(|| format!("loading the policy {policy}"))?;
+    rep.policy = b.source.clone();
+    rep.policy_weights_blake3 = b.weights_digest.clone();
+    let opts = g.sample_options();
+    let dir = g.cache.join(policy_key(&b, &opts));
+    std::fs::create_dir_all(&dir).with_context(|| format!("creating the generation cache {}", dir.display()))?;
+    std::fs::write(
+        dir.join("describe.json"),
+        serde_json::to_string_pretty(
+            &serde_json::json!({"policy": b.source, "weights_blake3": b.weights_digest, "options": opts}),
+        )?,
+    )
+    .with_context(|| format!("writing {}", dir.join("describe.json").display()))?;
+    let file_of =
+        |p: &[Message]| dir.join(format!("{}.json", blake3::Hash::from(features::cache::text_key(p)).to_hex()));
+    let mut out: Vec<Option<Vec<Sample>>> = vec![None; prompts.len()];
+    let mut todo = Vec::new();
+    for (i, p) in prompts.iter().enumerate() {
+        let ids = b.prompt_ids(p).map_err(|e| anyhow!("generate.prompts: prompt {i}: {e}"))?;
+        if ids.len() > g.max_prompt_tokens {
+            bail!(
+                "generate.prompts: prompt {i} is {} tokens after the policy's chat template, over generate.max_prompt_tokens = {}",
+                ids.len(),
+                g.max_prompt_tokens
+            );
+        }
+        match std::fs::read(file_of(p)).ok().and_then(|b| serde_json::from_slice::<Vec<Sample>>(&b).ok()) {
+            Some(s) if s.len() == g.n => out[i] = Some(s),
+            _ => todo.push(i),
+        }
+    }
+    rep.generation_cache_hits = prompts.len() - todo.len();
+    rep.generated_prompts = todo.len();
+    let bar = if progress && !todo.is_empty() {
+        indicatif::ProgressBar::new(todo.len() as u64)
+    } else {
+        indicatif::ProgressBar::hidden()
+    };
+    bar.set_style(
+        indicatif::ProgressStyle::with_template("generate {bar:30} {pos}/{len} prompts {msg} [{elapsed} < {eta}]")
+            .expect("template"),
+    );
+    let t0 = std::time::Instant::now();
+    // one call per batch of prompts, so every batch is cached as soon as it is done
+    for group in todo.chunks(g.batch_prompts) {
+        let ps: Vec<Vec<Message>> = group.iter().map(|&i| prompts[i].clone()).collect();
+        let base = rep.generated_tokens;
+        let got = b.generate(&ps, &opts, g.batch_prompts, &mut |p| {
+            let secs = t0.elapsed().as_secs_f64().max(1e-9);
+            bar.set_message(format!("{:.0} tok/s", (base + p.tokens) as f64 / secs));
+        })?;
+        for (&i, s) in group.iter().zip(got) {
+            rep.generated_tokens += s.iter().map(|x| x.tokens).sum::<usize>();
+            write_atomic(&file_of(&prompts[i]), &serde_json::to_vec(&s)?)?;
+            out[i] = Some(s);
+        }
+        bar.inc(group.len() as u64);
+    }
+    bar.finish_and_clear();
+    rep.generation_s = t0.elapsed().as_secs_f64();
+    if rep.generated_tokens > 0 {
+        rep.generation_tok_per_s = rep.generated_tokens as f64 / rep.generation_s.max(1e-9);
+    }
+    Ok(out.into_iter().map(|s| s.expect("every prompt generated or cached")).collect())
+}
+
+fn conversation(p: &[Message], response: &str) -> Vec<Message> {
+    let mut m = p.to_vec();
+    m.push(Message::new("assistant", response));
+    m
+}
+
+/// Pooled within-prompt and overall standard deviation of rewards (k per prompt).
+fn reward_spread(r: &[f64], k: usize) -> (f64, f64) {
+    let n = r.len() as f64;
+    let mean = r.iter().sum::<f64>() / n;
+    let all = (r.iter().map(|x| (x - mean).powi(2)).sum::<f64>() / n).sqrt();
+    let within = r
+        .chunks_exact(k)
+        .map(|c| {
+            let m = c.iter().sum::<f64>() / k as f64;
+            c.iter().map(|x| (x - m).powi(2)).sum::<f64>()
+        })
+        .sum::<f64>()
+        / n;
+    (within.sqrt(), all)
+}
+
+/// Generates (or reads from the cache), computes φ and scores every response.
+pub fn build(g: &GenerateSpec, f: &FeatureSpec, o: &OracleSpec, progress: bool) -> Result<Generated> {
+    let files = resolve_files("prompts", &g.prompts).map_err(|e| anyhow!("{e:#}").context("generate.prompts"))?;
+    let prompts = crate::datasets::read_prompts(&files, &g.prompt_key, g.rows)?;
+    if let Some(r) = g.rows {
+        if prompts.len() < r {
+            bail!("generate.rows = {r}, but the prompt files hold only {} prompts", prompts.len());
+        }
+    }
+    let mut rep = BankReport {
+        prompts_file: files.iter().map(|f| f.display().to_string()).collect(),
+        prompts: prompts.len(),
+        samples_per_prompt: g.n,
+        ..Default::default()
+    };
+    let samples = generate(g, &prompts, progress, &mut rep)?;
+    let all: Vec<&Sample> = samples.iter().flatten().collect();
+    rep.mean_response_tokens = all.iter().map(|s| s.tokens as f64).sum::<f64>() / all.len() as f64;
+    rep.responses_cut = all.iter().filter(|s| !s.stopped).count();
+    rep.empty_responses = all.iter().filter(|s| s.text.trim().is_empty()).count();
+    let convs: Vec<Vec<Message>> =
+        prompts.iter().zip(&samples).flat_map(|(p, ss)| ss.iter().map(move |s| conversation(p, &s.text))).collect();
+    let named: Vec<(String, &[Message])> = convs
+        .iter()
+        .enumerate()
+        .map(|(i, c)| (format!("prompt {}, sample {}", i / g.n, i % g.n), c.as_slice()))
+        .collect();
+    let (ex, _) = extract_conversations(&named, "generated responses", &f.run(progress)?)?;
+    let d = ex.summary.dim;
+    rep.features_model = ex.source.clone();
+    rep.features_cache_hits = ex.summary.hits;
+    rep.features_tokens_computed = ex.summary.tokens;
+    rep.features_s = ex.summary.forward_s;
+    rep.dim = d;
+    let phi: Vec<Vec<f32>> = ex.phi.into_iter().map(|r| r.expect("unsharded")).collect();
+    if let Some((i, _)) = phi.iter().enumerate().find(|(_, r)| r.iter().any(|v| !v.is_finite())) {
+        bail!("φ of prompt {}, sample {} has non-finite values", i / g.n, i % g.n);
+    }
+    // the oracle's rewards
+    let (rewards, theta_star): (Vec<f64>, Vec<f64>) = match o.kind {
+        OracleKind::Linear => {
+            let mut rng = rand_chacha::ChaCha20Rng::seed_from_u64(o.seed);
+            let u: Vec<f64> = (0..d).map(|_| StandardNormal.sample(&mut rng)).collect();
+            let n = u.iter().map(|x| x * x).sum::<f64>().sqrt();
+            let u: Vec<f64> = u.iter().map(|x| x / n).collect();
+            let raw: Vec<f64> = phi.iter().map(|p| crate::env::dot(p, &u)).collect();
+            let scale = match o.norm {
+                Some(b) => b,
+                None => {
+                    let (within, _) = reward_spread(&raw, g.n);
+                    if within == 0.0 {
+                        bail!("oracle: every prompt's responses have the same φ: a linear oracle cannot rank them");
+                    }
+                    o.reward_std.unwrap_or(1.0) / within
+                }
+            };
+            let theta: Vec<f64> = u.iter().map(|x| x * scale).collect();
+            rep.oracle = format!("linear (seed {}, ‖θ*‖ = {scale:.4})", o.seed);
+            (phi.iter().map(|p| crate::env::dot(p, &theta)).collect(), theta)
+        }
+        OracleKind::Head => {
+            let path = expand_env(o.path.as_deref().expect("checked")).map_err(|m| anyhow!("oracle.path: {m}"))?;
+            let h = features::head::load_score_head(&path, d).map_err(|e| anyhow!("oracle.path: {e}"))?;
+            rep.oracle = format!("head {}", h.file.display());
+            (phi.iter().map(|p| h.score(p)).collect(), h.w.iter().map(|&x| f64::from(x)).collect())
+        }
+        OracleKind::RewardModel => {
+            let model = expand_env(o.model.as_deref().expect("checked")).map_err(|m| anyhow!("oracle.model: {m}"))?;
+            let run = FeatureSpec {
+                model: model.clone(),
+                max_len: o.max_len,
+                eos_rule: features::EosRule::Plain,
+                truncation: features::Truncation::PromptFirst,
+                layer: -1,
+                pool: features::Pool::Last,
+                dtype: o.dtype.clone(),
+                device: o.device.clone(),
+                batch: o.batch,
+                cache: f.cache.clone(),
+            }
+            .run(progress)?;
+            let (rx, _) = extract_conversations(&named, "generated responses (oracle)", &run)?;
+            let h =
+                features::head::load_score_head(&model, rx.summary.dim).map_err(|e| anyhow!("oracle.model: {e}"))?;
+            rep.oracle = format!("reward model {model} (head {})", h.file.display());
+            (rx.phi.into_iter().map(|r| h.score(&r.expect("unsharded"))).collect(), Vec::new())
+        }
+    };
+    if rewards.iter().any(|r| !r.is_finite()) {
+        bail!("oracle: non-finite rewards");
+    }
+    if !theta_star.is_empty() {
+        rep.theta_star_norm = Some(theta_star.iter().map(|x| x * x).sum::<f64>().sqrt());
+    }
+    (rep.reward_std_within, rep.reward_std_all) = reward_spread(&rewards, g.n);
+    rep.prompts_with_reward_ties = rewards
+        .chunks_exact(g.n)
+        .filter(|c| {
+            let mut s = c.to_vec();
+            s.sort_by(f64::total_cmp);
+            s.windows(2).any(|w| w[0] == w[1])
+        })
+        .count();
+    let contexts: Vec<Context> = phi
+        .chunks_exact(g.n)
+        .zip(rewards.chunks_exact(g.n))
+        .map(|(p, r)| Context { phi: p.concat(), reward: Some(r.to_vec()) })
+        .collect();
+    let bank = Bank { d, k: g.n, contexts: Arc::new(contexts), theta_star, labels: o.labels };
+    Ok(Generated { bank, prompts, samples, report: rep })
+}
