@@ -43,11 +43,13 @@ mutants:
 # Run a preset of experiments/<setting>/ (file stem), then `onepass report` on it (tables,
 # figures, heads); extra arguments go to `onepass run`, e.g.
 # `just reproduce-passive synthetic --set seeds=2`. The run directory is the last line printed.
-reproduce-passive preset="synthetic" *args="": (_reproduce "passive" preset args)
+# The default presets are the CPU minis (SmolLM2-135M-Instruct, fetched here; the project's
+# prompt set); `just reproduce-deploy paper-llama` etc. need a GPU and the hub (see README).
+reproduce-passive preset="mini" *args="": (_reproduce "passive" preset args)
 
-reproduce-active preset="synthetic" *args="": (_reproduce "active" preset args)
+reproduce-active preset="mini" *args="": (_reproduce "active" preset args)
 
-reproduce-deploy preset="synthetic" *args="": (_reproduce "deploy" preset args)
+reproduce-deploy preset="mini" *args="": (_reproduce "deploy" preset args)
 
 _reproduce setting preset args:
     #!/usr/bin/env bash
@@ -57,6 +59,7 @@ _reproduce setting preset args:
         echo "no preset {{preset}} in experiments/{{setting}}/; presets:" $(ls experiments/{{setting}} | sed 's/\.toml$//') >&2
         exit 2
     fi
+    if grep -q '"models/' "$spec"; then scripts/fetch_models.sh >&2; fi
     cargo build --quiet --release -p runner
     # stdout (the final table, then the run directory) is shown on stderr; no `tee /dev/stderr`,
     # which re-opens (and truncates) a log file that stderr is redirected to

@@ -887,4 +887,47 @@ mod tests {
             }
         }
     }
+
+    /// τ_b = (n_c − n_d) / √((n₀ − n₁)(n₀ − n₂)) with n₁, n₂ counted from the tie groups.
+    #[test]
+    fn kendall_tau_b_matches_the_tie_group_formula() {
+        let groups = |v: &[f64]| -> f64 {
+            let mut s = v.to_vec();
+            s.sort_by(f64::total_cmp);
+            let mut t = 0.0;
+            let mut i = 0;
+            while i < s.len() {
+                let j = (i..s.len()).find(|&j| s[j] != s[i]).unwrap_or(s.len());
+                let k = (j - i) as f64;
+                t += k * (k - 1.0) / 2.0;
+                i = j;
+            }
+            t
+        };
+        let mut rng = rand_chacha::ChaCha20Rng::seed_from_u64(5);
+        use rand::SeedableRng;
+        for _ in 0..200 {
+            let n = rng.random_range(2..9);
+            let a: Vec<f64> = (0..n).map(|_| f64::from(rng.random_range(0..4u8))).collect();
+            let b: Vec<f64> = (0..n).map(|_| f64::from(rng.random_range(0..4u8))).collect();
+            let (mut nc, mut nd) = (0.0, 0.0);
+            for i in 0..n {
+                for j in 0..i {
+                    let p = (a[i] - a[j]) * (b[i] - b[j]);
+                    if p > 0.0 {
+                        nc += 1.0
+                    } else if p < 0.0 {
+                        nd += 1.0
+                    }
+                }
+            }
+            let n0 = (n * (n - 1) / 2) as f64;
+            let den = ((n0 - groups(&a)) * (n0 - groups(&b))).sqrt();
+            let want = if den == 0.0 { 0.0 } else { (nc - nd) / den };
+            assert!((kendall_tau_b(&a, &b) - want).abs() < 1e-12, "{a:?} {b:?}");
+        }
+        let a = [0.3, -1.0, 2.0, 0.5];
+        assert_eq!(kendall_tau_b(&a, &a), 1.0);
+        assert_eq!(kendall_tau_b(&a, &a.map(|x| -x)), -1.0);
+    }
 }
