@@ -44,10 +44,10 @@ fn score_head_is_read_as_written_or_refused() {
     }
 
     // no head: an error, never a random head
-    let e = read_score_head(&[a.clone()], 12).unwrap_err().to_string();
+    let e = read_score_head(std::slice::from_ref(&a), 12).unwrap_err().to_string();
     assert!(e.contains("no `score.weight`") && e.contains("model-00001"), "{e}");
     // wrong dimension
-    let e = read_score_head(&[b.clone()], 7).unwrap_err().to_string();
+    let e = read_score_head(std::slice::from_ref(&b), 7).unwrap_err().to_string();
     assert!(e.contains("expected [1, 7]") && e.contains("model-00002"), "{e}");
     // a GGUF has no classifier head
     let g = std::path::PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/tiny-qwen2.gguf");

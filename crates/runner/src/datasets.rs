@@ -416,6 +416,48 @@ pub fn expand_glob(path: &Path) -> Result<Vec<PathBuf>> {
     Ok(files)
 }
 
+/// Prompts for generation: the string under `key` of every row of `files` (jsonl or parquet),
+/// or, when it is a list of {role, content} messages, the conversation so far. A null, missing
+/// or blank prompt is an error naming the file and row. At most `limit` prompts.
+pub fn read_prompts(files: &[PathBuf], key: &str, limit: Option<usize>) -> Result<Vec<Vec<Message>>> {
+    let mut out: Vec<Vec<Message>> = Vec::new();
+    for path in files {
+        let name = path.to_string_lossy().into_owned();
+        let mut visit = |row: usize, v: Result<Value, String>| -> Result<bool> {
+            if limit.is_some_and(|l| out.len() >= l) {
+                return Ok(false);
+            }
+            let v = v.map_err(|e| anyhow::anyhow!("{name}: row {row}{e}"))?;
+            let msgs = match v.get(key) {
+                Some(Value::String(s)) if !s.trim().is_empty() => vec![Message::new("user", s)],
+                Some(l @ Value::Array(_)) => {
+                    let m = messages(l).map_err(|e| anyhow::anyhow!("{name}: row {row}, field `{key}`: {e}"))?;
+                    if m.is_empty() || m.iter().all(|m| m.content.trim().is_empty()) {
+                        bail!("{name}: row {row}, field `{key}`: an empty conversation");
+                    }
+                    m
+                }
+                Some(Value::String(_)) => bail!("{name}: row {row}, field `{key}`: a blank prompt"),
+                Some(Value::Null) | None => bail!("{name}: row {row}: no `{key}` (null or missing)"),
+                Some(_) => bail!("{name}: row {row}, field `{key}`: expected a string or a list of messages"),
+            };
+            out.push(msgs);
+            Ok(true)
+        };
+        if name.ends_with(".parquet") {
+            parquet_rows(path, &[(key.to_string(), true)], &mut visit)?;
+        } else if is_jsonl(&name) {
+            jsonl_rows(path, &mut visit)?;
+        } else {
+            bail!("{name}: expected a .jsonl, .jsonl.gz or .parquet file of prompts");
+        }
+    }
+    if out.is_empty() {
+        bail!("{}: no prompts", files.iter().map(|f| f.display().to_string()).collect::<Vec<_>>().join(", "));
+    }
+    Ok(out)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -461,46 +503,4 @@ mod tests {
         .unwrap_err();
         assert!(e.contains("does not end with an assistant"), "{e}");
     }
-}
-
-/// Prompts for generation: the string under `key` of every row of `files` (jsonl or parquet),
-/// or, when it is a list of {role, content} messages, the conversation so far. A null, missing
-/// or blank prompt is an error naming the file and row. At most `limit` prompts.
-pub fn read_prompts(files: &[PathBuf], key: &str, limit: Option<usize>) -> Result<Vec<Vec<Message>>> {
-    let mut out: Vec<Vec<Message>> = Vec::new();
-    for path in files {
-        let name = path.to_string_lossy().into_owned();
-        let mut visit = |row: usize, v: Result<Value, String>| -> Result<bool> {
-            if limit.is_some_and(|l| out.len() >= l) {
-                return Ok(false);
-            }
-            let v = v.map_err(|e| anyhow::anyhow!("{name}: row {row}{e}"))?;
-            let msgs = match v.get(key) {
-                Some(Value::String(s)) if !s.trim().is_empty() => vec![Message::new("user", s)],
-                Some(l @ Value::Array(_)) => {
-                    let m = messages(l).map_err(|e| anyhow::anyhow!("{name}: row {row}, field `{key}`: {e}"))?;
-                    if m.is_empty() || m.iter().all(|m| m.content.trim().is_empty()) {
-                        bail!("{name}: row {row}, field `{key}`: an empty conversation");
-                    }
-                    m
-                }
-                Some(Value::String(_)) => bail!("{name}: row {row}, field `{key}`: a blank prompt"),
-                Some(Value::Null) | None => bail!("{name}: row {row}: no `{key}` (null or missing)"),
-                Some(_) => bail!("{name}: row {row}, field `{key}`: expected a string or a list of messages"),
-            };
-            out.push(msgs);
-            Ok(true)
-        };
-        if name.ends_with(".parquet") {
-            parquet_rows(path, &[(key.to_string(), true)], &mut visit)?;
-        } else if is_jsonl(&name) {
-            jsonl_rows(path, &mut visit)?;
-        } else {
-            bail!("{name}: expected a .jsonl, .jsonl.gz or .parquet file of prompts");
-        }
-    }
-    if out.is_empty() {
-        bail!("{}: no prompts", files.iter().map(|f| f.display().to_string()).collect::<Vec<_>>().join(", "));
-    }
-    Ok(out)
 }

@@ -20,7 +20,7 @@ pub struct Row {
 }
 
 /// Metrics that get a figure, with their axis titles.
-pub const FIGURES: [(&str, &str); 8] = [
+pub const FIGURES: [(&str, &str); 11] = [
     ("train_loss", "train loss (prequential)"),
     ("eval_loss", "eval loss"),
     ("eval_accuracy", "eval accuracy"),
@@ -29,7 +29,13 @@ pub const FIGURES: [(&str, &str); 8] = [
     ("regret", "cumulative regret"),
     ("subopt_avg", "SubOpt (averaged iterate)"),
     ("cost", "flops per sample"),
+    ("cum_pair_reward", "cumulative reward: Σ over chunks of mean r(a) + r(a′)"),
+    ("policy_reward", "oracle reward of the deployed policy (per chunk)"),
+    ("kendall_tau", "Kendall τ, learned vs oracle ranking (per chunk)"),
 ];
+
+/// Columns only chunked deployment runs have.
+const OPTIONAL: [&str; 3] = ["cum_pair_reward", "policy_reward", "kendall_tau"];
 
 fn read_batches(path: &Path) -> Result<Vec<RecordBatch>> {
     let f = std::fs::File::open(path).with_context(|| format!("opening {}", path.display()))?;
@@ -64,6 +70,9 @@ pub fn read_metrics(run: &Path) -> Result<Vec<Row>> {
             "kappa",
             "kappa_reference",
         ]) {
+            if OPTIONAL.contains(&name) && b.column_by_name(name).is_none() {
+                continue;
+            }
             floats.push((name, column::<Float64Array>(&b, name, &path)?));
         }
         for i in 0..b.num_rows() {
@@ -137,7 +146,16 @@ fn finals(rows: &[Row]) -> BTreeMap<String, Vec<&Row>> {
 
 /// The final-metrics table in markdown (`prefix` labels the rows, for `compare`).
 pub fn final_table(runs: &[(String, Vec<Row>)]) -> String {
-    let metrics = ["eval_accuracy", "eval_loss", "theta_err", "subopt", "subopt_pessimistic", "subopt_avg", "regret"];
+    let metrics = [
+        "eval_accuracy",
+        "eval_loss",
+        "theta_err",
+        "subopt",
+        "subopt_pessimistic",
+        "subopt_avg",
+        "regret",
+        "cum_pair_reward",
+    ];
     let present: Vec<&str> = metrics
         .iter()
         .copied()
@@ -165,6 +183,19 @@ pub fn final_table(runs: &[(String, Vec<Row>)]) -> String {
         }
     }
     s
+}
+
+fn win_table(path: &Path) -> Result<String> {
+    let mut s = String::from("| config | chunk win rate | prompt win rate |\n|---|---|---|\n");
+    for b in read_batches(path)? {
+        let label = column::<StringArray>(&b, "label", path)?;
+        let ch = column::<Float64Array>(&b, "chunk_win_rate", path)?;
+        let pr = column::<Float64Array>(&b, "prompt_win_rate", path)?;
+        for i in 0..b.num_rows() {
+            s.push_str(&format!("| {} | {:.3} | {:.3} |\n", label.value(i), ch.value(i), pr.value(i)));
+        }
+    }
+    Ok(s)
 }
 
 /// Matplotlib's tab10: distinct, and familiar to readers of ML papers.
@@ -476,6 +507,10 @@ pub fn report(run: &Path) -> Result<PathBuf> {
     }
     md.push_str("Final metrics, mean ± std over seeds.\n\n");
     md.push_str(&final_table(&[(String::new(), rows.clone())]));
+    if run.join("winrates.parquet").exists() {
+        md.push_str("\n## Win rates\n\nPer (seed, chunk), the cell with the highest chunk mean of oracle r(a) + r(a′) wins (ties share the win); per (seed, prompt), the same on the pair each cell chose. Over every estimator × strategy cell of the run, so chance is 1 / configs.\n\n");
+        md.push_str(&win_table(&run.join("winrates.parquet"))?);
+    }
     let times = cell_times(run).unwrap_or_default();
     md.push_str("\n## Time and κ\n\nPer cell, mean ± std over seeds. κ over the samples each estimator trained on (windows between evaluations, all seeds); the paper's appendix reports κ = 171.6 ± 85.5 (Llama-3-8B, UltraFeedback).\n\n");
     md.push_str(&time_and_kappa_table(&rows, &times));

@@ -108,12 +108,8 @@ fn chunked_deployment_on_generated_responses() {
     // generations: 6 prompts × 4 samples with the oracle's reward
     let gen = table(&run.join("generations.parquet"));
     assert_eq!(gen.num_rows(), 24);
-    let reward: HashMap<(u64, u32), f64> = u64s(&gen, "prompt")
-        .into_iter()
-        .zip(u32s(&gen, "sample"))
-        .zip(f64s(&gen, "oracle_reward"))
-        .map(|((a, b), r)| ((a, b), r))
-        .collect();
+    let reward: HashMap<(u64, u32), f64> =
+        u64s(&gen, "prompt").into_iter().zip(u32s(&gen, "sample")).zip(f64s(&gen, "oracle_reward")).collect();
 
     // rounds: every prompt once per cell; the rewards are the oracle's; the final regret of a
     // cell is the sum over its rounds of best − ½(r(a) + r(a′))
