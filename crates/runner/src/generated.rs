@@ -210,19 +210,17 @@ fn check_dtype_device(dtype: &str, dev: &str) -> Result<(), (&'static str, Strin
 impl GenerateSpec {
     /// Checks that need no file: (key, message).
     pub fn check(&self) -> Result<(), (&'static str, String)> {
-        let o = self.sample_options();
-        o.check().map_err(|e| {
-            let key = if e.to_string().contains("top_p") {
-                "top_p"
-            } else if e.to_string().contains("temperature") {
-                "temperature"
-            } else {
-                "n"
-            };
-            (key, e.to_string())
-        })?;
         if self.n < 2 {
             return Err(("n", format!("{}: a pair needs at least 2 responses per prompt", self.n)));
+        }
+        if self.max_new_tokens == 0 {
+            return Err(("max_new_tokens", "expected at least 1".into()));
+        }
+        if !(self.temperature.is_finite() && self.temperature >= 0.0) {
+            return Err(("temperature", format!("{}: expected a finite number ≥ 0", self.temperature)));
+        }
+        if !(self.top_p > 0.0 && self.top_p <= 1.0) {
+            return Err(("top_p", format!("{}: expected 0 < top_p ≤ 1", self.top_p)));
         }
         if self.rows == Some(0) {
             return Err(("rows", "expected at least 1 prompt".into()));

@@ -699,12 +699,8 @@ fn load_generated(
     g.check().map_err(|(k, m)| err(&["generate", k], m))?;
     f.check().map_err(|(k, m)| err(&["features", k], m))?;
     o.check().map_err(|(k, m)| err(&["oracle", k], m))?;
-    if spec.setting == Setting::Deploy {
-        let c = spec.deploy.chunks;
-        let prompts = g.rows.unwrap_or(usize::MAX);
-        if c == 0 || (c > prompts) {
-            return Err(err(&["deploy", "chunks"], format!("{c}: expected 1 ≤ chunks ≤ the number of prompts")));
-        }
+    if spec.setting == Setting::Deploy && spec.deploy.chunks == 0 {
+        return Err(err(&["deploy", "chunks"], "0: expected 1 ≤ chunks ≤ the number of prompts".into()));
     }
     let progress = std::io::IsTerminal::is_terminal(&std::io::stderr());
     let out = crate::generated::build(g, f, o, progress).map_err(|e| err(&["generate"], format!("{e:#}")))?;

@@ -234,6 +234,19 @@ impl Learner {
         })
     }
 
+    /// A fresh estimator, curvature tracker and θ (the authors' re-initialised head); the
+    /// counters, the training window and the timings go on.
+    fn reset_estimator(&mut self, plan: &Plan, c: &ConfigPlan, seed: u32) -> Result<()> {
+        let fresh = Learner::new(plan, c, seed)?;
+        self.est = fresh.est;
+        self.curv = fresh.curv;
+        self.theta = fresh.theta;
+        self.next = fresh.next;
+        self.theta_sum = fresh.theta_sum;
+        self.iterates = fresh.iterates;
+        Ok(())
+    }
+
     fn update(&mut self, z: &[f32], y: &[f32]) -> Result<()> {
         let batch = Batch::new(z, y, self.d)?;
         let t0 = Instant::now();
@@ -770,9 +783,7 @@ fn deploy_chunked(plan: &Plan, config: &ConfigPlan, env: &Env, l: &mut Learner, 
         // chunk c holds prompts [c·p/chunks, (c+1)·p/chunks) of the order
         let (lo, hi) = (c * p / chunks, (c + 1) * p / chunks);
         if c > 0 && spec.deploy.reset_each_chunk {
-            let carried = (l.steps, l.samples);
-            *l = Learner::new(plan, config, seed)?;
-            (l.steps, l.samples) = carried;
+            l.reset_estimator(plan, config, seed)?;
         }
         let (mut z, mut y) = (Vec::new(), Vec::new());
         let (mut pair_sum, mut pol_sum, mut tau_sum) = (0.0, 0.0, 0.0);

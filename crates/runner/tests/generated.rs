@@ -174,9 +174,7 @@ fn chunked_deployment_on_generated_responses() {
     assert_eq!(code, 0, "{err}");
     let gen3 = table(&p.join(last_line(&out3)).join("generations.parquet"));
     let r3 = f64s(&gen3, "oracle_reward");
-    // linear rewards r = θ*ᵀφ and head rewards wᵀφ: both linear in the same φ, so the ratio of
-    // reward differences is not constant unless w ∝ θ*; check the head scores against φ itself by
-    // the linear oracle's scale: a head of 2w gives exactly twice the rewards
+    // the rewards are linear in the file's weights: a head of 2w gives exactly twice the rewards
     let bytes2: Vec<u8> = w.iter().flat_map(|x| (2.0 * x).to_le_bytes()).collect();
     let view2 = safetensors::tensor::TensorView::new(safetensors::Dtype::F32, vec![1, d], &bytes2).unwrap();
     safetensors::serialize_to_file([("score.weight", view2)], None, &p.join("head.safetensors")).unwrap();
@@ -187,6 +185,15 @@ fn chunked_deployment_on_generated_responses() {
         assert!((2.0 * a - b).abs() <= 1e-9 * b.abs().max(1.0), "{a} vs {b}");
     }
     assert!(r3.iter().any(|x| *x != r3[0]));
+
+    // the authors' re-initialised head: other θ from chunk 2 on, every chunk still timed
+    let (code, out5, err) = onepass(p, &["run", "dep.toml", "--out", "runs", "--set", "deploy.reset_each_chunk=true"]);
+    assert_eq!(code, 0, "{err}");
+    let run5 = p.join(last_line(&out5));
+    let m5 = table(&run5.join("metrics.parquet"));
+    assert_eq!(table(&run5.join("timings.parquet")).num_rows(), m5.num_rows());
+    assert_eq!(u64s(&m5, "samples_seen"), u64s(&m, "samples_seen"), "counters go on across resets");
+    assert_ne!(f64s(&m5, "eval_loss"), f64s(&m, "eval_loss"));
 }
 
 #[test]
