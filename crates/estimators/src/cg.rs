@@ -31,7 +31,7 @@ pub struct CgOptions {
 }
 
 /// Work vectors, kept by the caller so a step allocates nothing.
-#[derive(Clone, Debug, Default)]
+#[derive(Clone, Debug, Default, serde::Serialize, serde::Deserialize)]
 pub struct CgScratch {
     r: Vec<f32>,
     p: Vec<f32>,

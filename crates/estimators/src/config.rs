@@ -5,7 +5,7 @@ use std::fmt;
 use std::str::FromStr;
 
 /// The canonical estimator names (spec keys and parquet values use them verbatim).
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord, serde::Serialize, serde::Deserialize)]
 pub enum Kind {
     OmdExact,
     OmdHvpCg,
@@ -63,7 +63,7 @@ impl FromStr for Kind {
 }
 
 /// `omd-exact`: paper Alg. 1 / Eq. (3).
-#[derive(Clone, Copy, Debug, PartialEq)]
+#[derive(Clone, Copy, Debug, PartialEq, serde::Serialize, serde::Deserialize)]
 pub struct OmdExactConfig {
     /// Step size η (default 1).
     pub eta: f64,
@@ -89,7 +89,7 @@ impl OmdExactConfig {
 }
 
 /// The damping shape f of omd-hvp-cg: λ_t = max(λ_min, λ0·f(min(1, t/T))).
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
 pub enum DampingSchedule {
     /// f(u) = u (the paper's choice).
     Linear,
@@ -122,7 +122,7 @@ impl FromStr for DampingSchedule {
 }
 
 /// `omd-hvp-cg`: paper Alg. 5.
-#[derive(Clone, Copy, Debug, PartialEq)]
+#[derive(Clone, Copy, Debug, PartialEq, serde::Serialize, serde::Deserialize)]
 pub struct HvpCgConfig {
     /// K, the CG steps (default 3).
     pub cg_steps: usize,
@@ -142,7 +142,7 @@ impl Default for HvpCgConfig {
 }
 
 /// `omd-reference`: what `rm_trainer_head_hvp.py` computes (reference-code.md §2.3).
-#[derive(Clone, Copy, Debug, PartialEq)]
+#[derive(Clone, Copy, Debug, PartialEq, serde::Serialize, serde::Deserialize)]
 pub struct OmdReferenceConfig {
     pub lr: f64,
     /// `--damping` λ0: the constant damping inside CG and the mixing weight (default 0.8).
@@ -165,7 +165,7 @@ impl Default for OmdReferenceConfig {
 }
 
 /// `sgd`: θ ← θ − lr·clip(g).
-#[derive(Clone, Copy, Debug, PartialEq)]
+#[derive(Clone, Copy, Debug, PartialEq, serde::Serialize, serde::Deserialize)]
 pub struct SgdConfig {
     pub lr: f64,
     /// Global-norm clipping threshold (default 1.0, as DeepSpeed's `gradient_clipping` in the
@@ -180,7 +180,7 @@ impl Default for SgdConfig {
 }
 
 /// `adam`, `adam-reference` and the Adam half of `omd-hvp-cg+adam`.
-#[derive(Clone, Copy, Debug, PartialEq)]
+#[derive(Clone, Copy, Debug, PartialEq, serde::Serialize, serde::Deserialize)]
 pub struct AdamConfig {
     pub lr: f64,
     pub beta1: f64,
@@ -195,7 +195,7 @@ impl Default for AdamConfig {
 }
 
 /// How `mle` re-fits.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
 pub enum MleSolver {
     /// Damped Newton with the exact d×d Hessian: O(t·d² + d³) per iteration, small d only.
     Newton,
@@ -224,7 +224,7 @@ impl FromStr for MleSolver {
 }
 
 /// `mle`: argmin Σ_{i≤t} ℓ_i(θ) + ridge·t·‖θ‖², re-fitted every `refit_every` updates.
-#[derive(Clone, Copy, Debug, PartialEq)]
+#[derive(Clone, Copy, Debug, PartialEq, serde::Serialize, serde::Deserialize)]
 pub struct MleConfig {
     /// Default 1e-4 (so the optimum exists while the data are separable).
     pub ridge: f64,
@@ -245,7 +245,7 @@ impl Default for MleConfig {
 }
 
 /// `sgd-replay`: SGD, plus one SGD pass over every stored batch after each step with t % R = 0.
-#[derive(Clone, Copy, Debug, PartialEq)]
+#[derive(Clone, Copy, Debug, PartialEq, serde::Serialize, serde::Deserialize)]
 pub struct ReplayConfig {
     pub sgd: SgdConfig,
     /// R (default 200, the authors' `--retrain_step`).
@@ -259,7 +259,7 @@ impl Default for ReplayConfig {
 }
 
 /// One estimator with its hyper-parameters.
-#[derive(Clone, Copy, Debug, PartialEq)]
+#[derive(Clone, Copy, Debug, PartialEq, serde::Serialize, serde::Deserialize)]
 pub enum EstimatorConfig {
     OmdExact(OmdExactConfig),
     OmdHvpCg(HvpCgConfig),

@@ -8,7 +8,7 @@ use crate::logistic::sigmoid_prime;
 use crate::Batch;
 
 /// Where σ' is evaluated for the Hessian tracker.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
 pub enum HessianPoint {
     /// σ'(zᵀθ_{t+1}), after the update: the paper's look-ahead 𝓗_t.
     LookAhead,
@@ -16,7 +16,7 @@ pub enum HessianPoint {
     Current,
 }
 
-#[derive(Clone, Copy, Debug, PartialEq)]
+#[derive(Clone, Copy, Debug, PartialEq, serde::Serialize, serde::Deserialize)]
 pub enum CurvatureKind {
     /// 𝓗 = λI + Σ σ'(zᵀθ) zzᵀ.
     Hessian { lambda: f64, point: HessianPoint },
@@ -24,7 +24,7 @@ pub enum CurvatureKind {
     Gram { v0: f64 },
 }
 
-#[derive(Clone, Debug)]
+#[derive(Clone, Debug, serde::Serialize, serde::Deserialize)]
 pub struct Curvature {
     kind: CurvatureKind,
     inv: PackedSym,

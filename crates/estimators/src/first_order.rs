@@ -8,6 +8,7 @@ use crate::linalg::{axpy_f32, damped_hvp_f32, gemv_f32, gemv_t_f32, gram_f32, no
 use crate::logistic::BatchStats;
 use crate::{Batch, Counters, Estimator, EstimatorError, StepReport};
 
+#[derive(serde::Serialize, serde::Deserialize)]
 enum Direction {
     Gradient,
     /// Paper Alg. 5.
@@ -16,11 +17,13 @@ enum Direction {
     Reference(OmdReferenceConfig),
 }
 
+#[derive(serde::Serialize, serde::Deserialize)]
 enum Optimizer {
     Sgd { lr: f32, clip: Option<f64> },
     Adam { cfg: AdamConfig, reference: bool, m: Vec<f32>, v: Vec<f32>, t: u64 },
 }
 
+#[derive(serde::Serialize, serde::Deserialize)]
 struct Replay {
     every: u64,
     z: Vec<f32>,
@@ -30,6 +33,7 @@ struct Replay {
 }
 
 /// omd-hvp-cg, omd-reference, sgd, adam, adam-reference, omd-hvp-cg+adam and sgd-replay.
+#[derive(serde::Serialize, serde::Deserialize)]
 pub struct FirstOrder {
     kind: Kind,
     theta: Vec<f32>,
@@ -217,6 +221,10 @@ impl Estimator for FirstOrder {
 
     fn counters(&self) -> Counters {
         self.counters
+    }
+
+    fn snapshot(&self) -> crate::SnapshotRef<'_> {
+        crate::SnapshotRef::FirstOrder(self)
     }
 
     fn state_bytes(&self) -> usize {

@@ -122,7 +122,7 @@ impl<'a> Batch<'a> {
 }
 
 /// Deterministic cost counters (cumulative on an estimator, per step in a [`StepReport`]).
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
 pub struct Counters {
     /// Per-sample gradient evaluations ((σ(zᵀθ) − y)·z for one z counts 1).
     pub grad_evals: u64,
@@ -141,7 +141,7 @@ impl Counters {
 }
 
 /// What one `update` saw and did.
-#[derive(Clone, Copy, Debug, Default, PartialEq)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, serde::Serialize, serde::Deserialize)]
 pub struct StepReport {
     /// Loss, accuracy and κ of the batch at θ_t, before the update.
     pub before: BatchStats,
@@ -184,6 +184,36 @@ pub trait Estimator: Send {
     /// Bytes of state the estimator holds (parameters, matrices, moments, history), for the
     /// memory-independent-of-t claims.
     fn state_bytes(&self) -> usize;
+    /// Everything the estimator holds, borrowed for serialisation (checkpoints): deserialised
+    /// as a [`Snapshot`], it continues bit for bit as this estimator would.
+    fn snapshot(&self) -> SnapshotRef<'_>;
+}
+
+/// An estimator's whole state, borrowed; serialises to the same bytes a [`Snapshot`] reads.
+#[derive(serde::Serialize)]
+pub enum SnapshotRef<'a> {
+    OmdExact(&'a OmdExact),
+    FirstOrder(&'a FirstOrder),
+    Mle(&'a Mle),
+}
+
+/// An estimator's whole state, owned (what a [`SnapshotRef`] serialised).
+#[derive(serde::Deserialize)]
+pub enum Snapshot {
+    OmdExact(Box<OmdExact>),
+    FirstOrder(Box<FirstOrder>),
+    Mle(Box<Mle>),
+}
+
+impl Snapshot {
+    /// The estimator again, continuing where the snapshot was taken.
+    pub fn into_estimator(self) -> Box<dyn Estimator> {
+        match self {
+            Snapshot::OmdExact(e) => e,
+            Snapshot::FirstOrder(e) => e,
+            Snapshot::Mle(e) => e,
+        }
+    }
 }
 
 /// Initial θ: zero (the paper's Alg. 2–4) or N(0, std²) from a seeded ChaCha20 stream (the
@@ -236,7 +266,7 @@ pub fn build(cfg: &EstimatorConfig, setup: &Setup) -> Result<Box<dyn Estimator>,
 
 /// Per-batch statistics of an estimator that keeps θ in f64 (omd-exact, mle): margins, loss,
 /// accuracy and κ at θ_t, and the batch-mean gradient `g` (for ‖g‖ and cos(step, g)).
-#[derive(Clone, Debug, Default)]
+#[derive(Clone, Debug, Default, serde::Serialize, serde::Deserialize)]
 pub(crate) struct PrequentialF64 {
     margins: Vec<f64>,
     coef: Vec<f64>,

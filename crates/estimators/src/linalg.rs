@@ -414,7 +414,7 @@ pub fn damped_hvp_f32(z: &[f32], w: &[f32], p: &[f32], lambda: f32, s: &mut [f32
 ///
 /// Used for 𝓗⁻¹ (omd-exact) and for the curvature trackers: half the memory of a dense
 /// matrix, and every O(d²) operation here is one sequential pass over `data`.
-#[derive(Clone, Debug, PartialEq)]
+#[derive(Clone, Debug, PartialEq, serde::Serialize, serde::Deserialize)]
 pub struct PackedSym {
     d: usize,
     data: Vec<f64>,

@@ -47,7 +47,7 @@ pub fn accuracy_credit(m: f64, y: f64) -> f64 {
 }
 
 /// What the batch looked like at θ_t, before the update (a prequential measurement).
-#[derive(Clone, Copy, Debug, Default, PartialEq)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, serde::Serialize, serde::Deserialize)]
 pub struct BatchStats {
     /// Mean logistic loss.
     pub loss: f64,

@@ -12,6 +12,7 @@ use crate::{Batch, Counters, Estimator, EstimatorError, PrequentialF64, StepRepo
 use nalgebra::{DMatrix, DVector};
 use std::collections::VecDeque;
 
+#[derive(serde::Serialize, serde::Deserialize)]
 pub struct Mle {
     cfg: MleConfig,
     theta: Vec<f64>,
@@ -272,6 +273,10 @@ impl Estimator for Mle {
 
     fn counters(&self) -> Counters {
         self.counters
+    }
+
+    fn snapshot(&self) -> crate::SnapshotRef<'_> {
+        crate::SnapshotRef::Mle(self)
     }
 
     fn state_bytes(&self) -> usize {

@@ -22,7 +22,7 @@ use crate::{Batch, Counters, Estimator, EstimatorError, PrequentialF64, StepRepo
 use nalgebra::{DMatrix, DVector, SymmetricEigen};
 
 /// Outcome of the last projection.
-#[derive(Clone, Copy, Debug, Default, PartialEq)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, serde::Serialize, serde::Deserialize)]
 pub struct Projection {
     /// How many samples so far had ‖θ′‖ > B.
     pub count: u64,
@@ -32,6 +32,7 @@ pub struct Projection {
     pub iterations: u32,
 }
 
+#[derive(serde::Serialize, serde::Deserialize)]
 pub struct OmdExact {
     cfg: OmdExactConfig,
     theta: Vec<f64>,
@@ -191,6 +192,10 @@ impl Estimator for OmdExact {
 
     fn counters(&self) -> Counters {
         self.counters
+    }
+
+    fn snapshot(&self) -> crate::SnapshotRef<'_> {
+        crate::SnapshotRef::OmdExact(self)
     }
 
     fn state_bytes(&self) -> usize {

@@ -194,7 +194,11 @@ impl Backbone {
                 let tc: serde_json::Value = serde_json::from_str(&read(&tc_path)?)
                     .map_err(|e| Error::Format(format!("{}: {e}", tc_path.display())))?;
                 let (bos, eos) = (special(tc.get("bos_token")), special(tc.get("eos_token")));
-                let tok = Tok::from_json(&read(&dir.join("tokenizer.json"))?, bos.as_deref(), eos.as_deref())?;
+                let tok_path = dir.join("tokenizer.json");
+                let tok = Tok::from_json(&read(&tok_path)?, bos.as_deref(), eos.as_deref()).map_err(|e| match e {
+                    Error::Format(m) => Error::Format(m.replacen("tokenizer.json", &tok_path.display().to_string(), 1)),
+                    e => e,
+                })?;
                 let tmpl = match tc.get("chat_template") {
                     Some(serde_json::Value::String(s)) => s.clone(),
                     Some(serde_json::Value::Array(list)) => list

@@ -6,6 +6,7 @@
 //! `estimators` and `selection` are pure maths.
 
 pub mod bench;
+pub mod checkpoint;
 pub mod dataset_env;
 pub mod datasets;
 pub mod env;
@@ -21,15 +22,17 @@ pub mod spec;
 use anyhow::{Context, Result};
 use rayon::prelude::*;
 use std::path::{Path, PathBuf};
-use std::time::Instant;
 
 /// How a run ended, for the exit code: 0 all cells ok, 1 some cell failed (2 is bad input,
-/// reported as an error before any cell runs).
+/// reported as an error before any cell runs; 130 interrupted by SIGINT/SIGTERM after the
+/// running cells wrote their checkpoints).
 #[derive(Debug)]
 pub struct RunSummary {
     pub dir: PathBuf,
     pub failed: usize,
     pub cells: usize,
+    /// Stopped by SIGINT/SIGTERM: nothing final was written; `--resume` continues.
+    pub interrupted: bool,
 }
 
 /// Options of `onepass run`.
@@ -38,6 +41,10 @@ pub struct RunOptions {
     pub overrides: Vec<String>,
     pub out: PathBuf,
     pub threads: Option<usize>,
+    /// Continue this run directory (its finished cells are kept, checkpointed cells resume).
+    pub resume: Option<PathBuf>,
+    /// Resume even when the spec, code revision or data differ from the run's.
+    pub force: bool,
 }
 
 /// Parses and validates a spec (errors are [`spec::SpecError`]).
@@ -46,51 +53,180 @@ pub fn load_plan(path: &Path, overrides: &[String]) -> Result<plan::Plan, spec::
     plan::build(s, path, &text)
 }
 
-/// Runs every cell of a plan and writes the run directory.
+/// A finished (or failed) cell as `checkpoints/<cell>.done` keeps it until the run's tables exist.
+#[derive(serde::Serialize, serde::Deserialize)]
+struct DoneCell {
+    result: std::result::Result<settings::CellResult, String>,
+    wall_s: f64,
+}
+
+/// The run directory: a fresh one, or `--resume`'s after checking it is this run.
+fn open_run_dir(opts: &RunOptions, plan: &plan::Plan, id: &checkpoint::RunIdentity) -> Result<PathBuf> {
+    let Some(dir) = &opts.resume else {
+        let dir = results::make_run_dir(&opts.out, &plan.name)?;
+        let resolved = toml::to_string(&plan.resolved_spec()).context("serialising the resolved spec")?;
+        results::write_atomic(&dir.join("spec.resolved.toml"), resolved.as_bytes())?;
+        results::write_atomic(&dir.join("resume.json"), serde_json::to_string_pretty(id)?.as_bytes())?;
+        std::fs::create_dir(dir.join("checkpoints"))
+            .with_context(|| format!("creating {}/checkpoints", dir.display()))?;
+        return Ok(dir);
+    };
+    let manifest = dir.join("resume.json");
+    let text = std::fs::read_to_string(&manifest).with_context(|| {
+        format!(
+            "--resume {}: no resume.json there (not a onepass run directory, or one made before resume existed)",
+            dir.display()
+        )
+    })?;
+    let theirs: checkpoint::RunIdentity =
+        serde_json::from_str(&text).with_context(|| format!("{}: not a run identity", manifest.display()))?;
+    if let Some(why) = id.mismatch(&theirs) {
+        if opts.force {
+            eprintln!("onepass: warning: resuming {} although {why} (--force)", dir.display());
+        } else {
+            anyhow::bail!("--resume {}: refused: {why}; pass --force to resume anyway", dir.display());
+        }
+    }
+    if dir.join("meta.json").exists() {
+        return Ok(dir.clone());
+    }
+    for sub in ["theta", "checkpoints"] {
+        std::fs::create_dir_all(dir.join(sub)).with_context(|| format!("creating {}/{sub}", dir.display()))?;
+    }
+    let n = checkpoint::remove_temporaries(dir)?;
+    if n > 0 {
+        eprintln!("onepass: removed {n} half-written temporary file(s) of the killed run");
+    }
+    Ok(dir.clone())
+}
+
+/// Runs one cell of a run directory: a finished cell is read back, a checkpointed one
+/// resumes, any other starts; the result is kept in `cells/` before the next cell starts.
+fn run_one<'p>(
+    plan: &'p plan::Plan,
+    cell: &'p plan::CellPlan,
+    dir: &Path,
+    fingerprint: &str,
+    force: bool,
+) -> Result<results::CellOutcome<'p>> {
+    let config = &plan.configs[cell.config];
+    let done_path = dir.join("checkpoints").join(format!("{}.done", cell.cell_id));
+    let ckpt_path = dir.join("checkpoints").join(format!("{}.ckpt", cell.cell_id));
+    let what = format!("cell {}", cell.cell_id);
+    if done_path.exists() {
+        let d: DoneCell = checkpoint::decode(&done_path, fingerprint, &what, force)?;
+        return Ok(results::CellOutcome {
+            cell_id: &cell.cell_id,
+            config,
+            seed: cell.seed,
+            result: d.result,
+            wall_s: d.wall_s,
+        });
+    }
+    if checkpoint::stop_requested() {
+        return Err(checkpoint::Interrupted.into());
+    }
+    let mut ctx = settings::CellCtx {
+        saver: checkpoint::CellSaver::new(ckpt_path.clone(), fingerprint, &what, &plan.spec.checkpoint),
+        resume: None,
+    };
+    if ckpt_path.exists() {
+        ctx.resume = Some(checkpoint::decode(&ckpt_path, fingerprint, &what, force)?);
+    }
+    let result = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+        settings::run_cell_with(plan, config, cell.seed, &mut ctx)
+    }))
+    .unwrap_or_else(|p| {
+        let msg = p.downcast_ref::<String>().cloned().or_else(|| p.downcast_ref::<&str>().map(|s| s.to_string()));
+        Err(anyhow::anyhow!("the cell panicked: {}", msg.unwrap_or_default()))
+    });
+    let result = match result {
+        Err(e) if e.is::<checkpoint::Interrupted>() => return Err(e),
+        r => r.map_err(|e| format!("{e:#}")),
+    };
+    if let Err(e) = &result {
+        eprintln!("onepass: cell {} ({}, seed {}) failed: {e}", cell.cell_id, config.label, cell.seed);
+    }
+    let done = DoneCell { result, wall_s: ctx.saver.wall_s() };
+    results::write_atomic(&done_path, &checkpoint::encode(fingerprint, &what, &done)?)?;
+    if ckpt_path.exists() {
+        std::fs::remove_file(&ckpt_path).with_context(|| format!("removing {}", ckpt_path.display()))?;
+    }
+    checkpoint::failpoint("cell-end");
+    Ok(results::CellOutcome {
+        cell_id: &cell.cell_id,
+        config,
+        seed: cell.seed,
+        result: done.result,
+        wall_s: done.wall_s,
+    })
+}
+
+/// Runs every cell of a plan and writes the run directory (or continues `opts.resume`).
 pub fn run(opts: &RunOptions) -> Result<RunSummary> {
     let plan = load_plan(&opts.spec, &opts.overrides)?;
     let started = humantime::format_rfc3339_seconds(std::time::SystemTime::now()).to_string();
-    let dir = results::make_run_dir(&opts.out, &plan.name)?;
-    let resolved = toml::to_string(&plan.resolved_spec()).context("serialising the resolved spec")?;
-    results::write_atomic(&dir.join("spec.resolved.toml"), resolved.as_bytes())?;
+    let id = checkpoint::RunIdentity::of(&plan)?;
+    let fingerprint = id.fingerprint();
+    let dir = open_run_dir(opts, &plan, &id)?;
+    if dir.join("meta.json").exists() {
+        eprintln!("onepass: {} is complete (meta.json exists): nothing to resume", dir.display());
+        let meta: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(dir.join("meta.json"))?)
+            .with_context(|| format!("{}/meta.json: not JSON", dir.display()))?;
+        let failed = meta.get("failed_cells").and_then(|v| v.as_u64()).unwrap_or(0) as usize;
+        return Ok(RunSummary { dir, failed, cells: plan.cells.len(), interrupted: false });
+    }
+    // every checkpoint left by a killed run is checked before any cell starts
+    for cell in &plan.cells {
+        let what = format!("cell {}", cell.cell_id);
+        for ext in ["done", "ckpt"] {
+            let p = dir.join("checkpoints").join(format!("{}.{ext}", cell.cell_id));
+            if p.exists() {
+                checkpoint::verify(&p, &fingerprint, &what, opts.force)?;
+            }
+        }
+    }
+    checkpoint::install_signal_handlers()?;
     let threads = opts.threads.unwrap_or(plan.spec.threads);
     let pool = rayon::ThreadPoolBuilder::new().num_threads(threads).build().context("starting the worker threads")?;
     eprintln!(
-        "onepass: {} cells ({} configs × {} seeds) → {}",
+        "onepass: {} cells ({} configs × {} seeds) → {}{}",
         plan.cells.len(),
         plan.configs.len(),
         plan.spec.seeds,
-        dir.display()
+        dir.display(),
+        if opts.resume.is_some() { " (resumed)" } else { "" }
     );
-    let outcomes: Vec<results::CellOutcome<'_>> = pool.install(|| {
-        plan.cells
-            .par_iter()
-            .map(|cell| {
-                let config = &plan.configs[cell.config];
-                let t0 = Instant::now();
-                let result = std::panic::catch_unwind(|| settings::run_cell(&plan, config, cell.seed))
-                    .unwrap_or_else(|p| {
-                        let msg = p
-                            .downcast_ref::<String>()
-                            .cloned()
-                            .or_else(|| p.downcast_ref::<&str>().map(|s| s.to_string()));
-                        Err(anyhow::anyhow!("the cell panicked: {}", msg.unwrap_or_default()))
-                    })
-                    .map_err(|e| format!("{e:#}"));
-                if let Err(e) = &result {
-                    eprintln!("onepass: cell {} ({}, seed {}) failed: {e}", cell.cell_id, config.label, cell.seed);
-                }
-                results::CellOutcome {
-                    cell_id: &cell.cell_id,
-                    config,
-                    seed: cell.seed,
-                    result,
-                    wall_s: t0.elapsed().as_secs_f64(),
-                }
-            })
-            .collect()
-    });
-    let schemas = results::write_tables(&dir, &plan, &outcomes)?;
+    let outcomes: Vec<Result<results::CellOutcome<'_>>> = pool
+        .install(|| plan.cells.par_iter().map(|cell| run_one(&plan, cell, &dir, &fingerprint, opts.force)).collect());
+    let mut interrupted = false;
+    let mut ok = Vec::with_capacity(outcomes.len());
+    for o in outcomes {
+        match o {
+            Ok(o) => ok.push(o),
+            Err(e) if e.is::<checkpoint::Interrupted>() => interrupted = true,
+            Err(e) => return Err(e),
+        }
+    }
+    if interrupted {
+        eprintln!(
+            "onepass: interrupted; {} of {} cells finished, the others checkpointed. Continue with:\n  onepass run {} --resume {}",
+            ok.len(),
+            plan.cells.len(),
+            opts.spec.display(),
+            dir.display()
+        );
+        return Ok(RunSummary { dir, failed: 0, cells: plan.cells.len(), interrupted: true });
+    }
+    let outcomes = ok;
+    let schemas = results::write_tables(&dir, &plan, &outcomes).with_context(|| {
+        format!(
+            "the finished cells are kept in {}/checkpoints: fix this, then `onepass run {} --resume {}`",
+            dir.display(),
+            opts.spec.display(),
+            dir.display()
+        )
+    })?;
     results::write_atomic(&dir.join("schema.json"), results::schema_json(&schemas).as_bytes())?;
     let failed = outcomes.iter().filter(|o| o.result.is_err()).count();
     let meta = serde_json::json!({
@@ -99,6 +235,7 @@ pub fn run(opts: &RunOptions) -> Result<RunSummary> {
         "git_dirty": env!("ONEPASS_GIT_DIRTY"),
         "spec_file": opts.spec.display().to_string(),
         "overrides": opts.overrides,
+        "resumed": opts.resume.is_some(),
         "master_seed": plan.spec.master_seed,
         "seeds": plan.spec.seeds,
         "setting": plan.spec.setting.as_str(),
@@ -125,8 +262,13 @@ pub fn run(opts: &RunOptions) -> Result<RunSummary> {
         "finished": humantime::format_rfc3339_seconds(std::time::SystemTime::now()).to_string(),
     });
     results::write_atomic(&dir.join("meta.json"), serde_json::to_string_pretty(&meta)?.as_bytes())?;
+    // complete: what resume needed is now in the tables
+    let p = dir.join("checkpoints");
+    if p.exists() {
+        std::fs::remove_dir_all(&p).with_context(|| format!("removing {}", p.display()))?;
+    }
     print_summary(&plan, &outcomes);
-    Ok(RunSummary { dir, failed, cells: outcomes.len() })
+    Ok(RunSummary { dir, failed, cells: outcomes.len(), interrupted: false })
 }
 
 /// Final metrics per config, mean over seeds.

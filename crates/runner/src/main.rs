@@ -1,6 +1,7 @@
 //! `onepass`: the one binary. `onepass run <spec.toml> [--set key=value]…` runs a spec and
 //! writes a run directory under `results/`; `onepass estimators` lists the estimator names.
-//! Exit codes: 0 ok, 1 a cell failed (the others still ran and were written), 2 bad input.
+//! Exit codes: 0 ok, 1 a cell failed (the others still ran and were written), 2 bad input,
+//! 130 interrupted by SIGINT/SIGTERM (checkpoints written; `onepass run <spec> --resume <dir>`).
 
 use clap::{Args, Parser, Subcommand};
 use std::path::PathBuf;
@@ -35,6 +36,14 @@ enum Cmd {
         /// Only parse and validate the spec, print the resolved spec and the cells.
         #[arg(long)]
         dry_run: bool,
+        /// Continue a killed or interrupted run directory: finished cells are kept, the others
+        /// resume from their checkpoints. Refused when the spec (same file and --set), the code
+        /// revision or the data differ from the run's.
+        #[arg(long, value_name = "RUN_DIR")]
+        resume: Option<PathBuf>,
+        /// With --resume: continue even when the spec, revision or data differ.
+        #[arg(long, requires = "resume")]
+        force: bool,
     },
     /// Write <run-dir>/report/: report.md (final metrics, mean ± std over seeds) and figures.
     Report { run: PathBuf },
@@ -136,6 +145,23 @@ struct BenchArgs {
     /// per block and per op (qkv, rope, causal_attention, o_proj, gate_up, silu_mul, down, …).
     #[arg(long)]
     trace: Option<PathBuf>,
+}
+
+/// An error as one line: candle appends a captured backtrace (lines `   0: …`) to its messages
+/// when RUST_BACKTRACE is set; the error itself is what the user needs.
+fn one_line(msg: &str) -> String {
+    let mut out = Vec::new();
+    for l in msg.lines() {
+        let t = l.trim_start();
+        let frame = t.split_once(':').is_some_and(|(n, _)| !n.is_empty() && n.bytes().all(|b| b.is_ascii_digit()));
+        if frame && l.starts_with(' ') {
+            break;
+        }
+        if !t.is_empty() {
+            out.push(t.to_string());
+        }
+    }
+    out.join(" ")
 }
 
 fn parse_dtype(dtype: &str) -> anyhow::Result<candle_core::DType> {
@@ -247,7 +273,7 @@ fn main() -> ExitCode {
                 ExitCode::SUCCESS
             }
             Err(e) => {
-                eprintln!("onepass: {e:#}");
+                eprintln!("onepass: {}", one_line(&format!("{e:#}")));
                 ExitCode::from(2)
             }
         },
@@ -257,14 +283,14 @@ fn main() -> ExitCode {
                 ExitCode::SUCCESS
             }
             Err(e) => {
-                eprintln!("onepass: {e:#}");
+                eprintln!("onepass: {}", one_line(&format!("{e:#}")));
                 ExitCode::from(2)
             }
         },
         Cmd::Features { cmd } => match features_cmd(cmd) {
             Ok(()) => ExitCode::SUCCESS,
             Err(e) => {
-                eprintln!("onepass: {e:#}");
+                eprintln!("onepass: {}", one_line(&format!("{e:#}")));
                 ExitCode::from(2)
             }
         },
@@ -274,7 +300,7 @@ fn main() -> ExitCode {
             }
             ExitCode::SUCCESS
         }
-        Cmd::Run { spec, overrides, out, threads, dry_run } => {
+        Cmd::Run { spec, overrides, out, threads, dry_run, resume, force } => {
             if dry_run {
                 return match runner::load_plan(&spec, &overrides) {
                     Ok(plan) => {
@@ -285,15 +311,17 @@ fn main() -> ExitCode {
                         ExitCode::SUCCESS
                     }
                     Err(e) => {
-                        eprintln!("onepass: {e}");
+                        eprintln!("onepass: {}", one_line(&e.to_string()));
                         ExitCode::from(2)
                     }
                 };
             }
-            match runner::run(&runner::RunOptions { spec, overrides, out, threads }) {
+            match runner::run(&runner::RunOptions { spec, overrides, out, threads, resume, force }) {
                 Ok(s) => {
                     println!("{}", s.dir.display());
-                    if s.failed > 0 {
+                    if s.interrupted {
+                        ExitCode::from(130)
+                    } else if s.failed > 0 {
                         eprintln!("onepass: {} of {} cells failed (see cells.parquet)", s.failed, s.cells);
                         ExitCode::from(1)
                     } else {
@@ -301,7 +329,7 @@ fn main() -> ExitCode {
                     }
                 }
                 Err(e) => {
-                    eprintln!("onepass: {e:#}");
+                    eprintln!("onepass: {}", one_line(&format!("{e:#}")));
                     ExitCode::from(2)
                 }
             }

@@ -450,7 +450,7 @@ pub fn build(mut spec: Spec, file: &Path, text: &str) -> Result<Plan, SpecError>
         }
     }
     let env = &spec.env;
-    let checks: [(&[&str], bool, &str); 11] = [
+    let checks: [(&[&str], bool, &str); 12] = [
         (&["seeds"], spec.seeds >= 1, "at least 1 seed"),
         (&["env", "dim"], env.dim >= 1, "d ≥ 1"),
         (&["env", "contexts"], env.contexts >= 1, "N ≥ 1"),
@@ -462,6 +462,11 @@ pub fn build(mut spec: Spec, file: &Path, text: &str) -> Result<Plan, SpecError>
         (&["stream", "batch_size"], spec.stream.batch_size >= 1, "a batch size ≥ 1"),
         (&["stream", "eval_every"], spec.stream.eval_every >= 1, "≥ 1 sample"),
         (&["curvature", "lambda"], spec.curvature.lambda.is_finite() && spec.curvature.lambda > 0.0, "λ > 0"),
+        (
+            &["checkpoint", "every_s"],
+            spec.checkpoint.every_s.is_finite() && spec.checkpoint.every_s >= 0.0,
+            "seconds ≥ 0 (0: only at SIGINT/SIGTERM)",
+        ),
     ];
     let ranks = spec.stream.ranks;
     if ranks == 0 {

@@ -13,12 +13,31 @@ use parquet::file::properties::WriterProperties;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
-/// Writes `bytes` to `path` through `path.tmp` and a rename.
+/// Writes `bytes` to `path` through `path.tmp` (flushed to disk) and a rename.
 pub fn write_atomic(path: &Path, bytes: &[u8]) -> Result<()> {
+    write_atomic_at(path, bytes, "write")
+}
+
+/// [`write_atomic`] with a named failpoint half-way through the temporary file.
+pub fn write_atomic_at(path: &Path, bytes: &[u8], failpoint: &str) -> Result<()> {
+    use std::io::Write;
     let mut tmp = path.as_os_str().to_owned();
     tmp.push(".tmp");
     let tmp = PathBuf::from(tmp);
-    std::fs::write(&tmp, bytes).with_context(|| format!("writing {}", tmp.display()))?;
+    let write = || -> std::io::Result<()> {
+        let mut f = std::fs::File::create(&tmp)?;
+        let (a, b) = bytes.split_at(bytes.len() / 2);
+        f.write_all(a)?;
+        f.flush()?;
+        crate::checkpoint::failpoint(failpoint);
+        crate::checkpoint::injected_write_error(failpoint)?;
+        f.write_all(b)?;
+        f.sync_all()
+    };
+    if let Err(e) = write() {
+        let _ = std::fs::remove_file(&tmp);
+        return Err(e).with_context(|| format!("writing {}", path.display()));
+    }
     std::fs::rename(&tmp, path).with_context(|| format!("renaming {} to {}", tmp.display(), path.display()))?;
     Ok(())
 }
@@ -100,7 +119,7 @@ impl Table {
         let mut w = ArrowWriter::try_new(&mut buf, schema.clone(), Some(props))?;
         w.write(&batch)?;
         w.close()?;
-        write_atomic(path, &buf)?;
+        write_atomic_at(path, &buf, "parquet-write")?;
         Ok(schema.as_ref().clone())
     }
 }

@@ -11,11 +11,15 @@ use estimators::logistic::{accuracy_credit, log_loss};
 use estimators::{Batch, Curvature, CurvatureKind, Estimator, HessianPoint, Setup};
 use rand::seq::SliceRandom;
 use rand::Rng;
+use rand_chacha::ChaCha20Rng;
+use serde::{Deserialize, Serialize};
 use std::borrow::Cow;
 use std::time::Instant;
 
+use crate::checkpoint::CellSaver;
+
 /// One row of metrics.parquet: a cell at an evaluation point. Deterministic: no wall clock.
-#[derive(Clone, Debug, Default, PartialEq)]
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
 pub struct MetricRow {
     pub step: u64,
     pub samples_seen: u64,
@@ -64,7 +68,7 @@ pub struct MetricRow {
 }
 
 /// One row of steps.parquet: the estimator's own report of one update.
-#[derive(Clone, Debug, Default, PartialEq)]
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
 pub struct StepRow {
     pub step: u64,
     pub samples_seen: u64,
@@ -72,7 +76,7 @@ pub struct StepRow {
 }
 
 /// Wall time between two evaluation points (timings.parquet; never in metrics.parquet).
-#[derive(Clone, Debug, Default, PartialEq)]
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
 pub struct Bucket {
     pub step: u64,
     pub samples_seen: u64,
@@ -82,7 +86,7 @@ pub struct Bucket {
     pub other_s: f64,
 }
 
-#[derive(Clone, Debug, Default)]
+#[derive(Clone, Debug, Default, Serialize, Deserialize)]
 pub struct CellResult {
     /// Timings per evaluation bucket.
     pub buckets: Vec<Bucket>,
@@ -99,7 +103,7 @@ pub struct CellResult {
 }
 
 /// One prompt of a chunked deployment run.
-#[derive(Clone, Debug, Default, PartialEq)]
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
 pub struct RoundRow {
     pub chunk: u64,
     /// Index of the prompt in the prompt file (generations.parquet).
@@ -142,6 +146,7 @@ pub fn kendall_tau_b(a: &[f64], b: &[f64]) -> f64 {
     }
 }
 
+#[derive(Clone, Debug, Serialize, Deserialize)]
 struct Hasher(u64);
 
 impl Hasher {
@@ -161,7 +166,10 @@ impl Hasher {
 }
 
 /// The estimator, its curvature tracker and the running window of training statistics.
-struct Learner {
+/// Serialised whole into checkpoints (the estimator through its [`estimators::Snapshot`]).
+#[derive(Serialize, Deserialize)]
+pub struct Learner {
+    #[serde(with = "estimator_state")]
     est: Box<dyn Estimator>,
     curv: Curvature,
     d: usize,
@@ -184,9 +192,119 @@ struct Learner {
     win_batches: f64,
     converged: bool,
     est_s: f64,
+    /// Wall time of the current bucket restarts when a checkpoint is read back.
+    #[serde(skip, default = "Instant::now")]
     bucket_start: Instant,
     bucket_est_s: f64,
     buckets: Vec<Bucket>,
+}
+
+mod estimator_state {
+    use estimators::{Estimator, Snapshot};
+    use serde::{Deserialize, Deserializer, Serialize, Serializer};
+
+    #[allow(clippy::borrowed_box)] // the field's type, as serde's `with` hands it over
+    pub fn serialize<S: Serializer>(e: &Box<dyn Estimator>, s: S) -> Result<S::Ok, S::Error> {
+        e.snapshot().serialize(s)
+    }
+
+    pub fn deserialize<'de, D: Deserializer<'de>>(d: D) -> Result<Box<dyn Estimator>, D::Error> {
+        Ok(Snapshot::deserialize(d)?.into_estimator())
+    }
+}
+
+/// Where a cell's loop stands: its random streams, the stream position, the rows and running
+/// sums so far. With the learners, everything a checkpoint holds.
+#[derive(Serialize, Deserialize)]
+pub struct Progress {
+    /// Loop units completed: updates (passive, active, deploy) or chunks (chunked deploy).
+    done: u64,
+    /// Training rows of the stream order consumed so far (pairs): an explicit index.
+    position: u64,
+    data: ChaCha20Rng,
+    labels: ChaCha20Rng,
+    select: ChaCha20Rng,
+    hash: Hasher,
+    rows: Vec<MetricRow>,
+    rounds: Vec<RoundRow>,
+    ties: u64,
+    oracle_ties: u64,
+    regret: f64,
+    reward_sum: f64,
+    cum_pair: f64,
+    seen: u64,
+    /// Active: pool rows already labelled, and the authors' V tracker.
+    used: Vec<bool>,
+    vtrack: Option<Curvature>,
+}
+
+impl Progress {
+    /// The start of a cell: every stream at its origin.
+    fn fresh(spec: &Spec, seed: u32) -> Progress {
+        Progress {
+            done: 0,
+            position: 0,
+            data: stream(spec.master_seed, seed, Component::Data),
+            labels: stream(spec.master_seed, seed, Component::Labels),
+            select: stream(spec.master_seed, seed, Component::Select),
+            hash: Hasher::new(),
+            rows: Vec::new(),
+            rounds: Vec::new(),
+            ties: 0,
+            oracle_ties: 0,
+            regret: 0.0,
+            reward_sum: 0.0,
+            cum_pair: 0.0,
+            seen: 0,
+            used: Vec::new(),
+            vtrack: None,
+        }
+    }
+}
+
+/// A cell's checkpoint as written (borrowed) …
+#[derive(Serialize)]
+struct StateRef<'a> {
+    learners: Vec<&'a Learner>,
+    progress: &'a Progress,
+    wall_s: f64,
+}
+
+/// … and as read back.
+#[derive(Deserialize)]
+pub struct CellState {
+    learners: Vec<Learner>,
+    progress: Progress,
+    wall_s: f64,
+}
+
+impl CellState {
+    /// Wall seconds the cell had run when the checkpoint was written.
+    pub fn wall_s(&self) -> f64 {
+        self.wall_s
+    }
+}
+
+/// What a cell needs besides the plan: where to checkpoint, and the state to resume from.
+pub struct CellCtx {
+    pub saver: CellSaver,
+    pub resume: Option<CellState>,
+}
+
+impl CellCtx {
+    /// No checkpoints, a fresh start.
+    pub fn none() -> Self {
+        CellCtx { saver: CellSaver::disabled(), resume: None }
+    }
+
+    /// After each loop unit: a checkpoint when one is due.
+    fn tick(&mut self, learners: &[&Learner], progress: &Progress) -> Result<()> {
+        if self.saver.due() {
+            let wall_s = self.saver.wall_s();
+            self.saver.save(&StateRef { learners: learners.to_vec(), progress, wall_s })?;
+        }
+        Ok(())
+    }
 }
 
 impl Learner {
@@ -252,6 +370,7 @@ impl Learner {
         let t0 = Instant::now();
         let rep = self.est.update(&batch)?;
         self.est_s += t0.elapsed().as_secs_f64();
+        crate::checkpoint::failpoint("update");
         self.est.theta_into(&mut self.next);
         self.curv.observe(&batch, &self.theta, &self.next);
         std::mem::swap(&mut self.theta, &mut self.next);
@@ -366,25 +485,46 @@ impl World<'_> {
     }
 }
 
-/// Runs one cell.
+/// Runs one cell without checkpoints.
 pub fn run_cell(plan: &Plan, config: &ConfigPlan, seed: u32) -> Result<CellResult> {
+    run_cell_with(plan, config, seed, &mut CellCtx::none())
+}
+
+/// Runs one cell, checkpointing through `ctx` and resuming from its state when it has one.
+pub fn run_cell_with(plan: &Plan, config: &ConfigPlan, seed: u32, ctx: &mut CellCtx) -> Result<CellResult> {
     let spec = &plan.spec;
     let world = match (&plan.data, &plan.generated) {
         (Some(p), _) => World::Pairs(p),
         (None, Some(g)) => World::Synthetic(Env::from_bank(&g.bank, spec.env.eval_pairs, spec.master_seed, seed)),
         (None, None) => World::Synthetic(Env::new(&spec.env, spec.master_seed, seed)),
     };
-    let mut learner = Learner::new(plan, config, seed)?;
+    let (mut learners, resumed) = match ctx.resume.take() {
+        Some(st) => {
+            let heads = if spec.setting == Setting::Passive { spec.stream.ranks.max(1) } else { 1 };
+            if st.learners.len() != heads || st.learners.iter().any(|l| l.d != spec.env.dim || l.est.dim() != l.d) {
+                return Err(anyhow!(
+                    "the checkpoint holds {} head(s) of dimension {:?}: expected {heads} of dimension {}",
+                    st.learners.len(),
+                    st.learners.iter().map(|l| l.d).collect::<Vec<_>>(),
+                    spec.env.dim
+                ));
+            }
+            ctx.saver.wall_before = st.wall_s;
+            (st.learners, Some(st.progress))
+        }
+        None => (vec![Learner::new(plan, config, seed)?], None),
+    };
+    let mut learner = learners.remove(0);
     let mut out = match (spec.setting, &world) {
         (Setting::Passive, World::Pairs(_)) if spec.stream.ranks > 1 => {
-            passive_ranks(plan, config, &world, &mut learner, seed)?
+            passive_ranks(plan, config, &world, &mut learner, learners, seed, ctx, resumed)?
         }
-        (Setting::Passive, _) => passive(plan, &world, &mut learner, seed)?,
-        (Setting::Active, _) => active(plan, config, &world, &mut learner, seed)?,
+        (Setting::Passive, _) => passive(plan, &world, &mut learner, seed, ctx, resumed)?,
+        (Setting::Active, _) => active(plan, config, &world, &mut learner, seed, ctx, resumed)?,
         (Setting::Deploy, World::Synthetic(env)) if plan.generated.is_some() => {
-            deploy_chunked(plan, config, env, &mut learner, seed)?
+            deploy_chunked(plan, config, env, &mut learner, seed, ctx, resumed)?
         }
-        (Setting::Deploy, World::Synthetic(env)) => deploy(plan, config, env, &mut learner, seed)?,
+        (Setting::Deploy, World::Synthetic(env)) => deploy(plan, config, env, &mut learner, seed, ctx, resumed)?,
         (Setting::Deploy, World::Pairs(_)) => return Err(anyhow!("deploy needs the synthetic environment")),
     };
     out.theta = learner.theta.clone();
@@ -431,48 +571,63 @@ fn mean_rows(rows: &[MetricRow]) -> MetricRow {
 
 /// Passive with `stream.ranks` = R independent heads (the authors' un-synchronised OMD ranks):
 /// head r reads rows r, r+R, … of the stream; a metric row is the mean over heads.
+#[allow(clippy::too_many_arguments)]
 fn passive_ranks(
     plan: &Plan,
     config: &ConfigPlan,
     world: &World<'_>,
     l0: &mut Learner,
+    resumed_others: Vec<Learner>,
     seed: u32,
+    ctx: &mut CellCtx,
+    resumed: Option<Progress>,
 ) -> Result<CellResult> {
     let spec = &plan.spec;
     let World::Pairs(p) = world else { return Err(anyhow!("stream.ranks > 1 needs pairs")) };
     let (b, r) = (spec.stream.batch_size, spec.stream.ranks);
     let steps = spec.stream.samples / (b * r) as u64;
-    let mut data = stream(spec.master_seed, seed, Component::Data);
-    let order = file_order(spec, p, &mut data);
+    let mut fresh = Progress::fresh(spec, seed);
+    let order = file_order(spec, p, &mut fresh.data);
     let shards: Vec<Vec<usize>> = (0..r).map(|k| order.iter().skip(k).step_by(r).copied().collect()).collect();
     // every head starts from the same θ (DeepSpeed broadcasts rank 0's initial weights)
-    let mut others: Vec<Learner> = (1..r).map(|_| Learner::new(plan, config, seed)).collect::<Result<_>>()?;
-    let mut h = Hasher::new();
-    let mut rows = Vec::new();
+    let mut others: Vec<Learner> = match resumed {
+        Some(_) => resumed_others,
+        None => (1..r).map(|_| Learner::new(plan, config, seed)).collect::<Result<_>>()?,
+    };
+    let mut pr = resumed.unwrap_or(fresh);
     let (mut z, mut y) = (Vec::with_capacity(b * spec.env.dim), Vec::with_capacity(b));
     let per_step = (b * r) as u64;
-    for s in 1..=steps {
+    for s in pr.done + 1..=steps {
         for k in 0..r {
             z.clear();
             y.clear();
-            let at = (s as usize - 1) * b;
+            // the position counts rows per head: head k's next rows are shards[k][position..]
+            let at = pr.position as usize;
             let rows_k = shards[k].get(at..at + b).ok_or_else(|| anyhow!("rank {k}: the stream ran out of rows"))?;
             for &i in rows_k {
                 z.extend_from_slice(p.train.row(i));
                 y.push(p.train.y[i]);
             }
-            h.f32s(&z);
-            h.f32s(&y);
+            pr.hash.f32s(&z);
+            pr.hash.f32s(&y);
             let learner = if k == 0 { &mut *l0 } else { &mut others[k - 1] };
             learner.update(&z, &y)?;
         }
+        pr.position += b as u64;
         let (now, before) = (s * per_step, (s - 1) * per_step);
         if s == steps || now / spec.stream.eval_every > before / spec.stream.eval_every {
             let mut each = vec![l0.row(world)];
             each.extend(others.iter_mut().map(|o| o.row(world)));
-            rows.push(mean_rows(&each));
+            pr.rows.push(mean_rows(&each));
+        }
+        pr.done = s;
+        if ctx.saver.due() {
+            let all: Vec<&Learner> = std::iter::once(&*l0).chain(others.iter()).collect();
+            let wall_s = ctx.saver.wall_s();
+            ctx.saver.save(&StateRef { learners: all, progress: &pr, wall_s })?;
         }
     }
+    let (rows, h) = (pr.rows, pr.hash);
     // rank 0's buckets carry every head's estimator time
     for o in &others {
         for (b0, bo) in l0.buckets.iter_mut().zip(&o.buckets) {
@@ -485,46 +640,55 @@ fn passive_ranks(
     Ok(CellResult { rows, stream_hash: h.0, ..Default::default() })
 }
 
-fn passive(plan: &Plan, world: &World<'_>, l: &mut Learner, seed: u32) -> Result<CellResult> {
+fn passive(
+    plan: &Plan,
+    world: &World<'_>,
+    l: &mut Learner,
+    seed: u32,
+    ctx: &mut CellCtx,
+    resumed: Option<Progress>,
+) -> Result<CellResult> {
     let spec = &plan.spec;
     let (b, d) = (spec.stream.batch_size, spec.env.dim);
     let steps = spec.stream.samples / b as u64;
-    let mut data = stream(spec.master_seed, seed, Component::Data);
-    let mut labels = stream(spec.master_seed, seed, Component::Labels);
-    let mut h = Hasher::new();
-    let mut rows = Vec::new();
+    let mut fresh = Progress::fresh(spec, seed);
     let order = match world {
-        World::Pairs(p) => file_order(spec, p, &mut data),
+        World::Pairs(p) => file_order(spec, p, &mut fresh.data),
         World::Synthetic(_) => Vec::new(),
     };
-    let mut next = order.iter();
+    let mut pr = resumed.unwrap_or(fresh);
     let (mut z, mut y) = (Vec::with_capacity(b * d), Vec::with_capacity(b));
-    for s in 1..=steps {
+    for s in pr.done + 1..=steps {
         z.clear();
         y.clear();
         for _ in 0..b {
             match world {
                 World::Synthetic(env) => {
-                    let c = env.draw_context(&mut data);
-                    let (a1, a2) = two_arms(&mut data, env.k);
+                    let c = env.draw_context(&mut pr.data);
+                    let (a1, a2) = two_arms(&mut pr.data, env.k);
                     let zi = env.diff(&c, a1, a2);
-                    y.push(env.label(&c, a1, a2, &zi, labels.random()));
+                    y.push(env.label(&c, a1, a2, &zi, pr.labels.random()));
                     z.extend(zi);
                 }
                 World::Pairs(p) => {
-                    let i = *next.next().ok_or_else(|| anyhow!("the features file ran out of rows"))?;
+                    let i =
+                        *order.get(pr.position as usize).ok_or_else(|| anyhow!("the features file ran out of rows"))?;
+                    pr.position += 1;
                     z.extend_from_slice(p.train.row(i));
                     y.push(p.train.y[i]);
                 }
             }
         }
-        h.f32s(&z);
-        h.f32s(&y);
+        pr.hash.f32s(&z);
+        pr.hash.f32s(&y);
         l.update(&z, &y)?;
         if l.due(spec.stream.eval_every, s == steps) {
-            rows.push(l.row(world));
+            pr.rows.push(l.row(world));
         }
+        pr.done = s;
+        ctx.tick(&[&*l], &pr)?;
     }
+    let (mut rows, h) = (pr.rows, pr.hash);
     let Some(env) = world.truth() else {
         return Ok(CellResult { rows, stream_hash: h.0, ..Default::default() });
     };
@@ -624,24 +788,29 @@ pub fn pessimistic(env: &Env, theta: &[f64], curv: &Curvature, beta: f64, how: P
     }
 }
 
-fn active(plan: &Plan, config: &ConfigPlan, world: &World<'_>, l: &mut Learner, seed: u32) -> Result<CellResult> {
+fn active(
+    plan: &Plan,
+    config: &ConfigPlan,
+    world: &World<'_>,
+    l: &mut Learner,
+    seed: u32,
+    ctx: &mut CellCtx,
+    resumed: Option<Progress>,
+) -> Result<CellResult> {
     let spec = &plan.spec;
     let a = &spec.active;
     let (b, d) = (spec.stream.batch_size, spec.env.dim);
     let steps = spec.stream.samples / b as u64;
-    let mut data = stream(spec.master_seed, seed, Component::Data);
-    let mut labels = stream(spec.master_seed, seed, Component::Labels);
-    let mut select = stream(spec.master_seed, seed, Component::Select);
-    let mut h = Hasher::new();
+    let mut fresh = Progress::fresh(spec, seed);
     // the pool: pairs drawn once, each with its label drawn once (a re-queried pair keeps it)
     let (pool_z, pool_y): (Cow<'_, [f32]>, Cow<'_, [f32]>) = match world {
         World::Synthetic(env) => {
             let (mut pool_z, mut pool_y) = (Vec::with_capacity(a.pool * d), Vec::with_capacity(a.pool));
             for _ in 0..a.pool {
-                let c = env.draw_context(&mut data);
-                let (a1, a2) = two_arms(&mut data, env.k);
+                let c = env.draw_context(&mut fresh.data);
+                let (a1, a2) = two_arms(&mut fresh.data, env.k);
                 let z = env.diff(&c, a1, a2);
-                pool_y.push(env.label(&c, a1, a2, &z, labels.random()));
+                pool_y.push(env.label(&c, a1, a2, &z, fresh.labels.random()));
                 pool_z.extend(z);
             }
             (pool_z.into(), pool_y.into())
@@ -650,15 +819,19 @@ fn active(plan: &Plan, config: &ConfigPlan, world: &World<'_>, l: &mut Learner, 
         World::Pairs(p) => (Cow::Borrowed(&p.train.z[..]), Cow::Borrowed(&p.train.y[..])),
     };
     let pool = pool_y.len();
-    h.f32s(&pool_z);
-    h.f32s(&pool_y);
+    fresh.hash.f32s(&pool_z);
+    fresh.hash.f32s(&pool_y);
+    fresh.used = vec![false; pool];
+    fresh.vtrack = Some(Curvature::new(CurvatureKind::Gram { v0: a.v0 }, d));
     let row_of = |i: usize| &pool_z[i * d..(i + 1) * d];
-    let mut used = vec![false; pool];
-    let mut vtrack = Curvature::new(CurvatureKind::Gram { v0: a.v0 }, d);
-    let mut ties = 0u64;
-    let mut rows = Vec::new();
+    let mut pr = resumed.unwrap_or(fresh);
+    if pr.used.len() != pool {
+        return Err(anyhow!("the checkpoint's pool has {} pairs: expected {pool}", pr.used.len()));
+    }
     let (mut z, mut y) = (Vec::with_capacity(b * d), Vec::with_capacity(b));
-    for s in 1..=steps {
+    for s in pr.done + 1..=steps {
+        let Progress { data, select, used, vtrack, ties, .. } = &mut pr;
+        let vtrack = vtrack.as_mut().ok_or_else(|| anyhow!("the checkpoint has no V tracker"))?;
         let avail: Vec<usize> = (0..pool).filter(|&i| a.replacement || !used[i]).collect();
         if avail.len() < b {
             return Err(anyhow!("active: the pool ran out after {} steps", s - 1));
@@ -666,17 +839,15 @@ fn active(plan: &Plan, config: &ConfigPlan, world: &World<'_>, l: &mut Learner, 
         let chosen: Vec<usize> = match config.rule.unwrap_or(a.rule.0[0]) {
             ActiveRule::PoolArgmax => {
                 let scores: Vec<f64> = avail.iter().map(|&i| l.curv.inv_norm(row_of(i))).collect();
-                let (top, t) = selection::top_k(&scores, b, &mut select);
-                ties += u64::from(t);
+                let (top, t) = selection::top_k(&scores, b, select);
+                *ties += u64::from(t);
                 top.iter().map(|&j| avail[j]).collect()
             }
-            ActiveRule::Random => {
-                rand::seq::index::sample(&mut data, avail.len(), b).iter().map(|j| avail[j]).collect()
-            }
+            ActiveRule::Random => rand::seq::index::sample(data, avail.len(), b).iter().map(|j| avail[j]).collect(),
             ActiveRule::Stream => {
                 let m = a.candidates.min(avail.len());
                 let cand: Vec<usize> =
-                    rand::seq::index::sample(&mut data, avail.len(), m).iter().map(|j| avail[j]).collect();
+                    rand::seq::index::sample(data, avail.len(), m).iter().map(|j| avail[j]).collect();
                 let scores: Vec<f64> = match a.score_norm {
                     ScoreNorm::V => {
                         // the authors add every candidate to V before scoring
@@ -687,8 +858,8 @@ fn active(plan: &Plan, config: &ConfigPlan, world: &World<'_>, l: &mut Learner, 
                     }
                     ScoreNorm::H => cand.iter().map(|&i| l.curv.inv_norm(row_of(i))).collect(),
                 };
-                let (top, t) = selection::top_k(&scores, a.keep, &mut select);
-                ties += u64::from(t);
+                let (top, t) = selection::top_k(&scores, a.keep, select);
+                *ties += u64::from(t);
                 top.iter().map(|&j| cand[j]).collect()
             }
         };
@@ -703,112 +874,124 @@ fn active(plan: &Plan, config: &ConfigPlan, world: &World<'_>, l: &mut Learner, 
         if l.due(spec.stream.eval_every, s == steps) {
             let mut row = l.row(world);
             row.subopt_avg = world.truth().map(|env| env.subopt_of(&env.greedy(&l.averaged())));
-            row.ties = ties;
-            rows.push(row);
+            row.ties = *ties;
+            pr.rows.push(row);
         }
+        pr.done = s;
+        ctx.tick(&[&*l], &pr)?;
     }
-    Ok(CellResult { rows, stream_hash: h.0, ..Default::default() })
+    Ok(CellResult { rows: pr.rows, stream_hash: pr.hash.0, ..Default::default() })
 }
 
-fn deploy(plan: &Plan, config: &ConfigPlan, env: &Env, l: &mut Learner, seed: u32) -> Result<CellResult> {
+fn deploy(
+    plan: &Plan,
+    config: &ConfigPlan,
+    env: &Env,
+    l: &mut Learner,
+    seed: u32,
+    ctx: &mut CellCtx,
+    resumed: Option<Progress>,
+) -> Result<CellResult> {
     let spec = &plan.spec;
     let strategy = config.strategy.ok_or_else(|| anyhow!("deploy cell without a strategy"))?;
     let (b, d, k) = (spec.stream.batch_size, env.d, env.k);
     let steps = spec.stream.samples / b as u64;
-    let mut data = stream(spec.master_seed, seed, Component::Data);
-    let mut labels = stream(spec.master_seed, seed, Component::Labels);
-    let mut select = stream(spec.master_seed, seed, Component::Select);
-    let mut h = Hasher::new();
-    let (mut regret, mut reward_sum, mut ties, mut rounds) = (0.0, 0.0, 0u64, 0u64);
-    let mut rows = Vec::new();
+    let mut pr = resumed.unwrap_or_else(|| Progress::fresh(spec, seed));
     let (mut z, mut y) = (Vec::with_capacity(b * d), Vec::with_capacity(b));
-    for s in 1..=steps {
+    for s in pr.done + 1..=steps {
         z.clear();
         y.clear();
+        let Progress { data, labels, select, hash: h, regret, reward_sum, ties, seen: rounds, .. } = &mut pr;
         for _ in 0..b {
-            let c = env.draw_context(&mut data);
+            let c = env.draw_context(data);
             let u: f64 = labels.random();
             h.f32s(&c.phi);
             h.bytes(&u.to_le_bytes());
             let est: Vec<f64> = (0..k).map(|a| dot(env.arm(&c, a), &l.theta)).collect();
             let bonus: Option<Vec<f64>> = strategy.needs_bonus().then(|| {
-                let first = selection::first_arm(&est, &select);
+                let first = selection::first_arm(&est, &*select);
                 (0..k).map(|a| l.curv.inv_norm(&env.diff(&c, a, first))).collect()
             });
-            let pair = selection::select_pair(&strategy, &est, bonus.as_deref(), &mut select);
-            ties += u64::from(pair.ties);
+            let pair = selection::select_pair(&strategy, &est, bonus.as_deref(), select);
+            *ties += u64::from(pair.ties);
             let zi = env.diff(&c, pair.first, pair.second);
             y.push(env.label(&c, pair.first, pair.second, &zi, u));
             z.extend(zi);
             let best = (0..k).map(|a| env.reward(&c, a)).fold(f64::NEG_INFINITY, f64::max);
             let got = 0.5 * (env.reward(&c, pair.first) + env.reward(&c, pair.second));
-            regret += best - got;
-            reward_sum += got;
-            rounds += 1;
+            *regret += best - got;
+            *reward_sum += got;
+            *rounds += 1;
         }
         l.update(&z, &y)?;
         if l.due(spec.stream.eval_every, s == steps) {
             let mut row = l.row_at((&env.eval_z, &env.eval_y), Some(env));
-            row.regret = Some(regret);
-            row.mean_reward = Some(reward_sum / rounds as f64);
-            row.ties = ties;
-            rows.push(row);
+            row.regret = Some(pr.regret);
+            row.mean_reward = Some(pr.reward_sum / pr.seen as f64);
+            row.ties = pr.ties;
+            pr.rows.push(row);
         }
+        pr.done = s;
+        ctx.tick(&[&*l], &pr)?;
     }
-    Ok(CellResult { rows, stream_hash: h.0, ..Default::default() })
+    Ok(CellResult { rows: pr.rows, stream_hash: pr.hash.0, ..Default::default() })
 }
 
 /// Deployment on generated responses (paper Alg. 4 in the authors' chunked form): the prompts,
 /// in a per-seed order, are cut into chunks; within a chunk θ is fixed — it ranks every
 /// prompt's n responses, the strategy picks a pair, the oracle labels it — then the estimator
 /// updates on the chunk's pairs in mini-batches of `stream.batch_size`.
-fn deploy_chunked(plan: &Plan, config: &ConfigPlan, env: &Env, l: &mut Learner, seed: u32) -> Result<CellResult> {
+fn deploy_chunked(
+    plan: &Plan,
+    config: &ConfigPlan,
+    env: &Env,
+    l: &mut Learner,
+    seed: u32,
+    ctx: &mut CellCtx,
+    resumed: Option<Progress>,
+) -> Result<CellResult> {
     let spec = &plan.spec;
     let strategy = config.strategy.ok_or_else(|| anyhow!("deploy cell without a strategy"))?;
     let (k, b) = (env.k, spec.stream.batch_size);
-    let mut data = stream(spec.master_seed, seed, Component::Data);
-    let mut labels = stream(spec.master_seed, seed, Component::Labels);
-    let mut select = stream(spec.master_seed, seed, Component::Select);
+    let mut fresh = Progress::fresh(spec, seed);
     let p = env.contexts.len();
     let mut order: Vec<usize> = (0..p).collect();
     if spec.deploy.prompt_order == Order::Shuffled {
-        order.shuffle(&mut data);
+        order.shuffle(&mut fresh.data);
     }
     let chunks = spec.deploy.chunks.max(1);
-    let mut h = Hasher::new();
-    let (mut regret, mut reward_sum, mut cum_pair, mut ties, mut oracle_ties) = (0.0, 0.0, 0.0, 0u64, 0u64);
-    let (mut rows, mut rounds) = (Vec::new(), Vec::new());
-    let mut seen = 0usize;
-    for c in 0..chunks {
+    let mut pr = resumed.unwrap_or(fresh);
+    for c in pr.done as usize..chunks {
         // chunk c holds prompts [c·p/chunks, (c+1)·p/chunks) of the order
         let (lo, hi) = (c * p / chunks, (c + 1) * p / chunks);
         if c > 0 && spec.deploy.reset_each_chunk {
             l.reset_estimator(plan, config, seed)?;
         }
         let (mut z, mut y) = (Vec::new(), Vec::new());
+        let Progress { labels, select, hash: h, regret, reward_sum, ties, oracle_ties, rounds, .. } = &mut pr;
         let (mut pair_sum, mut pol_sum, mut tau_sum) = (0.0, 0.0, 0.0);
         for &x in &order[lo..hi] {
             let ctx = &env.contexts[x];
             let est: Vec<f64> = (0..k).map(|a| dot(env.arm(ctx, a), &l.theta)).collect();
             let truth: Vec<f64> = (0..k).map(|a| env.reward(ctx, a)).collect();
             let bonus: Option<Vec<f64>> = strategy.needs_bonus().then(|| {
-                let first = selection::first_arm(&est, &select);
+                let first = selection::first_arm(&est, &*select);
                 (0..k).map(|a| l.curv.inv_norm(&env.diff(ctx, a, first))).collect()
             });
-            let pair = selection::select_pair(&strategy, &est, bonus.as_deref(), &mut select);
-            ties += u64::from(pair.ties);
+            let pair = selection::select_pair(&strategy, &est, bonus.as_deref(), select);
+            *ties += u64::from(pair.ties);
             let zi = env.diff(ctx, pair.first, pair.second);
             let u: f64 = labels.random();
             h.bytes(&(x as u64).to_le_bytes());
             h.bytes(&u.to_le_bytes());
             let label = env.label(ctx, pair.first, pair.second, &zi, u);
-            oracle_ties += u64::from(truth[pair.first] == truth[pair.second]);
+            *oracle_ties += u64::from(truth[pair.first] == truth[pair.second]);
             y.push(label);
             z.extend(zi);
             let best = truth.iter().copied().fold(f64::NEG_INFINITY, f64::max);
             let (ra, rb) = (truth[pair.first], truth[pair.second]);
-            regret += best - 0.5 * (ra + rb);
-            reward_sum += 0.5 * (ra + rb);
+            *regret += best - 0.5 * (ra + rb);
+            *reward_sum += 0.5 * (ra + rb);
             pair_sum += ra + rb;
             let pick = match spec.deploy.policy {
                 crate::spec::DeployPolicy::BestOfN => argmax(est.iter().copied()),
@@ -834,22 +1017,24 @@ fn deploy_chunked(plan: &Plan, config: &ConfigPlan, env: &Env, l: &mut Learner, 
         for (zb, yb) in z.chunks(b * env.d).zip(y.chunks(b)) {
             l.update(zb, yb)?;
         }
-        seen += hi - lo;
+        pr.seen += (hi - lo) as u64;
         let n = (hi - lo) as f64;
-        cum_pair += pair_sum / n;
+        pr.cum_pair += pair_sum / n;
         let mut row = l.row_at((&env.eval_z, &env.eval_y), Some(env));
-        row.regret = Some(regret);
-        row.mean_reward = Some(reward_sum / seen as f64);
-        row.ties = ties;
+        row.regret = Some(pr.regret);
+        row.mean_reward = Some(pr.reward_sum / pr.seen as f64);
+        row.ties = pr.ties;
         row.chunk = Some(c as u64 + 1);
         row.pair_reward = Some(pair_sum / n);
-        row.cum_pair_reward = Some(cum_pair);
+        row.cum_pair_reward = Some(pr.cum_pair);
         row.policy_reward = Some(pol_sum / n);
         row.kendall_tau = Some(tau_sum / n);
-        row.oracle_ties = Some(oracle_ties);
-        rows.push(row);
+        row.oracle_ties = Some(pr.oracle_ties);
+        pr.rows.push(row);
+        pr.done = c as u64 + 1;
+        ctx.tick(&[&*l], &pr)?;
     }
-    Ok(CellResult { rows, rounds, stream_hash: h.0, ..Default::default() })
+    Ok(CellResult { rows: pr.rows, rounds: pr.rounds, stream_hash: pr.hash.0, ..Default::default() })
 }
 
 #[cfg(test)]

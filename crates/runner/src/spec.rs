@@ -225,6 +225,9 @@ pub struct Spec {
     pub active: ActiveSpec,
     #[serde(default)]
     pub deploy: DeploySpec,
+    /// When cells save their state for `onepass run --resume` (not part of a run's identity).
+    #[serde(default)]
+    pub checkpoint: CheckpointSpec,
     #[serde(rename = "estimator", default)]
     pub estimators: Vec<EstimatorEntry>,
     /// env.kind = "dataset": the preference data and the feature model.
@@ -360,6 +363,29 @@ fn d_theta_norm() -> f64 {
 }
 fn d_eval_pairs() -> usize {
     2000
+}
+
+/// Periodic checkpoints of every running cell (estimator, curvature, RNG streams, stream
+/// position, rows so far) under `<run>/checkpoints/`; SIGINT/SIGTERM always checkpoint.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct CheckpointSpec {
+    /// Seconds of a cell's work between checkpoints (0: only at SIGINT/SIGTERM). Default 120.
+    #[serde(default = "d_every_s")]
+    pub every_s: f64,
+    /// Also every this many loop steps (updates; deploy on generated responses: chunks); 0: off.
+    #[serde(default)]
+    pub every_steps: u64,
+}
+
+fn d_every_s() -> f64 {
+    120.0
+}
+
+impl Default for CheckpointSpec {
+    fn default() -> Self {
+        CheckpointSpec { every_s: d_every_s(), every_steps: 0 }
+    }
 }
 
 /// Stream length and evaluation cadence.
@@ -732,12 +758,29 @@ fn find_in_table(t: &toml_edit::Table, seg: &str, rest: &[String]) -> Option<Spa
 
 /// Reads a spec file, applies `--set key=value` overrides, and parses it.
 pub fn load(path: &Path, overrides: &[String]) -> Result<(Spec, String), SpecError> {
+    let text = std::fs::read_to_string(path).map_err(|e| SpecError {
+        file: path.to_path_buf(),
+        key: String::new(),
+        line: None,
+        message: format!("cannot read the spec: {e}"),
+    })?;
+    parse(&text, path, overrides)
+}
+
+/// Parses spec text (errors name `path`), after `--set` overrides; no file is read.
+pub fn parse(text: &str, path: &Path, overrides: &[String]) -> Result<(Spec, String), SpecError> {
     let err = |key: &str, line, message: String| SpecError { file: path.to_path_buf(), key: key.into(), line, message };
-    let text = std::fs::read_to_string(path).map_err(|e| err("", None, format!("cannot read the spec: {e}")))?;
-    let text = apply_overrides(&text, overrides).map_err(|(k, m)| err(&k, None, m))?;
+    let text = apply_overrides(text, overrides).map_err(|(k, m)| err(&k, None, m))?;
     let spec: Spec = toml::from_str(&text).map_err(|e: toml::de::Error| {
         let line = e.span().map(|s| line_of(&text, s.start));
-        err("", line, e.message().trim().to_string())
+        // name the key when the error sits on a `key = value` line (wrong types, bad values)
+        let key = line
+            .and_then(|l| text.lines().nth(l - 1))
+            .and_then(|l| l.split_once('='))
+            .map(|(k, _)| k.trim())
+            .filter(|k| !k.is_empty() && k.chars().all(|c| c.is_ascii_alphanumeric() || "_-.\"".contains(c)))
+            .unwrap_or("");
+        err(key, line, e.message().trim().to_string())
     })?;
     Ok((spec, text))
 }

@@ -267,6 +267,25 @@ fn dataset_kind_runs_from_a_spec() {
         std::fs::read(dir2.join("metrics.parquet")).unwrap(),
         "same spec, same seed, same bytes"
     );
+    // on the cached features, 1 and 2 threads (cells and rayon's pool) give the same bytes
+    let mut dirs = Vec::new();
+    for t in ["1", "2"] {
+        let out = Command::new(env!("CARGO_BIN_EXE_onepass"))
+            .current_dir(tmp.path())
+            .args(["run", "run.toml", "--out", &format!("threads{t}"), "--threads", t])
+            .env("RAYON_NUM_THREADS", t)
+            .output()
+            .unwrap();
+        assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+        dirs.push(PathBuf::from(tmp.path()).join(String::from_utf8_lossy(&out.stdout).trim()));
+    }
+    for f in
+        ["metrics.parquet", "cells.parquet", "theta/c0000.npy", "theta/c0001.npy", "theta/c0002.npy", "theta/c0003.npy"]
+    {
+        let (a, b) = (std::fs::read(dirs[0].join(f)).unwrap(), std::fs::read(dirs[1].join(f)).unwrap());
+        assert!(a == b, "{f}: 1 and 2 threads differ");
+        assert!(a == std::fs::read(dir.join(f)).unwrap(), "{f}: differs from the run that extracted");
+    }
 
     // bad specs: a typo in [data], an unset variable, a bad share, [data] with another kind
     let bad = [

@@ -223,3 +223,33 @@ fn generated_specs_are_checked() {
     let (code, _, err) = onepass(p, &["run", "bad.toml", "--out", "runs"]);
     assert!(code == 2 && err.contains("prompts.jsonl: row 1"), "{err}");
 }
+
+/// Chunked deployment killed (SIGKILL) in an update of its second cell and resumed: the same
+/// metrics, rounds and θ bytes as an uninterrupted run.
+#[test]
+fn chunked_deployment_resumes_after_sigkill() {
+    use std::os::unix::process::ExitStatusExt;
+    let tmp = setup();
+    let spec = spec("kind = \"linear\"\nseed = 3").replace("[deploy]", "[checkpoint]\nevery_steps = 1\n[deploy]");
+    std::fs::write(tmp.path().join("run.toml"), spec).unwrap();
+    let (code, stdout, stderr) = onepass(tmp.path(), &["run", "run.toml", "--out", "a", "--threads", "1"]);
+    assert_eq!(code, 0, "{stderr}");
+    let want = tmp.path().join(last_line(&stdout));
+    let out = Command::new(env!("CARGO_BIN_EXE_onepass"))
+        .current_dir(tmp.path())
+        .args(["run", "run.toml", "--out", "b", "--threads", "1"])
+        .env("ONEPASS_FAILPOINT", "update:9")
+        .output()
+        .unwrap();
+    assert_eq!(out.status.signal(), Some(9), "{}", String::from_utf8_lossy(&out.stderr));
+    let dir = std::fs::read_dir(tmp.path().join("b")).unwrap().next().unwrap().unwrap().path();
+    assert!(dir.join("checkpoints").read_dir().unwrap().count() >= 2, "a finished cell and a checkpoint");
+    let (code, _, stderr) = onepass(tmp.path(), &["run", "run.toml", "--resume", dir.to_str().unwrap()]);
+    assert_eq!(code, 0, "{stderr}");
+    for f in ["metrics.parquet", "rounds.parquet", "cells.parquet", "winrates.parquet", "theta/c0003.npy"] {
+        assert!(
+            std::fs::read(want.join(f)).unwrap() == std::fs::read(dir.join(f)).unwrap(),
+            "{f} differs after resume"
+        );
+    }
+}

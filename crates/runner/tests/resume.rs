@@ -1,0 +1,479 @@
+//! Nothing lost: runs killed with SIGKILL at chosen failpoints (during an update, a checkpoint
+//! write, a parquet write, between cells) and at random times, or stopped with SIGTERM, then
+//! continued with `onepass run --resume`, write the same metrics.parquet, steps.parquet,
+//! cells.parquet and θ bytes as an uninterrupted run. A resume of another spec, revision or
+//! data is refused; a corrupt checkpoint is named.
+
+use rand::{Rng, SeedableRng};
+use std::os::unix::process::ExitStatusExt;
+use std::path::{Path, PathBuf};
+use std::process::{Command, Stdio};
+use std::time::Duration;
+
+const BIN: &str = env!("CARGO_BIN_EXE_onepass");
+
+/// Every estimator kind on the synthetic bandit, steps recorded.
+const PASSIVE: &str = r#"
+setting = "passive"
+seeds = 2
+[env]
+dim = 5
+contexts = 12
+arms = 3
+eval_pairs = 100
+[stream]
+samples = 240
+batch_size = 3
+eval_every = 60
+record_steps = true
+[checkpoint]
+every_steps = 7
+[[estimator]]
+kind = "omd-exact"
+radius = 1.0
+[[estimator]]
+kind = "omd-hvp-cg"
+lr = 0.5
+[[estimator]]
+kind = "omd-reference"
+lr = 0.5
+[[estimator]]
+kind = "sgd"
+lr = 0.5
+clip = 1.0
+[[estimator]]
+kind = "adam"
+lr = 0.05
+[[estimator]]
+kind = "adam-reference"
+lr = 0.05
+[[estimator]]
+kind = "omd-hvp-cg+adam"
+lr = 0.05
+[[estimator]]
+kind = "sgd-replay"
+lr = 0.5
+replay_every = 20
+[[estimator]]
+kind = "mle"
+refit_every = 5
+"#;
+
+const ACTIVE: &str = r#"
+setting = "active"
+seeds = 2
+[env]
+dim = 5
+contexts = 12
+arms = 3
+eval_pairs = 100
+[stream]
+samples = 120
+batch_size = 2
+eval_every = 40
+[active]
+rule = ["stream", "pool-argmax", "random"]
+pool = 300
+candidates = 10
+keep = 2
+score_norm = "v"
+[checkpoint]
+every_steps = 5
+[[estimator]]
+kind = "omd-exact"
+[[estimator]]
+kind = "sgd-replay"
+lr = 0.5
+replay_every = 10
+"#;
+
+const DEPLOY: &str = r#"
+setting = "deploy"
+seeds = 2
+[env]
+dim = 5
+contexts = 12
+arms = 6
+eval_pairs = 100
+[stream]
+samples = 120
+batch_size = 2
+eval_every = 40
+[deploy]
+strategies = ["ucb", "best-quantile", "random-pair"]
+[checkpoint]
+every_steps = 5
+[[estimator]]
+kind = "omd-exact"
+[[estimator]]
+kind = "mle"
+"#;
+
+fn write(dir: &Path, name: &str, text: &str) -> PathBuf {
+    let p = dir.join(name);
+    std::fs::write(&p, text).unwrap();
+    p
+}
+
+fn cmd(dir: &Path, args: &[&str]) -> Command {
+    let mut c = Command::new(BIN);
+    c.current_dir(dir).args(args).env_remove("ONEPASS_FAILPOINT");
+    c
+}
+
+struct Out {
+    code: Option<i32>,
+    signal: Option<i32>,
+    stdout: String,
+    stderr: String,
+}
+
+fn output(mut c: Command) -> Out {
+    let o = c.output().unwrap();
+    Out {
+        code: o.status.code(),
+        signal: o.status.signal(),
+        stdout: String::from_utf8_lossy(&o.stdout).into_owned(),
+        stderr: String::from_utf8_lossy(&o.stderr).into_owned(),
+    }
+}
+
+/// The run directory a killed run made under `out` (it printed nothing on stdout).
+fn only_dir(out: &Path) -> PathBuf {
+    let dirs: Vec<PathBuf> = std::fs::read_dir(out).unwrap().map(|e| e.unwrap().path()).collect();
+    assert_eq!(dirs.len(), 1, "{dirs:?}");
+    dirs[0].clone()
+}
+
+/// Every file that must not depend on interruptions (timings.parquet and meta.json do).
+fn fingerprint_files(dir: &Path) -> Vec<(String, Vec<u8>)> {
+    let mut out = Vec::new();
+    for f in ["metrics.parquet", "cells.parquet", "steps.parquet", "rounds.parquet", "spec.resolved.toml"] {
+        if let Ok(b) = std::fs::read(dir.join(f)) {
+            out.push((f.to_string(), b));
+        }
+    }
+    let mut thetas: Vec<PathBuf> = std::fs::read_dir(dir.join("theta")).unwrap().map(|e| e.unwrap().path()).collect();
+    thetas.sort();
+    for t in thetas {
+        out.push((t.file_name().unwrap().to_string_lossy().into_owned(), std::fs::read(&t).unwrap()));
+    }
+    assert!(out.iter().any(|(f, _)| f == "metrics.parquet"), "no metrics.parquet in {}", dir.display());
+    out
+}
+
+fn assert_same(a: &Path, b: &Path, what: &str) {
+    let (fa, fb) = (fingerprint_files(a), fingerprint_files(b));
+    assert_eq!(fa.iter().map(|f| &f.0).collect::<Vec<_>>(), fb.iter().map(|f| &f.0).collect::<Vec<_>>(), "{what}");
+    for ((name, x), (_, y)) in fa.iter().zip(&fb) {
+        assert!(x == y, "{what}: {name} differs from the uninterrupted run's");
+    }
+    assert!(!b.join("checkpoints").exists(), "{what}: checkpoints/ left after completion");
+    let tmp = std::fs::read_dir(b).unwrap().chain(std::fs::read_dir(b.join("theta")).unwrap());
+    assert!(!tmp.into_iter().any(|e| e.unwrap().path().extension().is_some_and(|x| x == "tmp")), "{what}: .tmp left");
+}
+
+/// The uninterrupted run of `spec` (extra `--set`s included).
+fn reference(tmp: &Path, spec: &Path, sets: &[&str]) -> PathBuf {
+    let mut args = vec!["run", spec.to_str().unwrap(), "--out", "ref", "--threads", "1"];
+    args.extend_from_slice(sets);
+    let r = output(cmd(tmp, &args));
+    assert_eq!(r.code, Some(0), "{}", r.stderr);
+    tmp.join(r.stdout.trim().lines().last().unwrap())
+}
+
+/// Runs `spec` with SIGKILL at `failpoint`, then resumes it; returns the completed directory.
+fn kill_then_resume(tmp: &Path, spec: &Path, sets: &[&str], failpoint: &str, out: &str) -> PathBuf {
+    let mut args = vec!["run", spec.to_str().unwrap(), "--out", out, "--threads", "1"];
+    args.extend_from_slice(sets);
+    let mut c = cmd(tmp, &args);
+    c.env("ONEPASS_FAILPOINT", failpoint);
+    let r = output(c);
+    assert_eq!(r.signal, Some(9), "{failpoint}: expected SIGKILL, got {:?}: {}", r.code, r.stderr);
+    assert!(r.stderr.contains(&format!("failpoint {}", failpoint.replace(':', " #"))), "{}", r.stderr);
+    let dir = only_dir(&tmp.join(out));
+    assert!(!dir.join("meta.json").exists(), "{failpoint}: a killed run has no meta.json");
+    let mut args = vec!["run", spec.to_str().unwrap(), "--resume", dir.to_str().unwrap(), "--threads", "1"];
+    args.extend_from_slice(sets);
+    let r = output(cmd(tmp, &args));
+    assert_eq!(r.code, Some(0), "{failpoint}: resume failed: {}", r.stderr);
+    assert!(r.stderr.contains("(resumed)"), "{}", r.stderr);
+    dir
+}
+
+#[test]
+fn killed_at_failpoints_then_resumed_gives_the_same_bytes() {
+    let tmp = tempfile::tempdir().unwrap();
+    let tmp = tmp.path();
+    let passive = write(tmp, "passive.toml", PASSIVE);
+    let want = reference(tmp, &passive, &[]);
+    // 18 cells × 80 updates: kills in the first cell, mid-sweep, in the last cell; during a
+    // checkpoint write; during the final parquet writes; right after a cell finished
+    for (i, fp) in [
+        "update:3",
+        "update:700",
+        "update:1430",
+        "checkpoint-write:40",
+        "parquet-write:1",
+        "parquet-write:3",
+        "cell-end:5",
+    ]
+    .iter()
+    .enumerate()
+    {
+        let got = kill_then_resume(tmp, &passive, &[], fp, &format!("p{i}"));
+        assert_same(&want, &got, &format!("passive, SIGKILL at {fp}"));
+    }
+    for (name, text, fps) in [
+        ("active.toml", ACTIVE, ["update:150", "cell-end:3"]),
+        ("deploy.toml", DEPLOY, ["update:200", "checkpoint-write:9"]),
+    ] {
+        let spec = write(tmp, name, text);
+        let want = reference(tmp, &spec, &[]);
+        for (i, fp) in fps.iter().enumerate() {
+            let got = kill_then_resume(tmp, &spec, &[], fp, &format!("{name}-{i}"));
+            assert_same(&want, &got, &format!("{name}, SIGKILL at {fp}"));
+        }
+    }
+}
+
+/// A corrupt checkpoint, or another cell's, is named and refused (exit 2, no panic); deleting
+/// it starts that cell again, with the same bytes in the end.
+#[test]
+fn a_corrupt_or_foreign_checkpoint_is_named() {
+    let tmp = tempfile::tempdir().unwrap();
+    let tmp = tmp.path();
+    let spec = write(tmp, "p.toml", &PASSIVE.replace("seeds = 2", "seeds = 1"));
+    let want = reference(tmp, &spec, &[]);
+    let mut c = cmd(tmp, &["run", spec.to_str().unwrap(), "--out", "k", "--threads", "2"]);
+    c.env("ONEPASS_FAILPOINT", "update:60");
+    assert_eq!(output(c).signal, Some(9));
+    let dir = only_dir(&tmp.join("k"));
+    let ckpts: Vec<PathBuf> = std::fs::read_dir(dir.join("checkpoints"))
+        .unwrap()
+        .map(|e| e.unwrap().path())
+        .filter(|p| p.extension().is_some_and(|x| x == "ckpt"))
+        .collect();
+    assert_eq!(ckpts.len(), 2, "two cells were running: {ckpts:?}");
+    let (a, b) = (&ckpts[0], &ckpts[1]);
+    let resume = || output(cmd(tmp, &["run", spec.to_str().unwrap(), "--resume", dir.to_str().unwrap()]));
+    let orig = std::fs::read(a).unwrap();
+    let other = std::fs::read(b).unwrap();
+    // one flipped bit
+    let mut bad = orig.clone();
+    let last = bad.len() - 1;
+    bad[last] ^= 1;
+    std::fs::write(a, &bad).unwrap();
+    let r = resume();
+    assert_eq!(r.code, Some(2), "{}", r.stderr);
+    let name = a.file_name().unwrap().to_str().unwrap();
+    assert!(r.stderr.contains(name) && r.stderr.contains("corrupt checkpoint"), "{}", r.stderr);
+    assert!(!r.stderr.contains("panicked"));
+    // another cell's checkpoint under this cell's name
+    std::fs::write(a, &other).unwrap();
+    let r = resume();
+    assert_eq!(r.code, Some(2), "{}", r.stderr);
+    assert!(r.stderr.contains(name) && r.stderr.contains("a checkpoint of cell"), "{}", r.stderr);
+    // not a checkpoint at all
+    std::fs::write(a, b"hello").unwrap();
+    let r = resume();
+    assert_eq!(r.code, Some(2), "{}", r.stderr);
+    assert!(r.stderr.contains("not a onepass checkpoint"), "{}", r.stderr);
+    // deleted: that cell starts again
+    std::fs::remove_file(a).unwrap();
+    let r = resume();
+    assert_eq!(r.code, Some(0), "{}", r.stderr);
+    assert_same(&want, &dir, "restarted cell");
+}
+
+#[test]
+fn killed_at_random_times_in_a_loop_then_resumed() {
+    let tmp = tempfile::tempdir().unwrap();
+    let tmp = tmp.path();
+    let spec = write(tmp, "p.toml", &PASSIVE.replace("every_steps = 7", "every_steps = 2"));
+    let want = reference(tmp, &spec, &[]);
+    // how long the run takes as the loop runs it (2 threads)
+    let t0 = std::time::Instant::now();
+    let r = output(cmd(tmp, &["run", spec.to_str().unwrap(), "--out", "timing", "--threads", "2"]));
+    assert_eq!(r.code, Some(0), "{}", r.stderr);
+    let full = t0.elapsed().as_secs_f64().max(0.02);
+    let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(7);
+    for round in 0..3 {
+        let out = format!("r{round}");
+        let mut dir: Option<PathBuf> = None;
+        let mut kills = 0;
+        for attempt in 0..40 {
+            let mut args = vec!["run".to_string(), spec.to_str().unwrap().into(), "--threads".into(), "2".into()];
+            match &dir {
+                None => args.extend(["--out".into(), out.clone()]),
+                Some(d) => args.extend(["--resume".into(), d.to_string_lossy().into_owned()]),
+            }
+            let mut child = cmd(tmp, &args.iter().map(String::as_str).collect::<Vec<_>>())
+                .stdout(Stdio::piped())
+                .stderr(Stdio::null())
+                .spawn()
+                .unwrap();
+            // kill somewhere in the run (the last attempts run to the end)
+            let wait = if attempt < 30 { rng.random_range(0.02..0.8) * full } else { 1e9 };
+            let deadline = std::time::Instant::now() + Duration::from_secs_f64(wait.min(600.0));
+            let status = loop {
+                if let Some(s) = child.try_wait().unwrap() {
+                    break s;
+                }
+                if std::time::Instant::now() >= deadline {
+                    child.kill().unwrap();
+                    kills += 1;
+                    break child.wait().unwrap();
+                }
+                std::thread::sleep(Duration::from_millis(2));
+            };
+            if dir.is_none() && tmp.join(&out).exists() {
+                if let Some(e) = std::fs::read_dir(tmp.join(&out)).unwrap().next() {
+                    dir = Some(e.unwrap().path());
+                }
+            }
+            if status.code() == Some(0) {
+                break;
+            }
+            assert_eq!(status.signal(), Some(9), "round {round}: {status:?}");
+        }
+        let d = dir.expect("a run directory");
+        assert!(d.join("meta.json").exists(), "round {round}: never finished");
+        assert!(kills >= 1, "round {round}: the run was never killed");
+        eprintln!("round {round}: {kills} SIGKILLs before it finished");
+        assert_same(&want, &d, &format!("round {round}: {kills} random SIGKILLs"));
+    }
+}
+
+#[test]
+fn sigterm_checkpoints_and_exits_130() {
+    let tmp = tempfile::tempdir().unwrap();
+    let tmp = tmp.path();
+    // long enough to be running when the signal comes; only time-based checkpoints (none)
+    let text = PASSIVE.replace("every_steps = 7", "every_s = 0").replace("samples = 240", "samples = 24000");
+    let text = text.replace("eval_every = 60", "eval_every = 6000");
+    let spec = write(tmp, "p.toml", &text);
+    let want = reference(tmp, &spec, &[]);
+    let child = cmd(tmp, &["run", spec.to_str().unwrap(), "--out", "t", "--threads", "2"])
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    std::thread::sleep(Duration::from_millis(300));
+    // SAFETY: kill(2) on a child we spawned.
+    unsafe {
+        libc::kill(child.id() as i32, libc::SIGTERM);
+    }
+    let o = child.wait_with_output().unwrap();
+    let stderr = String::from_utf8_lossy(&o.stderr);
+    let dir = only_dir(&tmp.join("t"));
+    if o.status.code() == Some(0) {
+        eprintln!("the run finished before SIGTERM; nothing to check");
+        return;
+    }
+    assert_eq!(o.status.code(), Some(130), "{stderr}");
+    assert!(stderr.contains("--resume"), "{stderr}");
+    assert!(!dir.join("metrics.parquet").exists() && !dir.join("meta.json").exists());
+    let ckpts = std::fs::read_dir(dir.join("checkpoints")).unwrap().count();
+    assert!(ckpts >= 1, "SIGTERM wrote no checkpoint");
+    let r = output(cmd(tmp, &["run", spec.to_str().unwrap(), "--resume", dir.to_str().unwrap()]));
+    assert_eq!(r.code, Some(0), "{}", r.stderr);
+    assert_same(&want, &dir, "SIGTERM then resume");
+}
+
+#[test]
+fn resume_refuses_another_spec_revision_or_data() {
+    let tmp = tempfile::tempdir().unwrap();
+    let tmp = tmp.path();
+    let spec = write(tmp, "p.toml", PASSIVE);
+    let mut c = cmd(tmp, &["run", spec.to_str().unwrap(), "--out", "k", "--threads", "1"]);
+    c.env("ONEPASS_FAILPOINT", "update:100");
+    assert_eq!(output(c).signal, Some(9));
+    let dir = only_dir(&tmp.join("k"));
+    let d = dir.to_str().unwrap();
+    let s = spec.to_str().unwrap();
+    let refused = |args: &[&str], needle: &str| {
+        let r = output(cmd(tmp, args));
+        assert_eq!(r.code, Some(2), "{args:?}: {}", r.stderr);
+        let line = r.stderr.trim();
+        assert!(line.contains("refused") && line.contains(needle) && line.contains(d), "{args:?}: {line}");
+        assert!(line.contains("--force"), "{line}");
+        assert!(!line.contains("panicked"));
+    };
+    // another spec: an override, or an edited file
+    refused(&["run", s, "--resume", d, "--set", "stream.samples=120"], "samples = 120");
+    let edited = write(tmp, "edited.toml", &PASSIVE.replace("lr = 0.05", "lr = 0.06"));
+    refused(&["run", edited.to_str().unwrap(), "--resume", d], "the spec differs");
+    // another code revision
+    let manifest = dir.join("resume.json");
+    let orig = std::fs::read_to_string(&manifest).unwrap();
+    let mut m: serde_json::Value = serde_json::from_str(&orig).unwrap();
+    m["git_revision"] = "0000000000000000000000000000000000000000".into();
+    std::fs::write(&manifest, m.to_string()).unwrap();
+    refused(&["run", s, "--resume", d], "code revision differs");
+    // checkpoints and results of the first run are untouched by the refusals
+    std::fs::write(&manifest, &orig).unwrap();
+    // checkpoint settings are not part of the identity
+    let r = output(cmd(tmp, &["run", s, "--resume", d, "--set", "checkpoint.every_steps=3"]));
+    assert_eq!(r.code, Some(0), "{}", r.stderr);
+    // not a run directory
+    let r = output(cmd(tmp, &["run", s, "--resume", tmp.to_str().unwrap()]));
+    assert_eq!(r.code, Some(2));
+    assert!(r.stderr.contains("resume.json"), "{}", r.stderr);
+}
+
+/// Pairs from a features file: the data digest is part of the identity; --force overrides.
+#[test]
+fn resume_refuses_changed_data_unless_forced() {
+    let tmp = tempfile::tempdir().unwrap();
+    let tmp = tmp.path();
+    let d = 4;
+    let write_pairs = |seed: u64| {
+        use arrow_array::builder::{Float32Builder, ListBuilder};
+        use arrow_array::{ArrayRef, RecordBatch};
+        let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(seed);
+        let mut list = || -> ArrayRef {
+            let mut b = ListBuilder::new(Float32Builder::new());
+            for _ in 0..60 {
+                for _ in 0..d {
+                    b.values().append_value(rng.random_range(-1.0..1.0f32));
+                }
+                b.append(true);
+            }
+            std::sync::Arc::new(b.finish())
+        };
+        let (ch, rj) = (list(), list());
+        let batch = RecordBatch::try_from_iter([("phi_chosen", ch), ("phi_rejected", rj)]).unwrap();
+        let f = std::fs::File::create(tmp.join("pairs.parquet")).unwrap();
+        let mut w = parquet::arrow::ArrowWriter::try_new(f, batch.schema(), None).unwrap();
+        w.write(&batch).unwrap();
+        w.close().unwrap();
+    };
+    write_pairs(1);
+    let spec = write(
+        tmp,
+        "f.toml",
+        "setting = \"passive\"\n[env]\nkind = \"features\"\npath = \"pairs.parquet\"\neval_pairs = 12\n\
+         [stream]\nsamples = 40\nbatch_size = 2\neval_every = 20\n[checkpoint]\nevery_steps = 3\n\
+         [[estimator]]\nkind = \"omd-exact\"\n[[estimator]]\nkind = \"adam\"\n",
+    );
+    let s = spec.to_str().unwrap();
+    let r = output(cmd(tmp, &["run", s, "--dry-run"]));
+    if r.code != Some(0) {
+        panic!("features spec: {}", r.stderr);
+    }
+    let want = reference(tmp, &spec, &[]);
+    let got = kill_then_resume(tmp, &spec, &[], "update:25", "a");
+    assert_same(&want, &got, "features file");
+    let mut c = cmd(tmp, &["run", s, "--out", "b", "--threads", "1"]);
+    c.env("ONEPASS_FAILPOINT", "update:25");
+    assert_eq!(output(c).signal, Some(9));
+    let dir = only_dir(&tmp.join("b"));
+    write_pairs(2);
+    let r = output(cmd(tmp, &["run", s, "--resume", dir.to_str().unwrap()]));
+    assert_eq!(r.code, Some(2), "{}", r.stderr);
+    assert!(r.stderr.contains("the data differ") && r.stderr.contains("pairs.parquet"), "{}", r.stderr);
+    let r = output(cmd(tmp, &["run", s, "--resume", dir.to_str().unwrap(), "--force"]));
+    assert_eq!(r.code, Some(0), "{}", r.stderr);
+    assert!(r.stderr.contains("warning") && r.stderr.contains("--force"), "{}", r.stderr);
+}
