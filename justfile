@@ -36,6 +36,12 @@ bench-quick:
 bench-features batch="8" len="256" reps="3": fetch-models
     scripts/bench_features.sh {{batch}} {{len}} {{reps}}
 
+# Fuzz the spec parser, the jsonl and parquet readers and the GGUF/safetensors readers with
+# cargo-fuzz (nightly; installed when missing), SECONDS each; prints executions and crashes per
+# target. Not in CI. E.g. `just fuzz 300`, `just fuzz 60 gguf`.
+fuzz secs="60" *targets="":
+    scripts/fuzz.sh {{secs}} {{targets}}
+
 # Mutation testing of the estimator update functions (slow: tens of minutes).
 mutants:
     cargo mutants -p estimators --re 'update|solve|sample|project|refit|rank1|cg_step|gram|damping|gate' -- --release

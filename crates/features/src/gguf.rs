@@ -66,6 +66,34 @@ fn meta_f(md: &HashMap<String, Value>, key: &str) -> Option<f64> {
     md.get(key).and_then(|v| v.to_f32().map(f64::from).or_else(|_| v.to_f64()).ok())
 }
 
+/// A tensor's element count and byte range, checked (no overflow, inside the file) before
+/// candle reads it: a corrupt table could otherwise overflow candle's size arithmetic or ask
+/// for more memory than the file holds (found by `just fuzz gguf`).
+fn check_tensor_extent(content: &Content, name: &str, file_len: u64, path: &Path) -> Result<(), Error> {
+    let info = &content.tensor_infos[name];
+    let bad = |what: String| Error::Format(format!("{}: tensor `{name}`: {what}", path.display()));
+    let dims = info.shape.dims();
+    let elems = dims
+        .iter()
+        .try_fold(1u64, |a, &d| a.checked_mul(d as u64))
+        .ok_or_else(|| bad(format!("shape {dims:?} overflows")))?;
+    let (block, size) = (info.ggml_dtype.block_size() as u64, info.ggml_dtype.type_size() as u64);
+    if elems % block != 0 {
+        return Err(bad(format!("{elems} elements are not a multiple of the block size {block}")));
+    }
+    let end = (elems / block)
+        .checked_mul(size)
+        .and_then(|b| b.checked_add(info.offset))
+        .and_then(|b| b.checked_add(content.tensor_data_offset));
+    match end {
+        Some(e) if e <= file_len => Ok(()),
+        _ => Err(bad(format!(
+            "shape {dims:?} at offset {} runs past the end of the file ({file_len} bytes): truncated or corrupt",
+            info.offset
+        ))),
+    }
+}
+
 impl Gguf {
     /// Reads `path`, dequantizing every weight to `dtype` on `device` (not the LM head).
     pub fn read(path: &Path, device: &Device, dtype: DType) -> Result<Gguf, Error> {
@@ -105,6 +133,7 @@ impl Gguf {
         let vocab = embd.shape.dims()[0];
         let mut tensors = HashMap::new();
         let mut rope_factors = None;
+        let file_len = std::fs::metadata(path).map_err(|e| Error::Io(format!("{}: {e}", path.display())))?.len();
         let mut names: Vec<&String> = content.tensor_infos.keys().collect();
         names.sort();
         for name in names {
@@ -113,6 +142,7 @@ impl Gguf {
             if hf.is_none() && name != "rope_freqs.weight" {
                 continue; // output.weight (the LM head) is not needed for hidden states
             }
+            check_tensor_extent(&content, name, file_len, path)?;
             let q = content
                 .tensor(&mut r, name, device)
                 .map_err(|e| Error::Weights(format!("{}: tensor `{name}`: {e}", path.display())))?;

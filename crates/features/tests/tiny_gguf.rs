@@ -75,3 +75,54 @@ fn qwen2_gguf_matches_transformers() {
 fn llama_bpe_gguf_matches_transformers() {
     check("tiny-llama-bpe.gguf");
 }
+
+/// A hand-written GGUF whose tensor table claims 2^40 × 2^40 elements (the overflow `just fuzz
+/// gguf` found in candle's size arithmetic) or more bytes than the file has: errors that name the
+/// tensor, never a panic or a huge allocation.
+#[test]
+fn corrupt_tensor_tables_are_errors() {
+    fn s(out: &mut Vec<u8>, v: &str) {
+        out.extend((v.len() as u64).to_le_bytes());
+        out.extend(v.as_bytes());
+    }
+    let gguf = |dims: &[u64]| -> Vec<u8> {
+        let mut b = b"GGUF".to_vec();
+        b.extend(3u32.to_le_bytes());
+        b.extend(1u64.to_le_bytes()); // tensors
+        b.extend(3u64.to_le_bytes()); // metadata entries
+        s(&mut b, "general.architecture");
+        b.extend(8u32.to_le_bytes()); // string
+        s(&mut b, "llama");
+        for (k, v) in [("llama.embedding_length", 8u32), ("llama.attention.head_count", 2)] {
+            s(&mut b, k);
+            b.extend(4u32.to_le_bytes()); // u32
+            b.extend(v.to_le_bytes());
+        }
+        s(&mut b, "token_embd.weight");
+        b.extend((dims.len() as u32).to_le_bytes());
+        for d in dims {
+            b.extend(d.to_le_bytes());
+        }
+        b.extend(0u32.to_le_bytes()); // F32
+        b.extend(0u64.to_le_bytes()); // offset
+        while b.len() % 32 != 0 {
+            b.push(0);
+        }
+        b.extend([0u8; 64]); // 16 f32 of data
+        b
+    };
+    let dir = tempfile::tempdir().unwrap();
+    for (dims, want) in [(vec![1u64 << 40, 1 << 40], "overflows"), (vec![8, 1000], "runs past the end of the file")] {
+        let p = dir.path().join("bad.gguf");
+        std::fs::write(&p, gguf(&dims)).unwrap();
+        let e = features::gguf::Gguf::read(&p, &candle_core::Device::Cpu, candle_core::DType::F32).err().unwrap();
+        let msg = e.to_string();
+        assert!(msg.contains("bad.gguf") && msg.contains("token_embd.weight") && msg.contains(want), "{msg}");
+    }
+    // the same writer with a shape that fits reads the table (and fails later, on the config)
+    let p = dir.path().join("ok.gguf");
+    std::fs::write(&p, gguf(&[8, 2])).unwrap();
+    let msg =
+        features::gguf::Gguf::read(&p, &candle_core::Device::Cpu, candle_core::DType::F32).err().unwrap().to_string();
+    assert!(!msg.contains("token_embd.weight`: shape"), "{msg}");
+}
