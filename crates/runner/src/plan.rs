@@ -516,6 +516,14 @@ pub fn build(mut spec: Spec, file: &Path, text: &str) -> Result<Plan, SpecError>
                 return Err(err(&["active", "pool"], "expected a pool of at least 2 pairs".into()));
             }
             let stream_rule = a.rule.0.contains(&ActiveRule::Stream);
+            if a.rule.0.contains(&ActiveRule::BestWorst)
+                && matches!(spec.env.kind, EnvKind::Features | EnvKind::Dataset)
+            {
+                return Err(err(
+                    &["active", "rule"],
+                    "best-worst ranks the responses of fresh prompts: it needs env.kind = \"synthetic\" or \"generated\" (pairs files have two sides only)".into(),
+                ));
+            }
             if a.rule.0.is_empty() {
                 return Err(err(&["active", "rule"], "an empty list: expected at least one rule".into()));
             }

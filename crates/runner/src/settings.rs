@@ -830,45 +830,66 @@ fn active(
     }
     let (mut z, mut y) = (Vec::with_capacity(b * d), Vec::with_capacity(b));
     for s in pr.done + 1..=steps {
-        let Progress { data, select, used, vtrack, ties, .. } = &mut pr;
-        let vtrack = vtrack.as_mut().ok_or_else(|| anyhow!("the checkpoint has no V tracker"))?;
-        let avail: Vec<usize> = (0..pool).filter(|&i| a.replacement || !used[i]).collect();
-        if avail.len() < b {
-            return Err(anyhow!("active: the pool ran out after {} steps", s - 1));
-        }
-        let chosen: Vec<usize> = match config.rule.unwrap_or(a.rule.0[0]) {
-            ActiveRule::PoolArgmax => {
-                let scores: Vec<f64> = avail.iter().map(|&i| l.curv.inv_norm(row_of(i))).collect();
-                let (top, t) = selection::top_k(&scores, b, select);
-                *ties += u64::from(t);
-                top.iter().map(|&j| avail[j]).collect()
+        let Progress { data, labels, select, used, vtrack, ties, .. } = &mut pr;
+        let rule = config.rule.unwrap_or(a.rule.0[0]);
+        if rule == ActiveRule::BestWorst {
+            // paper §5 (practical rule): a fresh prompt, its n responses ranked by the current θ,
+            // the best and the worst sent to the oracle
+            let World::Synthetic(env) = world else {
+                return Err(anyhow!("active.rule best-worst needs responses to rank (a synthetic or generated env)"));
+            };
+            z.clear();
+            y.clear();
+            for _ in 0..b {
+                let c = env.draw_context(data);
+                let est: Vec<f64> = (0..env.k).map(|x| dot(env.arm(&c, x), &l.theta)).collect();
+                let pair = selection::select_pair(&selection::Strategy::BestWorst, &est, None, select);
+                *ties += u64::from(pair.ties);
+                let zi = env.diff(&c, pair.first, pair.second);
+                y.push(env.label(&c, pair.first, pair.second, &zi, labels.random()));
+                z.extend(zi);
             }
-            ActiveRule::Random => rand::seq::index::sample(data, avail.len(), b).iter().map(|j| avail[j]).collect(),
-            ActiveRule::Stream => {
-                let m = a.candidates.min(avail.len());
-                let cand: Vec<usize> =
-                    rand::seq::index::sample(data, avail.len(), m).iter().map(|j| avail[j]).collect();
-                let scores: Vec<f64> = match a.score_norm {
-                    ScoreNorm::V => {
-                        // the authors add every candidate to V before scoring
-                        for &i in &cand {
-                            vtrack.add(row_of(i), 1.0);
+        } else {
+            let vtrack = vtrack.as_mut().ok_or_else(|| anyhow!("the checkpoint has no V tracker"))?;
+            let avail: Vec<usize> = (0..pool).filter(|&i| a.replacement || !used[i]).collect();
+            if avail.len() < b {
+                return Err(anyhow!("active: the pool ran out after {} steps", s - 1));
+            }
+            let chosen: Vec<usize> = match rule {
+                ActiveRule::PoolArgmax => {
+                    let scores: Vec<f64> = avail.iter().map(|&i| l.curv.inv_norm(row_of(i))).collect();
+                    let (top, t) = selection::top_k(&scores, b, select);
+                    *ties += u64::from(t);
+                    top.iter().map(|&j| avail[j]).collect()
+                }
+                ActiveRule::Random => rand::seq::index::sample(data, avail.len(), b).iter().map(|j| avail[j]).collect(),
+                ActiveRule::BestWorst => unreachable!("handled above"),
+                ActiveRule::Stream => {
+                    let m = a.candidates.min(avail.len());
+                    let cand: Vec<usize> =
+                        rand::seq::index::sample(data, avail.len(), m).iter().map(|j| avail[j]).collect();
+                    let scores: Vec<f64> = match a.score_norm {
+                        ScoreNorm::V => {
+                            // the authors add every candidate to V before scoring
+                            for &i in &cand {
+                                vtrack.add(row_of(i), 1.0);
+                            }
+                            cand.iter().map(|&i| vtrack.inv_norm(row_of(i))).collect()
                         }
-                        cand.iter().map(|&i| vtrack.inv_norm(row_of(i))).collect()
-                    }
-                    ScoreNorm::H => cand.iter().map(|&i| l.curv.inv_norm(row_of(i))).collect(),
-                };
-                let (top, t) = selection::top_k(&scores, a.keep, select);
-                *ties += u64::from(t);
-                top.iter().map(|&j| cand[j]).collect()
+                        ScoreNorm::H => cand.iter().map(|&i| l.curv.inv_norm(row_of(i))).collect(),
+                    };
+                    let (top, t) = selection::top_k(&scores, a.keep, select);
+                    *ties += u64::from(t);
+                    top.iter().map(|&j| cand[j]).collect()
+                }
+            };
+            z.clear();
+            y.clear();
+            for &i in &chosen {
+                used[i] = true;
+                z.extend_from_slice(row_of(i));
+                y.push(pool_y[i]);
             }
-        };
-        z.clear();
-        y.clear();
-        for &i in &chosen {
-            used[i] = true;
-            z.extend_from_slice(row_of(i));
-            y.push(pool_y[i]);
         }
         l.update(&z, &y)?;
         if l.due(spec.stream.eval_every, s == steps) {

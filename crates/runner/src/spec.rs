@@ -507,6 +507,10 @@ pub enum ActiveRule {
     Stream,
     /// Uniformly random pool pairs.
     Random,
+    /// Paper §5 "Computation of model uncertainty" (practical form): a fresh prompt (context) per
+    /// label, its n responses (arms) ranked by the current θ, the best vs the worst queried. No
+    /// pool; needs an environment with responses (synthetic or generated).
+    BestWorst,
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
@@ -560,6 +564,7 @@ impl fmt::Display for ActiveRule {
             ActiveRule::PoolArgmax => "pool-argmax",
             ActiveRule::Stream => "stream",
             ActiveRule::Random => "random",
+            ActiveRule::BestWorst => "best-worst",
         })
     }
 }

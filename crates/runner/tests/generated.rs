@@ -253,3 +253,27 @@ fn chunked_deployment_resumes_after_sigkill() {
         );
     }
 }
+
+/// The paper's practical active rule on generated responses: a fresh prompt per label, its n
+/// samples ranked by θ, best vs worst queried — beside the pool rules, on the same bank.
+#[test]
+fn active_best_worst_on_generated_responses() {
+    let tmp = setup();
+    let text = spec("kind = \"linear\"\nseed = 3")
+        .replace("setting = \"deploy\"", "setting = \"active\"")
+        .replace("[stream]\nbatch_size = 2", "[stream]\nbatch_size = 2\nsamples = 12\neval_every = 6")
+        .replace(
+            "[deploy]\nchunks = 3\nstrategies = [\"random-pair\", \"best-worst\", \"ucb\"]",
+            "[active]\nrule = [\"random\", \"best-worst\"]\npool = 20",
+        );
+    std::fs::write(tmp.path().join("act.toml"), text).unwrap();
+    let (code, stdout, stderr) = onepass(tmp.path(), &["run", "act.toml", "--out", "a"]);
+    assert_eq!(code, 0, "{stderr}");
+    let m = table(&tmp.path().join(last_line(&stdout)).join("metrics.parquet"));
+    let strat = m.column_by_name("strategy").unwrap().as_any().downcast_ref::<arrow_array::StringArray>().unwrap();
+    let rules: std::collections::BTreeSet<&str> = (0..m.num_rows()).map(|i| strat.value(i)).collect();
+    assert_eq!(rules.into_iter().collect::<Vec<_>>(), ["best-worst", "random"]);
+    let seen = u64s(&m, "samples_seen");
+    assert_eq!(*seen.iter().max().unwrap(), 12);
+    assert!(f64s(&m, "subopt").iter().all(|v| v.is_finite()));
+}
