@@ -274,7 +274,10 @@ pub fn write_tables(dir: &Path, plan: &Plan, cells: &[CellOutcome<'_>]) -> Resul
             .collect();
         let t = Table::default()
             .str("cell_id", rows.iter().map(|(c, _)| c.cell_id.to_string()))
+            .u32("config_id", rows.iter().map(|(c, _)| c.config.config_id as u32))
             .str("estimator", rows.iter().map(|(c, _)| c.config.kind.to_string()))
+            .str("label", rows.iter().map(|(c, _)| c.config.label.clone()))
+            .opt_str("strategy", rows.iter().map(|(c, _)| strategy(c.config)))
             .u32("seed", rows.iter().map(|(c, _)| c.seed))
             .u64("step", rows.iter().map(|(_, s)| s.step))
             .u64("samples_seen", rows.iter().map(|(_, s)| s.samples_seen))
