@@ -195,10 +195,7 @@ impl Backbone {
                     .map_err(|e| Error::Format(format!("{}: {e}", tc_path.display())))?;
                 let (bos, eos) = (special(tc.get("bos_token")), special(tc.get("eos_token")));
                 let tok_path = dir.join("tokenizer.json");
-                let tok = Tok::from_json(&read(&tok_path)?, bos.as_deref(), eos.as_deref()).map_err(|e| match e {
-                    Error::Format(m) => Error::Format(m.replacen("tokenizer.json", &tok_path.display().to_string(), 1)),
-                    e => e,
-                })?;
+                let tok = Tok::from_json(&read(&tok_path)?, &tok_path, bos.as_deref(), eos.as_deref())?;
                 let tmpl = match tc.get("chat_template") {
                     Some(serde_json::Value::String(s)) => s.clone(),
                     Some(serde_json::Value::Array(list)) => list

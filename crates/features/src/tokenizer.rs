@@ -9,6 +9,7 @@ use crate::gguf::meta_str;
 use crate::Error;
 use candle_core::quantized::gguf_file::Value;
 use std::collections::HashMap;
+use std::path::Path;
 use tokenizers::decoders::byte_level::ByteLevel as ByteLevelDecoder;
 use tokenizers::models::bpe::BPE;
 use tokenizers::normalizers::unicode::NFC;
@@ -133,9 +134,10 @@ impl Tok {
     }
 
     /// From a `tokenizer.json` and the special tokens named in `tokenizer_config.json`.
-    pub fn from_json(json: &str, bos: Option<&str>, eos: Option<&str>) -> Result<Tok, Error> {
+    /// `origin` names the file in errors.
+    pub fn from_json(json: &str, origin: &Path, bos: Option<&str>, eos: Option<&str>) -> Result<Tok, Error> {
         let inner: Tokenizer =
-            json.parse().map_err(|e| Error::Format(format!("tokenizer.json: not a readable tokenizer: {e}")))?;
+            json.parse().map_err(|e| Error::Format(format!("{}: not a readable tokenizer: {e}", origin.display())))?;
         let named = |s: Option<&str>| s.and_then(|s| inner.token_to_id(s).map(|i| (s.to_string(), i)));
         let (bos, eos) = (named(bos), named(eos));
         let digest = blake3::hash(json.as_bytes()).to_hex().to_string();

@@ -117,13 +117,12 @@ impl RunIdentity {
         }
         if let Some(g) = &plan.generated {
             let mut h = blake3::Hasher::new();
+            let mut bytes = Vec::new();
             for c in g.bank.contexts.iter() {
-                for v in &c.phi {
-                    h.update(&v.to_le_bytes());
-                }
-                for v in c.reward.iter().flatten() {
-                    h.update(&v.to_le_bytes());
-                }
+                bytes.clear();
+                bytes.extend(c.phi.iter().flat_map(|v| v.to_le_bytes()));
+                bytes.extend(c.reward.iter().flatten().flat_map(|v| v.to_le_bytes()));
+                h.update(&bytes);
             }
             data.push(("generated responses: φ and oracle rewards".into(), h.finalize().to_hex().to_string()));
         }
@@ -243,11 +242,7 @@ impl CellSaver {
             what: what.to_string(),
             every_s: spec.every_s,
             every_steps: spec.every_steps,
-            since: 0,
-            last: Instant::now(),
-            started: Instant::now(),
-            wall_before: 0.0,
-            saves: 0,
+            ..CellSaver::disabled()
         }
     }
 

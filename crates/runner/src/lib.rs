@@ -101,7 +101,8 @@ fn open_run_dir(opts: &RunOptions, plan: &plan::Plan, id: &checkpoint::RunIdenti
 }
 
 /// Runs one cell of a run directory: a finished cell is read back, a checkpointed one
-/// resumes, any other starts; the result is kept in `cells/` before the next cell starts.
+/// resumes, any other starts; the result is kept as `checkpoints/<cell>.done` until the tables
+/// are written.
 fn run_one<'p>(
     plan: &'p plan::Plan,
     cell: &'p plan::CellPlan,

@@ -164,6 +164,12 @@ fn one_line(msg: &str) -> String {
     out.join(" ")
 }
 
+/// Prints an error as one line and gives exit code 2 (bad input).
+fn bad_input(msg: &str) -> ExitCode {
+    eprintln!("onepass: {}", one_line(msg));
+    ExitCode::from(2)
+}
+
 fn parse_dtype(dtype: &str) -> anyhow::Result<candle_core::DType> {
     Ok(match dtype {
         "f32" => candle_core::DType::F32,
@@ -272,27 +278,18 @@ fn main() -> ExitCode {
                 println!("{}", dir.join("report.md").display());
                 ExitCode::SUCCESS
             }
-            Err(e) => {
-                eprintln!("onepass: {}", one_line(&format!("{e:#}")));
-                ExitCode::from(2)
-            }
+            Err(e) => bad_input(&format!("{e:#}")),
         },
         Cmd::Compare { runs } => match runner::report::compare(&runs) {
             Ok(md) => {
                 print!("{md}");
                 ExitCode::SUCCESS
             }
-            Err(e) => {
-                eprintln!("onepass: {}", one_line(&format!("{e:#}")));
-                ExitCode::from(2)
-            }
+            Err(e) => bad_input(&format!("{e:#}")),
         },
         Cmd::Features { cmd } => match features_cmd(cmd) {
             Ok(()) => ExitCode::SUCCESS,
-            Err(e) => {
-                eprintln!("onepass: {}", one_line(&format!("{e:#}")));
-                ExitCode::from(2)
-            }
+            Err(e) => bad_input(&format!("{e:#}")),
         },
         Cmd::Estimators => {
             for k in estimators::Kind::ALL {
@@ -310,10 +307,7 @@ fn main() -> ExitCode {
                         }
                         ExitCode::SUCCESS
                     }
-                    Err(e) => {
-                        eprintln!("onepass: {}", one_line(&e.to_string()));
-                        ExitCode::from(2)
-                    }
+                    Err(e) => bad_input(&e.to_string()),
                 };
             }
             match runner::run(&runner::RunOptions { spec, overrides, out, threads, resume, force }) {
@@ -328,10 +322,7 @@ fn main() -> ExitCode {
                         ExitCode::SUCCESS
                     }
                 }
-                Err(e) => {
-                    eprintln!("onepass: {}", one_line(&format!("{e:#}")));
-                    ExitCode::from(2)
-                }
+                Err(e) => bad_input(&format!("{e:#}")),
             }
         }
     }

@@ -265,7 +265,7 @@ impl Progress {
 /// A cell's checkpoint as written (borrowed) …
 #[derive(Serialize)]
 struct StateRef<'a> {
-    learners: Vec<&'a Learner>,
+    learners: &'a [&'a Learner],
     progress: &'a Progress,
     wall_s: f64,
 }
@@ -301,7 +301,7 @@ impl CellCtx {
     fn tick(&mut self, learners: &[&Learner], progress: &Progress) -> Result<()> {
         if self.saver.due() {
             let wall_s = self.saver.wall_s();
-            self.saver.save(&StateRef { learners: learners.to_vec(), progress, wall_s })?;
+            self.saver.save(&StateRef { learners, progress, wall_s })?;
         }
         Ok(())
     }
@@ -621,11 +621,8 @@ fn passive_ranks(
             pr.rows.push(mean_rows(&each));
         }
         pr.done = s;
-        if ctx.saver.due() {
-            let all: Vec<&Learner> = std::iter::once(&*l0).chain(others.iter()).collect();
-            let wall_s = ctx.saver.wall_s();
-            ctx.saver.save(&StateRef { learners: all, progress: &pr, wall_s })?;
-        }
+        let all: Vec<&Learner> = std::iter::once(&*l0).chain(others.iter()).collect();
+        ctx.tick(&all, &pr)?;
     }
     let (rows, h) = (pr.rows, pr.hash);
     // rank 0's buckets carry every head's estimator time
@@ -829,9 +826,9 @@ fn active(
         return Err(anyhow!("the checkpoint's pool has {} pairs: expected {pool}", pr.used.len()));
     }
     let (mut z, mut y) = (Vec::with_capacity(b * d), Vec::with_capacity(b));
+    let rule = config.rule.unwrap_or(a.rule.0[0]);
     for s in pr.done + 1..=steps {
         let Progress { data, labels, select, used, vtrack, ties, .. } = &mut pr;
-        let rule = config.rule.unwrap_or(a.rule.0[0]);
         if rule == ActiveRule::BestWorst {
             // paper §5 (practical rule): a fresh prompt, its n responses ranked by the current θ,
             // the best and the worst sent to the oracle

@@ -64,7 +64,9 @@ fn model_dir(dir: &Path, variant: &str) {
         "pre_tokenizer": {"type": "Whitespace"}, "post_processor": null, "decoder": null,
         "model": {"type": "WordLevel", "vocab": vocab, "unk_token": "<unk>"}
     });
-    std::fs::write(m.join("tokenizer.json"), tok.to_string()).unwrap();
+    let tok =
+        if variant == "bad-tokenizer" { r#"{"model": {"type": "WordLevel""#.to_string() } else { tok.to_string() };
+    std::fs::write(m.join("tokenizer.json"), tok).unwrap();
     let template = match variant {
         "bad-template" => "{% for m in messages %}{% if m.role == 'user' %}{{ raise_exception('this template refuses user turns') }}{% endif %}{% endfor %}",
         _ => "{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}",
