@@ -25,6 +25,9 @@
 // Numeric kernels index several arrays in lock-step; index loops read better there.
 #![allow(clippy::needless_range_loop)]
 
+/// This crate's version (a run's meta.json records it).
+pub const VERSION: &str = env!("CARGO_PKG_VERSION");
+
 pub mod cg;
 mod config;
 pub mod curvature;

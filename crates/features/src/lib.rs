@@ -15,6 +15,9 @@
 //!
 //! This crate knows nothing of specs, parquet or the CLI.
 
+/// This crate's version (a run's meta.json records it).
+pub const VERSION: &str = env!("CARGO_PKG_VERSION");
+
 pub mod cache;
 pub mod extract;
 pub mod generate;

@@ -60,7 +60,7 @@ pub fn bench(o: &BenchOptions) -> Result<BenchReport> {
     let ids: Vec<Vec<u32>> = (0..o.batch).map(|_| (0..o.len).map(|_| rng.random_range(0..vocab)).collect()).collect();
     if let Some(p) = &o.ids_out {
         let j = serde_json::json!({"batch": o.batch, "len": o.len, "seed": o.seed, "ids": ids});
-        crate::results::write_atomic(p, serde_json::to_string(&j)?.as_bytes())?;
+        crate::io::write_atomic(p, serde_json::to_string(&j)?.as_bytes())?;
     }
     let flat: Vec<u32> = ids.concat();
     let x = Tensor::from_vec(flat, (o.batch, o.len), &o.device)?;

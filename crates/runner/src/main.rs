@@ -80,40 +80,19 @@ enum FeaturesCmd {
 
 #[derive(Args)]
 struct ExtractArgs {
-    /// A .gguf file or a model directory (config.json, tokenizer.json, tokenizer_config.json, safetensors).
-    #[arg(long)]
-    model: String,
+    #[command(flatten)]
+    phi: runner::spec::PhiSpec,
     /// HH-RLHF jsonl(.gz) or UltraFeedback-binarized parquet.
     #[arg(long)]
     dataset: PathBuf,
     #[arg(long, value_enum, default_value = "auto")]
-    format: runner::datasets::Format,
+    format: runner::spec::Format,
     /// Only the first N pairs.
     #[arg(long)]
     limit: Option<usize>,
-    #[arg(long, default_value = ".cache/features")]
-    cache: PathBuf,
     /// Also write a "bring your own features" parquet (phi_chosen, phi_rejected, label).
     #[arg(long)]
     out: Option<PathBuf>,
-    #[arg(long, default_value_t = 8)]
-    batch: usize,
-    #[arg(long, default_value_t = 1024)]
-    max_len: usize,
-    #[arg(long, default_value = "reference")]
-    eos_rule: String,
-    #[arg(long, default_value = "prompt-first")]
-    truncation: String,
-    /// hidden_states[layer]; negative counts from the end (-1: after the final norm).
-    #[arg(long, default_value_t = -1, allow_hyphen_values = true)]
-    layer: i64,
-    #[arg(long, default_value = "last")]
-    pool: String,
-    #[arg(long, default_value = "f32")]
-    dtype: String,
-    /// cpu, cuda, metal or auto.
-    #[arg(long, default_value = "cpu")]
-    device: String,
     /// Compute part i of N (0 <= i < N) of the global batch plan; merge the caches afterwards.
     #[arg(long, default_value = "0/1")]
     shard: String,
@@ -134,10 +113,10 @@ struct BenchArgs {
     warmup: usize,
     #[arg(long, default_value_t = 0)]
     seed: u64,
-    #[arg(long, default_value = "f32")]
-    dtype: String,
-    #[arg(long, default_value = "cpu")]
-    device: String,
+    #[arg(long, value_enum, default_value = "f32")]
+    dtype: runner::spec::DType,
+    #[arg(long, value_enum, default_value = "cpu")]
+    device: runner::spec::Device,
     /// Write the token ids (JSON) for the PyTorch side of the benchmark.
     #[arg(long)]
     ids_out: Option<PathBuf>,
@@ -170,20 +149,6 @@ fn bad_input(msg: &str) -> ExitCode {
     ExitCode::from(2)
 }
 
-fn parse_dtype(dtype: &str) -> anyhow::Result<candle_core::DType> {
-    Ok(match dtype {
-        "f32" => candle_core::DType::F32,
-        "bf16" => candle_core::DType::BF16,
-        "f16" => candle_core::DType::F16,
-        other => anyhow::bail!("--dtype {other}: expected f32, bf16 or f16"),
-    })
-}
-
-fn word<T: serde::de::DeserializeOwned>(flag: &str, v: &str) -> anyhow::Result<T> {
-    serde_json::from_value(serde_json::Value::String(v.to_string()))
-        .map_err(|_| anyhow::anyhow!("--{flag} {v}: not one of the accepted values (see --help)"))
-}
-
 fn features_cmd(cmd: FeaturesCmd) -> anyhow::Result<()> {
     match cmd {
         FeaturesCmd::Extract(a) => extract_cmd(a),
@@ -198,8 +163,8 @@ fn features_cmd(cmd: FeaturesCmd) -> anyhow::Result<()> {
                 reps: a.reps,
                 warmup: a.warmup,
                 seed: a.seed,
-                dtype: parse_dtype(&a.dtype)?,
-                device: runner::extract::device(&a.device)?,
+                dtype: runner::world::extract::dtype(a.dtype),
+                device: runner::world::extract::device(a.device)?,
                 ids_out: a.ids_out,
                 trace: a.trace,
             };
@@ -208,7 +173,7 @@ fn features_cmd(cmd: FeaturesCmd) -> anyhow::Result<()> {
             Ok(())
         }
         FeaturesCmd::Merge { into, from } => {
-            for r in runner::extract::merge(&into, &from)? {
+            for r in runner::world::extract::merge(&into, &from)? {
                 eprintln!(
                     "onepass: {} → {}: {} rows added, {} already there (space {})",
                     r.from,
@@ -225,31 +190,19 @@ fn features_cmd(cmd: FeaturesCmd) -> anyhow::Result<()> {
 }
 
 fn extract_cmd(a: ExtractArgs) -> anyhow::Result<()> {
-    if a.batch == 0 {
-        anyhow::bail!("--batch must be at least 1");
+    if let Err((k, m)) = a.phi.check() {
+        anyhow::bail!("--{}: {m}", k.replace('_', "-"));
     }
-    let phi = features::PhiOptions {
-        max_len: a.max_len,
-        eos_rule: word("eos-rule", &a.eos_rule)?,
-        truncation: word("truncation", &a.truncation)?,
-        layer: a.layer,
-        pool: word("pool", &a.pool)?,
-    };
-    let o = runner::extract::ExtractOptions {
-        model: a.model,
+    let o = runner::world::extract::ExtractOptions {
+        phi: a.phi,
         dataset: a.dataset,
         format: a.format,
         limit: a.limit,
-        cache: a.cache,
         out: a.out,
-        batch: a.batch,
-        phi,
-        dtype: parse_dtype(&a.dtype)?,
-        device: runner::extract::device(&a.device)?,
         progress: std::io::IsTerminal::is_terminal(&std::io::stderr()),
         shard: features::ShardSpec::parse(&a.shard)?,
     };
-    let s = runner::extract::extract(&o)?;
+    let s = runner::world::extract::extract(&o)?;
     eprintln!(
         "onepass: {} pairs, {} sequences (shard {}: {}): {} cache hits, {} computed ({} tokens in {:.1} s, {:.0} tok/s); {} degenerate pairs (both sides the same tokens), {} sequences truncated ({} lost response tokens); cache space {}",
         s.pairs,
@@ -301,7 +254,7 @@ fn main() -> ExitCode {
             if dry_run {
                 return match runner::load_plan(&spec, &overrides) {
                     Ok(plan) => {
-                        print!("{}", toml::to_string(&plan.resolved_spec()).unwrap_or_default());
+                        print!("{}", toml::to_string(&plan.resolved(&plan.spec)).unwrap_or_default());
                         for c in &plan.cells {
                             println!("# {} {} seed {}", c.cell_id, plan.configs[c.config].label, c.seed);
                         }

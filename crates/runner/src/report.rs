@@ -469,7 +469,7 @@ pub fn export_heads(run: &Path, out: &Path) -> Result<Vec<PathBuf>> {
     let mut written = Vec::new();
     for (label, (seed, cell)) in first {
         let npy = run.join("theta").join(format!("{cell}.npy"));
-        let theta = crate::results::read_npy_f64(&npy)?;
+        let theta = crate::io::read_npy_f64(&npy)?;
         let bytes: Vec<u8> = theta.iter().flat_map(|&v| (v as f32).to_le_bytes()).collect();
         let view = safetensors::tensor::TensorView::new(safetensors::Dtype::F32, vec![1, theta.len()], &bytes)
             .map_err(|e| anyhow!("{}: {e}", npy.display()))?;
@@ -485,7 +485,7 @@ pub fn export_heads(run: &Path, out: &Path) -> Result<Vec<PathBuf>> {
         let data = safetensors::tensor::serialize([("score.weight", view)], Some(info))
             .map_err(|e| anyhow!("{}: {e}", npy.display()))?;
         let f = dir.join(format!("{}.safetensors", slug(&label)));
-        crate::results::write_atomic(&f, &data)?;
+        crate::io::write_atomic(&f, &data)?;
         written.push(f);
     }
     Ok(written)
@@ -551,7 +551,7 @@ pub fn report(run: &Path) -> Result<PathBuf> {
     for m in &figures {
         md.push_str(&format!("![{m}]({m}.png)\n\n"));
     }
-    crate::results::write_atomic(&out.join("report.md"), md.as_bytes())?;
+    crate::io::write_atomic(&out.join("report.md"), md.as_bytes())?;
     Ok(out)
 }
 

@@ -2,8 +2,10 @@
 //! tables, θ of every cell as .npy, and schema.json. Every file is written to a temporary
 //! name and renamed into place, so a reader never sees half a file.
 
+use crate::io::{npy_f64, write_atomic, write_atomic_at};
 use crate::plan::{ConfigPlan, Plan};
-use crate::settings::{CellResult, MetricRow, StepRow};
+use crate::rows::{Bucket, CellResult, MetricRow, RoundRow, StepRow};
+use crate::world::World;
 use anyhow::{Context, Result};
 use arrow_array::{ArrayRef, BooleanArray, Float64Array, RecordBatch, StringArray, UInt32Array, UInt64Array};
 use arrow_schema::{DataType, Field, Schema};
@@ -12,35 +14,6 @@ use parquet::basic::Compression;
 use parquet::file::properties::WriterProperties;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
-
-/// Writes `bytes` to `path` through `path.tmp` (flushed to disk) and a rename.
-pub fn write_atomic(path: &Path, bytes: &[u8]) -> Result<()> {
-    write_atomic_at(path, bytes, "write")
-}
-
-/// [`write_atomic`] with a named failpoint half-way through the temporary file.
-pub fn write_atomic_at(path: &Path, bytes: &[u8], failpoint: &str) -> Result<()> {
-    use std::io::Write;
-    let mut tmp = path.as_os_str().to_owned();
-    tmp.push(".tmp");
-    let tmp = PathBuf::from(tmp);
-    let write = || -> std::io::Result<()> {
-        let mut f = std::fs::File::create(&tmp)?;
-        let (a, b) = bytes.split_at(bytes.len() / 2);
-        f.write_all(a)?;
-        f.flush()?;
-        crate::checkpoint::failpoint(failpoint);
-        crate::checkpoint::injected_write_error(failpoint)?;
-        f.write_all(b)?;
-        f.sync_all()
-    };
-    if let Err(e) = write() {
-        let _ = std::fs::remove_file(&tmp);
-        return Err(e).with_context(|| format!("writing {}", path.display()));
-    }
-    std::fs::rename(&tmp, path).with_context(|| format!("renaming {} to {}", tmp.display(), path.display()))?;
-    Ok(())
-}
 
 /// A fresh run directory `<out>/<name>-<UTC time>` (suffixed if it exists).
 pub fn make_run_dir(out: &Path, name: &str) -> Result<PathBuf> {
@@ -134,14 +107,22 @@ pub struct CellOutcome<'a> {
 }
 
 fn hparams_json(c: &ConfigPlan) -> String {
-    let m: serde_json::Map<String, serde_json::Value> =
-        c.hparams.iter().map(|(k, v)| (k.to_string(), serde_json::Value::String(v.to_string()))).collect();
+    let m: serde_json::Map<String, serde_json::Value> = c
+        .hparams
+        .iter()
+        .map(|(k, v)| (k.to_string(), serde_json::Value::String(crate::spec::estimator::show(v))))
+        .collect();
     serde_json::Value::Object(m).to_string()
 }
 
 /// Writes the tables of a finished run; returns the schema of every table.
-pub fn write_tables(dir: &Path, plan: &Plan, cells: &[CellOutcome<'_>]) -> Result<Vec<(String, Schema)>> {
-    let setting = plan.spec.setting.as_str();
+pub fn write_tables(
+    dir: &Path,
+    plan: &Plan,
+    world: &World,
+    cells: &[CellOutcome<'_>],
+) -> Result<Vec<(String, Schema)>> {
+    let setting = world.spec.setting.as_str();
     let mut schemas = Vec::new();
     // deploy: the pair-selection strategy; active: the selection rule
     let strategy = |c: &ConfigPlan| c.strategy.map(|s| s.to_string()).or_else(|| c.rule.map(|r| r.to_string()));
@@ -197,7 +178,7 @@ pub fn write_tables(dir: &Path, plan: &Plan, cells: &[CellOutcome<'_>]) -> Resul
         .u64("hvp_evals", rows.iter().map(|(_, m)| m.hvp_evals))
         .u64("flops", rows.iter().map(|(_, m)| m.flops))
         .bool("converged", rows.iter().map(|(_, m)| m.converged));
-    let chunked = plan.generated.is_some() && setting == "deploy";
+    let chunked = world.generated.is_some() && setting == "deploy";
     let t = if chunked {
         t.opt_u64("chunk", rows.iter().map(|(_, m)| m.chunk))
             .opt_f64("pair_reward", rows.iter().map(|(_, m)| m.pair_reward))
@@ -211,7 +192,7 @@ pub fn write_tables(dir: &Path, plan: &Plan, cells: &[CellOutcome<'_>]) -> Resul
     schemas.push(("metrics.parquet".to_string(), t.write(&dir.join("metrics.parquet"))?));
 
     if chunked {
-        let rows: Vec<(&CellOutcome<'_>, &crate::settings::RoundRow)> = cells
+        let rows: Vec<(&CellOutcome<'_>, &RoundRow)> = cells
             .iter()
             .filter_map(|c| c.result.as_ref().ok().map(|r| (c, r)))
             .flat_map(|(c, r)| r.rounds.iter().map(move |m| (c, m)))
@@ -246,7 +227,7 @@ pub fn write_tables(dir: &Path, plan: &Plan, cells: &[CellOutcome<'_>]) -> Resul
             .u64("prompts_compared", w.iter().map(|r| r.prompts));
         schemas.push(("winrates.parquet".to_string(), t.write(&dir.join("winrates.parquet"))?));
     }
-    if let Some(g) = &plan.generated {
+    if let Some(g) = &world.generated {
         let rows: Vec<(usize, usize, &features::generate::Sample)> = g
             .samples
             .iter()
@@ -266,7 +247,7 @@ pub fn write_tables(dir: &Path, plan: &Plan, cells: &[CellOutcome<'_>]) -> Resul
         schemas.push(("generations.parquet".to_string(), t.write(&dir.join("generations.parquet"))?));
     }
 
-    if plan.spec.stream.record_steps {
+    if world.spec.stream.record_steps {
         let rows: Vec<(&CellOutcome<'_>, &StepRow)> = cells
             .iter()
             .filter_map(|c| c.result.as_ref().ok().map(|r| (c, r)))
@@ -293,7 +274,7 @@ pub fn write_tables(dir: &Path, plan: &Plan, cells: &[CellOutcome<'_>]) -> Resul
     }
 
     // timings: one row per cell × evaluation bucket (wall clock lives only here)
-    let rows: Vec<(&CellOutcome<'_>, &CellResult, &crate::settings::Bucket)> = cells
+    let rows: Vec<(&CellOutcome<'_>, &CellResult, &Bucket)> = cells
         .iter()
         .filter_map(|c| c.result.as_ref().ok().map(|r| (c, r)))
         .flat_map(|(c, r)| r.buckets.iter().map(move |b| (c, r, b)))
@@ -377,23 +358,6 @@ pub fn win_rates(plan: &Plan, cells: &[CellOutcome<'_>]) -> Vec<WinRate> {
     out
 }
 
-/// A 1-D little-endian f64 array in NPY format 1.0.
-pub fn npy_f64(v: &[f64]) -> Vec<u8> {
-    let mut header = format!("{{'descr': '<f8', 'fortran_order': False, 'shape': ({},), }}", v.len());
-    // magic (6) + version (2) + header length (2) + header, padded with spaces to a multiple of 64, ending in \n
-    let total = 10 + header.len() + 1;
-    header.push_str(&" ".repeat((64 - total % 64) % 64));
-    header.push('\n');
-    let mut out = Vec::with_capacity(10 + header.len() + v.len() * 8);
-    out.extend_from_slice(b"\x93NUMPY\x01\x00");
-    out.extend_from_slice(&(header.len() as u16).to_le_bytes());
-    out.extend_from_slice(header.as_bytes());
-    for x in v {
-        out.extend_from_slice(&x.to_le_bytes());
-    }
-    out
-}
-
 /// The schema of every table as JSON (name → [[column, type, nullable]]).
 pub fn schema_json(schemas: &[(String, Schema)]) -> String {
     let m: serde_json::Map<String, serde_json::Value> = schemas
@@ -408,22 +372,4 @@ pub fn schema_json(schemas: &[(String, Schema)]) -> String {
         })
         .collect();
     serde_json::to_string_pretty(&serde_json::Value::Object(m)).expect("plain JSON") + "\n"
-}
-
-/// Reads what [`npy_f64`] wrote (a 1-D `<f8` array); other files are errors naming the file.
-pub fn read_npy_f64(path: &Path) -> Result<Vec<f64>> {
-    let b = std::fs::read(path).with_context(|| format!("reading {}", path.display()))?;
-    if !b.starts_with(b"\x93NUMPY\x01\x00") || b.len() < 10 {
-        anyhow::bail!("{}: not a version-1 .npy file", path.display());
-    }
-    let hlen = u16::from_le_bytes([b[8], b[9]]) as usize;
-    let header = String::from_utf8_lossy(b.get(10..10 + hlen).unwrap_or_default());
-    if !header.contains("'descr': '<f8'") {
-        anyhow::bail!("{}: expected float64 ('<f8'), header {}", path.display(), header.trim());
-    }
-    let data = &b[(10 + hlen).min(b.len())..];
-    if data.len() % 8 != 0 {
-        anyhow::bail!("{}: truncated data", path.display());
-    }
-    Ok(data.chunks_exact(8).map(|c| f64::from_le_bytes(c.try_into().expect("8 bytes"))).collect())
 }

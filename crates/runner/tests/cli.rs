@@ -657,15 +657,17 @@ fn rank_local_heads_and_order_files() {
         col::<Float64Array>(m1, "eval_loss").value(m1.num_rows() - 1)
     );
 
-    // bad order files and rank settings: named, exit 2
+    // bad order files (read by the world, before any cell) and rank settings: named, exit 2
     for (text, needle) in [
         ("0 1 1", "index 1 appears twice"),
         ("0 300", "entry 1: 300 is not a training-row index (expected 0..300)"),
         ("0 x", "entry 1: `x` is not an integer"),
     ] {
         write(tmp.path(), "bad.txt", text);
-        let r = onepass(tmp.path(), &["run", spec.to_str().unwrap(), "--set", "env.order_path=bad.txt", "--dry-run"]);
+        let r =
+            onepass(tmp.path(), &["run", spec.to_str().unwrap(), "--set", "env.order_path=bad.txt", "--out", "bad"]);
         assert_eq!(r.code, 2, "{}", r.stderr);
+        assert!(!tmp.path().join("bad").exists(), "nothing written before the data are checked");
         assert!(r.stderr.contains("bad.txt") && r.stderr.contains(needle), "{}", r.stderr);
     }
     let r = onepass(tmp.path(), &["run", spec.to_str().unwrap(), "--set", "env.order=file", "--dry-run"]);

@@ -7,7 +7,7 @@ use arrow_schema::{DataType, Field, Fields};
 use parquet::arrow::ArrowWriter;
 use parquet::basic::{Compression, ZstdLevel};
 use parquet::file::properties::WriterProperties;
-use runner::datasets::{expand_glob, read_dataset, read_pairs, Format, Keys, ReadOptions};
+use runner::world::datasets::{expand_glob, read_dataset, read_pairs, Format, Keys, ReadOptions};
 use std::sync::Arc;
 
 fn messages(rows: &[Vec<(&str, Option<&str>)>]) -> ArrayRef {

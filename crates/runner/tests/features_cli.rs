@@ -102,14 +102,15 @@ fn extract_twice_hits_the_cache_and_feeds_a_features_run() {
 
 #[test]
 fn hh_transcripts_split_into_messages() {
-    let m = runner::datasets::hh_messages("\n\nHuman: a\nb\n\nAssistant: c \n\nHuman: d\n\nAssistant: e").unwrap();
+    let m =
+        runner::world::datasets::hh_messages("\n\nHuman: a\nb\n\nAssistant: c \n\nHuman: d\n\nAssistant: e").unwrap();
     let roles: Vec<&str> = m.iter().map(|x| x.role.as_str()).collect();
     assert_eq!(roles, ["user", "assistant", "user", "assistant"]);
     assert_eq!(m[0].content, "a\nb");
     assert_eq!(m[1].content, "c");
     assert_eq!(m[3].content, "e");
-    assert!(runner::datasets::hh_messages("\n\nHuman: only a question").is_err());
-    assert!(runner::datasets::hh_messages("no tags").is_err());
+    assert!(runner::world::datasets::hh_messages("\n\nHuman: only a question").is_err());
+    assert!(runner::world::datasets::hh_messages("no tags").is_err());
 }
 
 /// Two processes, each one shard of the global batch plan into its own cache; merged, the

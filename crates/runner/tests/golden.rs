@@ -20,7 +20,11 @@ const RUNS: &[(&str, &str, &[&str])] = &[
         "experiments/active/synthetic.toml",
         &["seeds=2", "stream.samples=300", "stream.eval_every=100", "active.pool=600", "stream.record_steps=true"],
     ),
-    ("deploy-synthetic", "experiments/deploy/synthetic.toml", &["seeds=2", "stream.samples=400", "stream.eval_every=100"]),
+    (
+        "deploy-synthetic",
+        "experiments/deploy/synthetic.toml",
+        &["seeds=2", "stream.samples=400", "stream.eval_every=100"],
+    ),
     ("sweeps", "SWEEPS", &[]),
 ];
 
@@ -83,11 +87,7 @@ fn digests(name: &str, dir: &Path) -> Vec<String> {
 }
 
 fn run(tmp: &Path, preset: &str, overrides: &[&str], extra: &[&str]) -> std::path::PathBuf {
-    let spec = if preset == "SWEEPS" {
-        util::write(tmp, "sweeps.toml", SWEEPS)
-    } else {
-        util::root().join(preset)
-    };
+    let spec = if preset == "SWEEPS" { util::write(tmp, "sweeps.toml", SWEEPS) } else { util::root().join(preset) };
     let out = tmp.join("out");
     let mut args: Vec<String> =
         vec!["run".into(), spec.display().to_string(), "--out".into(), out.display().to_string()];

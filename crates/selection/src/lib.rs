@@ -10,6 +10,9 @@
 //! rules. Ties are broken by a seeded draw and reported, so runs are reproducible and the
 //! number of ties is visible.
 
+/// This crate's version (a run's meta.json records it).
+pub const VERSION: &str = env!("CARGO_PKG_VERSION");
+
 use rand::seq::SliceRandom;
 use rand::Rng;
 use std::fmt;
@@ -182,6 +185,31 @@ pub fn quantile_rank(n: usize, q: f64) -> usize {
     ((n as f64 / q).ceil() as usize).clamp(2, n)
 }
 
+/// Kendall's τ_b between two score vectors (ties in either counted as τ_b does); 0 when either
+/// is constant.
+pub fn kendall_tau_b(a: &[f64], b: &[f64]) -> f64 {
+    let (mut conc, mut disc, mut ta, mut tb) = (0i64, 0i64, 0i64, 0i64);
+    for i in 0..a.len() {
+        for j in i + 1..a.len() {
+            let (x, y) = ((a[i] - a[j]).signum(), (b[i] - b[j]).signum());
+            let (x, y) = (if a[i] == a[j] { 0.0 } else { x }, if b[i] == b[j] { 0.0 } else { y });
+            match (x == 0.0, y == 0.0) {
+                (true, true) => {}
+                (true, false) => ta += 1,
+                (false, true) => tb += 1,
+                _ if x == y => conc += 1,
+                _ => disc += 1,
+            }
+        }
+    }
+    let n = ((conc + disc + ta) as f64 * (conc + disc + tb) as f64).sqrt();
+    if n == 0.0 {
+        0.0
+    } else {
+        (conc - disc) as f64 / n
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -267,5 +295,48 @@ mod tests {
         assert!(Strategy::BestQuantile { q: 16.0 }.validate(64).is_ok());
         assert!(Strategy::BestTwo.validate(1).is_err());
         assert!("best-three".parse::<Strategy>().is_err());
+    }
+
+    /// τ_b = (n_c − n_d) / √((n₀ − n₁)(n₀ − n₂)) with n₁, n₂ counted from the tie groups.
+    #[test]
+    fn kendall_tau_b_matches_the_tie_group_formula() {
+        let groups = |v: &[f64]| -> f64 {
+            let mut s = v.to_vec();
+            s.sort_by(f64::total_cmp);
+            let mut t = 0.0;
+            let mut i = 0;
+            while i < s.len() {
+                let j = (i..s.len()).find(|&j| s[j] != s[i]).unwrap_or(s.len());
+                let k = (j - i) as f64;
+                t += k * (k - 1.0) / 2.0;
+                i = j;
+            }
+            t
+        };
+        let mut rng = rand_chacha::ChaCha20Rng::seed_from_u64(5);
+        use rand::SeedableRng;
+        for _ in 0..200 {
+            let n = rng.random_range(2..9);
+            let a: Vec<f64> = (0..n).map(|_| f64::from(rng.random_range(0..4u8))).collect();
+            let b: Vec<f64> = (0..n).map(|_| f64::from(rng.random_range(0..4u8))).collect();
+            let (mut nc, mut nd) = (0.0, 0.0);
+            for i in 0..n {
+                for j in 0..i {
+                    let p = (a[i] - a[j]) * (b[i] - b[j]);
+                    if p > 0.0 {
+                        nc += 1.0
+                    } else if p < 0.0 {
+                        nd += 1.0
+                    }
+                }
+            }
+            let n0 = (n * (n - 1) / 2) as f64;
+            let den = ((n0 - groups(&a)) * (n0 - groups(&b))).sqrt();
+            let want = if den == 0.0 { 0.0 } else { (nc - nd) / den };
+            assert!((kendall_tau_b(&a, &b) - want).abs() < 1e-12, "{a:?} {b:?}");
+        }
+        let a = [0.3, -1.0, 2.0, 0.5];
+        assert_eq!(kendall_tau_b(&a, &a), 1.0);
+        assert_eq!(kendall_tau_b(&a, &a.map(|x| -x)), -1.0);
     }
 }

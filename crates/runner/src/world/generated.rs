@@ -8,312 +8,19 @@
 //! prompt) under `generate.cache`, written after every batch, so a second run (or a killed one)
 //! generates nothing twice.
 
-use crate::dataset_env::{expand_env, resolve_files};
-use crate::env::{Bank, Context, LabelRule};
-use crate::extract::{device, extract_conversations, PhiRun};
-use crate::results::write_atomic;
+use super::dataset::resolve_files;
+use super::env::{Bank, Context};
+use super::extract::{device, dtype, extract_conversations, PhiRun};
+use crate::io::write_atomic;
+use crate::spec::data::expand_env;
+use crate::spec::{FeatureSpec, GenerateSpec, OracleKind, OracleSpec};
 use anyhow::{anyhow, bail, Context as _, Result};
 use features::generate::{Sample, SampleOptions};
 use features::{Backbone, Message, Source};
 use rand::SeedableRng;
 use rand_distr::{Distribution, StandardNormal};
-use serde::{Deserialize, Serialize};
-use std::path::PathBuf;
+use serde::Serialize;
 use std::sync::Arc;
-
-/// The `[generate]` table: prompts, policy and sampling.
-#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
-#[serde(deny_unknown_fields)]
-pub struct GenerateSpec {
-    /// Prompts: a .jsonl(.gz) or .parquet file, a `*` pattern, or `hf:datasets/<o>/<n>[@rev]:<file>`.
-    pub prompts: String,
-    /// The column or key holding each prompt (a string or a list of messages).
-    #[serde(default = "d_prompt_key")]
-    pub prompt_key: String,
-    /// The first `rows` prompts (default: all).
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub rows: Option<usize>,
-    /// The policy: a .gguf file, a model directory or hf:<owner>/<name>.
-    pub policy: String,
-    #[serde(default = "d_n")]
-    pub n: usize,
-    #[serde(default = "d_one")]
-    pub temperature: f64,
-    #[serde(default = "d_one")]
-    pub top_p: f64,
-    #[serde(default = "d_max_new")]
-    pub max_new_tokens: usize,
-    /// Seed of the sampling streams (one per prompt × sample; the same for every run seed, so
-    /// all cells and seeds see the same responses).
-    #[serde(default)]
-    pub seed: u64,
-    /// Prompts per generation batch (× n rows).
-    #[serde(default = "d_batch_prompts")]
-    pub batch_prompts: usize,
-    /// Prompts longer than this (templated tokens) are an error naming the row.
-    #[serde(default = "d_max_prompt")]
-    pub max_prompt_tokens: usize,
-    #[serde(default = "d_dtype")]
-    pub dtype: String,
-    #[serde(default = "d_device")]
-    pub device: String,
-    #[serde(default = "d_gen_cache")]
-    pub cache: PathBuf,
-}
-
-/// The `[features]` table: the learner's φ over (prompt, response).
-#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
-#[serde(deny_unknown_fields)]
-pub struct FeatureSpec {
-    pub model: String,
-    #[serde(default = "d_max_len")]
-    pub max_len: usize,
-    #[serde(default = "d_eos_rule")]
-    pub eos_rule: features::EosRule,
-    #[serde(default = "d_truncation")]
-    pub truncation: features::Truncation,
-    #[serde(default = "d_layer")]
-    pub layer: i64,
-    #[serde(default = "d_pool")]
-    pub pool: features::Pool,
-    #[serde(default = "d_dtype")]
-    pub dtype: String,
-    #[serde(default = "d_device")]
-    pub device: String,
-    #[serde(default = "d_batch")]
-    pub batch: usize,
-    #[serde(default = "d_feat_cache")]
-    pub cache: PathBuf,
-}
-
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(rename_all = "kebab-case")]
-pub enum OracleKind {
-    /// θ* over the learner's φ from `seed` (realizable Bradley–Terry, the paper's Assumption 1),
-    /// scaled to `reward_std` or to ‖θ*‖ = `norm`.
-    Linear,
-    /// A head over the learner's φ read from `path` (`score.weight` [1, d]), e.g. a teacher
-    /// trained by onepass (`report/heads/<config>.safetensors`).
-    Head,
-    /// A sequence-classifier reward model (`model`: its backbone and trained `score` head, e.g.
-    /// NCSOFT/Llama-3-OffsetBias-RM-8B), read at the last token of its own chat template.
-    RewardModel,
-}
-
-/// The `[oracle]` table.
-#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
-#[serde(deny_unknown_fields)]
-pub struct OracleSpec {
-    pub kind: OracleKind,
-    /// linear: the direction's seed.
-    #[serde(default)]
-    pub seed: u64,
-    /// linear: scale θ* so the rewards of one prompt's samples have this standard deviation
-    /// (pooled over prompts; default 1 unless `norm` is given).
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub reward_std: Option<f64>,
-    /// linear: ‖θ*‖ = norm instead.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub norm: Option<f64>,
-    /// head: the safetensors file.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub path: Option<String>,
-    /// reward-model: the checkpoint (a directory or hf:<owner>/<name>).
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub model: Option<String>,
-    #[serde(default = "d_rm_max_len")]
-    pub max_len: usize,
-    #[serde(default = "d_dtype")]
-    pub dtype: String,
-    #[serde(default = "d_device")]
-    pub device: String,
-    #[serde(default = "d_batch")]
-    pub batch: usize,
-    /// Bradley–Terry labels (the paper's model) or the oracle's argmax (the authors' pipeline).
-    #[serde(default = "d_labels")]
-    pub labels: LabelRule,
-}
-
-fn d_prompt_key() -> String {
-    "prompt".into()
-}
-fn d_n() -> usize {
-    8
-}
-fn d_one() -> f64 {
-    1.0
-}
-fn d_max_new() -> usize {
-    64
-}
-fn d_batch_prompts() -> usize {
-    8
-}
-fn d_max_prompt() -> usize {
-    512
-}
-fn d_dtype() -> String {
-    "f32".into()
-}
-fn d_device() -> String {
-    "cpu".into()
-}
-fn d_gen_cache() -> PathBuf {
-    PathBuf::from(".cache/generations")
-}
-fn d_feat_cache() -> PathBuf {
-    PathBuf::from(".cache/features")
-}
-fn d_max_len() -> usize {
-    1024
-}
-fn d_rm_max_len() -> usize {
-    2048
-}
-fn d_eos_rule() -> features::EosRule {
-    features::EosRule::Reference
-}
-fn d_truncation() -> features::Truncation {
-    features::Truncation::PromptFirst
-}
-fn d_layer() -> i64 {
-    -1
-}
-fn d_pool() -> features::Pool {
-    features::Pool::Last
-}
-fn d_batch() -> usize {
-    8
-}
-fn d_labels() -> LabelRule {
-    LabelRule::BradleyTerry
-}
-
-fn dtype_of(s: &str) -> candle_core::DType {
-    match s {
-        "bf16" => candle_core::DType::BF16,
-        "f16" => candle_core::DType::F16,
-        _ => candle_core::DType::F32,
-    }
-}
-
-fn check_dtype_device(dtype: &str, dev: &str) -> Result<(), (&'static str, String)> {
-    if !["f32", "bf16", "f16"].contains(&dtype) {
-        return Err(("dtype", format!("`{dtype}`: expected f32, bf16 or f16")));
-    }
-    if !["cpu", "cuda", "metal", "auto"].contains(&dev) {
-        return Err(("device", format!("`{dev}`: expected cpu, cuda, metal or auto")));
-    }
-    Ok(())
-}
-
-impl GenerateSpec {
-    /// Checks that need no file: (key, message).
-    pub fn check(&self) -> Result<(), (&'static str, String)> {
-        if self.n < 2 {
-            return Err(("n", format!("{}: a pair needs at least 2 responses per prompt", self.n)));
-        }
-        if self.max_new_tokens == 0 {
-            return Err(("max_new_tokens", "expected at least 1".into()));
-        }
-        if !(self.temperature.is_finite() && self.temperature >= 0.0) {
-            return Err(("temperature", format!("{}: expected a finite number ≥ 0", self.temperature)));
-        }
-        if !(self.top_p > 0.0 && self.top_p <= 1.0) {
-            return Err(("top_p", format!("{}: expected 0 < top_p ≤ 1", self.top_p)));
-        }
-        if self.rows == Some(0) {
-            return Err(("rows", "expected at least 1 prompt".into()));
-        }
-        if self.batch_prompts == 0 {
-            return Err(("batch_prompts", "expected at least 1".into()));
-        }
-        if self.max_prompt_tokens == 0 {
-            return Err(("max_prompt_tokens", "expected at least 1".into()));
-        }
-        expand_env(&self.prompts).map_err(|m| ("prompts", m))?;
-        check_dtype_device(&self.dtype, &self.device)
-    }
-
-    pub fn sample_options(&self) -> SampleOptions {
-        SampleOptions {
-            n: self.n,
-            temperature: self.temperature,
-            top_p: self.top_p,
-            max_new_tokens: self.max_new_tokens,
-            seed: self.seed,
-        }
-    }
-}
-
-impl FeatureSpec {
-    pub fn check(&self) -> Result<(), (&'static str, String)> {
-        if self.batch == 0 {
-            return Err(("batch", "expected at least 1".into()));
-        }
-        if self.max_len < 8 {
-            return Err(("max_len", format!("{}: expected at least 8 tokens", self.max_len)));
-        }
-        check_dtype_device(&self.dtype, &self.device)
-    }
-
-    fn run(&self, progress: bool) -> Result<PhiRun> {
-        Ok(PhiRun {
-            model: expand_env(&self.model).map_err(|m| anyhow!("features.model: {m}"))?,
-            cache: self.cache.clone(),
-            batch: self.batch,
-            phi: features::PhiOptions {
-                max_len: self.max_len,
-                eos_rule: self.eos_rule,
-                truncation: self.truncation,
-                layer: self.layer,
-                pool: self.pool,
-            },
-            dtype: dtype_of(&self.dtype),
-            device: device(&self.device)?,
-            progress,
-            shard: features::ShardSpec::ALL,
-        })
-    }
-}
-
-impl OracleSpec {
-    pub fn check(&self) -> Result<(), (&'static str, String)> {
-        let pos = |v: Option<f64>| v.is_none_or(|x| x.is_finite() && x > 0.0);
-        if !pos(self.reward_std) {
-            return Err(("reward_std", format!("{:?}: expected a finite number > 0", self.reward_std)));
-        }
-        if !pos(self.norm) {
-            return Err(("norm", format!("{:?}: expected a finite number > 0", self.norm)));
-        }
-        match self.kind {
-            OracleKind::Linear if self.reward_std.is_some() && self.norm.is_some() => {
-                return Err(("norm", "give reward_std or norm, not both".into()))
-            }
-            OracleKind::Linear if self.path.is_some() || self.model.is_some() => {
-                return Err((
-                    "kind",
-                    "a linear oracle is drawn from `seed`: `path` and `model` belong to kinds head and reward-model"
-                        .into(),
-                ))
-            }
-            OracleKind::Head if self.path.is_none() => {
-                return Err(("path", "kind = \"head\" needs the safetensors file with `score.weight`".into()))
-            }
-            OracleKind::RewardModel if self.model.is_none() => {
-                return Err((
-                    "model",
-                    "kind = \"reward-model\" needs the checkpoint (a directory or hf:<owner>/<name>)".into(),
-                ))
-            }
-            OracleKind::Head | OracleKind::RewardModel if self.reward_std.is_some() || self.norm.is_some() => {
-                return Err(("reward_std", "only a linear oracle is rescaled; a trained head keeps its scale".into()))
-            }
-            _ => {}
-        }
-        check_dtype_device(&self.dtype, &self.device)
-    }
-}
 
 /// What was generated, computed and scored (meta.json's `generated` block).
 #[derive(Clone, Debug, Default, Serialize)]
@@ -376,7 +83,7 @@ fn generate(
 ) -> Result<Vec<Vec<Sample>>> {
     let policy = expand_env(&g.policy).map_err(|m| anyhow!("generate.policy: {m}"))?;
     let max_len = g.max_prompt_tokens + g.max_new_tokens;
-    let b = Backbone::load_with(&Source::parse(&policy)?, &device(&g.device)?, dtype_of(&g.dtype), max_len, true)
+    let b = Backbone::load_with(&Source::parse(&policy)?, &device(g.device)?, dtype(g.dtype), max_len, true)
         .with_context(|| format!("loading the policy {policy}"))?;
     rep.policy = b.source.clone();
     rep.policy_weights_blake3 = b.weights_digest.clone();
@@ -468,7 +175,7 @@ fn reward_spread(r: &[f64], k: usize) -> (f64, f64) {
 /// Generates (or reads from the cache), computes φ and scores every response.
 pub fn build(g: &GenerateSpec, f: &FeatureSpec, o: &OracleSpec, progress: bool) -> Result<Generated> {
     let files = resolve_files("prompts", &g.prompts).map_err(|e| anyhow!("{e:#}").context("generate.prompts"))?;
-    let prompts = crate::datasets::read_prompts(&files, &g.prompt_key, g.rows)?;
+    let prompts = super::datasets::read_prompts(&files, &g.prompt_key, g.rows)?;
     if let Some(r) = g.rows {
         if prompts.len() < r {
             bail!("generate.rows = {r}, but the prompt files hold only {} prompts", prompts.len());
@@ -492,7 +199,8 @@ pub fn build(g: &GenerateSpec, f: &FeatureSpec, o: &OracleSpec, progress: bool) 
         .enumerate()
         .map(|(i, c)| (format!("prompt {}, sample {}", i / g.n, i % g.n), c.as_slice()))
         .collect();
-    let (ex, _) = extract_conversations(&named, "generated responses", &f.run(progress)?)?;
+    let (ex, _) =
+        extract_conversations(&named, "generated responses", &PhiRun::new(&f.phi(), progress).context("features")?)?;
     let d = ex.summary.dim;
     rep.features_model = ex.source.clone();
     rep.features_cache_hits = ex.summary.hits;
@@ -510,7 +218,7 @@ pub fn build(g: &GenerateSpec, f: &FeatureSpec, o: &OracleSpec, progress: bool) 
             let u: Vec<f64> = (0..d).map(|_| StandardNormal.sample(&mut rng)).collect();
             let n = u.iter().map(|x| x * x).sum::<f64>().sqrt();
             let u: Vec<f64> = u.iter().map(|x| x / n).collect();
-            let raw: Vec<f64> = phi.iter().map(|p| crate::env::dot(p, &u)).collect();
+            let raw: Vec<f64> = phi.iter().map(|p| super::env::dot(p, &u)).collect();
             let scale = match o.norm {
                 Some(b) => b,
                 None => {
@@ -523,7 +231,7 @@ pub fn build(g: &GenerateSpec, f: &FeatureSpec, o: &OracleSpec, progress: bool) 
             };
             let theta: Vec<f64> = u.iter().map(|x| x * scale).collect();
             rep.oracle = format!("linear (seed {}, ‖θ*‖ = {scale:.4})", o.seed);
-            (phi.iter().map(|p| crate::env::dot(p, &theta)).collect(), theta)
+            (phi.iter().map(|p| super::env::dot(p, &theta)).collect(), theta)
         }
         OracleKind::Head => {
             let path = expand_env(o.path.as_deref().expect("checked")).map_err(|m| anyhow!("oracle.path: {m}"))?;
@@ -533,19 +241,7 @@ pub fn build(g: &GenerateSpec, f: &FeatureSpec, o: &OracleSpec, progress: bool) 
         }
         OracleKind::RewardModel => {
             let model = expand_env(o.model.as_deref().expect("checked")).map_err(|m| anyhow!("oracle.model: {m}"))?;
-            let run = FeatureSpec {
-                model: model.clone(),
-                max_len: o.max_len,
-                eos_rule: features::EosRule::Plain,
-                truncation: features::Truncation::PromptFirst,
-                layer: -1,
-                pool: features::Pool::Last,
-                dtype: o.dtype.clone(),
-                device: o.device.clone(),
-                batch: o.batch,
-                cache: f.cache.clone(),
-            }
-            .run(progress)?;
+            let run = PhiRun::new(&o.phi(model.clone(), f.cache.clone()), progress).context("oracle")?;
             let (rx, _) = extract_conversations(&named, "generated responses (oracle)", &run)?;
             let h =
                 features::head::load_score_head(&model, rx.summary.dim).map_err(|e| anyhow!("oracle.model: {e}"))?;

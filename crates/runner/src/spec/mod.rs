@@ -1,6 +1,18 @@
 //! Experiment specs: serde structs that mirror the TOML (unknown keys are errors, defaults are
 //! declared on the types), `--set key=value` overrides, and the errors that name the file, the
 //! key path and the line. `plan.rs` turns a parsed spec into validated cells.
+//!
+//! This is the bottom layer of the runner above `io`: every TOML table type lives here and
+//! nothing here imports from the stages above (plan, world, settings, …).
+
+pub mod data;
+pub mod estimator;
+pub mod generate;
+pub mod phi;
+
+pub use data::{DataSpec, Format, Keys};
+pub use generate::{FeatureSpec, GenerateSpec, LabelRule, OracleKind, OracleSpec};
+pub use phi::{DType, Device, PhiSpec};
 
 use serde::{de, Deserialize, Deserializer, Serialize, Serializer};
 use std::fmt;
@@ -101,6 +113,12 @@ impl OrNone {
             OrNone::None => None,
             OrNone::Value(v) => Some(*v),
         }
+    }
+}
+
+impl From<Option<f64>> for OrNone {
+    fn from(v: Option<f64>) -> Self {
+        v.map_or(OrNone::None, OrNone::Value)
     }
 }
 
@@ -228,20 +246,22 @@ pub struct Spec {
     /// When cells save their state for `onepass run --resume` (not part of a run's identity).
     #[serde(default)]
     pub checkpoint: CheckpointSpec,
+    /// The raw `[[estimator]]` tables: swept keys are expanded and each combination read by
+    /// [`estimator::read`] in the plan.
     #[serde(rename = "estimator", default)]
-    pub estimators: Vec<EstimatorEntry>,
+    pub estimators: Vec<toml::Table>,
     /// env.kind = "dataset": the preference data and the feature model.
     #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub data: Option<crate::dataset_env::DataSpec>,
+    pub data: Option<DataSpec>,
     /// env.kind = "generated": prompts, policy and sampling.
     #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub generate: Option<crate::generated::GenerateSpec>,
+    pub generate: Option<GenerateSpec>,
     /// env.kind = "generated": the learner's feature model.
     #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub features: Option<crate::generated::FeatureSpec>,
+    pub features: Option<FeatureSpec>,
     /// env.kind = "generated": the oracle that scores and labels responses.
     #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub oracle: Option<crate::generated::OracleSpec>,
+    pub oracle: Option<OracleSpec>,
 }
 
 fn d_master_seed() -> u64 {
@@ -644,68 +664,6 @@ fn d_strategies() -> Sweep<String> {
 }
 fn d_q() -> f64 {
     4.0
-}
-
-/// One `[[estimator]]` table: a kind and its hyper-parameters, any of which may be an array to
-/// sweep over. Keys that do not belong to the kind are errors (checked in the plan).
-#[derive(Clone, Debug, PartialEq, Serialize, Deserialize, Default)]
-#[serde(deny_unknown_fields)]
-pub struct EstimatorEntry {
-    pub kind: String,
-    /// "zero" (default) or "normal" (N(0, init_std²), std default 1/(d+1)).
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub init: Option<String>,
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub init_std: Option<f64>,
-    // omd-exact
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub eta: Option<Sweep<f64>>,
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub lambda: Option<Sweep<f64>>,
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub radius: Option<Sweep<OrNone>>,
-    /// Lemma 1's η, λ and radius from env.theta_norm and env.feature_norm.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub theory: Option<bool>,
-    // first-order
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub lr: Option<Sweep<f64>>,
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub clip: Option<Sweep<OrNone>>,
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub cg_steps: Option<Sweep<usize>>,
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub lambda0: Option<Sweep<f64>>,
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub schedule: Option<Sweep<String>>,
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub lambda_min: Option<Sweep<f64>>,
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub growth: Option<Sweep<f64>>,
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub bf16_weights: Option<bool>,
-    /// omd-reference: the authors' Adam on the mixed direction.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub adam: Option<bool>,
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub beta1: Option<Sweep<f64>>,
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub beta2: Option<Sweep<f64>>,
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub eps: Option<Sweep<f64>>,
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub replay_every: Option<Sweep<u64>>,
-    // mle
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub ridge: Option<Sweep<f64>>,
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub refit_every: Option<Sweep<u64>>,
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub solver: Option<Sweep<String>>,
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub max_iters: Option<Sweep<u32>>,
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub lbfgs_memory: Option<Sweep<usize>>,
 }
 
 /// 1-based line of byte offset `at` in `text`.

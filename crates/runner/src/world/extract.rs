@@ -3,8 +3,9 @@
 //! own features" parquet (`phi_chosen`, `phi_rejected`, `label`) that `env.kind = "features"`
 //! reads.
 
-use crate::datasets::{read_pairs, Format, Pair};
-use crate::results::write_atomic;
+use super::datasets::{read_pairs, Pair};
+use crate::io::write_atomic;
+use crate::spec::{Format, PhiSpec};
 use anyhow::{anyhow, Context, Result};
 use arrow_array::builder::{Float32Builder, ListBuilder};
 use arrow_array::{ArrayRef, BooleanArray, Float32Array, RecordBatch, UInt64Array};
@@ -15,16 +16,11 @@ use std::path::PathBuf;
 use std::sync::Arc;
 
 pub struct ExtractOptions {
-    pub model: String,
+    pub phi: PhiSpec,
     pub dataset: PathBuf,
     pub format: Format,
     pub limit: Option<usize>,
-    pub cache: PathBuf,
     pub out: Option<PathBuf>,
-    pub batch: usize,
-    pub phi: PhiOptions,
-    pub dtype: DType,
-    pub device: Device,
     pub progress: bool,
     /// Run one part of the global batch plan (`--shard i/N`); `--out` needs the whole.
     pub shard: ShardSpec,
@@ -51,12 +47,14 @@ pub struct ExtractSummary {
     pub dim: usize,
 }
 
-pub fn device(name: &str) -> Result<Device> {
-    Ok(match name {
-        "cpu" => Device::Cpu,
-        "cuda" => Device::new_cuda(0).context("opening CUDA device 0 (build with --features cuda)")?,
-        "metal" => Device::new_metal(0).context("opening Metal device 0 (build with --features metal)")?,
-        "auto" => {
+/// The candle device of a spec's `device`.
+pub fn device(d: crate::spec::Device) -> Result<Device> {
+    use crate::spec::Device as D;
+    Ok(match d {
+        D::Cpu => Device::Cpu,
+        D::Cuda => Device::new_cuda(0).context("opening CUDA device 0 (build with --features cuda)")?,
+        D::Metal => Device::new_metal(0).context("opening Metal device 0 (build with --features metal)")?,
+        D::Auto => {
             if candle_core::utils::cuda_is_available() {
                 Device::new_cuda(0)?
             } else if candle_core::utils::metal_is_available() {
@@ -65,8 +63,16 @@ pub fn device(name: &str) -> Result<Device> {
                 Device::Cpu
             }
         }
-        other => return Err(anyhow!("--device {other}: expected cpu, cuda, metal or auto")),
     })
+}
+
+/// The candle dtype of a spec's `dtype`.
+pub fn dtype(d: crate::spec::DType) -> DType {
+    match d {
+        crate::spec::DType::F32 => DType::F32,
+        crate::spec::DType::Bf16 => DType::BF16,
+        crate::spec::DType::F16 => DType::F16,
+    }
 }
 
 /// How φ is computed: model, options, cache, batching, device.
@@ -79,6 +85,22 @@ pub struct PhiRun {
     pub device: Device,
     pub progress: bool,
     pub shard: ShardSpec,
+}
+
+impl PhiRun {
+    /// `phi` on its device (the model path's `${VAR}` expanded), unsharded.
+    pub fn new(phi: &PhiSpec, progress: bool) -> Result<PhiRun> {
+        Ok(PhiRun {
+            model: crate::spec::data::expand_env(&phi.model).map_err(|m| anyhow!("model: {m}"))?,
+            cache: phi.cache.clone(),
+            batch: phi.batch,
+            phi: phi.options(),
+            dtype: dtype(phi.dtype),
+            device: device(phi.device)?,
+            progress,
+            shard: ShardSpec::ALL,
+        })
+    }
 }
 
 /// φ of both sides of some pairs.
@@ -189,16 +211,7 @@ pub fn extract(o: &ExtractOptions) -> Result<ExtractSummary> {
         ));
     }
     let pairs = read_pairs(&o.dataset, o.format, o.limit)?;
-    let run = PhiRun {
-        model: o.model.clone(),
-        cache: o.cache.clone(),
-        batch: o.batch,
-        phi: o.phi.clone(),
-        dtype: o.dtype,
-        device: o.device.clone(),
-        progress: o.progress,
-        shard: o.shard,
-    };
+    let run = PhiRun { shard: o.shard, ..PhiRun::new(&o.phi, o.progress)? };
     let ex = extract_pairs(&pairs, &o.dataset.display().to_string(), &run)?;
     if let Some(out) = &o.out {
         let phi: Vec<Vec<f32>> = ex.phi.into_iter().map(|r| r.expect("unsharded: every row")).collect();

@@ -12,12 +12,12 @@
 //! Errors name the file, the row and the field. A malformed row is an error, or, with
 //! `skip_malformed`, skipped and counted (the first few reasons are kept for the run's report).
 
+pub use crate::spec::{Format, Keys};
 use anyhow::{anyhow, bail, Context, Result};
 use arrow_array::{Array, RecordBatch};
 use arrow_schema::DataType;
 use features::Message;
 use parquet::arrow::arrow_reader::ParquetRecordBatchReaderBuilder;
-use serde::{Deserialize, Serialize};
 use serde_json::Value;
 use std::io::{BufRead, BufReader};
 use std::path::{Path, PathBuf};
@@ -37,49 +37,6 @@ impl Pair {
     /// The two sides have the same score: the "chosen" side is an arbitrary pick.
     pub fn score_tie(&self) -> bool {
         self.scores.is_some_and(|(c, r)| c == r)
-    }
-}
-
-#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum, Serialize, Deserialize)]
-#[serde(rename_all = "kebab-case")]
-pub enum Format {
-    /// From the file name: .jsonl / .jsonl.gz → hh-rlhf, .parquet → ultrafeedback.
-    Auto,
-    HhRlhf,
-    Ultrafeedback,
-    Mixture2,
-    /// Key names from `[data.keys]` (jsonl(.gz) or parquet).
-    Generic,
-}
-
-/// Column (or JSON key) names of the `generic` format.
-#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
-#[serde(deny_unknown_fields)]
-pub struct Keys {
-    /// The prompt: a string (one user message) or a message list. Absent: the sides are whole
-    /// conversations (message lists). Present: it is put before each side.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub prompt: Option<String>,
-    #[serde(default = "d_chosen")]
-    pub chosen: String,
-    #[serde(default = "d_rejected")]
-    pub rejected: String,
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub score_chosen: Option<String>,
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub score_rejected: Option<String>,
-}
-
-fn d_chosen() -> String {
-    "chosen".into()
-}
-fn d_rejected() -> String {
-    "rejected".into()
-}
-
-impl Default for Keys {
-    fn default() -> Self {
-        Keys { prompt: None, chosen: d_chosen(), rejected: d_rejected(), score_chosen: None, score_rejected: None }
     }
 }
 

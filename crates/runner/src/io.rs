@@ -1,0 +1,211 @@
+//! The runner's ground floor: atomic file writes, `.npy` files, the checkpoint file format,
+//! SIGINT/SIGTERM handling and the failpoints the resume tests use. Nothing here knows a spec,
+//! a plan or a cell.
+//!
+//! A checkpoint file is `ONEPASS-CKPT-1\n`, the blake3 hash of the payload (32 bytes), then the
+//! payload: postcard-encoded (f64 and f32 bit for bit) `(fingerprint, what)` then the body.
+//!
+//! Failpoints (tests): `ONEPASS_FAILPOINT=<name>:<n>` sends SIGKILL to the process at the n-th
+//! time the named point is reached (names: `update`, `checkpoint-write`, `parquet-write`,
+//! `cell-end`); `ONEPASS_FAIL_WRITE=<name>` makes the writes at that point fail with ENOSPC
+//! (a full disk).
+
+use anyhow::{anyhow, bail, Context, Result};
+use serde::{de::DeserializeOwned, Serialize};
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, OnceLock};
+
+const MAGIC: &[u8] = b"ONEPASS-CKPT-1\n";
+
+/// Returned (as the error of a cell) when SIGINT/SIGTERM stopped it after its checkpoint.
+#[derive(Debug)]
+pub struct Interrupted;
+
+impl std::fmt::Display for Interrupted {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "interrupted (checkpoint written)")
+    }
+}
+
+impl std::error::Error for Interrupted {}
+
+fn stop_flag() -> &'static Arc<AtomicBool> {
+    static STOP: OnceLock<Arc<AtomicBool>> = OnceLock::new();
+    STOP.get_or_init(|| Arc::new(AtomicBool::new(false)))
+}
+
+/// SIGINT and SIGTERM set the stop flag: running cells checkpoint at their next step and stop;
+/// a second SIGINT/SIGTERM exits at once (code 130).
+pub fn install_signal_handlers() -> Result<()> {
+    use signal_hook::consts::{SIGINT, SIGTERM};
+    for sig in [SIGINT, SIGTERM] {
+        signal_hook::flag::register_conditional_shutdown(sig, 130, stop_flag().clone())
+            .context("installing the SIGINT/SIGTERM handler")?;
+        signal_hook::flag::register(sig, stop_flag().clone()).context("installing the SIGINT/SIGTERM handler")?;
+    }
+    Ok(())
+}
+
+/// Whether SIGINT/SIGTERM asked the run to stop.
+pub fn stop_requested() -> bool {
+    stop_flag().load(Ordering::Relaxed)
+}
+
+/// A test hook: see the module docs.
+pub fn failpoint(name: &str) {
+    static POINT: OnceLock<Option<(String, u64)>> = OnceLock::new();
+    static HITS: AtomicU64 = AtomicU64::new(0);
+    let point = POINT.get_or_init(|| {
+        let v = std::env::var("ONEPASS_FAILPOINT").ok()?;
+        let (n, at) = v.rsplit_once(':')?;
+        Some((n.to_string(), at.parse().ok()?))
+    });
+    if let Some((n, at)) = point {
+        if n == name && HITS.fetch_add(1, Ordering::SeqCst) + 1 == *at {
+            eprintln!("onepass: failpoint {name} #{at}: SIGKILL");
+            // SAFETY: kill(2) on our own pid; it does not return.
+            unsafe {
+                libc::kill(libc::getpid(), libc::SIGKILL);
+            }
+        }
+    }
+}
+
+/// A test hook: `ONEPASS_FAIL_WRITE=<name>` makes every write at that failpoint fail as a
+/// full disk does (ENOSPC), to test that the error names the file and leaves nothing half-written.
+pub fn injected_write_error(name: &str) -> std::io::Result<()> {
+    static POINT: OnceLock<Option<String>> = OnceLock::new();
+    match POINT.get_or_init(|| std::env::var("ONEPASS_FAIL_WRITE").ok()) {
+        Some(p) if p == name => Err(std::io::Error::from_raw_os_error(libc::ENOSPC)),
+        _ => Ok(()),
+    }
+}
+
+/// Encodes a checkpoint file.
+pub fn encode<T: Serialize>(fingerprint: &str, what: &str, body: &T) -> Result<Vec<u8>> {
+    let mut payload = postcard::to_stdvec(&(fingerprint, what)).context("encoding a checkpoint")?;
+    payload.extend(postcard::to_stdvec(body).context("encoding a checkpoint")?);
+    let mut out = Vec::with_capacity(MAGIC.len() + 32 + payload.len());
+    out.extend_from_slice(MAGIC);
+    out.extend_from_slice(blake3::hash(&payload).as_bytes());
+    out.extend_from_slice(&payload);
+    Ok(out)
+}
+
+/// Reads a checkpoint file written for `what`; a fingerprint other than `fingerprint` is an
+/// error unless `force`.
+pub fn decode<T: DeserializeOwned>(path: &Path, fingerprint: &str, what: &str, force: bool) -> Result<T> {
+    let b = std::fs::read(path).with_context(|| format!("reading {}", path.display()))?;
+    let rest = check(path, &b, fingerprint, what, force)?;
+    postcard::from_bytes(rest)
+        .map_err(|e| anyhow!("{}: this build cannot read the checkpoint ({e}); {HINT}", path.display()))
+}
+
+/// [`decode`]'s checks without reading the body: the header, the hash, whose it is.
+pub fn verify(path: &Path, fingerprint: &str, what: &str, force: bool) -> Result<()> {
+    let b = std::fs::read(path).with_context(|| format!("reading {}", path.display()))?;
+    check(path, &b, fingerprint, what, force).map(|_| ())
+}
+
+const HINT: &str = "delete it to start that cell again";
+
+/// Checks a checkpoint file's bytes; returns the body's bytes.
+fn check<'a>(path: &Path, b: &'a [u8], fingerprint: &str, what: &str, force: bool) -> Result<&'a [u8]> {
+    if !b.starts_with(MAGIC) || b.len() < MAGIC.len() + 32 {
+        bail!("{}: not a onepass checkpoint (expected the header {:?}); {HINT}", path.display(), MAGIC);
+    }
+    let (hash, payload) = b[MAGIC.len()..].split_at(32);
+    if blake3::hash(payload).as_bytes() != hash {
+        bail!("{}: corrupt checkpoint (its blake3 hash does not match); {HINT}", path.display());
+    }
+    let ((fp, w), rest): ((String, String), &[u8]) = postcard::take_from_bytes(payload)
+        .map_err(|e| anyhow!("{}: this build cannot read the checkpoint ({e}); {HINT}", path.display()))?;
+    if w != what {
+        bail!("{}: a checkpoint of {w}, expected one of {what}; {HINT}", path.display());
+    }
+    if fp != fingerprint && !force {
+        bail!("{}: written for another spec, code revision or data (pass --force to use it anyway)", path.display());
+    }
+    Ok(rest)
+}
+
+/// Removes what a killed process may have left half-written (`*.tmp`) in a run directory.
+pub fn remove_temporaries(dir: &Path) -> Result<usize> {
+    let mut n = 0;
+    for sub in [dir.to_path_buf(), dir.join("theta"), dir.join("checkpoints")] {
+        let Ok(rd) = std::fs::read_dir(&sub) else { continue };
+        for e in rd.flatten() {
+            let p = e.path();
+            if p.extension().is_some_and(|x| x == "tmp") {
+                std::fs::remove_file(&p).with_context(|| format!("removing {}", p.display()))?;
+                n += 1;
+            }
+        }
+    }
+    Ok(n)
+}
+
+/// Writes `bytes` to `path` through `path.tmp` (flushed to disk) and a rename.
+pub fn write_atomic(path: &Path, bytes: &[u8]) -> Result<()> {
+    write_atomic_at(path, bytes, "write")
+}
+
+/// [`write_atomic`] with a named failpoint half-way through the temporary file.
+pub fn write_atomic_at(path: &Path, bytes: &[u8], point: &str) -> Result<()> {
+    use std::io::Write;
+    let mut tmp = path.as_os_str().to_owned();
+    tmp.push(".tmp");
+    let tmp = PathBuf::from(tmp);
+    let write = || -> std::io::Result<()> {
+        let mut f = std::fs::File::create(&tmp)?;
+        let (a, b) = bytes.split_at(bytes.len() / 2);
+        f.write_all(a)?;
+        f.flush()?;
+        failpoint(point);
+        injected_write_error(point)?;
+        f.write_all(b)?;
+        f.sync_all()
+    };
+    if let Err(e) = write() {
+        let _ = std::fs::remove_file(&tmp);
+        return Err(e).with_context(|| format!("writing {}", path.display()));
+    }
+    std::fs::rename(&tmp, path).with_context(|| format!("renaming {} to {}", tmp.display(), path.display()))?;
+    Ok(())
+}
+
+/// A 1-D little-endian f64 array in NPY format 1.0.
+pub fn npy_f64(v: &[f64]) -> Vec<u8> {
+    let mut header = format!("{{'descr': '<f8', 'fortran_order': False, 'shape': ({},), }}", v.len());
+    // magic (6) + version (2) + header length (2) + header, padded with spaces to a multiple of 64, ending in \n
+    let total = 10 + header.len() + 1;
+    header.push_str(&" ".repeat((64 - total % 64) % 64));
+    header.push('\n');
+    let mut out = Vec::with_capacity(10 + header.len() + v.len() * 8);
+    out.extend_from_slice(b"\x93NUMPY\x01\x00");
+    out.extend_from_slice(&(header.len() as u16).to_le_bytes());
+    out.extend_from_slice(header.as_bytes());
+    for x in v {
+        out.extend_from_slice(&x.to_le_bytes());
+    }
+    out
+}
+
+/// Reads what [`npy_f64`] wrote (a 1-D `<f8` array); other files are errors naming the file.
+pub fn read_npy_f64(path: &Path) -> Result<Vec<f64>> {
+    let b = std::fs::read(path).with_context(|| format!("reading {}", path.display()))?;
+    if !b.starts_with(b"\x93NUMPY\x01\x00") || b.len() < 10 {
+        anyhow::bail!("{}: not a version-1 .npy file", path.display());
+    }
+    let hlen = u16::from_le_bytes([b[8], b[9]]) as usize;
+    let header = String::from_utf8_lossy(b.get(10..10 + hlen).unwrap_or_default());
+    if !header.contains("'descr': '<f8'") {
+        anyhow::bail!("{}: expected float64 ('<f8'), header {}", path.display(), header.trim());
+    }
+    let data = &b[(10 + hlen).min(b.len())..];
+    if data.len() % 8 != 0 {
+        anyhow::bail!("{}: truncated data", path.display());
+    }
+    Ok(data.chunks_exact(8).map(|c| f64::from_le_bytes(c.try_into().expect("8 bytes"))).collect())
+}

@@ -1,0 +1,108 @@
+//! The output schema once: the rows the settings' loops write and `results` turns into
+//! metrics, steps, timings and rounds parquet (`report` reads those tables back by these column
+//! names). Deterministic rows hold no wall clock; timings live in [`Bucket`] only.
+
+use serde::{Deserialize, Serialize};
+
+/// One row of metrics.parquet: a cell at an evaluation point. Deterministic: no wall clock.
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+pub struct MetricRow {
+    pub step: u64,
+    pub samples_seen: u64,
+    /// Prequential (before each update), averaged since the previous evaluation point.
+    pub train_loss: f64,
+    pub train_accuracy: f64,
+    pub eval_loss: f64,
+    /// Held-out accuracy, a tie (zᵀθ = 0) counted as ½.
+    pub eval_accuracy: f64,
+    /// Held-out pairs with zᵀθ = 0 exactly (e.g. z = 0: both sides the same tokens).
+    pub eval_ties: u64,
+    /// ‖θ_t − θ*‖₂ and ‖θ_t − θ*‖_{𝓗_t} (None without a θ*: kind = "features").
+    pub theta_err: Option<f64>,
+    pub theta_err_h: Option<f64>,
+    /// SubOpt of the greedy policy of the last iterate (None without a θ*).
+    pub subopt: Option<f64>,
+    /// Active: SubOpt of the greedy policy of the averaged iterate (1/t Σ θ_s).
+    pub subopt_avg: Option<f64>,
+    /// Passive, final row: SubOpt of the pessimistic policy.
+    pub subopt_pessimistic: Option<f64>,
+    /// Deploy: cumulative regret Σ r(x,π*) − ½(r(a)+r(a′)), and the mean of ½(r(a)+r(a′)).
+    pub regret: Option<f64>,
+    pub mean_reward: Option<f64>,
+    /// Deploy on generated responses, per chunk: its index (1-based); the chunk's mean of
+    /// r(a) + r(a′) (the authors' number) and its running sum over chunks; the mean oracle
+    /// reward of the deployed policy's response (best-of-n under θ at the chunk's start, or the
+    /// fixed first sample); the mean Kendall τ_b between learned and oracle rankings of the n
+    /// samples; label ties of the argmax oracle so far.
+    pub chunk: Option<u64>,
+    pub pair_reward: Option<f64>,
+    pub cum_pair_reward: Option<f64>,
+    pub policy_reward: Option<f64>,
+    pub kendall_tau: Option<f64>,
+    pub oracle_ties: Option<u64>,
+    /// max 1/σ'(zᵀθ_t) over the samples since the previous row (the paper's κ on the data seen).
+    pub kappa: f64,
+    /// Mean over those batches of the authors' 1/(min σ' + 1e-3).
+    pub kappa_reference: f64,
+    /// Ties broken by a seeded draw so far (selection rules).
+    pub ties: u64,
+    pub grad_evals: u64,
+    pub hvp_evals: u64,
+    pub flops: u64,
+    /// Every re-fit so far reached its tolerance (mle; true otherwise).
+    pub converged: bool,
+}
+
+/// One row of steps.parquet: the estimator's own report of one update.
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+pub struct StepRow {
+    pub step: u64,
+    pub samples_seen: u64,
+    pub report: estimators::StepReport,
+}
+
+/// Wall time between two evaluation points (timings.parquet; never in metrics.parquet).
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+pub struct Bucket {
+    pub step: u64,
+    pub samples_seen: u64,
+    /// Inside `Estimator::update`.
+    pub estimator_s: f64,
+    /// Everything else: drawing data, selection, the curvature tracker, evaluation.
+    pub other_s: f64,
+}
+
+#[derive(Clone, Debug, Default, Serialize, Deserialize)]
+pub struct CellResult {
+    /// Timings per evaluation bucket.
+    pub buckets: Vec<Bucket>,
+    pub rows: Vec<MetricRow>,
+    pub steps: Vec<StepRow>,
+    pub theta: Vec<f64>,
+    /// FNV-1a over the contexts, pairs and label noise the cell drew: equal for all cells of a
+    /// seed whose data do not depend on the method (passive, and the noise of all settings).
+    pub stream_hash: u64,
+    /// Seconds inside `Estimator::update`, over the whole cell.
+    pub estimator_s: f64,
+    /// Deploy on generated responses: one row per prompt (rounds.parquet).
+    pub rounds: Vec<RoundRow>,
+}
+
+/// One prompt of a chunked deployment run.
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+pub struct RoundRow {
+    pub chunk: u64,
+    /// Index of the prompt in the prompt file (generations.parquet).
+    pub prompt: u64,
+    pub first: u32,
+    pub second: u32,
+    pub reward_first: f64,
+    pub reward_second: f64,
+    /// 1: the first response preferred.
+    pub label: f32,
+    pub policy_pick: u32,
+    pub policy_reward: f64,
+    /// max_a r(a) over the prompt's samples.
+    pub best_reward: f64,
+    pub kendall_tau: f64,
+}

@@ -1,0 +1,533 @@
+//! `onepass run`: spec → plan → world → cells → rows → tables, with the run directory's
+//! bookkeeping around it — its identity for `--resume`, finished cells kept as
+//! `checkpoints/<cell>.done`, meta.json, and the summary printed at the end.
+//!
+//! A run directory holds, while it runs: `resume.json` (what the run is: the resolved spec, the
+//! code revision and digests of its data), `checkpoints/<cell>.ckpt` (a running cell's whole
+//! state) and `checkpoints/<cell>.done` (a finished cell's result). `meta.json` is written last;
+//! once it exists the run is complete and `checkpoints/` is removed.
+
+use crate::plan::{CellPlan, ConfigPlan, Plan};
+use crate::rows::{CellResult, MetricRow};
+use crate::settings::{CellCtx, CellSaver};
+use crate::world::World;
+use crate::{io, plan, results, settings, spec, world};
+use anyhow::{Context, Result};
+use rayon::prelude::*;
+use serde::{Deserialize, Serialize};
+use std::path::{Path, PathBuf};
+
+/// How a run ended, for the exit code: 0 all cells ok, 1 some cell failed (2 is bad input,
+/// reported as an error before any cell runs; 130 interrupted by SIGINT/SIGTERM after the
+/// running cells wrote their checkpoints).
+#[derive(Debug)]
+pub struct RunSummary {
+    pub dir: PathBuf,
+    pub failed: usize,
+    pub cells: usize,
+    /// Stopped by SIGINT/SIGTERM: nothing final was written; `--resume` continues.
+    pub interrupted: bool,
+}
+
+/// Options of `onepass run`.
+pub struct RunOptions {
+    pub spec: PathBuf,
+    pub overrides: Vec<String>,
+    pub out: PathBuf,
+    pub threads: Option<usize>,
+    /// Continue this run directory (its finished cells are kept, checkpointed cells resume).
+    pub resume: Option<PathBuf>,
+    /// Resume even when the spec, code revision or data differ from the run's.
+    pub force: bool,
+}
+
+/// Parses and validates a spec (errors are [`spec::SpecError`]); reads nothing else.
+pub fn load_plan(path: &Path, overrides: &[String]) -> Result<Plan, spec::SpecError> {
+    let (s, text) = spec::load(path, overrides)?;
+    plan::build(s, path, &text)
+}
+
+/// A finished (or failed) cell as `checkpoints/<cell>.done` keeps it until the run's tables exist.
+#[derive(Serialize, Deserialize)]
+struct DoneCell {
+    result: std::result::Result<CellResult, String>,
+    wall_s: f64,
+}
+
+/// The run directory: a fresh one, or `--resume`'s after checking it is this run.
+fn open_run_dir(opts: &RunOptions, plan: &Plan, world: &World, id: &RunIdentity) -> Result<PathBuf> {
+    let Some(dir) = &opts.resume else {
+        let dir = results::make_run_dir(&opts.out, &plan.name)?;
+        let resolved = toml::to_string(&plan.resolved(&world.spec)).context("serialising the resolved spec")?;
+        io::write_atomic(&dir.join("spec.resolved.toml"), resolved.as_bytes())?;
+        io::write_atomic(&dir.join("resume.json"), serde_json::to_string_pretty(id)?.as_bytes())?;
+        std::fs::create_dir(dir.join("checkpoints"))
+            .with_context(|| format!("creating {}/checkpoints", dir.display()))?;
+        return Ok(dir);
+    };
+    let manifest = dir.join("resume.json");
+    let text = std::fs::read_to_string(&manifest).with_context(|| {
+        format!(
+            "--resume {}: no resume.json there (not a onepass run directory, or one made before resume existed)",
+            dir.display()
+        )
+    })?;
+    let theirs: RunIdentity =
+        serde_json::from_str(&text).with_context(|| format!("{}: not a run identity", manifest.display()))?;
+    if let Some(why) = id.mismatch(&theirs) {
+        if opts.force {
+            eprintln!("onepass: warning: resuming {} although {why} (--force)", dir.display());
+        } else {
+            anyhow::bail!("--resume {}: refused: {why}; pass --force to resume anyway", dir.display());
+        }
+    }
+    if dir.join("meta.json").exists() {
+        return Ok(dir.clone());
+    }
+    for sub in ["theta", "checkpoints"] {
+        std::fs::create_dir_all(dir.join(sub)).with_context(|| format!("creating {}/{sub}", dir.display()))?;
+    }
+    let n = io::remove_temporaries(dir)?;
+    if n > 0 {
+        eprintln!("onepass: removed {n} half-written temporary file(s) of the killed run");
+    }
+    Ok(dir.clone())
+}
+
+/// Runs one cell of a run directory: a finished cell is read back, a checkpointed one
+/// resumes, any other starts; the result is kept as `checkpoints/<cell>.done` until the tables
+/// are written.
+fn run_one<'p>(
+    plan: &'p Plan,
+    world: &World,
+    cell: &'p CellPlan,
+    dir: &Path,
+    fingerprint: &str,
+    force: bool,
+) -> Result<results::CellOutcome<'p>> {
+    let config = &plan.configs[cell.config];
+    let done_path = dir.join("checkpoints").join(format!("{}.done", cell.cell_id));
+    let ckpt_path = dir.join("checkpoints").join(format!("{}.ckpt", cell.cell_id));
+    let what = format!("cell {}", cell.cell_id);
+    if done_path.exists() {
+        let d: DoneCell = io::decode(&done_path, fingerprint, &what, force)?;
+        return Ok(results::CellOutcome {
+            cell_id: &cell.cell_id,
+            config,
+            seed: cell.seed,
+            result: d.result,
+            wall_s: d.wall_s,
+        });
+    }
+    if io::stop_requested() {
+        return Err(io::Interrupted.into());
+    }
+    let mut ctx =
+        CellCtx { saver: CellSaver::new(ckpt_path.clone(), fingerprint, &what, &plan.spec.checkpoint), resume: None };
+    if ckpt_path.exists() {
+        ctx.resume = Some(io::decode(&ckpt_path, fingerprint, &what, force)?);
+    }
+    let result = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+        settings::run_cell_with(world, config, cell.seed, &mut ctx)
+    }))
+    .unwrap_or_else(|p| {
+        let msg = p.downcast_ref::<String>().cloned().or_else(|| p.downcast_ref::<&str>().map(|s| s.to_string()));
+        Err(anyhow::anyhow!("the cell panicked: {}", msg.unwrap_or_default()))
+    });
+    let result = match result {
+        Err(e) if e.is::<io::Interrupted>() => return Err(e),
+        r => r.map_err(|e| format!("{e:#}")),
+    };
+    if let Err(e) = &result {
+        eprintln!("onepass: cell {} ({}, seed {}) failed: {e}", cell.cell_id, config.label, cell.seed);
+    }
+    let done = DoneCell { result, wall_s: ctx.saver.wall_s() };
+    io::write_atomic(&done_path, &io::encode(fingerprint, &what, &done)?)?;
+    if ckpt_path.exists() {
+        std::fs::remove_file(&ckpt_path).with_context(|| format!("removing {}", ckpt_path.display()))?;
+    }
+    io::failpoint("cell-end");
+    Ok(results::CellOutcome {
+        cell_id: &cell.cell_id,
+        config,
+        seed: cell.seed,
+        result: done.result,
+        wall_s: done.wall_s,
+    })
+}
+
+/// Runs every cell of a plan and writes the run directory (or continues `opts.resume`).
+pub fn run(opts: &RunOptions) -> Result<RunSummary> {
+    let plan = load_plan(&opts.spec, &opts.overrides)?;
+    let world = world::build(&plan, std::io::IsTerminal::is_terminal(&std::io::stderr()))?;
+    let started = humantime::format_rfc3339_seconds(std::time::SystemTime::now()).to_string();
+    let id = RunIdentity::of(&plan, &world)?;
+    let fingerprint = id.fingerprint();
+    let dir = open_run_dir(opts, &plan, &world, &id)?;
+    if dir.join("meta.json").exists() {
+        eprintln!("onepass: {} is complete (meta.json exists): nothing to resume", dir.display());
+        let meta: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(dir.join("meta.json"))?)
+            .with_context(|| format!("{}/meta.json: not JSON", dir.display()))?;
+        let failed = meta.get("failed_cells").and_then(|v| v.as_u64()).unwrap_or(0) as usize;
+        return Ok(RunSummary { dir, failed, cells: plan.cells.len(), interrupted: false });
+    }
+    // every checkpoint left by a killed run is checked before any cell starts
+    for cell in &plan.cells {
+        let what = format!("cell {}", cell.cell_id);
+        for ext in ["done", "ckpt"] {
+            let p = dir.join("checkpoints").join(format!("{}.{ext}", cell.cell_id));
+            if p.exists() {
+                io::verify(&p, &fingerprint, &what, opts.force)?;
+            }
+        }
+    }
+    io::install_signal_handlers()?;
+    let threads = opts.threads.unwrap_or(plan.spec.threads);
+    let pool = rayon::ThreadPoolBuilder::new().num_threads(threads).build().context("starting the worker threads")?;
+    eprintln!(
+        "onepass: {} cells ({} configs × {} seeds) → {}{}",
+        plan.cells.len(),
+        plan.configs.len(),
+        plan.spec.seeds,
+        dir.display(),
+        if opts.resume.is_some() { " (resumed)" } else { "" }
+    );
+    let outcomes: Vec<Result<results::CellOutcome<'_>>> = pool.install(|| {
+        plan.cells.par_iter().map(|cell| run_one(&plan, &world, cell, &dir, &fingerprint, opts.force)).collect()
+    });
+    let mut interrupted = false;
+    let mut ok = Vec::with_capacity(outcomes.len());
+    for o in outcomes {
+        match o {
+            Ok(o) => ok.push(o),
+            Err(e) if e.is::<io::Interrupted>() => interrupted = true,
+            Err(e) => return Err(e),
+        }
+    }
+    if interrupted {
+        eprintln!(
+            "onepass: interrupted; {} of {} cells finished, the others checkpointed. Continue with:\n  onepass run {} --resume {}",
+            ok.len(),
+            plan.cells.len(),
+            opts.spec.display(),
+            dir.display()
+        );
+        return Ok(RunSummary { dir, failed: 0, cells: plan.cells.len(), interrupted: true });
+    }
+    let outcomes = ok;
+    let schemas = results::write_tables(&dir, &plan, &world, &outcomes).with_context(|| {
+        format!(
+            "the finished cells are kept in {}/checkpoints: fix this, then `onepass run {} --resume {}`",
+            dir.display(),
+            opts.spec.display(),
+            dir.display()
+        )
+    })?;
+    io::write_atomic(&dir.join("schema.json"), results::schema_json(&schemas).as_bytes())?;
+    let failed = outcomes.iter().filter(|o| o.result.is_err()).count();
+    let meta = Meta {
+        onepass_version: env!("CARGO_PKG_VERSION"),
+        git_revision: env!("ONEPASS_GIT_REV"),
+        git_dirty: env!("ONEPASS_GIT_DIRTY"),
+        spec_file: opts.spec.display().to_string(),
+        overrides: &opts.overrides,
+        resumed: opts.resume.is_some(),
+        master_seed: world.spec.master_seed,
+        seeds: world.spec.seeds,
+        setting: world.spec.setting.as_str(),
+        data: world.data.as_ref().map(|d| DataMeta {
+            path: d.train_path.display().to_string(),
+            blake3: d.train.digest.clone(),
+            train_rows: d.train.len(),
+            eval_path: d.eval_path.as_ref().map(|p| p.display().to_string()),
+            eval_blake3: d.eval_path.as_ref().map(|_| d.eval.digest.clone()),
+            eval_rows: d.eval.len(),
+            dim: d.d,
+            dataset: d.report.clone(),
+            backbone_cost: backbone_cost(&plan, &world),
+        }),
+        generated: world.generated.as_ref().map(|g| &g.report),
+        cells: plan.cells.len(),
+        failed_cells: failed,
+        threads: pool.current_num_threads(),
+        host: std::fs::read_to_string("/etc/hostname").map(|s| s.trim().to_string()).unwrap_or_default(),
+        os: std::env::consts::OS,
+        arch: std::env::consts::ARCH,
+        crates: Meta::crates(),
+        started,
+        finished: humantime::format_rfc3339_seconds(std::time::SystemTime::now()).to_string(),
+    };
+    io::write_atomic(&dir.join("meta.json"), serde_json::to_string_pretty(&meta)?.as_bytes())?;
+    // complete: what resume needed is now in the tables
+    let p = dir.join("checkpoints");
+    if p.exists() {
+        std::fs::remove_dir_all(&p).with_context(|| format!("removing {}", p.display()))?;
+    }
+    print_summary(&plan, &world, &outcomes);
+    Ok(RunSummary { dir, failed, cells: outcomes.len(), interrupted: false })
+}
+
+/// meta.json: what ran, on what, with which code and crates, and when.
+#[derive(Serialize)]
+struct Meta<'a> {
+    onepass_version: &'static str,
+    git_revision: &'static str,
+    /// "true", "false", or "unknown" (no git at build time).
+    git_dirty: &'static str,
+    spec_file: String,
+    overrides: &'a [String],
+    resumed: bool,
+    master_seed: u64,
+    seeds: u32,
+    setting: &'static str,
+    data: Option<DataMeta>,
+    generated: Option<&'a world::generated::BankReport>,
+    cells: usize,
+    failed_cells: usize,
+    threads: usize,
+    host: String,
+    os: &'static str,
+    arch: &'static str,
+    /// The project's crates and the third-party crates that produce the numbers (from Cargo.lock).
+    crates: std::collections::BTreeMap<&'static str, &'static str>,
+    started: String,
+    finished: String,
+}
+
+/// meta.json's `data` block (kind = "features" or "dataset").
+#[derive(Serialize)]
+struct DataMeta {
+    path: String,
+    blake3: String,
+    train_rows: usize,
+    eval_path: Option<String>,
+    eval_blake3: Option<String>,
+    eval_rows: usize,
+    dim: usize,
+    dataset: Option<serde_json::Value>,
+    backbone_cost: Option<serde_json::Value>,
+}
+
+impl Meta<'_> {
+    fn crates() -> std::collections::BTreeMap<&'static str, &'static str> {
+        let mut m: std::collections::BTreeMap<&'static str, &'static str> = [
+            ("runner", env!("CARGO_PKG_VERSION")),
+            ("estimators", estimators::VERSION),
+            ("selection", selection::VERSION),
+            ("features", features::VERSION),
+        ]
+        .into();
+        // "name=version,…" written by build.rs from Cargo.lock
+        for kv in env!("ONEPASS_DEP_VERSIONS").split(',').filter(|s| !s.is_empty()) {
+            if let Some((k, v)) = kv.split_once('=') {
+                m.insert(k, v);
+            }
+        }
+        m
+    }
+}
+
+/// Final metrics per config, mean over seeds.
+fn print_summary(plan: &Plan, world: &World, outcomes: &[results::CellOutcome<'_>]) {
+    if world.generated.is_some() && world.spec.setting == spec::Setting::Deploy {
+        return print_deploy_summary(plan, outcomes);
+    }
+    eprintln!("{:<44} {:>8} {:>10} {:>10} {:>12}", "config", "eval_acc", "theta_err", "subopt", "regret");
+    for c in &plan.configs {
+        let finals: Vec<&MetricRow> = outcomes
+            .iter()
+            .filter(|o| o.config.config_id == c.config_id)
+            .filter_map(|o| o.result.as_ref().ok().and_then(|r| r.rows.last()))
+            .collect();
+        if finals.is_empty() {
+            eprintln!("{:<44} (every seed failed)", c.label);
+            continue;
+        }
+        let n = finals.len() as f64;
+        let mean = |f: &dyn Fn(&MetricRow) -> f64| finals.iter().map(|r| f(r)).sum::<f64>() / n;
+        let opt = |f: &dyn Fn(&MetricRow) -> Option<f64>, digits: usize| {
+            if f(finals[0]).is_some() {
+                format!("{:.digits$}", mean(&|r| f(r).unwrap_or(f64::NAN)))
+            } else {
+                "-".into()
+            }
+        };
+        eprintln!(
+            "{:<44} {:>8.4} {:>10} {:>10} {:>12}",
+            c.label,
+            mean(&|r| r.eval_accuracy),
+            opt(&|r| r.theta_err, 4),
+            opt(&|r| r.subopt, 4),
+            opt(&|r| r.regret, 3)
+        );
+    }
+}
+
+/// Chunked deployment: cumulative metrics at the last chunk (mean over seeds) and win rates.
+fn print_deploy_summary(plan: &Plan, outcomes: &[results::CellOutcome<'_>]) {
+    let wins = results::win_rates(plan, outcomes);
+    eprintln!(
+        "{:<34} {:>9} {:>9} {:>9} {:>8} {:>8} {:>7} {:>7}",
+        "config", "cum_pair", "mean_rew", "regret", "policy", "tau", "win/ch", "win/pr"
+    );
+    for c in &plan.configs {
+        let finals: Vec<&MetricRow> = outcomes
+            .iter()
+            .filter(|o| o.config.config_id == c.config_id)
+            .filter_map(|o| o.result.as_ref().ok().and_then(|r| r.rows.last()))
+            .collect();
+        if finals.is_empty() {
+            eprintln!("{:<34} (every seed failed)", c.label);
+            continue;
+        }
+        let n = finals.len() as f64;
+        let mean = |f: &dyn Fn(&MetricRow) -> Option<f64>| finals.iter().filter_map(|r| f(r)).sum::<f64>() / n;
+        // the mean over the run of the chunks' policy reward and τ
+        let all: Vec<&MetricRow> = outcomes
+            .iter()
+            .filter(|o| o.config.config_id == c.config_id)
+            .filter_map(|o| o.result.as_ref().ok())
+            .flat_map(|r| r.rows.iter())
+            .collect();
+        let avg = |f: &dyn Fn(&MetricRow) -> Option<f64>| {
+            all.iter().filter_map(|r| f(r)).sum::<f64>() / all.len().max(1) as f64
+        };
+        let w = &wins[c.config_id];
+        eprintln!(
+            "{:<34} {:>9.3} {:>9.4} {:>9.2} {:>8.4} {:>8.3} {:>7.3} {:>7.3}",
+            c.label,
+            mean(&|r| r.cum_pair_reward),
+            mean(&|r| r.mean_reward),
+            mean(&|r| r.regret),
+            avg(&|r| r.policy_reward),
+            avg(&|r| r.kendall_tau),
+            w.chunk_wins / w.chunks.max(1) as f64,
+            w.prompt_wins / w.prompts.max(1) as f64
+        );
+    }
+}
+
+/// kind = "dataset": how many backbone forward passes (sequences and tokens) the run's methods
+/// would need under the authors' schedule — the frozen LLM re-run on every training batch and on
+/// the held-out set at every evaluation, for every cell (reference-code.md §1.6) — against
+/// onepass's cache, where each distinct sequence is computed once for every cell, seed and later
+/// run. A cost model to discuss timing claims with, not a measurement.
+fn backbone_cost(plan: &Plan, world: &World) -> Option<serde_json::Value> {
+    let d = world.data.as_ref()?;
+    let r = d.report.as_ref()?;
+    let get = |k: &str| r.get(k).and_then(|v| v.as_u64()).unwrap_or(0) as f64;
+    let (train_pairs, eval_pairs) = (get("train_pairs").max(1.0), get("eval_pairs"));
+    let (train_tok, eval_tok) = (get("train_tokens"), get("eval_tokens"));
+    let s = &world.spec.stream;
+    let samples = s.samples as f64;
+    let evals = (s.samples / s.eval_every + u64::from(s.samples % s.eval_every != 0)) as f64;
+    // pairs pushed through the backbone per labelled sample: 1, or the stream rule's candidates/keep
+    let per_sample = |c: &ConfigPlan| match c.rule {
+        Some(spec::ActiveRule::Stream) => plan.spec.active.candidates as f64 / plan.spec.active.keep.max(1) as f64,
+        _ => 1.0,
+    };
+    let cost = |c: &ConfigPlan| {
+        let seq = 2.0 * samples * per_sample(c) + 2.0 * eval_pairs * evals;
+        let tok = samples * per_sample(c) * train_tok / train_pairs + eval_tok * evals;
+        (seq, tok)
+    };
+    let (cell_seq, cell_tok) = cost(&plan.configs[0]);
+    let (all_seq, all_tok) =
+        plan.cells.iter().map(|c| cost(&plan.configs[c.config])).fold((0.0, 0.0), |a, b| (a.0 + b.0, a.1 + b.1));
+    Some(serde_json::json!({
+        "authors_schedule": {
+            "per_cell_sequences": cell_seq,
+            "per_cell_tokens": cell_tok,
+            "all_cells_sequences": all_seq,
+            "all_cells_tokens": all_tok,
+        },
+        "onepass_cache": {
+            "sequences_once": 2.0 * (train_pairs + eval_pairs),
+            "tokens_once": train_tok + eval_tok,
+            "tokens_computed_this_run": get("tokens_computed"),
+            "extraction_s_this_run": r.get("extraction_s"),
+        },
+    }))
+}
+
+/// What a run is, for refusing a resume of a different one: the resolved spec without the
+/// keys that do not change the numbers (`threads`, `[checkpoint]`), the code revision, and
+/// digests of the data files the plan read.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct RunIdentity {
+    pub spec: String,
+    pub git_revision: String,
+    pub git_dirty: bool,
+    pub data: Vec<(String, String)>,
+}
+
+impl RunIdentity {
+    pub fn of(plan: &Plan, world: &World) -> Result<Self> {
+        let mut s = plan.resolved(&world.spec);
+        s.threads = 0;
+        s.checkpoint = Default::default();
+        let mut data = Vec::new();
+        if let Some(d) = &world.data {
+            data.push((d.train_path.display().to_string(), d.train.digest.clone()));
+            if let Some(p) = &d.eval_path {
+                data.push((p.display().to_string(), d.eval.digest.clone()));
+            }
+            if let Some(o) = &d.order {
+                let bytes: Vec<u8> = o.iter().flat_map(|&i| (i as u64).to_le_bytes()).collect();
+                data.push(("stream order".into(), blake3::hash(&bytes).to_hex().to_string()));
+            }
+        }
+        if let Some(g) = &world.generated {
+            let mut h = blake3::Hasher::new();
+            let mut bytes = Vec::new();
+            for c in g.bank.contexts.iter() {
+                bytes.clear();
+                bytes.extend(c.phi.iter().flat_map(|v| v.to_le_bytes()));
+                bytes.extend(c.reward.iter().flatten().flat_map(|v| v.to_le_bytes()));
+                h.update(&bytes);
+            }
+            data.push(("generated responses: φ and oracle rewards".into(), h.finalize().to_hex().to_string()));
+        }
+        Ok(RunIdentity {
+            spec: toml::to_string(&s).context("serialising the resolved spec")?,
+            git_revision: env!("ONEPASS_GIT_REV").to_string(),
+            git_dirty: env!("ONEPASS_GIT_DIRTY") == "true",
+            data,
+        })
+    }
+
+    pub fn fingerprint(&self) -> String {
+        blake3::hash(serde_json::to_string(self).expect("plain JSON").as_bytes()).to_hex().to_string()
+    }
+
+    /// Why `self` (this invocation) cannot resume `run` (the run directory's), or None.
+    pub fn mismatch(&self, run: &RunIdentity) -> Option<String> {
+        if self.spec != run.spec {
+            let (a, b): (Vec<&str>, Vec<&str>) = (self.spec.lines().collect(), run.spec.lines().collect());
+            let i = (0..a.len().max(b.len())).find(|&i| a.get(i) != b.get(i)).unwrap_or(0);
+            return Some(format!(
+                "the spec differs from the run's: line {} of the resolved spec is `{}` here, `{}` in the run",
+                i + 1,
+                a.get(i).unwrap_or(&"(end)"),
+                b.get(i).unwrap_or(&"(end)")
+            ));
+        }
+        if self.git_revision != run.git_revision {
+            return Some(format!(
+                "the code revision differs: this binary is {}, the run was made by {}",
+                self.git_revision, run.git_revision
+            ));
+        }
+        if self.data != run.data {
+            let diff = self
+                .data
+                .iter()
+                .zip(&run.data)
+                .find(|(a, b)| a != b)
+                .map(|(a, b)| format!("{} has digest {} here, {} in the run ({})", a.0, a.1, b.1, b.0))
+                .unwrap_or_else(|| format!("{} data files here, {} in the run", self.data.len(), run.data.len()));
+            return Some(format!("the data differ: {diff}"));
+        }
+        None
+    }
+}

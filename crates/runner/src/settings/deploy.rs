@@ -1,0 +1,175 @@
+//! Deployment-time adaptation (paper Alg. 4): each round the deployed reward ranks a context's
+//! arms, a strategy picks the pair to label, the learner updates — per round on the synthetic
+//! bandit, per chunk of prompts on generated responses (the authors' form).
+
+use super::learner::Learner;
+use super::state::{CellCtx, Progress};
+use crate::plan::{theory_beta, ConfigPlan};
+use crate::rows::{CellResult, RoundRow};
+use crate::spec::{Beta, DeployPolicy, Order, Spec};
+use crate::world::env::{argmax, dot, Env};
+use anyhow::{anyhow, Result};
+use rand::seq::SliceRandom;
+use rand::Rng;
+use selection::{kendall_tau_b, Strategy};
+
+/// The cell's strategy, with a ucb width of "theory" resolved from d and T.
+fn strategy_of(spec: &Spec, config: &ConfigPlan) -> Result<Strategy> {
+    let mut s = config.strategy.ok_or_else(|| anyhow!("deploy cell without a strategy"))?;
+    if let (Strategy::Ucb { beta }, Beta::Theory) = (&mut s, spec.deploy.beta) {
+        *beta = theory_beta(spec.env.dim, spec.stream.samples, spec.deploy.delta);
+    }
+    Ok(s)
+}
+
+pub(super) fn deploy(
+    spec: &Spec,
+    config: &ConfigPlan,
+    env: &Env,
+    l: &mut Learner,
+    seed: u32,
+    ctx: &mut CellCtx,
+    resumed: Option<Progress>,
+) -> Result<CellResult> {
+    let strategy = strategy_of(spec, config)?;
+    let (b, d, k) = (spec.stream.batch_size, env.d, env.k);
+    let steps = spec.stream.samples / b as u64;
+    let mut pr = resumed.unwrap_or_else(|| Progress::fresh(spec, seed));
+    let (mut z, mut y) = (Vec::with_capacity(b * d), Vec::with_capacity(b));
+    for s in pr.done + 1..=steps {
+        z.clear();
+        y.clear();
+        let Progress { data, labels, select, hash: h, regret, reward_sum, ties, seen: rounds, .. } = &mut pr;
+        for _ in 0..b {
+            let c = env.draw_context(data);
+            let u: f64 = labels.random();
+            h.f32s(&c.phi);
+            h.bytes(&u.to_le_bytes());
+            let est: Vec<f64> = (0..k).map(|a| dot(env.arm(&c, a), &l.theta)).collect();
+            let bonus: Option<Vec<f64>> = strategy.needs_bonus().then(|| {
+                let first = selection::first_arm(&est, &*select);
+                (0..k).map(|a| l.curv.inv_norm(&env.diff(&c, a, first))).collect()
+            });
+            let pair = selection::select_pair(&strategy, &est, bonus.as_deref(), select);
+            *ties += u64::from(pair.ties);
+            let zi = env.diff(&c, pair.first, pair.second);
+            y.push(env.label(&c, pair.first, pair.second, &zi, u));
+            z.extend(zi);
+            let best = (0..k).map(|a| env.reward(&c, a)).fold(f64::NEG_INFINITY, f64::max);
+            let got = 0.5 * (env.reward(&c, pair.first) + env.reward(&c, pair.second));
+            *regret += best - got;
+            *reward_sum += got;
+            *rounds += 1;
+        }
+        l.update(&z, &y)?;
+        if l.due(spec.stream.eval_every, s == steps) {
+            let mut row = l.row_at((&env.eval_z, &env.eval_y), Some(env));
+            row.regret = Some(pr.regret);
+            row.mean_reward = Some(pr.reward_sum / pr.seen as f64);
+            row.ties = pr.ties;
+            pr.rows.push(row);
+        }
+        pr.done = s;
+        ctx.tick(&[&*l], &pr)?;
+    }
+    Ok(CellResult { rows: pr.rows, stream_hash: pr.hash.0, ..Default::default() })
+}
+
+/// Deployment on generated responses (paper Alg. 4 in the authors' chunked form): the prompts,
+/// in a per-seed order, are cut into chunks; within a chunk θ is fixed — it ranks every
+/// prompt's n responses, the strategy picks a pair, the oracle labels it — then the estimator
+/// updates on the chunk's pairs in mini-batches of `stream.batch_size`.
+pub(super) fn deploy_chunked(
+    spec: &Spec,
+    config: &ConfigPlan,
+    env: &Env,
+    l: &mut Learner,
+    seed: u32,
+    ctx: &mut CellCtx,
+    resumed: Option<Progress>,
+) -> Result<CellResult> {
+    let strategy = strategy_of(spec, config)?;
+    let (k, b) = (env.k, spec.stream.batch_size);
+    let mut fresh = Progress::fresh(spec, seed);
+    let p = env.contexts.len();
+    let mut order: Vec<usize> = (0..p).collect();
+    if spec.deploy.prompt_order == Order::Shuffled {
+        order.shuffle(&mut fresh.data);
+    }
+    let chunks = spec.deploy.chunks.max(1);
+    let mut pr = resumed.unwrap_or(fresh);
+    for c in pr.done as usize..chunks {
+        // chunk c holds prompts [c·p/chunks, (c+1)·p/chunks) of the order
+        let (lo, hi) = (c * p / chunks, (c + 1) * p / chunks);
+        if c > 0 && spec.deploy.reset_each_chunk {
+            l.reset_estimator(spec, config, seed)?;
+        }
+        let (mut z, mut y) = (Vec::new(), Vec::new());
+        let Progress { labels, select, hash: h, regret, reward_sum, ties, oracle_ties, rounds, .. } = &mut pr;
+        let (mut pair_sum, mut pol_sum, mut tau_sum) = (0.0, 0.0, 0.0);
+        for &x in &order[lo..hi] {
+            let ctx = &env.contexts[x];
+            let est: Vec<f64> = (0..k).map(|a| dot(env.arm(ctx, a), &l.theta)).collect();
+            let truth: Vec<f64> = (0..k).map(|a| env.reward(ctx, a)).collect();
+            let bonus: Option<Vec<f64>> = strategy.needs_bonus().then(|| {
+                let first = selection::first_arm(&est, &*select);
+                (0..k).map(|a| l.curv.inv_norm(&env.diff(ctx, a, first))).collect()
+            });
+            let pair = selection::select_pair(&strategy, &est, bonus.as_deref(), select);
+            *ties += u64::from(pair.ties);
+            let zi = env.diff(ctx, pair.first, pair.second);
+            let u: f64 = labels.random();
+            h.bytes(&(x as u64).to_le_bytes());
+            h.bytes(&u.to_le_bytes());
+            let label = env.label(ctx, pair.first, pair.second, &zi, u);
+            *oracle_ties += u64::from(truth[pair.first] == truth[pair.second]);
+            y.push(label);
+            z.extend(zi);
+            let best = truth.iter().copied().fold(f64::NEG_INFINITY, f64::max);
+            let (ra, rb) = (truth[pair.first], truth[pair.second]);
+            *regret += best - 0.5 * (ra + rb);
+            *reward_sum += 0.5 * (ra + rb);
+            pair_sum += ra + rb;
+            let pick = match spec.deploy.policy {
+                DeployPolicy::BestOfN => argmax(est.iter().copied()),
+                DeployPolicy::Fixed => 0,
+            };
+            pol_sum += truth[pick];
+            let tau = kendall_tau_b(&est, &truth);
+            tau_sum += tau;
+            rounds.push(RoundRow {
+                chunk: c as u64 + 1,
+                prompt: x as u64,
+                first: pair.first as u32,
+                second: pair.second as u32,
+                reward_first: ra,
+                reward_second: rb,
+                label,
+                policy_pick: pick as u32,
+                policy_reward: truth[pick],
+                best_reward: best,
+                kendall_tau: tau,
+            });
+        }
+        for (zb, yb) in z.chunks(b * env.d).zip(y.chunks(b)) {
+            l.update(zb, yb)?;
+        }
+        pr.seen += (hi - lo) as u64;
+        let n = (hi - lo) as f64;
+        pr.cum_pair += pair_sum / n;
+        let mut row = l.row_at((&env.eval_z, &env.eval_y), Some(env));
+        row.regret = Some(pr.regret);
+        row.mean_reward = Some(pr.reward_sum / pr.seen as f64);
+        row.ties = pr.ties;
+        row.chunk = Some(c as u64 + 1);
+        row.pair_reward = Some(pair_sum / n);
+        row.cum_pair_reward = Some(pr.cum_pair);
+        row.policy_reward = Some(pol_sum / n);
+        row.kendall_tau = Some(tau_sum / n);
+        row.oracle_ties = Some(pr.oracle_ties);
+        pr.rows.push(row);
+        pr.done = c as u64 + 1;
+        ctx.tick(&[&*l], &pr)?;
+    }
+    Ok(CellResult { rows: pr.rows, rounds: pr.rounds, stream_hash: pr.hash.0, ..Default::default() })
+}

@@ -1,0 +1,228 @@
+//! The learner of a cell: the estimator, its curvature tracker 𝓗_t, the averaged iterate and
+//! the running window of training statistics that a metric row reports.
+
+use super::Source;
+use crate::plan::ConfigPlan;
+use crate::rows::{Bucket, CellResult, MetricRow, StepRow};
+use crate::spec::{CurvaturePoint, Spec};
+use crate::world::env::{dot, Component, Env};
+use anyhow::Result;
+use estimators::logistic::{accuracy_credit, log_loss};
+use estimators::{Batch, Curvature, CurvatureKind, Estimator, HessianPoint, Setup};
+use serde::{Deserialize, Serialize};
+use std::time::Instant;
+
+/// The estimator, its curvature tracker and the running window of training statistics.
+/// Serialised whole into checkpoints (the estimator through its [`estimators::Snapshot`]).
+#[derive(Serialize, Deserialize)]
+pub struct Learner {
+    #[serde(with = "estimator_state")]
+    pub(super) est: Box<dyn Estimator>,
+    pub(super) curv: Curvature,
+    pub(super) d: usize,
+    pub(super) steps: u64,
+    pub(super) samples: u64,
+    /// `samples` before the latest update.
+    pub(super) prev_samples: u64,
+    pub(super) record_steps: bool,
+    pub(super) step_rows: Vec<StepRow>,
+    pub(super) theta: Vec<f64>,
+    /// θ_{t+1}, filled by `theta_into` and swapped with `theta` (no allocation per step).
+    pub(super) next: Vec<f64>,
+    pub(super) theta_sum: Vec<f64>,
+    pub(super) iterates: u64,
+    pub(super) win_loss: f64,
+    pub(super) win_correct: f64,
+    pub(super) win_n: f64,
+    pub(super) win_kappa: f64,
+    pub(super) win_kref: f64,
+    pub(super) win_batches: f64,
+    pub(super) converged: bool,
+    pub(super) est_s: f64,
+    /// Wall time of the current bucket restarts when a checkpoint is read back.
+    #[serde(skip, default = "Instant::now")]
+    pub(super) bucket_start: Instant,
+    pub(super) bucket_est_s: f64,
+    pub(super) buckets: Vec<Bucket>,
+}
+
+mod estimator_state {
+    use estimators::{Estimator, Snapshot};
+    use serde::{Deserialize, Deserializer, Serialize, Serializer};
+
+    #[allow(clippy::borrowed_box)] // the field's type, as serde's `with` hands it over
+    pub fn serialize<S: Serializer>(e: &Box<dyn Estimator>, s: S) -> Result<S::Ok, S::Error> {
+        e.snapshot().serialize(s)
+    }
+
+    pub fn deserialize<'de, D: Deserializer<'de>>(d: D) -> Result<Box<dyn Estimator>, D::Error> {
+        Ok(Snapshot::deserialize(d)?.into_estimator())
+    }
+}
+
+impl Learner {
+    /// (d, the estimator's dimension): a checkpoint's learner must match the run's d.
+    pub(super) fn dims(&self) -> (usize, usize) {
+        (self.d, self.est.dim())
+    }
+
+    /// Moves what the cell's result takes of the learner into `out`: θ, step rows, timings.
+    pub(super) fn finish(&mut self, out: &mut CellResult) {
+        out.theta = self.theta.clone();
+        out.steps = std::mem::take(&mut self.step_rows);
+        out.estimator_s = self.est_s;
+        out.buckets = std::mem::take(&mut self.buckets);
+    }
+
+    pub(super) fn new(spec: &Spec, c: &ConfigPlan, seed: u32) -> Result<Learner> {
+        let d = spec.env.dim;
+        let setup = Setup {
+            dim: d,
+            init: c.init,
+            seed: crate::world::env::seed_of(spec.master_seed, seed, Component::Init),
+            // per head: with R ranks each head makes 1/R of the updates
+            planned_steps: Some(spec.stream.samples / (spec.stream.batch_size * spec.stream.ranks.max(1)) as u64),
+        };
+        let est = estimators::build(&c.cfg, &setup)?;
+        let point = match spec.curvature.point {
+            CurvaturePoint::LookAhead => HessianPoint::LookAhead,
+            CurvaturePoint::Current => HessianPoint::Current,
+        };
+        let curv = Curvature::with_forward(CurvatureKind::Hessian { lambda: spec.curvature.lambda, point }, d);
+        let theta = est.theta();
+        Ok(Learner {
+            est,
+            curv,
+            d,
+            steps: 0,
+            samples: 0,
+            prev_samples: 0,
+            record_steps: spec.stream.record_steps,
+            step_rows: Vec::new(),
+            theta_sum: theta.clone(),
+            next: theta.clone(),
+            theta,
+            iterates: 1,
+            win_loss: 0.0,
+            win_correct: 0.0,
+            win_n: 0.0,
+            win_kappa: 0.0,
+            win_kref: 0.0,
+            win_batches: 0.0,
+            converged: true,
+            est_s: 0.0,
+            bucket_start: Instant::now(),
+            bucket_est_s: 0.0,
+            buckets: Vec::new(),
+        })
+    }
+
+    /// A fresh estimator, curvature tracker and θ (the authors' re-initialised head); the
+    /// counters, the training window and the timings go on.
+    pub(super) fn reset_estimator(&mut self, spec: &Spec, c: &ConfigPlan, seed: u32) -> Result<()> {
+        let fresh = Learner::new(spec, c, seed)?;
+        self.est = fresh.est;
+        self.curv = fresh.curv;
+        self.theta = fresh.theta;
+        self.next = fresh.next;
+        self.theta_sum = fresh.theta_sum;
+        self.iterates = fresh.iterates;
+        Ok(())
+    }
+
+    pub(super) fn update(&mut self, z: &[f32], y: &[f32]) -> Result<()> {
+        let batch = Batch::new(z, y, self.d)?;
+        let t0 = Instant::now();
+        let rep = self.est.update(&batch)?;
+        self.est_s += t0.elapsed().as_secs_f64();
+        crate::io::failpoint("update");
+        self.est.theta_into(&mut self.next);
+        self.curv.observe(&batch, &self.theta, &self.next);
+        std::mem::swap(&mut self.theta, &mut self.next);
+        for (s, t) in self.theta_sum.iter_mut().zip(&self.theta) {
+            *s += t;
+        }
+        self.iterates += 1;
+        self.steps += 1;
+        let n = batch.len() as f64;
+        self.prev_samples = self.samples;
+        self.samples += batch.len() as u64;
+        self.win_loss += rep.before.loss * n;
+        self.win_correct += rep.before.accuracy * n;
+        self.win_n += n;
+        self.win_kappa = self.win_kappa.max(rep.before.kappa);
+        self.win_kref += rep.before.kappa_reference;
+        self.win_batches += 1.0;
+        self.converged &= rep.converged;
+        if self.record_steps {
+            self.step_rows.push(StepRow { step: self.steps, samples_seen: self.samples, report: rep });
+        }
+        Ok(())
+    }
+
+    pub(super) fn averaged(&self) -> Vec<f64> {
+        self.theta_sum.iter().map(|s| s / self.iterates as f64).collect()
+    }
+
+    /// A metric row at the current point; resets the training window.
+    pub(super) fn row(&mut self, src: &Source<'_>) -> MetricRow {
+        self.row_at(src.eval(), src.truth())
+    }
+
+    pub(super) fn row_at(&mut self, (eval_z, eval_y): (&[f32], &[f32]), truth: Option<&Env>) -> MetricRow {
+        let wall = self.bucket_start.elapsed().as_secs_f64();
+        let est = self.est_s - self.bucket_est_s;
+        self.buckets.push(Bucket {
+            step: self.steps,
+            samples_seen: self.samples,
+            estimator_s: est,
+            other_s: wall - est,
+        });
+        self.bucket_start = Instant::now();
+        self.bucket_est_s = self.est_s;
+        let (mut loss, mut right, mut ties) = (0.0, 0.0, 0u64);
+        for (z, &y) in eval_z.chunks_exact(self.d).zip(eval_y) {
+            let m = dot(z, &self.theta);
+            loss += log_loss(m, f64::from(y));
+            right += accuracy_credit(m, f64::from(y));
+            ties += u64::from(m == 0.0);
+        }
+        let n = eval_y.len() as f64;
+        let err: Option<Vec<f64>> = truth
+            .filter(|env| !env.theta_star.is_empty())
+            .map(|env| self.theta.iter().zip(&env.theta_star).map(|(a, b)| a - b).collect());
+        let c = self.est.counters();
+        let row = MetricRow {
+            step: self.steps,
+            samples_seen: self.samples,
+            train_loss: self.win_loss / self.win_n.max(1.0),
+            train_accuracy: self.win_correct / self.win_n.max(1.0),
+            eval_loss: loss / n,
+            eval_accuracy: right / n,
+            eval_ties: ties,
+            theta_err: err.as_ref().map(|e| e.iter().map(|v| v * v).sum::<f64>().sqrt()),
+            theta_err_h: err.as_ref().map(|e| self.curv.norm(e).unwrap_or(f64::NAN)),
+            subopt: truth.map(|env| env.subopt_of(&env.greedy(&self.theta))),
+            kappa: self.win_kappa,
+            kappa_reference: self.win_kref / self.win_batches.max(1.0),
+            grad_evals: c.grad_evals,
+            hvp_evals: c.hvp_evals,
+            flops: c.flops,
+            converged: self.converged,
+            ..Default::default()
+        };
+        self.win_loss = 0.0;
+        self.win_correct = 0.0;
+        self.win_n = 0.0;
+        self.win_kappa = 0.0;
+        self.win_kref = 0.0;
+        self.win_batches = 0.0;
+        row
+    }
+
+    /// At the last step, and at every step whose batch crossed a multiple of `eval_every`
+    /// samples (so `eval_every` need not be a multiple of the batch size).
+    pub(super) fn due(&self, eval_every: u64, last: bool) -> bool {
+        last || self.samples / eval_every > self.prev_samples / eval_every
+    }
+}

@@ -1,0 +1,94 @@
+//! The three settings of paper §5, each usable with any estimator: passive (Alg. 2), active
+//! (Alg. 3) and deployment (Alg. 4). A cell is one estimator config × (deploy: one strategy;
+//! active: one rule) × one seed; it draws its pairs from a [`Source`] made from the world,
+//! and returns its rows (crate::rows) and θ.
+
+mod active;
+mod deploy;
+mod learner;
+mod passive;
+pub mod pessimism;
+mod state;
+
+pub use learner::Learner;
+pub use state::{CellCtx, CellSaver, CellState};
+
+use crate::plan::ConfigPlan;
+use crate::rows::CellResult;
+use crate::spec::Setting;
+use crate::world::env::Env;
+use crate::world::pairs::PairData;
+use crate::world::World;
+use anyhow::{anyhow, Result};
+
+/// Where a cell draws its pairs from: an environment with arms per context (synthetic, or the
+/// generated responses), or a fixed set of labelled pairs.
+pub(crate) enum Source<'a> {
+    Synthetic(Env),
+    Pairs(&'a PairData),
+}
+
+impl Source<'_> {
+    /// Held-out z rows and labels.
+    pub(crate) fn eval(&self) -> (&[f32], &[f32]) {
+        match self {
+            Source::Synthetic(env) => (&env.eval_z, &env.eval_y),
+            Source::Pairs(p) => (&p.eval.z, &p.eval.y),
+        }
+    }
+    /// The environment with θ*, when there is one.
+    pub(crate) fn truth(&self) -> Option<&Env> {
+        match self {
+            Source::Synthetic(env) => Some(env),
+            Source::Pairs(_) => None,
+        }
+    }
+}
+
+/// Runs one cell without checkpoints.
+pub fn run_cell(world: &World, config: &ConfigPlan, seed: u32) -> Result<CellResult> {
+    run_cell_with(world, config, seed, &mut CellCtx::none())
+}
+
+/// Runs one cell, checkpointing through `ctx` and resuming from its state when it has one.
+pub fn run_cell_with(world: &World, config: &ConfigPlan, seed: u32, ctx: &mut CellCtx) -> Result<CellResult> {
+    let spec = &world.spec;
+    let src = match (&world.data, &world.generated) {
+        (Some(p), _) => Source::Pairs(p),
+        (None, Some(g)) => Source::Synthetic(Env::from_bank(&g.bank, spec.env.eval_pairs, spec.master_seed, seed)),
+        (None, None) => Source::Synthetic(Env::new(&spec.env, spec.master_seed, seed)),
+    };
+    let (mut learners, resumed) = match ctx.resume.take() {
+        Some(st) => {
+            let heads = if spec.setting == Setting::Passive { spec.stream.ranks.max(1) } else { 1 };
+            let (n, dims) = (st.learners.len(), st.learners.iter().map(|l| l.dims()).collect::<Vec<_>>());
+            if n != heads || dims.iter().any(|&(d, est)| d != spec.env.dim || est != d) {
+                return Err(anyhow!(
+                    "the checkpoint holds {n} head(s) of dimension {:?}: expected {heads} of dimension {}",
+                    dims.iter().map(|d| d.0).collect::<Vec<_>>(),
+                    spec.env.dim
+                ));
+            }
+            ctx.saver.wall_before = st.wall_s;
+            (st.learners, Some(st.progress))
+        }
+        None => (vec![Learner::new(spec, config, seed)?], None),
+    };
+    let mut learner = learners.remove(0);
+    let mut out = match (spec.setting, &src) {
+        (Setting::Passive, Source::Pairs(_)) if spec.stream.ranks > 1 => {
+            passive::passive_ranks(spec, config, &src, &mut learner, learners, seed, ctx, resumed)?
+        }
+        (Setting::Passive, _) => passive::passive(spec, &src, &mut learner, seed, ctx, resumed)?,
+        (Setting::Active, _) => active::active(spec, config, &src, &mut learner, seed, ctx, resumed)?,
+        (Setting::Deploy, Source::Synthetic(env)) if world.generated.is_some() => {
+            deploy::deploy_chunked(spec, config, env, &mut learner, seed, ctx, resumed)?
+        }
+        (Setting::Deploy, Source::Synthetic(env)) => {
+            deploy::deploy(spec, config, env, &mut learner, seed, ctx, resumed)?
+        }
+        (Setting::Deploy, Source::Pairs(_)) => return Err(anyhow!("deploy needs the synthetic environment")),
+    };
+    learner.finish(&mut out);
+    Ok(out)
+}

@@ -1,0 +1,139 @@
+//! The pessimistic policy of Alg. 2: per context, or Eq. (5) over the policy class.
+
+use crate::spec::Pessimism;
+use crate::world::env::{argmax, dot, Env};
+use estimators::Curvature;
+
+/// The pessimistic policy of Alg. 2 with width β over the contexts.
+pub fn pessimistic(env: &Env, theta: &[f64], curv: &Curvature, beta: f64, how: Pessimism) -> Vec<usize> {
+    let k = env.k;
+    let phi64 =
+        |c: usize, a: usize| -> Vec<f64> { env.arm(&env.contexts[c], a).iter().map(|&v| f64::from(v)).collect() };
+    match how {
+        Pessimism::PerContext => (0..env.contexts.len())
+            .map(|c| {
+                argmax(
+                    (0..k).map(|a| dot(env.arm(&env.contexts[c], a), theta) - beta * curv.inv_norm_f64(&phi64(c, a))),
+                )
+            })
+            .collect(),
+        Pessimism::Policy => {
+            // Eq. (5): J(π) = mᵀθ − β‖m‖_{𝓗⁻¹}, m = mean_x φ(x, π(x)); exhaustive when the
+            // policy class is small, else coordinate ascent from the greedy policy
+            let n = env.contexts.len();
+            let objective = |m: &[f64]| -> f64 {
+                m.iter().zip(theta).map(|(a, b)| a * b).sum::<f64>() - beta * curv.inv_norm_f64(m)
+            };
+            let mean = |choice: &[usize]| -> Vec<f64> {
+                let mut m = vec![0.0; env.d];
+                for (c, &a) in choice.iter().enumerate() {
+                    for (mi, v) in m.iter_mut().zip(phi64(c, a)) {
+                        *mi += v / n as f64;
+                    }
+                }
+                m
+            };
+            if (k as f64).powi(n as i32) <= 1e5 {
+                let mut best = (f64::NEG_INFINITY, vec![0; n]);
+                let mut choice = vec![0usize; n];
+                loop {
+                    let v = objective(&mean(&choice));
+                    if v > best.0 {
+                        best = (v, choice.clone());
+                    }
+                    // next policy in lexicographic order
+                    let mut i = 0;
+                    while i < n && choice[i] + 1 == k {
+                        choice[i] = 0;
+                        i += 1;
+                    }
+                    if i == n {
+                        break;
+                    }
+                    choice[i] += 1;
+                }
+                best.1
+            } else {
+                let mut choice = env.greedy(theta);
+                let mut m = mean(&choice);
+                let mut current = objective(&m);
+                loop {
+                    let mut improved = false;
+                    #[allow(clippy::needless_range_loop)] // c indexes contexts and `choice`
+                    for c in 0..n {
+                        for a in 0..k {
+                            if a == choice[c] {
+                                continue;
+                            }
+                            let (old, new) = (phi64(c, choice[c]), phi64(c, a));
+                            let trial: Vec<f64> = m
+                                .iter()
+                                .zip(old.iter().zip(&new))
+                                .map(|(mi, (o, w))| mi + (w - o) / n as f64)
+                                .collect();
+                            let v = objective(&trial);
+                            if v > current + 1e-12 {
+                                current = v;
+                                m = trial;
+                                choice[c] = a;
+                                improved = true;
+                            }
+                        }
+                    }
+                    if !improved {
+                        break choice;
+                    }
+                }
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::spec::EnvSpec;
+    use estimators::{CurvatureKind, HessianPoint};
+
+    fn objective(env: &Env, theta: &[f64], curv: &Curvature, beta: f64, choice: &[usize]) -> f64 {
+        let n = env.contexts.len() as f64;
+        let mut m = vec![0.0; env.d];
+        for (c, &a) in choice.iter().enumerate() {
+            for (mi, &v) in m.iter_mut().zip(env.arm(&env.contexts[c], a)) {
+                *mi += f64::from(v) / n;
+            }
+        }
+        m.iter().zip(theta).map(|(a, b)| a * b).sum::<f64>() - beta * curv.inv_norm_f64(&m)
+    }
+
+    #[test]
+    fn pessimistic_policies() {
+        for contexts in [5, 12] {
+            // 3^5 policies are enumerated; 3^12 > 1e5 use coordinate ascent
+            let spec = EnvSpec { dim: 4, contexts, arms: 3, eval_pairs: 10, ..Default::default() };
+            let env = Env::new(&spec, 7, 0);
+            let mut curv = Curvature::new(CurvatureKind::Hessian { lambda: 1.0, point: HessianPoint::LookAhead }, 4);
+            curv.add(&env.contexts[0].phi[..4], 3.0);
+            let theta: Vec<f64> = env.theta_star.iter().map(|v| 0.7 * v + 0.1).collect();
+            let greedy = env.greedy(&theta);
+            assert_eq!(pessimistic(&env, &theta, &curv, 0.0, Pessimism::PerContext), greedy);
+            let p0 = pessimistic(&env, &theta, &curv, 0.0, Pessimism::Policy);
+            assert!(
+                (objective(&env, &theta, &curv, 0.0, &p0) - objective(&env, &theta, &curv, 0.0, &greedy)).abs() < 1e-12
+            );
+            let p = pessimistic(&env, &theta, &curv, 2.0, Pessimism::Policy);
+            let v = objective(&env, &theta, &curv, 2.0, &p);
+            assert!(v >= objective(&env, &theta, &curv, 2.0, &greedy) - 1e-12, "never worse than its start");
+            if contexts == 5 {
+                // exhaustive: no single-context change improves Eq. (5)
+                for c in 0..contexts {
+                    for a in 0..3 {
+                        let mut q = p.clone();
+                        q[c] = a;
+                        assert!(objective(&env, &theta, &curv, 2.0, &q) <= v + 1e-12);
+                    }
+                }
+            }
+        }
+    }
+}

@@ -1,0 +1,203 @@
+//! A cell's state between loop units: its random streams, the stream position, rows and running
+//! sums ([`Progress`]), how it is checkpointed ([`CellSaver`], [`CellCtx`]) and read back
+//! ([`CellState`]).
+
+use super::learner::Learner;
+use crate::io::{encode, stop_requested, write_atomic_at, Interrupted};
+use crate::rows::{MetricRow, RoundRow};
+use crate::spec::{CheckpointSpec, Spec};
+use crate::world::env::{stream, Component};
+use anyhow::Result;
+use estimators::Curvature;
+use rand_chacha::ChaCha20Rng;
+use serde::{Deserialize, Serialize};
+use std::path::PathBuf;
+use std::time::Instant;
+
+#[derive(Clone, Debug, Serialize, Deserialize)]
+pub(super) struct Hasher(pub(super) u64);
+
+impl Hasher {
+    pub(super) fn new() -> Self {
+        Hasher(0xcbf2_9ce4_8422_2325)
+    }
+    pub(super) fn bytes(&mut self, b: &[u8]) {
+        for &x in b {
+            self.0 = (self.0 ^ u64::from(x)).wrapping_mul(0x100_0000_01b3);
+        }
+    }
+    pub(super) fn f32s(&mut self, v: &[f32]) {
+        for x in v {
+            self.bytes(&x.to_le_bytes());
+        }
+    }
+}
+
+/// Where a cell's loop stands: its random streams, the stream position, the rows and running
+/// sums so far. With the learners, everything a checkpoint holds.
+#[derive(Serialize, Deserialize)]
+pub struct Progress {
+    /// Loop units completed: updates (passive, active, deploy) or chunks (chunked deploy).
+    pub(super) done: u64,
+    /// Training rows of the stream order consumed so far (pairs): an explicit index.
+    pub(super) position: u64,
+    pub(super) data: ChaCha20Rng,
+    pub(super) labels: ChaCha20Rng,
+    pub(super) select: ChaCha20Rng,
+    pub(super) hash: Hasher,
+    pub(super) rows: Vec<MetricRow>,
+    pub(super) rounds: Vec<RoundRow>,
+    pub(super) ties: u64,
+    pub(super) oracle_ties: u64,
+    pub(super) regret: f64,
+    pub(super) reward_sum: f64,
+    pub(super) cum_pair: f64,
+    pub(super) seen: u64,
+    /// Active: pool rows already labelled, and the authors' V tracker.
+    pub(super) used: Vec<bool>,
+    pub(super) vtrack: Option<Curvature>,
+}
+
+impl Progress {
+    /// The start of a cell: every stream at its origin.
+    pub(super) fn fresh(spec: &Spec, seed: u32) -> Progress {
+        Progress {
+            done: 0,
+            position: 0,
+            data: stream(spec.master_seed, seed, Component::Data),
+            labels: stream(spec.master_seed, seed, Component::Labels),
+            select: stream(spec.master_seed, seed, Component::Select),
+            hash: Hasher::new(),
+            rows: Vec::new(),
+            rounds: Vec::new(),
+            ties: 0,
+            oracle_ties: 0,
+            regret: 0.0,
+            reward_sum: 0.0,
+            cum_pair: 0.0,
+            seen: 0,
+            used: Vec::new(),
+            vtrack: None,
+        }
+    }
+}
+
+/// A cell's checkpoint as written (borrowed) …
+#[derive(Serialize)]
+struct StateRef<'a> {
+    pub(super) learners: &'a [&'a Learner],
+    pub(super) progress: &'a Progress,
+    pub(super) wall_s: f64,
+}
+
+/// … and as read back.
+#[derive(Deserialize)]
+pub struct CellState {
+    pub(super) learners: Vec<Learner>,
+    pub(super) progress: Progress,
+    pub(super) wall_s: f64,
+}
+
+impl CellState {
+    /// Wall seconds the cell had run when the checkpoint was written.
+    pub fn wall_s(&self) -> f64 {
+        self.wall_s
+    }
+}
+
+/// What a cell needs besides the plan: where to checkpoint, and the state to resume from.
+pub struct CellCtx {
+    pub saver: CellSaver,
+    pub resume: Option<CellState>,
+}
+
+impl CellCtx {
+    /// No checkpoints, a fresh start.
+    pub fn none() -> Self {
+        CellCtx { saver: CellSaver::disabled(), resume: None }
+    }
+
+    /// After each loop unit: a checkpoint when one is due.
+    pub(super) fn tick(&mut self, learners: &[&Learner], progress: &Progress) -> Result<()> {
+        if self.saver.due() {
+            let wall_s = self.saver.wall_s();
+            self.saver.save(&StateRef { learners, progress, wall_s })?;
+        }
+        Ok(())
+    }
+}
+
+/// Decides when a running cell saves its state, and writes it.
+pub struct CellSaver {
+    path: Option<PathBuf>,
+    fingerprint: String,
+    what: String,
+    every_s: f64,
+    every_steps: u64,
+    since: u64,
+    last: Instant,
+    started: Instant,
+    /// Wall seconds the cell ran before this process (resumed cells).
+    pub wall_before: f64,
+    /// Checkpoints written by this process.
+    pub saves: u64,
+}
+
+impl CellSaver {
+    pub fn new(path: PathBuf, fingerprint: &str, what: &str, spec: &CheckpointSpec) -> Self {
+        CellSaver {
+            path: Some(path),
+            fingerprint: fingerprint.to_string(),
+            what: what.to_string(),
+            every_s: spec.every_s,
+            every_steps: spec.every_steps,
+            ..CellSaver::disabled()
+        }
+    }
+
+    /// Saves nothing (library callers and tests that need no run directory).
+    pub fn disabled() -> Self {
+        CellSaver {
+            path: None,
+            fingerprint: String::new(),
+            what: String::new(),
+            every_s: 0.0,
+            every_steps: 0,
+            since: 0,
+            last: Instant::now(),
+            started: Instant::now(),
+            wall_before: 0.0,
+            saves: 0,
+        }
+    }
+
+    /// Counts one loop step; true when a checkpoint is due (periodic, or a stop was asked).
+    pub fn due(&mut self) -> bool {
+        if self.path.is_none() {
+            return false;
+        }
+        self.since += 1;
+        stop_requested()
+            || (self.every_steps > 0 && self.since >= self.every_steps)
+            || (self.every_s > 0.0 && self.last.elapsed().as_secs_f64() >= self.every_s)
+    }
+
+    /// Wall seconds of the cell so far, over every process that ran it.
+    pub fn wall_s(&self) -> f64 {
+        self.wall_before + self.started.elapsed().as_secs_f64()
+    }
+
+    /// Writes the checkpoint; then, if a stop was asked, returns [`Interrupted`].
+    pub fn save<T: Serialize>(&mut self, body: &T) -> Result<()> {
+        let Some(path) = &self.path else { return Ok(()) };
+        let bytes = encode(&self.fingerprint, &self.what, body)?;
+        write_atomic_at(path, &bytes, "checkpoint-write")?;
+        self.saves += 1;
+        self.since = 0;
+        self.last = Instant::now();
+        if stop_requested() {
+            return Err(Interrupted.into());
+        }
+        Ok(())
+    }
+}

@@ -1,0 +1,232 @@
+//! The `[data]` table (`env.kind = "dataset"`): a preference dataset, how its rows are read,
+//! selected and split, and the feature model (its φ options are [`PhiSpec`]).
+
+use super::phi::{d_batch, d_cache, d_device, d_dtype, d_eos_rule, d_layer, d_max_len, d_pool, d_truncation};
+use super::phi::{DType, Device, PhiSpec};
+use serde::{Deserialize, Serialize};
+use std::path::PathBuf;
+
+/// The `[data]` table.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct DataSpec {
+    /// The dataset: a file, a `*` pattern in the file name (several files read in name order), or
+    /// `hf:datasets/<owner>/<name>[@rev]:<file or pattern>`. `${VAR}` and `${VAR:-default}` are
+    /// expanded from the environment.
+    pub path: String,
+    /// Held-out pairs from other files (e.g. UltraFeedback test_prefs); default: a seeded split.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub eval_path: Option<String>,
+    #[serde(default = "d_format")]
+    pub format: Format,
+    /// Key names of the `generic` format.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub keys: Option<Keys>,
+    /// A malformed row (missing or null field, a conversation not ending with the assistant):
+    /// an error naming file, row and field, or skipped and counted in meta.json.
+    #[serde(default = "d_malformed")]
+    pub malformed: Malformed,
+    /// Pairs to use (default: every row of `path`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub rows: Option<usize>,
+    /// Which `rows`: the first ones (the authors' code) or a seeded random sample (the paper).
+    #[serde(default = "d_select")]
+    pub select: Select,
+    #[serde(default)]
+    pub select_seed: u64,
+    /// Held-out share of the selected pairs when there is no `eval_path`.
+    #[serde(default = "d_eval_fraction")]
+    pub eval_fraction: f64,
+    /// Seed of the train/held-out split (part of the preset, not of the run's seeds).
+    #[serde(default)]
+    pub split_seed: u64,
+    /// Held-out pairs to use from `eval_path` (default: all).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub eval_rows: Option<usize>,
+    /// Pairs whose two sides became the same tokens (z = 0): dropped (counted) or kept.
+    #[serde(default = "d_degenerate")]
+    pub degenerate: Degenerate,
+    /// Pairs whose two sides have the same score (UltraFeedback): kept (default: the dataset as
+    /// published) or dropped; counted either way.
+    #[serde(default = "d_score_ties")]
+    pub score_ties: ScoreTies,
+    /// The feature model: a .gguf file, a model directory or hf:<owner>/<name>.
+    pub model: String,
+    #[serde(default = "d_max_len")]
+    pub max_len: usize,
+    #[serde(default = "d_eos_rule")]
+    pub eos_rule: features::EosRule,
+    #[serde(default = "d_truncation")]
+    pub truncation: features::Truncation,
+    #[serde(default = "d_layer")]
+    pub layer: i64,
+    #[serde(default = "d_pool")]
+    pub pool: features::Pool,
+    /// f32, bf16 or f16.
+    #[serde(default = "d_dtype")]
+    pub dtype: DType,
+    /// cpu, cuda, metal or auto.
+    #[serde(default = "d_device")]
+    pub device: Device,
+    #[serde(default = "d_batch")]
+    pub batch: usize,
+    #[serde(default = "d_cache")]
+    pub cache: PathBuf,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum Malformed {
+    Error,
+    Skip,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum Select {
+    First,
+    Random,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum Degenerate {
+    Drop,
+    Keep,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum ScoreTies {
+    Keep,
+    Drop,
+}
+
+fn d_score_ties() -> ScoreTies {
+    ScoreTies::Keep
+}
+fn d_format() -> Format {
+    Format::Auto
+}
+fn d_malformed() -> Malformed {
+    Malformed::Error
+}
+fn d_select() -> Select {
+    Select::First
+}
+fn d_eval_fraction() -> f64 {
+    0.2
+}
+fn d_degenerate() -> Degenerate {
+    Degenerate::Drop
+}
+
+/// `${VAR}` and `${VAR:-default}` from the environment; an unset variable without a default is
+/// an error naming it.
+pub fn expand_env(s: &str) -> Result<String, String> {
+    let mut out = String::new();
+    let mut rest = s;
+    while let Some(i) = rest.find("${") {
+        out.push_str(&rest[..i]);
+        let close = rest[i..].find('}').ok_or_else(|| format!("`{s}`: `${{` without a closing `}}`"))? + i;
+        let inner = &rest[i + 2..close];
+        let (name, default) = match inner.split_once(":-") {
+            Some((n, d)) => (n, Some(d)),
+            None => (inner, None),
+        };
+        if name.is_empty() || !name.chars().all(|c| c.is_ascii_alphanumeric() || c == '_') {
+            return Err(format!("`{s}`: `${{{inner}}}` is not a variable name"));
+        }
+        match (std::env::var(name).ok().filter(|v| !v.is_empty()), default) {
+            (Some(v), _) => out.push_str(&v),
+            (None, Some(d)) => out.push_str(d),
+            (None, None) => return Err(format!("`{s}`: the environment variable {name} is not set")),
+        }
+        rest = &rest[close + 1..];
+    }
+    out.push_str(rest);
+    Ok(out)
+}
+
+impl DataSpec {
+    /// The feature model and its options.
+    pub fn phi(&self) -> PhiSpec {
+        PhiSpec {
+            model: self.model.clone(),
+            max_len: self.max_len,
+            eos_rule: self.eos_rule,
+            truncation: self.truncation,
+            layer: self.layer,
+            pool: self.pool,
+            dtype: self.dtype,
+            device: self.device,
+            batch: self.batch,
+            cache: self.cache.clone(),
+        }
+    }
+
+    /// Checks that need no file: (key, message).
+    pub fn check(&self) -> Result<(), (&'static str, String)> {
+        if !(self.eval_fraction > 0.0 && self.eval_fraction < 1.0) {
+            return Err((
+                "eval_fraction",
+                format!("{}: expected a share strictly between 0 and 1", self.eval_fraction),
+            ));
+        }
+        if self.rows == Some(0) || self.eval_rows == Some(0) {
+            return Err(("rows", "expected at least 1 pair".into()));
+        }
+        self.phi().check()?;
+        expand_env(&self.path).map_err(|m| ("path", m))?;
+        if self.keys.is_some() && self.format != Format::Generic {
+            return Err(("keys", "only the `generic` format reads key names: set data.format = \"generic\"".into()));
+        }
+        if let Some(e) = &self.eval_path {
+            expand_env(e).map_err(|m| ("eval_path", m))?;
+        }
+        Ok(())
+    }
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum, Serialize, Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum Format {
+    /// From the file name: .jsonl / .jsonl.gz → hh-rlhf, .parquet → ultrafeedback.
+    Auto,
+    HhRlhf,
+    Ultrafeedback,
+    Mixture2,
+    /// Key names from `[data.keys]` (jsonl(.gz) or parquet).
+    Generic,
+}
+
+/// Column (or JSON key) names of the `generic` format.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Keys {
+    /// The prompt: a string (one user message) or a message list. Absent: the sides are whole
+    /// conversations (message lists). Present: it is put before each side.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub prompt: Option<String>,
+    #[serde(default = "d_chosen")]
+    pub chosen: String,
+    #[serde(default = "d_rejected")]
+    pub rejected: String,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub score_chosen: Option<String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub score_rejected: Option<String>,
+}
+
+fn d_chosen() -> String {
+    "chosen".into()
+}
+fn d_rejected() -> String {
+    "rejected".into()
+}
+
+impl Default for Keys {
+    fn default() -> Self {
+        Keys { prompt: None, chosen: d_chosen(), rejected: d_rejected(), score_chosen: None, score_rejected: None }
+    }
+}

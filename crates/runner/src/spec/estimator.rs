@@ -1,0 +1,499 @@
+//! `[[estimator]]` tables. A table may give any hyper-parameter as an array: [`expand`] crosses
+//! the arrays on the raw TOML (first written key slowest), then each combination is read by
+//! serde into [`EstimatorSpec`], whose per-kind structs carry the defaults and refuse keys of
+//! other kinds. Hyper-parameters are read back by serialising the same structs, so no key list
+//! is written twice. Adding an estimator kind to the runner: a variant, its table struct and
+//! its arm of [`EstimatorSpec::resolve`], all in this file.
+
+use super::OrNone;
+use estimators::{
+    AdamConfig, DampingSchedule, EstimatorConfig, HvpCgConfig, Init, MleConfig, MleSolver, OmdExactConfig,
+    OmdReferenceConfig, ReplayConfig, SgdConfig,
+};
+use serde::{Deserialize, Serialize};
+
+/// One estimator kind with one value per hyper-parameter (`init` and `init_std` are read apart).
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(tag = "kind", rename_all = "kebab-case")]
+pub enum EstimatorSpec {
+    /// Paper Alg. 1 / Eq. (3).
+    OmdExact(OmdExactSpec),
+    /// Paper Alg. 5.
+    OmdHvpCg(HvpCgSpec),
+    /// The authors' coded update (reference-code.md §2.3).
+    OmdReference(OmdReferenceSpec),
+    Sgd(SgdSpec),
+    Mle(MleSpec),
+    Adam(AdamSpec),
+    AdamReference(AdamSpec),
+    #[serde(rename = "omd-hvp-cg+adam")]
+    OmdHvpCgAdam(HvpCgAdamSpec),
+    SgdReplay(SgdReplaySpec),
+}
+
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct OmdExactSpec {
+    pub eta: f64,
+    pub lambda: f64,
+    pub radius: OrNone,
+    /// Lemma 1's η, λ and radius from env.theta_norm and env.feature_norm.
+    #[serde(skip_serializing)]
+    pub theory: bool,
+}
+
+impl Default for OmdExactSpec {
+    fn default() -> Self {
+        let c = OmdExactConfig::default();
+        OmdExactSpec { eta: c.eta, lambda: c.lambda, radius: c.radius.into(), theory: false }
+    }
+}
+
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct HvpCgSpec {
+    pub lr: f64,
+    pub cg_steps: usize,
+    pub lambda0: f64,
+    pub schedule: Schedule,
+    pub lambda_min: f64,
+}
+
+impl Default for HvpCgSpec {
+    fn default() -> Self {
+        let c = HvpCgConfig::default();
+        HvpCgSpec {
+            lr: c.lr,
+            cg_steps: c.cg_steps,
+            lambda0: c.lambda0,
+            schedule: Schedule(c.schedule),
+            lambda_min: c.lambda_min,
+        }
+    }
+}
+
+impl HvpCgSpec {
+    fn config(&self) -> HvpCgConfig {
+        HvpCgConfig {
+            cg_steps: self.cg_steps,
+            lambda0: self.lambda0,
+            schedule: self.schedule.0,
+            lambda_min: self.lambda_min,
+            lr: self.lr,
+        }
+    }
+}
+
+/// omd-hvp-cg+adam: the CG direction, Adam's step (its `lr`).
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct HvpCgAdamSpec {
+    pub cg_steps: usize,
+    pub lambda0: f64,
+    pub schedule: Schedule,
+    pub lambda_min: f64,
+    pub lr: f64,
+    pub beta1: f64,
+    pub beta2: f64,
+    pub eps: f64,
+}
+
+impl Default for HvpCgAdamSpec {
+    fn default() -> Self {
+        let (c, a) = (HvpCgSpec::default(), AdamConfig::default());
+        HvpCgAdamSpec {
+            cg_steps: c.cg_steps,
+            lambda0: c.lambda0,
+            schedule: c.schedule,
+            lambda_min: c.lambda_min,
+            lr: a.lr,
+            beta1: a.beta1,
+            beta2: a.beta2,
+            eps: a.eps,
+        }
+    }
+}
+
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct OmdReferenceSpec {
+    pub lr: f64,
+    pub lambda0: f64,
+    pub growth: f64,
+    pub cg_steps: usize,
+    pub bf16_weights: bool,
+    /// The authors' Adam on the mixed direction (`--use_momentum`), with `lr`.
+    pub adam: bool,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub beta1: Option<f64>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub beta2: Option<f64>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub eps: Option<f64>,
+}
+
+impl Default for OmdReferenceSpec {
+    fn default() -> Self {
+        let c = OmdReferenceConfig::default();
+        OmdReferenceSpec {
+            lr: c.lr,
+            lambda0: c.lambda0,
+            growth: c.growth,
+            cg_steps: c.cg_steps,
+            bf16_weights: c.bf16_weights,
+            adam: c.adam.is_some(),
+            beta1: None,
+            beta2: None,
+            eps: None,
+        }
+    }
+}
+
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct SgdSpec {
+    pub lr: f64,
+    pub clip: OrNone,
+}
+
+impl Default for SgdSpec {
+    fn default() -> Self {
+        let c = SgdConfig::default();
+        SgdSpec { lr: c.lr, clip: c.clip.into() }
+    }
+}
+
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct SgdReplaySpec {
+    pub lr: f64,
+    pub clip: OrNone,
+    pub replay_every: u64,
+}
+
+impl Default for SgdReplaySpec {
+    fn default() -> Self {
+        let c = ReplayConfig::default();
+        SgdReplaySpec { lr: c.sgd.lr, clip: c.sgd.clip.into(), replay_every: c.every }
+    }
+}
+
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct AdamSpec {
+    pub lr: f64,
+    pub beta1: f64,
+    pub beta2: f64,
+    pub eps: f64,
+}
+
+impl Default for AdamSpec {
+    fn default() -> Self {
+        let a = AdamConfig::default();
+        AdamSpec { lr: a.lr, beta1: a.beta1, beta2: a.beta2, eps: a.eps }
+    }
+}
+
+impl AdamSpec {
+    fn config(&self) -> AdamConfig {
+        AdamConfig { lr: self.lr, beta1: self.beta1, beta2: self.beta2, eps: self.eps }
+    }
+}
+
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct MleSpec {
+    pub ridge: f64,
+    pub refit_every: u64,
+    pub solver: Solver,
+    pub max_iters: u32,
+    pub lbfgs_memory: usize,
+}
+
+impl Default for MleSpec {
+    fn default() -> Self {
+        let m = MleConfig::default();
+        MleSpec {
+            ridge: m.ridge,
+            refit_every: m.refit_every,
+            solver: Solver(m.solver),
+            max_iters: m.max_iters,
+            lbfgs_memory: m.lbfgs_memory,
+        }
+    }
+}
+
+/// A damping schedule by its name (linear, log, constant).
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct Schedule(pub DampingSchedule);
+
+/// An mle solver by its name (newton, lbfgs).
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct Solver(pub MleSolver);
+
+macro_rules! by_name {
+    ($t:ident) => {
+        impl Serialize for $t {
+            fn serialize<S: serde::Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+                s.serialize_str(self.0.as_str())
+            }
+        }
+        impl<'de> Deserialize<'de> for $t {
+            fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+                let s = String::deserialize(d)?;
+                s.parse().map($t).map_err(serde::de::Error::custom)
+            }
+        }
+    };
+}
+by_name!(Schedule);
+by_name!(Solver);
+
+/// What Lemma 1's `theory = true` needs: the synthetic bandit's bounds.
+#[derive(Clone, Copy, Debug)]
+pub struct Bounds {
+    /// B, L and d; None when the environment has no such bounds (features, datasets, generated).
+    pub theta_norm_feature_norm_dim: Option<(f64, f64, usize)>,
+}
+
+impl EstimatorSpec {
+    /// The estimator's config; fills in what the table left implicit (Lemma 1's values under
+    /// `theory = true`, Adam's defaults inside omd-reference) so that serialising `self`
+    /// afterwards lists every hyper-parameter the config uses. Errors: (key, message).
+    pub fn resolve(&mut self, bounds: Bounds) -> Result<EstimatorConfig, (String, String)> {
+        use EstimatorConfig as E;
+        Ok(match self {
+            EstimatorSpec::OmdExact(s) => {
+                if s.theory {
+                    let (b, l, d) = bounds.theta_norm_feature_norm_dim.ok_or_else(|| {
+                        (
+                            "theory".to_string(),
+                            "needs the bounds B and L of the synthetic environment; kind = \"features\" has none"
+                                .to_string(),
+                        )
+                    })?;
+                    let t = OmdExactConfig::theory(b, l, d);
+                    (s.eta, s.lambda, s.radius) = (t.eta, t.lambda, t.radius.into());
+                }
+                E::OmdExact(OmdExactConfig { eta: s.eta, lambda: s.lambda, radius: s.radius.get() })
+            }
+            EstimatorSpec::OmdHvpCg(s) => E::OmdHvpCg(s.config()),
+            EstimatorSpec::OmdHvpCgAdam(s) => E::OmdHvpCgAdam {
+                cg: HvpCgConfig {
+                    cg_steps: s.cg_steps,
+                    lambda0: s.lambda0,
+                    schedule: s.schedule.0,
+                    lambda_min: s.lambda_min,
+                    ..HvpCgConfig::default()
+                },
+                adam: AdamConfig { lr: s.lr, beta1: s.beta1, beta2: s.beta2, eps: s.eps },
+            },
+            EstimatorSpec::OmdReference(s) => {
+                let adam = if s.adam {
+                    let d = AdamConfig::default();
+                    let (beta1, beta2, eps) =
+                        (s.beta1.unwrap_or(d.beta1), s.beta2.unwrap_or(d.beta2), s.eps.unwrap_or(d.eps));
+                    (s.beta1, s.beta2, s.eps) = (Some(beta1), Some(beta2), Some(eps));
+                    Some(AdamConfig { lr: s.lr, beta1, beta2, eps })
+                } else {
+                    for (k, v) in [("beta1", s.beta1), ("beta2", s.beta2), ("eps", s.eps)] {
+                        if v.is_some() {
+                            return Err((k.to_string(), "needs `adam = true`".to_string()));
+                        }
+                    }
+                    None
+                };
+                E::OmdReference(OmdReferenceConfig {
+                    lr: s.lr,
+                    lambda0: s.lambda0,
+                    growth: s.growth,
+                    cg_steps: s.cg_steps,
+                    bf16_weights: s.bf16_weights,
+                    adam,
+                })
+            }
+            EstimatorSpec::Sgd(s) => E::Sgd(SgdConfig { lr: s.lr, clip: s.clip.get() }),
+            EstimatorSpec::SgdReplay(s) => {
+                E::SgdReplay(ReplayConfig { sgd: SgdConfig { lr: s.lr, clip: s.clip.get() }, every: s.replay_every })
+            }
+            EstimatorSpec::Adam(s) => E::Adam(s.config()),
+            EstimatorSpec::AdamReference(s) => E::AdamReference(s.config()),
+            EstimatorSpec::Mle(s) => E::Mle(MleConfig {
+                ridge: s.ridge,
+                refit_every: s.refit_every,
+                solver: s.solver.0,
+                max_iters: s.max_iters,
+                lbfgs_memory: s.lbfgs_memory,
+            }),
+        })
+    }
+
+    /// Every hyper-parameter, in the order of its table struct (after [`EstimatorSpec::resolve`]).
+    pub fn hparams(&self) -> Vec<(String, toml::Value)> {
+        let v = toml::Value::try_from(self).expect("estimator tables serialise");
+        let t = v.as_table().expect("a table").clone();
+        t.into_iter().filter(|(k, _)| k != "kind").collect()
+    }
+}
+
+/// A hyper-parameter value as labels and cells.parquet show it: numbers as Rust prints them
+/// (1, 0.001), words bare.
+pub fn show(v: &toml::Value) -> String {
+    match v {
+        toml::Value::String(s) => s.clone(),
+        toml::Value::Integer(i) => i.to_string(),
+        toml::Value::Float(f) => f.to_string(),
+        toml::Value::Boolean(b) => b.to_string(),
+        other => other.to_string(),
+    }
+}
+
+/// How θ_1 is drawn: (init, init_std) of a table.
+pub fn init_of(init: Option<&str>, std: Option<f64>) -> Result<Init, (String, String)> {
+    Ok(match (init, std) {
+        (None | Some("zero"), None) => Init::Zero,
+        (Some("zero"), Some(_)) => {
+            return Err(("init_std".into(), "given with init = \"zero\": expected init = \"normal\"".into()))
+        }
+        (None | Some("normal"), Some(s)) => Init::Normal { std: Some(s) },
+        (Some("normal"), None) => Init::Normal { std: None },
+        (Some(other), _) => return Err(("init".into(), format!("`{other}`: expected \"zero\" or \"normal\""))),
+    })
+}
+
+/// One combination of a swept `[[estimator]]` table: its scalar table and the keys it swept.
+pub struct Combo {
+    pub table: toml::Table,
+    /// The keys the table gave more than one value, in written order.
+    pub swept: Vec<String>,
+}
+
+/// Crosses the array-valued keys of a raw `[[estimator]]` table, first written key slowest.
+/// Errors: (key, message).
+pub fn expand(raw: &toml::Table) -> Result<Vec<Combo>, (String, String)> {
+    let mut combos: Vec<toml::Table> = vec![toml::Table::new()];
+    let mut swept = Vec::new();
+    for (k, v) in raw {
+        let vals: Vec<toml::Value> = match v {
+            toml::Value::Array(_) if ["kind", "init", "init_std", "theory"].contains(&k.as_str()) => {
+                return Err((k.clone(), "cannot be swept: give one value".into()))
+            }
+            toml::Value::Array(a) if a.is_empty() => {
+                return Err((k.clone(), "an empty array sweeps over nothing: give at least one value".into()))
+            }
+            toml::Value::Array(a) => a.clone(),
+            other => vec![other.clone()],
+        };
+        if vals.len() > 1 {
+            swept.push(k.clone());
+        }
+        combos = combos
+            .into_iter()
+            .flat_map(|c| {
+                vals.iter().map(move |x| {
+                    let mut c = c.clone();
+                    c.insert(k.clone(), x.clone());
+                    c
+                })
+            })
+            .collect();
+    }
+    Ok(combos.into_iter().map(|table| Combo { table, swept: swept.clone() }).collect())
+}
+
+/// Reads one combination: (init, the kind's spec). Errors name the key: an unknown key, a
+/// key of another kind, a value of the wrong type.
+pub fn read(table: &toml::Table) -> Result<(Init, EstimatorSpec), (String, String)> {
+    let mut t = table.clone();
+    let kind = match t.get("kind") {
+        None => return Err(("kind".into(), "missing: expected one of the estimator names".into())),
+        Some(toml::Value::String(k)) => k.parse::<estimators::Kind>().map_err(|m| ("kind".to_string(), m))?,
+        Some(other) => return Err(("kind".into(), format!("{other}: expected an estimator name"))),
+    };
+    let init = t.remove("init");
+    let std = t.remove("init_std");
+    let init = match (&init, &std) {
+        (Some(toml::Value::String(_)) | None, Some(toml::Value::Float(_) | toml::Value::Integer(_)) | None) => {
+            let as_f = |v: &toml::Value| v.as_float().or_else(|| v.as_integer().map(|i| i as f64));
+            init_of(init.as_ref().and_then(|v| v.as_str()), std.as_ref().and_then(as_f))?
+        }
+        (Some(toml::Value::String(_)) | None, Some(v)) => {
+            return Err(("init_std".into(), format!("{v}: expected a number")));
+        }
+        (Some(v), _) => return Err(("init".into(), format!("{v}: expected \"zero\" or \"normal\""))),
+    };
+    let spec = toml::Value::Table(t.clone()).try_into::<EstimatorSpec>().map_err(|e| {
+        let msg = e.message().trim().to_string();
+        // "unknown field `x`, expected one of `a`, `b`" → the key and the kind's keys
+        if let Some(rest) = msg.strip_prefix("unknown field `") {
+            let key = rest.split('`').next().unwrap_or_default().to_string();
+            let expected = rest.split_once("expected ").map(|(_, e)| e.replace('`', "")).unwrap_or_default();
+            let expected = expected.strip_prefix("one of ").unwrap_or(&expected).to_string();
+            return (key, format!("not a hyper-parameter of `{kind}`: expected one of {expected}"));
+        }
+        // a wrong type: find the key by reading each alone
+        let key = t
+            .iter()
+            .filter(|(k, _)| *k != "kind")
+            .find(|(k, v)| {
+                let mut one = toml::Table::new();
+                one.insert("kind".into(), toml::Value::String(kind.to_string()));
+                one.insert((*k).clone(), (*v).clone());
+                toml::Value::Table(one).try_into::<EstimatorSpec>().is_err()
+            })
+            .map(|(k, _)| k.clone())
+            .unwrap_or_else(|| "kind".into());
+        (key, msg)
+    })?;
+    Ok((init, spec))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn table(s: &str) -> toml::Table {
+        toml::from_str(s).unwrap()
+    }
+
+    /// Every estimator name reads into the variant of that kind, with the estimators' defaults.
+    #[test]
+    fn every_kind_reads_with_its_defaults() {
+        for k in estimators::Kind::ALL {
+            let (_, mut s) = read(&table(&format!("kind = \"{k}\""))).unwrap();
+            let cfg = s.resolve(Bounds { theta_norm_feature_norm_dim: None }).unwrap();
+            assert_eq!(cfg.kind(), k);
+            assert_eq!(cfg, EstimatorConfig::default_for(k), "{k}: defaults");
+            // serialising and reading back gives the same spec
+            let mut again = toml::Table::new();
+            again.insert("kind".into(), toml::Value::String(k.to_string()));
+            again.extend(s.hparams());
+            assert_eq!(read(&again).unwrap().1, s, "{k}: round trip");
+        }
+    }
+
+    #[test]
+    fn keys_of_other_kinds_and_wrong_types_name_the_key() {
+        let (k, m) = read(&table("kind = \"omd-exact\"\nlr = 0.1")).unwrap_err();
+        assert_eq!(k, "lr");
+        assert!(m.contains("not a hyper-parameter of `omd-exact`") && m.contains("eta"), "{m}");
+        let (k, _) = read(&table("kind = \"sgd\"\nlr = 0.1\nclip = true")).unwrap_err();
+        assert_eq!(k, "clip");
+        let (k, m) = read(&table("kind = \"sgdd\"")).unwrap_err();
+        assert_eq!(k, "kind");
+        assert!(m.contains("unknown estimator"), "{m}");
+        let (_, mut s) = read(&table("kind = \"omd-reference\"\nbeta1 = 0.5")).unwrap();
+        assert_eq!(s.resolve(Bounds { theta_norm_feature_norm_dim: None }).unwrap_err().0, "beta1");
+    }
+
+    #[test]
+    fn sweeps_cross_in_written_order() {
+        let c = expand(&table("kind = \"sgd\"\nlr = [1, 2]\nclip = [\"none\", 3.0, 4.0]")).unwrap();
+        assert_eq!(c.len(), 6);
+        assert_eq!(c[0].swept, ["lr", "clip"]);
+        let lr: Vec<String> = c.iter().map(|c| show(&c.table["lr"])).collect();
+        assert_eq!(lr, ["1", "1", "1", "2", "2", "2"]);
+        assert!(expand(&table("kind = \"sgd\"\nlr = []")).is_err());
+        assert!(expand(&table("kind = [\"sgd\", \"adam\"]")).is_err());
+    }
+}

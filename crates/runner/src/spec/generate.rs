@@ -1,0 +1,279 @@
+//! The tables of `env.kind = "generated"`: `[generate]` (prompts, policy, sampling),
+//! `[features]` (the learner's φ) and `[oracle]` (what scores and labels the responses).
+
+use super::data::expand_env;
+use super::phi::{d_batch, d_device, d_dtype, d_eos_rule, d_layer, d_max_len, d_pool, d_truncation};
+use super::phi::{DType, Device, PhiSpec};
+use features::generate::SampleOptions;
+use serde::{Deserialize, Serialize};
+use std::path::PathBuf;
+
+/// How an oracle turns a reward difference m = r(a) − r(a′) into a label.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum LabelRule {
+    /// y ~ Bernoulli(σ(m)) (the paper's model).
+    BradleyTerry,
+    /// y = [m > 0], a tie broken by the uniform draw (the authors' pipeline: the RM's argmax).
+    Argmax,
+}
+
+/// The `[generate]` table: prompts, policy and sampling.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct GenerateSpec {
+    /// Prompts: a .jsonl(.gz) or .parquet file, a `*` pattern, or `hf:datasets/<o>/<n>[@rev]:<file>`.
+    pub prompts: String,
+    /// The column or key holding each prompt (a string or a list of messages).
+    #[serde(default = "d_prompt_key")]
+    pub prompt_key: String,
+    /// The first `rows` prompts (default: all).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub rows: Option<usize>,
+    /// The policy: a .gguf file, a model directory or hf:<owner>/<name>.
+    pub policy: String,
+    #[serde(default = "d_n")]
+    pub n: usize,
+    #[serde(default = "d_one")]
+    pub temperature: f64,
+    #[serde(default = "d_one")]
+    pub top_p: f64,
+    #[serde(default = "d_max_new")]
+    pub max_new_tokens: usize,
+    /// Seed of the sampling streams (one per prompt × sample; the same for every run seed, so
+    /// all cells and seeds see the same responses).
+    #[serde(default)]
+    pub seed: u64,
+    /// Prompts per generation batch (× n rows).
+    #[serde(default = "d_batch_prompts")]
+    pub batch_prompts: usize,
+    /// Prompts longer than this (templated tokens) are an error naming the row.
+    #[serde(default = "d_max_prompt")]
+    pub max_prompt_tokens: usize,
+    #[serde(default = "d_dtype")]
+    pub dtype: DType,
+    #[serde(default = "d_device")]
+    pub device: Device,
+    #[serde(default = "d_gen_cache")]
+    pub cache: PathBuf,
+}
+
+/// The `[features]` table: the learner's φ over (prompt, response).
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct FeatureSpec {
+    pub model: String,
+    #[serde(default = "d_max_len")]
+    pub max_len: usize,
+    #[serde(default = "d_eos_rule")]
+    pub eos_rule: features::EosRule,
+    #[serde(default = "d_truncation")]
+    pub truncation: features::Truncation,
+    #[serde(default = "d_layer")]
+    pub layer: i64,
+    #[serde(default = "d_pool")]
+    pub pool: features::Pool,
+    #[serde(default = "d_dtype")]
+    pub dtype: DType,
+    #[serde(default = "d_device")]
+    pub device: Device,
+    #[serde(default = "d_batch")]
+    pub batch: usize,
+    #[serde(default = "d_feat_cache")]
+    pub cache: PathBuf,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum OracleKind {
+    /// θ* over the learner's φ from `seed` (realizable Bradley–Terry, the paper's Assumption 1),
+    /// scaled to `reward_std` or to ‖θ*‖ = `norm`.
+    Linear,
+    /// A head over the learner's φ read from `path` (`score.weight` [1, d]), e.g. a teacher
+    /// trained by onepass (`report/heads/<config>.safetensors`).
+    Head,
+    /// A sequence-classifier reward model (`model`: its backbone and trained `score` head, e.g.
+    /// NCSOFT/Llama-3-OffsetBias-RM-8B), read at the last token of its own chat template.
+    RewardModel,
+}
+
+/// The `[oracle]` table.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct OracleSpec {
+    pub kind: OracleKind,
+    /// linear: the direction's seed.
+    #[serde(default)]
+    pub seed: u64,
+    /// linear: scale θ* so the rewards of one prompt's samples have this standard deviation
+    /// (pooled over prompts; default 1 unless `norm` is given).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub reward_std: Option<f64>,
+    /// linear: ‖θ*‖ = norm instead.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub norm: Option<f64>,
+    /// head: the safetensors file.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub path: Option<String>,
+    /// reward-model: the checkpoint (a directory or hf:<owner>/<name>).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub model: Option<String>,
+    #[serde(default = "d_rm_max_len")]
+    pub max_len: usize,
+    #[serde(default = "d_dtype")]
+    pub dtype: DType,
+    #[serde(default = "d_device")]
+    pub device: Device,
+    #[serde(default = "d_batch")]
+    pub batch: usize,
+    /// Bradley–Terry labels (the paper's model) or the oracle's argmax (the authors' pipeline).
+    #[serde(default = "d_labels")]
+    pub labels: LabelRule,
+}
+
+fn d_prompt_key() -> String {
+    "prompt".into()
+}
+fn d_n() -> usize {
+    8
+}
+fn d_one() -> f64 {
+    1.0
+}
+fn d_max_new() -> usize {
+    64
+}
+fn d_batch_prompts() -> usize {
+    8
+}
+fn d_max_prompt() -> usize {
+    512
+}
+fn d_gen_cache() -> PathBuf {
+    PathBuf::from(".cache/generations")
+}
+fn d_feat_cache() -> PathBuf {
+    PathBuf::from(".cache/features")
+}
+fn d_rm_max_len() -> usize {
+    2048
+}
+fn d_labels() -> LabelRule {
+    LabelRule::BradleyTerry
+}
+
+impl GenerateSpec {
+    /// Checks that need no file: (key, message).
+    pub fn check(&self) -> Result<(), (&'static str, String)> {
+        if self.n < 2 {
+            return Err(("n", format!("{}: a pair needs at least 2 responses per prompt", self.n)));
+        }
+        if self.max_new_tokens == 0 {
+            return Err(("max_new_tokens", "expected at least 1".into()));
+        }
+        if !(self.temperature.is_finite() && self.temperature >= 0.0) {
+            return Err(("temperature", format!("{}: expected a finite number ≥ 0", self.temperature)));
+        }
+        if !(self.top_p > 0.0 && self.top_p <= 1.0) {
+            return Err(("top_p", format!("{}: expected 0 < top_p ≤ 1", self.top_p)));
+        }
+        if self.rows == Some(0) {
+            return Err(("rows", "expected at least 1 prompt".into()));
+        }
+        if self.batch_prompts == 0 {
+            return Err(("batch_prompts", "expected at least 1".into()));
+        }
+        if self.max_prompt_tokens == 0 {
+            return Err(("max_prompt_tokens", "expected at least 1".into()));
+        }
+        expand_env(&self.prompts).map_err(|m| ("prompts", m))?;
+        Ok(())
+    }
+
+    pub fn sample_options(&self) -> SampleOptions {
+        SampleOptions {
+            n: self.n,
+            temperature: self.temperature,
+            top_p: self.top_p,
+            max_new_tokens: self.max_new_tokens,
+            seed: self.seed,
+        }
+    }
+}
+
+impl FeatureSpec {
+    /// The learner's feature model and its options.
+    pub fn phi(&self) -> PhiSpec {
+        PhiSpec {
+            model: self.model.clone(),
+            max_len: self.max_len,
+            eos_rule: self.eos_rule,
+            truncation: self.truncation,
+            layer: self.layer,
+            pool: self.pool,
+            dtype: self.dtype,
+            device: self.device,
+            batch: self.batch,
+            cache: self.cache.clone(),
+        }
+    }
+
+    pub fn check(&self) -> Result<(), (&'static str, String)> {
+        self.phi().check()
+    }
+}
+
+impl OracleSpec {
+    pub fn check(&self) -> Result<(), (&'static str, String)> {
+        let pos = |v: Option<f64>| v.is_none_or(|x| x.is_finite() && x > 0.0);
+        if !pos(self.reward_std) {
+            return Err(("reward_std", format!("{:?}: expected a finite number > 0", self.reward_std)));
+        }
+        if !pos(self.norm) {
+            return Err(("norm", format!("{:?}: expected a finite number > 0", self.norm)));
+        }
+        match self.kind {
+            OracleKind::Linear if self.reward_std.is_some() && self.norm.is_some() => {
+                return Err(("norm", "give reward_std or norm, not both".into()))
+            }
+            OracleKind::Linear if self.path.is_some() || self.model.is_some() => {
+                return Err((
+                    "kind",
+                    "a linear oracle is drawn from `seed`: `path` and `model` belong to kinds head and reward-model"
+                        .into(),
+                ))
+            }
+            OracleKind::Head if self.path.is_none() => {
+                return Err(("path", "kind = \"head\" needs the safetensors file with `score.weight`".into()))
+            }
+            OracleKind::RewardModel if self.model.is_none() => {
+                return Err((
+                    "model",
+                    "kind = \"reward-model\" needs the checkpoint (a directory or hf:<owner>/<name>)".into(),
+                ))
+            }
+            OracleKind::Head | OracleKind::RewardModel if self.reward_std.is_some() || self.norm.is_some() => {
+                return Err(("reward_std", "only a linear oracle is rescaled; a trained head keeps its scale".into()))
+            }
+            _ => {}
+        }
+        Ok(())
+    }
+
+    /// A reward model's φ: its own chat template read at the last token (no EOS rule), through
+    /// the feature cache `cache`; `model` already expanded.
+    pub fn phi(&self, model: String, cache: PathBuf) -> PhiSpec {
+        PhiSpec {
+            model,
+            max_len: self.max_len,
+            eos_rule: features::EosRule::Plain,
+            truncation: features::Truncation::PromptFirst,
+            layer: -1,
+            pool: features::Pool::Last,
+            dtype: self.dtype,
+            device: self.device,
+            batch: self.batch,
+            cache,
+        }
+    }
+}

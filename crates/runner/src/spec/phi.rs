@@ -1,0 +1,113 @@
+//! How φ is computed, once for every table that names a feature model (`[data]`, `[features]`,
+//! `[oracle]`) and for `onepass features extract`: [`PhiSpec`], with typed dtype and device.
+
+use serde::{Deserialize, Serialize};
+use std::path::PathBuf;
+
+/// Weights and activations of a feature or policy model.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize, clap::ValueEnum)]
+#[serde(rename_all = "kebab-case")]
+pub enum DType {
+    F32,
+    Bf16,
+    F16,
+}
+
+/// Where a model runs: `auto` takes CUDA, else Metal, else the CPU.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize, clap::ValueEnum)]
+#[serde(rename_all = "kebab-case")]
+pub enum Device {
+    Cpu,
+    Cuda,
+    Metal,
+    Auto,
+}
+
+/// φ(x, a): the model, the options of `features::PhiOptions`, the batch and the cache. The
+/// spec's tables produce it (`DataSpec::phi`, `FeatureSpec::phi`, `OracleSpec::phi`) and
+/// `onepass features extract` takes it as flags (the same defaults).
+#[derive(Clone, Debug, PartialEq, clap::Args)]
+pub struct PhiSpec {
+    /// A .gguf file, a model directory (config.json, tokenizer.json, tokenizer_config.json,
+    /// safetensors) or hf:<owner>/<name>[@rev]; `${VAR}` is expanded.
+    #[arg(long)]
+    pub model: String,
+    /// Tokens per sequence; longer conversations are truncated (see --truncation).
+    #[arg(long, default_value_t = d_max_len())]
+    pub max_len: usize,
+    #[arg(long, default_value = "reference", value_parser = by_name::<features::EosRule>)]
+    pub eos_rule: features::EosRule,
+    #[arg(long, default_value = "prompt-first", value_parser = by_name::<features::Truncation>)]
+    pub truncation: features::Truncation,
+    /// hidden_states[layer]; negative counts from the end (-1: after the final norm).
+    #[arg(long, default_value_t = d_layer(), allow_hyphen_values = true)]
+    pub layer: i64,
+    #[arg(long, default_value = "last", value_parser = by_name::<features::Pool>)]
+    pub pool: features::Pool,
+    #[arg(long, value_enum, default_value = "f32")]
+    pub dtype: DType,
+    #[arg(long, value_enum, default_value = "cpu")]
+    pub device: Device,
+    /// Sequences per forward pass.
+    #[arg(long, default_value_t = d_batch())]
+    pub batch: usize,
+    #[arg(long, default_value = ".cache/features")]
+    pub cache: PathBuf,
+}
+
+/// A flag's value read as the spec reads the same word (serde's kebab-case names).
+fn by_name<T: serde::de::DeserializeOwned>(v: &str) -> Result<T, String> {
+    serde_json::from_value(serde_json::Value::String(v.to_string())).map_err(|e| e.to_string())
+}
+
+impl PhiSpec {
+    /// Checks that need no file: (key, message).
+    pub fn check(&self) -> Result<(), (&'static str, String)> {
+        if self.batch == 0 {
+            return Err(("batch", "expected at least 1".into()));
+        }
+        if self.max_len < 8 {
+            return Err(("max_len", format!("{}: expected at least 8 tokens", self.max_len)));
+        }
+        Ok(())
+    }
+
+    pub fn options(&self) -> features::PhiOptions {
+        features::PhiOptions {
+            max_len: self.max_len,
+            eos_rule: self.eos_rule,
+            truncation: self.truncation,
+            layer: self.layer,
+            pool: self.pool,
+        }
+    }
+}
+
+// serde defaults shared by the tables that name a feature model
+pub(crate) fn d_max_len() -> usize {
+    1024
+}
+pub(crate) fn d_eos_rule() -> features::EosRule {
+    features::EosRule::Reference
+}
+pub(crate) fn d_truncation() -> features::Truncation {
+    features::Truncation::PromptFirst
+}
+pub(crate) fn d_layer() -> i64 {
+    -1
+}
+pub(crate) fn d_pool() -> features::Pool {
+    features::Pool::Last
+}
+pub(crate) fn d_dtype() -> DType {
+    DType::F32
+}
+pub(crate) fn d_device() -> Device {
+    Device::Cpu
+}
+pub(crate) fn d_batch() -> usize {
+    8
+}
+pub(crate) fn d_cache() -> PathBuf {
+    PathBuf::from(".cache/features")
+}

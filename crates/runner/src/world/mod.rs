@@ -1,0 +1,197 @@
+//! The world of a run: the only stage that reads datasets, runs an LLM or builds a bank of
+//! generated responses, and the checks that need the data (dimensions agree, enough rows,
+//! chunks ≤ prompts), each error naming its spec key. It hands the cells what they draw pairs
+//! from ([`World`]) and the spec completed with what only the data can tell (d, the samples
+//! per prompt, the number of prompts).
+//!
+//! - [`env`]: the synthetic contextual dueling bandit (and the environment over a [`env::Bank`]);
+//! - [`datasets`], [`dataset`]: preference datasets → pairs → φ;
+//! - [`pairs`]: "bring your own features" parquet files and order files;
+//! - [`extract`]: φ through the feature cache (`onepass features extract` too);
+//! - [`generated`]: a policy's responses, their φ and an oracle's rewards.
+
+pub mod dataset;
+pub mod datasets;
+pub mod env;
+pub mod extract;
+pub mod generated;
+pub mod pairs;
+
+use crate::plan::{Locator, Plan};
+use crate::spec::{EnvKind, Order, Setting, Spec, SpecError};
+use pairs::{read_pairs, PairData, Pairs};
+use std::sync::Arc;
+
+/// What the cells of a run share.
+#[derive(Clone, Debug)]
+pub struct World {
+    /// The plan's spec with env.dim (every data kind), env.arms and env.contexts (generated)
+    /// and stream.samples (deploy on generated responses: one pair per prompt) from the data.
+    pub spec: Spec,
+    /// kind = "features" or "dataset": the pairs, read once.
+    pub data: Option<Arc<PairData>>,
+    /// kind = "generated": the responses, their φ and rewards.
+    pub generated: Option<Arc<generated::Generated>>,
+}
+
+impl World {
+    /// The world of a synthetic run: nothing to read.
+    pub fn synthetic(plan: &Plan) -> World {
+        World { spec: plan.spec.clone(), data: None, generated: None }
+    }
+}
+
+/// Reads the data of `plan` (and runs its models); `progress` draws bars on stderr.
+pub fn build(plan: &Plan, progress: bool) -> Result<World, SpecError> {
+    let keys = plan.keys();
+    let mut spec = plan.spec.clone();
+    let mut world = World::synthetic(plan);
+    match spec.env.kind {
+        EnvKind::Synthetic => {}
+        EnvKind::Features => {
+            let data = load_features(&spec, keys)?;
+            spec.env.dim = data.d;
+            world.data = Some(Arc::new(data));
+        }
+        EnvKind::Dataset => {
+            let data = load_dataset(&spec, keys, progress)?;
+            spec.env.dim = data.d;
+            world.data = Some(Arc::new(data));
+        }
+        EnvKind::Generated => world.generated = Some(Arc::new(load_generated(&mut spec, keys, progress)?)),
+    }
+    world.spec = spec;
+    Ok(world)
+}
+
+/// Generates (or reads from the caches) the responses of a `kind = "generated"` environment and
+/// fills env.dim, env.arms, env.contexts and, for deploy, stream.samples from them.
+fn load_generated(spec: &mut Spec, keys: Locator<'_>, progress: bool) -> Result<generated::Generated, SpecError> {
+    let need = |k: &str| keys.err(&[k], "required when env.kind = \"generated\"".into());
+    let g = spec.generate.as_ref().ok_or_else(|| need("generate"))?;
+    let f = spec.features.as_ref().ok_or_else(|| need("features"))?;
+    let o = spec.oracle.as_ref().ok_or_else(|| need("oracle"))?;
+    let out = generated::build(g, f, o, progress).map_err(|e| keys.err(&["generate"], format!("{e:#}")))?;
+    if keys.written(&["env", "dim"]) && spec.env.dim != out.bank.d {
+        return Err(
+            keys.err(&["env", "dim"], format!("{}, but the feature model gives {} features", spec.env.dim, out.bank.d))
+        );
+    }
+    spec.env.dim = out.bank.d;
+    spec.env.arms = out.bank.k;
+    spec.env.contexts = out.bank.contexts.len();
+    if spec.setting == Setting::Deploy {
+        let p = out.bank.contexts.len() as u64;
+        if spec.deploy.chunks > p as usize {
+            return Err(
+                keys.err(&["deploy", "chunks"], format!("{}: more chunks than the {p} prompts", spec.deploy.chunks))
+            );
+        }
+        if keys.written(&["stream", "samples"]) && spec.stream.samples != p {
+            return Err(keys.err(
+                &["stream", "samples"],
+                format!("{}: a deployment run labels one pair per prompt, i.e. {p}; leave it out", spec.stream.samples),
+            ));
+        }
+        spec.stream.samples = p;
+    }
+    Ok(out)
+}
+
+/// Reads and checks the pairs of a `kind = "features"` environment.
+fn load_features(spec: &Spec, keys: Locator<'_>) -> Result<PairData, SpecError> {
+    let env = &spec.env;
+    let path =
+        env.path.as_ref().ok_or_else(|| keys.err(&["env", "path"], "required when kind = \"features\"".into()))?;
+    let mut train = read_pairs(path, None)?;
+    if keys.written(&["env", "dim"]) && env.dim != train.d {
+        return Err(keys.err(
+            &["env", "dim"],
+            format!("{}, but the rows of {} have {} features", env.dim, path.display(), train.d),
+        ));
+    }
+    let eval = match &env.eval_path {
+        Some(p) => read_pairs(p, Some(train.d))?,
+        None => {
+            if env.eval_pairs >= train.len() {
+                return Err(keys.err(
+                    &["env", "eval_pairs"],
+                    format!(
+                        "{}: the held-out rows are the last `eval_pairs` rows of {}, which has only {} (or give eval_path)",
+                        env.eval_pairs,
+                        path.display(),
+                        train.len()
+                    ),
+                ));
+            }
+            let n = train.len() - env.eval_pairs;
+            Pairs {
+                d: train.d,
+                z: train.z.split_off(n * train.d),
+                y: train.y.split_off(n),
+                digest: train.digest.clone(),
+            }
+        }
+    };
+    let train_total = train.len();
+    let mut data = PairData {
+        d: train.d,
+        train,
+        eval,
+        train_path: path.clone(),
+        eval_path: env.eval_path.clone(),
+        report: None,
+        train_origin: Vec::new(),
+        train_total,
+        order: None,
+    };
+    check_pairs(spec, keys, &mut data)?;
+    Ok(data)
+}
+
+/// Checks shared by the pair-data kinds (features, dataset): the stream order and its length.
+fn check_pairs(spec: &Spec, keys: Locator<'_>, data: &mut PairData) -> Result<(), SpecError> {
+    if spec.env.order == Order::Indices {
+        let p = spec
+            .env
+            .order_path
+            .as_ref()
+            .ok_or_else(|| keys.err(&["env", "order_path"], "required when env.order = \"indices\"".into()))?;
+        let idx = pairs::read_order(p, data.train_total)?;
+        // file index (before dropping) → training row; dropped pairs map to nothing
+        let pos: Vec<Option<usize>> = if data.train_origin.is_empty() {
+            (0..data.train_total).map(Some).collect()
+        } else {
+            let mut pos = vec![None; data.train_total];
+            for (row, &o) in data.train_origin.iter().enumerate() {
+                pos[o] = Some(row);
+            }
+            pos
+        };
+        data.order = Some(idx.into_iter().filter_map(|i| pos[i]).collect());
+    }
+    let n = data.order.as_ref().map_or(data.train.len(), |o| o.len()) as u64;
+    if spec.stream.samples > n && !(spec.setting == Setting::Active && spec.active.replacement) {
+        return Err(keys.err(
+            &["stream", "samples"],
+            format!(
+                "{}: one pass over {} holds only {n} training pairs",
+                spec.stream.samples,
+                data.train_path.display()
+            ),
+        ));
+    }
+    Ok(())
+}
+
+/// kind = "dataset": the `[data]` table read, split and run through the feature model.
+fn load_dataset(spec: &Spec, keys: Locator<'_>, progress: bool) -> Result<PairData, SpecError> {
+    let d = spec.data.as_ref().ok_or_else(|| keys.err(&["data"], "required when env.kind = \"dataset\"".into()))?;
+    let (mut data, report) = dataset::load(d, progress).map_err(|e| keys.err(&["data"], format!("{e:#}")))?;
+    if keys.written(&["env", "dim"]) && spec.env.dim != data.d {
+        return Err(keys.err(&["env", "dim"], format!("{}, but the model gives {} features", spec.env.dim, data.d)));
+    }
+    data.report = serde_json::to_value(&report).ok();
+    check_pairs(spec, keys, &mut data)?;
+    Ok(data)
+}
