@@ -82,6 +82,14 @@ impl Locator<'_> {
         SpecError { file: self.file.to_path_buf(), key, line: locate(self.text, &p), message }
     }
 
+    /// An error `why` at the first of the `env.<names>` that the spec writes.
+    pub fn env_keys_refused(&self, names: &[&str], why: &str) -> Result<(), SpecError> {
+        match names.iter().find(|k| self.written(&["env", k])) {
+            Some(k) => Err(self.err(&["env", k], why.into())),
+            None => Ok(()),
+        }
+    }
+
     /// Whether the key at `path` of plain tables is written in the spec.
     pub fn written(&self, path: &[&str]) -> bool {
         is_written(self.text, path)
@@ -165,12 +173,6 @@ fn run_name(spec: &Spec, file: &Path, keys: Locator<'_>) -> Result<String, SpecE
 /// Which keys and tables apply to which `env.kind`, and the checks of each kind's tables that
 /// need no file.
 fn check_env_kind(spec: &Spec, keys: Locator<'_>) -> Result<(), SpecError> {
-    let not_for = |names: &[&str], why: &str| -> Result<(), SpecError> {
-        match names.iter().find(|k| keys.written(&["env", k])) {
-            Some(k) => Err(keys.err(&["env", k], why.into())),
-            None => Ok(()),
-        }
-    };
     const SYNTHETIC: [&str; 6] = ["contexts", "fresh_contexts", "arms", "features", "feature_norm", "theta_norm"];
     let labelled_pairs = |what: &str| {
         keys.err(
@@ -182,10 +184,10 @@ fn check_env_kind(spec: &Spec, keys: Locator<'_>) -> Result<(), SpecError> {
     };
     match spec.env.kind {
         EnvKind::Synthetic => {
-            not_for(&["path", "eval_path", "order", "order_path"], "applies to kind = \"features\" only")?
+            keys.env_keys_refused(&["path", "eval_path", "order", "order_path"], "applies to kind = \"features\" only")?
         }
         EnvKind::Features => {
-            not_for(&SYNTHETIC, "applies to kind = \"synthetic\" only")?;
+            keys.env_keys_refused(&SYNTHETIC, "applies to kind = \"synthetic\" only")?;
             if spec.setting == Setting::Deploy {
                 return Err(labelled_pairs("features"));
             }
@@ -196,7 +198,7 @@ fn check_env_kind(spec: &Spec, keys: Locator<'_>) -> Result<(), SpecError> {
         EnvKind::Dataset => {
             let mut ks = SYNTHETIC.to_vec();
             ks.extend(["path", "eval_path", "eval_pairs"]);
-            not_for(&ks, "does not apply to kind = \"dataset\" (the data is named in [data])")?;
+            keys.env_keys_refused(&ks, "does not apply to kind = \"dataset\" (the data is named in [data])")?;
             if spec.setting == Setting::Deploy {
                 return Err(labelled_pairs("dataset"));
             }
@@ -204,7 +206,7 @@ fn check_env_kind(spec: &Spec, keys: Locator<'_>) -> Result<(), SpecError> {
                 spec.data.as_ref().ok_or_else(|| keys.err(&["data"], "required when env.kind = \"dataset\"".into()))?;
             d.check().map_err(|(k, m)| keys.err(&["data", k], m))?;
         }
-        EnvKind::Generated => check_generated(spec, keys, &not_for)?,
+        EnvKind::Generated => check_generated(spec, keys)?,
     }
     if spec.env.kind != EnvKind::Dataset && spec.data.is_some() {
         return Err(keys.err(&["data"], "applies to env.kind = \"dataset\" only".into()));
@@ -239,14 +241,10 @@ fn check_env_kind(spec: &Spec, keys: Locator<'_>) -> Result<(), SpecError> {
     Ok(())
 }
 
-fn check_generated(
-    spec: &Spec,
-    keys: Locator<'_>,
-    not_for: &dyn Fn(&[&str], &str) -> Result<(), SpecError>,
-) -> Result<(), SpecError> {
+fn check_generated(spec: &Spec, keys: Locator<'_>) -> Result<(), SpecError> {
     let mut ks = vec!["contexts", "fresh_contexts", "arms", "features", "feature_norm", "theta_norm"];
     ks.extend(["path", "eval_path", "order", "order_path"]);
-    not_for(&ks, "does not apply to kind = \"generated\" (see [generate], [features], [oracle])")?;
+    keys.env_keys_refused(&ks, "does not apply to kind = \"generated\" (see [generate], [features], [oracle])")?;
     let need = |k: &str| keys.err(&[k], "required when env.kind = \"generated\"".into());
     let g = spec.generate.as_ref().ok_or_else(|| need("generate"))?;
     let f = spec.features.as_ref().ok_or_else(|| need("features"))?;
@@ -385,9 +383,12 @@ fn check_active(spec: &Spec, keys: Locator<'_>) -> Result<(), SpecError> {
     Ok(())
 }
 
+/// A deploy strategy and an active rule (either absent outside its setting).
+type Arm = (Option<Strategy>, Option<ActiveRule>);
+
 /// The arms every estimator config runs under: deploy strategies × active rules (one `None`
 /// arm in the other settings).
-fn arms(spec: &Spec, keys: Locator<'_>) -> Result<Vec<(Option<Strategy>, Option<ActiveRule>)>, SpecError> {
+fn arms(spec: &Spec, keys: Locator<'_>) -> Result<Vec<Arm>, SpecError> {
     let strategies: Vec<Option<Strategy>> = if spec.setting == Setting::Deploy {
         // the arms per context: the generated samples, else the bandit's K
         let n = spec.generate.as_ref().filter(|_| spec.env.kind == EnvKind::Generated).map_or(spec.env.arms, |g| g.n);
@@ -417,11 +418,7 @@ fn arms(spec: &Spec, keys: Locator<'_>) -> Result<Vec<(Option<Strategy>, Option<
 
 /// Every `[[estimator]]` table expanded over its sweeps, read, resolved and validated, crossed
 /// with the arms.
-fn configs(
-    spec: &Spec,
-    keys: Locator<'_>,
-    arms: &[(Option<Strategy>, Option<ActiveRule>)],
-) -> Result<Vec<ConfigPlan>, SpecError> {
+fn configs(spec: &Spec, keys: Locator<'_>, arms: &[Arm]) -> Result<Vec<ConfigPlan>, SpecError> {
     if spec.estimators.is_empty() {
         return Err(keys.err(&[], "no [[estimator]] tables: expected at least one".into()));
     }

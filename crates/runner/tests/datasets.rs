@@ -10,6 +10,8 @@ use parquet::file::properties::WriterProperties;
 use runner::world::datasets::{expand_glob, read_dataset, read_pairs, Format, Keys, ReadOptions};
 use std::sync::Arc;
 
+mod util;
+
 fn messages(rows: &[Vec<(&str, Option<&str>)>]) -> ArrayRef {
     let fields =
         Fields::from(vec![Field::new("content", DataType::Utf8, true), Field::new("role", DataType::Utf8, true)]);
@@ -101,12 +103,6 @@ fn ultrafeedback_parquet_zstd() {
     assert!(e.contains("row 0") && e.contains("does not end with an assistant message"), "{e}");
 }
 
-fn gguf() -> String {
-    let p = std::path::PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../models/SmolLM2-135M-Instruct.Q4_1.gguf");
-    assert!(p.exists(), "{} is missing: run `just fetch-models` first", p.display());
-    p.to_string_lossy().into_owned()
-}
-
 /// Score ties (UltraFeedback pairs whose sides scored the same) are counted, and dropped when the
 /// spec says so.
 #[test]
@@ -123,7 +119,7 @@ fn score_ties_are_counted_and_dropped_on_request() {
     let spec = |ties: &str| {
         format!(
             "setting = \"passive\"\n[env]\nkind = \"dataset\"\n[stream]\nsamples = 4\neval_every = 2\n[data]\npath = \"uf.parquet\"\nmodel = \"{}\"\nmax_len = 64\neval_fraction = 0.3\nscore_ties = \"{ties}\"\n[[estimator]]\nkind = \"sgd\"\n",
-            gguf()
+            util::smollm2()
         )
     };
     let mut seen = Vec::new();

@@ -2,23 +2,11 @@
 //! file: the second run is all cache hits and gives the same bytes; the output feeds a
 //! `kind = "features"` run.
 
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 use std::process::Command;
 
-fn gguf() -> String {
-    let p = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../models/SmolLM2-135M-Instruct.Q4_1.gguf");
-    assert!(p.exists(), "{} is missing: run `just fetch-models` first", p.display());
-    p.to_string_lossy().into_owned()
-}
-
-fn onepass(dir: &Path, args: &[&str]) -> (i32, String, String) {
-    let out = Command::new(env!("CARGO_BIN_EXE_onepass")).current_dir(dir).args(args).output().unwrap();
-    (
-        out.status.code().unwrap_or(-1),
-        String::from_utf8_lossy(&out.stdout).into_owned(),
-        String::from_utf8_lossy(&out.stderr).into_owned(),
-    )
-}
+mod util;
+use util::onepass;
 
 fn hh_line(q: &str, a: &str, b: &str) -> String {
     serde_json::json!({
@@ -45,7 +33,7 @@ fn extract_twice_hits_the_cache_and_feeds_a_features_run() {
             "features".to_string(),
             "extract".into(),
             "--model".into(),
-            gguf(),
+            util::smollm2(),
             "--dataset".into(),
             "hh.jsonl".into(),
             "--max-len".into(),
@@ -57,7 +45,7 @@ fn extract_twice_hits_the_cache_and_feeds_a_features_run() {
         ]
     };
     let a1: Vec<String> = args("a.parquet");
-    let (code, stdout, stderr) = onepass(tmp.path(), &a1.iter().map(String::as_str).collect::<Vec<_>>());
+    let (code, stdout, stderr) = onepass(tmp.path(), &a1.iter().map(String::as_str).collect::<Vec<_>>()).parts();
     assert_eq!(code, 0, "{stderr}");
     let s: serde_json::Value = serde_json::from_str(stdout.trim()).unwrap();
     assert_eq!((s["pairs"].as_u64(), s["hits"].as_u64(), s["misses"].as_u64()), (Some(6), Some(0), Some(11)));
@@ -65,7 +53,7 @@ fn extract_twice_hits_the_cache_and_feeds_a_features_run() {
     assert_eq!(s["truncated_sequences"].as_u64(), Some(2));
     assert_eq!(s["dim"].as_u64(), Some(576));
     let a2: Vec<String> = args("b.parquet");
-    let (code, stdout, stderr) = onepass(tmp.path(), &a2.iter().map(String::as_str).collect::<Vec<_>>());
+    let (code, stdout, stderr) = onepass(tmp.path(), &a2.iter().map(String::as_str).collect::<Vec<_>>()).parts();
     assert_eq!(code, 0, "{stderr}");
     let s2: serde_json::Value = serde_json::from_str(stdout.trim()).unwrap();
     assert_eq!((s2["hits"].as_u64(), s2["misses"].as_u64()), (Some(12), Some(0)), "{stdout}");
@@ -77,7 +65,7 @@ fn extract_twice_hits_the_cache_and_feeds_a_features_run() {
     // a different option is a different cache space: nothing is reused
     let mut a3 = args("c.parquet");
     a3.extend(["--pool".into(), "mean".into()]);
-    let (code, stdout, stderr) = onepass(tmp.path(), &a3.iter().map(String::as_str).collect::<Vec<_>>());
+    let (code, stdout, stderr) = onepass(tmp.path(), &a3.iter().map(String::as_str).collect::<Vec<_>>()).parts();
     assert_eq!(code, 0, "{stderr}");
     let s3: serde_json::Value = serde_json::from_str(stdout.trim()).unwrap();
     assert_eq!(s3["hits"].as_u64(), Some(0));
@@ -88,14 +76,14 @@ fn extract_twice_hits_the_cache_and_feeds_a_features_run() {
         "setting = \"passive\"\n[env]\nkind = \"features\"\npath = \"a.parquet\"\neval_pairs = 2\norder = \"file\"\n[stream]\nsamples = 4\neval_every = 2\n[[estimator]]\nkind = \"omd-hvp-cg\"\n",
     )
     .unwrap();
-    let (code, _, stderr) = onepass(tmp.path(), &["run", "spec.toml", "--out", "out"]);
+    let (code, _, stderr) = onepass(tmp.path(), &["run", "spec.toml", "--out", "out"]).parts();
     assert_eq!(code, 0, "{stderr}");
 
     // bad input names the file and the row
     std::fs::write(tmp.path().join("bad.jsonl"), lines[0].clone() + "\n{\"chosen\": 3}\n").unwrap();
     let mut a4 = args("d.parquet");
     a4[5] = "bad.jsonl".into();
-    let (code, _, stderr) = onepass(tmp.path(), &a4.iter().map(String::as_str).collect::<Vec<_>>());
+    let (code, _, stderr) = onepass(tmp.path(), &a4.iter().map(String::as_str).collect::<Vec<_>>()).parts();
     assert_eq!(code, 2);
     assert!(stderr.contains("bad.jsonl: row 1") && stderr.contains("`chosen`"), "{stderr}");
 }
@@ -143,7 +131,7 @@ fn sharded_extraction_in_two_processes_merges_to_the_same_bytes() {
         .collect();
     std::fs::write(tmp.path().join("hh.jsonl"), lines.join("\n") + "\n").unwrap();
     let base = |cache: &str| -> Vec<String> {
-        ["features", "extract", "--model", &gguf(), "--dataset", "hh.jsonl", "--batch", "3", "--cache", cache]
+        ["features", "extract", "--model", &util::smollm2(), "--dataset", "hh.jsonl", "--batch", "3", "--cache", cache]
             .iter()
             .map(|s| s.to_string())
             .collect()
@@ -151,7 +139,7 @@ fn sharded_extraction_in_two_processes_merges_to_the_same_bytes() {
     // one process
     let mut one = base("c-one");
     one.extend(["--out".into(), "one.parquet".into()]);
-    let (code, _, stderr) = onepass(tmp.path(), &one.iter().map(String::as_str).collect::<Vec<_>>());
+    let (code, _, stderr) = onepass(tmp.path(), &one.iter().map(String::as_str).collect::<Vec<_>>()).parts();
     assert_eq!(code, 0, "{stderr}");
     // two processes at once
     let spawn = |i: usize| {
@@ -171,14 +159,15 @@ fn sharded_extraction_in_two_processes_merges_to_the_same_bytes() {
         assert_eq!(s["shard_sequences"].as_u64(), Some(want), "{s}");
     }
     // merge and write the pairs file from the merged cache: all hits, the same bytes
-    let (code, stdout, stderr) = onepass(tmp.path(), &["features", "merge", "--into", "c-merged", "c-0", "c-1"]);
+    let (code, stdout, stderr) =
+        onepass(tmp.path(), &["features", "merge", "--into", "c-merged", "c-0", "c-1"]).parts();
     assert_eq!(code, 0, "{stderr}");
     let added: u64 =
         stdout.lines().map(|l| serde_json::from_str::<serde_json::Value>(l).unwrap()["added"].as_u64().unwrap()).sum();
     assert_eq!(added, 20);
     let mut again = base("c-merged");
     again.extend(["--out".into(), "merged.parquet".into()]);
-    let (code, stdout, stderr) = onepass(tmp.path(), &again.iter().map(String::as_str).collect::<Vec<_>>());
+    let (code, stdout, stderr) = onepass(tmp.path(), &again.iter().map(String::as_str).collect::<Vec<_>>()).parts();
     assert_eq!(code, 0, "{stderr}");
     let s: serde_json::Value = serde_json::from_str(stdout.trim()).unwrap();
     assert_eq!((s["hits"].as_u64(), s["misses"].as_u64()), (Some(20), Some(0)), "{s}");
@@ -188,22 +177,22 @@ fn sharded_extraction_in_two_processes_merges_to_the_same_bytes() {
         "sharded + merged differs from one process"
     );
     // merging again adds nothing
-    let (code, stdout, _) = onepass(tmp.path(), &["features", "merge", "--into", "c-merged", "c-0"]);
+    let (code, stdout, _) = onepass(tmp.path(), &["features", "merge", "--into", "c-merged", "c-0"]).parts();
     assert_eq!(code, 0);
     assert!(stdout.contains("\"added\":0"), "{stdout}");
 
     // --out with --shard, a bad shard, a source that is not a cache: clear errors, exit 2
     let mut bad = base("c-x");
     bad.extend(["--shard".into(), "0/2".into(), "--out".into(), "x.parquet".into()]);
-    let (code, _, stderr) = onepass(tmp.path(), &bad.iter().map(String::as_str).collect::<Vec<_>>());
+    let (code, _, stderr) = onepass(tmp.path(), &bad.iter().map(String::as_str).collect::<Vec<_>>()).parts();
     assert_eq!(code, 2);
     assert!(stderr.contains("--out needs every row"), "{stderr}");
     let mut bad = base("c-x");
     bad.extend(["--shard".into(), "2/2".into()]);
-    let (code, _, stderr) = onepass(tmp.path(), &bad.iter().map(String::as_str).collect::<Vec<_>>());
+    let (code, _, stderr) = onepass(tmp.path(), &bad.iter().map(String::as_str).collect::<Vec<_>>()).parts();
     assert_eq!(code, 2);
     assert!(stderr.contains("shard `2/2`"), "{stderr}");
-    let (code, _, stderr) = onepass(tmp.path(), &["features", "merge", "--into", "c-merged", "."]);
+    let (code, _, stderr) = onepass(tmp.path(), &["features", "merge", "--into", "c-merged", "."]).parts();
     assert_eq!(code, 2);
     assert!(stderr.contains("no feature cache space"), "{stderr}");
 }
@@ -224,11 +213,11 @@ fn dataset_kind_runs_from_a_spec() {
             "setting = \"passive\"\nseeds = 2\n[env]\nkind = \"dataset\"\n[stream]\nsamples = 10\neval_every = 5\n\
              [data]\npath = \"${{ONEPASS_TEST_DATA_DIR:-.}}/hh.jsonl\"\nmodel = \"{}\"\nmax_len = 64\neval_fraction = 0.25\nsplit_seed = 3\n{extra}\n\
              [[estimator]]\nkind = \"mle\"\n[[estimator]]\nkind = \"sgd\"\nlr = 0.01\n",
-            gguf()
+            util::smollm2()
         )
     };
     std::fs::write(tmp.path().join("run.toml"), spec("")).unwrap();
-    let (code, stdout, stderr) = onepass(tmp.path(), &["run", "run.toml", "--out", "out"]);
+    let (code, stdout, stderr) = onepass(tmp.path(), &["run", "run.toml", "--out", "out"]).parts();
     assert_eq!(code, 0, "{stderr}");
     let dir = PathBuf::from(tmp.path()).join(stdout.trim());
     let meta: serde_json::Value =
@@ -256,7 +245,7 @@ fn dataset_kind_runs_from_a_spec() {
     assert!((c["authors_schedule"]["per_cell_tokens"].as_f64().unwrap() - want).abs() < 1e-6, "{c}");
     assert_eq!(c["onepass_cache"]["tokens_once"].as_f64(), Some(tt + et));
     // a second run: the same split, every φ from the cache, the same metrics
-    let (code, stdout2, stderr) = onepass(tmp.path(), &["run", "run.toml", "--out", "out2"]);
+    let (code, stdout2, stderr) = onepass(tmp.path(), &["run", "run.toml", "--out", "out2"]).parts();
     assert_eq!(code, 0, "{stderr}");
     let dir2 = PathBuf::from(tmp.path()).join(stdout2.trim());
     let meta2: serde_json::Value =
@@ -302,7 +291,7 @@ fn dataset_kind_runs_from_a_spec() {
     ];
     for (text, want) in bad {
         std::fs::write(tmp.path().join("bad.toml"), &text).unwrap();
-        let (code, _, stderr) = onepass(tmp.path(), &["run", "bad.toml", "--out", "bad"]);
+        let (code, _, stderr) = onepass(tmp.path(), &["run", "bad.toml", "--out", "bad"]).parts();
         assert_eq!(code, 2, "{want}: {stderr}");
         assert!(stderr.contains(want) && stderr.contains("bad.toml"), "want `{want}` in: {stderr}");
         assert!(!stderr.contains("panicked"), "{stderr}");

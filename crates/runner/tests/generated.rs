@@ -2,42 +2,13 @@
 //! generation, φ, a linear or head oracle, the chunked deployment loop, its tables, the caches
 //! (a second run generates nothing and gives the same bytes) and the spec checks.
 
-use arrow_array::{Array, Float64Array, UInt32Array, UInt64Array};
-use parquet::arrow::arrow_reader::ParquetRecordBatchReaderBuilder;
+use arrow_array::Array;
 use std::collections::HashMap;
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 use std::process::Command;
 
-fn onepass(dir: &Path, args: &[&str]) -> (i32, String, String) {
-    let out = Command::new(env!("CARGO_BIN_EXE_onepass")).current_dir(dir).args(args).output().unwrap();
-    (
-        out.status.code().unwrap_or(-1),
-        String::from_utf8_lossy(&out.stdout).into_owned(),
-        String::from_utf8_lossy(&out.stderr).into_owned(),
-    )
-}
-
-fn gguf() -> PathBuf {
-    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../features/tests/fixtures/tiny-llama-bpe.gguf")
-}
-
-fn table(path: &Path) -> arrow_array::RecordBatch {
-    let f = std::fs::File::open(path).unwrap();
-    let r = ParquetRecordBatchReaderBuilder::try_new(f).unwrap().build().unwrap();
-    let mut batches: Vec<_> = r.map(|b| b.unwrap()).collect();
-    assert_eq!(batches.len(), 1, "{}: small tables are one batch", path.display());
-    batches.remove(0)
-}
-
-fn f64s(b: &arrow_array::RecordBatch, c: &str) -> Vec<f64> {
-    b.column_by_name(c).unwrap().as_any().downcast_ref::<Float64Array>().unwrap().values().to_vec()
-}
-fn u64s(b: &arrow_array::RecordBatch, c: &str) -> Vec<u64> {
-    b.column_by_name(c).unwrap().as_any().downcast_ref::<UInt64Array>().unwrap().values().to_vec()
-}
-fn u32s(b: &arrow_array::RecordBatch, c: &str) -> Vec<u32> {
-    b.column_by_name(c).unwrap().as_any().downcast_ref::<UInt32Array>().unwrap().values().to_vec()
-}
+mod util;
+use util::{f64s, onepass, table, u32s, u64s};
 
 fn spec(oracle: &str) -> String {
     format!(
@@ -72,7 +43,7 @@ lambda = 1.0
 kind = "sgd"
 lr = 0.1
 "#,
-        g = gguf().display()
+        g = util::tiny_gguf().display()
     )
 }
 
@@ -96,7 +67,7 @@ fn chunked_deployment_on_generated_responses() {
     let dir = setup();
     let p = dir.path();
     std::fs::write(p.join("dep.toml"), spec("kind = \"linear\"\nseed = 3")).unwrap();
-    let (code, out, err) = onepass(p, &["run", "dep.toml", "--out", "runs"]);
+    let (code, out, err) = onepass(p, &["run", "dep.toml", "--out", "runs"]).parts();
     assert_eq!(code, 0, "{err}");
     let run = p.join(last_line(&out));
     let meta: serde_json::Value =
@@ -150,7 +121,7 @@ fn chunked_deployment_on_generated_responses() {
     assert!(n.iter().all(|&c| c == 6), "every config is compared on 2 seeds × 3 chunks");
 
     // a second run reads the texts and φ from the caches and writes the same metrics bytes
-    let (code, out2, err) = onepass(p, &["run", "dep.toml", "--out", "runs"]);
+    let (code, out2, err) = onepass(p, &["run", "dep.toml", "--out", "runs"]).parts();
     assert_eq!(code, 0, "{err}");
     let run2 = p.join(last_line(&out2));
     let meta2: serde_json::Value =
@@ -170,7 +141,7 @@ fn chunked_deployment_on_generated_responses() {
     safetensors::serialize_to_file([("score.weight", view)], None, &p.join("head.safetensors")).unwrap();
     std::fs::write(p.join("head.toml"), spec("kind = \"head\"\npath = \"head.safetensors\"\nlabels = \"argmax\""))
         .unwrap();
-    let (code, out3, err) = onepass(p, &["run", "head.toml", "--out", "runs"]);
+    let (code, out3, err) = onepass(p, &["run", "head.toml", "--out", "runs"]).parts();
     assert_eq!(code, 0, "{err}");
     let gen3 = table(&p.join(last_line(&out3)).join("generations.parquet"));
     let r3 = f64s(&gen3, "oracle_reward");
@@ -178,7 +149,7 @@ fn chunked_deployment_on_generated_responses() {
     let bytes2: Vec<u8> = w.iter().flat_map(|x| (2.0 * x).to_le_bytes()).collect();
     let view2 = safetensors::tensor::TensorView::new(safetensors::Dtype::F32, vec![1, d], &bytes2).unwrap();
     safetensors::serialize_to_file([("score.weight", view2)], None, &p.join("head.safetensors")).unwrap();
-    let (code, out4, err) = onepass(p, &["run", "head.toml", "--out", "runs"]);
+    let (code, out4, err) = onepass(p, &["run", "head.toml", "--out", "runs"]).parts();
     assert_eq!(code, 0, "{err}");
     let r4 = f64s(&table(&p.join(last_line(&out4)).join("generations.parquet")), "oracle_reward");
     for (a, b) in r3.iter().zip(&r4) {
@@ -187,7 +158,8 @@ fn chunked_deployment_on_generated_responses() {
     assert!(r3.iter().any(|x| *x != r3[0]));
 
     // the authors' re-initialised head: other θ from chunk 2 on, every chunk still timed
-    let (code, out5, err) = onepass(p, &["run", "dep.toml", "--out", "runs", "--set", "deploy.reset_each_chunk=true"]);
+    let (code, out5, err) =
+        onepass(p, &["run", "dep.toml", "--out", "runs", "--set", "deploy.reset_each_chunk=true"]).parts();
     assert_eq!(code, 0, "{err}");
     let run5 = p.join(last_line(&out5));
     let m5 = table(&run5.join("metrics.parquet"));
@@ -208,19 +180,19 @@ fn generated_specs_are_checked() {
         ("kind = \"linear\"\nlabel = \"argmax\"", "label"),
     ] {
         std::fs::write(p.join("bad.toml"), spec(oracle)).unwrap();
-        let (code, _, err) = onepass(p, &["run", "bad.toml", "--out", "runs"]);
+        let (code, _, err) = onepass(p, &["run", "bad.toml", "--out", "runs"]).parts();
         assert_eq!(code, 2, "{oracle}: {err}");
         assert!(err.contains(key) && err.contains("bad.toml") && !err.contains("panicked"), "{oracle}: {err}");
     }
     std::fs::write(p.join("bad.toml"), spec("kind = \"linear\"").replace("n = 4", "n = 1")).unwrap();
-    let (code, _, err) = onepass(p, &["run", "bad.toml", "--out", "runs"]);
+    let (code, _, err) = onepass(p, &["run", "bad.toml", "--out", "runs"]).parts();
     assert!(code == 2 && err.contains("generate.n"), "{err}");
     std::fs::write(p.join("bad.toml"), spec("kind = \"linear\"").replace("chunks = 3", "chunks = 7")).unwrap();
-    let (code, _, err) = onepass(p, &["run", "bad.toml", "--out", "runs"]);
+    let (code, _, err) = onepass(p, &["run", "bad.toml", "--out", "runs"]).parts();
     assert!(code == 2 && err.contains("deploy.chunks"), "{err}");
     std::fs::write(p.join("prompts.jsonl"), "{\"prompt\": \"ok\"}\n{\"prompt\": null}\n").unwrap();
     std::fs::write(p.join("bad.toml"), spec("kind = \"linear\"")).unwrap();
-    let (code, _, err) = onepass(p, &["run", "bad.toml", "--out", "runs"]);
+    let (code, _, err) = onepass(p, &["run", "bad.toml", "--out", "runs"]).parts();
     assert!(code == 2 && err.contains("prompts.jsonl: row 1"), "{err}");
 }
 
@@ -232,7 +204,7 @@ fn chunked_deployment_resumes_after_sigkill() {
     let tmp = setup();
     let spec = spec("kind = \"linear\"\nseed = 3").replace("[deploy]", "[checkpoint]\nevery_steps = 1\n[deploy]");
     std::fs::write(tmp.path().join("run.toml"), spec).unwrap();
-    let (code, stdout, stderr) = onepass(tmp.path(), &["run", "run.toml", "--out", "a", "--threads", "1"]);
+    let (code, stdout, stderr) = onepass(tmp.path(), &["run", "run.toml", "--out", "a", "--threads", "1"]).parts();
     assert_eq!(code, 0, "{stderr}");
     let want = tmp.path().join(last_line(&stdout));
     let out = Command::new(env!("CARGO_BIN_EXE_onepass"))
@@ -244,7 +216,7 @@ fn chunked_deployment_resumes_after_sigkill() {
     assert_eq!(out.status.signal(), Some(9), "{}", String::from_utf8_lossy(&out.stderr));
     let dir = std::fs::read_dir(tmp.path().join("b")).unwrap().next().unwrap().unwrap().path();
     assert!(dir.join("checkpoints").read_dir().unwrap().count() >= 2, "a finished cell and a checkpoint");
-    let (code, _, stderr) = onepass(tmp.path(), &["run", "run.toml", "--resume", dir.to_str().unwrap()]);
+    let (code, _, stderr) = onepass(tmp.path(), &["run", "run.toml", "--resume", dir.to_str().unwrap()]).parts();
     assert_eq!(code, 0, "{stderr}");
     for f in ["metrics.parquet", "rounds.parquet", "cells.parquet", "winrates.parquet", "theta/c0003.npy"] {
         assert!(
@@ -267,7 +239,7 @@ fn active_best_worst_on_generated_responses() {
             "[active]\nrule = [\"random\", \"best-worst\"]\npool = 20",
         );
     std::fs::write(tmp.path().join("act.toml"), text).unwrap();
-    let (code, stdout, stderr) = onepass(tmp.path(), &["run", "act.toml", "--out", "a"]);
+    let (code, stdout, stderr) = onepass(tmp.path(), &["run", "act.toml", "--out", "a"]).parts();
     assert_eq!(code, 0, "{stderr}");
     let m = table(&tmp.path().join(last_line(&stdout)).join("metrics.parquet"));
     let strat = m.column_by_name("strategy").unwrap().as_any().downcast_ref::<arrow_array::StringArray>().unwrap();

@@ -34,3 +34,27 @@ fn a_foreign_hyper_parameter_is_refused() {
     assert_eq!(e.key, "estimator[0].lr", "{e}");
     assert!(e.message.contains("not a hyper-parameter of `omd-exact`"), "{e}");
 }
+
+mod util;
+
+/// `--dry-run` is the plan alone: the deploy mini prints its cells in a directory that has no
+/// models/, no prompt file and no caches (nothing is read, generated or extracted).
+#[test]
+fn dry_run_needs_no_models_or_data() {
+    let tmp = tempfile::tempdir().unwrap();
+    let spec = util::root().join("experiments/deploy/mini.toml");
+    let r = util::onepass(tmp.path(), &["run", spec.to_str().unwrap(), "--dry-run"]);
+    assert_eq!(r.code, 0, "{}", r.stderr);
+    let plan = runner::load_plan(&spec, &[]).unwrap();
+    let cells: Vec<&str> = r.stdout.lines().filter(|l| l.starts_with("# c")).collect();
+    assert_eq!(cells.len(), plan.cells.len(), "{}", r.stdout);
+    assert!(cells.len() >= 20 && cells[0].contains("seed 0"), "{}", r.stdout);
+    assert!(
+        !tmp.path().join("models").exists()
+            && !tmp.path().join(".cache").exists()
+            && !tmp.path().join("results").exists()
+    );
+    // negative control: the real run in the same directory needs the model and the prompts
+    let r = util::onepass(tmp.path(), &["run", spec.to_str().unwrap(), "--set", "generate.rows=2"]);
+    assert_eq!(r.code, 2, "{}", r.stderr);
+}

@@ -97,3 +97,10 @@ pub fn strs(b: &arrow_array::RecordBatch, c: &str) -> Vec<String> {
 pub fn digest(path: &Path) -> String {
     blake3::hash(&std::fs::read(path).unwrap_or_else(|e| panic!("{}: {e}", path.display()))).to_hex().to_string()
 }
+
+impl Run {
+    /// (exit code, stdout, stderr).
+    pub fn parts(self) -> (i32, String, String) {
+        (self.code, self.stdout, self.stderr)
+    }
+}

@@ -1,0 +1,92 @@
+//! The runner is a one-way street: every module of `src/` imports only from its own layer or
+//! the layers before it. The order is declared here and in lib.rs's docs; a `use crate::x` (or
+//! a path `crate::x::…`) that reaches a later layer fails this test, naming the file and line.
+
+use std::path::Path;
+
+/// Layers in order; a module may use its own layer and the ones before it.
+const LAYERS: &[&[&str]] = &[
+    &["io"],
+    &["spec"],
+    &["rows"],
+    &["plan"],
+    &["world"],
+    &["settings"],
+    &["results"],
+    &["report"],
+    &["run", "bench"],
+    &["lib", "main"],
+];
+
+fn rank(module: &str) -> Option<usize> {
+    LAYERS.iter().position(|l| l.contains(&module))
+}
+
+/// (module, line number, referenced module) for every `crate::<name>` in the file.
+fn references(text: &str) -> Vec<(usize, String)> {
+    let mut out = Vec::new();
+    for (i, line) in text.lines().enumerate() {
+        let code = line.split("//").next().unwrap_or_default();
+        let mut rest = code;
+        while let Some(at) = rest.find("crate::") {
+            let after = &rest[at + "crate::".len()..];
+            let name: String = after.chars().take_while(|c| c.is_ascii_alphanumeric() || *c == '_').collect();
+            // `use crate::{a, b}` groups
+            if let Some(group) = after.strip_prefix('{') {
+                let inner = group.split('}').next().unwrap_or_default();
+                for part in inner.split(',') {
+                    let n: String =
+                        part.trim().chars().take_while(|c| c.is_ascii_alphanumeric() || *c == '_').collect();
+                    if !n.is_empty() {
+                        out.push((i + 1, n));
+                    }
+                }
+            } else if !name.is_empty() {
+                out.push((i + 1, name));
+            }
+            rest = after;
+        }
+    }
+    out
+}
+
+fn check_dir(dir: &Path, src: &Path, back_edges: &mut Vec<String>, files: &mut usize) {
+    for e in std::fs::read_dir(dir).unwrap() {
+        let p = e.unwrap().path();
+        if p.is_dir() {
+            check_dir(&p, src, back_edges, files);
+            continue;
+        }
+        if p.extension().and_then(|x| x.to_str()) != Some("rs") {
+            continue;
+        }
+        *files += 1;
+        let rel = p.strip_prefix(src).unwrap();
+        let module = rel.components().next().unwrap().as_os_str().to_string_lossy().trim_end_matches(".rs").to_string();
+        let own = rank(&module).unwrap_or_else(|| panic!("{}: module `{module}` is in no layer", rel.display()));
+        for (line, name) in references(&std::fs::read_to_string(&p).unwrap()) {
+            let Some(theirs) = rank(&name) else { continue }; // items re-exported at the root
+            if theirs > own {
+                back_edges.push(format!("{}:{line}: `{module}` uses `crate::{name}` (a later layer)", rel.display()));
+            }
+        }
+    }
+}
+
+#[test]
+fn runner_modules_import_only_earlier_layers() {
+    let src = Path::new(env!("CARGO_MANIFEST_DIR")).join("src");
+    let (mut back, mut files) = (Vec::new(), 0);
+    check_dir(&src, &src, &mut back, &mut files);
+    assert!(files >= 20, "only {files} files read");
+    assert!(back.is_empty(), "back-edges:\n{}", back.join("\n"));
+}
+
+/// Negative control: the scanner finds plain paths, grouped imports and a back-edge.
+#[test]
+fn the_scanner_sees_back_edges() {
+    let text = "use crate::{io, settings::Learner};\nfn f() { crate::report::x(); } // crate::run\n";
+    let refs = references(text);
+    assert_eq!(refs, [(1, "io".into()), (1, "settings".into()), (2, "report".into())]);
+    assert!(rank("report").unwrap() > rank("plan").unwrap());
+}
