@@ -564,3 +564,25 @@ pub fn compare(runs: &[PathBuf]) -> Result<String> {
     }
     Ok(final_table(&all))
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::rows::{Col, METRICS, METRICS_CHUNKED};
+
+    /// The report reads metrics.parquet by the names of the schema in `rows`: every float it
+    /// reads is a float column there, and the optional ones are those of chunked runs only.
+    #[test]
+    fn report_reads_the_columns_rows_defines() {
+        let float = |cols: &[Col<crate::rows::MetricRow>], n: &str| {
+            cols.iter().any(|c| c.name() == n && matches!(c, Col::F64(..) | Col::OptF64(..)))
+        };
+        let read = FIGURES.iter().map(|(n, _)| *n).filter(|n| *n != "cost");
+        for n in read.chain(["subopt_pessimistic", "theta_err_h", "kappa", "kappa_reference"]) {
+            assert!(float(METRICS, n) || float(METRICS_CHUNKED, n), "report reads `{n}`, which rows does not define");
+            assert_eq!(OPTIONAL.contains(&n), float(METRICS_CHUNKED, n), "`{n}`: optional iff chunked-only");
+        }
+        // negative control
+        assert!(!float(METRICS, "no_such_column"));
+    }
+}

@@ -4,7 +4,9 @@
 
 use crate::io::{npy_f64, write_atomic, write_atomic_at};
 use crate::plan::{ConfigPlan, Plan};
-use crate::rows::{Bucket, CellResult, MetricRow, RoundRow, StepRow};
+use crate::rows::{
+    Bucket, CellResult, Col, MetricRow, RoundRow, StepRow, BUCKETS, METRICS, METRICS_CHUNKED, ROUNDS, STEPS,
+};
 use crate::world::World;
 use anyhow::{Context, Result};
 use arrow_array::{ArrayRef, BooleanArray, Float64Array, RecordBatch, StringArray, UInt32Array, UInt64Array};
@@ -77,6 +79,21 @@ impl Table {
     fn bool(mut self, name: &str, v: impl IntoIterator<Item = bool>) -> Self {
         self.fields.push(Field::new(name, DataType::Boolean, false));
         self.cols.push(Arc::new(BooleanArray::from(v.into_iter().collect::<Vec<_>>())));
+        self
+    }
+
+    /// The value columns of `cols`, filled from `rows`.
+    fn cols<R, X>(mut self, cols: &[Col<R>], rows: &[X], row: impl Fn(&X) -> &R) -> Self {
+        for c in cols {
+            self = match c {
+                Col::U32(n, f) => self.u32(n, rows.iter().map(|x| f(row(x)))),
+                Col::U64(n, f) => self.u64(n, rows.iter().map(|x| f(row(x)))),
+                Col::OptU64(n, f) => self.opt_u64(n, rows.iter().map(|x| f(row(x)))),
+                Col::F64(n, f) => self.f64(n, rows.iter().map(|x| f(row(x)))),
+                Col::OptF64(n, f) => self.opt_f64(n, rows.iter().map(|x| f(row(x)))),
+                Col::Bool(n, f) => self.bool(n, rows.iter().map(|x| f(row(x)))),
+            };
+        }
         self
     }
 
@@ -157,38 +174,9 @@ pub fn write_tables(
         .str("label", rows.iter().map(|(c, _)| c.config.label.clone()))
         .opt_str("strategy", rows.iter().map(|(c, _)| strategy(c.config)))
         .u32("seed", rows.iter().map(|(c, _)| c.seed))
-        .u64("step", rows.iter().map(|(_, m)| m.step))
-        .u64("samples_seen", rows.iter().map(|(_, m)| m.samples_seen))
-        .f64("train_loss", rows.iter().map(|(_, m)| m.train_loss))
-        .f64("train_accuracy", rows.iter().map(|(_, m)| m.train_accuracy))
-        .f64("eval_loss", rows.iter().map(|(_, m)| m.eval_loss))
-        .f64("eval_accuracy", rows.iter().map(|(_, m)| m.eval_accuracy))
-        .u64("eval_ties", rows.iter().map(|(_, m)| m.eval_ties))
-        .opt_f64("theta_err", rows.iter().map(|(_, m)| m.theta_err))
-        .opt_f64("theta_err_h", rows.iter().map(|(_, m)| m.theta_err_h))
-        .opt_f64("subopt", rows.iter().map(|(_, m)| m.subopt))
-        .opt_f64("subopt_avg", rows.iter().map(|(_, m)| m.subopt_avg))
-        .opt_f64("subopt_pessimistic", rows.iter().map(|(_, m)| m.subopt_pessimistic))
-        .opt_f64("regret", rows.iter().map(|(_, m)| m.regret))
-        .opt_f64("mean_reward", rows.iter().map(|(_, m)| m.mean_reward))
-        .f64("kappa", rows.iter().map(|(_, m)| m.kappa))
-        .f64("kappa_reference", rows.iter().map(|(_, m)| m.kappa_reference))
-        .u64("ties", rows.iter().map(|(_, m)| m.ties))
-        .u64("grad_evals", rows.iter().map(|(_, m)| m.grad_evals))
-        .u64("hvp_evals", rows.iter().map(|(_, m)| m.hvp_evals))
-        .u64("flops", rows.iter().map(|(_, m)| m.flops))
-        .bool("converged", rows.iter().map(|(_, m)| m.converged));
+        .cols(METRICS, &rows, |(_, m)| m);
     let chunked = world.generated.is_some() && setting == "deploy";
-    let t = if chunked {
-        t.opt_u64("chunk", rows.iter().map(|(_, m)| m.chunk))
-            .opt_f64("pair_reward", rows.iter().map(|(_, m)| m.pair_reward))
-            .opt_f64("cum_pair_reward", rows.iter().map(|(_, m)| m.cum_pair_reward))
-            .opt_f64("policy_reward", rows.iter().map(|(_, m)| m.policy_reward))
-            .opt_f64("kendall_tau", rows.iter().map(|(_, m)| m.kendall_tau))
-            .opt_u64("oracle_ties", rows.iter().map(|(_, m)| m.oracle_ties))
-    } else {
-        t
-    };
+    let t = if chunked { t.cols(METRICS_CHUNKED, &rows, |(_, m)| m) } else { t };
     schemas.push(("metrics.parquet".to_string(), t.write(&dir.join("metrics.parquet"))?));
 
     if chunked {
@@ -203,17 +191,7 @@ pub fn write_tables(
             .str("estimator", rows.iter().map(|(c, _)| c.config.kind.to_string()))
             .opt_str("strategy", rows.iter().map(|(c, _)| strategy(c.config)))
             .u32("seed", rows.iter().map(|(c, _)| c.seed))
-            .u64("chunk", rows.iter().map(|(_, r)| r.chunk))
-            .u64("prompt", rows.iter().map(|(_, r)| r.prompt))
-            .u32("first", rows.iter().map(|(_, r)| r.first))
-            .u32("second", rows.iter().map(|(_, r)| r.second))
-            .f64("reward_first", rows.iter().map(|(_, r)| r.reward_first))
-            .f64("reward_second", rows.iter().map(|(_, r)| r.reward_second))
-            .f64("label", rows.iter().map(|(_, r)| f64::from(r.label)))
-            .u32("policy_pick", rows.iter().map(|(_, r)| r.policy_pick))
-            .f64("policy_reward", rows.iter().map(|(_, r)| r.policy_reward))
-            .f64("best_reward", rows.iter().map(|(_, r)| r.best_reward))
-            .f64("kendall_tau", rows.iter().map(|(_, r)| r.kendall_tau));
+            .cols(ROUNDS, &rows, |(_, r)| r);
         schemas.push(("rounds.parquet".to_string(), t.write(&dir.join("rounds.parquet"))?));
         let w = win_rates(plan, cells);
         let t = Table::default()
@@ -260,16 +238,7 @@ pub fn write_tables(
             .str("label", rows.iter().map(|(c, _)| c.config.label.clone()))
             .opt_str("strategy", rows.iter().map(|(c, _)| strategy(c.config)))
             .u32("seed", rows.iter().map(|(c, _)| c.seed))
-            .u64("step", rows.iter().map(|(_, s)| s.step))
-            .u64("samples_seen", rows.iter().map(|(_, s)| s.samples_seen))
-            .f64("loss", rows.iter().map(|(_, s)| s.report.before.loss))
-            .f64("accuracy", rows.iter().map(|(_, s)| s.report.before.accuracy))
-            .f64("grad_norm", rows.iter().map(|(_, s)| s.report.grad_norm))
-            .f64("step_norm", rows.iter().map(|(_, s)| s.report.step_norm))
-            .f64("clip_factor", rows.iter().map(|(_, s)| s.report.clip_factor))
-            .f64("cos_step_grad", rows.iter().map(|(_, s)| s.report.cos_step_grad))
-            .f64("damping", rows.iter().map(|(_, s)| s.report.damping))
-            .u32("inner_iters", rows.iter().map(|(_, s)| s.report.inner_iters));
+            .cols(STEPS, &rows, |(_, s)| s);
         schemas.push(("steps.parquet".to_string(), t.write(&dir.join("steps.parquet"))?));
     }
 
@@ -284,10 +253,7 @@ pub fn write_tables(
         .str("estimator", rows.iter().map(|(c, _, _)| c.config.kind.to_string()))
         .str("label", rows.iter().map(|(c, _, _)| c.config.label.clone()))
         .u32("seed", rows.iter().map(|(c, _, _)| c.seed))
-        .u64("step", rows.iter().map(|(_, _, b)| b.step))
-        .u64("samples_seen", rows.iter().map(|(_, _, b)| b.samples_seen))
-        .f64("estimator_s", rows.iter().map(|(_, _, b)| b.estimator_s))
-        .f64("other_s", rows.iter().map(|(_, _, b)| b.other_s))
+        .cols(BUCKETS, &rows, |(_, _, b)| b)
         .f64("cell_wall_s", rows.iter().map(|(c, _, _)| c.wall_s))
         .f64("cell_estimator_s", rows.iter().map(|(_, r, _)| r.estimator_s));
     schemas.push(("timings.parquet".to_string(), t.write(&dir.join("timings.parquet"))?));

@@ -106,3 +106,100 @@ pub struct RoundRow {
     pub best_reward: f64,
     pub kendall_tau: f64,
 }
+
+/// One column of a table: its name, its parquet type and how a row fills it. The tables'
+/// value columns are listed once below; `results` writes them after the cell's key columns
+/// (cell_id, config_id, estimator, label, strategy, seed) and `report` reads them by name.
+pub enum Col<R: 'static> {
+    U32(&'static str, fn(&R) -> u32),
+    U64(&'static str, fn(&R) -> u64),
+    OptU64(&'static str, fn(&R) -> Option<u64>),
+    F64(&'static str, fn(&R) -> f64),
+    OptF64(&'static str, fn(&R) -> Option<f64>),
+    Bool(&'static str, fn(&R) -> bool),
+}
+
+impl<R> Col<R> {
+    pub fn name(&self) -> &'static str {
+        match self {
+            Col::U32(n, _)
+            | Col::U64(n, _)
+            | Col::OptU64(n, _)
+            | Col::F64(n, _)
+            | Col::OptF64(n, _)
+            | Col::Bool(n, _) => n,
+        }
+    }
+}
+
+/// metrics.parquet: one row per cell × evaluation point.
+pub const METRICS: &[Col<MetricRow>] = &[
+    Col::U64("step", |r| r.step),
+    Col::U64("samples_seen", |r| r.samples_seen),
+    Col::F64("train_loss", |r| r.train_loss),
+    Col::F64("train_accuracy", |r| r.train_accuracy),
+    Col::F64("eval_loss", |r| r.eval_loss),
+    Col::F64("eval_accuracy", |r| r.eval_accuracy),
+    Col::U64("eval_ties", |r| r.eval_ties),
+    Col::OptF64("theta_err", |r| r.theta_err),
+    Col::OptF64("theta_err_h", |r| r.theta_err_h),
+    Col::OptF64("subopt", |r| r.subopt),
+    Col::OptF64("subopt_avg", |r| r.subopt_avg),
+    Col::OptF64("subopt_pessimistic", |r| r.subopt_pessimistic),
+    Col::OptF64("regret", |r| r.regret),
+    Col::OptF64("mean_reward", |r| r.mean_reward),
+    Col::F64("kappa", |r| r.kappa),
+    Col::F64("kappa_reference", |r| r.kappa_reference),
+    Col::U64("ties", |r| r.ties),
+    Col::U64("grad_evals", |r| r.grad_evals),
+    Col::U64("hvp_evals", |r| r.hvp_evals),
+    Col::U64("flops", |r| r.flops),
+    Col::Bool("converged", |r| r.converged),
+];
+
+/// metrics.parquet of a chunked deployment run, after [`METRICS`].
+pub const METRICS_CHUNKED: &[Col<MetricRow>] = &[
+    Col::OptU64("chunk", |r| r.chunk),
+    Col::OptF64("pair_reward", |r| r.pair_reward),
+    Col::OptF64("cum_pair_reward", |r| r.cum_pair_reward),
+    Col::OptF64("policy_reward", |r| r.policy_reward),
+    Col::OptF64("kendall_tau", |r| r.kendall_tau),
+    Col::OptU64("oracle_ties", |r| r.oracle_ties),
+];
+
+/// rounds.parquet: one row per prompt of a chunked deployment run.
+pub const ROUNDS: &[Col<RoundRow>] = &[
+    Col::U64("chunk", |r| r.chunk),
+    Col::U64("prompt", |r| r.prompt),
+    Col::U32("first", |r| r.first),
+    Col::U32("second", |r| r.second),
+    Col::F64("reward_first", |r| r.reward_first),
+    Col::F64("reward_second", |r| r.reward_second),
+    Col::F64("label", |r| f64::from(r.label)),
+    Col::U32("policy_pick", |r| r.policy_pick),
+    Col::F64("policy_reward", |r| r.policy_reward),
+    Col::F64("best_reward", |r| r.best_reward),
+    Col::F64("kendall_tau", |r| r.kendall_tau),
+];
+
+/// steps.parquet: one row per update (stream.record_steps).
+pub const STEPS: &[Col<StepRow>] = &[
+    Col::U64("step", |s| s.step),
+    Col::U64("samples_seen", |s| s.samples_seen),
+    Col::F64("loss", |s| s.report.before.loss),
+    Col::F64("accuracy", |s| s.report.before.accuracy),
+    Col::F64("grad_norm", |s| s.report.grad_norm),
+    Col::F64("step_norm", |s| s.report.step_norm),
+    Col::F64("clip_factor", |s| s.report.clip_factor),
+    Col::F64("cos_step_grad", |s| s.report.cos_step_grad),
+    Col::F64("damping", |s| s.report.damping),
+    Col::U32("inner_iters", |s| s.report.inner_iters),
+];
+
+/// timings.parquet: one row per cell × evaluation bucket (then the cell's totals).
+pub const BUCKETS: &[Col<Bucket>] = &[
+    Col::U64("step", |b| b.step),
+    Col::U64("samples_seen", |b| b.samples_seen),
+    Col::F64("estimator_s", |b| b.estimator_s),
+    Col::F64("other_s", |b| b.other_s),
+];

@@ -3,7 +3,7 @@
 //! the practical best-vs-worst of a fresh prompt's responses (§5).
 
 use super::learner::Learner;
-use super::state::{CellCtx, Progress};
+use super::state::{drive, CellCtx, Progress};
 use super::Source;
 use crate::plan::ConfigPlan;
 use crate::rows::CellResult;
@@ -55,8 +55,8 @@ pub(super) fn active(
     }
     let (mut z, mut y) = (Vec::with_capacity(b * d), Vec::with_capacity(b));
     let rule = config.rule.unwrap_or(a.rule.0[0]);
-    for s in pr.done + 1..=steps {
-        let Progress { data, labels, select, used, vtrack, ties, .. } = &mut pr;
+    drive(steps, &mut pr, l, ctx, |s, last, pr, l| {
+        let Progress { data, labels, select, used, vtrack, ties, .. } = &mut *pr;
         if rule == ActiveRule::BestWorst {
             // paper §5 (practical rule): a fresh prompt, its n responses ranked by the current θ,
             // the best and the worst sent to the oracle
@@ -117,14 +117,13 @@ pub(super) fn active(
             }
         }
         l.update(&z, &y)?;
-        if l.due(spec.stream.eval_every, s == steps) {
+        if l.due(spec.stream.eval_every, last) {
             let mut row = l.row(src);
             row.subopt_avg = src.truth().map(|env| env.subopt_of(&env.greedy(&l.averaged())));
             row.ties = *ties;
             pr.rows.push(row);
         }
-        pr.done = s;
-        ctx.tick(&[&*l], &pr)?;
-    }
+        Ok(())
+    })?;
     Ok(CellResult { rows: pr.rows, stream_hash: pr.hash.0, ..Default::default() })
 }

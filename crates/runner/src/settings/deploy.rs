@@ -3,7 +3,7 @@
 //! bandit, per chunk of prompts on generated responses (the authors' form).
 
 use super::learner::Learner;
-use super::state::{CellCtx, Progress};
+use super::state::{drive, CellCtx, Progress};
 use crate::plan::{theory_beta, ConfigPlan};
 use crate::rows::{CellResult, RoundRow};
 use crate::spec::{Beta, DeployPolicy, Order, Spec};
@@ -36,10 +36,10 @@ pub(super) fn deploy(
     let steps = spec.stream.samples / b as u64;
     let mut pr = resumed.unwrap_or_else(|| Progress::fresh(spec, seed));
     let (mut z, mut y) = (Vec::with_capacity(b * d), Vec::with_capacity(b));
-    for s in pr.done + 1..=steps {
+    drive(steps, &mut pr, l, ctx, |_, last, pr, l| {
         z.clear();
         y.clear();
-        let Progress { data, labels, select, hash: h, regret, reward_sum, ties, seen: rounds, .. } = &mut pr;
+        let Progress { data, labels, select, hash: h, regret, reward_sum, ties, seen: rounds, .. } = &mut *pr;
         for _ in 0..b {
             let c = env.draw_context(data);
             let u: f64 = labels.random();
@@ -62,16 +62,15 @@ pub(super) fn deploy(
             *rounds += 1;
         }
         l.update(&z, &y)?;
-        if l.due(spec.stream.eval_every, s == steps) {
+        if l.due(spec.stream.eval_every, last) {
             let mut row = l.row_at((&env.eval_z, &env.eval_y), Some(env));
             row.regret = Some(pr.regret);
             row.mean_reward = Some(pr.reward_sum / pr.seen as f64);
             row.ties = pr.ties;
             pr.rows.push(row);
         }
-        pr.done = s;
-        ctx.tick(&[&*l], &pr)?;
-    }
+        Ok(())
+    })?;
     Ok(CellResult { rows: pr.rows, stream_hash: pr.hash.0, ..Default::default() })
 }
 
@@ -98,14 +97,15 @@ pub(super) fn deploy_chunked(
     }
     let chunks = spec.deploy.chunks.max(1);
     let mut pr = resumed.unwrap_or(fresh);
-    for c in pr.done as usize..chunks {
+    drive(chunks as u64, &mut pr, l, ctx, |t, _, pr, l| {
+        let c = (t - 1) as usize;
         // chunk c holds prompts [c·p/chunks, (c+1)·p/chunks) of the order
         let (lo, hi) = (c * p / chunks, (c + 1) * p / chunks);
         if c > 0 && spec.deploy.reset_each_chunk {
             l.reset_estimator(spec, config, seed)?;
         }
         let (mut z, mut y) = (Vec::new(), Vec::new());
-        let Progress { labels, select, hash: h, regret, reward_sum, ties, oracle_ties, rounds, .. } = &mut pr;
+        let Progress { labels, select, hash: h, regret, reward_sum, ties, oracle_ties, rounds, .. } = &mut *pr;
         let (mut pair_sum, mut pol_sum, mut tau_sum) = (0.0, 0.0, 0.0);
         for &x in &order[lo..hi] {
             let ctx = &env.contexts[x];
@@ -168,8 +168,7 @@ pub(super) fn deploy_chunked(
         row.kendall_tau = Some(tau_sum / n);
         row.oracle_ties = Some(pr.oracle_ties);
         pr.rows.push(row);
-        pr.done = c as u64 + 1;
-        ctx.tick(&[&*l], &pr)?;
-    }
+        Ok(())
+    })?;
     Ok(CellResult { rows: pr.rows, rounds: pr.rounds, stream_hash: pr.hash.0, ..Default::default() })
 }

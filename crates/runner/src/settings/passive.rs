@@ -4,7 +4,7 @@
 
 use super::learner::Learner;
 use super::pessimism::pessimistic;
-use super::state::{CellCtx, Progress};
+use super::state::{drive, CellCtx, Progress};
 use super::Source;
 use crate::plan::{theory_beta, ConfigPlan};
 use crate::rows::{CellResult, MetricRow};
@@ -134,7 +134,7 @@ pub(super) fn passive(
     };
     let mut pr = resumed.unwrap_or(fresh);
     let (mut z, mut y) = (Vec::with_capacity(b * d), Vec::with_capacity(b));
-    for s in pr.done + 1..=steps {
+    drive(steps, &mut pr, l, ctx, |_, last, pr, l| {
         z.clear();
         y.clear();
         for _ in 0..b {
@@ -158,12 +158,11 @@ pub(super) fn passive(
         pr.hash.f32s(&z);
         pr.hash.f32s(&y);
         l.update(&z, &y)?;
-        if l.due(spec.stream.eval_every, s == steps) {
+        if l.due(spec.stream.eval_every, last) {
             pr.rows.push(l.row(src));
         }
-        pr.done = s;
-        ctx.tick(&[&*l], &pr)?;
-    }
+        Ok(())
+    })?;
     let (mut rows, h) = (pr.rows, pr.hash);
     let Some(env) = src.truth() else {
         return Ok(CellResult { rows, stream_hash: h.0, ..Default::default() });

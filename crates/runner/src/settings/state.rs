@@ -82,6 +82,24 @@ impl Progress {
     }
 }
 
+/// The loop skeleton of the single-learner settings: loop units `pr.done + 1 ..= units` (updates,
+/// or chunks), each `unit(t, last, progress, learner)`; after each the unit counts as done and a
+/// checkpoint is written when one is due (a resumed cell starts after its last done unit).
+pub(super) fn drive(
+    units: u64,
+    pr: &mut Progress,
+    l: &mut Learner,
+    ctx: &mut CellCtx,
+    mut unit: impl FnMut(u64, bool, &mut Progress, &mut Learner) -> Result<()>,
+) -> Result<()> {
+    for t in pr.done + 1..=units {
+        unit(t, t == units, pr, l)?;
+        pr.done = t;
+        ctx.tick(&[&*l], pr)?;
+    }
+    Ok(())
+}
+
 /// A cell's checkpoint as written (borrowed) …
 #[derive(Serialize)]
 struct StateRef<'a> {
