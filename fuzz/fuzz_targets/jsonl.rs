@@ -1,7 +1,7 @@
 //! The HH-RLHF / generic jsonl reader (transcript parsing included) and the prompt reader.
 #![no_main]
 use libfuzzer_sys::fuzz_target;
-use runner::datasets::{read_dataset, read_prompts, Format, ReadOptions};
+use runner::world::datasets::{read_dataset, read_prompts, Format, ReadOptions};
 mod common;
 
 fuzz_target!(|data: &[u8]| {

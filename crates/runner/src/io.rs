@@ -7,7 +7,7 @@
 //!
 //! Failpoints (tests): `ONEPASS_FAILPOINT=<name>:<n>` sends SIGKILL to the process at the n-th
 //! time the named point is reached (names: `update`, `checkpoint-write`, `parquet-write`,
-//! `cell-end`); `ONEPASS_FAIL_WRITE=<name>` makes the writes at that point fail with ENOSPC
+//! `cell-end`, `meta-written`); `ONEPASS_FAIL_WRITE=<name>` makes the writes at that point fail with ENOSPC
 //! (a full disk).
 
 use anyhow::{anyhow, bail, Context, Result};

@@ -349,11 +349,28 @@ fn check_active(spec: &Spec, keys: Locator<'_>) -> Result<(), SpecError> {
         return Err(keys.err(&["active", "pool"], "expected a pool of at least 2 pairs".into()));
     }
     let stream_rule = a.rule.0.contains(&ActiveRule::Stream);
-    if a.rule.0.contains(&ActiveRule::BestWorst) && matches!(spec.env.kind, EnvKind::Features | EnvKind::Dataset) {
-        return Err(keys.err(
-            &["active", "rule"],
-            "best-worst ranks the responses of fresh prompts: it needs env.kind = \"synthetic\" or \"generated\" (pairs files have two sides only)".into(),
-        ));
+    if let Some(r) = a.rule.0.iter().find(|r| !r.uses_pool()) {
+        if matches!(spec.env.kind, EnvKind::Features | EnvKind::Dataset) {
+            return Err(keys.err(
+                &["active", "rule"],
+                format!("{r} ranks the responses of fresh prompts: it needs env.kind = \"synthetic\" or \"generated\" (pairs files have two sides only)"),
+            ));
+        }
+    }
+    for r in &a.rule.0 {
+        if let ActiveRule::Fresh(s) = r {
+            let n =
+                spec.generate.as_ref().filter(|_| spec.env.kind == EnvKind::Generated).map_or(spec.env.arms, |g| g.n);
+            let s = match s {
+                Strategy::BestQuantile { .. } => Strategy::BestQuantile { q: a.q },
+                Strategy::Ucb { .. } => Strategy::Ucb { beta: if let Beta::Value(b) = a.beta { b } else { 1.0 } },
+                other => *other,
+            };
+            s.validate(n).map_err(|m| keys.err(&["active", "rule"], m))?;
+        }
+    }
+    if !(a.delta > 0.0 && a.delta < 1.0) {
+        return Err(keys.err(&["active", "delta"], "expected 0 < δ < 1".into()));
     }
     if stream_rule && !(1 <= a.keep && a.keep <= a.candidates) {
         return Err(

@@ -169,6 +169,8 @@ pub fn run(opts: &RunOptions) -> Result<RunSummary> {
         let meta: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(dir.join("meta.json"))?)
             .with_context(|| format!("{}/meta.json: not JSON", dir.display()))?;
         let failed = meta.get("failed_cells").and_then(|v| v.as_u64()).unwrap_or(0) as usize;
+        // a run killed between writing meta.json and removing checkpoints/ left them behind
+        remove_checkpoints(&dir)?;
         return Ok(RunSummary { dir, failed, cells: plan.cells.len(), interrupted: false });
     }
     // every checkpoint left by a killed run is checked before any cell starts
@@ -259,12 +261,19 @@ pub fn run(opts: &RunOptions) -> Result<RunSummary> {
     };
     io::write_atomic(&dir.join("meta.json"), serde_json::to_string_pretty(&meta)?.as_bytes())?;
     // complete: what resume needed is now in the tables
+    io::failpoint("meta-written");
+    remove_checkpoints(&dir)?;
+    print_summary(&plan, &world, &outcomes);
+    Ok(RunSummary { dir, failed, cells: outcomes.len(), interrupted: false })
+}
+
+/// Removes `checkpoints/` of a complete run (meta.json exists).
+fn remove_checkpoints(dir: &Path) -> Result<()> {
     let p = dir.join("checkpoints");
     if p.exists() {
         std::fs::remove_dir_all(&p).with_context(|| format!("removing {}", p.display()))?;
     }
-    print_summary(&plan, &world, &outcomes);
-    Ok(RunSummary { dir, failed, cells: outcomes.len(), interrupted: false })
+    Ok(())
 }
 
 /// meta.json: what ran, on what, with which code and crates, and when.

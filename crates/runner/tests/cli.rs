@@ -659,3 +659,53 @@ fn rank_local_heads_and_order_files() {
     );
     assert!(r.code == 2 && r.stderr.contains("stream.ranks"), "{}", r.stderr);
 }
+
+/// Active rules and deployment strategies are one vocabulary: every strategy name is an active
+/// rule on a fresh context's arms; their labels, strategy column and θ differ, and a strategy
+/// the arms cannot hold is refused like in deploy.
+#[test]
+fn active_rules_take_every_deploy_strategy() {
+    let tmp = tempfile::tempdir().unwrap();
+    let spec = write(
+        tmp.path(),
+        "act.toml",
+        r#"
+setting = "active"
+seeds = 1
+[env]
+dim = 5
+contexts = 30
+arms = 6
+eval_pairs = 100
+[stream]
+samples = 60
+batch_size = 2
+eval_every = 20
+[active]
+rule = ["best-worst", "best-two", "ucb", "best-quantile", "random-pair", "pool-argmax"]
+pool = 200
+q = 2
+beta = 0.5
+[[estimator]]
+kind = "sgd"
+lr = 0.5
+"#,
+    );
+    let r = onepass(tmp.path(), &["run", spec.to_str().unwrap(), "--out", "o"]);
+    let dir = tmp.path().join(r.dir());
+    let cells = util::table(&dir.join("cells.parquet"));
+    let strategies = util::strs(&cells, "strategy");
+    assert_eq!(strategies, ["best-worst", "best-two", "ucb", "best-quantile", "random-pair", "pool-argmax"]);
+    assert!(util::strs(&cells, "status").iter().all(|s| s == "ok"));
+    let thetas: Vec<Vec<u8>> = (0..6).map(|i| std::fs::read(dir.join(format!("theta/c{i:04}.npy"))).unwrap()).collect();
+    for i in 0..6 {
+        for j in 0..i {
+            assert_ne!(thetas[i], thetas[j], "rules {i} and {j} labelled the same pairs");
+        }
+    }
+    // best-quantile with q ≥ n arms is refused at the plan, as in deploy
+    let r = onepass(tmp.path(), &["run", spec.to_str().unwrap(), "--set", "active.q=6", "--dry-run"]);
+    assert!(r.code == 2 && r.stderr.contains("active.rule") && r.stderr.contains("best-quantile"), "{}", r.stderr);
+    let r = onepass(tmp.path(), &["run", spec.to_str().unwrap(), "--set", "active.rule=best-three", "--dry-run"]);
+    assert!(r.code == 2 && r.stderr.contains("unknown rule `best-three`"), "{}", r.stderr);
+}

@@ -192,12 +192,14 @@ fn kill_then_resume(tmp: &Path, spec: &Path, sets: &[&str], failpoint: &str, out
     assert_eq!(r.signal, Some(9), "{failpoint}: expected SIGKILL, got {:?}: {}", r.code, r.stderr);
     assert!(r.stderr.contains(&format!("failpoint {}", failpoint.replace(':', " #"))), "{}", r.stderr);
     let dir = only_dir(&tmp.join(out));
-    assert!(!dir.join("meta.json").exists(), "{failpoint}: a killed run has no meta.json");
+    // killed after meta.json: the run is complete, only checkpoints/ is left to remove
+    let complete = failpoint.starts_with("meta-written");
+    assert_eq!(dir.join("meta.json").exists(), complete, "{failpoint}: meta.json is the last thing written");
     let mut args = vec!["run", spec.to_str().unwrap(), "--resume", dir.to_str().unwrap(), "--threads", "1"];
     args.extend_from_slice(sets);
     let r = output(cmd(tmp, &args));
     assert_eq!(r.code, Some(0), "{failpoint}: resume failed: {}", r.stderr);
-    assert!(r.stderr.contains("(resumed)"), "{}", r.stderr);
+    assert!(r.stderr.contains(if complete { "is complete" } else { "(resumed)" }), "{}", r.stderr);
     dir
 }
 
@@ -208,7 +210,8 @@ fn killed_at_failpoints_then_resumed_gives_the_same_bytes() {
     let passive = write(tmp, "passive.toml", PASSIVE);
     let want = reference(tmp, &passive, &[]);
     // 18 cells × 80 updates: kills in the first cell, mid-sweep, in the last cell; during a
-    // checkpoint write; during the final parquet writes; right after a cell finished
+    // checkpoint write; during the final parquet writes; right after a cell finished; between
+    // meta.json and the removal of checkpoints/
     for (i, fp) in [
         "update:3",
         "update:700",
@@ -217,6 +220,9 @@ fn killed_at_failpoints_then_resumed_gives_the_same_bytes() {
         "parquet-write:1",
         "parquet-write:3",
         "cell-end:5",
+        // after meta.json, before checkpoints/ is removed: the resume finds a complete run
+        // and must still clean up
+        "meta-written:1",
     ]
     .iter()
     .enumerate()

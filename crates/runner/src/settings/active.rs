@@ -2,13 +2,15 @@
 //! the 𝓗⁻¹-norm argmax over a pool (Eq. (4)), the authors' stream rule, random pool pairs, or
 //! the practical best-vs-worst of a fresh prompt's responses (§5).
 
+use super::choose;
 use super::learner::Learner;
 use super::state::{drive, CellCtx, Progress};
 use super::Source;
+use crate::plan::theory_beta;
 use crate::plan::ConfigPlan;
 use crate::rows::CellResult;
-use crate::spec::{ActiveRule, ScoreNorm, Spec};
-use crate::world::env::{dot, two_arms};
+use crate::spec::{ActiveRule, Beta, ScoreNorm, Spec};
+use crate::world::env::two_arms;
 use anyhow::{anyhow, Result};
 use estimators::{Curvature, CurvatureKind};
 use rand::Rng;
@@ -55,20 +57,23 @@ pub(super) fn active(
     }
     let (mut z, mut y) = (Vec::with_capacity(b * d), Vec::with_capacity(b));
     let rule = config.rule.unwrap_or(a.rule.0[0]);
+    let fresh_strategy = match rule {
+        ActiveRule::Fresh(s) => Some(fresh_rule(spec, s)),
+        _ => None,
+    };
     drive(steps, &mut pr, l, ctx, |s, last, pr, l| {
         let Progress { data, labels, select, used, vtrack, ties, .. } = &mut *pr;
-        if rule == ActiveRule::BestWorst {
-            // paper §5 (practical rule): a fresh prompt, its n responses ranked by the current θ,
-            // the best and the worst sent to the oracle
+        if let Some(strategy) = &fresh_strategy {
+            // a fresh prompt, its n responses ranked by the current θ, two of them sent to the
+            // oracle (best-worst: the paper's practical rule, §5)
             let Source::Synthetic(env) = src else {
-                return Err(anyhow!("active.rule best-worst needs responses to rank (a synthetic or generated env)"));
+                return Err(anyhow!("active.rule {rule} needs responses to rank (a synthetic or generated env)"));
             };
             z.clear();
             y.clear();
             for _ in 0..b {
                 let c = env.draw_context(data);
-                let est: Vec<f64> = (0..env.k).map(|x| dot(env.arm(&c, x), &l.theta)).collect();
-                let pair = selection::select_pair(&selection::Strategy::BestWorst, &est, None, select);
+                let (_, pair) = choose(env, &c, strategy, l, select);
                 *ties += u64::from(pair.ties);
                 let zi = env.diff(&c, pair.first, pair.second);
                 y.push(env.label(&c, pair.first, pair.second, &zi, labels.random()));
@@ -88,7 +93,7 @@ pub(super) fn active(
                     top.iter().map(|&j| avail[j]).collect()
                 }
                 ActiveRule::Random => rand::seq::index::sample(data, avail.len(), b).iter().map(|j| avail[j]).collect(),
-                ActiveRule::BestWorst => unreachable!("handled above"),
+                ActiveRule::Fresh(_) => unreachable!("handled above"),
                 ActiveRule::Stream => {
                     let m = a.candidates.min(avail.len());
                     let cand: Vec<usize> =
@@ -126,4 +131,20 @@ pub(super) fn active(
         Ok(())
     })?;
     Ok(CellResult { rows: pr.rows, stream_hash: pr.hash.0, ..Default::default() })
+}
+
+/// A fresh-context rule's strategy with its parameters: q from `active.q`, a ucb width of
+/// "theory" from d and T.
+fn fresh_rule(spec: &Spec, s: selection::Strategy) -> selection::Strategy {
+    use selection::Strategy as S;
+    match s {
+        S::BestQuantile { .. } => S::BestQuantile { q: spec.active.q },
+        S::Ucb { .. } => S::Ucb {
+            beta: match spec.active.beta {
+                Beta::Theory => theory_beta(spec.env.dim, spec.stream.samples, spec.active.delta),
+                Beta::Value(b) => b,
+            },
+        },
+        other => other,
+    }
 }

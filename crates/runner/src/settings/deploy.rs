@@ -2,12 +2,13 @@
 //! arms, a strategy picks the pair to label, the learner updates — per round on the synthetic
 //! bandit, per chunk of prompts on generated responses (the authors' form).
 
+use super::choose;
 use super::learner::Learner;
 use super::state::{drive, CellCtx, Progress};
 use crate::plan::{theory_beta, ConfigPlan};
 use crate::rows::{CellResult, RoundRow};
 use crate::spec::{Beta, DeployPolicy, Order, Spec};
-use crate::world::env::{argmax, dot, Env};
+use crate::world::env::{argmax, Env};
 use anyhow::{anyhow, Result};
 use rand::seq::SliceRandom;
 use rand::Rng;
@@ -45,12 +46,7 @@ pub(super) fn deploy(
             let u: f64 = labels.random();
             h.f32s(&c.phi);
             h.bytes(&u.to_le_bytes());
-            let est: Vec<f64> = (0..k).map(|a| dot(env.arm(&c, a), &l.theta)).collect();
-            let bonus: Option<Vec<f64>> = strategy.needs_bonus().then(|| {
-                let first = selection::first_arm(&est, &*select);
-                (0..k).map(|a| l.curv.inv_norm(&env.diff(&c, a, first))).collect()
-            });
-            let pair = selection::select_pair(&strategy, &est, bonus.as_deref(), select);
+            let (_, pair) = choose(env, &c, &strategy, l, select);
             *ties += u64::from(pair.ties);
             let zi = env.diff(&c, pair.first, pair.second);
             y.push(env.label(&c, pair.first, pair.second, &zi, u));
@@ -109,13 +105,8 @@ pub(super) fn deploy_chunked(
         let (mut pair_sum, mut pol_sum, mut tau_sum) = (0.0, 0.0, 0.0);
         for &x in &order[lo..hi] {
             let ctx = &env.contexts[x];
-            let est: Vec<f64> = (0..k).map(|a| dot(env.arm(ctx, a), &l.theta)).collect();
+            let (est, pair) = choose(env, ctx, &strategy, l, select);
             let truth: Vec<f64> = (0..k).map(|a| env.reward(ctx, a)).collect();
-            let bonus: Option<Vec<f64>> = strategy.needs_bonus().then(|| {
-                let first = selection::first_arm(&est, &*select);
-                (0..k).map(|a| l.curv.inv_norm(&env.diff(ctx, a, first))).collect()
-            });
-            let pair = selection::select_pair(&strategy, &est, bonus.as_deref(), select);
             *ties += u64::from(pair.ties);
             let zi = env.diff(ctx, pair.first, pair.second);
             let u: f64 = labels.random();

@@ -61,6 +61,16 @@ mod estimator_state {
 }
 
 impl Learner {
+    /// θ_t.
+    pub fn theta(&self) -> &[f64] {
+        &self.theta
+    }
+
+    /// ‖x‖_{𝓗_t⁻¹} of the curvature tracker.
+    pub fn inv_norm(&mut self, x: &[f32]) -> f64 {
+        self.curv.inv_norm(x)
+    }
+
     /// (d, the estimator's dimension): a checkpoint's learner must match the run's d.
     pub(super) fn dims(&self) -> (usize, usize) {
         (self.d, self.est.dim())

@@ -16,10 +16,12 @@ pub use state::{CellCtx, CellSaver, CellState};
 use crate::plan::ConfigPlan;
 use crate::rows::CellResult;
 use crate::spec::Setting;
-use crate::world::env::Env;
+use crate::world::env::{dot, Context, Env};
 use crate::world::pairs::PairData;
 use crate::world::World;
 use anyhow::{anyhow, Result};
+use rand_chacha::ChaCha20Rng;
+use selection::Strategy;
 
 /// Where a cell draws its pairs from: an environment with arms per context (synthetic, or the
 /// generated responses), or a fixed set of labelled pairs.
@@ -43,6 +45,25 @@ impl Source<'_> {
             Source::Pairs(_) => None,
         }
     }
+}
+
+/// The learned rewards φ(x,a)ᵀθ of context `c`'s arms and the two arms `strategy` picks from
+/// them; ucb's bonus of an arm a is ‖φ(x,a) − φ(x,first)‖_{𝓗⁻¹} with `first` the arm ranked
+/// first (paper Eq. (6)). Deployment and the fresh-context active rules share it.
+pub(crate) fn choose(
+    env: &Env,
+    c: &Context,
+    strategy: &Strategy,
+    l: &mut Learner,
+    select: &mut ChaCha20Rng,
+) -> (Vec<f64>, selection::Pair) {
+    let est: Vec<f64> = (0..env.k).map(|a| dot(env.arm(c, a), l.theta())).collect();
+    let bonus: Option<Vec<f64>> = strategy.needs_bonus().then(|| {
+        let first = selection::first_arm(&est, &*select);
+        (0..env.k).map(|a| l.inv_norm(&env.diff(c, a, first))).collect()
+    });
+    let pair = selection::select_pair(strategy, &est, bonus.as_deref(), select);
+    (est, pair)
 }
 
 /// Runs one cell without checkpoints.

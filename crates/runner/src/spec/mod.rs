@@ -518,8 +518,11 @@ fn d_delta() -> f64 {
     0.05
 }
 
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(rename_all = "kebab-case")]
+/// How the active learner picks the pairs to label. One vocabulary with the deployment
+/// strategies: besides the pool rules, every `selection::Strategy` name (random-pair,
+/// best-random, best-two, best-worst, best-quantile, ucb) is a rule that draws a fresh context
+/// (prompt) per label and picks two of its arms (responses) by the current θ.
+#[derive(Clone, Copy, Debug, PartialEq)]
 pub enum ActiveRule {
     /// argmax over the pool of ‖φ(x,a) − φ(x,a′)‖_{𝓗⁻¹} (paper Eq. (4)).
     PoolArgmax,
@@ -527,10 +530,44 @@ pub enum ActiveRule {
     Stream,
     /// Uniformly random pool pairs.
     Random,
-    /// Paper §5 "Computation of model uncertainty" (practical form): a fresh prompt (context) per
-    /// label, its n responses (arms) ranked by the current θ, the best vs the worst queried. No
-    /// pool; needs an environment with responses (synthetic or generated).
-    BestWorst,
+    /// A fresh context per label, two of its arms by a deployment strategy; e.g. `best-worst`,
+    /// the paper's practical rule (§5 "Computation of model uncertainty"). No pool; needs an
+    /// environment with arms (synthetic or generated). `best-quantile` takes `active.q`, `ucb`
+    /// takes `active.beta`.
+    Fresh(selection::Strategy),
+}
+
+impl ActiveRule {
+    /// The pool rules (the others pick among a fresh context's arms).
+    pub fn uses_pool(&self) -> bool {
+        !matches!(self, ActiveRule::Fresh(_))
+    }
+}
+
+impl std::str::FromStr for ActiveRule {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, String> {
+        match s {
+            "pool-argmax" => Ok(ActiveRule::PoolArgmax),
+            "stream" => Ok(ActiveRule::Stream),
+            "random" => Ok(ActiveRule::Random),
+            other => other.parse().map(ActiveRule::Fresh).map_err(|_| {
+                format!("unknown rule `{other}`: expected pool-argmax, stream, random, or a strategy (random-pair, best-random, best-two, best-worst, best-quantile, ucb)")
+            }),
+        }
+    }
+}
+
+impl Serialize for ActiveRule {
+    fn serialize<S: Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        s.serialize_str(&self.to_string())
+    }
+}
+
+impl<'de> Deserialize<'de> for ActiveRule {
+    fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        String::deserialize(d)?.parse().map_err(de::Error::custom)
+    }
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
@@ -566,6 +603,14 @@ pub struct ActiveSpec {
     /// V₀ of the V-norm.
     #[serde(default = "d_v0")]
     pub v0: f64,
+    /// q of the best-quantile rule.
+    #[serde(default = "d_q")]
+    pub q: f64,
+    /// β of the ucb rule (a number or "theory", with `delta`).
+    #[serde(default = "d_beta")]
+    pub beta: Beta,
+    #[serde(default = "d_delta")]
+    pub delta: f64,
 }
 
 impl Default for ActiveSpec {
@@ -584,7 +629,7 @@ impl fmt::Display for ActiveRule {
             ActiveRule::PoolArgmax => "pool-argmax",
             ActiveRule::Stream => "stream",
             ActiveRule::Random => "random",
-            ActiveRule::BestWorst => "best-worst",
+            ActiveRule::Fresh(s) => s.name(),
         })
     }
 }
