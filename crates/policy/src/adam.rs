@@ -1,0 +1,104 @@
+//! Adam (Kingma & Ba 2015) on the adapters, with global-norm gradient clipping before the step
+//! (as PyTorch's `clip_grad_norm_` then `Adam.step`): g ← g·min(1, c/‖g‖₂) over all adapters,
+//! m ← β₁m + (1−β₁)g, v ← β₂v + (1−β₂)g², θ ← θ − lr·m̂/(√v̂ + ε) with bias-corrected m̂, v̂.
+
+use candle_core::{backprop::GradStore, Result, Tensor, Var};
+use serde::{Deserialize, Serialize};
+
+#[derive(Clone, Copy, Debug, PartialEq, Serialize, Deserialize)]
+pub struct AdamConfig {
+    pub lr: f64,
+    pub beta1: f64,
+    pub beta2: f64,
+    pub eps: f64,
+    /// Global-norm clipping threshold (None: no clipping).
+    pub clip: Option<f64>,
+}
+
+impl Default for AdamConfig {
+    fn default() -> Self {
+        AdamConfig { lr: 1e-4, beta1: 0.9, beta2: 0.999, eps: 1e-8, clip: Some(1.0) }
+    }
+}
+
+/// The optimizer's state: step count and moments, flat f32 per variable (checkpoints).
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+pub struct AdamState {
+    pub t: u64,
+    pub m: Vec<Vec<f32>>,
+    pub v: Vec<Vec<f32>>,
+}
+
+pub struct Adam {
+    pub cfg: AdamConfig,
+    t: u64,
+    m: Vec<Tensor>,
+    v: Vec<Tensor>,
+}
+
+/// What one step saw: ‖g‖₂ before clipping and the factor applied.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct StepInfo {
+    pub grad_norm: f64,
+    pub clip_factor: f64,
+}
+
+impl Adam {
+    pub fn new(cfg: AdamConfig, vars: &[&Var]) -> Result<Adam> {
+        let zeros = |v: &&Var| v.as_tensor().zeros_like();
+        Ok(Adam {
+            cfg,
+            t: 0,
+            m: vars.iter().map(zeros).collect::<Result<_>>()?,
+            v: vars.iter().map(zeros).collect::<Result<_>>()?,
+        })
+    }
+
+    /// One step on `vars` with their gradients in `grads` (a variable without one counts as 0).
+    pub fn step(&mut self, vars: &[&Var], grads: &GradStore) -> Result<StepInfo> {
+        let gs: Vec<Tensor> = vars
+            .iter()
+            .map(|v| grads.get(v.as_tensor()).cloned().map_or_else(|| v.as_tensor().zeros_like(), Ok))
+            .collect::<Result<_>>()?;
+        let mut sq = 0.0f64;
+        for g in &gs {
+            sq += f64::from(g.sqr()?.sum_all()?.to_scalar::<f32>()?);
+        }
+        let norm = sq.sqrt();
+        let factor = match self.cfg.clip {
+            Some(c) if norm > c => c / norm,
+            _ => 1.0,
+        };
+        self.t += 1;
+        let (b1, b2) = (self.cfg.beta1, self.cfg.beta2);
+        let bc1 = 1.0 - b1.powi(self.t as i32);
+        let bc2 = 1.0 - b2.powi(self.t as i32);
+        for (i, (var, g)) in vars.iter().zip(gs).enumerate() {
+            let g = (g * factor)?;
+            self.m[i] = ((&self.m[i] * b1)? + (&g * (1.0 - b1))?)?;
+            self.v[i] = ((&self.v[i] * b2)? + (g.sqr()? * (1.0 - b2))?)?;
+            let mhat = (&self.m[i] / bc1)?;
+            let vhat = (&self.v[i] / bc2)?;
+            let upd = (mhat / (vhat.sqrt()? + self.cfg.eps)?)?;
+            var.set(&(var.as_tensor() - (upd * self.cfg.lr)?)?)?;
+        }
+        Ok(StepInfo { grad_norm: norm, clip_factor: factor })
+    }
+
+    pub fn state(&self) -> Result<AdamState> {
+        let flat = |ts: &[Tensor]| ts.iter().map(|t| t.flatten_all()?.to_vec1::<f32>()).collect::<Result<Vec<_>>>();
+        Ok(AdamState { t: self.t, m: flat(&self.m)?, v: flat(&self.v)? })
+    }
+
+    /// Restores a state saved by [`Adam::state`] for the same variables.
+    pub fn restore(&mut self, s: &AdamState) -> Result<()> {
+        if s.m.len() != self.m.len() || s.v.len() != self.v.len() {
+            candle_core::bail!("Adam state of {} variables: expected {}", s.m.len(), self.m.len());
+        }
+        for (dst, src) in self.m.iter_mut().zip(&s.m).chain(self.v.iter_mut().zip(&s.v)) {
+            *dst = Tensor::from_vec(src.clone(), dst.shape(), dst.device())?;
+        }
+        self.t = s.t;
+        Ok(())
+    }
+}

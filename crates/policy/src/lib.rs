@@ -1,0 +1,26 @@
+//! A policy that learns between deployment chunks (paper §6: each chunk's pairs update the
+//! reward model and then the policy). Pure maths and models: no specs, files of runs or CLI.
+//!
+//! - [`lora`]: low-rank adapters W + (α/r)·B·A on chosen linear layers, base weights frozen;
+//!   merging them into the weights for the fused inference path of `features`.
+//! - [`model::PolicyModel`]: the Llama/Qwen2 decoder of `features` written with differentiable
+//!   candle ops (RMSNorm, RoPE, attention, SiLU as plain tensor algebra), so `backward()` gives
+//!   the adapters' gradients. Training batches are right-padded: with causal attention a real
+//!   token never sees a pad, so no padding mask is needed; losses mask the pads.
+//! - [`loss`]: per-token log-probabilities, the KL estimators k1 and k3, RLOO's leave-one-out
+//!   advantages and its (optionally PPO-clipped) policy-gradient loss, the DPO loss.
+//! - [`adam::Adam`]: Adam on the adapters with global-norm clipping; its state serialises.
+//! - [`peft`]: adapters saved and read in PEFT's layout (`adapter_model.safetensors`,
+//!   `adapter_config.json`).
+
+/// This crate's version (a run's meta.json records it).
+pub const VERSION: &str = env!("CARGO_PKG_VERSION");
+
+pub mod adam;
+pub mod lora;
+pub mod loss;
+pub mod model;
+pub mod peft;
+
+pub use lora::{LoraConfig, Target};
+pub use model::PolicyModel;

@@ -1,0 +1,160 @@
+//! LoRA (Hu et al. 2021): a frozen linear layer y = x Wᵀ + b gains a trainable low-rank update,
+//! y = x Wᵀ + b + (α/r)·(x Aᵀ) Bᵀ with A ∈ R^{r×in}, B ∈ R^{out×r}. As in PEFT, A starts
+//! Kaiming-uniform (bound 1/√in) and B at zero, so the adapted model starts as the base model.
+
+use candle_core::{Device, Result, Tensor, Var};
+use rand::{Rng, SeedableRng};
+
+/// A linear layer of a decoder block that can carry an adapter (PEFT's `target_modules` names).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord, serde::Serialize, serde::Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Target {
+    QProj,
+    KProj,
+    VProj,
+    OProj,
+    GateProj,
+    UpProj,
+    DownProj,
+}
+
+impl Target {
+    /// Every linear layer of a block (PEFT's `all-linear` without the LM head).
+    pub const ALL: [Target; 7] = [
+        Target::QProj,
+        Target::KProj,
+        Target::VProj,
+        Target::OProj,
+        Target::GateProj,
+        Target::UpProj,
+        Target::DownProj,
+    ];
+
+    /// PEFT's module name.
+    pub fn name(&self) -> &'static str {
+        match self {
+            Target::QProj => "q_proj",
+            Target::KProj => "k_proj",
+            Target::VProj => "v_proj",
+            Target::OProj => "o_proj",
+            Target::GateProj => "gate_proj",
+            Target::UpProj => "up_proj",
+            Target::DownProj => "down_proj",
+        }
+    }
+
+    /// The module's path inside a block, as Hugging Face names it.
+    pub fn path(&self) -> &'static str {
+        match self {
+            Target::QProj => "self_attn.q_proj",
+            Target::KProj => "self_attn.k_proj",
+            Target::VProj => "self_attn.v_proj",
+            Target::OProj => "self_attn.o_proj",
+            Target::GateProj => "mlp.gate_proj",
+            Target::UpProj => "mlp.up_proj",
+            Target::DownProj => "mlp.down_proj",
+        }
+    }
+}
+
+/// Rank, scale and placement of the adapters (dropout is 0: the sampled responses are scored
+/// by a deterministic forward pass).
+#[derive(Clone, Debug, PartialEq)]
+pub struct LoraConfig {
+    pub rank: usize,
+    pub alpha: f64,
+    pub targets: Vec<Target>,
+    /// Seed of A's initial draw.
+    pub seed: u64,
+}
+
+impl Default for LoraConfig {
+    /// PEFT's common choice for causal LMs: r = 8, α = 16 on q_proj and v_proj.
+    fn default() -> Self {
+        LoraConfig { rank: 8, alpha: 16.0, targets: vec![Target::QProj, Target::VProj], seed: 0 }
+    }
+}
+
+impl LoraConfig {
+    /// α/r.
+    pub fn scale(&self) -> f64 {
+        self.alpha / self.rank as f64
+    }
+}
+
+/// The trainable pair of one layer.
+pub struct Adapter {
+    /// A: (r, in).
+    pub a: Var,
+    /// B: (out, r).
+    pub b: Var,
+    pub scale: f64,
+}
+
+impl Adapter {
+    /// A Kaiming-uniform with bound 1/√in (PEFT's `kaiming_uniform_(a=√5)`), B = 0.
+    pub fn new(
+        inp: usize,
+        out: usize,
+        rank: usize,
+        scale: f64,
+        rng: &mut rand_chacha::ChaCha20Rng,
+        dev: &Device,
+        dtype: candle_core::DType,
+    ) -> Result<Adapter> {
+        let bound = 1.0 / (inp as f64).sqrt();
+        let a: Vec<f32> = (0..rank * inp).map(|_| rng.random_range(-bound..bound) as f32).collect();
+        Ok(Adapter {
+            a: Var::from_tensor(&Tensor::from_vec(a, (rank, inp), dev)?.to_dtype(dtype)?)?,
+            b: Var::from_tensor(&Tensor::zeros((out, rank), dtype, dev)?)?,
+            scale,
+        })
+    }
+
+    /// (α/r)·B·A, the update merged into W.
+    pub fn delta(&self) -> Result<Tensor> {
+        self.b.as_tensor().matmul(self.a.as_tensor())? * self.scale
+    }
+}
+
+/// A frozen linear layer with an optional adapter.
+pub struct Linear {
+    /// W: (out, in), frozen.
+    pub w: Tensor,
+    pub bias: Option<Tensor>,
+    pub adapter: Option<Adapter>,
+}
+
+impl Linear {
+    /// (…, in) → (…, out): x Wᵀ + b + (α/r)(x Aᵀ)Bᵀ, on the flattened rows.
+    pub fn forward(&self, x: &Tensor) -> Result<Tensor> {
+        let dims = x.dims().to_vec();
+        let inp = *dims.last().expect("rank ≥ 1");
+        let rows = x.elem_count() / inp.max(1);
+        let x2 = x.reshape((rows, inp))?;
+        let mut y = x2.matmul(&self.w.t()?)?;
+        if let Some(b) = &self.bias {
+            y = y.broadcast_add(b)?;
+        }
+        if let Some(ad) = &self.adapter {
+            let low = x2.matmul(&ad.a.as_tensor().t()?)?.matmul(&ad.b.as_tensor().t()?)?;
+            y = (y + (low * ad.scale)?)?;
+        }
+        let mut out = dims;
+        *out.last_mut().expect("rank ≥ 1") = self.w.dim(0)?;
+        y.reshape(out)
+    }
+
+    /// W + (α/r)·B·A (W itself without an adapter).
+    pub fn merged(&self) -> Result<Tensor> {
+        match &self.adapter {
+            Some(ad) => &self.w + ad.delta()?,
+            None => Ok(self.w.clone()),
+        }
+    }
+}
+
+/// The generator of the adapters' initial draws.
+pub fn init_rng(seed: u64) -> rand_chacha::ChaCha20Rng {
+    rand_chacha::ChaCha20Rng::seed_from_u64(seed)
+}

@@ -1,0 +1,74 @@
+//! The losses of a policy update, on per-token log-probabilities of sampled responses.
+//!
+//! Conventions (TRL's RLOO trainer, the reference we follow): the KL penalty is the k1
+//! estimator log π(y_t) − log π_ref(y_t) summed over the response and subtracted from the
+//! reward (r̃ = r̂ − β_KL·Σ_t k1_t); the baseline of a sample is the mean r̃ of the other k − 1
+//! samples of its prompt (leave-one-out); the policy-gradient loss is sequence-level,
+//! −A·ρ with ρ = exp(Σ_t log π − Σ_t log π_old), PPO-clipped to [1 − ε, 1 + ε] when ε is given
+//! (ρ = 1 with gradient ∇ log π on the first pass over freshly sampled responses).
+//! k3 = e^{log π_ref − log π} − (log π_ref − log π) − 1 (Schulman's unbiased, non-negative
+//! estimator) is reported beside k1.
+
+use candle_core::{Result, Tensor, D};
+
+/// log π(ids[:, i+1] | ids[:, ..=i]) for i < t − 1: (b, t − 1), from logits (b, t, vocab).
+pub fn token_logprobs(logits: &Tensor, ids: &Tensor) -> Result<Tensor> {
+    let (b, t, _) = logits.dims3()?;
+    let lp = candle_nn::ops::log_softmax(&logits.narrow(1, 0, t - 1)?, D::Minus1)?;
+    let next = ids.narrow(1, 1, t - 1)?.to_dtype(candle_core::DType::U32)?.contiguous()?;
+    lp.gather(&next.reshape((b, t - 1, 1))?, 2)?.squeeze(2)
+}
+
+/// Σ_t x[:, t]·mask[:, t]: (b,).
+pub fn masked_sum(x: &Tensor, mask: &Tensor) -> Result<Tensor> {
+    (x * mask)?.sum(1)
+}
+
+/// Per-token k1 = log π − log π_ref.
+pub fn kl_k1(lp: &Tensor, lp_ref: &Tensor) -> Result<Tensor> {
+    lp - lp_ref
+}
+
+/// Per-token k3 = e^{d} − d − 1 with d = log π_ref − log π.
+pub fn kl_k3(lp: &Tensor, lp_ref: &Tensor) -> Result<Tensor> {
+    let d = (lp_ref - lp)?;
+    (d.exp()? - &d)? - 1.0
+}
+
+/// Leave-one-out advantages of `rewards` in groups of `k` consecutive samples (one prompt
+/// each): A_i = r_i − (Σ_{j≠i} r_j)/(k − 1). Needs k ≥ 2 and a length divisible by k.
+pub fn rloo_advantages(rewards: &[f64], k: usize) -> Vec<f64> {
+    assert!(k >= 2 && rewards.len() % k == 0, "rloo_advantages: {} rewards in groups of {k}", rewards.len());
+    rewards
+        .chunks_exact(k)
+        .flat_map(|g| {
+            let s: f64 = g.iter().sum();
+            g.iter().map(move |r| r - (s - r) / (k - 1) as f64)
+        })
+        .collect()
+}
+
+/// RLOO's loss: mean over samples of max(−A·ρ, −A·clip(ρ, 1 − ε, 1 + ε)) with
+/// ρ = exp(seq_lp − seq_lp_old) (no clipping when `clip` is None). `seq_lp` (b,) carries the
+/// gradient; `seq_lp_old` and `adv` are constants.
+pub fn rloo_loss(seq_lp: &Tensor, seq_lp_old: &Tensor, adv: &Tensor, clip: Option<f64>) -> Result<Tensor> {
+    let ratio = (seq_lp - seq_lp_old.detach())?.exp()?;
+    let adv = adv.detach();
+    let pg = (ratio.neg()? * &adv)?;
+    let pg = match clip {
+        Some(eps) => pg.maximum(&(ratio.clamp(1.0 - eps, 1.0 + eps)?.neg()? * &adv)?)?,
+        None => pg,
+    };
+    pg.mean_all()
+}
+
+/// DPO (Rafailov et al. 2023): mean of −log σ(β[(log π(y_w) − log π_ref(y_w)) −
+/// (log π(y_l) − log π_ref(y_l))]) over pairs; every argument (n,) sequence log-probabilities.
+pub fn dpo_loss(pi_w: &Tensor, pi_l: &Tensor, ref_w: &Tensor, ref_l: &Tensor, beta: f64) -> Result<Tensor> {
+    let m = ((pi_w - ref_w.detach())? - (pi_l - ref_l.detach())?)?;
+    // −log σ(z) = softplus(−z) = log(1 + e^{−z}), computed stably as max(−z, 0) + log(1 + e^{−|z|})
+    let z = (m * beta)?;
+    let relu = z.neg()?.relu()?;
+    let tail = (z.abs()?.neg()?.exp()? + 1.0)?.log()?;
+    (relu + tail)?.mean_all()
+}

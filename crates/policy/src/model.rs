@@ -1,0 +1,265 @@
+//! The decoder of `features::model` (Llama family, Qwen2) written with differentiable candle ops
+//! and LoRA adapters on chosen layers: RMSNorm as x·(mean x² + ε)^{-½}·w, RoPE (rotate-half, or
+//! interleaved for llama.cpp's permuted q/k rows) as products with cos/sin tables, grouped-query
+//! causal attention with a softmax whose max shift is detached (the softmax does not depend on
+//! it), SiLU(gate)·up. The fused CPU kernels of `features` have no backward pass; this path is
+//! for training and log-probabilities, `features` stays the path for generation and φ
+//! (with [`PolicyModel::merged_weights`]).
+
+use crate::lora::{init_rng, Adapter, Linear, LoraConfig, Target};
+use candle_core::{DType, Device, Module, Result, Tensor, Var, D};
+use features::model::{Config, Family};
+use std::collections::HashMap;
+
+struct Block {
+    norm1: Tensor,
+    q: Linear,
+    k: Linear,
+    v: Linear,
+    o: Linear,
+    norm2: Tensor,
+    gate: Linear,
+    up: Linear,
+    down: Linear,
+}
+
+impl Block {
+    fn linears(&self) -> [(Target, &Linear); 7] {
+        [
+            (Target::QProj, &self.q),
+            (Target::KProj, &self.k),
+            (Target::VProj, &self.v),
+            (Target::OProj, &self.o),
+            (Target::GateProj, &self.gate),
+            (Target::UpProj, &self.up),
+            (Target::DownProj, &self.down),
+        ]
+    }
+}
+
+/// A causal LM whose adapters train by backpropagation; base weights frozen.
+pub struct PolicyModel {
+    cfg: Config,
+    lora: LoraConfig,
+    /// Every base weight by its Hugging Face name (for [`PolicyModel::merged_weights`]).
+    base: HashMap<String, Tensor>,
+    embed: Tensor,
+    lm_head: Tensor,
+    blocks: Vec<Block>,
+    norm: Tensor,
+    cos: Tensor,
+    sin: Tensor,
+    device: Device,
+}
+
+fn get_as(t: &HashMap<String, Tensor>, name: &str, dtype: DType) -> std::result::Result<Tensor, features::Error> {
+    t.get(name)
+        .cloned()
+        .ok_or_else(|| features::Error::Weights(format!("`{name}` is missing")))?
+        .to_dtype(dtype)
+        .map_err(features::Error::from)
+}
+
+impl PolicyModel {
+    /// The model over `tensors` (Hugging Face names, e.g. from `features::gguf::Gguf`), with
+    /// fresh adapters on `lora.targets` of every block; positions up to `max_len`; computing in
+    /// `dtype` (f32; f64 for exact gradient checks).
+    pub fn new(
+        tensors: HashMap<String, Tensor>,
+        cfg: Config,
+        lora: &LoraConfig,
+        max_len: usize,
+        dtype: DType,
+    ) -> std::result::Result<PolicyModel, features::Error> {
+        cfg.check()?;
+        if lora.rank == 0 {
+            return Err(features::Error::Input("LoRA rank 0: expected at least 1".into()));
+        }
+        let embed = get_as(&tensors, "model.embed_tokens.weight", dtype)?;
+        let device = embed.device().clone();
+        let lm_head = match tensors.get("lm_head.weight") {
+            Some(_) => get_as(&tensors, "lm_head.weight", dtype)?,
+            None => embed.clone(),
+        };
+        let mut rng = init_rng(lora.seed);
+        let mut blocks = Vec::with_capacity(cfg.layers);
+        for i in 0..cfg.layers {
+            let p = format!("model.layers.{i}");
+            let mut lin = |t: Target, bias: bool| -> std::result::Result<Linear, features::Error> {
+                let w = get_as(&tensors, &format!("{p}.{}.weight", t.path()), dtype)?;
+                let bias = if bias { Some(get_as(&tensors, &format!("{p}.{}.bias", t.path()), dtype)?) } else { None };
+                let adapter = if lora.targets.contains(&t) {
+                    let (out, inp) = w.dims2()?;
+                    Some(Adapter::new(inp, out, lora.rank, lora.scale(), &mut rng, &device, dtype)?)
+                } else {
+                    None
+                };
+                Ok(Linear { w, bias, adapter })
+            };
+            blocks.push(Block {
+                q: lin(Target::QProj, cfg.qkv_bias)?,
+                k: lin(Target::KProj, cfg.qkv_bias)?,
+                v: lin(Target::VProj, cfg.qkv_bias)?,
+                o: lin(Target::OProj, cfg.o_bias)?,
+                gate: lin(Target::GateProj, false)?,
+                up: lin(Target::UpProj, false)?,
+                down: lin(Target::DownProj, false)?,
+                norm1: get_as(&tensors, &format!("{p}.input_layernorm.weight"), dtype)?,
+                norm2: get_as(&tensors, &format!("{p}.post_attention_layernorm.weight"), dtype)?,
+            });
+        }
+        let norm = get_as(&tensors, "model.norm.weight", dtype)?;
+        let (cos, sin) = rope_tables(&cfg, max_len.max(1), &device)?;
+        let (cos, sin) = (cos.to_dtype(dtype)?, sin.to_dtype(dtype)?);
+        Ok(PolicyModel { cfg, lora: lora.clone(), base: tensors, embed, lm_head, blocks, norm, cos, sin, device })
+    }
+
+    pub fn config(&self) -> &Config {
+        &self.cfg
+    }
+
+    pub fn lora(&self) -> &LoraConfig {
+        &self.lora
+    }
+
+    pub fn device(&self) -> &Device {
+        &self.device
+    }
+
+    /// Logits (b, t, vocab) of right-padded ids (b, t), f32.
+    pub fn forward(&self, ids: &Tensor) -> Result<Tensor> {
+        let (b, t) = ids.dims2()?;
+        if t > self.cos.dim(0)? {
+            candle_core::bail!("{t} tokens: the model was built for at most {}", self.cos.dim(0)?);
+        }
+        let mut x = candle_nn::Embedding::new(self.embed.clone(), self.cfg.hidden).forward(ids)?;
+        let mask = causal_mask(t, &self.device, self.embed.dtype())?;
+        let (cos, sin) = (self.cos.narrow(0, 0, t)?, self.sin.narrow(0, 0, t)?);
+        for blk in &self.blocks {
+            let a = self.attention(blk, &rms_norm(&x, &blk.norm1, self.cfg.eps)?, &cos, &sin, &mask)?;
+            x = (x + a)?;
+            let h = rms_norm(&x, &blk.norm2, self.cfg.eps)?;
+            let m = blk.down.forward(&(candle_nn::ops::silu(&blk.gate.forward(&h)?)? * blk.up.forward(&h)?)?)?;
+            x = (x + m)?;
+        }
+        let h = rms_norm(&x, &self.norm, self.cfg.eps)?;
+        h.reshape((b * t, self.cfg.hidden))?.matmul(&self.lm_head.t()?)?.reshape((b, t, self.cfg.vocab))
+    }
+
+    fn attention(&self, blk: &Block, x: &Tensor, cos: &Tensor, sin: &Tensor, mask: &Tensor) -> Result<Tensor> {
+        let (b, t, _) = x.dims3()?;
+        let (h, kv, hd) = (self.cfg.heads, self.cfg.kv_heads, self.cfg.head_dim);
+        let rope = |y: Tensor, n: usize| -> Result<Tensor> {
+            let y = y.reshape((b, t, n, hd))?.transpose(1, 2)?;
+            if self.cfg.rope_interleaved {
+                rope_interleaved(&y, cos, sin)
+            } else {
+                rope_half(&y, cos, sin)
+            }
+        };
+        let q = rope(blk.q.forward(x)?, h)?;
+        let k = rope(blk.k.forward(x)?, kv)?;
+        let v = blk.v.forward(x)?.reshape((b, t, kv, hd))?.transpose(1, 2)?.contiguous()?;
+        // grouped-query attention: query head j reads kv head j / g
+        let g = h / kv;
+        let q = q.contiguous()?.reshape((b, kv, g * t, hd))?;
+        let s = (q.matmul(&k.contiguous()?.t()?)? * (1.0 / (hd as f64).sqrt()))?;
+        let s = s.reshape((b, kv, g, t, t))?.broadcast_add(mask)?;
+        let p = softmax_last(&s)?;
+        let y = p.reshape((b, kv, g * t, t))?.matmul(&v)?;
+        let y = y.reshape((b, h, t, hd))?.transpose(1, 2)?.reshape((b, t, h * hd))?;
+        blk.o.forward(&y)
+    }
+
+    /// The adapters as (PEFT-style name without the `base_model.model.` prefix, A, B), e.g.
+    /// `model.layers.0.self_attn.q_proj`.
+    pub fn adapters(&self) -> Vec<(String, &Adapter)> {
+        let mut out = Vec::new();
+        for (i, blk) in self.blocks.iter().enumerate() {
+            for (t, lin) in blk.linears() {
+                if let Some(a) = &lin.adapter {
+                    out.push((format!("model.layers.{i}.{}", t.path()), a));
+                }
+            }
+        }
+        out
+    }
+
+    /// Every trainable variable (A then B of each adapter, in [`PolicyModel::adapters`] order).
+    pub fn vars(&self) -> Vec<&Var> {
+        self.adapters().into_iter().flat_map(|(_, a)| [&a.a, &a.b]).collect()
+    }
+
+    /// The base weights with every adapter merged in (W + (α/r)BA), by Hugging Face name: what
+    /// `features::model::Model` loads to generate with the current policy.
+    pub fn merged_weights(&self) -> Result<HashMap<String, Tensor>> {
+        let mut out = self.base.clone();
+        for (name, ad) in self.adapters() {
+            let key = format!("{name}.weight");
+            let w = &self.base[&key];
+            out.insert(key, (w.to_dtype(ad.delta()?.dtype())? + ad.delta()?)?.to_dtype(w.dtype())?);
+        }
+        Ok(out)
+    }
+
+    /// The family, for adapters exported in another layout.
+    pub fn family(&self) -> Family {
+        self.cfg.family
+    }
+}
+
+/// x·(mean(x²) + ε)^{-½}·w over the last dimension.
+fn rms_norm(x: &Tensor, w: &Tensor, eps: f64) -> Result<Tensor> {
+    let ms = (x.sqr()?.mean_keepdim(D::Minus1)? + eps)?;
+    x.broadcast_div(&ms.sqrt()?)?.broadcast_mul(w)
+}
+
+/// Softmax over the last dimension; the max shift is detached (softmax does not depend on it).
+fn softmax_last(s: &Tensor) -> Result<Tensor> {
+    let m = s.max_keepdim(D::Minus1)?.detach();
+    let e = s.broadcast_sub(&m)?.exp()?;
+    e.broadcast_div(&e.sum_keepdim(D::Minus1)?)
+}
+
+/// 0 on and below the diagonal, −10³⁰ above (exp underflows to 0; no −∞ in the backward pass).
+fn causal_mask(t: usize, dev: &Device, dtype: DType) -> Result<Tensor> {
+    let m: Vec<f32> = (0..t * t).map(|i| if i % t > i / t { -1e30 } else { 0.0 }).collect();
+    Tensor::from_vec(m, (t, t), dev)?.to_dtype(dtype)
+}
+
+/// cos and sin of position × inverse frequency: (max_len, head_dim / 2).
+fn rope_tables(cfg: &Config, max_len: usize, dev: &Device) -> Result<(Tensor, Tensor)> {
+    let half = cfg.head_dim / 2;
+    let mut cos = Vec::with_capacity(max_len * half);
+    let mut sin = Vec::with_capacity(max_len * half);
+    for p in 0..max_len {
+        for i in 0..half {
+            let f = 1.0 / cfg.rope_theta.powf(2.0 * i as f64 / cfg.head_dim as f64);
+            let f = f / cfg.rope_factors.as_ref().map_or(1.0, |v| v[i]);
+            // the angle in f32, as the inference path computes it
+            let a = (p as f32) * (f as f32);
+            cos.push(a.cos());
+            sin.push(a.sin());
+        }
+    }
+    Ok((Tensor::from_vec(cos, (max_len, half), dev)?, Tensor::from_vec(sin, (max_len, half), dev)?))
+}
+
+/// Rotate-half RoPE (Hugging Face): x = [x₁, x₂] → [x₁c − x₂s, x₂c + x₁s]; x (b, h, t, hd).
+fn rope_half(x: &Tensor, cos: &Tensor, sin: &Tensor) -> Result<Tensor> {
+    let half = x.dim(3)? / 2;
+    let (x1, x2) = (x.narrow(3, 0, half)?, x.narrow(3, half, half)?);
+    let a = (x1.broadcast_mul(cos)? - x2.broadcast_mul(sin)?)?;
+    let b = (x2.broadcast_mul(cos)? + x1.broadcast_mul(sin)?)?;
+    Tensor::cat(&[a, b], 3)
+}
+
+/// Interleaved RoPE (llama.cpp's row order): pairs (x₂ᵢ, x₂ᵢ₊₁) rotated by angle i.
+fn rope_interleaved(x: &Tensor, cos: &Tensor, sin: &Tensor) -> Result<Tensor> {
+    let (b, h, t, hd) = x.dims4()?;
+    let x = x.contiguous()?.reshape((b, h, t, hd / 2, 2))?;
+    let (x0, x1) = (x.narrow(4, 0, 1)?.squeeze(4)?, x.narrow(4, 1, 1)?.squeeze(4)?);
+    let a = (x0.broadcast_mul(cos)? - x1.broadcast_mul(sin)?)?;
+    let c = (x0.broadcast_mul(sin)? + x1.broadcast_mul(cos)?)?;
+    Tensor::stack(&[a, c], 4)?.reshape((b, h, t, hd))
+}

@@ -1,0 +1,105 @@
+//! Adapters in PEFT's layout, so `peft.PeftModel.from_pretrained(model, dir)` loads them on the
+//! transformers model: `adapter_model.safetensors` with keys
+//! `base_model.model.model.layers.{i}.self_attn.q_proj.lora_A.weight` (r, in) and `…lora_B.weight`
+//! (out, r), and `adapter_config.json` (peft_type LORA, r, lora_alpha, target_modules, …).
+//!
+//! llama.cpp stores a Llama's q and k rows permuted for interleaved RoPE; a model read from GGUF
+//! trains its q/k adapters in that row order, so B's rows are put back in Hugging Face's order
+//! on save (and permuted again on load).
+
+use crate::lora::Target;
+use crate::model::PolicyModel;
+use candle_core::{Device, Tensor};
+use std::collections::HashMap;
+use std::path::Path;
+
+const PREFIX: &str = "base_model.model.";
+
+/// Row r of Hugging Face's q (or k) weight is row `gguf_row(r)` of llama.cpp's: within each
+/// head, HF row p·(hd/2) + i is llama.cpp's row 2i + p.
+fn gguf_row(r: usize, head_dim: usize) -> usize {
+    let (head, within) = (r / head_dim, r % head_dim);
+    let half = head_dim / 2;
+    let (p, i) = (within / half, within % half);
+    head * head_dim + 2 * i + p
+}
+
+fn permute_rows(t: &Tensor, head_dim: usize, to_hf: bool) -> candle_core::Result<Tensor> {
+    let n = t.dim(0)?;
+    let idx: Vec<u32> = (0..n)
+        .map(|r| if to_hf { gguf_row(r, head_dim) } else { (0..n).find(|&g| gguf_row(g, head_dim) == r).unwrap_or(r) } as u32)
+        .collect();
+    t.index_select(&Tensor::from_vec(idx, n, t.device())?, 0)
+}
+
+fn needs_permute(m: &PolicyModel, name: &str) -> bool {
+    m.config().rope_interleaved && (name.ends_with(Target::QProj.path()) || name.ends_with(Target::KProj.path()))
+}
+
+/// Writes `dir/adapter_model.safetensors` and `dir/adapter_config.json`.
+pub fn save(m: &PolicyModel, dir: &Path, base_model: &str) -> std::result::Result<(), features::Error> {
+    let io = |e: std::io::Error| features::Error::Io(format!("{}: {e}", dir.display()));
+    std::fs::create_dir_all(dir).map_err(io)?;
+    let mut tensors: Vec<(String, Tensor)> = Vec::new();
+    for (name, ad) in m.adapters() {
+        let mut b = ad.b.as_tensor().to_device(&Device::Cpu)?;
+        if needs_permute(m, &name) {
+            b = permute_rows(&b, m.config().head_dim, true)?;
+        }
+        tensors.push((format!("{PREFIX}{name}.lora_A.weight"), ad.a.as_tensor().to_device(&Device::Cpu)?));
+        tensors.push((format!("{PREFIX}{name}.lora_B.weight"), b));
+    }
+    let st = dir.join("adapter_model.safetensors");
+    candle_core::safetensors::save(&tensors.into_iter().collect::<HashMap<_, _>>(), &st)?;
+    let l = m.lora();
+    let mut targets: Vec<&str> = l.targets.iter().map(|t| t.name()).collect();
+    targets.sort();
+    let cfg = serde_json::json!({
+        "peft_type": "LORA",
+        "task_type": "CAUSAL_LM",
+        "base_model_name_or_path": base_model,
+        "r": l.rank,
+        "lora_alpha": l.alpha,
+        "lora_dropout": 0.0,
+        "target_modules": targets,
+        "bias": "none",
+        "fan_in_fan_out": false,
+        "inference_mode": true,
+        "init_lora_weights": true,
+        "use_rslora": false,
+        "use_dora": false,
+        "modules_to_save": null,
+        "layers_to_transform": null,
+        "revision": null,
+    });
+    let text = serde_json::to_string_pretty(&cfg).expect("plain JSON");
+    std::fs::write(dir.join("adapter_config.json"), text).map_err(io)
+}
+
+/// Reads adapters saved by [`save`] (or by PEFT) into `m`'s variables; every adapter of `m`
+/// must be present with its shape.
+pub fn load(m: &PolicyModel, dir: &Path) -> std::result::Result<(), features::Error> {
+    let st = dir.join("adapter_model.safetensors");
+    let t = candle_core::safetensors::load(&st, m.device())
+        .map_err(|e| features::Error::Weights(format!("{}: {e}", st.display())))?;
+    for (name, ad) in m.adapters() {
+        for (which, var) in [("lora_A", &ad.a), ("lora_B", &ad.b)] {
+            let key = format!("{PREFIX}{name}.{which}.weight");
+            let mut x =
+                t.get(&key).ok_or_else(|| features::Error::Weights(format!("{}: no `{key}`", st.display())))?.clone();
+            if which == "lora_B" && needs_permute(m, &name) {
+                x = permute_rows(&x, m.config().head_dim, false)?;
+            }
+            if x.dims() != var.as_tensor().dims() {
+                return Err(features::Error::Weights(format!(
+                    "{}: `{key}` has shape {:?}, expected {:?}",
+                    st.display(),
+                    x.dims(),
+                    var.as_tensor().dims()
+                )));
+            }
+            var.set(&x.to_dtype(candle_core::DType::F32)?)?;
+        }
+    }
+    Ok(())
+}
