@@ -2,7 +2,7 @@
 //! (as PyTorch's `clip_grad_norm_` then `Adam.step`): g ← g·min(1, c/‖g‖₂) over all adapters,
 //! m ← β₁m + (1−β₁)g, v ← β₂v + (1−β₂)g², θ ← θ − lr·m̂/(√v̂ + ε) with bias-corrected m̂, v̂.
 
-use candle_core::{backprop::GradStore, Result, Tensor, Var};
+use candle_core::{backprop::GradStore, DType, Result, Tensor, Var};
 use serde::{Deserialize, Serialize};
 
 #[derive(Clone, Copy, Debug, PartialEq, Serialize, Deserialize)]
@@ -21,7 +21,8 @@ impl Default for AdamConfig {
     }
 }
 
-/// The optimizer's state: step count and moments, flat f32 per variable (checkpoints).
+/// The optimizer's state: step count and moments, flat per variable, rounded to f32 (the
+/// adapters train in f32; checkpoints keep them bit for bit).
 #[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
 pub struct AdamState {
     pub t: u64,
@@ -62,7 +63,7 @@ impl Adam {
             .collect::<Result<_>>()?;
         let mut sq = 0.0f64;
         for g in &gs {
-            sq += f64::from(g.sqr()?.sum_all()?.to_scalar::<f32>()?);
+            sq += g.sqr()?.sum_all()?.to_dtype(DType::F64)?.to_scalar::<f64>()?;
         }
         let norm = sq.sqrt();
         let factor = match self.cfg.clip {
@@ -86,7 +87,9 @@ impl Adam {
     }
 
     pub fn state(&self) -> Result<AdamState> {
-        let flat = |ts: &[Tensor]| ts.iter().map(|t| t.flatten_all()?.to_vec1::<f32>()).collect::<Result<Vec<_>>>();
+        let flat = |ts: &[Tensor]| {
+            ts.iter().map(|t| t.flatten_all()?.to_dtype(DType::F32)?.to_vec1::<f32>()).collect::<Result<Vec<_>>>()
+        };
         Ok(AdamState { t: self.t, m: flat(&self.m)?, v: flat(&self.v)? })
     }
 
@@ -96,7 +99,7 @@ impl Adam {
             candle_core::bail!("Adam state of {} variables: expected {}", s.m.len(), self.m.len());
         }
         for (dst, src) in self.m.iter_mut().zip(&s.m).chain(self.v.iter_mut().zip(&s.v)) {
-            *dst = Tensor::from_vec(src.clone(), dst.shape(), dst.device())?;
+            *dst = Tensor::from_vec(src.clone(), dst.shape(), dst.device())?.to_dtype(dst.dtype())?;
         }
         self.t = s.t;
         Ok(())

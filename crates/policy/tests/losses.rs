@@ -1,0 +1,128 @@
+//! The losses against hand computations on fixed numbers, and Adam against its update written
+//! out in f64.
+
+use candle_core::{DType, Device, Tensor, Var};
+use policy::adam::{Adam, AdamConfig};
+use policy::loss::*;
+
+fn t(v: &[f64]) -> Tensor {
+    Tensor::from_vec(v.to_vec(), v.len(), &Device::Cpu).unwrap()
+}
+fn s(x: &Tensor) -> f64 {
+    x.to_scalar::<f64>().unwrap()
+}
+fn sigmoid(x: f64) -> f64 {
+    1.0 / (1.0 + (-x).exp())
+}
+
+#[test]
+fn token_logprobs_gather_the_next_token() {
+    // logits (1, 3, 4); ids (1, 3): log π(ids[1] | ·) from row 0, log π(ids[2] | ·) from row 1
+    let l = [0.1, 2.0, -1.0, 0.5, 1.0, 1.0, 3.0, -2.0, 9.0, 9.0, 9.0, 9.0];
+    let logits = Tensor::from_vec(l.to_vec(), (1, 3, 4), &Device::Cpu).unwrap();
+    let ids = Tensor::from_vec(vec![0u32, 1, 2], (1, 3), &Device::Cpu).unwrap();
+    let got: Vec<f64> = token_logprobs(&logits, &ids).unwrap().flatten_all().unwrap().to_vec1().unwrap();
+    let lse = |r: &[f64]| r.iter().map(|x| x.exp()).sum::<f64>().ln();
+    let want = [l[1] - lse(&l[0..4]), l[6] - lse(&l[4..8])];
+    for (g, w) in got.iter().zip(want) {
+        assert!((g - w).abs() < 1e-12, "{got:?} vs {want:?}");
+    }
+}
+
+#[test]
+fn kl_estimators_match_their_formulas() {
+    let (lp, lr) = ([-1.0, -0.2, -3.0], [-1.5, -0.1, -2.0]);
+    let k1: Vec<f64> = kl_k1(&t(&lp), &t(&lr)).unwrap().to_vec1().unwrap();
+    let k3: Vec<f64> = kl_k3(&t(&lp), &t(&lr)).unwrap().to_vec1().unwrap();
+    for i in 0..3 {
+        let d = lr[i] - lp[i];
+        assert!((k1[i] - (lp[i] - lr[i])).abs() < 1e-12);
+        assert!((k3[i] - (d.exp() - d - 1.0)).abs() < 1e-12);
+        assert!(k3[i] >= 0.0, "k3 is non-negative");
+    }
+}
+
+#[test]
+fn rloo_advantages_leave_one_out() {
+    let r = [1.0, 2.0, 6.0, 0.0, -1.0, 1.0];
+    let a = rloo_advantages(&r, 3);
+    // prompt 1: 1 − (2+6)/2, 2 − (1+6)/2, 6 − (1+2)/2; prompt 2 likewise
+    let want = [1.0 - 4.0, 2.0 - 3.5, 6.0 - 1.5, 0.0 - 0.0, -1.0 - 0.5, 1.0 + 0.5];
+    assert_eq!(a, want);
+    // the advantages of a prompt sum to k/(k−1)·(Σr − k·mean) = 0
+    assert!(a[..3].iter().sum::<f64>().abs() < 1e-12);
+}
+
+#[test]
+fn rloo_loss_is_the_clipped_policy_gradient() {
+    let (lp, old, adv) = ([-2.0, -1.0, -3.0], [-2.5, -1.0, -2.0], [1.5, -0.5, 2.0]);
+    for clip in [None, Some(0.2)] {
+        let got = s(&rloo_loss(&t(&lp), &t(&old), &t(&adv), clip).unwrap());
+        let mut want = 0.0;
+        for i in 0..3 {
+            let rho = (lp[i] - old[i]).exp();
+            let mut v = -adv[i] * rho;
+            if let Some(e) = clip {
+                v = v.max(-adv[i] * rho.clamp(1.0 - e, 1.0 + e));
+            }
+            want += v / 3.0;
+        }
+        assert!((got - want).abs() < 1e-12, "{clip:?}: {got} vs {want}");
+    }
+    // the gradient on fresh samples (old = current) is −A·∇log π / n
+    let v = Var::from_tensor(&t(&lp)).unwrap();
+    let g = rloo_loss(v.as_tensor(), &t(&lp), &t(&adv), Some(0.2)).unwrap().backward().unwrap();
+    let g: Vec<f64> = g.get(v.as_tensor()).unwrap().to_vec1().unwrap();
+    for i in 0..3 {
+        assert!((g[i] + adv[i] / 3.0).abs() < 1e-12, "{g:?}");
+    }
+}
+
+#[test]
+fn dpo_loss_is_minus_log_sigmoid_of_the_margin() {
+    let (pw, pl, rw, rl) = ([-3.0, -10.0, 50.0], [-4.0, -2.0, -60.0], [-3.5, -9.0, 0.0], [-3.0, -3.0, 0.0]);
+    for beta in [0.1, 1.0] {
+        let got = s(&dpo_loss(&t(&pw), &t(&pl), &t(&rw), &t(&rl), beta).unwrap());
+        let want: f64 = (0..3).map(|i| -sigmoid(beta * ((pw[i] - rw[i]) - (pl[i] - rl[i]))).ln()).sum::<f64>() / 3.0;
+        assert!((got - want).abs() < 1e-9, "β = {beta}: {got} vs {want}");
+        assert!(got.is_finite(), "large margins stay finite");
+    }
+}
+
+#[test]
+fn adam_steps_as_written_with_clipping() {
+    let x0 = [0.5, -1.0, 2.0];
+    let v = Var::from_tensor(&t(&x0)).unwrap();
+    let cfg = AdamConfig { lr: 0.1, beta1: 0.9, beta2: 0.99, eps: 1e-8, clip: Some(1.0) };
+    let mut opt = Adam::new(cfg, &[&v]).unwrap();
+    let (mut m, mut s2, mut x) = ([0.0; 3], [0.0; 3], x0);
+    for step in 1..=3 {
+        // loss = Σ 2x² + x → g = 4x + 1, norm above 1: clipped
+        let loss = ((v.as_tensor().sqr().unwrap() * 2.0).unwrap() + v.as_tensor()).unwrap().sum_all().unwrap();
+        let info = opt.step(&[&v], &loss.backward().unwrap()).unwrap();
+        let g: Vec<f64> = x.iter().map(|x| 4.0 * x + 1.0).collect();
+        let n = g.iter().map(|g| g * g).sum::<f64>().sqrt();
+        assert!((info.grad_norm - n).abs() < 1e-9 && (info.clip_factor - 1.0 / n).abs() < 1e-12);
+        for i in 0..3 {
+            let gi = g[i] / n;
+            m[i] = 0.9 * m[i] + 0.1 * gi;
+            s2[i] = 0.99 * s2[i] + 0.01 * gi * gi;
+            let (mh, vh) = (m[i] / (1.0 - 0.9f64.powi(step)), s2[i] / (1.0 - 0.99f64.powi(step)));
+            x[i] -= 0.1 * mh / (vh.sqrt() + 1e-8);
+        }
+        let got: Vec<f64> = v.as_tensor().to_vec1().unwrap();
+        for i in 0..3 {
+            assert!((got[i] - x[i]).abs() < 1e-12, "step {step}: {got:?} vs {x:?}");
+        }
+    }
+    // the state round-trips (f32 moments), and lr = 0 does not move θ (negative control)
+    let st = opt.state().unwrap();
+    assert_eq!(st.t, 3);
+    let mut again = Adam::new(AdamConfig { lr: 0.0, ..cfg }, &[&v]).unwrap();
+    again.restore(&st).unwrap();
+    let before: Vec<f64> = v.as_tensor().to_vec1().unwrap();
+    let loss = v.as_tensor().sqr().unwrap().sum_all().unwrap();
+    again.step(&[&v], &loss.backward().unwrap()).unwrap();
+    assert_eq!(v.as_tensor().to_vec1::<f64>().unwrap(), before);
+    let _ = DType::F64;
+}
