@@ -26,8 +26,26 @@ pub struct CgOptions {
     pub beta: Beta,
     /// Added to pᵀAp in α's denominator (0 in the paper; the authors add 1e-8).
     pub alpha_eps: f32,
-    /// Stop once ‖r‖² falls below this (1e-10).
-    pub tol_sq: f32,
+    pub stop: Stop,
+}
+
+/// When CG stops before K products.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub enum Stop {
+    /// ‖r‖ ≤ ε‖b‖: the same number of steps for problems equal up to a scaling (paper Alg. 5's ε).
+    Relative(f32),
+    /// ‖r‖² < tol: the authors' `r_norm_sq < 1e-10` (reference-code.md §6.2).
+    Absolute(f32),
+}
+
+impl Stop {
+    /// Whether ‖r‖² = `rr` is small enough, for a right-hand side with ‖b‖² = `bb`.
+    fn reached(&self, rr: f64, bb: f64) -> bool {
+        match *self {
+            Stop::Relative(eps) => rr <= f64::from(eps) * f64::from(eps) * bb,
+            Stop::Absolute(tol) => rr < f64::from(tol),
+        }
+    }
 }
 
 /// Work vectors, kept by the caller so a step allocates nothing.
@@ -60,20 +78,28 @@ pub fn solve(
     s.r.copy_from_slice(b);
     s.p.copy_from_slice(b);
     let mut rr = dot_f32(&s.r, &s.r);
-    if rr == 0.0 {
+    let bb = f64::from(rr);
+    // x = 0 already solves it: b is zero, subnormal (pᵀAp would underflow to 0 and α to ∞), or
+    // below the tolerance
+    if !(rr >= f32::MIN_POSITIVE) || opts.stop.reached(bb, bb) {
         return 0;
     }
     let mut products = 0;
     for k in 0..opts.steps {
         apply(&s.p, &mut s.ap);
         products += 1;
-        let alpha = rr / (dot_f32(&s.p, &s.ap) + opts.alpha_eps);
+        let pap = dot_f32(&s.p, &s.ap) + opts.alpha_eps;
+        let alpha = rr / pap;
+        // no positive curvature along p (or it underflowed): keep the iterate
+        if !(pap > 0.0) || !alpha.is_finite() {
+            break;
+        }
         if k + 1 == opts.steps {
             axpy_f32(alpha, &s.p, x);
             break;
         }
         let rr_new = cg_step_f32(alpha, &s.p, &s.ap, x, &mut s.r);
-        if rr_new < opts.tol_sq {
+        if opts.stop.reached(f64::from(rr_new), bb) {
             break;
         }
         let beta = match opts.beta {
@@ -104,7 +130,8 @@ pub fn solve_row_space(gram: &[f64], w: &[f64], lambda: f64, c: &[f64], opts: &C
     x.fill(0.0);
     gmul(&r, &mut gr);
     let mut rr = inner(&r, &gr);
-    if rr <= 0.0 {
+    let bb = rr;
+    if !(rr >= f64::MIN_POSITIVE) || opts.stop.reached(bb, bb) {
         return 0;
     }
     let mut iters = 0;
@@ -116,7 +143,11 @@ pub fn solve_row_space(gram: &[f64], w: &[f64], lambda: f64, c: &[f64], opts: &C
         }
         gmul(&ap, &mut gap);
         iters += 1;
-        let alpha = rr / (inner(&p, &gap) + f64::from(opts.alpha_eps));
+        let pap = inner(&p, &gap) + f64::from(opts.alpha_eps);
+        let alpha = rr / pap;
+        if !(pap > 0.0) || !alpha.is_finite() {
+            break;
+        }
         for i in 0..n {
             x[i] += alpha * p[i];
         }
@@ -128,7 +159,7 @@ pub fn solve_row_space(gram: &[f64], w: &[f64], lambda: f64, c: &[f64], opts: &C
         }
         gmul(&r, &mut gr);
         let rr_new = inner(&r, &gr);
-        if rr_new < f64::from(opts.tol_sq) {
+        if opts.stop.reached(rr_new, bb) {
             break;
         }
         let beta = match opts.beta {

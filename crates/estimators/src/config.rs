@@ -133,11 +133,20 @@ pub struct HvpCgConfig {
     pub lambda_min: f64,
     /// η of θ ← θ − η v (default 1e-3).
     pub lr: f64,
+    /// ε of CG's relative stopping rule ‖r‖ ≤ ε‖g‖ (default 1e-5).
+    pub cg_tol: f64,
 }
 
 impl Default for HvpCgConfig {
     fn default() -> Self {
-        HvpCgConfig { cg_steps: 3, lambda0: 0.8, schedule: DampingSchedule::Linear, lambda_min: 1e-6, lr: 1e-3 }
+        HvpCgConfig {
+            cg_steps: 3,
+            lambda0: 0.8,
+            schedule: DampingSchedule::Linear,
+            lambda_min: 1e-6,
+            lr: 1e-3,
+            cg_tol: 1e-5,
+        }
     }
 }
 
@@ -347,6 +356,9 @@ impl EstimatorConfig {
             positive("lambda0", c.lambda0)?;
             positive("lambda_min", c.lambda_min)?;
             positive("lr", c.lr)?;
+            if !(c.cg_tol >= 0.0 && c.cg_tol < 1.0) {
+                return bad("cg_tol", c.cg_tol.to_string(), "a number in [0, 1)");
+            }
             if c.schedule != DampingSchedule::Constant && setup.planned_steps.unwrap_or(0) == 0 {
                 return bad(
                     "planned_steps",

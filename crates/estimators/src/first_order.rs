@@ -2,7 +2,7 @@
 //! update) fed to an optimizer (SGD with clipping, Adam, or the authors' Adam), optionally
 //! with a replay pass (sgd-replay). θ is kept in f32, as the authors' fp32 master weights.
 
-use crate::cg::{self, Beta, CgOptions, CgScratch};
+use crate::cg::{self, Beta, CgOptions, CgScratch, Stop};
 use crate::config::*;
 use crate::linalg::{axpy_f32, damped_hvp_f32, gemv_f32, gemv_t_f32, gram_f32, norm_f32, step_geometry};
 use crate::logistic::BatchStats;
@@ -289,13 +289,19 @@ impl Estimator for FirstOrder {
             Direction::Gradient => self.dir.copy_from_slice(&self.g),
             Direction::Paper(c) => {
                 damping = paper_damping(&c, self.steps, self.planned_steps);
-                let opts = CgOptions { steps: c.cg_steps, beta: Beta::FletcherReeves, alpha_eps: 0.0, tol_sq: 1e-10 };
+                let opts = CgOptions {
+                    steps: c.cg_steps,
+                    beta: Beta::FletcherReeves,
+                    alpha_eps: 0.0,
+                    stop: Stop::Relative(c.cg_tol as f32),
+                };
                 inner_iters = cg_solve(damping as f32, opts, self, &mut cost);
             }
             Direction::Reference(c) => {
                 damping = reference_gate(&c, self.steps, self.planned_steps);
                 if damping < 1.0 {
-                    let opts = CgOptions { steps: c.cg_steps, beta: Beta::One, alpha_eps: 1e-8, tol_sq: 1e-10 };
+                    let opts =
+                        CgOptions { steps: c.cg_steps, beta: Beta::One, alpha_eps: 1e-8, stop: Stop::Absolute(1e-10) };
                     inner_iters = cg_solve(c.lambda0 as f32, opts, self, &mut cost);
                     if c.cg_steps > 1 {
                         let (l0, l1) = (c.lambda0 as f32, (1.0 - c.lambda0) as f32);

@@ -12,11 +12,13 @@ pub fn sigmoid(m: f64) -> f64 {
     }
 }
 
-/// σ'(m) = σ(m)(1 − σ(m)).
+/// σ'(m) = σ(m)(1 − σ(m)), in the symmetric form e/(1 + e)² with e = e^{−|m|}: σ'(m) = σ'(−m)
+/// bit for bit, and no cancellation in 1 − σ(m) (s(1 − s) is exactly 0 for m ≳ 37 while the true
+/// value is e^{−m} ≈ 1e−16, so κ = ∞ would come only from correctly classified pairs).
 #[inline]
 pub fn sigmoid_prime(m: f64) -> f64 {
-    let s = sigmoid(m);
-    s * (1.0 - s)
+    let e = (-m.abs()).exp();
+    e / ((1.0 + e) * (1.0 + e))
 }
 
 /// log(1 + e^m) without overflow.
@@ -69,7 +71,7 @@ impl BatchStats {
             let yi = f64::from(y[i]);
             let s = sigmoid(m[i]);
             coef[i] = s - yi;
-            curv[i] = s * (1.0 - s);
+            curv[i] = sigmoid_prime(m[i]);
             min_sp = min_sp.min(curv[i]);
             loss += log_loss(m[i], yi);
             right += accuracy_credit(m[i], yi);
@@ -120,9 +122,25 @@ mod tests {
         assert_eq!((accuracy_credit(0.0, 0.0), accuracy_credit(-0.0, 1.0)), (0.5, 0.5));
         assert_eq!((accuracy_credit(-1e-300, 0.0), accuracy_credit(1e-300, 0.0)), (1.0, 0.0));
         // κ = max 1/σ'(m): the largest |m| (= 2) has the smallest σ'
-        let sp2 = sigmoid(2.0) * (1.0 - sigmoid(2.0));
+        let sp2 = sigmoid_prime(2.0);
         assert!((st.kappa - 1.0 / sp2).abs() < 1e-9);
         assert!((st.kappa_reference - 1.0 / (sp2 + 1e-3)).abs() < 1e-9);
         assert!((c[1] - (sigmoid(2.0) - 1.0)).abs() < 1e-15);
+    }
+
+    /// σ' is symmetric bit for bit and does not cancel for large positive margins (it was
+    /// σ(1 − σ) = 0 from m ≈ 37 on, but not for m ≪ 0).
+    #[test]
+    fn sigmoid_prime_is_symmetric_and_does_not_cancel() {
+        for m in [0.0, 0.3, 2.0, 17.0, 36.9, 37.0, 40.0, 300.0, 700.0] {
+            assert_eq!(sigmoid_prime(m).to_bits(), sigmoid_prime(-m).to_bits(), "m = {m}");
+            // independent: for large |m|, σ'(m) = e^{−|m|}(1 − 2e^{−|m|} + O(e^{−2|m|}))
+            if m >= 17.0 {
+                let e = (-m).exp();
+                assert!(((sigmoid_prime(m) - e * (1.0 - 2.0 * e)) / e).abs() < 1e-12, "m = {m}");
+                assert!(sigmoid_prime(m) > 0.0);
+            }
+        }
+        assert!((sigmoid_prime(0.0) - 0.25).abs() < 1e-16);
     }
 }

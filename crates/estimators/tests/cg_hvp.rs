@@ -2,7 +2,7 @@
 //! differences of the gradient, and omd-hvp-cg against a dense solve when K ≥ d.
 mod common;
 use common::*;
-use estimators::cg::{self, Beta, CgOptions, CgScratch};
+use estimators::cg::{self, Beta, CgOptions, CgScratch, Stop};
 use estimators::linalg::hvp_f32;
 use estimators::{DampingSchedule, Estimator, EstimatorConfig, FirstOrder, HvpCgConfig};
 use nalgebra::{DMatrix, DVector};
@@ -47,7 +47,7 @@ fn run_cg(a: &DMatrix<f64>, b: &DVector<f64>, k: usize, beta: Beta) -> DVector<f
     let a32: Vec<f32> = a.transpose().iter().map(|&v| v as f32).collect(); // row-major
     let b32: Vec<f32> = b.iter().map(|&v| v as f32).collect();
     let mut x = vec![0f32; d];
-    let opts = CgOptions { steps: k, beta, alpha_eps: 0.0, tol_sq: 0.0 };
+    let opts = CgOptions { steps: k, beta, alpha_eps: 0.0, stop: Stop::Absolute(0.0) };
     let taken = cg::solve(
         |p, out| {
             for i in 0..d {
@@ -133,7 +133,14 @@ fn closed_form_hvp_equals_central_differences() {
 fn omd_hvp_cg_with_k_ge_d_is_a_damped_newton_step() {
     let (b, d) = (6, 5);
     let s = stream(6, 60, d, 2.0, 2.0);
-    let cfg = HvpCgConfig { cg_steps: 30, lambda0: 0.8, schedule: DampingSchedule::Linear, lambda_min: 1e-6, lr: 0.5 };
+    let cfg = HvpCgConfig {
+        cg_steps: 30,
+        lambda0: 0.8,
+        schedule: DampingSchedule::Linear,
+        lambda_min: 1e-6,
+        lr: 0.5,
+        cg_tol: 1e-5,
+    };
     let big_t = 10u64;
     let theta0: Vec<f64> = (0..d).map(|i| 0.1 * i as f64).collect();
     let mut est = FirstOrder::new(&EstimatorConfig::OmdHvpCg(cfg), theta0, Some(big_t)).unwrap();
@@ -204,7 +211,7 @@ fn row_space_cg_equals_direct_cg_and_the_krylov_optimum() {
         (Beta::FletcherReeves, 5),
         (Beta::One, 3),
     ] {
-        let opts = CgOptions { steps: k, beta: beta_rule, alpha_eps: 0.0, tol_sq: 0.0 };
+        let opts = CgOptions { steps: k, beta: beta_rule, alpha_eps: 0.0, stop: Stop::Absolute(0.0) };
         let mut coef = vec![0.0; b];
         cg::solve_row_space(&gram, &w, lambda, &c, &opts, &mut coef);
         let row = zm.transpose() * DVector::from_vec(coef);
@@ -234,7 +241,7 @@ fn cg_stops_once_the_residual_vanishes() {
     let d = 6;
     let b32: Vec<f32> = (0..d).map(|i| i as f32 - 2.5).collect();
     for beta in [Beta::FletcherReeves, Beta::One] {
-        let opts = CgOptions { steps: 4, beta, alpha_eps: 0.0, tol_sq: 1e-10 };
+        let opts = CgOptions { steps: 4, beta, alpha_eps: 0.0, stop: Stop::Absolute(1e-10) };
         let mut x = vec![0f32; d];
         let taken = cg::solve(
             |p, out| out.iter_mut().zip(p).for_each(|(o, v)| *o = 2.0 * v),
@@ -257,4 +264,49 @@ fn cg_stops_once_the_residual_vanishes() {
             assert!((xi - ci / 2.0).abs() < 1e-12 && xi.is_finite());
         }
     }
+}
+
+/// A subnormal right-hand side (pᵀAp underflows to 0, α to ∞): CG returns x = 0 instead of ∞.
+#[test]
+fn cg_returns_zero_for_an_underflowing_right_hand_side() {
+    let b = vec![3e-23f32; 4]; // ‖b‖² ≈ 4e-45: subnormal in f32
+    let apply = |p: &[f32], out: &mut [f32]| {
+        for (o, x) in out.iter_mut().zip(p) {
+            *o = 1e-3 * x;
+        }
+    };
+    let mut x = vec![0f32; 4];
+    let opts = CgOptions { steps: 3, beta: Beta::FletcherReeves, alpha_eps: 0.0, stop: Stop::Relative(1e-5) };
+    let k = cg::solve(apply, &b, &opts, &mut x, &mut CgScratch::new(4));
+    assert!(x.iter().all(|v| v.is_finite()), "{x:?}");
+    assert_eq!(k, 0);
+    // no positive curvature: the iterate is kept, not pushed to ∞
+    let zero = |_: &[f32], out: &mut [f32]| out.fill(0.0);
+    let b = vec![1.0f32; 4];
+    cg::solve(zero, &b, &opts, &mut x, &mut CgScratch::new(4));
+    assert!(x.iter().all(|v| v.is_finite()), "{x:?}");
+}
+
+/// The relative stop takes the same steps for problems equal up to a scaling; the authors'
+/// absolute rule does not (negative control).
+#[test]
+fn relative_stop_is_scale_free() {
+    let diag = [1.0f32, 2.0, 5.0];
+    let run = |a_scale: f32, b_scale: f32, stop: Stop| -> u32 {
+        let apply = |p: &[f32], out: &mut [f32]| {
+            for i in 0..3 {
+                out[i] = a_scale * diag[i] * p[i];
+            }
+        };
+        let b: Vec<f32> = [1.0f32, -2.0, 0.5].iter().map(|v| v * b_scale).collect();
+        let mut x = vec![0f32; 3];
+        let opts = CgOptions { steps: 10, beta: Beta::FletcherReeves, alpha_eps: 0.0, stop };
+        cg::solve(apply, &b, &opts, &mut x, &mut CgScratch::new(3))
+    };
+    let rel = Stop::Relative(1e-4);
+    let k = run(1.0, 1.0, rel);
+    assert_eq!(run(1.0, 1e-5, rel), k);
+    assert_eq!(run(1e3, 1e3, rel), k);
+    let abs = Stop::Absolute(1e-10);
+    assert_ne!(run(1.0, 1e-5, abs), run(1.0, 1.0, abs), "the absolute rule stops early on a small b");
 }

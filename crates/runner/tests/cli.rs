@@ -709,3 +709,31 @@ lr = 0.5
     let r = onepass(tmp.path(), &["run", spec.to_str().unwrap(), "--set", "active.rule=best-three", "--dry-run"]);
     assert!(r.code == 2 && r.stderr.contains("unknown rule `best-three`"), "{}", r.stderr);
 }
+
+/// Regression: large features and a small θ* gave a pair whose gradient underflowed; CG divided
+/// by pᵀAp = 0 and omd-hvp-cg's θ became ∞ ("θ became non-finite"). Every cell now finishes.
+#[test]
+fn omd_hvp_cg_survives_underflowing_gradients() {
+    let tmp = tempfile::tempdir().unwrap();
+    let spec = util::root().join("experiments/passive/synthetic.toml");
+    let r = onepass(
+        tmp.path(),
+        &[
+            "run",
+            spec.to_str().unwrap(),
+            "--out",
+            "o",
+            "--set",
+            "seeds=1",
+            "--set",
+            "stream.samples=4000",
+            "--set",
+            "env.feature_norm=30",
+            "--set",
+            "env.theta_norm=0.1",
+        ],
+    );
+    assert_eq!(r.code, 0, "{}", r.stderr);
+    let cells = util::table(&tmp.path().join(r.dir()).join("cells.parquet"));
+    assert!(util::strs(&cells, "status").iter().all(|s| s == "ok"), "{:?}", util::strs(&cells, "err"));
+}

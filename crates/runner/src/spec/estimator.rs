@@ -57,6 +57,8 @@ pub struct HvpCgSpec {
     pub lambda0: f64,
     pub schedule: Schedule,
     pub lambda_min: f64,
+    /// ε of CG's relative stop ‖r‖ ≤ ε‖g‖.
+    pub cg_tol: f64,
 }
 
 impl Default for HvpCgSpec {
@@ -68,6 +70,7 @@ impl Default for HvpCgSpec {
             lambda0: c.lambda0,
             schedule: Schedule(c.schedule),
             lambda_min: c.lambda_min,
+            cg_tol: c.cg_tol,
         }
     }
 }
@@ -80,6 +83,7 @@ impl HvpCgSpec {
             schedule: self.schedule.0,
             lambda_min: self.lambda_min,
             lr: self.lr,
+            cg_tol: self.cg_tol,
         }
     }
 }
@@ -92,6 +96,7 @@ pub struct HvpCgAdamSpec {
     pub lambda0: f64,
     pub schedule: Schedule,
     pub lambda_min: f64,
+    pub cg_tol: f64,
     pub lr: f64,
     pub beta1: f64,
     pub beta2: f64,
@@ -106,6 +111,7 @@ impl Default for HvpCgAdamSpec {
             lambda0: c.lambda0,
             schedule: c.schedule,
             lambda_min: c.lambda_min,
+            cg_tol: c.cg_tol,
             lr: a.lr,
             beta1: a.beta1,
             beta2: a.beta2,
@@ -284,6 +290,7 @@ impl EstimatorSpec {
                     lambda0: s.lambda0,
                     schedule: s.schedule.0,
                     lambda_min: s.lambda_min,
+                    cg_tol: s.cg_tol,
                     ..HvpCgConfig::default()
                 },
                 adam: AdamConfig { lr: s.lr, beta1: s.beta1, beta2: s.beta2, eps: s.eps },
