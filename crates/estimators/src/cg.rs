@@ -81,7 +81,7 @@ pub fn solve(
     let bb = f64::from(rr);
     // x = 0 already solves it: b is zero, subnormal (pᵀAp would underflow to 0 and α to ∞), or
     // below the tolerance
-    if !(rr >= f32::MIN_POSITIVE) || opts.stop.reached(bb, bb) {
+    if rr.is_nan() || rr < f32::MIN_POSITIVE || opts.stop.reached(bb, bb) {
         return 0;
     }
     let mut products = 0;
@@ -91,7 +91,7 @@ pub fn solve(
         let pap = dot_f32(&s.p, &s.ap) + opts.alpha_eps;
         let alpha = rr / pap;
         // no positive curvature along p (or it underflowed): keep the iterate
-        if !(pap > 0.0) || !alpha.is_finite() {
+        if pap.is_nan() || pap <= 0.0 || !alpha.is_finite() {
             break;
         }
         if k + 1 == opts.steps {
@@ -131,7 +131,7 @@ pub fn solve_row_space(gram: &[f64], w: &[f64], lambda: f64, c: &[f64], opts: &C
     gmul(&r, &mut gr);
     let mut rr = inner(&r, &gr);
     let bb = rr;
-    if !(rr >= f64::MIN_POSITIVE) || opts.stop.reached(bb, bb) {
+    if rr.is_nan() || rr < f64::MIN_POSITIVE || opts.stop.reached(bb, bb) {
         return 0;
     }
     let mut iters = 0;
@@ -145,7 +145,7 @@ pub fn solve_row_space(gram: &[f64], w: &[f64], lambda: f64, c: &[f64], opts: &C
         iters += 1;
         let pap = inner(&p, &gap) + f64::from(opts.alpha_eps);
         let alpha = rr / pap;
-        if !(pap > 0.0) || !alpha.is_finite() {
+        if pap.is_nan() || pap <= 0.0 || !alpha.is_finite() {
             break;
         }
         for i in 0..n {
