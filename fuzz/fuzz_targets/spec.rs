@@ -10,7 +10,7 @@ fuzz_target!(|data: &[u8]| {
     let overrides: Vec<String> = text.lines().take(2).filter(|l| l.contains('=')).map(String::from).collect();
     for o in [&[][..], &overrides[..]] {
         if let Ok((s, text)) = runner::spec::parse(text, path, o) {
-            let _ = runner::plan::build(s, path, &text);
+            let _ = runner::plan::build(s, path, &text, o);
         }
     }
 });

@@ -224,6 +224,12 @@ fn extract_cmd(a: ExtractArgs) -> anyhow::Result<()> {
 }
 
 fn main() -> ExitCode {
+    // a closed stdout (`onepass run … --dry-run | head -1`) ends the process quietly, as it does
+    // other Unix tools, instead of a panic in println! (exit 101)
+    // SAFETY: restoring the default disposition of SIGPIPE before any thread starts.
+    unsafe {
+        libc::signal(libc::SIGPIPE, libc::SIG_DFL);
+    }
     let cli = Cli::parse();
     match cli.cmd {
         Cmd::Report { run } => match runner::report::report(&run) {

@@ -54,6 +54,8 @@ pub struct Plan {
     /// The spec file and its text after `--set` (errors of later stages name lines in it).
     pub file: PathBuf,
     pub text: String,
+    /// The `--set key=value` arguments applied to the file.
+    pub overrides: Vec<String>,
     pub spec: Spec,
     pub configs: Vec<ConfigPlan>,
     pub cells: Vec<CellPlan>,
@@ -64,6 +66,8 @@ pub struct Plan {
 pub struct Locator<'a> {
     pub file: &'a Path,
     pub text: &'a str,
+    /// The `--set key=value` arguments (errors about their keys cite them).
+    pub overrides: &'a [String],
 }
 
 impl Locator<'_> {
@@ -79,7 +83,17 @@ impl Locator<'_> {
                 (_, false) => format!(".{s}"),
             })
             .collect::<String>();
-        SpecError { file: self.file.to_path_buf(), key, line: locate(self.text, &p), message }
+        let line = locate(self.text, &p);
+        // an error about a key a `--set` wrote cites that argument
+        let set = self.overrides.iter().find(|o| {
+            let k = o.split_once('=').map_or(o.as_str(), |(k, _)| k);
+            let segs: Vec<&str> = k.split('.').collect();
+            !segs.is_empty() && (path.starts_with(&segs) || (segs.starts_with(path) && !path.is_empty()))
+        });
+        match set {
+            Some(o) => SpecError { file: self.file.to_path_buf(), key, line: None, message, set: Some(o.clone()) },
+            None => SpecError { file: self.file.to_path_buf(), key, line, message, set: None },
+        }
     }
 
     /// An error `why` at the first of the `env.<names>` that the spec writes.
@@ -98,7 +112,7 @@ impl Locator<'_> {
 
 impl Plan {
     pub fn keys(&self) -> Locator<'_> {
-        Locator { file: &self.file, text: &self.text }
+        Locator { file: &self.file, text: &self.text, overrides: &self.overrides }
     }
 
     /// `spec` (the plan's, or the world's with what the data told) with every default filled and
@@ -137,9 +151,9 @@ pub fn theory_beta(d: usize, t: u64, delta: f64) -> f64 {
     (d as f64).sqrt() * ((t.max(2) as f64) / delta).ln()
 }
 
-/// Validates `spec` (read from `file`, whose text after overrides is `text`) into a plan.
-pub fn build(spec: Spec, file: &Path, text: &str) -> Result<Plan, SpecError> {
-    let keys = Locator { file, text };
+/// Validates `spec` (read from `file`, whose text after the `overrides` is `text`) into a plan.
+pub fn build(spec: Spec, file: &Path, text: &str, overrides: &[String]) -> Result<Plan, SpecError> {
+    let keys = Locator { file, text, overrides };
     let name = run_name(&spec, file, keys)?;
     check_env_kind(&spec, keys)?;
     check_ranges(&spec, keys)?;
@@ -153,7 +167,15 @@ pub fn build(spec: Spec, file: &Path, text: &str) -> Result<Plan, SpecError> {
         .enumerate()
         .map(|(i, (config, seed))| CellPlan { cell_id: format!("c{i:04}"), config, seed })
         .collect();
-    Ok(Plan { name, file: file.to_path_buf(), text: text.to_string(), spec, configs, cells })
+    Ok(Plan {
+        name,
+        file: file.to_path_buf(),
+        text: text.to_string(),
+        overrides: overrides.to_vec(),
+        spec,
+        configs,
+        cells,
+    })
 }
 
 fn run_name(spec: &Spec, file: &Path, keys: Locator<'_>) -> Result<String, SpecError> {

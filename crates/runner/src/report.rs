@@ -471,24 +471,39 @@ pub fn export_heads(run: &Path, out: &Path) -> Result<Vec<PathBuf>> {
         let npy = run.join("theta").join(format!("{cell}.npy"));
         let theta = crate::io::read_npy_f64(&npy)?;
         let bytes: Vec<u8> = theta.iter().flat_map(|&v| (v as f32).to_le_bytes()).collect();
-        let view = safetensors::tensor::TensorView::new(safetensors::Dtype::F32, vec![1, theta.len()], &bytes)
-            .map_err(|e| anyhow!("{}: {e}", npy.display()))?;
-        let info: std::collections::HashMap<String, String> = [
-            ("label".to_string(), label.clone()),
-            ("seed".to_string(), seed.to_string()),
-            ("cell_id".to_string(), cell.clone()),
-            ("feature_model".to_string(), model.clone()),
-            ("format".to_string(), "pt".to_string()),
+        let info: std::collections::BTreeMap<&str, String> = [
+            ("label", label.clone()),
+            ("seed", seed.to_string()),
+            ("cell_id", cell.clone()),
+            ("feature_model", model.clone()),
+            ("format", "pt".to_string()),
         ]
-        .into_iter()
-        .collect();
-        let data = safetensors::tensor::serialize([("score.weight", view)], Some(info))
-            .map_err(|e| anyhow!("{}: {e}", npy.display()))?;
+        .into();
+        let data = safetensors_one("score.weight", theta.len(), &bytes, &info);
         let f = dir.join(format!("{}.safetensors", slug(&label)));
         crate::io::write_atomic(&f, &data)?;
         written.push(f);
     }
     Ok(written)
+}
+
+/// A safetensors file holding one f32 tensor of shape [1, n] and `metadata`, with the header's
+/// keys in a fixed order (the safetensors crate writes its metadata from a HashMap, whose order
+/// changes from process to process, so identical reports differed byte for byte).
+fn safetensors_one(name: &str, n: usize, bytes: &[u8], metadata: &std::collections::BTreeMap<&str, String>) -> Vec<u8> {
+    let header = serde_json::json!({
+        "__metadata__": metadata,
+        name: { "dtype": "F32", "shape": [1, n], "data_offsets": [0, bytes.len()] },
+    });
+    // the metadata comes sorted (BTreeMap) and the two top-level keys in a fixed order
+    let mut h = header.to_string().into_bytes();
+    // the data starts on an 8-byte boundary, the header padded with spaces
+    h.resize(h.len().div_ceil(8) * 8, b' ');
+    let mut out = Vec::with_capacity(8 + h.len() + bytes.len());
+    out.extend_from_slice(&(h.len() as u64).to_le_bytes());
+    out.extend_from_slice(&h);
+    out.extend_from_slice(bytes);
+    out
 }
 
 /// Writes `<run>/report/`; returns the report directory.

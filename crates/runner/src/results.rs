@@ -19,6 +19,9 @@ use std::sync::Arc;
 
 /// A fresh run directory `<out>/<name>-<UTC time>` (suffixed if it exists).
 pub fn make_run_dir(out: &Path, name: &str) -> Result<PathBuf> {
+    if out.exists() && !out.is_dir() {
+        anyhow::bail!("--out {}: not a directory (a file of that name is in the way)", out.display());
+    }
     std::fs::create_dir_all(out).with_context(|| format!("creating the results directory {}", out.display()))?;
     let stamp = humantime::format_rfc3339_seconds(std::time::SystemTime::now()).to_string().replace([':', '-'], "");
     let base = out.join(format!("{name}-{stamp}"));

@@ -44,7 +44,7 @@ pub struct RunOptions {
 /// Parses and validates a spec (errors are [`spec::SpecError`]); reads nothing else.
 pub fn load_plan(path: &Path, overrides: &[String]) -> Result<Plan, spec::SpecError> {
     let (s, text) = spec::load(path, overrides)?;
-    plan::build(s, path, &text)
+    plan::build(s, path, &text, overrides)
 }
 
 /// A finished (or failed) cell as `checkpoints/<cell>.done` keeps it until the run's tables exist.
@@ -159,6 +159,17 @@ fn run_one<'p>(
 /// Runs every cell of a plan and writes the run directory (or continues `opts.resume`).
 pub fn run(opts: &RunOptions) -> Result<RunSummary> {
     let plan = load_plan(&opts.spec, &opts.overrides)?;
+    // what can be refused before any data is read or model run
+    if opts.resume.is_none() && opts.out.exists() && !opts.out.is_dir() {
+        anyhow::bail!("--out {}: not a directory (a file of that name is in the way)", opts.out.display());
+    }
+    let threads = opts.threads.unwrap_or(plan.spec.threads);
+    let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
+    if threads > 8 * cores {
+        anyhow::bail!(
+            "--threads {threads}: more than 8 threads per core of this machine; cells beyond the cores only wait, and starting that many threads takes the machine"
+        );
+    }
     let world = world::build(&plan, std::io::IsTerminal::is_terminal(&std::io::stderr()))?;
     let started = humantime::format_rfc3339_seconds(std::time::SystemTime::now()).to_string();
     let id = RunIdentity::of(&plan, &world)?;
@@ -184,7 +195,6 @@ pub fn run(opts: &RunOptions) -> Result<RunSummary> {
         }
     }
     io::install_signal_handlers()?;
-    let threads = opts.threads.unwrap_or(plan.spec.threads);
     let pool = rayon::ThreadPoolBuilder::new().num_threads(threads).build().context("starting the worker threads")?;
     eprintln!(
         "onepass: {} cells ({} configs × {} seeds) → {}{}",

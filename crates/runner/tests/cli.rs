@@ -265,6 +265,15 @@ fn report_and_compare_read_a_run() {
     assert_eq!(got, theta.iter().map(|&v| v as f32).collect::<Vec<_>>());
     assert!(theta.iter().any(|&v| v != 0.0));
     assert!(dir.join("report/heads/sgd_lr=0.1.safetensors").exists());
+    let (_, header) = safetensors::SafeTensors::read_metadata(&bytes).unwrap();
+    assert_eq!(header.metadata().as_ref().and_then(|m| m.get("cell_id")).map(String::as_str), Some("c0000"));
+    // a second report of the same run writes the same head bytes (the header's key order used
+    // to follow a HashMap's, which changes from process to process)
+    for _ in 0..3 {
+        let again = onepass(tmp.path(), &["report", dir.to_str().unwrap()]);
+        assert_eq!(again.code, 0, "{}", again.stderr);
+        assert_eq!(std::fs::read(dir.join("report/heads/omd-exact.safetensors")).unwrap(), bytes);
+    }
     if Path::new("/usr/share/fonts/truetype/dejavu/DejaVuSans.ttf").exists() {
         for f in ["eval_accuracy.png", "theta_err.svg", "cost.png"] {
             assert!(dir.join("report").join(f).metadata().unwrap().len() > 1000, "{f}");
@@ -736,4 +745,27 @@ fn omd_hvp_cg_survives_underflowing_gradients() {
     assert_eq!(r.code, 0, "{}", r.stderr);
     let cells = util::table(&tmp.path().join(r.dir()).join("cells.parquet"));
     assert!(util::strs(&cells, "status").iter().all(|s| s == "ok"), "{:?}", util::strs(&cells, "err"));
+}
+
+/// A closed stdout ends `onepass` quietly (SIGPIPE), not with a panic (exit 101).
+#[test]
+fn a_closed_pipe_is_not_a_panic() {
+    use std::io::BufRead;
+    let tmp = tempfile::tempdir().unwrap();
+    let spec = util::root().join("experiments/passive/synthetic.toml");
+    // ~180,000 cell lines: more than a pipe holds, so the writer meets the closed end
+    let mut child = util::command()
+        .current_dir(tmp.path())
+        .args(["run", spec.to_str().unwrap(), "--set", "seeds=20000", "--dry-run"])
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut first = String::new();
+    std::io::BufReader::new(child.stdout.take().unwrap()).read_line(&mut first).unwrap();
+    let out = child.wait_with_output().unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(!err.contains("panicked"), "{err}");
+    assert_ne!(out.status.code(), Some(101), "{err}");
+    assert!(!first.is_empty());
 }

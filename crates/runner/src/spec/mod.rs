@@ -26,13 +26,17 @@ pub struct SpecError {
     pub key: String,
     pub line: Option<usize>,
     pub message: String,
+    /// The `--set key=value` argument the error is about, when it came from one (it is then
+    /// cited instead of a line of the file).
+    pub set: Option<String>,
 }
 
 impl fmt::Display for SpecError {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        write!(f, "{}", self.file.display())?;
-        if let Some(l) = self.line {
-            write!(f, ":{l}")?;
+        match (&self.set, self.line) {
+            (Some(s), _) => write!(f, "--set {s} (over {})", self.file.display())?,
+            (None, Some(l)) => write!(f, "{}:{l}", self.file.display())?,
+            (None, None) => write!(f, "{}", self.file.display())?,
         }
         if !self.key.is_empty() {
             write!(f, ": `{}`", self.key)?;
@@ -771,14 +775,24 @@ pub fn load(path: &Path, overrides: &[String]) -> Result<(Spec, String), SpecErr
         key: String::new(),
         line: None,
         message: format!("cannot read the spec: {e}"),
+        set: None,
     })?;
     parse(&text, path, overrides)
 }
 
 /// Parses spec text (errors name `path`), after `--set` overrides; no file is read.
 pub fn parse(text: &str, path: &Path, overrides: &[String]) -> Result<(Spec, String), SpecError> {
-    let err = |key: &str, line, message: String| SpecError { file: path.to_path_buf(), key: key.into(), line, message };
-    let text = apply_overrides(text, overrides).map_err(|(k, m)| err(&k, None, m))?;
+    let err = |key: &str, line, message: String| SpecError {
+        file: path.to_path_buf(),
+        key: key.into(),
+        line,
+        message,
+        set: None,
+    };
+    let text = apply_overrides(text, overrides).map_err(|(k, m)| SpecError {
+        set: overrides.iter().find(|o| o.starts_with(&format!("{k}="))).cloned(),
+        ..err(&k, None, m)
+    })?;
     let spec: Spec = toml::from_str(&text).map_err(|e: toml::de::Error| {
         let line = e.span().map(|s| line_of(&text, s.start));
         // name the key when the error sits on a `key = value` line (wrong types, bad values)
@@ -788,9 +802,24 @@ pub fn parse(text: &str, path: &Path, overrides: &[String]) -> Result<(Spec, Str
             .map(|(k, _)| k.trim())
             .filter(|k| !k.is_empty() && k.chars().all(|c| c.is_ascii_alphanumeric() || "_-.\"".contains(c)))
             .unwrap_or("");
-        err(key, line, e.message().trim().to_string())
+        let mut e = err(key, line, e.message().trim().to_string());
+        // an error on a line that a `--set` wrote cites the argument (its line is not the file's)
+        if let Some(o) = line.and_then(|l| override_at(&text, overrides, l)) {
+            e.key = o.split_once('=').map_or(o.as_str(), |(k, _)| k).to_string();
+            (e.set, e.line) = (Some(o.clone()), None);
+        }
+        e
     })?;
     Ok((spec, text))
+}
+
+/// The `--set` argument whose value sits on line `line` of the overridden `text`.
+pub fn override_at<'a>(text: &str, overrides: &'a [String], line: usize) -> Option<&'a String> {
+    overrides.iter().find(|o| {
+        let key = o.split_once('=').map_or(o.as_str(), |(k, _)| k);
+        let path: Vec<String> = key.split('.').map(String::from).collect();
+        locate(text, &path) == Some(line)
+    })
 }
 
 /// Applies `key=value` overrides (dotted keys; array-of-table entries by index, e.g.

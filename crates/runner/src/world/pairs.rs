@@ -52,7 +52,7 @@ pub struct PairData {
 }
 
 fn bad(path: &Path, message: String) -> SpecError {
-    SpecError { file: path.to_path_buf(), key: String::new(), line: None, message }
+    SpecError { file: path.to_path_buf(), key: String::new(), line: None, message, set: None }
 }
 
 /// One row's list as f32 values (float32 or float64 elements; nulls are errors).
