@@ -130,6 +130,40 @@ fn check<'a>(path: &Path, b: &'a [u8], fingerprint: &str, what: &str, force: boo
     Ok(rest)
 }
 
+/// An exclusive `flock` on `<dir>/.lock`, held while the value lives: one writer per run
+/// directory (two `--resume` of one run renamed each other's temporary files and lost cells).
+/// The kernel releases it when the process ends, however it ends.
+pub struct DirLock {
+    _file: std::fs::File,
+}
+
+/// Takes the lock of a run directory, or says which process holds it.
+pub fn lock_dir(dir: &Path) -> Result<DirLock> {
+    use std::io::{Read, Seek, Write};
+    use std::os::unix::io::AsRawFd;
+    let path = dir.join(".lock");
+    let mut f = std::fs::OpenOptions::new()
+        .read(true)
+        .write(true)
+        .create(true)
+        .truncate(false)
+        .open(&path)
+        .with_context(|| format!("opening {}", path.display()))?;
+    // SAFETY: flock(2) on a descriptor we own.
+    if unsafe { libc::flock(f.as_raw_fd(), libc::LOCK_EX | libc::LOCK_NB) } != 0 {
+        let mut holder = String::new();
+        let _ = f.read_to_string(&mut holder);
+        bail!(
+            "{} is in use by another onepass process ({}); wait for it to finish or stop it first",
+            dir.display(),
+            holder.split_whitespace().take(2).collect::<Vec<_>>().join(" ")
+        );
+    }
+    f.set_len(0).and_then(|_| f.rewind()).with_context(|| format!("writing {}", path.display()))?;
+    writeln!(f, "pid {}", std::process::id()).with_context(|| format!("writing {}", path.display()))?;
+    Ok(DirLock { _file: f })
+}
+
 /// Removes what a killed process may have left half-written (`*.tmp`) in a run directory.
 pub fn remove_temporaries(dir: &Path) -> Result<usize> {
     let mut n = 0;

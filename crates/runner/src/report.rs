@@ -508,6 +508,8 @@ fn safetensors_one(name: &str, n: usize, bytes: &[u8], metadata: &std::collectio
 
 /// Writes `<run>/report/`; returns the report directory.
 pub fn report(run: &Path) -> Result<PathBuf> {
+    // one writer: a running `onepass run` or another `report` of this directory holds the lock
+    let _lock = if run.is_dir() { Some(crate::io::lock_dir(run)?) } else { None };
     let rows = read_metrics(run)?;
     if rows.is_empty() {
         bail!("{}: no metric rows (did every cell fail? see cells.parquet)", run.display());

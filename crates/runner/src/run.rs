@@ -55,15 +55,18 @@ struct DoneCell {
 }
 
 /// The run directory: a fresh one, or `--resume`'s after checking it is this run.
-fn open_run_dir(opts: &RunOptions, plan: &Plan, world: &World, id: &RunIdentity) -> Result<PathBuf> {
+/// The directory comes locked (one writer per run directory): a resumed one before anything in
+/// it is touched.
+fn open_run_dir(opts: &RunOptions, plan: &Plan, world: &World, id: &RunIdentity) -> Result<(PathBuf, io::DirLock)> {
     let Some(dir) = &opts.resume else {
         let dir = results::make_run_dir(&opts.out, &plan.name)?;
+        let lock = io::lock_dir(&dir)?;
         let resolved = toml::to_string(&plan.resolved(&world.spec)).context("serialising the resolved spec")?;
         io::write_atomic(&dir.join("spec.resolved.toml"), resolved.as_bytes())?;
         io::write_atomic(&dir.join("resume.json"), serde_json::to_string_pretty(id)?.as_bytes())?;
         std::fs::create_dir(dir.join("checkpoints"))
             .with_context(|| format!("creating {}/checkpoints", dir.display()))?;
-        return Ok(dir);
+        return Ok((dir, lock));
     };
     let manifest = dir.join("resume.json");
     let text = std::fs::read_to_string(&manifest).with_context(|| {
@@ -72,6 +75,7 @@ fn open_run_dir(opts: &RunOptions, plan: &Plan, world: &World, id: &RunIdentity)
             dir.display()
         )
     })?;
+    let lock = io::lock_dir(dir)?;
     let theirs: RunIdentity =
         serde_json::from_str(&text).with_context(|| format!("{}: not a run identity", manifest.display()))?;
     if let Some(why) = id.mismatch(&theirs) {
@@ -82,7 +86,7 @@ fn open_run_dir(opts: &RunOptions, plan: &Plan, world: &World, id: &RunIdentity)
         }
     }
     if dir.join("meta.json").exists() {
-        return Ok(dir.clone());
+        return Ok((dir.clone(), lock));
     }
     for sub in ["theta", "checkpoints"] {
         std::fs::create_dir_all(dir.join(sub)).with_context(|| format!("creating {}/{sub}", dir.display()))?;
@@ -91,7 +95,7 @@ fn open_run_dir(opts: &RunOptions, plan: &Plan, world: &World, id: &RunIdentity)
     if n > 0 {
         eprintln!("onepass: removed {n} half-written temporary file(s) of the killed run");
     }
-    Ok(dir.clone())
+    Ok((dir.clone(), lock))
 }
 
 /// Runs one cell of a run directory: a finished cell is read back, a checkpointed one
@@ -174,7 +178,7 @@ pub fn run(opts: &RunOptions) -> Result<RunSummary> {
     let started = humantime::format_rfc3339_seconds(std::time::SystemTime::now()).to_string();
     let id = RunIdentity::of(&plan, &world)?;
     let fingerprint = id.fingerprint();
-    let dir = open_run_dir(opts, &plan, &world, &id)?;
+    let (dir, _lock) = open_run_dir(opts, &plan, &world, &id)?;
     if dir.join("meta.json").exists() {
         eprintln!("onepass: {} is complete (meta.json exists): nothing to resume", dir.display());
         let meta: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(dir.join("meta.json"))?)

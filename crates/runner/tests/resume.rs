@@ -483,3 +483,48 @@ fn resume_refuses_changed_data_unless_forced() {
     assert_eq!(r.code, Some(0), "{}", r.stderr);
     assert!(r.stderr.contains("warning") && r.stderr.contains("--force"), "{}", r.stderr);
 }
+
+/// One writer per run directory: while a run works in it, a second `--resume` and a `report`
+/// of it are refused (exit 2, naming the holder's pid), nothing of the first run is lost, and
+/// it finishes with the bytes of an undisturbed run.
+#[test]
+fn a_second_process_on_a_run_directory_is_refused() {
+    let tmp = tempfile::tempdir().unwrap();
+    let tmp = tmp.path();
+    let text = PASSIVE.replace("samples = 240", "samples = 12000").replace("eval_every = 60", "eval_every = 3000");
+    let text = text.replace("refit_every = 5", "refit_every = 4000").replace("every_steps = 7", "every_steps = 4000");
+    let spec = write(tmp, "p.toml", &text);
+    let want = reference(tmp, &spec, &[]);
+    let first = cmd(tmp, &["run", spec.to_str().unwrap(), "--out", "l", "--threads", "1"])
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    // wait for the run directory and its lock
+    let t0 = std::time::Instant::now();
+    let dir = loop {
+        if let Some(d) = std::fs::read_dir(tmp.join("l")).ok().and_then(|mut r| r.next()).map(|e| e.unwrap().path()) {
+            if std::fs::read_to_string(d.join(".lock")).is_ok_and(|s| s.starts_with("pid")) {
+                break d;
+            }
+        }
+        assert!(t0.elapsed() < Duration::from_secs(30), "no locked run directory");
+        std::thread::sleep(Duration::from_millis(5));
+    };
+    let second = output(cmd(tmp, &["run", spec.to_str().unwrap(), "--resume", dir.to_str().unwrap()]));
+    let report = output(cmd(tmp, &["report", dir.to_str().unwrap()]));
+    let o = first.wait_with_output().unwrap();
+    assert_eq!(o.status.code(), Some(0), "{}", String::from_utf8_lossy(&o.stderr));
+    for (what, r) in [("resume", &second), ("report", &report)] {
+        if r.code == Some(0) && !dir.join("meta.json").exists() {
+            panic!("{what}: a second process worked in a running run's directory");
+        }
+        if r.code != Some(0) {
+            assert_eq!(r.code, Some(2), "{what}: {}", r.stderr);
+            assert!(r.stderr.contains("in use by another onepass process (pid"), "{what}: {}", r.stderr);
+            assert_eq!(r.stderr.trim().lines().count(), 1, "{what}: {}", r.stderr);
+        }
+    }
+    assert!(second.code == Some(2), "the first run finished before the second started; make the run longer");
+    assert_same(&want, &dir, "a run with a refused second process");
+}
