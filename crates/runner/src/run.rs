@@ -350,6 +350,21 @@ impl Meta<'_> {
     }
 }
 
+/// The last metric row of each seed of config `c`; None (and a line saying so, in a column of
+/// `width`) when every seed failed.
+fn finals<'a>(outcomes: &'a [results::CellOutcome<'_>], c: &ConfigPlan, width: usize) -> Option<Vec<&'a MetricRow>> {
+    let rows: Vec<&MetricRow> = outcomes
+        .iter()
+        .filter(|o| o.config.config_id == c.config_id)
+        .filter_map(|o| o.result.as_ref().ok().and_then(|r| r.rows.last()))
+        .collect();
+    if rows.is_empty() {
+        eprintln!("{:<width$} (every seed failed)", c.label);
+        return None;
+    }
+    Some(rows)
+}
+
 /// Final metrics per config, mean over seeds.
 fn print_summary(plan: &Plan, world: &World, outcomes: &[results::CellOutcome<'_>]) {
     if world.generated.is_some() && world.spec.setting == spec::Setting::Deploy {
@@ -357,15 +372,7 @@ fn print_summary(plan: &Plan, world: &World, outcomes: &[results::CellOutcome<'_
     }
     eprintln!("{:<44} {:>8} {:>10} {:>10} {:>12}", "config", "eval_acc", "theta_err", "subopt", "regret");
     for c in &plan.configs {
-        let finals: Vec<&MetricRow> = outcomes
-            .iter()
-            .filter(|o| o.config.config_id == c.config_id)
-            .filter_map(|o| o.result.as_ref().ok().and_then(|r| r.rows.last()))
-            .collect();
-        if finals.is_empty() {
-            eprintln!("{:<44} (every seed failed)", c.label);
-            continue;
-        }
+        let Some(finals) = finals(outcomes, c, 44) else { continue };
         let n = finals.len() as f64;
         let mean = |f: &dyn Fn(&MetricRow) -> f64| finals.iter().map(|r| f(r)).sum::<f64>() / n;
         let opt = |f: &dyn Fn(&MetricRow) -> Option<f64>, digits: usize| {
@@ -394,15 +401,7 @@ fn print_deploy_summary(plan: &Plan, outcomes: &[results::CellOutcome<'_>]) {
         "config", "cum_pair", "mean_rew", "regret", "policy", "tau", "win/ch", "win/pr"
     );
     for c in &plan.configs {
-        let finals: Vec<&MetricRow> = outcomes
-            .iter()
-            .filter(|o| o.config.config_id == c.config_id)
-            .filter_map(|o| o.result.as_ref().ok().and_then(|r| r.rows.last()))
-            .collect();
-        if finals.is_empty() {
-            eprintln!("{:<34} (every seed failed)", c.label);
-            continue;
-        }
+        let Some(finals) = finals(outcomes, c, 34) else { continue };
         let n = finals.len() as f64;
         let mean = |f: &dyn Fn(&MetricRow) -> Option<f64>| finals.iter().filter_map(|r| f(r)).sum::<f64>() / n;
         // the mean over the run of the chunks' policy reward and τ
