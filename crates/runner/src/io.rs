@@ -171,7 +171,7 @@ pub fn remove_temporaries(dir: &Path) -> Result<usize> {
         let Ok(rd) = std::fs::read_dir(&sub) else { continue };
         for e in rd.flatten() {
             let p = e.path();
-            if p.extension().is_some_and(|x| x == "tmp") {
+            if p.extension().is_some_and(|x| x == "tmp") && p.is_file() {
                 std::fs::remove_file(&p).with_context(|| format!("removing {}", p.display()))?;
                 n += 1;
             }

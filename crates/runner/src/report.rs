@@ -469,6 +469,10 @@ pub fn export_heads(run: &Path, out: &Path) -> Result<Vec<PathBuf>> {
     let mut written = Vec::new();
     for (label, (seed, cell)) in first {
         let npy = run.join("theta").join(format!("{cell}.npy"));
+        if !npy.exists() {
+            // an unfinished run (killed while writing its tables): report what exists
+            continue;
+        }
         let theta = crate::io::read_npy_f64(&npy)?;
         let bytes: Vec<u8> = theta.iter().flat_map(|&v| (v as f32).to_le_bytes()).collect();
         let info: std::collections::BTreeMap<&str, String> = [
@@ -514,9 +518,18 @@ pub fn report(run: &Path) -> Result<PathBuf> {
     if rows.is_empty() {
         bail!("{}: no metric rows (did every cell fail? see cells.parquet)", run.display());
     }
-    let out = run.join("report");
+    // written whole into report.tmp/, then renamed over report/: a failed report leaves the old
+    // one (or none), never half of a new one
+    let done = run.join("report");
+    let out = run.join("report.tmp");
+    if out.exists() {
+        std::fs::remove_dir_all(&out).with_context(|| format!("removing {}", out.display()))?;
+    }
     std::fs::create_dir_all(&out).with_context(|| format!("creating {}", out.display()))?;
     let mut md = format!("# {}\n\n", run.file_name().unwrap_or_default().to_string_lossy());
+    if !run.join("meta.json").exists() {
+        md.push_str("**This run is unfinished** (no meta.json): the tables below cover what it wrote.\n\n");
+    }
     let spec: Option<crate::spec::Spec> =
         std::fs::read_to_string(run.join("spec.resolved.toml")).ok().and_then(|t| toml::from_str(&t).ok());
     if let Some(d) = spec.as_ref().and_then(|s| s.description.as_ref()) {
@@ -568,8 +581,49 @@ pub fn report(run: &Path) -> Result<PathBuf> {
     for m in &figures {
         md.push_str(&format!("![{m}]({m}.png)\n\n"));
     }
+    md.push_str(&failed_cells(run)?);
     crate::io::write_atomic(&out.join("report.md"), md.as_bytes())?;
-    Ok(out)
+    if done.exists() {
+        std::fs::remove_dir_all(&done).with_context(|| format!("removing the old {}", done.display()))?;
+    }
+    std::fs::rename(&out, &done).with_context(|| format!("renaming {} to {}", out.display(), done.display()))?;
+    Ok(done)
+}
+
+/// A section naming every failed cell and its error (a failed config is missing from the
+/// tables, or averaged over fewer seeds); empty when every cell finished.
+fn failed_cells(run: &Path) -> Result<String> {
+    let path = run.join("cells.parquet");
+    if !path.exists() {
+        return Ok(String::new());
+    }
+    let (mut total, mut lines) = (0, Vec::new());
+    for b in read_batches(&path)? {
+        let (cell, label) = (column::<StringArray>(&b, "cell_id", &path)?, column::<StringArray>(&b, "label", &path)?);
+        let (seed, status) = (column::<UInt32Array>(&b, "seed", &path)?, column::<StringArray>(&b, "status", &path)?);
+        let err = column::<StringArray>(&b, "err", &path)?;
+        for i in 0..b.num_rows() {
+            total += 1;
+            if status.value(i) != "ok" {
+                let e = if err.is_null(i) { "" } else { err.value(i) };
+                lines.push(format!(
+                    "| {} | {} | {} | {} |",
+                    cell.value(i),
+                    label.value(i),
+                    seed.value(i),
+                    e.replace('|', "\\|")
+                ));
+            }
+        }
+    }
+    if lines.is_empty() {
+        return Ok(String::new());
+    }
+    Ok(format!(
+        "\n## Failed cells\n\n{} of {total} cells failed: their configs are missing from the tables above, or averaged over fewer seeds.\n\n| cell | config | seed | error |\n|---|---|---|---|\n{}\n",
+        lines.len(),
+        lines.join("\n")
+    ))
 }
 
 /// Final metrics of several runs side by side, as markdown.

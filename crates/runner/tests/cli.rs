@@ -769,3 +769,36 @@ fn a_closed_pipe_is_not_a_panic() {
     assert_ne!(out.status.code(), Some(101), "{err}");
     assert!(!first.is_empty());
 }
+
+/// The report says what failed and reports what exists: a failed cell is named with its error;
+/// a run killed before writing θ and meta.json still gets a report (marked unfinished), and no
+/// half-written report/ is left by a failure.
+#[test]
+fn report_names_failed_cells_and_reports_unfinished_runs() {
+    let tmp = tempfile::tempdir().unwrap();
+    let text = PASSIVE.to_string() + "[[estimator]]\nkind = \"sgd\"\nlr = 1e300\nclip = \"none\"\n";
+    let spec = write(tmp.path(), "f.toml", &text);
+    let r = onepass(tmp.path(), &["run", spec.to_str().unwrap(), "--out", "o"]);
+    assert_eq!(r.code, 1, "a cell must fail: {}", r.stderr);
+    let dir = tmp.path().join(r.dir_any());
+    let rep = onepass(tmp.path(), &["report", dir.to_str().unwrap()]);
+    assert_eq!(rep.code, 0, "{}", rep.stderr);
+    let md = std::fs::read_to_string(dir.join("report/report.md")).unwrap();
+    assert!(md.contains("## Failed cells") && md.contains("non-finite"), "{md}");
+    assert!(!md.contains("unfinished"), "{md}");
+    // an unfinished run: no meta.json, θ files not yet written
+    std::fs::remove_file(dir.join("meta.json")).unwrap();
+    for e in std::fs::read_dir(dir.join("theta")).unwrap() {
+        std::fs::remove_file(e.unwrap().path()).unwrap();
+    }
+    let rep = onepass(tmp.path(), &["report", dir.to_str().unwrap()]);
+    assert_eq!(rep.code, 0, "{}", rep.stderr);
+    let md = std::fs::read_to_string(dir.join("report/report.md")).unwrap();
+    assert!(md.contains("**This run is unfinished**"), "{md}");
+    assert!(!dir.join("report.tmp").exists());
+    // a report that fails (an unreadable cells.parquet) leaves the previous report whole
+    std::fs::write(dir.join("cells.parquet"), b"not parquet").unwrap();
+    let bad = onepass(tmp.path(), &["report", dir.to_str().unwrap()]);
+    assert_eq!(bad.code, 2, "{}", bad.stderr);
+    assert_eq!(std::fs::read_to_string(dir.join("report/report.md")).unwrap(), md);
+}
