@@ -96,10 +96,25 @@ pub fn encode<T: Serialize>(fingerprint: &str, what: &str, body: &T) -> Result<V
 /// Reads a checkpoint file written for `what`; a fingerprint other than `fingerprint` is an
 /// error unless `force`.
 pub fn decode<T: DeserializeOwned>(path: &Path, fingerprint: &str, what: &str, force: bool) -> Result<T> {
+    decode_unless_stale(path, fingerprint, what, force)?
+        .ok_or_else(|| anyhow!("{}: written for another config of this cell; {HINT}", path.display()))
+}
+
+/// [`decode`], except that with `force` a checkpoint of the same cell written for another
+/// config (its `what` names the cell, then a digest of its config) is None: the cell restarts.
+pub fn decode_unless_stale<T: DeserializeOwned>(
+    path: &Path,
+    fingerprint: &str,
+    what: &str,
+    force: bool,
+) -> Result<Option<T>> {
     let b = std::fs::read(path).with_context(|| format!("reading {}", path.display()))?;
-    let rest = check(path, &b, fingerprint, what, force)?;
-    postcard::from_bytes(rest)
-        .map_err(|e| anyhow!("{}: this build cannot read the checkpoint ({e}); {HINT}", path.display()))
+    match check(path, &b, fingerprint, what, force)? {
+        None => Ok(None),
+        Some(rest) => postcard::from_bytes(rest)
+            .map(Some)
+            .map_err(|e| anyhow!("{}: this build cannot read the checkpoint ({e}); {HINT}", path.display())),
+    }
 }
 
 /// [`decode`]'s checks without reading the body: the header, the hash, whose it is.
@@ -110,8 +125,9 @@ pub fn verify(path: &Path, fingerprint: &str, what: &str, force: bool) -> Result
 
 const HINT: &str = "delete it to start that cell again";
 
-/// Checks a checkpoint file's bytes; returns the body's bytes.
-fn check<'a>(path: &Path, b: &'a [u8], fingerprint: &str, what: &str, force: bool) -> Result<&'a [u8]> {
+/// Checks a checkpoint file's bytes; returns the body's bytes, or None for a stale one (see
+/// [`decode_unless_stale`]).
+fn check<'a>(path: &Path, b: &'a [u8], fingerprint: &str, what: &str, force: bool) -> Result<Option<&'a [u8]>> {
     if !b.starts_with(MAGIC) || b.len() < MAGIC.len() + 32 {
         bail!("{}: not a onepass checkpoint (expected the header {:?}); {HINT}", path.display(), MAGIC);
     }
@@ -121,13 +137,18 @@ fn check<'a>(path: &Path, b: &'a [u8], fingerprint: &str, what: &str, force: boo
     }
     let ((fp, w), rest): ((String, String), &[u8]) = postcard::take_from_bytes(payload)
         .map_err(|e| anyhow!("{}: this build cannot read the checkpoint ({e}); {HINT}", path.display()))?;
+    // `what` is "cell <id> (<config digest>)": the same cell under another config is stale
+    let cell = |s: &str| s.split(" (").next().unwrap_or_default().to_string();
+    if w != what && force && cell(&w) == cell(what) {
+        return Ok(None);
+    }
     if w != what {
         bail!("{}: a checkpoint of {w}, expected one of {what}; {HINT}", path.display());
     }
     if fp != fingerprint && !force {
         bail!("{}: written for another spec, code revision or data (pass --force to use it anyway)", path.display());
     }
-    Ok(rest)
+    Ok(Some(rest))
 }
 
 /// An exclusive `flock` on `<dir>/.lock`, held while the value lives: one writer per run

@@ -57,7 +57,13 @@ struct DoneCell {
 /// The run directory: a fresh one, or `--resume`'s after checking it is this run.
 /// The directory comes locked (one writer per run directory): a resumed one before anything in
 /// it is touched.
-fn open_run_dir(opts: &RunOptions, plan: &Plan, world: &World, id: &RunIdentity) -> Result<(PathBuf, io::DirLock)> {
+/// Third: why the run's identity differs when `--force` resumed it anyway (meta.json records it).
+fn open_run_dir(
+    opts: &RunOptions,
+    plan: &Plan,
+    world: &World,
+    id: &RunIdentity,
+) -> Result<(PathBuf, io::DirLock, Option<String>)> {
     let Some(dir) = &opts.resume else {
         let dir = results::make_run_dir(&opts.out, &plan.name)?;
         let lock = io::lock_dir(&dir)?;
@@ -66,7 +72,7 @@ fn open_run_dir(opts: &RunOptions, plan: &Plan, world: &World, id: &RunIdentity)
         io::write_atomic(&dir.join("resume.json"), serde_json::to_string_pretty(id)?.as_bytes())?;
         std::fs::create_dir(dir.join("checkpoints"))
             .with_context(|| format!("creating {}/checkpoints", dir.display()))?;
-        return Ok((dir, lock));
+        return Ok((dir, lock, None));
     };
     let manifest = dir.join("resume.json");
     let text = std::fs::read_to_string(&manifest).with_context(|| {
@@ -78,7 +84,8 @@ fn open_run_dir(opts: &RunOptions, plan: &Plan, world: &World, id: &RunIdentity)
     let lock = io::lock_dir(dir)?;
     let theirs: RunIdentity =
         serde_json::from_str(&text).with_context(|| format!("{}: not a run identity", manifest.display()))?;
-    if let Some(why) = id.mismatch(&theirs) {
+    let forced = id.mismatch(&theirs);
+    if let Some(why) = &forced {
         if opts.force {
             eprintln!("onepass: warning: resuming {} although {why} (--force)", dir.display());
         } else {
@@ -86,7 +93,13 @@ fn open_run_dir(opts: &RunOptions, plan: &Plan, world: &World, id: &RunIdentity)
         }
     }
     if dir.join("meta.json").exists() {
-        return Ok((dir.clone(), lock));
+        return Ok((dir.clone(), lock, forced));
+    }
+    if forced.is_some() {
+        // from here on the run is this spec: cells of another config restart
+        let resolved = toml::to_string(&plan.resolved(&world.spec)).context("serialising the resolved spec")?;
+        io::write_atomic(&dir.join("spec.resolved.toml"), resolved.as_bytes())?;
+        io::write_atomic(&manifest, serde_json::to_string_pretty(id)?.as_bytes())?;
     }
     for sub in ["theta", "checkpoints"] {
         std::fs::create_dir_all(dir.join(sub)).with_context(|| format!("creating {}/{sub}", dir.display()))?;
@@ -95,7 +108,25 @@ fn open_run_dir(opts: &RunOptions, plan: &Plan, world: &World, id: &RunIdentity)
     if n > 0 {
         eprintln!("onepass: removed {n} half-written temporary file(s) of the killed run");
     }
-    Ok((dir.clone(), lock))
+    Ok((dir.clone(), lock, forced))
+}
+
+/// What a cell's checkpoint is of: "cell <id> (<digest of its config and seed>)", so that a
+/// checkpoint of another config of the cell is never continued.
+fn cell_what(shared: &str, config: &ConfigPlan, cell: &CellPlan) -> String {
+    let id = format!("{shared} {:?}", (&config.cfg, &config.init, &config.strategy, &config.rule, cell.seed));
+    format!("cell {} ({})", cell.cell_id, &blake3::hash(id.as_bytes()).to_hex()[..16])
+}
+
+/// A digest of everything of the spec that every cell shares (the spec without its estimator
+/// tables, `threads` and `[checkpoint]`): a change there makes every cell's state another's.
+fn shared_digest(world: &World) -> Result<String> {
+    let mut s = world.spec.clone();
+    s.estimators.clear();
+    s.threads = 0;
+    s.checkpoint = Default::default();
+    let text = toml::to_string(&s).context("serialising the resolved spec")?;
+    Ok(blake3::hash(text.as_bytes()).to_hex()[..16].to_string())
 }
 
 /// Runs one cell of a run directory: a finished cell is read back, a checkpointed one
@@ -106,22 +137,31 @@ fn run_one<'p>(
     world: &World,
     cell: &'p CellPlan,
     dir: &Path,
-    fingerprint: &str,
+    (fingerprint, shared): (&str, &str),
     force: bool,
 ) -> Result<results::CellOutcome<'p>> {
     let config = &plan.configs[cell.config];
     let done_path = dir.join("checkpoints").join(format!("{}.done", cell.cell_id));
     let ckpt_path = dir.join("checkpoints").join(format!("{}.ckpt", cell.cell_id));
-    let what = format!("cell {}", cell.cell_id);
+    let what = cell_what(shared, config, cell);
+    // with --force, a cell whose config changed starts again (its old state is another config's)
+    let stale = |p: &Path| {
+        eprintln!("onepass: cell {} ({}): its config changed (--force): starting it again", cell.cell_id, config.label);
+        std::fs::remove_file(p).with_context(|| format!("removing {}", p.display()))
+    };
     if done_path.exists() {
-        let d: DoneCell = io::decode(&done_path, fingerprint, &what, force)?;
-        return Ok(results::CellOutcome {
-            cell_id: &cell.cell_id,
-            config,
-            seed: cell.seed,
-            result: d.result,
-            wall_s: d.wall_s,
-        });
+        match io::decode_unless_stale::<DoneCell>(&done_path, fingerprint, &what, force)? {
+            Some(d) => {
+                return Ok(results::CellOutcome {
+                    cell_id: &cell.cell_id,
+                    config,
+                    seed: cell.seed,
+                    result: d.result,
+                    wall_s: d.wall_s,
+                })
+            }
+            None => stale(&done_path)?,
+        }
     }
     if io::stop_requested() {
         return Err(io::Interrupted.into());
@@ -129,7 +169,10 @@ fn run_one<'p>(
     let mut ctx =
         CellCtx { saver: CellSaver::new(ckpt_path.clone(), fingerprint, &what, &plan.spec.checkpoint), resume: None };
     if ckpt_path.exists() {
-        ctx.resume = Some(io::decode(&ckpt_path, fingerprint, &what, force)?);
+        ctx.resume = io::decode_unless_stale(&ckpt_path, fingerprint, &what, force)?;
+        if ctx.resume.is_none() {
+            stale(&ckpt_path)?;
+        }
     }
     let result = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
         settings::run_cell_with(world, config, cell.seed, &mut ctx)
@@ -178,7 +221,8 @@ pub fn run(opts: &RunOptions) -> Result<RunSummary> {
     let started = humantime::format_rfc3339_seconds(std::time::SystemTime::now()).to_string();
     let id = RunIdentity::of(&plan, &world)?;
     let fingerprint = id.fingerprint();
-    let (dir, _lock) = open_run_dir(opts, &plan, &world, &id)?;
+    let shared = shared_digest(&world)?;
+    let (dir, _lock, forced) = open_run_dir(opts, &plan, &world, &id)?;
     if dir.join("meta.json").exists() {
         eprintln!("onepass: {} is complete (meta.json exists): nothing to resume", dir.display());
         let meta: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(dir.join("meta.json"))?)
@@ -190,7 +234,7 @@ pub fn run(opts: &RunOptions) -> Result<RunSummary> {
     }
     // every checkpoint left by a killed run is checked before any cell starts
     for cell in &plan.cells {
-        let what = format!("cell {}", cell.cell_id);
+        let what = cell_what(&shared, &plan.configs[cell.config], cell);
         for ext in ["done", "ckpt"] {
             let p = dir.join("checkpoints").join(format!("{}.{ext}", cell.cell_id));
             if p.exists() {
@@ -209,7 +253,10 @@ pub fn run(opts: &RunOptions) -> Result<RunSummary> {
         if opts.resume.is_some() { " (resumed)" } else { "" }
     );
     let outcomes: Vec<Result<results::CellOutcome<'_>>> = pool.install(|| {
-        plan.cells.par_iter().map(|cell| run_one(&plan, &world, cell, &dir, &fingerprint, opts.force)).collect()
+        plan.cells
+            .par_iter()
+            .map(|cell| run_one(&plan, &world, cell, &dir, (&fingerprint, &shared), opts.force))
+            .collect()
     });
     let mut interrupted = false;
     let mut ok = Vec::with_capacity(outcomes.len());
@@ -248,6 +295,7 @@ pub fn run(opts: &RunOptions) -> Result<RunSummary> {
         spec_file: opts.spec.display().to_string(),
         overrides: &opts.overrides,
         resumed: opts.resume.is_some(),
+        forced,
         master_seed: world.spec.master_seed,
         seeds: world.spec.seeds,
         setting: world.spec.setting.as_str(),
@@ -300,6 +348,9 @@ struct Meta<'a> {
     spec_file: String,
     overrides: &'a [String],
     resumed: bool,
+    /// `--resume --force` over a difference of spec, code or data: which (cells whose config
+    /// changed were started again).
+    forced: Option<String>,
     master_seed: u64,
     seeds: u32,
     setting: &'static str,

@@ -528,3 +528,37 @@ fn a_second_process_on_a_run_directory_is_refused() {
     assert!(second.code == Some(2), "the first run finished before the second started; make the run longer");
     assert_same(&want, &dir, "a run with a refused second process");
 }
+
+/// `--resume --force` over a changed config does not mix configurations: cells whose config
+/// changed start again (finished or checkpointed), the others continue, and the run ends with
+/// the bytes of a fresh run of the new spec; meta.json says the resume was forced.
+#[test]
+fn forced_resume_restarts_cells_whose_config_changed() {
+    let tmp = tempfile::tempdir().unwrap();
+    let tmp = tmp.path();
+    let spec = write(tmp, "p.toml", PASSIVE);
+    // the same run name (the file stem), another lr for the three Adam entries
+    std::fs::create_dir(tmp.join("e")).unwrap();
+    let edited = write(&tmp.join("e"), "p.toml", &PASSIVE.replace("lr = 0.05", "lr = 0.06"));
+    let want = reference(tmp, &edited, &[]);
+    // killed while adam-reference's second seed runs: adam's cells and adam-reference's first
+    // are finished under the old lr, the running one checkpointed
+    let mut c = cmd(tmp, &["run", spec.to_str().unwrap(), "--out", "f", "--threads", "1"]);
+    c.env("ONEPASS_FAILPOINT", "update:900");
+    assert_eq!(output(c).signal, Some(9));
+    let dir = only_dir(&tmp.join("f"));
+    let ckpts: Vec<String> = std::fs::read_dir(dir.join("checkpoints"))
+        .unwrap()
+        .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+        .collect();
+    assert!(ckpts.iter().any(|f| f == "c0008.done") && ckpts.iter().any(|f| f == "c0011.ckpt"), "{ckpts:?}");
+    let r = output(cmd(tmp, &["run", edited.to_str().unwrap(), "--resume", dir.to_str().unwrap(), "--force"]));
+    assert_eq!(r.code, Some(0), "{}", r.stderr);
+    // adam's two cells and adam-reference's finished and running ones restart; the finished cells
+    // of the unchanged estimators are kept
+    assert_eq!(r.stderr.matches("its config changed (--force): starting it again").count(), 4, "{}", r.stderr);
+    assert_same(&want, &dir, "forced resume with a changed lr");
+    let meta: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(dir.join("meta.json")).unwrap()).unwrap();
+    assert!(meta["forced"].as_str().is_some_and(|w| w.contains("spec differs")), "{meta}");
+}
