@@ -33,7 +33,8 @@ enum Cmd {
         /// Worker threads (default: the spec's `threads`, 0 = one per core).
         #[arg(long)]
         threads: Option<usize>,
-        /// Only parse and validate the spec, print the resolved spec and the cells.
+        /// Only parse and validate the spec (no data or model is read), print the resolved spec
+        /// and the cells.
         #[arg(long)]
         dry_run: bool,
         /// Continue a killed or interrupted run directory: finished cells are kept, the others
