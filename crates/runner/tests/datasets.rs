@@ -218,3 +218,23 @@ fn mixture2_shards_generic_jsonl_and_malformed_rows() {
     assert_eq!(r.pairs[1].chosen[0].role, "system");
     assert_eq!(r.pairs[1].row, 3);
 }
+
+/// A jsonl row over the row limit is malformed (named, or skipped and counted with
+/// `skip_malformed`) and is read in bounded pieces; the rows around it are read as usual.
+#[test]
+fn an_overlong_jsonl_row_is_malformed_not_a_memory_blowup() {
+    let tmp = tempfile::tempdir().unwrap();
+    let p = tmp.path().join("long.jsonl");
+    let row = |q: &str, a: &str| {
+        serde_json::json!({"chosen": format!("\n\nHuman: {q}\n\nAssistant: {a}"), "rejected": format!("\n\nHuman: {q}\n\nAssistant: no")})
+            .to_string()
+    };
+    let huge = row("q", &"x".repeat(runner::world::datasets::MAX_ROW_BYTES + 10));
+    std::fs::write(&p, [row("a", "yes"), huge, row("b", "yes")].join("\n") + "\n").unwrap();
+    let o = ReadOptions { format: Some(Format::HhRlhf), ..Default::default() };
+    let e = format!("{:#}", read_dataset(std::slice::from_ref(&p), &o).unwrap_err());
+    assert!(e.contains("long.jsonl: row 1") && e.contains("over the 4 MiB a row may hold"), "{e}");
+    let r = read_dataset(&[p], &ReadOptions { skip_malformed: true, ..o }).unwrap();
+    assert_eq!((r.pairs.len(), r.rows_read, r.skipped), (2, 3, 1));
+    assert_eq!(r.pairs[1].chosen.last().unwrap().content, "yes");
+}

@@ -251,16 +251,46 @@ pub fn hh_messages(text: &str) -> Result<Vec<Message>, String> {
 
 type Visit<'a> = dyn FnMut(usize, Result<Value, String>) -> Result<bool> + 'a;
 
+/// The longest jsonl row read, in bytes. Preference rows are kilobytes; a longer row is
+/// malformed (an error, or skipped and counted), read in bounded pieces and never held whole:
+/// through JSON and the tokenizer a row costs ~170 bytes per character (a 50 MB row took 7 GB).
+pub const MAX_ROW_BYTES: usize = 4 << 20;
+
 fn jsonl_rows(path: &Path, visit: &mut Visit<'_>) -> Result<()> {
     let f = std::fs::File::open(path).with_context(|| format!("opening {}", path.display()))?;
-    let r: Box<dyn BufRead> = if path.to_string_lossy().ends_with(".gz") {
+    let mut r: Box<dyn BufRead> = if path.to_string_lossy().ends_with(".gz") {
         Box::new(BufReader::new(flate2::read::GzDecoder::new(f)))
     } else {
         Box::new(BufReader::new(f))
     };
-    for (row, line) in r.lines().enumerate() {
-        let line = line.with_context(|| format!("{}: reading row {row}", path.display()))?;
-        let v = serde_json::from_str::<Value>(&line).map_err(|e| format!(": not JSON: {e}"));
+    let mut buf = Vec::new();
+    for row in 0.. {
+        buf.clear();
+        let read = |r: &mut Box<dyn BufRead>, buf: &mut Vec<u8>| {
+            std::io::Read::take(r, MAX_ROW_BYTES as u64 + 1).read_until(b'\n', buf)
+        };
+        let n = read(&mut r, &mut buf).with_context(|| format!("{}: reading row {row}", path.display()))?;
+        if n == 0 {
+            break;
+        }
+        let v = if buf.len() > MAX_ROW_BYTES && buf.last() != Some(&b'\n') {
+            // skip the rest of the row without holding it
+            let mut total = buf.len();
+            loop {
+                buf.clear();
+                let m = read(&mut r, &mut buf).with_context(|| format!("{}: reading row {row}", path.display()))?;
+                total += m;
+                if m == 0 || buf.last() == Some(&b'\n') {
+                    break;
+                }
+            }
+            Err(format!(": {total} bytes, over the {} MiB a row may hold", MAX_ROW_BYTES >> 20))
+        } else {
+            while matches!(buf.last(), Some(b'\n' | b'\r')) {
+                buf.pop();
+            }
+            serde_json::from_slice::<Value>(&buf).map_err(|e| format!(": not JSON: {e}"))
+        };
         if !visit(row, v)? {
             break;
         }
