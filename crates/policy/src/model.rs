@@ -196,8 +196,8 @@ impl PolicyModel {
         let mut out = self.base.clone();
         for (name, ad) in self.adapters() {
             let key = format!("{name}.weight");
-            let w = &self.base[&key];
-            out.insert(key, (w.to_dtype(ad.delta()?.dtype())? + ad.delta()?)?.to_dtype(w.dtype())?);
+            let (w, delta) = (&self.base[&key], ad.delta()?);
+            out.insert(key, (w.to_dtype(delta.dtype())? + delta)?.to_dtype(w.dtype())?);
         }
         Ok(out)
     }

@@ -24,11 +24,19 @@ fn gguf_row(r: usize, head_dim: usize) -> usize {
     head * head_dim + 2 * i + p
 }
 
+/// Rows in Hugging Face's order (`to_hf`) or back in llama.cpp's.
 fn permute_rows(t: &Tensor, head_dim: usize, to_hf: bool) -> candle_core::Result<Tensor> {
     let n = t.dim(0)?;
-    let idx: Vec<u32> = (0..n)
-        .map(|r| if to_hf { gguf_row(r, head_dim) } else { (0..n).find(|&g| gguf_row(g, head_dim) == r).unwrap_or(r) } as u32)
-        .collect();
+    let mut idx = vec![0u32; n];
+    for r in 0..n {
+        let g = gguf_row(r, head_dim);
+        // HF row r is llama.cpp row g: gather g for r, or r for g
+        if to_hf {
+            idx[r] = g as u32;
+        } else {
+            idx[g] = r as u32;
+        }
+    }
     t.index_select(&Tensor::from_vec(idx, n, t.device())?, 0)
 }
 

@@ -86,8 +86,7 @@ impl Locator<'_> {
         let line = locate(self.text, &p);
         // an error about a key a `--set` wrote cites that argument
         let set = self.overrides.iter().find(|o| {
-            let k = o.split_once('=').map_or(o.as_str(), |(k, _)| k);
-            let segs: Vec<&str> = k.split('.').collect();
+            let segs: Vec<&str> = override_key(o).split('.').collect();
             !segs.is_empty() && (path.starts_with(&segs) || (segs.starts_with(path) && !path.is_empty()))
         });
         match set {
@@ -144,6 +143,27 @@ impl Plan {
             .collect();
         s
     }
+}
+
+/// A selection strategy with its parameters: best-quantile's q, ucb's β (`theory` stands for
+/// β = "theory", which needs d and T: the plan validates with a placeholder, the cell resolves
+/// it with [`theory_beta`]). Deploy strategies and fresh-context active rules share it.
+pub fn parametrize(s: Strategy, q: f64, beta: Beta, theory: f64) -> Strategy {
+    match s {
+        Strategy::BestQuantile { .. } => Strategy::BestQuantile { q },
+        Strategy::Ucb { .. } => Strategy::Ucb {
+            beta: match beta {
+                Beta::Theory => theory,
+                Beta::Value(b) => b,
+            },
+        },
+        other => other,
+    }
+}
+
+/// The arms a strategy chooses among: the generated samples per prompt, else the bandit's K.
+fn arms_per_context(spec: &Spec) -> usize {
+    spec.generate.as_ref().filter(|_| spec.env.kind == EnvKind::Generated).map_or(spec.env.arms, |g| g.n)
 }
 
 /// β = "theory": √d · log(T/δ), the order of β̃_T in Lemma 1 (the constant is not given).
@@ -381,14 +401,9 @@ fn check_active(spec: &Spec, keys: Locator<'_>) -> Result<(), SpecError> {
     }
     for r in &a.rule.0 {
         if let ActiveRule::Fresh(s) = r {
-            let n =
-                spec.generate.as_ref().filter(|_| spec.env.kind == EnvKind::Generated).map_or(spec.env.arms, |g| g.n);
-            let s = match s {
-                Strategy::BestQuantile { .. } => Strategy::BestQuantile { q: a.q },
-                Strategy::Ucb { .. } => Strategy::Ucb { beta: if let Beta::Value(b) = a.beta { b } else { 1.0 } },
-                other => *other,
-            };
-            s.validate(n).map_err(|m| keys.err(&["active", "rule"], m))?;
+            // "theory" is resolved by the cell (d and T may come from the data)
+            let s = parametrize(*s, a.q, a.beta, 1.0);
+            s.validate(arms_per_context(spec)).map_err(|m| keys.err(&["active", "rule"], m))?;
         }
     }
     if !(a.delta > 0.0 && a.delta < 1.0) {
@@ -429,17 +444,12 @@ type Arm = (Option<Strategy>, Option<ActiveRule>);
 /// arm in the other settings).
 fn arms(spec: &Spec, keys: Locator<'_>) -> Result<Vec<Arm>, SpecError> {
     let strategies: Vec<Option<Strategy>> = if spec.setting == Setting::Deploy {
-        // the arms per context: the generated samples, else the bandit's K
-        let n = spec.generate.as_ref().filter(|_| spec.env.kind == EnvKind::Generated).map_or(spec.env.arms, |g| g.n);
         let mut out = Vec::new();
         for (i, name) in spec.deploy.strategies.0.iter().enumerate() {
-            let mut s: Strategy = name.parse().map_err(|m| keys.err(&["deploy", "strategies"], m))?;
-            match &mut s {
-                Strategy::BestQuantile { q } => *q = spec.deploy.q,
-                // "theory" is resolved by the cell (d and T may come from the data)
-                Strategy::Ucb { beta } => *beta = if let Beta::Value(b) = spec.deploy.beta { b } else { 1.0 },
-                _ => {}
-            }
+            let s: Strategy = name.parse().map_err(|m| keys.err(&["deploy", "strategies"], m))?;
+            // "theory" is resolved by the cell (d and T may come from the data)
+            let s = parametrize(s, spec.deploy.q, spec.deploy.beta, 1.0);
+            let n = arms_per_context(spec);
             s.validate(n).map_err(|m| keys.err(&["deploy", "strategies"], format!("{m} (entry {i})")))?;
             out.push(Some(s));
         }

@@ -6,10 +6,10 @@ use super::choose;
 use super::learner::Learner;
 use super::state::{drive, CellCtx, Progress};
 use super::Source;
-use crate::plan::theory_beta;
 use crate::plan::ConfigPlan;
+use crate::plan::{parametrize, theory_beta};
 use crate::rows::CellResult;
-use crate::spec::{ActiveRule, Beta, ScoreNorm, Spec};
+use crate::spec::{ActiveRule, ScoreNorm, Spec};
 use crate::world::env::two_arms;
 use anyhow::{anyhow, Result};
 use estimators::{Curvature, CurvatureKind};
@@ -136,15 +136,6 @@ pub(super) fn active(
 /// A fresh-context rule's strategy with its parameters: q from `active.q`, a ucb width of
 /// "theory" from d and T.
 fn fresh_rule(spec: &Spec, s: selection::Strategy) -> selection::Strategy {
-    use selection::Strategy as S;
-    match s {
-        S::BestQuantile { .. } => S::BestQuantile { q: spec.active.q },
-        S::Ucb { .. } => S::Ucb {
-            beta: match spec.active.beta {
-                Beta::Theory => theory_beta(spec.env.dim, spec.stream.samples, spec.active.delta),
-                Beta::Value(b) => b,
-            },
-        },
-        other => other,
-    }
+    let a = &spec.active;
+    parametrize(s, a.q, a.beta, theory_beta(spec.env.dim, spec.stream.samples, a.delta))
 }

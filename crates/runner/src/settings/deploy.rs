@@ -5,9 +5,9 @@
 use super::choose;
 use super::learner::Learner;
 use super::state::{drive, CellCtx, Progress};
-use crate::plan::{theory_beta, ConfigPlan};
+use crate::plan::{parametrize, theory_beta, ConfigPlan};
 use crate::rows::{CellResult, RoundRow};
-use crate::spec::{Beta, DeployPolicy, Order, Spec};
+use crate::spec::{DeployPolicy, Order, Spec};
 use crate::world::env::{argmax, Env};
 use anyhow::{anyhow, Result};
 use rand::seq::SliceRandom;
@@ -16,11 +16,9 @@ use selection::{kendall_tau_b, Strategy};
 
 /// The cell's strategy, with a ucb width of "theory" resolved from d and T.
 fn strategy_of(spec: &Spec, config: &ConfigPlan) -> Result<Strategy> {
-    let mut s = config.strategy.ok_or_else(|| anyhow!("deploy cell without a strategy"))?;
-    if let (Strategy::Ucb { beta }, Beta::Theory) = (&mut s, spec.deploy.beta) {
-        *beta = theory_beta(spec.env.dim, spec.stream.samples, spec.deploy.delta);
-    }
-    Ok(s)
+    let s = config.strategy.ok_or_else(|| anyhow!("deploy cell without a strategy"))?;
+    let d = &spec.deploy;
+    Ok(parametrize(s, d.q, d.beta, theory_beta(spec.env.dim, spec.stream.samples, d.delta)))
 }
 
 pub(super) fn deploy(

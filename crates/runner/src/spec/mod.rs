@@ -805,7 +805,7 @@ pub fn parse(text: &str, path: &Path, overrides: &[String]) -> Result<(Spec, Str
         let mut e = err(key, line, e.message().trim().to_string());
         // an error on a line that a `--set` wrote cites the argument (its line is not the file's)
         if let Some(o) = line.and_then(|l| override_at(&text, overrides, l)) {
-            e.key = o.split_once('=').map_or(o.as_str(), |(k, _)| k).to_string();
+            e.key = override_key(o).to_string();
             (e.set, e.line) = (Some(o.clone()), None);
         }
         e
@@ -813,10 +813,15 @@ pub fn parse(text: &str, path: &Path, overrides: &[String]) -> Result<(Spec, Str
     Ok((spec, text))
 }
 
+/// The key of a `--set key=value` argument.
+pub fn override_key(o: &str) -> &str {
+    o.split_once('=').map_or(o, |(k, _)| k)
+}
+
 /// The `--set` argument whose value sits on line `line` of the overridden `text`.
 pub fn override_at<'a>(text: &str, overrides: &'a [String], line: usize) -> Option<&'a String> {
     overrides.iter().find(|o| {
-        let key = o.split_once('=').map_or(o.as_str(), |(k, _)| k);
+        let key = override_key(o);
         let path: Vec<String> = key.split('.').map(String::from).collect();
         locate(text, &path) == Some(line)
     })

@@ -263,12 +263,13 @@ fn jsonl_rows(path: &Path, visit: &mut Visit<'_>) -> Result<()> {
     } else {
         Box::new(BufReader::new(f))
     };
+    // at most one row's limit (and a byte) per read
+    let read = |r: &mut Box<dyn BufRead>, buf: &mut Vec<u8>| {
+        std::io::Read::take(r, MAX_ROW_BYTES as u64 + 1).read_until(b'\n', buf)
+    };
     let mut buf = Vec::new();
     for row in 0.. {
         buf.clear();
-        let read = |r: &mut Box<dyn BufRead>, buf: &mut Vec<u8>| {
-            std::io::Read::take(r, MAX_ROW_BYTES as u64 + 1).read_until(b'\n', buf)
-        };
         let n = read(&mut r, &mut buf).with_context(|| format!("{}: reading row {row}", path.display()))?;
         if n == 0 {
             break;

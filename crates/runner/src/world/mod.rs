@@ -34,34 +34,25 @@ pub struct World {
     pub generated: Option<Arc<generated::Generated>>,
 }
 
-impl World {
-    /// The world of a synthetic run: nothing to read.
-    pub fn synthetic(plan: &Plan) -> World {
-        World { spec: plan.spec.clone(), data: None, generated: None }
-    }
-}
-
 /// Reads the data of `plan` (and runs its models); `progress` draws bars on stderr.
 pub fn build(plan: &Plan, progress: bool) -> Result<World, SpecError> {
     let keys = plan.keys();
     let mut spec = plan.spec.clone();
-    let mut world = World::synthetic(plan);
+    let (mut data, mut generated) = (None, None);
     match spec.env.kind {
         EnvKind::Synthetic => {}
-        EnvKind::Features => {
-            let data = load_features(&spec, keys)?;
-            spec.env.dim = data.d;
-            world.data = Some(Arc::new(data));
+        EnvKind::Features | EnvKind::Dataset => {
+            let d = if spec.env.kind == EnvKind::Features {
+                load_features(&spec, keys)?
+            } else {
+                load_dataset(&spec, keys, progress)?
+            };
+            spec.env.dim = d.d;
+            data = Some(Arc::new(d));
         }
-        EnvKind::Dataset => {
-            let data = load_dataset(&spec, keys, progress)?;
-            spec.env.dim = data.d;
-            world.data = Some(Arc::new(data));
-        }
-        EnvKind::Generated => world.generated = Some(Arc::new(load_generated(&mut spec, keys, progress)?)),
+        EnvKind::Generated => generated = Some(Arc::new(load_generated(&mut spec, keys, progress)?)),
     }
-    world.spec = spec;
-    Ok(world)
+    Ok(World { spec, data, generated })
 }
 
 /// Generates (or reads from the caches) the responses of a `kind = "generated"` environment and
