@@ -55,6 +55,10 @@ pub struct Sample {
     pub tokens: usize,
     /// Stopped at an end-of-turn token (false: cut at max_new_tokens).
     pub stopped: bool,
+    /// The sampled token ids, the stop token included (what a policy update scores; decoding
+    /// and re-encoding the text need not give them back). Empty in caches written before.
+    #[serde(default)]
+    pub ids: Vec<u32>,
 }
 
 /// Progress of a generation: prompts finished, new tokens so far, seconds so far.
@@ -163,6 +167,19 @@ impl Backbone {
         batch_prompts: usize,
         progress: &mut dyn FnMut(GenProgress),
     ) -> Result<Vec<Vec<Sample>>, Error> {
+        self.generate_on(&self.model, prompts, opts, batch_prompts, progress)
+    }
+
+    /// [`Backbone::generate`] with other weights of the same architecture (a policy whose
+    /// adapters are merged in), this backbone's tokenizer and chat template.
+    pub fn generate_on(
+        &self,
+        model: &crate::model::Model,
+        prompts: &[Vec<Message>],
+        opts: &SampleOptions,
+        batch_prompts: usize,
+        progress: &mut dyn FnMut(GenProgress),
+    ) -> Result<Vec<Vec<Sample>>, Error> {
         opts.check()?;
         let stops = self.stop_ids();
         if stops.is_empty() {
@@ -187,10 +204,10 @@ impl Backbone {
                 flat.extend(std::iter::repeat_n(pad_id, p));
                 flat.extend_from_slice(&ids[i]);
             }
-            let dev = self.model.device().clone();
-            let mut cache = self.model.new_cache(pads, longest + opts.max_new_tokens)?;
+            let dev = model.device().clone();
+            let mut cache = model.new_cache(pads, longest + opts.max_new_tokens)?;
             let logits =
-                self.model.forward_cached(&Tensor::from_vec(flat, (group.len(), longest), &dev)?, &mut cache)?;
+                model.forward_cached(&Tensor::from_vec(flat, (group.len(), longest), &dev)?, &mut cache)?;
             let logits: Vec<Vec<f32>> = logits.to_vec2()?;
             let mut rows: Vec<Row> = Vec::new();
             let mut expand = Vec::new();
@@ -233,7 +250,7 @@ impl Backbone {
                     cache.select(&keep)?;
                 }
                 let feed: Vec<u32> = rows.iter().map(|r| *r.out.last().expect("one token at least")).collect();
-                let logits = self.model.forward_cached(&Tensor::from_vec(feed, (rows.len(), 1), &dev)?, &mut cache)?;
+                let logits = model.forward_cached(&Tensor::from_vec(feed, (rows.len(), 1), &dev)?, &mut cache)?;
                 let logits: Vec<Vec<f32>> = logits.to_vec2()?;
                 next = rows
                     .iter_mut()
@@ -245,7 +262,7 @@ impl Backbone {
             for (r, stopped) in done {
                 let body = if stopped { &r.out[..r.out.len() - 1] } else { &r.out[..] };
                 let text = self.tok.decode(body)?;
-                out[r.prompt].push(Sample { text, tokens: r.out.len(), stopped });
+                out[r.prompt].push(Sample { text, tokens: r.out.len(), stopped, ids: r.out });
             }
             prog.prompts_done += group.len();
             progress(prog);

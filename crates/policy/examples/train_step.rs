@@ -2,9 +2,9 @@
 //! `cargo run --release -p policy --example train_step -- MODEL.gguf [BATCH] [LEN] [REPS]`.
 //! The measurement behind `just bench-train`'s onepass side (the PyTorch peer is to come).
 
-use candle_core::{DType, Device, Tensor};
+use candle_core::{DType, Device};
 use policy::adam::{Adam, AdamConfig};
-use policy::loss::{masked_sum, token_logprobs};
+use policy::batch::SeqBatch;
 use policy::{LoraConfig, PolicyModel};
 use rand::{Rng, SeedableRng};
 
@@ -20,11 +20,14 @@ fn main() {
     let mut opt = Adam::new(AdamConfig::default(), &vars).unwrap();
     let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(0);
     let ids: Vec<u32> = (0..batch * len).map(|_| rng.random_range(0..vocab as u32)).collect();
-    let ids = Tensor::from_vec(ids, (batch, len), &Device::Cpu).unwrap();
-    let mask = Tensor::ones((batch, len - 1), DType::F32, &Device::Cpu).unwrap();
+    // every sequence: `len` tokens, the second half the response (log-probabilities and
+    // gradients at the response positions only, as an RLOO or DPO step takes them)
+    let seqs: Vec<(&[u32], &[u32])> =
+        ids.chunks(len).map(|s| (&s[..len / 2], &s[len / 2..])).collect();
+    let b = SeqBatch::new(&seqs, &Device::Cpu).unwrap();
     for r in 0..=reps {
         let t0 = std::time::Instant::now();
-        let lp = masked_sum(&token_logprobs(&m.forward(&ids).unwrap(), &ids).unwrap(), &mask).unwrap();
+        let lp = b.seq_sum(&m.logprobs_at(&b, true).unwrap()).unwrap();
         let t1 = t0.elapsed().as_secs_f64();
         let grads = lp.mean_all().unwrap().neg().unwrap().backward().unwrap();
         opt.step(&vars, &grads).unwrap();

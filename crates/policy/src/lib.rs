@@ -10,6 +10,10 @@
 //! - [`loss`]: per-token log-probabilities, the KL estimators k1 and k3, RLOO's leave-one-out
 //!   advantages and its (optionally PPO-clipped) policy-gradient loss, the DPO loss.
 //! - [`adam::Adam`]: Adam on the adapters with global-norm clipping; its state serialises.
+//! - [`batch::SeqBatch`]: (prompt, response) sequences as one right-padded batch; only the
+//!   response positions reach the LM head ([`PolicyModel::logprobs_at`]).
+//! - [`train`]: one policy update on a chunk — [`train::rloo_update`], [`train::dpo_update`] —
+//!   and [`train::score`] (log-probabilities and KL to the reference, no gradients).
 //! - [`peft`]: adapters saved and read in PEFT's layout (`adapter_model.safetensors`,
 //!   `adapter_config.json`).
 
@@ -17,10 +21,12 @@
 pub const VERSION: &str = env!("CARGO_PKG_VERSION");
 
 pub mod adam;
+pub mod batch;
 pub mod lora;
 pub mod loss;
 pub mod model;
 pub mod peft;
+pub mod train;
 
 pub use lora::{LoraConfig, Target};
 pub use model::PolicyModel;

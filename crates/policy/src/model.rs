@@ -6,7 +6,7 @@
 //! for training and log-probabilities, `features` stays the path for generation and φ
 //! (with [`PolicyModel::merged_weights`]).
 
-use crate::lora::{init_rng, Adapter, Linear, LoraConfig, Target};
+use crate::lora::{frozen_matmul, init_rng, Adapter, Linear, LoraConfig, Target};
 use candle_core::{DType, Device, Module, Result, Tensor, Var, D};
 use features::model::{Config, Family};
 use std::collections::HashMap;
@@ -129,6 +129,14 @@ impl PolicyModel {
     /// Logits (b, t, vocab) of right-padded ids (b, t), f32.
     pub fn forward(&self, ids: &Tensor) -> Result<Tensor> {
         let (b, t) = ids.dims2()?;
+        let h = self.hidden(ids, true)?;
+        frozen_matmul(&h.reshape((b * t, self.cfg.hidden))?, &self.lm_head)?.reshape((b, t, self.cfg.vocab))
+    }
+
+    /// Final-norm hidden states (b, t, hidden) of right-padded ids (b, t); with `adapters`
+    /// false, those of the base (reference) model.
+    pub fn hidden(&self, ids: &Tensor, adapters: bool) -> Result<Tensor> {
+        let t = ids.dim(1)?;
         if t > self.cos.dim(0)? {
             candle_core::bail!("{t} tokens: the model was built for at most {}", self.cos.dim(0)?);
         }
@@ -136,17 +144,38 @@ impl PolicyModel {
         let mask = causal_mask(t, &self.device, self.embed.dtype())?;
         let (cos, sin) = (self.cos.narrow(0, 0, t)?, self.sin.narrow(0, 0, t)?);
         for blk in &self.blocks {
-            let a = self.attention(blk, &rms_norm(&x, &blk.norm1, self.cfg.eps)?, &cos, &sin, &mask)?;
+            let a = self.attention(blk, &rms_norm(&x, &blk.norm1, self.cfg.eps)?, &cos, &sin, &mask, adapters)?;
             x = (x + a)?;
             let h = rms_norm(&x, &blk.norm2, self.cfg.eps)?;
-            let m = blk.down.forward(&(candle_nn::ops::silu(&blk.gate.forward(&h)?)? * blk.up.forward(&h)?)?)?;
+            let gate = candle_nn::ops::silu(&blk.gate.forward(&h, adapters)?)?;
+            let m = blk.down.forward(&(gate * blk.up.forward(&h, adapters)?)?, adapters)?;
             x = (x + m)?;
         }
-        let h = rms_norm(&x, &self.norm, self.cfg.eps)?;
-        h.reshape((b * t, self.cfg.hidden))?.matmul(&self.lm_head.t()?)?.reshape((b, t, self.cfg.vocab))
+        rms_norm(&x, &self.norm, self.cfg.eps)
     }
 
-    fn attention(&self, blk: &Block, x: &Tensor, cos: &Tensor, sin: &Tensor, mask: &Tensor) -> Result<Tensor> {
+    /// log π(target | prefix) at chosen positions of a right-padded batch: the hidden state of
+    /// row r at position p predicts the token at p + 1. Only those rows of the hidden states
+    /// reach the LM head and the log-softmax (a response is a fraction of its sequence).
+    /// `batch` from [`crate::batch::SeqBatch`]; returns (positions,), f32.
+    pub fn logprobs_at(&self, batch: &crate::batch::SeqBatch, adapters: bool) -> Result<Tensor> {
+        let h = self.hidden(&batch.ids, adapters)?;
+        let (b, t, d) = h.dims3()?;
+        let rows = h.reshape((b * t, d))?.index_select(&batch.at, 0)?;
+        let logits = frozen_matmul(&rows, &self.lm_head)?;
+        let lp = candle_nn::ops::log_softmax(&logits, D::Minus1)?;
+        lp.gather(&batch.targets.reshape((batch.targets.dim(0)?, 1))?, 1)?.squeeze(1)
+    }
+
+    fn attention(
+        &self,
+        blk: &Block,
+        x: &Tensor,
+        cos: &Tensor,
+        sin: &Tensor,
+        mask: &Tensor,
+        adapters: bool,
+    ) -> Result<Tensor> {
         let (b, t, _) = x.dims3()?;
         let (h, kv, hd) = (self.cfg.heads, self.cfg.kv_heads, self.cfg.head_dim);
         let rope = |y: Tensor, n: usize| -> Result<Tensor> {
@@ -157,9 +186,9 @@ impl PolicyModel {
                 rope_half(&y, cos, sin)
             }
         };
-        let q = rope(blk.q.forward(x)?, h)?;
-        let k = rope(blk.k.forward(x)?, kv)?;
-        let v = blk.v.forward(x)?.reshape((b, t, kv, hd))?.transpose(1, 2)?.contiguous()?;
+        let q = rope(blk.q.forward(x, adapters)?, h)?;
+        let k = rope(blk.k.forward(x, adapters)?, kv)?;
+        let v = blk.v.forward(x, adapters)?.reshape((b, t, kv, hd))?.transpose(1, 2)?.contiguous()?;
         // grouped-query attention: query head j reads kv head j / g
         let g = h / kv;
         let q = q.contiguous()?.reshape((b, kv, g * t, hd))?;
@@ -168,7 +197,7 @@ impl PolicyModel {
         let p = softmax_last(&s)?;
         let y = p.reshape((b, kv, g * t, t))?.matmul(&v)?;
         let y = y.reshape((b, h, t, hd))?.transpose(1, 2)?.reshape((b, t, h * hd))?;
-        blk.o.forward(&y)
+        blk.o.forward(&y, adapters)
     }
 
     /// The adapters as (PEFT-style name without the `base_model.model.` prefix, A, B), e.g.

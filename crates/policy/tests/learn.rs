@@ -141,3 +141,95 @@ fn adapters_round_trip_in_peft_layout_and_q_k_rows_in_hf_order() {
     let c2: Vec<f32> = hf.forward(&ids()).unwrap().flatten_all().unwrap().to_vec1().unwrap();
     assert!(max_rel(&c2, &a) < 1e-5, "HF layout + saved adapter vs GGUF layout: {}", max_rel(&c2, &a));
 }
+
+fn tiny(seed: u64) -> PolicyModel {
+    let c = cfg(Family::Qwen2, false);
+    let lora = LoraConfig { rank: 4, alpha: 8.0, targets: Target::ALL.to_vec(), seed };
+    PolicyModel::new(weights(&c, 21), c, &lora, 16, DType::F32).unwrap()
+}
+
+/// Online DPO: at the start (B = 0) the policy is its reference, so the loss is log 2 exactly
+/// and the KL is 0; updates raise the chosen-minus-rejected log-probability margin; lr = 0
+/// leaves every log-probability unchanged (negative control).
+#[test]
+fn dpo_updates_raise_the_chosen_margin_and_lr_zero_does_not_move() {
+    use policy::train::{dpo_update, score, DpoConfig, KlEstimator, Preference, Rollout};
+    let prompts: [&[u32]; 3] = [&[1, 5], &[2, 7, 3], &[4]];
+    let chosen: [&[u32]; 3] = [&[3, 3, 9], &[6, 3], &[3, 8, 3, 1]];
+    let rejected: [&[u32]; 3] = [&[10, 0], &[1, 2, 4], &[9]];
+    let pairs: Vec<Preference> =
+        (0..3).map(|i| Preference { prompt: prompts[i], chosen: chosen[i], rejected: rejected[i] }).collect();
+    let margin = |m: &PolicyModel| -> f64 {
+        let seqs: Vec<Rollout> = (0..3)
+            .flat_map(|i| {
+                [Rollout { prompt: prompts[i], response: chosen[i] }, Rollout { prompt: prompts[i], response: rejected[i] }]
+            })
+            .collect();
+        let s = score(m, &seqs, KlEstimator::K1, 4).unwrap();
+        s.chunks(2).map(|c| c[0].0 - c[1].0).sum::<f64>() / 3.0
+    };
+    let run = |lr: f64| -> (f64, f64, f64, f64) {
+        let m = tiny(4);
+        let vars = m.vars();
+        let mut opt = Adam::new(AdamConfig { lr, clip: Some(1.0), ..Default::default() }, &vars).unwrap();
+        let before = margin(&m);
+        let cfg = DpoConfig { beta: 0.5, epochs: 1, minibatch: 2 };
+        let first = dpo_update(&m, &mut opt, &pairs, &cfg).unwrap();
+        for _ in 0..15 {
+            dpo_update(&m, &mut opt, &pairs, &cfg).unwrap();
+        }
+        (before, margin(&m), first.loss, first.kl)
+    };
+    let (before, after, first_loss, kl0) = run(0.02);
+    eprintln!("DPO margin {before:.3} → {after:.3}");
+    // the first mini-batch's loss is log 2; the second mini-batch has moved by one step
+    assert!(first_loss > 0.6 && first_loss < 0.7, "first loss {first_loss}");
+    assert_eq!(kl0, 0.0, "B = 0: the policy is its reference");
+    assert!(after > before + 1.0, "the margin rose by only {:.3}", after - before);
+    let (b0, a0, _, _) = run(0.0);
+    assert_eq!(b0, a0, "lr = 0 moved the policy");
+}
+
+/// RLOO through `rloo_update`: the sample with the highest reward in each group gains
+/// log-probability relative to the lowest; with lr = 0 nothing moves. The first update's KL is
+/// 0 (B = 0) and its mean reward is the rewards' mean.
+#[test]
+fn rloo_updates_favour_the_rewarded_samples_and_lr_zero_does_not_move() {
+    use policy::train::{rloo_update, score, KlEstimator, RlooConfig, Rollout};
+    let prompts: [&[u32]; 2] = [&[1, 5], &[2, 7, 3]];
+    let responses: [&[u32]; 6] = [&[3, 3], &[9, 1, 2], &[4], &[6, 3], &[1, 2, 4], &[9, 9]];
+    let rollouts: Vec<Rollout> =
+        (0..6).map(|i| Rollout { prompt: prompts[i / 3], response: responses[i] }).collect();
+    let rewards = [1.0, -1.0, 0.0, 0.5, 2.0, -2.0];
+    let gap = |m: &PolicyModel| -> f64 {
+        let s = score(m, &rollouts, KlEstimator::K3, 4).unwrap();
+        (s[0].0 - s[1].0) + (s[4].0 - s[5].0)
+    };
+    let run = |lr: f64| -> (f64, f64, policy::train::UpdateStats) {
+        let m = tiny(6);
+        let vars = m.vars();
+        let mut opt = Adam::new(AdamConfig { lr, clip: Some(1.0), ..Default::default() }, &vars).unwrap();
+        let cfg = RlooConfig {
+            kl_coef: 0.05,
+            kl: KlEstimator::K1,
+            clip: Some(0.2),
+            epochs: 2,
+            minibatch: 4,
+            normalize_advantages: true,
+        };
+        let before = gap(&m);
+        let first = rloo_update(&m, &mut opt, &rollouts, &rewards, 3, &cfg).unwrap();
+        for _ in 0..10 {
+            rloo_update(&m, &mut opt, &rollouts, &rewards, 3, &cfg).unwrap();
+        }
+        (before, gap(&m), first)
+    };
+    let (before, after, first) = run(0.02);
+    eprintln!("RLOO log-prob gap {before:.3} → {after:.3}");
+    assert_eq!(first.kl, 0.0);
+    assert!((first.reward - rewards.iter().sum::<f64>() / 6.0).abs() < 1e-12);
+    assert_eq!(first.steps, 4, "2 epochs × 2 mini-batches");
+    assert!(after > before + 1.0, "the gap rose by only {:.3}", after - before);
+    let (b0, a0, _) = run(0.0);
+    assert_eq!(b0, a0, "lr = 0 moved the policy");
+}

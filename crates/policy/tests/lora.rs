@@ -77,3 +77,95 @@ fn adapter_gradients_equal_central_differences() {
     }
     assert_eq!(checked, 3 * 2 * 2 * 3, "every adapter's A and B checked");
 }
+
+/// The response-only path (hidden states gathered at the response positions, then the LM
+/// head) gives the full path's token log-probabilities, summed per sequence; with adapters off
+/// it gives the base model's; and its gradients equal those of the full path.
+#[test]
+fn response_logprobs_equal_the_full_path_and_adapters_off_is_the_base_model() {
+    let c = cfg(Family::Qwen2, false);
+    let w: HashMap<String, Tensor> =
+        weights(&c, 6).into_iter().map(|(k, v)| (k, v.to_dtype(DType::F64).unwrap())).collect();
+    let lora = LoraConfig { rank: 2, alpha: 4.0, targets: Target::ALL.to_vec(), seed: 3 };
+    let m = PolicyModel::new(w.clone(), c.clone(), &lora, 32, DType::F64).unwrap();
+    randomize(&m, 8);
+    let seqs: [(&[u32], &[u32]); 3] = [(&[1, 5, 3], &[9, 2]), (&[4], &[10, 0, 6, 8]), (&[7, 7, 2, 1], &[3])];
+    let b = policy::batch::SeqBatch::new(&seqs, &Device::Cpu).unwrap();
+    let fast = |m: &PolicyModel, adapters: bool| b.seq_sum(&m.logprobs_at(&b, adapters).unwrap()).unwrap();
+    // independent: each sequence alone through the full logits, log-softmax by hand
+    let slow = |m: &PolicyModel| -> Vec<f64> {
+        seqs.iter()
+            .map(|(p, r)| {
+                let all: Vec<u32> = p.iter().chain(r.iter()).copied().collect();
+                let t = all.len();
+                let ids = Tensor::from_vec(all.clone(), (1, t), &Device::Cpu).unwrap();
+                let logits: Vec<Vec<f64>> = m.forward(&ids).unwrap().squeeze(0).unwrap().to_vec2().unwrap();
+                (p.len()..t)
+                    .map(|j| {
+                        let row = &logits[j - 1];
+                        let mx = row.iter().cloned().fold(f64::NEG_INFINITY, f64::max);
+                        let lse = mx + row.iter().map(|x| (x - mx).exp()).sum::<f64>().ln();
+                        row[all[j] as usize] - lse
+                    })
+                    .sum()
+            })
+            .collect()
+    };
+    let got: Vec<f64> = fast(&m, true).to_vec1().unwrap();
+    let want = slow(&m);
+    for (g, w) in got.iter().zip(&want) {
+        assert!((g - w).abs() < 1e-10 * (1.0 + w.abs()), "{got:?} vs {want:?}");
+    }
+    assert_eq!(b.seq_sums(&m.logprobs_at(&b, true).unwrap()).unwrap().len(), 3);
+    // adapters off: the base model (a model built without adapters on any layer)
+    let plain = PolicyModel::new(w, c, &LoraConfig { targets: vec![], ..lora.clone() }, 32, DType::F64).unwrap();
+    let off: Vec<f64> = fast(&m, false).to_vec1().unwrap();
+    let base = slow(&plain);
+    for (g, w) in off.iter().zip(&base) {
+        assert!((g - w).abs() < 1e-10 * (1.0 + w.abs()), "adapters off {off:?} vs base {base:?}");
+    }
+    assert!(got.iter().zip(&off).any(|(a, b)| (a - b).abs() > 1e-4), "negative control: the adapters matter");
+    // gradients of the response-only sum equal those of the full path (masked token log-probs)
+    let g1 = fast(&m, true).sum_all().unwrap().backward().unwrap();
+    let full = {
+        let t = b.ids.dim(1).unwrap();
+        let mut mask = vec![0f64; 3 * (t - 1)];
+        for (r, (p, resp)) in seqs.iter().enumerate() {
+            for j in p.len()..p.len() + resp.len() {
+                mask[r * (t - 1) + j - 1] = 1.0;
+            }
+        }
+        let mask = Tensor::from_vec(mask, (3, t - 1), &Device::Cpu).unwrap();
+        masked_sum(&token_logprobs(&m.forward(&b.ids).unwrap(), &b.ids).unwrap(), &mask).unwrap().sum_all().unwrap()
+    };
+    let g2 = full.backward().unwrap();
+    for var in m.vars() {
+        let a: Vec<f64> = g1.get(var.as_tensor()).unwrap().flatten_all().unwrap().to_vec1().unwrap();
+        let z: Vec<f64> = g2.get(var.as_tensor()).unwrap().flatten_all().unwrap().to_vec1().unwrap();
+        let scale = z.iter().fold(0f64, |m, x| m.max(x.abs()));
+        assert!(scale > 0.0);
+        for (x, y) in a.iter().zip(&z) {
+            assert!((x - y).abs() <= 1e-9 * scale, "gradients differ: {x} vs {y}");
+        }
+    }
+}
+
+/// The frozen matmul's backward gives ∂/∂x = g W (as the plain matmul does) and no gradient to W.
+#[test]
+fn frozen_matmul_routes_the_gradient_to_x_alone() {
+    let x = candle_core::Var::from_tensor(
+        &Tensor::from_vec((0..12).map(|i| i as f64 * 0.3 - 1.0).collect::<Vec<_>>(), (3, 4), &Device::Cpu).unwrap(),
+    )
+    .unwrap();
+    let w = Tensor::from_vec((0..20).map(|i| (i as f64).sin()).collect::<Vec<_>>(), (5, 4), &Device::Cpu).unwrap();
+    let c = Tensor::from_vec((0..15).map(|i| (i as f64).cos()).collect::<Vec<_>>(), (3, 5), &Device::Cpu).unwrap();
+    let y1 = policy::lora::frozen_matmul(x.as_tensor(), &w).unwrap();
+    let y2 = x.as_tensor().matmul(&w.t().unwrap()).unwrap();
+    assert_eq!(y1.to_vec2::<f64>().unwrap(), y2.to_vec2::<f64>().unwrap());
+    let g1 = (y1 * &c).unwrap().sum_all().unwrap().backward().unwrap();
+    let g2 = (y2 * &c).unwrap().sum_all().unwrap().backward().unwrap();
+    let a: Vec<Vec<f64>> = g1.get(x.as_tensor()).unwrap().to_vec2().unwrap();
+    let b: Vec<Vec<f64>> = g2.get(x.as_tensor()).unwrap().to_vec2().unwrap();
+    assert_eq!(a, b);
+    assert!(g1.get(&w).is_none(), "no gradient for the frozen weight");
+}

@@ -111,7 +111,8 @@ fn generate(
             );
         }
         match std::fs::read(file_of(p)).ok().and_then(|b| serde_json::from_slice::<Vec<Sample>>(&b).ok()) {
-            Some(s) if s.len() == g.n => out[i] = Some(s),
+            // a cache written before samples kept their token ids is generated again
+            Some(s) if s.len() == g.n && s.iter().all(|x| !x.ids.is_empty()) => out[i] = Some(s),
             _ => todo.push(i),
         }
     }
