@@ -10,7 +10,6 @@
 use crate::lora::Target;
 use crate::model::PolicyModel;
 use candle_core::{Device, Tensor};
-use std::collections::HashMap;
 use std::path::Path;
 
 const PREFIX: &str = "base_model.model.";
@@ -44,10 +43,9 @@ fn needs_permute(m: &PolicyModel, name: &str) -> bool {
     m.config().rope_interleaved && (name.ends_with(Target::QProj.path()) || name.ends_with(Target::KProj.path()))
 }
 
-/// Writes `dir/adapter_model.safetensors` and `dir/adapter_config.json`.
-pub fn save(m: &PolicyModel, dir: &Path, base_model: &str) -> std::result::Result<(), features::Error> {
-    let io = |e: std::io::Error| features::Error::Io(format!("{}: {e}", dir.display()));
-    std::fs::create_dir_all(dir).map_err(io)?;
+/// The two files of PEFT's layout as bytes: `adapter_model.safetensors` and
+/// `adapter_config.json` (B's q/k rows in Hugging Face's order).
+pub fn encode(m: &PolicyModel, base_model: &str) -> std::result::Result<(Vec<u8>, String), features::Error> {
     let mut tensors: Vec<(String, Tensor)> = Vec::new();
     for (name, ad) in m.adapters() {
         let mut b = ad.b.as_tensor().to_device(&Device::Cpu)?;
@@ -57,8 +55,8 @@ pub fn save(m: &PolicyModel, dir: &Path, base_model: &str) -> std::result::Resul
         tensors.push((format!("{PREFIX}{name}.lora_A.weight"), ad.a.as_tensor().to_device(&Device::Cpu)?));
         tensors.push((format!("{PREFIX}{name}.lora_B.weight"), b));
     }
-    let st = dir.join("adapter_model.safetensors");
-    candle_core::safetensors::save(&tensors.into_iter().collect::<HashMap<_, _>>(), &st)?;
+    tensors.sort_by(|x, y| x.0.cmp(&y.0));
+    let st = safetensors::serialize(tensors, None).map_err(|e| features::Error::Format(format!("safetensors: {e}")))?;
     let l = m.lora();
     let mut targets: Vec<&str> = l.targets.iter().map(|t| t.name()).collect();
     targets.sort();
@@ -80,8 +78,16 @@ pub fn save(m: &PolicyModel, dir: &Path, base_model: &str) -> std::result::Resul
         "layers_to_transform": null,
         "revision": null,
     });
-    let text = serde_json::to_string_pretty(&cfg).expect("plain JSON");
-    std::fs::write(dir.join("adapter_config.json"), text).map_err(io)
+    Ok((st, serde_json::to_string_pretty(&cfg).expect("plain JSON")))
+}
+
+/// Writes `dir/adapter_model.safetensors` and `dir/adapter_config.json`.
+pub fn save(m: &PolicyModel, dir: &Path, base_model: &str) -> std::result::Result<(), features::Error> {
+    let io = |e: std::io::Error| features::Error::Io(format!("{}: {e}", dir.display()));
+    std::fs::create_dir_all(dir).map_err(io)?;
+    let (st, cfg) = encode(m, base_model)?;
+    std::fs::write(dir.join("adapter_model.safetensors"), st).map_err(io)?;
+    std::fs::write(dir.join("adapter_config.json"), cfg).map_err(io)
 }
 
 /// Reads adapters saved by [`save`] (or by PEFT) into `m`'s variables; every adapter of `m`

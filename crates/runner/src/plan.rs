@@ -26,6 +26,9 @@ pub struct ConfigPlan {
     pub strategy: Option<Strategy>,
     /// Active: the selection rule of this config.
     pub rule: Option<ActiveRule>,
+    /// Deploy on generated responses: the deployed policy (best-of-n, fixed, or one that
+    /// learns: rloo, dpo).
+    pub policy: Option<DeployPolicy>,
     /// Index of the expanded estimator config (shared by the strategies of a deploy run).
     pub estimator_index: usize,
     /// Index of the strategy in `deploy.strategies` or of the rule in `active.rule` (else 0).
@@ -172,12 +175,13 @@ pub fn theory_beta(d: usize, t: u64, delta: f64) -> f64 {
 }
 
 /// Validates `spec` (read from `file`, whose text after the `overrides` is `text`) into a plan.
-pub fn build(spec: Spec, file: &Path, text: &str, overrides: &[String]) -> Result<Plan, SpecError> {
+pub fn build(mut spec: Spec, file: &Path, text: &str, overrides: &[String]) -> Result<Plan, SpecError> {
     let keys = Locator { file, text, overrides };
     let name = run_name(&spec, file, keys)?;
     check_env_kind(&spec, keys)?;
     check_ranges(&spec, keys)?;
     check_setting(&spec, keys)?;
+    check_policy(&mut spec, keys)?;
     let arms = arms(&spec, keys)?;
     let mut configs = configs(&spec, keys, &arms)?;
     disambiguate_labels(&mut configs);
@@ -437,8 +441,38 @@ fn check_active(spec: &Spec, keys: Locator<'_>) -> Result<(), SpecError> {
     Ok(())
 }
 
-/// A deploy strategy and an active rule (either absent outside its setting).
-type Arm = (Option<Strategy>, Option<ActiveRule>);
+/// `[policy]` and the learning arms of `deploy.policy`: both or neither; they need deployment
+/// on generated responses and an oracle over the learner's φ. The resolved spec shows the
+/// table with its defaults when an arm learns.
+fn check_policy(spec: &mut Spec, keys: Locator<'_>) -> Result<(), SpecError> {
+    let learns = spec.deploy.policy.0.iter().any(|p| p.learns());
+    if !learns {
+        if spec.policy.is_some() {
+            return Err(keys.err(&["policy"], "applies only when deploy.policy includes \"rloo\" or \"dpo\"".into()));
+        }
+        return Ok(());
+    }
+    if spec.setting != Setting::Deploy || spec.env.kind != EnvKind::Generated {
+        return Err(keys.err(
+            &["deploy", "policy"],
+            "a policy that learns needs setting = \"deploy\" and env.kind = \"generated\"".into(),
+        ));
+    }
+    if let Some(o) = &spec.oracle {
+        if o.kind == crate::spec::OracleKind::RewardModel {
+            return Err(keys.err(
+                &["oracle", "kind"],
+                "\"reward-model\" with a learning policy is not supported yet: use \"linear\" or \"head\" (an oracle over the learner's φ)".into(),
+            ));
+        }
+    }
+    let p = spec.policy.get_or_insert_with(PolicySpec::default);
+    p.check().map_err(|(k, m)| keys.err(&["policy", k], m))?;
+    Ok(())
+}
+
+/// A deploy strategy, an active rule and a deployed policy (each absent outside its setting).
+type Arm = (Option<Strategy>, Option<ActiveRule>, Option<DeployPolicy>);
 
 /// The arms every estimator config runs under: deploy strategies × active rules (one `None`
 /// arm in the other settings).
@@ -462,7 +496,19 @@ fn arms(spec: &Spec, keys: Locator<'_>) -> Result<Vec<Arm>, SpecError> {
     } else {
         vec![None]
     };
-    Ok(strategies.iter().flat_map(|s| rules.iter().map(move |r| (*s, *r))).collect())
+    let policies: Vec<Option<DeployPolicy>> = if spec.setting == Setting::Deploy && spec.env.kind == EnvKind::Generated
+    {
+        spec.deploy.policy.0.iter().map(|p| Some(*p)).collect()
+    } else {
+        vec![None]
+    };
+    let mut out = Vec::new();
+    for s in &strategies {
+        for r in &rules {
+            out.extend(policies.iter().map(|p| (*s, *r, *p)));
+        }
+    }
+    Ok(out)
 }
 
 /// Every `[[estimator]]` table expanded over its sweeps, read, resolved and validated, crossed
@@ -472,6 +518,7 @@ fn configs(spec: &Spec, keys: Locator<'_>, arms: &[Arm]) -> Result<Vec<ConfigPla
         return Err(keys.err(&[], "no [[estimator]] tables: expected at least one".into()));
     }
     let several_rules = spec.setting == Setting::Active && spec.active.rule.0.len() > 1;
+    let several_policies = spec.deploy.policy.0.len() > 1;
     let bounds = Bounds {
         theta_norm_feature_norm_dim: (spec.env.kind == EnvKind::Synthetic).then_some((
             spec.env.theta_norm,
@@ -497,7 +544,7 @@ fn configs(spec: &Spec, keys: Locator<'_>, arms: &[Arm]) -> Result<Vec<ConfigPla
             let sweep_label: Vec<String> =
                 combo.swept.iter().map(|k| format!("{k}={}", show(k).unwrap_or_default())).collect();
             let estimator_index = configs.len() / arms.len();
-            for (strategy_index, (strategy, rule)) in arms.iter().enumerate() {
+            for (strategy_index, (strategy, rule, policy)) in arms.iter().enumerate() {
                 let mut label = cfg.kind().to_string();
                 if !sweep_label.is_empty() {
                     label = format!("{label} {}", sweep_label.join(" "));
@@ -508,6 +555,9 @@ fn configs(spec: &Spec, keys: Locator<'_>, arms: &[Arm]) -> Result<Vec<ConfigPla
                 if let (Some(r), true) = (rule, several_rules) {
                     label = format!("{label} / {r}");
                 }
+                if let (Some(p), true) = (policy, several_policies) {
+                    label = format!("{label} / {p}");
+                }
                 configs.push(ConfigPlan {
                     config_id: configs.len(),
                     kind: cfg.kind(),
@@ -517,6 +567,7 @@ fn configs(spec: &Spec, keys: Locator<'_>, arms: &[Arm]) -> Result<Vec<ConfigPla
                     swept: combo.swept.clone(),
                     strategy: *strategy,
                     rule: *rule,
+                    policy: *policy,
                     estimator_index,
                     strategy_index,
                     label,

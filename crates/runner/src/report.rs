@@ -34,6 +34,54 @@ pub const FIGURES: [(&str, &str); 11] = [
     ("kendall_tau", "Kendall τ, learned vs oracle ranking (per chunk)"),
 ];
 
+/// policy.parquet columns that get a figure (x: the chunk).
+pub const POLICY_FIGURES: [(&str, &str); 3] = [
+    ("oracle_reward", "oracle reward of the policy's samples (held-out prompts)"),
+    ("bon_oracle_reward", "oracle reward of the best sample under θ (held-out prompts)"),
+    ("kl", "KL to the initial policy (per sequence)"),
+];
+
+/// A run's policy.parquet as rows whose x is the chunk.
+pub fn read_policy(run: &Path) -> Result<Vec<Row>> {
+    let path = run.join("policy.parquet");
+    let mut rows = Vec::new();
+    for b in read_batches(&path)? {
+        let label = column::<StringArray>(&b, "label", &path)?;
+        let seed = column::<UInt32Array>(&b, "seed", &path)?;
+        let chunk = column::<UInt64Array>(&b, "chunk", &path)?;
+        let floats: Vec<(&str, &Float64Array)> = POLICY_FIGURES
+            .iter()
+            .map(|(n, _)| Ok((*n, column::<Float64Array>(&b, n, &path)?)))
+            .collect::<Result<_>>()?;
+        for i in 0..b.num_rows() {
+            let values = floats.iter().filter(|(_, c)| c.is_valid(i)).map(|(n, c)| (*n, c.value(i))).collect();
+            rows.push(Row { label: label.value(i).to_string(), seed: seed.value(i), samples: chunk.value(i), values });
+        }
+    }
+    Ok(rows)
+}
+
+/// Per label: oracle reward at the first and last evaluation, best-of-samples under θ and KL
+/// at the last (mean ± std over seeds).
+fn policy_table(rows: &[Row]) -> String {
+    let show = |v: &[f64]| {
+        let (m, s) = mean_std(v);
+        format!("{m:.3} ± {s:.3}")
+    };
+    let mut out = String::from("| config | oracle reward, first | oracle reward, last | best of samples under θ, last | KL, last |\n|---|---|---|---|---|\n");
+    let by = series(rows, "oracle_reward");
+    let bon = series(rows, "bon_oracle_reward");
+    let kl = series(rows, "kl");
+    for (label, s) in &by {
+        let (Some(first), Some(last)) = (s.values().next(), s.values().last()) else { continue };
+        let at_last = |m: &BTreeMap<String, BTreeMap<u64, Vec<f64>>>| {
+            m.get(label).and_then(|x| x.values().last()).map_or("—".to_string(), |v| show(v))
+        };
+        out.push_str(&format!("| {label} | {} | {} | {} | {} |\n", show(first), show(last), at_last(&bon), at_last(&kl)));
+    }
+    out
+}
+
 /// Columns only chunked deployment runs have.
 const OPTIONAL: [&str; 3] = ["cum_pair_reward", "policy_reward", "kendall_tau"];
 
@@ -246,6 +294,7 @@ fn draw<DB: DrawingBackend>(
     metric: &str,
     title: &str,
     rows: &[Row],
+    x_desc: &str,
 ) -> Result<()>
 where
     DB::ErrorType: 'static,
@@ -278,7 +327,7 @@ where
         .y_label_area_size(70)
         .build_cartesian_2d(x0..x1.max(x0 + 1.0), (y0 - pad)..(y1 + pad))
         .map_err(|e| anyhow!("{e:?}"))?;
-    chart.configure_mesh().x_desc("samples seen").y_desc(title).draw().map_err(|e| anyhow!("{e:?}"))?;
+    chart.configure_mesh().x_desc(x_desc).y_desc(title).draw().map_err(|e| anyhow!("{e:?}"))?;
     for (i, (label, by)) in data.iter().enumerate() {
         let color = TAB10[i % TAB10.len()].to_rgba();
         let stats: Vec<(f64, f64, f64)> = by
@@ -541,6 +590,11 @@ pub fn report(run: &Path) -> Result<PathBuf> {
         md.push_str("\n## Win rates\n\nPer (seed, chunk), the cell with the highest chunk mean of oracle r(a) + r(a′) wins (ties share the win); per (seed, prompt), the same on the pair each cell chose. Over every estimator × strategy cell of the run, so chance is 1 / configs.\n\n");
         md.push_str(&win_table(&run.join("winrates.parquet"))?);
     }
+    let policy = if run.join("policy.parquet").exists() { read_policy(run)? } else { Vec::new() };
+    if !policy.is_empty() {
+        md.push_str("\n## The policy\n\nOn the held-out prompts, mean ± std over seeds: the oracle reward of the policy's samples before the first chunk and after the last, the best of its samples under the learned θ, and the sequence KL to the initial policy after the last chunk.\n\n");
+        md.push_str(&policy_table(&policy));
+    }
     let times = cell_times(run).unwrap_or_default();
     md.push_str("\n## Time and κ\n\nPer cell, mean ± std over seeds. κ over the samples each estimator trained on (windows between evaluations, all seeds); the paper's appendix reports κ = 171.6 ± 85.5 (Llama-3-8B, UltraFeedback).\n\n");
     md.push_str(&time_and_kappa_table(&rows, &times));
@@ -564,11 +618,25 @@ pub fn report(run: &Path) -> Result<PathBuf> {
                 }
                 let png = out.join(format!("{metric}.png"));
                 let svg = out.join(format!("{metric}.svg"));
-                draw(BitMapBackend::new(&png, (900, 560)).into_drawing_area(), metric, title, &rows)
+                draw(BitMapBackend::new(&png, (900, 560)).into_drawing_area(), metric, title, &rows, "samples seen")
                     .with_context(|| format!("drawing {}", png.display()))?;
-                draw(SVGBackend::new(&svg, (900, 560)).into_drawing_area(), metric, title, &rows)
+                draw(SVGBackend::new(&svg, (900, 560)).into_drawing_area(), metric, title, &rows, "samples seen")
                     .with_context(|| format!("drawing {}", svg.display()))?;
-                made.push(metric);
+                made.push(metric.to_string());
+            }
+            for (metric, title) in POLICY_FIGURES {
+                if series(&policy, metric).is_empty() {
+                    continue;
+                }
+                let name = format!("policy_{metric}");
+                let png = out.join(format!("{name}.png"));
+                let svg = out.join(format!("{name}.svg"));
+                let x = "chunk (0: before the first update)";
+                draw(BitMapBackend::new(&png, (900, 560)).into_drawing_area(), metric, title, &policy, x)
+                    .with_context(|| format!("drawing {}", png.display()))?;
+                draw(SVGBackend::new(&svg, (900, 560)).into_drawing_area(), metric, title, &policy, x)
+                    .with_context(|| format!("drawing {}", svg.display()))?;
+                made.push(name);
             }
             made
         }

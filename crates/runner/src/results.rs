@@ -5,7 +5,8 @@
 use crate::io::{npy_f64, write_atomic, write_atomic_at};
 use crate::plan::{ConfigPlan, Plan};
 use crate::rows::{
-    Bucket, CellResult, Col, MetricRow, RoundRow, StepRow, BUCKETS, METRICS, METRICS_CHUNKED, ROUNDS, STEPS,
+    Bucket, CellResult, Col, MetricRow, PolicyRow, PolicyTiming, RoundRow, StepRow, BUCKETS, METRICS, METRICS_CHUNKED,
+    POLICY, POLICY_TIMINGS, ROUNDS, STEPS,
 };
 use crate::world::World;
 use anyhow::{Context, Result};
@@ -161,6 +162,9 @@ pub fn write_tables(
             "stream_hash",
             cells.iter().map(|c| c.result.as_ref().ok().map(|r| format!("{:016x}", r.stream_hash))),
         );
+    // runs with a learning policy: the deployed policy of each cell
+    let arm = |c: &ConfigPlan| c.policy.map(|p| p.to_string()).unwrap_or_default();
+    let t = if world.online.is_some() { t.str("policy", cells.iter().map(|c| arm(c.config))) } else { t };
     schemas.push(("cells.parquet".to_string(), t.write(&dir.join("cells.parquet"))?));
 
     // metrics: one row per cell × evaluation point
@@ -180,6 +184,7 @@ pub fn write_tables(
         .cols(METRICS, &rows, |(_, m)| m);
     let chunked = world.generated.is_some() && setting == "deploy";
     let t = if chunked { t.cols(METRICS_CHUNKED, &rows, |(_, m)| m) } else { t };
+    let t = if world.online.is_some() { t.str("policy", rows.iter().map(|(c, _)| arm(c.config))) } else { t };
     schemas.push(("metrics.parquet".to_string(), t.write(&dir.join("metrics.parquet"))?));
 
     if chunked {
@@ -207,6 +212,44 @@ pub fn write_tables(
             .u64("chunks_compared", w.iter().map(|r| r.chunks))
             .u64("prompts_compared", w.iter().map(|r| r.prompts));
         schemas.push(("winrates.parquet".to_string(), t.write(&dir.join("winrates.parquet"))?));
+    }
+    if world.online.is_some() {
+        let policy = |c: &ConfigPlan| c.policy.map(|p| p.to_string()).unwrap_or_default();
+        let rows: Vec<(&CellOutcome<'_>, &PolicyRow)> = cells
+            .iter()
+            .filter_map(|c| c.result.as_ref().ok().map(|r| (c, r)))
+            .flat_map(|(c, r)| r.policy.iter().map(move |m| (c, m)))
+            .collect();
+        let t = Table::default()
+            .str("cell_id", rows.iter().map(|(c, _)| c.cell_id.to_string()))
+            .u32("config_id", rows.iter().map(|(c, _)| c.config.config_id as u32))
+            .str("estimator", rows.iter().map(|(c, _)| c.config.kind.to_string()))
+            .str("label", rows.iter().map(|(c, _)| c.config.label.clone()))
+            .opt_str("strategy", rows.iter().map(|(c, _)| strategy(c.config)))
+            .str("policy", rows.iter().map(|(c, _)| policy(c.config)))
+            .u32("seed", rows.iter().map(|(c, _)| c.seed))
+            .cols(POLICY, &rows, |(_, m)| m);
+        schemas.push(("policy.parquet".to_string(), t.write(&dir.join("policy.parquet"))?));
+        let rows: Vec<(&CellOutcome<'_>, &PolicyTiming)> = cells
+            .iter()
+            .filter_map(|c| c.result.as_ref().ok().map(|r| (c, r)))
+            .flat_map(|(c, r)| r.policy_times.iter().map(move |m| (c, m)))
+            .collect();
+        let t = Table::default()
+            .str("cell_id", rows.iter().map(|(c, _)| c.cell_id.to_string()))
+            .str("label", rows.iter().map(|(c, _)| c.config.label.clone()))
+            .str("policy", rows.iter().map(|(c, _)| policy(c.config)))
+            .u32("seed", rows.iter().map(|(c, _)| c.seed))
+            .cols(POLICY_TIMINGS, &rows, |(_, m)| m);
+        schemas.push(("policy_timings.parquet".to_string(), t.write(&dir.join("policy_timings.parquet"))?));
+        for c in cells {
+            for a in c.result.iter().flat_map(|r| &r.adapters) {
+                let at = dir.join("adapters").join(c.cell_id).join(&a.dir);
+                std::fs::create_dir_all(&at).with_context(|| format!("creating {}", at.display()))?;
+                write_atomic(&at.join("adapter_model.safetensors"), &a.safetensors)?;
+                write_atomic(&at.join("adapter_config.json"), a.config.as_bytes())?;
+            }
+        }
     }
     if let Some(g) = &world.generated {
         let rows: Vec<(usize, usize, &features::generate::Sample)> = g

@@ -86,6 +86,62 @@ pub struct CellResult {
     pub estimator_s: f64,
     /// Deploy on generated responses: one row per prompt (rounds.parquet).
     pub rounds: Vec<RoundRow>,
+    /// Deploy with a learning policy in the run: the policy's evaluation per chunk
+    /// (policy.parquet), its wall time per chunk (policy_timings.parquet), and its adapters in
+    /// PEFT's layout (`adapters/<cell>/[chunk-NN/]`).
+    pub policy: Vec<PolicyRow>,
+    pub policy_times: Vec<PolicyTiming>,
+    pub adapters: Vec<AdapterFiles>,
+}
+
+/// A policy's evaluation on the held-out prompts after a chunk (chunk 0: before any update):
+/// `eval_samples` samples per prompt from the current policy. Deterministic.
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+pub struct PolicyRow {
+    pub chunk: u64,
+    /// Mean oracle reward of the policy's samples (the paper's policy reward).
+    pub oracle_reward: f64,
+    /// Mean over prompts of the oracle reward of the sample the learned reward ranks first
+    /// (best-of-`eval_samples` under θ_t).
+    pub bon_oracle_reward: f64,
+    /// Mean learned reward φᵀθ_t of the policy's samples.
+    pub learned_reward: f64,
+    /// Mean over samples of the sequence KL to the reference policy (policy.kl_estimator;
+    /// 0 for a policy that does not learn).
+    pub kl: f64,
+    /// −mean log π(y_t) over the sampled tokens (None for a policy that does not learn).
+    pub entropy: Option<f64>,
+    pub response_tokens: f64,
+    /// Samples cut at max_new_tokens.
+    pub cut_fraction: f64,
+    /// The chunk's policy update: mean loss, mean ‖g‖ before clipping, Adam steps; the mean
+    /// learned (rloo) or implicit DPO reward it trained on.
+    pub update_loss: Option<f64>,
+    pub update_grad_norm: Option<f64>,
+    pub update_steps: u64,
+    pub update_reward: Option<f64>,
+    /// Mean oracle reward of the chunk's own samples (training prompts; chunk ≥ 1).
+    pub chunk_oracle_reward: Option<f64>,
+}
+
+/// Wall seconds of a chunk by stage (policy_timings.parquet; never in policy.parquet).
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+pub struct PolicyTiming {
+    pub chunk: u64,
+    pub generation_s: f64,
+    pub phi_s: f64,
+    pub estimator_s: f64,
+    pub policy_s: f64,
+    pub eval_s: f64,
+}
+
+/// An adapter in PEFT's layout: its directory under `adapters/`, the safetensors bytes and
+/// adapter_config.json.
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+pub struct AdapterFiles {
+    pub dir: String,
+    pub safetensors: Vec<u8>,
+    pub config: String,
 }
 
 /// One prompt of a chunked deployment run.
@@ -180,6 +236,33 @@ pub const ROUNDS: &[Col<RoundRow>] = &[
     Col::F64("policy_reward", |r| r.policy_reward),
     Col::F64("best_reward", |r| r.best_reward),
     Col::F64("kendall_tau", |r| r.kendall_tau),
+];
+
+/// policy.parquet: one row per cell × policy evaluation (runs with a learning policy).
+pub const POLICY: &[Col<PolicyRow>] = &[
+    Col::U64("chunk", |r| r.chunk),
+    Col::F64("oracle_reward", |r| r.oracle_reward),
+    Col::F64("bon_oracle_reward", |r| r.bon_oracle_reward),
+    Col::F64("learned_reward", |r| r.learned_reward),
+    Col::F64("kl", |r| r.kl),
+    Col::OptF64("entropy", |r| r.entropy),
+    Col::F64("response_tokens", |r| r.response_tokens),
+    Col::F64("cut_fraction", |r| r.cut_fraction),
+    Col::OptF64("update_loss", |r| r.update_loss),
+    Col::OptF64("update_grad_norm", |r| r.update_grad_norm),
+    Col::U64("update_steps", |r| r.update_steps),
+    Col::OptF64("update_reward", |r| r.update_reward),
+    Col::OptF64("chunk_oracle_reward", |r| r.chunk_oracle_reward),
+];
+
+/// policy_timings.parquet: one row per cell × chunk.
+pub const POLICY_TIMINGS: &[Col<PolicyTiming>] = &[
+    Col::U64("chunk", |r| r.chunk),
+    Col::F64("generation_s", |r| r.generation_s),
+    Col::F64("phi_s", |r| r.phi_s),
+    Col::F64("estimator_s", |r| r.estimator_s),
+    Col::F64("policy_s", |r| r.policy_s),
+    Col::F64("eval_s", |r| r.eval_s),
 ];
 
 /// steps.parquet: one row per update (stream.record_steps).

@@ -4,11 +4,15 @@
 
 use super::choose;
 use super::learner::Learner;
+use super::online::{Labelled, PolicyCell};
 use super::state::{drive, CellCtx, Progress};
 use crate::plan::{parametrize, theory_beta, ConfigPlan};
-use crate::rows::{CellResult, RoundRow};
+use crate::rows::{CellResult, PolicyTiming, RoundRow};
 use crate::spec::{DeployPolicy, Order, Spec};
 use crate::world::env::{argmax, Env};
+use crate::world::generated::Generated;
+use crate::world::online::Online;
+use std::time::Instant;
 use anyhow::{anyhow, Result};
 use rand::seq::SliceRandom;
 use rand::Rng;
@@ -71,18 +75,24 @@ pub(super) fn deploy(
 /// Deployment on generated responses (paper Alg. 4 in the authors' chunked form): the prompts,
 /// in a per-seed order, are cut into chunks; within a chunk θ is fixed — it ranks every
 /// prompt's n responses, the strategy picks a pair, the oracle labels it — then the estimator
-/// updates on the chunk's pairs in mini-batches of `stream.batch_size`.
+/// updates on the chunk's pairs in mini-batches of `stream.batch_size`. With `world.online`
+/// (a learning policy in the run) the cell's [`PolicyCell`] supplies the chunk's responses,
+/// updates after θ, and is evaluated on the held-out prompts before the first chunk and every
+/// `policy.eval_every_chunks` chunks.
+#[allow(clippy::too_many_arguments)]
 pub(super) fn deploy_chunked(
     spec: &Spec,
     config: &ConfigPlan,
     env: &Env,
+    g: &Generated,
+    online: Option<&Online>,
     l: &mut Learner,
     seed: u32,
     ctx: &mut CellCtx,
     resumed: Option<Progress>,
 ) -> Result<CellResult> {
     let strategy = strategy_of(spec, config)?;
-    let (k, b) = (env.k, spec.stream.batch_size);
+    let (k, b, d) = (env.k, spec.stream.batch_size, env.d);
     let mut fresh = Progress::fresh(spec, seed);
     let p = env.contexts.len();
     let mut order: Vec<usize> = (0..p).collect();
@@ -91,26 +101,48 @@ pub(super) fn deploy_chunked(
     }
     let chunks = spec.deploy.chunks.max(1);
     let mut pr = resumed.unwrap_or(fresh);
-    drive(chunks as u64, &mut pr, l, ctx, |t, _, pr, l| {
+    let mut pc = match online {
+        Some(o) => {
+            let arm = config.policy.ok_or_else(|| anyhow!("deploy cell without a policy arm"))?;
+            Some(PolicyCell::new(o, arm, spec, seed, pr.policy_state.as_ref())?)
+        }
+        None => None,
+    };
+    if let (Some(pc), 0) = (&pc, pr.done) {
+        if pr.policy_rows.is_empty() {
+            let t0 = Instant::now();
+            pr.policy_rows.push(pc.evaluate(0, l.theta(), d)?);
+            pr.policy_times.push(PolicyTiming { chunk: 0, eval_s: t0.elapsed().as_secs_f64(), ..Default::default() });
+        }
+    }
+    drive(chunks as u64, &mut pr, l, ctx, |t, last, pr, l| {
         let c = (t - 1) as usize;
         // chunk c holds prompts [c·p/chunks, (c+1)·p/chunks) of the order
         let (lo, hi) = (c * p / chunks, (c + 1) * p / chunks);
         if c > 0 && spec.deploy.reset_each_chunk {
             l.reset_estimator(spec, config, seed)?;
         }
+        let mut time = PolicyTiming { chunk: t, ..Default::default() };
+        let xs = &order[lo..hi];
+        let (contexts, samples) = match &pc {
+            Some(pc) => pc.respond(g, env, xs, &mut time)?,
+            None => (Vec::new(), Vec::new()),
+        };
         let (mut z, mut y) = (Vec::new(), Vec::new());
+        let mut labelled = Vec::new();
         let Progress { labels, select, hash: h, regret, reward_sum, ties, oracle_ties, rounds, .. } = &mut *pr;
         let (mut pair_sum, mut pol_sum, mut tau_sum) = (0.0, 0.0, 0.0);
-        for &x in &order[lo..hi] {
-            let ctx = &env.contexts[x];
+        for (i, &x) in xs.iter().enumerate() {
+            let ctx = if pc.is_some() { &contexts[i] } else { &env.contexts[x] };
             let (est, pair) = choose(env, ctx, &strategy, l, select);
-            let truth: Vec<f64> = (0..k).map(|a| env.reward(ctx, a)).collect();
+            let truth: Vec<f64> = ctx.reward.clone().unwrap_or_else(|| (0..k).map(|a| env.reward(ctx, a)).collect());
             *ties += u64::from(pair.ties);
             let zi = env.diff(ctx, pair.first, pair.second);
             let u: f64 = labels.random();
             h.bytes(&(x as u64).to_le_bytes());
             h.bytes(&u.to_le_bytes());
             let label = env.label(ctx, pair.first, pair.second, &zi, u);
+            labelled.push(Labelled { at: i, first: pair.first, second: pair.second, label });
             *oracle_ties += u64::from(truth[pair.first] == truth[pair.second]);
             y.push(label);
             z.extend(zi);
@@ -119,9 +151,10 @@ pub(super) fn deploy_chunked(
             *regret += best - 0.5 * (ra + rb);
             *reward_sum += 0.5 * (ra + rb);
             pair_sum += ra + rb;
-            let pick = match spec.deploy.policy {
-                DeployPolicy::BestOfN => argmax(est.iter().copied()),
-                DeployPolicy::Fixed => 0,
+            let pick = match config.policy {
+                Some(DeployPolicy::BestOfN) | None => argmax(est.iter().copied()),
+                // the fixed policy, and one that learns: a draw from the policy itself
+                Some(_) => 0,
             };
             pol_sum += truth[pick];
             let tau = kendall_tau_b(&est, &truth);
@@ -140,9 +173,11 @@ pub(super) fn deploy_chunked(
                 kendall_tau: tau,
             });
         }
+        let t0 = Instant::now();
         for (zb, yb) in z.chunks(b * env.d).zip(y.chunks(b)) {
             l.update(zb, yb)?;
         }
+        time.estimator_s = t0.elapsed().as_secs_f64();
         pr.seen += (hi - lo) as u64;
         let n = (hi - lo) as f64;
         pr.cum_pair += pair_sum / n;
@@ -157,7 +192,48 @@ pub(super) fn deploy_chunked(
         row.kendall_tau = Some(tau_sum / n);
         row.oracle_ties = Some(pr.oracle_ties);
         pr.rows.push(row);
+        if let Some(pc) = &mut pc {
+            let t1 = Instant::now();
+            let stats = pc.update(xs, &samples, &contexts, &labelled, l.theta(), d)?;
+            time.policy_s = t1.elapsed().as_secs_f64();
+            let every = pc.online.spec.eval_every_chunks as u64;
+            if t % every == 0 || last {
+                let t2 = Instant::now();
+                let mut prow = pc.evaluate(t, l.theta(), d)?;
+                time.eval_s = t2.elapsed().as_secs_f64();
+                if let Some(s) = stats {
+                    prow.update_loss = Some(s.loss);
+                    prow.update_grad_norm = Some(s.grad_norm);
+                    prow.update_steps = s.steps;
+                    prow.update_reward = Some(s.reward);
+                }
+                let oracle: f64 = contexts.iter().flat_map(|c| c.reward.iter().flatten()).sum();
+                let count = contexts.iter().map(|c| c.reward.as_ref().map_or(0, Vec::len)).sum::<usize>();
+                prow.chunk_oracle_reward =
+                    Some(if count > 0 { oracle / count as f64 } else { chunk_mean(env, xs) });
+                pr.policy_rows.push(prow);
+            }
+            pr.policy_times.push(time);
+            if let Some(a) = pc.adapter(t, chunks as u64)? {
+                pr.adapters.push(a);
+            }
+            pr.policy_state = pc.state()?;
+        }
         Ok(())
     })?;
-    Ok(CellResult { rows: pr.rows, rounds: pr.rounds, stream_hash: pr.hash.0, ..Default::default() })
+    Ok(CellResult {
+        rows: pr.rows,
+        rounds: pr.rounds,
+        stream_hash: pr.hash.0,
+        policy: pr.policy_rows,
+        policy_times: pr.policy_times,
+        adapters: pr.adapters,
+        ..Default::default()
+    })
+}
+
+/// Mean oracle reward of the bank's samples of prompts `xs`.
+fn chunk_mean(env: &Env, xs: &[usize]) -> f64 {
+    let r: Vec<f64> = xs.iter().flat_map(|&x| env.contexts[x].reward.clone().unwrap_or_default()).collect();
+    r.iter().sum::<f64>() / r.len().max(1) as f64
 }

@@ -6,6 +6,7 @@
 mod active;
 mod deploy;
 mod learner;
+mod online;
 mod passive;
 pub mod pessimism;
 mod state;
@@ -103,7 +104,9 @@ pub fn run_cell_with(world: &World, config: &ConfigPlan, seed: u32, ctx: &mut Ce
         (Setting::Passive, _) => passive::passive(spec, &src, &mut learner, seed, ctx, resumed)?,
         (Setting::Active, _) => active::active(spec, config, &src, &mut learner, seed, ctx, resumed)?,
         (Setting::Deploy, Source::Synthetic(env)) if world.generated.is_some() => {
-            deploy::deploy_chunked(spec, config, env, &mut learner, seed, ctx, resumed)?
+            let g = world.generated.as_deref().expect("checked");
+            let online = world.online.as_deref();
+            deploy::deploy_chunked(spec, config, env, g, online, &mut learner, seed, ctx, resumed)?
         }
         (Setting::Deploy, Source::Synthetic(env)) => {
             deploy::deploy(spec, config, env, &mut learner, seed, ctx, resumed)?

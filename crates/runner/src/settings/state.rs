@@ -4,7 +4,7 @@
 
 use super::learner::Learner;
 use crate::io::{encode, stop_requested, write_atomic_at, Interrupted};
-use crate::rows::{MetricRow, RoundRow};
+use crate::rows::{AdapterFiles, MetricRow, PolicyRow, PolicyTiming, RoundRow};
 use crate::spec::{CheckpointSpec, Spec};
 use crate::world::env::{stream, Component};
 use anyhow::Result;
@@ -56,6 +56,12 @@ pub struct Progress {
     /// Active: pool rows already labelled, and the authors' V tracker.
     pub(super) used: Vec<bool>,
     pub(super) vtrack: Option<Curvature>,
+    /// Deploy with a learning policy in the run: its evaluations, timings, adapters and
+    /// optimizer state so far.
+    pub(super) policy_rows: Vec<PolicyRow>,
+    pub(super) policy_times: Vec<PolicyTiming>,
+    pub(super) policy_state: Option<super::online::PolicyState>,
+    pub(super) adapters: Vec<AdapterFiles>,
 }
 
 impl Progress {
@@ -78,6 +84,10 @@ impl Progress {
             seen: 0,
             used: Vec::new(),
             vtrack: None,
+            policy_rows: Vec::new(),
+            policy_times: Vec::new(),
+            policy_state: None,
+            adapters: Vec::new(),
         }
     }
 }

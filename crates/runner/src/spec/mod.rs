@@ -9,10 +9,12 @@ pub mod data;
 pub mod estimator;
 pub mod generate;
 pub mod phi;
+pub mod policy;
 
 pub use data::{DataSpec, Format, Keys};
 pub use generate::{FeatureSpec, GenerateSpec, LabelRule, OracleKind, OracleSpec};
 pub use phi::{DType, Device, PhiSpec};
+pub use policy::{PolicySpec, SaveAdapter};
 
 use serde::{de, Deserialize, Deserializer, Serialize, Serializer};
 use std::fmt;
@@ -266,6 +268,9 @@ pub struct Spec {
     /// env.kind = "generated": the oracle that scores and labels responses.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub oracle: Option<OracleSpec>,
+    /// deploy.policy with "rloo" or "dpo": how the policy learns between chunks.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub policy: Option<PolicySpec>,
 }
 
 fn d_master_seed() -> u64 {
@@ -675,11 +680,12 @@ pub struct DeploySpec {
     /// The order of the prompts: a permutation per seed ("shuffled") or the file's ("file").
     #[serde(default = "d_prompt_order")]
     pub prompt_order: Order,
-    /// The deployed policy between chunks: the best of the n samples under the learned reward
-    /// ("best-of-n"), or the policy's first sample ("fixed"). A trained policy (DPO/PPO) would
-    /// regenerate the responses here.
+    /// Swept: the deployed policy between chunks. "best-of-n": the best of the n samples under
+    /// the learned reward (the policy itself fixed); "fixed": the policy's first sample;
+    /// "rloo": the policy learns from the learned reward (RLOO on the chunk's n samples per
+    /// prompt, `[policy]`); "dpo": online DPO on the chunk's labelled pairs (reward-free).
     #[serde(default = "d_policy")]
-    pub policy: DeployPolicy,
+    pub policy: Sweep<DeployPolicy>,
     /// Re-initialise the estimator at every chunk (the authors' pipeline did, by accident).
     #[serde(default)]
     pub reset_each_chunk: bool,
@@ -690,6 +696,26 @@ pub struct DeploySpec {
 pub enum DeployPolicy {
     BestOfN,
     Fixed,
+    Rloo,
+    Dpo,
+}
+
+impl DeployPolicy {
+    /// The policy's weights change between chunks (its responses are generated anew).
+    pub fn learns(&self) -> bool {
+        matches!(self, DeployPolicy::Rloo | DeployPolicy::Dpo)
+    }
+}
+
+impl fmt::Display for DeployPolicy {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(match self {
+            DeployPolicy::BestOfN => "best-of-n",
+            DeployPolicy::Fixed => "fixed",
+            DeployPolicy::Rloo => "rloo",
+            DeployPolicy::Dpo => "dpo",
+        })
+    }
 }
 
 fn d_chunks() -> usize {
@@ -698,8 +724,8 @@ fn d_chunks() -> usize {
 fn d_prompt_order() -> Order {
     Order::Shuffled
 }
-fn d_policy() -> DeployPolicy {
-    DeployPolicy::BestOfN
+fn d_policy() -> Sweep<DeployPolicy> {
+    Sweep::one(DeployPolicy::BestOfN)
 }
 
 impl Default for DeploySpec {

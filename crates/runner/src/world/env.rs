@@ -24,6 +24,8 @@ pub enum Component {
     Init = 5,
     /// Random selection rules and tie-breaking.
     Select = 6,
+    /// A learning policy's initial adapters (LoRA's A).
+    Policy = 7,
 }
 
 /// The stream of `component` for seed index `seed` under `master`.

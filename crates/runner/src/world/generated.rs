@@ -62,6 +62,27 @@ pub struct Generated {
     pub prompts: Vec<Vec<Message>>,
     pub samples: Vec<Vec<Sample>>,
     pub report: BankReport,
+    /// The prompts after the bank's, held out to evaluate a learning policy (`holdout` of them).
+    pub eval_prompts: Vec<Vec<Message>>,
+    /// The oracle as a function of the learner's φ (linear and head oracles; None for a reward
+    /// model over another backbone).
+    pub scorer: Option<Scorer>,
+}
+
+/// An oracle over the learner's φ: r = φᵀθ* (linear) or a trained head w·φ + b.
+#[derive(Clone, Debug)]
+pub enum Scorer {
+    Linear(Vec<f64>),
+    Head(features::head::ScoreHead),
+}
+
+impl Scorer {
+    pub fn score(&self, phi: &[f32]) -> f64 {
+        match self {
+            Scorer::Linear(t) => super::env::dot(phi, t),
+            Scorer::Head(h) => h.score(phi),
+        }
+    }
 }
 
 fn policy_key(b: &Backbone, o: &SampleOptions) -> String {
@@ -75,7 +96,7 @@ fn policy_key(b: &Backbone, o: &SampleOptions) -> String {
 }
 
 /// The generated responses of every prompt, from the cache where present.
-fn generate(
+pub(super) fn generate(
     g: &GenerateSpec,
     prompts: &[Vec<Message>],
     progress: bool,
@@ -151,7 +172,8 @@ fn generate(
     Ok(out.into_iter().map(|s| s.expect("every prompt generated or cached")).collect())
 }
 
-fn conversation(p: &[Message], response: &str) -> Vec<Message> {
+/// (prompt, response) as the conversation φ reads.
+pub fn conversation(p: &[Message], response: &str) -> Vec<Message> {
     let mut m = p.to_vec();
     m.push(Message::new("assistant", response));
     m
@@ -173,15 +195,24 @@ fn reward_spread(r: &[f64], k: usize) -> (f64, f64) {
     (within.sqrt(), all)
 }
 
-/// Generates (or reads from the cache), computes φ and scores every response.
-pub fn build(g: &GenerateSpec, f: &FeatureSpec, o: &OracleSpec, progress: bool) -> Result<Generated> {
+/// Generates (or reads from the cache), computes φ and scores every response; the last
+/// `holdout` prompts read (after the first `rows`) are kept aside, not generated for.
+pub fn build(g: &GenerateSpec, f: &FeatureSpec, o: &OracleSpec, holdout: usize, progress: bool) -> Result<Generated> {
     let files = resolve_files("prompts", &g.prompts).map_err(|e| anyhow!("{e:#}").context("generate.prompts"))?;
-    let prompts = super::datasets::read_prompts(&files, &g.prompt_key, g.rows)?;
+    let mut prompts = super::datasets::read_prompts(&files, &g.prompt_key, g.rows.map(|r| r + holdout))?;
     if let Some(r) = g.rows {
-        if prompts.len() < r {
-            bail!("generate.rows = {r}, but the prompt files hold only {} prompts", prompts.len());
+        if prompts.len() < r + holdout {
+            bail!(
+                "generate.rows = {r}{}, but the prompt files hold only {} prompts",
+                if holdout > 0 { format!(" and policy.eval_prompts = {holdout}") } else { String::new() },
+                prompts.len()
+            );
         }
     }
+    if prompts.len() <= holdout {
+        bail!("policy.eval_prompts = {holdout}: the prompt files hold only {} prompts", prompts.len());
+    }
+    let eval_prompts = prompts.split_off(prompts.len() - holdout);
     let mut rep = BankReport {
         prompts_file: files.iter().map(|f| f.display().to_string()).collect(),
         prompts: prompts.len(),
@@ -213,6 +244,7 @@ pub fn build(g: &GenerateSpec, f: &FeatureSpec, o: &OracleSpec, progress: bool) 
         bail!("φ of prompt {}, sample {} has non-finite values", i / g.n, i % g.n);
     }
     // the oracle's rewards
+    let mut scorer = None;
     let (rewards, theta_star): (Vec<f64>, Vec<f64>) = match o.kind {
         OracleKind::Linear => {
             let mut rng = rand_chacha::ChaCha20Rng::seed_from_u64(o.seed);
@@ -232,13 +264,16 @@ pub fn build(g: &GenerateSpec, f: &FeatureSpec, o: &OracleSpec, progress: bool) 
             };
             let theta: Vec<f64> = u.iter().map(|x| x * scale).collect();
             rep.oracle = format!("linear (seed {}, ‖θ*‖ = {scale:.4})", o.seed);
+            scorer = Some(Scorer::Linear(theta.clone()));
             (phi.iter().map(|p| super::env::dot(p, &theta)).collect(), theta)
         }
         OracleKind::Head => {
             let path = expand_env(o.path.as_deref().expect("checked")).map_err(|m| anyhow!("oracle.path: {m}"))?;
             let h = features::head::load_score_head(&path, d).map_err(|e| anyhow!("oracle.path: {e}"))?;
             rep.oracle = format!("head {}", h.file.display());
-            (phi.iter().map(|p| h.score(p)).collect(), h.w.iter().map(|&x| f64::from(x)).collect())
+            let out = (phi.iter().map(|p| h.score(p)).collect(), h.w.iter().map(|&x| f64::from(x)).collect());
+            scorer = Some(Scorer::Head(h));
+            out
         }
         OracleKind::RewardModel => {
             let model = expand_env(o.model.as_deref().expect("checked")).map_err(|m| anyhow!("oracle.model: {m}"))?;
@@ -271,5 +306,5 @@ pub fn build(g: &GenerateSpec, f: &FeatureSpec, o: &OracleSpec, progress: bool) 
         .map(|(p, r)| Context { phi: p.concat(), reward: Some(r.to_vec()) })
         .collect();
     let bank = Bank { d, k: g.n, contexts: Arc::new(contexts), theta_star, labels: o.labels };
-    Ok(Generated { bank, prompts, samples, report: rep })
+    Ok(Generated { bank, prompts, samples, report: rep, eval_prompts, scorer })
 }

@@ -15,6 +15,7 @@ pub mod datasets;
 pub mod env;
 pub mod extract;
 pub mod generated;
+pub mod online;
 pub mod pairs;
 
 use crate::plan::{Locator, Plan};
@@ -32,13 +33,16 @@ pub struct World {
     pub data: Option<Arc<PairData>>,
     /// kind = "generated": the responses, their φ and rewards.
     pub generated: Option<Arc<generated::Generated>>,
+    /// deploy.policy with an arm that learns: the policy's frozen weights, the feature model
+    /// and the oracle every cell's policy uses.
+    pub online: Option<Arc<online::Online>>,
 }
 
 /// Reads the data of `plan` (and runs its models); `progress` draws bars on stderr.
 pub fn build(plan: &Plan, progress: bool) -> Result<World, SpecError> {
     let keys = plan.keys();
     let mut spec = plan.spec.clone();
-    let (mut data, mut generated) = (None, None);
+    let (mut data, mut generated, mut online) = (None, None, None);
     match spec.env.kind {
         EnvKind::Synthetic => {}
         EnvKind::Features | EnvKind::Dataset => {
@@ -50,9 +54,16 @@ pub fn build(plan: &Plan, progress: bool) -> Result<World, SpecError> {
             spec.env.dim = d.d;
             data = Some(Arc::new(d));
         }
-        EnvKind::Generated => generated = Some(Arc::new(load_generated(&mut spec, keys, progress)?)),
+        EnvKind::Generated => {
+            let g = load_generated(&mut spec, keys, progress)?;
+            if let (Some(p), Some(gs), Some(f)) = (&spec.policy, &spec.generate, &spec.features) {
+                let o = online::Online::load(gs, f, p, &g, progress).map_err(|e| keys.err(&["policy"], format!("{e:#}")))?;
+                online = Some(Arc::new(o));
+            }
+            generated = Some(Arc::new(g));
+        }
     }
-    Ok(World { spec, data, generated })
+    Ok(World { spec, data, generated, online })
 }
 
 /// Generates (or reads from the caches) the responses of a `kind = "generated"` environment and
@@ -62,7 +73,9 @@ fn load_generated(spec: &mut Spec, keys: Locator<'_>, progress: bool) -> Result<
     let g = spec.generate.as_ref().ok_or_else(|| need("generate"))?;
     let f = spec.features.as_ref().ok_or_else(|| need("features"))?;
     let o = spec.oracle.as_ref().ok_or_else(|| need("oracle"))?;
-    let out = generated::build(g, f, o, progress).map_err(|e| keys.err(&["generate"], format!("{e:#}")))?;
+    let holdout = spec.policy.as_ref().map_or(0, |p| p.eval_prompts);
+    let out =
+        generated::build(g, f, o, holdout, progress).map_err(|e| keys.err(&["generate"], format!("{e:#}")))?;
     if keys.written(&["env", "dim"]) && spec.env.dim != out.bank.d {
         return Err(
             keys.err(&["env", "dim"], format!("{}, but the feature model gives {} features", spec.env.dim, out.bank.d))

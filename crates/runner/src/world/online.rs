@@ -1,0 +1,188 @@
+//! Deployment with a policy that learns (`deploy.policy = "rloo"` or `"dpo"`): what every
+//! cell's chunk loop shares to generate with its own current policy, compute φ of the new
+//! responses and score them with the oracle — loaded once per run. Each cell keeps its own
+//! adapters (crate::settings); this holds the frozen parts.
+
+use super::extract::{device, dtype, PhiRun};
+use super::generated::{generate, BankReport, Generated, Scorer};
+use crate::spec::data::expand_env;
+use crate::spec::{FeatureSpec, GenerateSpec, PolicySpec};
+use anyhow::{anyhow, Context as _, Result};
+use candle_core::{DType, Tensor};
+use features::generate::{Sample, SampleOptions};
+use features::model::{Config, Model};
+use features::{Backbone, FeatureCache, Message, Source};
+use std::collections::HashMap;
+use std::sync::Mutex;
+
+/// The frozen parts of an online deployment run.
+pub struct Online {
+    pub spec: PolicySpec,
+    /// The policy's base weights (Hugging Face names, dense f32) and architecture: each cell
+    /// builds its `policy::PolicyModel` on them (tensors are shared, not copied).
+    pub base: HashMap<String, Tensor>,
+    pub cfg: Config,
+    /// The LM head is the embedding matrix.
+    tied: bool,
+    /// The policy's tokenizer and chat template (generation with merged weights).
+    policy: Backbone,
+    pub opts: SampleOptions,
+    pub eval_opts: SampleOptions,
+    batch_prompts: usize,
+    /// Prompt + new tokens: the longest sequence a policy scores.
+    pub max_len: usize,
+    /// Templated prompt ids of the bank's prompts and of the held-out prompts.
+    pub prompt_ids: Vec<Vec<u32>>,
+    pub eval_prompts: Vec<Vec<Message>>,
+    pub eval_ids: Vec<Vec<u32>>,
+    /// The base policy's samples of the held-out prompts (every policy before its first update;
+    /// the evaluation of the arms whose policy does not learn).
+    pub eval_base: Vec<Vec<Sample>>,
+    phi: Mutex<Phi>,
+    scorer: Scorer,
+}
+
+impl std::fmt::Debug for Online {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Online")
+            .field("spec", &self.spec)
+            .field("prompts", &self.prompt_ids.len())
+            .field("eval_prompts", &self.eval_prompts.len())
+            .finish_non_exhaustive()
+    }
+}
+
+/// The learner's feature model and its cache.
+struct Phi {
+    backbone: Backbone,
+    run: PhiRun,
+    cache: FeatureCache,
+}
+
+/// The base weights of a policy source, by Hugging Face name, and its architecture.
+fn base_weights(source: &Source, dev: &candle_core::Device) -> Result<(HashMap<String, Tensor>, Config, bool)> {
+    match source {
+        Source::Hub(spec) => {
+            let local = match features::hub::resolve(spec, &features::hub::HubEnv::from_env())? {
+                features::hub::Resolved::Dir(d) => Source::Dir(d),
+                features::hub::Resolved::Gguf(f) => Source::Gguf(f),
+            };
+            base_weights(&local, dev)
+        }
+        Source::Gguf(path) => {
+            let g = features::gguf::Gguf::read_with(path, dev, DType::F32, true)?;
+            let tied = !g.tensors.contains_key("lm_head.weight");
+            Ok((g.tensors, g.cfg, tied))
+        }
+        Source::Dir(dir) => {
+            let p = dir.join("config.json");
+            let text = std::fs::read_to_string(&p).with_context(|| format!("reading {}", p.display()))?;
+            let hf: features::model::HfConfig =
+                serde_json::from_str(&text).map_err(|e| anyhow!("{}: {e}", p.display()))?;
+            let cfg = Config::from_hf(&hf)?;
+            let mut t = HashMap::new();
+            for f in features::extract::safetensors_files(dir)? {
+                for (k, v) in candle_core::safetensors::load(&f, dev).map_err(|e| anyhow!("{}: {e}", f.display()))? {
+                    t.insert(k, v.to_dtype(DType::F32)?);
+                }
+            }
+            Ok((t, cfg, hf.tie_word_embeddings))
+        }
+    }
+}
+
+impl Online {
+    /// Loads the policy's weights and tokenizer, the feature model, and generates (or reads from
+    /// the generation cache) the base policy's samples of the held-out prompts.
+    pub fn load(g: &GenerateSpec, f: &FeatureSpec, p: &PolicySpec, bank: &Generated, progress: bool) -> Result<Online> {
+        let scorer = bank.scorer.clone().ok_or_else(|| anyhow!("oracle: a learning policy needs an oracle over φ"))?;
+        let model = expand_env(&g.policy).map_err(|m| anyhow!("generate.policy: {m}"))?;
+        let source = Source::parse(&model)?;
+        let dev = device(g.device)?;
+        let max_len = g.max_prompt_tokens + g.max_new_tokens;
+        let (base, cfg, tied) = base_weights(&source, &dev).with_context(|| format!("loading the policy {model}"))?;
+        let policy = Backbone::load_with(&source, &dev, dtype(g.dtype), max_len, true)
+            .with_context(|| format!("loading the policy {model}"))?;
+        let ids = |ps: &[Vec<Message>], what: &str| -> Result<Vec<Vec<u32>>> {
+            ps.iter()
+                .enumerate()
+                .map(|(i, m)| policy.prompt_ids(m).map_err(|e| anyhow!("generate.prompts: {what} {i}: {e}")))
+                .collect()
+        };
+        let prompt_ids = ids(&bank.prompts, "prompt")?;
+        let eval_ids = ids(&bank.eval_prompts, "held-out prompt")?;
+        if let Some((i, x)) = eval_ids.iter().enumerate().find(|(_, x)| x.len() > g.max_prompt_tokens) {
+            return Err(anyhow!(
+                "generate.prompts: held-out prompt {i} is {} tokens after the chat template, over generate.max_prompt_tokens = {}",
+                x.len(),
+                g.max_prompt_tokens
+            ));
+        }
+        let opts = g.sample_options();
+        let eval_opts = SampleOptions { n: p.eval_samples, ..opts.clone() };
+        let eval_gen = GenerateSpec { n: p.eval_samples, ..g.clone() };
+        let eval_base = generate(&eval_gen, &bank.eval_prompts, progress, &mut BankReport::default())?;
+        let run = PhiRun::new(&f.phi(), false).context("features")?;
+        let backbone = Backbone::load(&Source::parse(&run.model)?, &run.device, run.dtype, run.phi.max_len)
+            .with_context(|| format!("loading the model {}", run.model))?;
+        let (space, describe) = backbone.space(&run.phi);
+        let cache = FeatureCache::open(&run.cache, &space, backbone.dim(), describe)?;
+        Ok(Online {
+            spec: p.clone(),
+            base,
+            cfg,
+            tied,
+            policy,
+            opts,
+            eval_opts,
+            batch_prompts: g.batch_prompts,
+            max_len,
+            prompt_ids,
+            eval_prompts: bank.eval_prompts.clone(),
+            eval_ids,
+            eval_base,
+            phi: Mutex::new(Phi { backbone, run, cache }),
+            scorer,
+        })
+    }
+
+    /// n samples of each prompt from the policy with `weights` (the adapters merged in), with
+    /// the sampling streams of the base policy's (so a policy that has not moved gives the
+    /// base policy's samples, and two policies are compared on common random numbers).
+    pub fn generate(
+        &self,
+        weights: HashMap<String, Tensor>,
+        prompts: &[Vec<Message>],
+        opts: &SampleOptions,
+    ) -> Result<Vec<Vec<Sample>>> {
+        let dev = self.policy.model.device().clone();
+        let vb = candle_nn::VarBuilder::from_tensors(weights, self.policy.model.dtype(), &dev);
+        let model = Model::load_with(vb, self.cfg.clone(), self.max_len, Some(self.tied))?;
+        Ok(self.policy.generate_on(&model, prompts, opts, self.batch_prompts, &mut |_| {})?)
+    }
+
+    /// φ of (prompt, response) conversations, through the feature cache.
+    pub fn phi(&self, convs: &[Vec<Message>]) -> Result<Vec<Vec<f32>>> {
+        let mut guard = self.phi.lock().map_err(|_| anyhow!("the feature model's lock is poisoned"))?;
+        let Phi { backbone, run, cache } = &mut *guard;
+        let mut items = Vec::with_capacity(convs.len());
+        let mut keys = Vec::with_capacity(convs.len());
+        for (i, c) in convs.iter().enumerate() {
+            items.push(backbone.prepare(c, &run.phi).map_err(|e| anyhow!("generated response {i}: {e}"))?);
+            keys.push(features::cache::text_key(c));
+        }
+        let schedule = features::Schedule { batch: run.batch, shard: run.shard };
+        let (phi, _) = backbone.features_cached(cache, &keys, &items, &run.phi, schedule, &mut |_, _| {})?;
+        let phi: Vec<Vec<f32>> = phi.into_iter().map(|r| r.expect("unsharded")).collect();
+        if let Some(i) = phi.iter().position(|r| r.iter().any(|v| !v.is_finite())) {
+            return Err(anyhow!("φ of generated response {i} has non-finite values"));
+        }
+        Ok(phi)
+    }
+
+    /// The oracle's reward of a response with features φ.
+    pub fn reward(&self, phi: &[f32]) -> f64 {
+        self.scorer.score(phi)
+    }
+}
+
