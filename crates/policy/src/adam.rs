@@ -75,7 +75,8 @@ impl Adam {
         let bc1 = 1.0 - b1.powi(self.t as i32);
         let bc2 = 1.0 - b2.powi(self.t as i32);
         for (i, (var, g)) in vars.iter().zip(gs).enumerate() {
-            let g = (g * factor)?;
+            // detached: a gradient that depends on a variable would chain every step's graph into m and v
+            let g = (g.detach() * factor)?;
             self.m[i] = ((&self.m[i] * b1)? + (&g * (1.0 - b1))?)?;
             self.v[i] = ((&self.v[i] * b2)? + (g.sqr()? * (1.0 - b2))?)?;
             let mhat = (&self.m[i] / bc1)?;
