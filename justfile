@@ -36,6 +36,13 @@ bench-quick:
 bench-features batch="8" len="256" reps="3": fetch-models
     scripts/bench_features.sh {{batch}} {{len}} {{reps}}
 
+# One LoRA policy-update step (forward + backward + Adam; SmolLM2-135M, r = 8 on q/v, batch 8 x
+# 256, the second half of each row scored): onepass (candle) vs PyTorch + transformers + PEFT on
+# the same ids and threads, alternating rounds; prints tok/s medians and the ratio. Python side as
+# for bench-features (.venv-bench gains peft).
+bench-train batch="8" len="256" reps="3": fetch-models
+    scripts/bench_train.sh {{batch}} {{len}} {{reps}}
+
 # Fuzz the spec parser, the jsonl and parquet readers and the GGUF/safetensors readers with
 # cargo-fuzz (nightly; installed when missing), SECONDS each; prints executions and crashes per
 # target. Not in CI. E.g. `just fuzz 300`, `just fuzz 60 gguf`.

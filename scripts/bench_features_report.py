@@ -1,5 +1,6 @@
 #!/usr/bin/env python3
-"""Table for `just bench-features`: median tokens/s over rounds per engine and dtype, peak RSS,
+"""Table for `just bench-features` and `just bench-train`: median tokens/s over rounds per engine and
+dtype, peak RSS, a check value (sum |phi| of the features; the loss of the training step),
 and candle's ratio to PyTorch f32 and bf16."""
 import json
 import statistics
@@ -16,7 +17,7 @@ def main(paths):
     first = next(iter(runs.values()))[0]
     print(f"model {first['model']}, batch {first['batch']} x {first['len']} tokens, "
           f"{first['threads']} threads, {first['reps']} timed passes per round")
-    print(f"{'engine':<8} {'dtype':<5} {'rounds':>6} {'median tok/s':>13} {'min':>8} {'max':>8} {'peak RSS MB':>12} {'sum|phi|':>10}")
+    print(f"{'engine':<8} {'dtype':<5} {'rounds':>6} {'median tok/s':>13} {'min':>8} {'max':>8} {'peak RSS MB':>12} {'check':>10}")
     med = {}
     for (eng, dt), rs in sorted(runs.items()):
         tok = [r["tok_s"] for r in rs]

@@ -206,8 +206,7 @@ impl Backbone {
             }
             let dev = model.device().clone();
             let mut cache = model.new_cache(pads, longest + opts.max_new_tokens)?;
-            let logits =
-                model.forward_cached(&Tensor::from_vec(flat, (group.len(), longest), &dev)?, &mut cache)?;
+            let logits = model.forward_cached(&Tensor::from_vec(flat, (group.len(), longest), &dev)?, &mut cache)?;
             let logits: Vec<Vec<f32>> = logits.to_vec2()?;
             let mut rows: Vec<Row> = Vec::new();
             let mut expand = Vec::new();

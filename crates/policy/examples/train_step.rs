@@ -1,6 +1,11 @@
 //! Tokens per second of one LoRA policy-update step (forward, backward, Adam) on a GGUF model:
-//! `cargo run --release -p policy --example train_step -- MODEL.gguf [BATCH] [LEN] [REPS]`.
-//! The measurement behind `just bench-train`'s onepass side (the PyTorch peer is to come).
+//! `cargo run --release -p policy --example train_step -- MODEL.gguf [BATCH] [LEN] [REPS] [IDS_OUT]`.
+//! Each of BATCH sequences has LEN random tokens (ChaCha8, seed 0), the second half the
+//! response: the loss is −mean Σ log π over the response tokens, as an RLOO or DPO step takes
+//! it; LoRA r = 8, α = 16 on q_proj and v_proj; Adam (lr 1e-4) with global-norm clipping at 1.
+//! One untimed warm-up step, then REPS timed ones; the last line is a JSON record for
+//! `just bench-train` (`scripts/bench_train.sh`), which runs PyTorch + PEFT on the same ids
+//! (written to IDS_OUT when given).
 
 use candle_core::{DType, Device};
 use policy::adam::{Adam, AdamConfig};
@@ -28,20 +33,41 @@ fn main() {
     let mut opt = Adam::new(AdamConfig::default(), &vars).unwrap();
     let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(0);
     let ids: Vec<u32> = (0..batch * len).map(|_| rng.random_range(0..vocab as u32)).collect();
-    // every sequence: `len` tokens, the second half the response (log-probabilities and
-    // gradients at the response positions only, as an RLOO or DPO step takes them)
-    let seqs: Vec<(&[u32], &[u32])> =
-        ids.chunks(len).map(|s| (&s[..len / 2], &s[len / 2..])).collect();
+    if let Some(out) = args.get(5) {
+        let rows: Vec<&[u32]> = ids.chunks(len).collect();
+        std::fs::write(out, serde_json::json!({ "ids": rows, "response_from": len / 2 }).to_string())
+            .expect("writing the ids");
+    }
+    let seqs: Vec<(&[u32], &[u32])> = ids.chunks(len).map(|s| (&s[..len / 2], &s[len / 2..])).collect();
     let b = SeqBatch::new(&seqs, &Device::Cpu).unwrap();
+    let mut steps = Vec::new();
+    let mut loss = 0.0;
     for r in 0..=reps {
         let t0 = std::time::Instant::now();
         let lp = b.seq_sum(&m.logprobs_at(&b, true).unwrap()).unwrap();
         let t1 = t0.elapsed().as_secs_f64();
-        let grads = lp.mean_all().unwrap().neg().unwrap().backward().unwrap();
-        opt.step(&vars, &grads).unwrap();
+        let l = lp.mean_all().unwrap().neg().unwrap();
+        loss = l.to_scalar::<f32>().unwrap() as f64;
+        opt.step(&vars, &l.backward().unwrap()).unwrap();
         let s = t0.elapsed().as_secs_f64();
         if r > 0 {
-            println!("step {r}: {:.2} s (forward {:.2} s), {:.0} tok/s", s, t1, (batch * len) as f64 / s);
+            eprintln!("step {r}: {:.2} s (forward {:.2} s), {:.0} tok/s", s, t1, (batch * len) as f64 / s);
+            steps.push(s);
         }
     }
+    let threads = std::env::var("RAYON_NUM_THREADS").ok().and_then(|t| t.parse().ok()).unwrap_or(0usize);
+    let rss = std::fs::read_to_string("/proc/self/status")
+        .ok()
+        .and_then(|s| s.lines().find(|l| l.starts_with("VmHWM:")).map(String::from))
+        .and_then(|l| l.split_whitespace().nth(1).and_then(|k| k.parse::<f64>().ok()))
+        .map_or(0.0, |kb| kb / 1024.0);
+    println!(
+        "{}",
+        serde_json::json!({
+            "engine": "candle", "model": path.display().to_string(), "dtype": "float32",
+            "threads": threads, "batch": batch, "len": len, "reps": reps, "pass_s": steps,
+            "tok_s": (batch * len * reps) as f64 / steps.iter().sum::<f64>(),
+            "peak_rss_mb": rss, "abs_sum": loss,
+        })
+    );
 }

@@ -25,6 +25,7 @@ pub mod batch;
 pub mod lora;
 pub mod loss;
 pub mod model;
+pub mod ops;
 pub mod peft;
 pub mod train;
 

@@ -158,52 +158,16 @@ impl Linear {
 /// x Wᵀ for a frozen W (rows, in) × (out, in) whose backward pass computes only ∂/∂x = g W.
 /// candle's matmul backward also forms the weight's gradient xᵀg, a second matmul as large as
 /// the forward one, even for a weight that is no variable; over every frozen layer and the LM
-/// head that is a third of a training step. On the CPU the product is computed without a graph
-/// and handed through [`FrozenGrad`], which routes the gradient to x alone; elsewhere (no
-/// custom kernel there) the plain matmul.
+/// head that is a third of a training step. On the CPU the product is computed outside the
+/// graph and [`crate::ops::routed`] gives it the gradient of x alone; elsewhere (no custom
+/// kernel there) the plain matmul.
 pub fn frozen_matmul(x: &Tensor, w: &Tensor) -> Result<Tensor> {
     if !x.device().is_cpu() || !x.track_op() {
         return x.matmul(&w.t()?);
     }
     let y = x.detach().matmul(&w.t()?)?;
-    x.apply_op2(&y, FrozenGrad { w: w.clone() })
-}
-
-/// The value of its second argument (x Wᵀ computed outside the graph); the gradient g of the
-/// result flows to the first argument x as g W, and to nothing else.
-struct FrozenGrad {
-    w: Tensor,
-}
-
-impl candle_core::CustomOp2 for FrozenGrad {
-    fn name(&self) -> &'static str {
-        "frozen-matmul"
-    }
-
-    fn cpu_fwd(
-        &self,
-        _: &candle_core::CpuStorage,
-        _: &candle_core::Layout,
-        s2: &candle_core::CpuStorage,
-        l2: &candle_core::Layout,
-    ) -> Result<(candle_core::CpuStorage, candle_core::Shape)> {
-        use candle_core::CpuStorage as S;
-        let Some((a, b)) = l2.contiguous_offsets() else {
-            candle_core::bail!("frozen-matmul: a non-contiguous product");
-        };
-        let out = match s2 {
-            S::F32(v) => S::F32(v[a..b].to_vec()),
-            S::F64(v) => S::F64(v[a..b].to_vec()),
-            S::BF16(v) => S::BF16(v[a..b].to_vec()),
-            S::F16(v) => S::F16(v[a..b].to_vec()),
-            _ => candle_core::bail!("frozen-matmul: expected a float tensor"),
-        };
-        Ok((out, l2.shape().clone()))
-    }
-
-    fn bwd(&self, _x: &Tensor, _y: &Tensor, _res: &Tensor, g: &Tensor) -> Result<(Option<Tensor>, Option<Tensor>)> {
-        Ok((Some(g.matmul(&self.w)?), None))
-    }
+    let w = w.clone();
+    crate::ops::routed(x, y, "frozen-matmul", move |_, _, g| g.matmul(&w))
 }
 
 /// The generator of the adapters' initial draws.

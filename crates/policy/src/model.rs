@@ -1,13 +1,13 @@
 //! The decoder of `features::model` (Llama family, Qwen2) written with differentiable candle ops
 //! and LoRA adapters on chosen layers: RMSNorm as x·(mean x² + ε)^{-½}·w, RoPE (rotate-half, or
-//! interleaved for llama.cpp's permuted q/k rows) as products with cos/sin tables, grouped-query
-//! causal attention with a softmax whose max shift is detached (the softmax does not depend on
-//! it), SiLU(gate)·up. The fused CPU kernels of `features` have no backward pass; this path is
+//! interleaved for llama.cpp's permuted q/k rows), grouped-query causal attention, SiLU(gate)·up;
+//! RMSNorm, RoPE, the softmaxes and the frozen matmuls are fused kernels with hand-written
+//! gradients (`crate::ops`). The fused CPU kernels of `features` have no backward pass; this path is
 //! for training and log-probabilities, `features` stays the path for generation and φ
 //! (with [`PolicyModel::merged_weights`]).
 
 use crate::lora::{frozen_matmul, init_rng, Adapter, Linear, LoraConfig, Target};
-use candle_core::{DType, Device, Module, Result, Tensor, Var, D};
+use candle_core::{DType, Device, Module, Result, Tensor, Var};
 use features::model::{Config, Family};
 use std::collections::HashMap;
 
@@ -144,14 +144,15 @@ impl PolicyModel {
         let mask = causal_mask(t, &self.device, self.embed.dtype())?;
         let (cos, sin) = (self.cos.narrow(0, 0, t)?, self.sin.narrow(0, 0, t)?);
         for blk in &self.blocks {
-            let a = self.attention(blk, &rms_norm(&x, &blk.norm1, self.cfg.eps)?, &cos, &sin, &mask, adapters)?;
+            let a =
+                self.attention(blk, &crate::ops::rms_norm(&x, &blk.norm1, self.cfg.eps)?, &cos, &sin, &mask, adapters)?;
             x = (x + a)?;
-            let h = rms_norm(&x, &blk.norm2, self.cfg.eps)?;
+            let h = crate::ops::rms_norm(&x, &blk.norm2, self.cfg.eps)?;
             let gate = candle_nn::ops::silu(&blk.gate.forward(&h, adapters)?)?;
             let m = blk.down.forward(&(gate * blk.up.forward(&h, adapters)?)?, adapters)?;
             x = (x + m)?;
         }
-        rms_norm(&x, &self.norm, self.cfg.eps)
+        crate::ops::rms_norm(&x, &self.norm, self.cfg.eps)
     }
 
     /// log π(target | prefix) at chosen positions of a right-padded batch: the hidden state of
@@ -163,7 +164,7 @@ impl PolicyModel {
         let (b, t, d) = h.dims3()?;
         let rows = h.reshape((b * t, d))?.index_select(&batch.at, 0)?;
         let logits = frozen_matmul(&rows, &self.lm_head)?;
-        let lp = candle_nn::ops::log_softmax(&logits, D::Minus1)?;
+        let lp = crate::ops::log_softmax_last(&logits)?;
         lp.gather(&batch.targets.reshape((batch.targets.dim(0)?, 1))?, 1)?.squeeze(1)
     }
 
@@ -180,11 +181,7 @@ impl PolicyModel {
         let (h, kv, hd) = (self.cfg.heads, self.cfg.kv_heads, self.cfg.head_dim);
         let rope = |y: Tensor, n: usize| -> Result<Tensor> {
             let y = y.reshape((b, t, n, hd))?.transpose(1, 2)?;
-            if self.cfg.rope_interleaved {
-                rope_interleaved(&y, cos, sin)
-            } else {
-                rope_half(&y, cos, sin)
-            }
+            crate::ops::rope(&y, cos, sin, self.cfg.rope_interleaved)
         };
         let q = rope(blk.q.forward(x, adapters)?, h)?;
         let k = rope(blk.k.forward(x, adapters)?, kv)?;
@@ -194,7 +191,7 @@ impl PolicyModel {
         let q = q.contiguous()?.reshape((b, kv, g * t, hd))?;
         let s = (q.matmul(&k.contiguous()?.t()?)? * (1.0 / (hd as f64).sqrt()))?;
         let s = s.reshape((b, kv, g, t, t))?.broadcast_add(mask)?;
-        let p = softmax_last(&s)?;
+        let p = crate::ops::softmax_last(&s.contiguous()?)?;
         let y = p.reshape((b, kv, g * t, t))?.matmul(&v)?;
         let y = y.reshape((b, h, t, hd))?.transpose(1, 2)?.reshape((b, t, h * hd))?;
         blk.o.forward(&y, adapters)
@@ -237,19 +234,6 @@ impl PolicyModel {
     }
 }
 
-/// x·(mean(x²) + ε)^{-½}·w over the last dimension.
-fn rms_norm(x: &Tensor, w: &Tensor, eps: f64) -> Result<Tensor> {
-    let ms = (x.sqr()?.mean_keepdim(D::Minus1)? + eps)?;
-    x.broadcast_div(&ms.sqrt()?)?.broadcast_mul(w)
-}
-
-/// Softmax over the last dimension; the max shift is detached (softmax does not depend on it).
-fn softmax_last(s: &Tensor) -> Result<Tensor> {
-    let m = s.max_keepdim(D::Minus1)?.detach();
-    let e = s.broadcast_sub(&m)?.exp()?;
-    e.broadcast_div(&e.sum_keepdim(D::Minus1)?)
-}
-
 /// 0 on and below the diagonal, −10³⁰ above (exp underflows to 0; no −∞ in the backward pass).
 fn causal_mask(t: usize, dev: &Device, dtype: DType) -> Result<Tensor> {
     let m: Vec<f32> = (0..t * t).map(|i| if i % t > i / t { -1e30 } else { 0.0 }).collect();
@@ -272,23 +256,4 @@ fn rope_tables(cfg: &Config, max_len: usize, dev: &Device) -> Result<(Tensor, Te
         }
     }
     Ok((Tensor::from_vec(cos, (max_len, half), dev)?, Tensor::from_vec(sin, (max_len, half), dev)?))
-}
-
-/// Rotate-half RoPE (Hugging Face): x = [x₁, x₂] → [x₁c − x₂s, x₂c + x₁s]; x (b, h, t, hd).
-fn rope_half(x: &Tensor, cos: &Tensor, sin: &Tensor) -> Result<Tensor> {
-    let half = x.dim(3)? / 2;
-    let (x1, x2) = (x.narrow(3, 0, half)?, x.narrow(3, half, half)?);
-    let a = (x1.broadcast_mul(cos)? - x2.broadcast_mul(sin)?)?;
-    let b = (x2.broadcast_mul(cos)? + x1.broadcast_mul(sin)?)?;
-    Tensor::cat(&[a, b], 3)
-}
-
-/// Interleaved RoPE (llama.cpp's row order): pairs (x₂ᵢ, x₂ᵢ₊₁) rotated by angle i.
-fn rope_interleaved(x: &Tensor, cos: &Tensor, sin: &Tensor) -> Result<Tensor> {
-    let (b, h, t, hd) = x.dims4()?;
-    let x = x.contiguous()?.reshape((b, h, t, hd / 2, 2))?;
-    let (x0, x1) = (x.narrow(4, 0, 1)?.squeeze(4)?, x.narrow(4, 1, 1)?.squeeze(4)?);
-    let a = (x0.broadcast_mul(cos)? - x1.broadcast_mul(sin)?)?;
-    let c = (x0.broadcast_mul(sin)? + x1.broadcast_mul(cos)?)?;
-    Tensor::stack(&[a, c], 4)?.reshape((b, h, t, hd))
 }

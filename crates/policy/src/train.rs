@@ -76,7 +76,12 @@ pub struct UpdateStats {
 
 /// Per-sequence statistics of the current policy against the reference, without gradients:
 /// (Σ_t log π, Σ_t KL estimator, tokens) for each sequence, in mini-batches.
-pub fn score(m: &PolicyModel, seqs: &[Rollout<'_>], kl: KlEstimator, minibatch: usize) -> Result<Vec<(f64, f64, usize)>> {
+pub fn score(
+    m: &PolicyModel,
+    seqs: &[Rollout<'_>],
+    kl: KlEstimator,
+    minibatch: usize,
+) -> Result<Vec<(f64, f64, usize)>> {
     let mut out = Vec::with_capacity(seqs.len());
     for part in seqs.chunks(minibatch.max(1)) {
         let b = batch(m, part)?;

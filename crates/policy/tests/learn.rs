@@ -162,7 +162,10 @@ fn dpo_updates_raise_the_chosen_margin_and_lr_zero_does_not_move() {
     let margin = |m: &PolicyModel| -> f64 {
         let seqs: Vec<Rollout> = (0..3)
             .flat_map(|i| {
-                [Rollout { prompt: prompts[i], response: chosen[i] }, Rollout { prompt: prompts[i], response: rejected[i] }]
+                [
+                    Rollout { prompt: prompts[i], response: chosen[i] },
+                    Rollout { prompt: prompts[i], response: rejected[i] },
+                ]
             })
             .collect();
         let s = score(m, &seqs, KlEstimator::K1, 4).unwrap();
@@ -198,8 +201,7 @@ fn rloo_updates_favour_the_rewarded_samples_and_lr_zero_does_not_move() {
     use policy::train::{rloo_update, score, KlEstimator, RlooConfig, Rollout};
     let prompts: [&[u32]; 2] = [&[1, 5], &[2, 7, 3]];
     let responses: [&[u32]; 6] = [&[3, 3], &[9, 1, 2], &[4], &[6, 3], &[1, 2, 4], &[9, 9]];
-    let rollouts: Vec<Rollout> =
-        (0..6).map(|i| Rollout { prompt: prompts[i / 3], response: responses[i] }).collect();
+    let rollouts: Vec<Rollout> = (0..6).map(|i| Rollout { prompt: prompts[i / 3], response: responses[i] }).collect();
     let rewards = [1.0, -1.0, 0.0, 0.5, 2.0, -2.0];
     let gap = |m: &PolicyModel| -> f64 {
         let s = score(m, &rollouts, KlEstimator::K3, 4).unwrap();

@@ -37,9 +37,17 @@ fn base_and_merged_logits_match_the_inference_path() {
 }
 
 /// ∂/∂θ of Σ log π over the masked tokens, by backpropagation and by central differences.
+/// Both RoPE layouts (llama.cpp's interleaved rows, Hugging Face's rotate-half with Qwen2's
+/// biases): every fused op's hand-written gradient is on the path.
 #[test]
 fn adapter_gradients_equal_central_differences() {
-    let c = cfg(Family::Llama, true);
+    for (family, interleaved) in [(Family::Llama, true), (Family::Qwen2, false)] {
+        gradients_equal_central_differences(family, interleaved);
+    }
+}
+
+fn gradients_equal_central_differences(family: Family, interleaved: bool) {
+    let c = cfg(family, interleaved);
     let w: HashMap<String, Tensor> =
         weights(&c, 4).into_iter().map(|(k, v)| (k, v.to_dtype(DType::F64).unwrap())).collect();
     let lora =

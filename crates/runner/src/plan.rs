@@ -458,14 +458,6 @@ fn check_policy(spec: &mut Spec, keys: Locator<'_>) -> Result<(), SpecError> {
             "a policy that learns needs setting = \"deploy\" and env.kind = \"generated\"".into(),
         ));
     }
-    if let Some(o) = &spec.oracle {
-        if o.kind == crate::spec::OracleKind::RewardModel {
-            return Err(keys.err(
-                &["oracle", "kind"],
-                "\"reward-model\" with a learning policy is not supported yet: use \"linear\" or \"head\" (an oracle over the learner's φ)".into(),
-            ));
-        }
-    }
     let p = spec.policy.get_or_insert_with(PolicySpec::default);
     p.check().map_err(|(k, m)| keys.err(&["policy", k], m))?;
     Ok(())

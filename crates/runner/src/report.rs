@@ -77,7 +77,13 @@ fn policy_table(rows: &[Row]) -> String {
         let at_last = |m: &BTreeMap<String, BTreeMap<u64, Vec<f64>>>| {
             m.get(label).and_then(|x| x.values().last()).map_or("—".to_string(), |v| show(v))
         };
-        out.push_str(&format!("| {label} | {} | {} | {} | {} |\n", show(first), show(last), at_last(&bon), at_last(&kl)));
+        out.push_str(&format!(
+            "| {label} | {} | {} | {} | {} |\n",
+            show(first),
+            show(last),
+            at_last(&bon),
+            at_last(&kl)
+        ));
     }
     out
 }

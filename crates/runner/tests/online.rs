@@ -180,8 +180,50 @@ fn an_online_run_resumes_after_sigkill_to_the_same_bytes() {
     let (code, _, stderr) = onepass(p, &["run", "run.toml", "--resume", dir.to_str().unwrap()]).parts();
     assert_eq!(code, 0, "{stderr}");
     for f in ["policy.parquet", "metrics.parquet", "rounds.parquet", "cells.parquet"] {
-        assert!(std::fs::read(want.join(f)).unwrap() == std::fs::read(dir.join(f)).unwrap(), "{f} differs after resume");
+        assert!(
+            std::fs::read(want.join(f)).unwrap() == std::fs::read(dir.join(f)).unwrap(),
+            "{f} differs after resume"
+        );
     }
     let a = |d: &Path| std::fs::read(d.join("adapters/c0005/chunk-03/adapter_model.safetensors")).unwrap();
     assert!(a(&want) == a(&dir), "the last adapter differs after resume");
+}
+
+/// A head oracle scores the learning policies' new responses too: with argmax labels (scale
+/// free) a head of 2w gives the same labels, θ, policies and samples as w, and exactly twice
+/// every oracle reward of policy.parquet.
+#[test]
+fn a_head_oracle_scores_the_new_responses() {
+    let tmp = setup(0.05);
+    let p = tmp.path();
+    let first = run(p, "a", "2");
+    let meta: serde_json::Value = serde_json::from_slice(&std::fs::read(first.join("meta.json")).unwrap()).unwrap();
+    let d = meta["generated"]["dim"].as_u64().unwrap() as usize;
+    let head = |scale: f32, name: &str| {
+        let w: Vec<f32> = (0..d).map(|i| scale * (((i * 7919) % 13) as f32 / 13.0 - 0.5)).collect();
+        let bytes: Vec<u8> = w.iter().flat_map(|x| x.to_le_bytes()).collect();
+        let view = safetensors::tensor::TensorView::new(safetensors::Dtype::F32, vec![1, d], &bytes).unwrap();
+        safetensors::serialize_to_file([("score.weight", view)], None, &p.join(name)).unwrap();
+    };
+    head(1.0, "h1.safetensors");
+    head(2.0, "h2.safetensors");
+    let with = |name: &str, out: &str| {
+        let text = spec(0.05).replace(
+            "kind = \"linear\"\nseed = 3",
+            &format!("kind = \"head\"\npath = \"{name}\"\nlabels = \"argmax\""),
+        );
+        std::fs::write(p.join("run.toml"), text).unwrap();
+        run(p, out, "2")
+    };
+    let (a, b) = (curves(&with("h1.safetensors", "h1")), curves(&with("h2.safetensors", "h2")));
+    let mut moved = false;
+    for (k, va) in &a {
+        let vb = &b[k];
+        for (x, y) in va.iter().zip(vb) {
+            assert!((2.0 * x.1 - y.1).abs() <= 1e-9 * y.1.abs().max(1.0), "{k:?}: {} vs {}", x.1, y.1);
+            assert_eq!(x.2, y.2, "{k:?}: the same policy (KL)");
+        }
+        moved |= va.iter().any(|x| x.1 != va[0].1);
+    }
+    assert!(moved, "some policy's samples changed");
 }

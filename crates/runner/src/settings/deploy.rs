@@ -12,11 +12,11 @@ use crate::spec::{DeployPolicy, Order, Spec};
 use crate::world::env::{argmax, Env};
 use crate::world::generated::Generated;
 use crate::world::online::Online;
-use std::time::Instant;
 use anyhow::{anyhow, Result};
 use rand::seq::SliceRandom;
 use rand::Rng;
 use selection::{kendall_tau_b, Strategy};
+use std::time::Instant;
 
 /// The cell's strategy, with a ucb width of "theory" resolved from d and T.
 fn strategy_of(spec: &Spec, config: &ConfigPlan) -> Result<Strategy> {
@@ -209,8 +209,7 @@ pub(super) fn deploy_chunked(
                 }
                 let oracle: f64 = contexts.iter().flat_map(|c| c.reward.iter().flatten()).sum();
                 let count = contexts.iter().map(|c| c.reward.as_ref().map_or(0, Vec::len)).sum::<usize>();
-                prow.chunk_oracle_reward =
-                    Some(if count > 0 { oracle / count as f64 } else { chunk_mean(env, xs) });
+                prow.chunk_oracle_reward = Some(if count > 0 { oracle / count as f64 } else { chunk_mean(env, xs) });
                 pr.policy_rows.push(prow);
             }
             pr.policy_times.push(time);

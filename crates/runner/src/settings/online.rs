@@ -69,7 +69,11 @@ impl<'a> PolicyCell<'a> {
             if let Some(st) = state {
                 let vars = m.vars();
                 if st.vars.len() != vars.len() {
-                    return Err(anyhow!("the checkpoint holds {} adapter tensors: expected {}", st.vars.len(), vars.len()));
+                    return Err(anyhow!(
+                        "the checkpoint holds {} adapter tensors: expected {}",
+                        st.vars.len(),
+                        vars.len()
+                    ));
                 }
                 for (v, x) in vars.iter().zip(&st.vars) {
                     v.set(&Tensor::from_vec(x.clone(), v.as_tensor().shape(), v.as_tensor().device())?)?;
@@ -109,19 +113,15 @@ impl<'a> PolicyCell<'a> {
 
     /// φ of every sample of every prompt, and the oracle's rewards, as contexts.
     fn contexts(&self, prompts: &[&[features::Message]], samples: &[Vec<Sample>]) -> Result<Vec<Context>> {
-        let convs: Vec<Vec<features::Message>> = prompts
-            .iter()
-            .zip(samples)
-            .flat_map(|(p, ss)| ss.iter().map(move |s| conversation(p, &s.text)))
-            .collect();
-        let phi = self.online.phi(&convs)?;
-        let mut it = phi.into_iter();
+        let convs: Vec<Vec<features::Message>> =
+            prompts.iter().zip(samples).flat_map(|(p, ss)| ss.iter().map(move |s| conversation(p, &s.text))).collect();
+        let (phi, rewards) = self.online.score(&convs)?;
+        let (mut it, mut r) = (phi.into_iter(), rewards.into_iter());
         Ok(samples
             .iter()
             .map(|ss| {
                 let rows: Vec<Vec<f32>> = it.by_ref().take(ss.len()).collect();
-                let reward = rows.iter().map(|p| self.online.reward(p)).collect();
-                Context { phi: rows.concat(), reward: Some(reward) }
+                Context { phi: rows.concat(), reward: Some(r.by_ref().take(ss.len()).collect()) }
             })
             .collect())
     }

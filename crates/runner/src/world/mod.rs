@@ -56,8 +56,10 @@ pub fn build(plan: &Plan, progress: bool) -> Result<World, SpecError> {
         }
         EnvKind::Generated => {
             let g = load_generated(&mut spec, keys, progress)?;
-            if let (Some(p), Some(gs), Some(f)) = (&spec.policy, &spec.generate, &spec.features) {
-                let o = online::Online::load(gs, f, p, &g, progress).map_err(|e| keys.err(&["policy"], format!("{e:#}")))?;
+            if let (Some(p), Some(gs), Some(f), Some(o)) = (&spec.policy, &spec.generate, &spec.features, &spec.oracle)
+            {
+                let o = online::Online::load(gs, f, o, p, &g, progress)
+                    .map_err(|e| keys.err(&["policy"], format!("{e:#}")))?;
                 online = Some(Arc::new(o));
             }
             generated = Some(Arc::new(g));
@@ -74,8 +76,7 @@ fn load_generated(spec: &mut Spec, keys: Locator<'_>, progress: bool) -> Result<
     let f = spec.features.as_ref().ok_or_else(|| need("features"))?;
     let o = spec.oracle.as_ref().ok_or_else(|| need("oracle"))?;
     let holdout = spec.policy.as_ref().map_or(0, |p| p.eval_prompts);
-    let out =
-        generated::build(g, f, o, holdout, progress).map_err(|e| keys.err(&["generate"], format!("{e:#}")))?;
+    let out = generated::build(g, f, o, holdout, progress).map_err(|e| keys.err(&["generate"], format!("{e:#}")))?;
     if keys.written(&["env", "dim"]) && spec.env.dim != out.bank.d {
         return Err(
             keys.err(&["env", "dim"], format!("{}, but the feature model gives {} features", spec.env.dim, out.bank.d))

@@ -6,7 +6,7 @@
 use super::extract::{device, dtype, PhiRun};
 use super::generated::{generate, BankReport, Generated, Scorer};
 use crate::spec::data::expand_env;
-use crate::spec::{FeatureSpec, GenerateSpec, PolicySpec};
+use crate::spec::{FeatureSpec, GenerateSpec, OracleKind, OracleSpec, PolicySpec};
 use anyhow::{anyhow, Context as _, Result};
 use candle_core::{DType, Tensor};
 use features::generate::{Sample, SampleOptions};
@@ -39,7 +39,14 @@ pub struct Online {
     /// the evaluation of the arms whose policy does not learn).
     pub eval_base: Vec<Vec<Sample>>,
     phi: Mutex<Phi>,
-    scorer: Scorer,
+    oracle: Oracle,
+}
+
+/// The oracle of new responses: a function of the learner's φ, or a reward model with its own
+/// backbone (its φ through the cache, times its trained head).
+enum Oracle {
+    Phi(Scorer),
+    RewardModel(Mutex<Phi>, features::head::ScoreHead),
 }
 
 impl std::fmt::Debug for Online {
@@ -94,8 +101,26 @@ fn base_weights(source: &Source, dev: &candle_core::Device) -> Result<(HashMap<S
 impl Online {
     /// Loads the policy's weights and tokenizer, the feature model, and generates (or reads from
     /// the generation cache) the base policy's samples of the held-out prompts.
-    pub fn load(g: &GenerateSpec, f: &FeatureSpec, p: &PolicySpec, bank: &Generated, progress: bool) -> Result<Online> {
-        let scorer = bank.scorer.clone().ok_or_else(|| anyhow!("oracle: a learning policy needs an oracle over φ"))?;
+    pub fn load(
+        g: &GenerateSpec,
+        f: &FeatureSpec,
+        o: &OracleSpec,
+        p: &PolicySpec,
+        bank: &Generated,
+        progress: bool,
+    ) -> Result<Online> {
+        let oracle = match (&bank.scorer, o.kind) {
+            (Some(s), _) => Oracle::Phi(s.clone()),
+            (None, OracleKind::RewardModel) => {
+                let model =
+                    expand_env(o.model.as_deref().expect("checked")).map_err(|m| anyhow!("oracle.model: {m}"))?;
+                let rm = Phi::load(PhiRun::new(&o.phi(model.clone(), f.cache.clone()), false).context("oracle")?)?;
+                let h = features::head::load_score_head(&model, rm.backbone.dim())
+                    .map_err(|e| anyhow!("oracle.model: {e}"))?;
+                Oracle::RewardModel(Mutex::new(rm), h)
+            }
+            (None, k) => return Err(anyhow!("oracle.kind = {k:?}: no scorer was built")),
+        };
         let model = expand_env(&g.policy).map_err(|m| anyhow!("generate.policy: {m}"))?;
         let source = Source::parse(&model)?;
         let dev = device(g.device)?;
@@ -122,11 +147,7 @@ impl Online {
         let eval_opts = SampleOptions { n: p.eval_samples, ..opts.clone() };
         let eval_gen = GenerateSpec { n: p.eval_samples, ..g.clone() };
         let eval_base = generate(&eval_gen, &bank.eval_prompts, progress, &mut BankReport::default())?;
-        let run = PhiRun::new(&f.phi(), false).context("features")?;
-        let backbone = Backbone::load(&Source::parse(&run.model)?, &run.device, run.dtype, run.phi.max_len)
-            .with_context(|| format!("loading the model {}", run.model))?;
-        let (space, describe) = backbone.space(&run.phi);
-        let cache = FeatureCache::open(&run.cache, &space, backbone.dim(), describe)?;
+        let phi = Phi::load(PhiRun::new(&f.phi(), false).context("features")?)?;
         Ok(Online {
             spec: p.clone(),
             base,
@@ -141,8 +162,8 @@ impl Online {
             eval_prompts: bank.eval_prompts.clone(),
             eval_ids,
             eval_base,
-            phi: Mutex::new(Phi { backbone, run, cache }),
-            scorer,
+            phi: Mutex::new(phi),
+            oracle,
         })
     }
 
@@ -161,10 +182,33 @@ impl Online {
         Ok(self.policy.generate_on(&model, prompts, opts, self.batch_prompts, &mut |_| {})?)
     }
 
+    /// The learner's φ of (prompt, response) conversations and the oracle's rewards.
+    pub fn score(&self, convs: &[Vec<Message>]) -> Result<(Vec<Vec<f32>>, Vec<f64>)> {
+        let phi = lock(&self.phi)?.features(convs)?;
+        let rewards = match &self.oracle {
+            Oracle::Phi(s) => phi.iter().map(|p| s.score(p)).collect(),
+            Oracle::RewardModel(rm, h) => lock(rm)?.features(convs)?.iter().map(|p| h.score(p)).collect(),
+        };
+        Ok((phi, rewards))
+    }
+}
+
+fn lock<T>(m: &Mutex<T>) -> Result<std::sync::MutexGuard<'_, T>> {
+    m.lock().map_err(|_| anyhow!("a feature model's lock is poisoned"))
+}
+
+impl Phi {
+    fn load(run: PhiRun) -> Result<Phi> {
+        let backbone = Backbone::load(&Source::parse(&run.model)?, &run.device, run.dtype, run.phi.max_len)
+            .with_context(|| format!("loading the model {}", run.model))?;
+        let (space, describe) = backbone.space(&run.phi);
+        let cache = FeatureCache::open(&run.cache, &space, backbone.dim(), describe)?;
+        Ok(Phi { backbone, run, cache })
+    }
+
     /// φ of (prompt, response) conversations, through the feature cache.
-    pub fn phi(&self, convs: &[Vec<Message>]) -> Result<Vec<Vec<f32>>> {
-        let mut guard = self.phi.lock().map_err(|_| anyhow!("the feature model's lock is poisoned"))?;
-        let Phi { backbone, run, cache } = &mut *guard;
+    fn features(&mut self, convs: &[Vec<Message>]) -> Result<Vec<Vec<f32>>> {
+        let Phi { backbone, run, cache } = self;
         let mut items = Vec::with_capacity(convs.len());
         let mut keys = Vec::with_capacity(convs.len());
         for (i, c) in convs.iter().enumerate() {
@@ -179,10 +223,4 @@ impl Online {
         }
         Ok(phi)
     }
-
-    /// The oracle's reward of a response with features φ.
-    pub fn reward(&self, phi: &[f32]) -> f64 {
-        self.scorer.score(phi)
-    }
 }
-
