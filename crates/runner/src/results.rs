@@ -127,6 +127,26 @@ pub struct CellOutcome<'a> {
     pub wall_s: f64,
 }
 
+/// Every row of `part` of every finished cell, with its cell.
+fn rows_of<'a, R>(cells: &'a [CellOutcome<'a>], part: fn(&CellResult) -> &[R]) -> Vec<(&'a CellOutcome<'a>, &'a R)> {
+    cells.iter().filter_map(|c| c.result.as_ref().ok().map(|r| (c, r))).flat_map(|(c, r)| part(r).iter().map(move |m| (c, m))).collect()
+}
+
+/// deploy: the pair-selection strategy; active: the selection rule.
+fn strategy(c: &ConfigPlan) -> Option<String> {
+    c.strategy.map(|s| s.to_string()).or_else(|| c.rule.map(|r| r.to_string()))
+}
+
+/// The key columns of a per-cell table: cell_id, config_id, estimator, label, strategy, seed.
+fn keyed<R>(t: Table, rows: &[(&CellOutcome<'_>, &R)]) -> Table {
+    t.str("cell_id", rows.iter().map(|(c, _)| c.cell_id.to_string()))
+        .u32("config_id", rows.iter().map(|(c, _)| c.config.config_id as u32))
+        .str("estimator", rows.iter().map(|(c, _)| c.config.kind.to_string()))
+        .str("label", rows.iter().map(|(c, _)| c.config.label.clone()))
+        .opt_str("strategy", rows.iter().map(|(c, _)| strategy(c.config)))
+        .u32("seed", rows.iter().map(|(c, _)| c.seed))
+}
+
 fn hparams_json(c: &ConfigPlan) -> String {
     let m: serde_json::Map<String, serde_json::Value> = c
         .hparams
@@ -145,8 +165,6 @@ pub fn write_tables(
 ) -> Result<Vec<(String, Schema)>> {
     let setting = world.spec.setting.as_str();
     let mut schemas = Vec::new();
-    // deploy: the pair-selection strategy; active: the selection rule
-    let strategy = |c: &ConfigPlan| c.strategy.map(|s| s.to_string()).or_else(|| c.rule.map(|r| r.to_string()));
 
     let t = Table::default()
         .str("cell_id", cells.iter().map(|c| c.cell_id.to_string()))
@@ -168,19 +186,8 @@ pub fn write_tables(
     schemas.push(("cells.parquet".to_string(), t.write(&dir.join("cells.parquet"))?));
 
     // metrics: one row per cell × evaluation point
-    let rows: Vec<(&CellOutcome<'_>, &MetricRow)> = cells
-        .iter()
-        .filter_map(|c| c.result.as_ref().ok().map(|r| (c, r)))
-        .flat_map(|(c, r)| r.rows.iter().map(move |m| (c, m)))
-        .collect();
-    let t = Table::default()
-        .str("setting", rows.iter().map(|_| setting.to_string()))
-        .str("cell_id", rows.iter().map(|(c, _)| c.cell_id.to_string()))
-        .u32("config_id", rows.iter().map(|(c, _)| c.config.config_id as u32))
-        .str("estimator", rows.iter().map(|(c, _)| c.config.kind.to_string()))
-        .str("label", rows.iter().map(|(c, _)| c.config.label.clone()))
-        .opt_str("strategy", rows.iter().map(|(c, _)| strategy(c.config)))
-        .u32("seed", rows.iter().map(|(c, _)| c.seed))
+    let rows: Vec<(&CellOutcome<'_>, &MetricRow)> = rows_of(cells, |r| &r.rows);
+    let t = keyed(Table::default().str("setting", rows.iter().map(|_| setting.to_string())), &rows)
         .cols(METRICS, &rows, |(_, m)| m);
     let chunked = world.generated.is_some() && setting == "deploy";
     let t = if chunked { t.cols(METRICS_CHUNKED, &rows, |(_, m)| m) } else { t };
@@ -188,11 +195,7 @@ pub fn write_tables(
     schemas.push(("metrics.parquet".to_string(), t.write(&dir.join("metrics.parquet"))?));
 
     if chunked {
-        let rows: Vec<(&CellOutcome<'_>, &RoundRow)> = cells
-            .iter()
-            .filter_map(|c| c.result.as_ref().ok().map(|r| (c, r)))
-            .flat_map(|(c, r)| r.rounds.iter().map(move |m| (c, m)))
-            .collect();
+        let rows: Vec<(&CellOutcome<'_>, &RoundRow)> = rows_of(cells, |r| &r.rounds);
         let t = Table::default()
             .str("cell_id", rows.iter().map(|(c, _)| c.cell_id.to_string()))
             .u32("config_id", rows.iter().map(|(c, _)| c.config.config_id as u32))
@@ -215,26 +218,12 @@ pub fn write_tables(
     }
     if world.online.is_some() {
         let policy = |c: &ConfigPlan| c.policy.map(|p| p.to_string()).unwrap_or_default();
-        let rows: Vec<(&CellOutcome<'_>, &PolicyRow)> = cells
-            .iter()
-            .filter_map(|c| c.result.as_ref().ok().map(|r| (c, r)))
-            .flat_map(|(c, r)| r.policy.iter().map(move |m| (c, m)))
-            .collect();
-        let t = Table::default()
-            .str("cell_id", rows.iter().map(|(c, _)| c.cell_id.to_string()))
-            .u32("config_id", rows.iter().map(|(c, _)| c.config.config_id as u32))
-            .str("estimator", rows.iter().map(|(c, _)| c.config.kind.to_string()))
-            .str("label", rows.iter().map(|(c, _)| c.config.label.clone()))
-            .opt_str("strategy", rows.iter().map(|(c, _)| strategy(c.config)))
+        let rows: Vec<(&CellOutcome<'_>, &PolicyRow)> = rows_of(cells, |r| &r.policy);
+        let t = keyed(Table::default(), &rows)
             .str("policy", rows.iter().map(|(c, _)| policy(c.config)))
-            .u32("seed", rows.iter().map(|(c, _)| c.seed))
             .cols(POLICY, &rows, |(_, m)| m);
         schemas.push(("policy.parquet".to_string(), t.write(&dir.join("policy.parquet"))?));
-        let rows: Vec<(&CellOutcome<'_>, &PolicyTiming)> = cells
-            .iter()
-            .filter_map(|c| c.result.as_ref().ok().map(|r| (c, r)))
-            .flat_map(|(c, r)| r.policy_times.iter().map(move |m| (c, m)))
-            .collect();
+        let rows: Vec<(&CellOutcome<'_>, &PolicyTiming)> = rows_of(cells, |r| &r.policy_times);
         let t = Table::default()
             .str("cell_id", rows.iter().map(|(c, _)| c.cell_id.to_string()))
             .str("label", rows.iter().map(|(c, _)| c.config.label.clone()))
@@ -272,19 +261,8 @@ pub fn write_tables(
     }
 
     if world.spec.stream.record_steps {
-        let rows: Vec<(&CellOutcome<'_>, &StepRow)> = cells
-            .iter()
-            .filter_map(|c| c.result.as_ref().ok().map(|r| (c, r)))
-            .flat_map(|(c, r)| r.steps.iter().map(move |m| (c, m)))
-            .collect();
-        let t = Table::default()
-            .str("cell_id", rows.iter().map(|(c, _)| c.cell_id.to_string()))
-            .u32("config_id", rows.iter().map(|(c, _)| c.config.config_id as u32))
-            .str("estimator", rows.iter().map(|(c, _)| c.config.kind.to_string()))
-            .str("label", rows.iter().map(|(c, _)| c.config.label.clone()))
-            .opt_str("strategy", rows.iter().map(|(c, _)| strategy(c.config)))
-            .u32("seed", rows.iter().map(|(c, _)| c.seed))
-            .cols(STEPS, &rows, |(_, s)| s);
+        let rows: Vec<(&CellOutcome<'_>, &StepRow)> = rows_of(cells, |r| &r.steps);
+        let t = keyed(Table::default(), &rows).cols(STEPS, &rows, |(_, s)| s);
         schemas.push(("steps.parquet".to_string(), t.write(&dir.join("steps.parquet"))?));
     }
 

@@ -69,16 +69,26 @@ pub struct PolicySpec {
 #[serde(untagged)]
 pub enum Targets {
     All(String),
-    List(Vec<policy::Target>),
+    List(Vec<String>),
 }
 
 impl Targets {
     pub fn resolve(&self) -> Result<Vec<policy::Target>, String> {
+        let names = || policy::Target::ALL.iter().map(|t| t.name()).collect::<Vec<_>>().join(", ");
         match self {
             Targets::All(s) if s == "all-linear" => Ok(policy::Target::ALL.to_vec()),
             Targets::All(s) => Err(format!("`{s}`: expected a list of module names or \"all-linear\"")),
             Targets::List(v) if v.is_empty() => Err("an empty list: expected at least one module".into()),
-            Targets::List(v) => Ok(v.clone()),
+            Targets::List(v) => v
+                .iter()
+                .map(|n| {
+                    policy::Target::ALL
+                        .iter()
+                        .find(|t| t.name() == n)
+                        .copied()
+                        .ok_or_else(|| format!("`{n}`: expected one of {} (or \"all-linear\")", names()))
+                })
+                .collect(),
         }
     }
 }
@@ -160,7 +170,7 @@ fn d_alpha() -> f64 {
     16.0
 }
 fn d_targets() -> Targets {
-    Targets::List(vec![policy::Target::QProj, policy::Target::VProj])
+    Targets::List(vec!["q_proj".into(), "v_proj".into()])
 }
 fn d_lr() -> f64 {
     1e-4
