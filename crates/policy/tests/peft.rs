@@ -41,7 +41,11 @@ fn a_peft_adapter_gives_the_logits_of_transformers_and_peft() {
     let m = model();
     let cases = exp["cases"].as_array().unwrap();
     let flat = |v: &serde_json::Value| -> Vec<f32> {
-        v.as_array().unwrap().iter().flat_map(|r| r.as_array().unwrap().iter().map(|x| x.as_f64().unwrap() as f32)).collect()
+        v.as_array()
+            .unwrap()
+            .iter()
+            .flat_map(|r| r.as_array().unwrap().iter().map(|x| x.as_f64().unwrap() as f32))
+            .collect()
     };
     let ids = |c: &serde_json::Value| -> Vec<u32> {
         c["ids"].as_array().unwrap().iter().map(|x| x.as_u64().unwrap() as u32).collect()

@@ -333,7 +333,13 @@ where
         .y_label_area_size(70)
         .build_cartesian_2d(x0..x1.max(x0 + 1.0), (y0 - pad)..(y1 + pad))
         .map_err(|e| anyhow!("{e:?}"))?;
-    chart.configure_mesh().x_desc(x_desc).y_desc(title).draw().map_err(|e| anyhow!("{e:?}"))?;
+    // a few integer x values (chunks): one tick each, no "0.5"
+    let few = xs.iter().all(|x| x.fract() == 0.0) && x1 - x0 <= 30.0;
+    let mut mesh = chart.configure_mesh();
+    if few {
+        mesh.x_labels((x1 - x0) as usize + 1).x_label_formatter(&|x| format!("{x:.0}"));
+    }
+    mesh.x_desc(x_desc).y_desc(title).draw().map_err(|e| anyhow!("{e:?}"))?;
     for (i, (label, by)) in data.iter().enumerate() {
         let color = TAB10[i % TAB10.len()].to_rgba();
         let stats: Vec<(f64, f64, f64)> = by

@@ -129,7 +129,11 @@ pub struct CellOutcome<'a> {
 
 /// Every row of `part` of every finished cell, with its cell.
 fn rows_of<'a, R>(cells: &'a [CellOutcome<'a>], part: fn(&CellResult) -> &[R]) -> Vec<(&'a CellOutcome<'a>, &'a R)> {
-    cells.iter().filter_map(|c| c.result.as_ref().ok().map(|r| (c, r))).flat_map(|(c, r)| part(r).iter().map(move |m| (c, m))).collect()
+    cells
+        .iter()
+        .filter_map(|c| c.result.as_ref().ok().map(|r| (c, r)))
+        .flat_map(|(c, r)| part(r).iter().map(move |m| (c, m)))
+        .collect()
 }
 
 /// deploy: the pair-selection strategy; active: the selection rule.
@@ -187,8 +191,11 @@ pub fn write_tables(
 
     // metrics: one row per cell × evaluation point
     let rows: Vec<(&CellOutcome<'_>, &MetricRow)> = rows_of(cells, |r| &r.rows);
-    let t = keyed(Table::default().str("setting", rows.iter().map(|_| setting.to_string())), &rows)
-        .cols(METRICS, &rows, |(_, m)| m);
+    let t = keyed(Table::default().str("setting", rows.iter().map(|_| setting.to_string())), &rows).cols(
+        METRICS,
+        &rows,
+        |(_, m)| m,
+    );
     let chunked = world.generated.is_some() && setting == "deploy";
     let t = if chunked { t.cols(METRICS_CHUNKED, &rows, |(_, m)| m) } else { t };
     let t = if world.online.is_some() { t.str("policy", rows.iter().map(|(c, _)| arm(c.config))) } else { t };
@@ -219,9 +226,11 @@ pub fn write_tables(
     if world.online.is_some() {
         let policy = |c: &ConfigPlan| c.policy.map(|p| p.to_string()).unwrap_or_default();
         let rows: Vec<(&CellOutcome<'_>, &PolicyRow)> = rows_of(cells, |r| &r.policy);
-        let t = keyed(Table::default(), &rows)
-            .str("policy", rows.iter().map(|(c, _)| policy(c.config)))
-            .cols(POLICY, &rows, |(_, m)| m);
+        let t = keyed(Table::default(), &rows).str("policy", rows.iter().map(|(c, _)| policy(c.config))).cols(
+            POLICY,
+            &rows,
+            |(_, m)| m,
+        );
         schemas.push(("policy.parquet".to_string(), t.write(&dir.join("policy.parquet"))?));
         let rows: Vec<(&CellOutcome<'_>, &PolicyTiming)> = rows_of(cells, |r| &r.policy_times);
         let t = Table::default()

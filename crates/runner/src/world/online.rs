@@ -46,7 +46,7 @@ pub struct Online {
 /// backbone (its φ through the cache, times its trained head).
 enum Oracle {
     Phi(Scorer),
-    RewardModel(Mutex<Phi>, features::head::ScoreHead),
+    RewardModel(Box<Mutex<Phi>>, features::head::ScoreHead),
 }
 
 impl std::fmt::Debug for Online {
@@ -117,7 +117,7 @@ impl Online {
                 let rm = Phi::load(PhiRun::new(&o.phi(model.clone(), f.cache.clone()), false).context("oracle")?)?;
                 let h = features::head::load_score_head(&model, rm.backbone.dim())
                     .map_err(|e| anyhow!("oracle.model: {e}"))?;
-                Oracle::RewardModel(Mutex::new(rm), h)
+                Oracle::RewardModel(Box::new(Mutex::new(rm)), h)
             }
             (None, k) => return Err(anyhow!("oracle.kind = {k:?}: no scorer was built")),
         };
