@@ -20,3 +20,13 @@ print(table.to_string())
 theta = np.load(run / "theta" / f"{cells['cell_id'][0]}.npy")
 assert theta.ndim == 1 and np.isfinite(theta).all()
 print(f"read {len(metrics)} metric rows, {cells.height} cells, theta of dimension {theta.shape[0]}")
+policy = run / "policy.parquet"
+if policy.exists():
+    # a run whose policy learns: one evaluation per cell and chunk, chunk 0 the same for every arm
+    p = pd.read_parquet(policy)
+    assert list(p.columns) == [c[0] for c in schema["policy.parquet"]], "policy columns match schema.json"
+    start = p[p.chunk == 0].oracle_reward
+    assert start.nunique() == 1, "every arm starts from the base policy's samples"
+    last = p.sort_values("chunk").groupby(["policy", "label", "seed"]).last().reset_index()
+    print(last.groupby("policy")[["oracle_reward", "bon_oracle_reward", "kl"]].agg(["mean", "std"]).to_string())
+    print(f"read {len(p)} policy rows")
