@@ -5,38 +5,44 @@
 //! the graph and [`routed`] attaches it to its input with the gradient written out: on the CPU
 //! a training step runs about as many passes over memory as inference does.
 
-use candle_core::{CpuStorage, CustomOp2, Layout, Result, Shape, Tensor, D};
+use candle_core::{CpuStorage, CustomOp1, Layout, Result, Shape, Storage, Tensor, D};
 
 /// The gradient of an op: (input x, output y, ∂L/∂y) → ∂L/∂x.
 type Grad = Box<dyn Fn(&Tensor, &Tensor, &Tensor) -> Result<Tensor> + Send + Sync>;
 
-/// The value of its second argument; its gradient flows to the first through `grad`.
+/// A value computed outside the graph, handed out as the result of an op on x; the gradient
+/// flows to x through `grad`. The value is taken on the forward pass (copied into the result,
+/// then dropped), so each activation is held once, by the graph.
 struct Routed {
     name: &'static str,
+    value: std::sync::Mutex<Option<Tensor>>,
     grad: Grad,
 }
 
-impl CustomOp2 for Routed {
+impl CustomOp1 for Routed {
     fn name(&self) -> &'static str {
         self.name
     }
 
-    fn cpu_fwd(&self, _: &CpuStorage, _: &Layout, s2: &CpuStorage, l2: &Layout) -> Result<(CpuStorage, Shape)> {
-        let Some((a, b)) = l2.contiguous_offsets() else {
-            candle_core::bail!("{}: a non-contiguous value", self.name);
+    fn cpu_fwd(&self, _: &CpuStorage, _: &Layout) -> Result<(CpuStorage, Shape)> {
+        let y = self.value.lock().ok().and_then(|mut v| v.take());
+        let Some(y) = y else { candle_core::bail!("{}: the value was taken already", self.name) };
+        let (st, l) = y.storage_and_layout();
+        let (Storage::Cpu(s), Some((a, b))) = (&*st, l.contiguous_offsets()) else {
+            candle_core::bail!("{}: expected a contiguous CPU value", self.name);
         };
-        let out = match s2 {
+        let out = match s {
             CpuStorage::F32(v) => CpuStorage::F32(v[a..b].to_vec()),
             CpuStorage::F64(v) => CpuStorage::F64(v[a..b].to_vec()),
             CpuStorage::BF16(v) => CpuStorage::BF16(v[a..b].to_vec()),
             CpuStorage::F16(v) => CpuStorage::F16(v[a..b].to_vec()),
             _ => candle_core::bail!("{}: expected a float tensor", self.name),
         };
-        Ok((out, l2.shape().clone()))
+        Ok((out, l.shape().clone()))
     }
 
-    fn bwd(&self, x: &Tensor, _y: &Tensor, res: &Tensor, g: &Tensor) -> Result<(Option<Tensor>, Option<Tensor>)> {
-        Ok((Some((self.grad)(x, res, g)?), None))
+    fn bwd(&self, x: &Tensor, res: &Tensor, g: &Tensor) -> Result<Option<Tensor>> {
+        Ok(Some((self.grad)(x, res, g)?))
     }
 }
 
@@ -51,7 +57,8 @@ pub fn routed(
     if !x.device().is_cpu() || !x.track_op() {
         return Ok(y);
     }
-    x.apply_op2(&y.contiguous()?, Routed { name, grad: Box::new(grad) })
+    // the result's shape is the value's (a frozen matmul changes the last dimension)
+    x.apply_op1(Routed { name, value: std::sync::Mutex::new(Some(y.contiguous()?)), grad: Box::new(grad) })
 }
 
 /// RMSNorm y = w ⊙ x·r, r = (mean x² + ε)^{-½}; ∂L/∂x = r (w ⊙ g) − x r³ ⟨w ⊙ g, x⟩ / d.
