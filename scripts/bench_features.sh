@@ -6,27 +6,13 @@
 # Environment:
 #   ONEPASS_BENCH_MODEL    model file or directory (default: the SmolLM2-135M GGUF of fetch-models)
 #   ONEPASS_BENCH_THREADS  threads for both engines (default: nproc)
-#   ONEPASS_BENCH_PYTHON   a python with torch, transformers, gguf and accelerate; when unset,
+#   ONEPASS_BENCH_PYTHON   a python with torch, transformers, gguf and accelerate (scripts/bench_env.sh); when unset,
 #                          .venv-bench/ is created and filled from PyPI (once; ~3 GB with torch)
 #   ONEPASS_BENCH_ROUNDS   rounds (default 3);  ONEPASS_BENCH_TRACE=path: also a Chrome trace
 set -euo pipefail
 cd "$(dirname "$0")/.."
-batch=${1:-8}
-len=${2:-256}
-reps=${3:-3}
-model=${ONEPASS_BENCH_MODEL:-models/SmolLM2-135M-Instruct.Q4_1.gguf}
-threads=${ONEPASS_BENCH_THREADS:-$(nproc)}
-rounds=${ONEPASS_BENCH_ROUNDS:-3}
-py=${ONEPASS_BENCH_PYTHON:-}
-if [[ -z "$py" ]]; then
-    if [[ ! -x .venv-bench/bin/python ]]; then
-        echo "bench-features: creating .venv-bench (torch, transformers, gguf, accelerate from PyPI)" >&2
-        python3 -m venv .venv-bench
-        .venv-bench/bin/pip install --quiet torch transformers gguf accelerate numpy
-    fi
-    py=.venv-bench/bin/python
-fi
-[[ -e "$model" ]] || { echo "bench-features: $model not found (run just fetch-models)" >&2; exit 2; }
+bench=bench-features
+source scripts/bench_env.sh "$@"
 cargo build --release -p runner --quiet
 out=$(mktemp -d)
 trap 'rm -rf "$out"' EXIT

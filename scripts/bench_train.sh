@@ -8,23 +8,8 @@
 # .venv-bench/ is created or completed from PyPI), as for bench-features.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-batch=${1:-8}
-len=${2:-256}
-reps=${3:-3}
-model=${ONEPASS_BENCH_MODEL:-models/SmolLM2-135M-Instruct.Q4_1.gguf}
-threads=${ONEPASS_BENCH_THREADS:-$(nproc)}
-rounds=${ONEPASS_BENCH_ROUNDS:-3}
-py=${ONEPASS_BENCH_PYTHON:-}
-if [[ -z "$py" ]]; then
-    if [[ ! -x .venv-bench/bin/python ]]; then
-        echo "bench-train: creating .venv-bench (torch, transformers, gguf, peft from PyPI)" >&2
-        python3 -m venv .venv-bench
-    fi
-    .venv-bench/bin/python -c "import torch, transformers, gguf, peft" 2>/dev/null ||
-        .venv-bench/bin/pip install --quiet torch transformers gguf accelerate peft numpy
-    py=.venv-bench/bin/python
-fi
-[[ -e "$model" ]] || { echo "bench-train: $model not found (run just fetch-models)" >&2; exit 2; }
+bench=bench-train
+source scripts/bench_env.sh "$@"
 cargo build --release -p policy --example train_step --quiet
 out=$(mktemp -d)
 trap 'rm -rf "$out"' EXIT

@@ -141,6 +141,11 @@ fn strategy(c: &ConfigPlan) -> Option<String> {
     c.strategy.map(|s| s.to_string()).or_else(|| c.rule.map(|r| r.to_string()))
 }
 
+/// deploy with a learning policy in the run: the cell's deployed policy.
+fn policy_arm(c: &ConfigPlan) -> String {
+    c.policy.map(|p| p.to_string()).unwrap_or_default()
+}
+
 /// The key columns of a per-cell table: cell_id, config_id, estimator, label, strategy, seed.
 fn keyed<R>(t: Table, rows: &[(&CellOutcome<'_>, &R)]) -> Table {
     t.str("cell_id", rows.iter().map(|(c, _)| c.cell_id.to_string()))
@@ -185,8 +190,7 @@ pub fn write_tables(
             cells.iter().map(|c| c.result.as_ref().ok().map(|r| format!("{:016x}", r.stream_hash))),
         );
     // runs with a learning policy: the deployed policy of each cell
-    let arm = |c: &ConfigPlan| c.policy.map(|p| p.to_string()).unwrap_or_default();
-    let t = if world.online.is_some() { t.str("policy", cells.iter().map(|c| arm(c.config))) } else { t };
+    let t = if world.online.is_some() { t.str("policy", cells.iter().map(|c| policy_arm(c.config))) } else { t };
     schemas.push(("cells.parquet".to_string(), t.write(&dir.join("cells.parquet"))?));
 
     // metrics: one row per cell × evaluation point
@@ -198,7 +202,7 @@ pub fn write_tables(
     );
     let chunked = world.generated.is_some() && setting == "deploy";
     let t = if chunked { t.cols(METRICS_CHUNKED, &rows, |(_, m)| m) } else { t };
-    let t = if world.online.is_some() { t.str("policy", rows.iter().map(|(c, _)| arm(c.config))) } else { t };
+    let t = if world.online.is_some() { t.str("policy", rows.iter().map(|(c, _)| policy_arm(c.config))) } else { t };
     schemas.push(("metrics.parquet".to_string(), t.write(&dir.join("metrics.parquet"))?));
 
     if chunked {
@@ -224,9 +228,8 @@ pub fn write_tables(
         schemas.push(("winrates.parquet".to_string(), t.write(&dir.join("winrates.parquet"))?));
     }
     if world.online.is_some() {
-        let policy = |c: &ConfigPlan| c.policy.map(|p| p.to_string()).unwrap_or_default();
         let rows: Vec<(&CellOutcome<'_>, &PolicyRow)> = rows_of(cells, |r| &r.policy);
-        let t = keyed(Table::default(), &rows).str("policy", rows.iter().map(|(c, _)| policy(c.config))).cols(
+        let t = keyed(Table::default(), &rows).str("policy", rows.iter().map(|(c, _)| policy_arm(c.config))).cols(
             POLICY,
             &rows,
             |(_, m)| m,
@@ -236,7 +239,7 @@ pub fn write_tables(
         let t = Table::default()
             .str("cell_id", rows.iter().map(|(c, _)| c.cell_id.to_string()))
             .str("label", rows.iter().map(|(c, _)| c.config.label.clone()))
-            .str("policy", rows.iter().map(|(c, _)| policy(c.config)))
+            .str("policy", rows.iter().map(|(c, _)| policy_arm(c.config)))
             .u32("seed", rows.iter().map(|(c, _)| c.seed))
             .cols(POLICY_TIMINGS, &rows, |(_, m)| m);
         schemas.push(("policy_timings.parquet".to_string(), t.write(&dir.join("policy_timings.parquet"))?));

@@ -108,12 +108,11 @@ pub(super) fn deploy_chunked(
         }
         None => None,
     };
-    if let (Some(pc), 0) = (&pc, pr.done) {
-        if pr.policy_rows.is_empty() {
-            let t0 = Instant::now();
-            pr.policy_rows.push(pc.evaluate(0, l.theta(), d)?);
-            pr.policy_times.push(PolicyTiming { chunk: 0, eval_s: t0.elapsed().as_secs_f64(), ..Default::default() });
-        }
+    // the policy before any update (a resumed cell has this row already)
+    if let (Some(pc), true) = (&pc, pr.policy_rows.is_empty()) {
+        let t0 = Instant::now();
+        pr.policy_rows.push(pc.evaluate(0, l.theta(), d)?);
+        pr.policy_times.push(PolicyTiming { chunk: 0, eval_s: t0.elapsed().as_secs_f64(), ..Default::default() });
     }
     drive(chunks as u64, &mut pr, l, ctx, |t, last, pr, l| {
         let c = (t - 1) as usize;
@@ -135,7 +134,7 @@ pub(super) fn deploy_chunked(
         for (i, &x) in xs.iter().enumerate() {
             let ctx = if pc.is_some() { &contexts[i] } else { &env.contexts[x] };
             let (est, pair) = choose(env, ctx, &strategy, l, select);
-            let truth: Vec<f64> = ctx.reward.clone().unwrap_or_else(|| (0..k).map(|a| env.reward(ctx, a)).collect());
+            let truth: Vec<f64> = (0..k).map(|a| env.reward(ctx, a)).collect();
             *ties += u64::from(pair.ties);
             let zi = env.diff(ctx, pair.first, pair.second);
             let u: f64 = labels.random();
@@ -207,9 +206,8 @@ pub(super) fn deploy_chunked(
                     prow.update_steps = s.steps;
                     prow.update_reward = Some(s.reward);
                 }
-                let oracle: f64 = contexts.iter().flat_map(|c| c.reward.iter().flatten()).sum();
-                let count = contexts.iter().map(|c| c.reward.as_ref().map_or(0, Vec::len)).sum::<usize>();
-                prow.chunk_oracle_reward = Some(if count > 0 { oracle / count as f64 } else { chunk_mean(env, xs) });
+                let own: Vec<f64> = contexts.iter().flat_map(|c| (0..k).map(|a| env.reward(c, a))).collect();
+                prow.chunk_oracle_reward = Some(own.iter().sum::<f64>() / own.len() as f64);
                 pr.policy_rows.push(prow);
             }
             pr.policy_times.push(time);
@@ -229,10 +227,4 @@ pub(super) fn deploy_chunked(
         adapters: pr.adapters,
         ..Default::default()
     })
-}
-
-/// Mean oracle reward of the bank's samples of prompts `xs`.
-fn chunk_mean(env: &Env, xs: &[usize]) -> f64 {
-    let r: Vec<f64> = xs.iter().flat_map(|&x| env.contexts[x].reward.clone().unwrap_or_default()).collect();
-    r.iter().sum::<f64>() / r.len().max(1) as f64
 }

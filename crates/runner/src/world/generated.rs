@@ -209,7 +209,7 @@ pub fn build(g: &GenerateSpec, f: &FeatureSpec, o: &OracleSpec, holdout: usize, 
             );
         }
     }
-    if prompts.len() <= holdout {
+    if holdout > 0 && prompts.len() <= holdout {
         bail!("policy.eval_prompts = {holdout}: the prompt files hold only {} prompts", prompts.len());
     }
     let eval_prompts = prompts.split_off(prompts.len() - holdout);

@@ -1,0 +1,21 @@
+# Sourced by the bench-* scripts (after `cd` to the repository root, with `$bench` naming the
+# recipe): the arguments, the model, threads and rounds from ONEPASS_BENCH_*, and `$py`, a python
+# with torch, transformers, gguf, accelerate and peft (ONEPASS_BENCH_PYTHON, else .venv-bench/,
+# created or completed from PyPI: ~3 GB with torch).
+batch=${1:-8}
+len=${2:-256}
+reps=${3:-3}
+model=${ONEPASS_BENCH_MODEL:-models/SmolLM2-135M-Instruct.Q4_1.gguf}
+threads=${ONEPASS_BENCH_THREADS:-$(nproc)}
+rounds=${ONEPASS_BENCH_ROUNDS:-3}
+py=${ONEPASS_BENCH_PYTHON:-}
+if [[ -z "$py" ]]; then
+    if [[ ! -x .venv-bench/bin/python ]]; then
+        echo "$bench: creating .venv-bench (torch, transformers, gguf, accelerate, peft from PyPI)" >&2
+        python3 -m venv .venv-bench
+    fi
+    .venv-bench/bin/python -c "import torch, transformers, gguf, accelerate, peft" 2>/dev/null ||
+        .venv-bench/bin/pip install --quiet torch transformers gguf accelerate peft numpy
+    py=.venv-bench/bin/python
+fi
+[[ -e "$model" ]] || { echo "$bench: $model not found (run just fetch-models)" >&2; exit 2; }
