@@ -17,6 +17,7 @@
 pub mod bench;
 pub mod io;
 pub mod plan;
+pub mod progress;
 pub mod report;
 pub mod results;
 pub mod rows;

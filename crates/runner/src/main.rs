@@ -14,6 +14,9 @@ use std::process::ExitCode;
     about = "One-pass reward modeling experiments (Li, Qian, Zhao, Zhou, NeurIPS 2025)"
 )]
 struct Cli {
+    /// No progress bars or progress lines (errors, warnings and summaries are still printed).
+    #[arg(long, short, global = true)]
+    quiet: bool,
     #[command(subcommand)]
     cmd: Cmd,
 }
@@ -150,9 +153,9 @@ fn bad_input(msg: &str) -> ExitCode {
     ExitCode::from(2)
 }
 
-fn features_cmd(cmd: FeaturesCmd) -> anyhow::Result<()> {
+fn features_cmd(cmd: FeaturesCmd, progress: runner::progress::Mode) -> anyhow::Result<()> {
     match cmd {
-        FeaturesCmd::Extract(a) => extract_cmd(a),
+        FeaturesCmd::Extract(a) => extract_cmd(a, progress),
         FeaturesCmd::Bench(a) => {
             if a.batch == 0 || a.len == 0 || a.reps == 0 {
                 anyhow::bail!("--batch, --len and --reps must be at least 1");
@@ -190,7 +193,7 @@ fn features_cmd(cmd: FeaturesCmd) -> anyhow::Result<()> {
     }
 }
 
-fn extract_cmd(a: ExtractArgs) -> anyhow::Result<()> {
+fn extract_cmd(a: ExtractArgs, progress: runner::progress::Mode) -> anyhow::Result<()> {
     if let Err((k, m)) = a.phi.check() {
         anyhow::bail!("--{}: {m}", k.replace('_', "-"));
     }
@@ -200,7 +203,7 @@ fn extract_cmd(a: ExtractArgs) -> anyhow::Result<()> {
         format: a.format,
         limit: a.limit,
         out: a.out,
-        progress: std::io::IsTerminal::is_terminal(&std::io::stderr()),
+        progress,
         shard: features::ShardSpec::parse(&a.shard)?,
     };
     let s = runner::world::extract::extract(&o)?;
@@ -249,6 +252,7 @@ fn main() -> ExitCode {
     }
     keep_freed_memory();
     let cli = Cli::parse();
+    let progress = runner::progress::Mode::for_stderr(cli.quiet);
     match cli.cmd {
         Cmd::Report { run } => match runner::report::report(&run) {
             Ok(dir) => {
@@ -264,7 +268,7 @@ fn main() -> ExitCode {
             }
             Err(e) => bad_input(&format!("{e:#}")),
         },
-        Cmd::Features { cmd } => match features_cmd(cmd) {
+        Cmd::Features { cmd } => match features_cmd(cmd, progress) {
             Ok(()) => ExitCode::SUCCESS,
             Err(e) => bad_input(&format!("{e:#}")),
         },
@@ -287,7 +291,7 @@ fn main() -> ExitCode {
                     Err(e) => bad_input(&e.to_string()),
                 };
             }
-            match runner::run(&runner::RunOptions { spec, overrides, out, threads, resume, force }) {
+            match runner::run(&runner::RunOptions { spec, overrides, out, threads, resume, force, progress }) {
                 Ok(s) => {
                     println!("{}", s.dir.display());
                     if s.interrupted {

@@ -8,6 +8,7 @@
 //! once it exists the run is complete and `checkpoints/` is removed.
 
 use crate::plan::{CellPlan, ConfigPlan, Plan};
+use crate::progress::Meter;
 use crate::rows::{CellResult, MetricRow};
 use crate::settings::{CellCtx, CellSaver};
 use crate::world::World;
@@ -39,6 +40,8 @@ pub struct RunOptions {
     pub resume: Option<PathBuf>,
     /// Resume even when the spec, code revision or data differ from the run's.
     pub force: bool,
+    /// How the long stages report on stderr (bars, log lines, nothing).
+    pub progress: crate::progress::Mode,
 }
 
 /// Parses and validates a spec (errors are [`spec::SpecError`]); reads nothing else.
@@ -217,7 +220,7 @@ pub fn run(opts: &RunOptions) -> Result<RunSummary> {
             "--threads {threads}: more than 8 threads per core of this machine; cells beyond the cores only wait, and starting that many threads takes the machine"
         );
     }
-    let world = world::build(&plan, std::io::IsTerminal::is_terminal(&std::io::stderr()))?;
+    let world = world::build(&plan, opts.progress)?;
     let started = humantime::format_rfc3339_seconds(std::time::SystemTime::now()).to_string();
     let id = RunIdentity::of(&plan, &world)?;
     let fingerprint = id.fingerprint();
@@ -252,12 +255,18 @@ pub fn run(opts: &RunOptions) -> Result<RunSummary> {
         dir.display(),
         if opts.resume.is_some() { " (resumed)" } else { "" }
     );
+    let meter = Meter::new(opts.progress, "running cells", "cells", plan.cells.len() as u64);
     let outcomes: Vec<Result<results::CellOutcome<'_>>> = pool.install(|| {
         plan.cells
             .par_iter()
-            .map(|cell| run_one(&plan, &world, cell, &dir, (&fingerprint, &shared), opts.force))
+            .map(|cell| {
+                let r = run_one(&plan, &world, cell, &dir, (&fingerprint, &shared), opts.force);
+                meter.inc(1);
+                r
+            })
             .collect()
     });
+    meter.finish();
     let mut interrupted = false;
     let mut ok = Vec::with_capacity(outcomes.len());
     for o in outcomes {

@@ -802,3 +802,38 @@ fn report_names_failed_cells_and_reports_unfinished_runs() {
     assert_eq!(bad.code, 2, "{}", bad.stderr);
     assert_eq!(std::fs::read_to_string(dir.join("report/report.md")).unwrap(), md);
 }
+
+/// Progress in a log (stderr redirected): one plain line per update with ONEPASS_PROGRESS_EVERY=0
+/// (done/total, rate, ETA), the stage's last line at its end; at the default interval a short run
+/// prints only the end line; `--quiet` prints none of them.
+#[test]
+fn a_redirected_run_prints_progress_lines() {
+    let tmp = tempfile::tempdir().unwrap();
+    write(tmp.path(), "spec.toml", PASSIVE);
+    let run = |every: Option<&str>, extra: &[&str]| {
+        let mut c = util::command();
+        c.current_dir(tmp.path()).args(["run", "spec.toml", "--out", "out", "--set", "stream.samples=40"]).args(extra);
+        if let Some(e) = every {
+            c.env("ONEPASS_PROGRESS_EVERY", e);
+        } else {
+            c.env_remove("ONEPASS_PROGRESS_EVERY");
+        }
+        let r = util::finish(&mut c);
+        assert_eq!(r.code, 0, "{}", r.stderr);
+        r.stderr.lines().filter(|l| l.starts_with("onepass: running cells: ")).map(String::from).collect::<Vec<_>>()
+    };
+    let every = run(Some("0"), &[]);
+    // 4 configs × 2 seeds: a line per finished cell, then the end line
+    assert_eq!(every.len(), 9, "{every:?}");
+    for (i, l) in every.iter().take(8).enumerate() {
+        assert!(l.starts_with(&format!("onepass: running cells: {}/8 cells (", i + 1)), "{l}");
+        assert!(l.contains(" cells/s"), "{l}");
+    }
+    assert!(every[6].contains("ETA "), "{}", every[6]);
+    assert!(every[8].starts_with("onepass: running cells: 8/8 cells (100%)") && every[8].contains("done in"));
+    let default = run(None, &[]);
+    assert_eq!(default.len(), 1, "{default:?}");
+    assert!(default[0].contains("8/8 cells (100%)"), "{default:?}");
+    assert!(run(Some("0"), &["--quiet"]).is_empty());
+    assert!(run(Some("0"), &["-q"]).is_empty());
+}

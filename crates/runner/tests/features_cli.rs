@@ -45,8 +45,17 @@ fn extract_twice_hits_the_cache_and_feeds_a_features_run() {
         ]
     };
     let a1: Vec<String> = args("a.parquet");
-    let (code, stdout, stderr) = onepass(tmp.path(), &a1.iter().map(String::as_str).collect::<Vec<_>>()).parts();
+    // stderr is a pipe here, as in a log: progress comes as plain lines (every update with
+    // ONEPASS_PROGRESS_EVERY=0), the last one when the stage ends
+    let (code, stdout, stderr) =
+        util::finish(util::command().current_dir(tmp.path()).env("ONEPASS_PROGRESS_EVERY", "0").args(&a1)).parts();
     assert_eq!(code, 0, "{stderr}");
+    let progress: Vec<&str> = stderr.lines().filter(|l| l.starts_with("onepass: φ extraction: ")).collect();
+    assert!(progress.len() >= 2, "{stderr}");
+    assert!(progress.iter().all(|l| l.contains("/11 sequences (") && l.contains(" sequences/s")), "{stderr}");
+    let last = progress.last().unwrap();
+    assert!(last.contains("11/11 sequences (100%)") && last.contains("done in"), "{last}");
+    assert!(!stderr.contains('\r') && !stderr.contains('\u{1b}'), "no terminal control codes in a log: {stderr:?}");
     let s: serde_json::Value = serde_json::from_str(stdout.trim()).unwrap();
     assert_eq!((s["pairs"].as_u64(), s["hits"].as_u64(), s["misses"].as_u64()), (Some(6), Some(0), Some(11)));
     assert_eq!(s["degenerate_pairs"].as_u64(), Some(1));
@@ -64,9 +73,11 @@ fn extract_twice_hits_the_cache_and_feeds_a_features_run() {
 
     // a different option is a different cache space: nothing is reused
     let mut a3 = args("c.parquet");
-    a3.extend(["--pool".into(), "mean".into()]);
-    let (code, stdout, stderr) = onepass(tmp.path(), &a3.iter().map(String::as_str).collect::<Vec<_>>()).parts();
+    a3.extend(["--pool".into(), "mean".into(), "--quiet".into()]);
+    let (code, stdout, stderr) =
+        util::finish(util::command().current_dir(tmp.path()).env("ONEPASS_PROGRESS_EVERY", "0").args(&a3)).parts();
     assert_eq!(code, 0, "{stderr}");
+    assert!(!stderr.contains("φ extraction:"), "--quiet prints no progress: {stderr}");
     let s3: serde_json::Value = serde_json::from_str(stdout.trim()).unwrap();
     assert_eq!(s3["hits"].as_u64(), Some(0));
 

@@ -6,6 +6,7 @@
 use super::datasets::{expand_glob, read_dataset, Pair, ReadOptions};
 use super::extract::{extract_pairs, PhiRun};
 use super::pairs::{PairData, Pairs};
+use crate::progress::Mode;
 use crate::spec::data::{expand_env, Degenerate, Malformed, ScoreTies, Select};
 use crate::spec::DataSpec;
 use anyhow::{anyhow, Result};
@@ -109,7 +110,7 @@ fn overlap(train: &[Pair], eval: &[Pair]) -> usize {
 }
 
 /// Reads, selects, splits and extracts: the pairs every cell of the run shares.
-pub fn load(d: &DataSpec, progress: bool) -> Result<(PairData, DataReport)> {
+pub fn load(d: &DataSpec, progress: Mode) -> Result<(PairData, DataReport)> {
     let files = resolve_files("path", &d.path)?;
     let path = files[0].clone();
     let opts = ReadOptions {

@@ -5,6 +5,7 @@
 
 use super::datasets::{read_pairs, Pair};
 use crate::io::write_atomic;
+use crate::progress::{Meter, Mode};
 use crate::spec::{Format, PhiSpec};
 use anyhow::{anyhow, Context, Result};
 use arrow_array::builder::{Float32Builder, ListBuilder};
@@ -21,7 +22,7 @@ pub struct ExtractOptions {
     pub format: Format,
     pub limit: Option<usize>,
     pub out: Option<PathBuf>,
-    pub progress: bool,
+    pub progress: Mode,
     /// Run one part of the global batch plan (`--shard i/N`); `--out` needs the whole.
     pub shard: ShardSpec,
 }
@@ -83,13 +84,13 @@ pub struct PhiRun {
     pub phi: PhiOptions,
     pub dtype: DType,
     pub device: Device,
-    pub progress: bool,
+    pub progress: Mode,
     pub shard: ShardSpec,
 }
 
 impl PhiRun {
     /// `phi` on its device (the model path's `${VAR}` expanded), unsharded.
-    pub fn new(phi: &PhiSpec, progress: bool) -> Result<PhiRun> {
+    pub fn new(phi: &PhiSpec, progress: Mode) -> Result<PhiRun> {
         Ok(PhiRun {
             model: crate::spec::data::expand_env(&phi.model).map_err(|m| anyhow!("model: {m}"))?,
             cache: phi.cache.clone(),
@@ -165,11 +166,7 @@ pub fn extract_conversations(
     let (space, describe) = backbone.space(&o.phi);
     s.space = space.clone();
     let mut cache = FeatureCache::open(&o.cache, &space, backbone.dim(), describe)?;
-    let bar = if o.progress { indicatif::ProgressBar::new(0) } else { indicatif::ProgressBar::hidden() };
-    bar.set_style(
-        indicatif::ProgressStyle::with_template("φ {bar:30} {pos}/{len} sequences {msg} [{elapsed} < {eta}]")
-            .expect("template"),
-    );
+    let bar = Meter::new(o.progress, "φ extraction", "sequences", 0);
     let t0 = std::time::Instant::now();
     let mine: usize = features::batch_plan(&keys, &items, o.batch)
         .iter()
@@ -183,7 +180,7 @@ pub fn extract_conversations(
         bar.set_position(done as u64);
         bar.set_message(format!("{:.0} tok/s", tokens as f64 / t0.elapsed().as_secs_f64().max(1e-9)));
     })?;
-    bar.finish_and_clear();
+    bar.finish();
     s.shard = format!("{}/{}", o.shard.index, o.shard.count);
     s.shard_sequences = stats.rows;
     s.hits = stats.hits;

@@ -12,6 +12,7 @@ use super::dataset::resolve_files;
 use super::env::{Bank, Context};
 use super::extract::{device, dtype, extract_conversations, PhiRun};
 use crate::io::write_atomic;
+use crate::progress::{Meter, Mode};
 use crate::spec::data::expand_env;
 use crate::spec::{FeatureSpec, GenerateSpec, OracleKind, OracleSpec};
 use anyhow::{anyhow, bail, Context as _, Result};
@@ -99,7 +100,7 @@ fn policy_key(b: &Backbone, o: &SampleOptions) -> String {
 pub(super) fn generate(
     g: &GenerateSpec,
     prompts: &[Vec<Message>],
-    progress: bool,
+    progress: Mode,
     rep: &mut BankReport,
 ) -> Result<Vec<Vec<Sample>>> {
     let policy = expand_env(&g.policy).map_err(|m| anyhow!("generate.policy: {m}"))?;
@@ -139,15 +140,7 @@ pub(super) fn generate(
     }
     rep.generation_cache_hits = prompts.len() - todo.len();
     rep.generated_prompts = todo.len();
-    let bar = if progress && !todo.is_empty() {
-        indicatif::ProgressBar::new(todo.len() as u64)
-    } else {
-        indicatif::ProgressBar::hidden()
-    };
-    bar.set_style(
-        indicatif::ProgressStyle::with_template("generate {bar:30} {pos}/{len} prompts {msg} [{elapsed} < {eta}]")
-            .expect("template"),
-    );
+    let bar = Meter::new(progress, "generation", "prompts", todo.len() as u64);
     let t0 = std::time::Instant::now();
     // one call per batch of prompts, so every batch is cached as soon as it is done
     for group in todo.chunks(g.batch_prompts) {
@@ -164,7 +157,7 @@ pub(super) fn generate(
         }
         bar.inc(group.len() as u64);
     }
-    bar.finish_and_clear();
+    bar.finish();
     rep.generation_s = t0.elapsed().as_secs_f64();
     if rep.generated_tokens > 0 {
         rep.generation_tok_per_s = rep.generated_tokens as f64 / rep.generation_s.max(1e-9);
@@ -197,7 +190,7 @@ fn reward_spread(r: &[f64], k: usize) -> (f64, f64) {
 
 /// Generates (or reads from the cache), computes φ and scores every response; the last
 /// `holdout` prompts read (after the first `rows`) are kept aside, not generated for.
-pub fn build(g: &GenerateSpec, f: &FeatureSpec, o: &OracleSpec, holdout: usize, progress: bool) -> Result<Generated> {
+pub fn build(g: &GenerateSpec, f: &FeatureSpec, o: &OracleSpec, holdout: usize, progress: Mode) -> Result<Generated> {
     let files = resolve_files("prompts", &g.prompts).map_err(|e| anyhow!("{e:#}").context("generate.prompts"))?;
     let mut prompts = super::datasets::read_prompts(&files, &g.prompt_key, g.rows.map(|r| r + holdout))?;
     if let Some(r) = g.rows {

@@ -19,6 +19,7 @@ pub mod online;
 pub mod pairs;
 
 use crate::plan::{Locator, Plan};
+use crate::progress::Mode;
 use crate::spec::{EnvKind, Order, Setting, Spec, SpecError};
 use pairs::{read_pairs, PairData, Pairs};
 use std::sync::Arc;
@@ -38,8 +39,8 @@ pub struct World {
     pub online: Option<Arc<online::Online>>,
 }
 
-/// Reads the data of `plan` (and runs its models); `progress` draws bars on stderr.
-pub fn build(plan: &Plan, progress: bool) -> Result<World, SpecError> {
+/// Reads the data of `plan` (and runs its models); `progress` says how stages report on stderr.
+pub fn build(plan: &Plan, progress: Mode) -> Result<World, SpecError> {
     let keys = plan.keys();
     let mut spec = plan.spec.clone();
     let (mut data, mut generated, mut online) = (None, None, None);
@@ -70,7 +71,7 @@ pub fn build(plan: &Plan, progress: bool) -> Result<World, SpecError> {
 
 /// Generates (or reads from the caches) the responses of a `kind = "generated"` environment and
 /// fills env.dim, env.arms, env.contexts and, for deploy, stream.samples from them.
-fn load_generated(spec: &mut Spec, keys: Locator<'_>, progress: bool) -> Result<generated::Generated, SpecError> {
+fn load_generated(spec: &mut Spec, keys: Locator<'_>, progress: Mode) -> Result<generated::Generated, SpecError> {
     let need = |k: &str| keys.err(&[k], "required when env.kind = \"generated\"".into());
     let g = spec.generate.as_ref().ok_or_else(|| need("generate"))?;
     let f = spec.features.as_ref().ok_or_else(|| need("features"))?;
@@ -190,7 +191,7 @@ fn check_pairs(spec: &Spec, keys: Locator<'_>, data: &mut PairData) -> Result<()
 }
 
 /// kind = "dataset": the `[data]` table read, split and run through the feature model.
-fn load_dataset(spec: &Spec, keys: Locator<'_>, progress: bool) -> Result<PairData, SpecError> {
+fn load_dataset(spec: &Spec, keys: Locator<'_>, progress: Mode) -> Result<PairData, SpecError> {
     let d = spec.data.as_ref().ok_or_else(|| keys.err(&["data"], "required when env.kind = \"dataset\"".into()))?;
     let (mut data, report) = dataset::load(d, progress).map_err(|e| keys.err(&["data"], format!("{e:#}")))?;
     if keys.written(&["env", "dim"]) && spec.env.dim != data.d {

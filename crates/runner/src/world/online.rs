@@ -5,6 +5,7 @@
 
 use super::extract::{device, dtype, PhiRun};
 use super::generated::{generate, BankReport, Generated, Scorer};
+use crate::progress::Mode;
 use crate::spec::data::expand_env;
 use crate::spec::{FeatureSpec, GenerateSpec, OracleKind, OracleSpec, PolicySpec};
 use anyhow::{anyhow, Context as _, Result};
@@ -107,14 +108,15 @@ impl Online {
         o: &OracleSpec,
         p: &PolicySpec,
         bank: &Generated,
-        progress: bool,
+        progress: Mode,
     ) -> Result<Online> {
         let oracle = match (&bank.scorer, o.kind) {
             (Some(s), _) => Oracle::Phi(s.clone()),
             (None, OracleKind::RewardModel) => {
                 let model =
                     expand_env(o.model.as_deref().expect("checked")).map_err(|m| anyhow!("oracle.model: {m}"))?;
-                let rm = Phi::load(PhiRun::new(&o.phi(model.clone(), f.cache.clone()), false).context("oracle")?)?;
+                let rm =
+                    Phi::load(PhiRun::new(&o.phi(model.clone(), f.cache.clone()), Mode::Quiet).context("oracle")?)?;
                 let h = features::head::load_score_head(&model, rm.backbone.dim())
                     .map_err(|e| anyhow!("oracle.model: {e}"))?;
                 Oracle::RewardModel(Box::new(Mutex::new(rm)), h)
@@ -147,7 +149,7 @@ impl Online {
         let eval_opts = SampleOptions { n: p.eval_samples, ..opts.clone() };
         let eval_gen = GenerateSpec { n: p.eval_samples, ..g.clone() };
         let eval_base = generate(&eval_gen, &bank.eval_prompts, progress, &mut BankReport::default())?;
-        let phi = Phi::load(PhiRun::new(&f.phi(), false).context("features")?)?;
+        let phi = Phi::load(PhiRun::new(&f.phi(), Mode::Quiet).context("features")?)?;
         Ok(Online {
             spec: p.clone(),
             base,
