@@ -21,6 +21,15 @@ lint:
     cargo fmt --all --check
     cargo clippy --workspace --all-targets --release -- -D warnings
 
+# The `cuda` feature compiles on a machine without CUDA: nvcc and the headers from PyPI wheels
+# (scripts/cuda_toolchain.sh, into target/cuda-toolchain), then `cargo check --features cuda`
+# (candle-kernels' build script compiles every kernel with nvcc; ~10 min on 2 cores, first time).
+check-cuda:
+    #!/usr/bin/env bash
+    set -euo pipefail
+    eval "$(scripts/cuda_toolchain.sh)"
+    CARGO_TARGET_DIR=target/cuda-check cargo check -p runner --features cuda --release
+
 # Estimator benchmark at d = 4096, B = 8 (µs/step, omd-exact vs memory bandwidth, mle refits, peak RSS).
 bench:
     cargo bench -p estimators

@@ -10,6 +10,9 @@ use plotters::prelude::*;
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 
+mod figures;
+use figures::{Layout, LineFigure};
+
 /// The metrics.parquet columns the report uses.
 #[derive(Clone, Debug)]
 pub struct Row {
@@ -21,24 +24,24 @@ pub struct Row {
 
 /// Metrics that get a figure, with their axis titles.
 pub const FIGURES: [(&str, &str); 11] = [
-    ("train_loss", "train loss (prequential)"),
-    ("eval_loss", "eval loss"),
-    ("eval_accuracy", "eval accuracy"),
-    ("theta_err", "‖θ − θ*‖"),
-    ("subopt", "SubOpt (greedy)"),
-    ("regret", "cumulative regret"),
-    ("subopt_avg", "SubOpt (averaged iterate)"),
-    ("cost", "flops per sample"),
-    ("cum_pair_reward", "cumulative reward: Σ over chunks of mean r(a) + r(a′)"),
-    ("policy_reward", "oracle reward of the deployed policy (per chunk)"),
-    ("kendall_tau", "Kendall τ, learned vs oracle ranking (per chunk)"),
+    ("train_loss", "Prequential training loss (each batch scored before its update)"),
+    ("eval_loss", "Held-out logistic loss"),
+    ("eval_accuracy", "Held-out accuracy"),
+    ("theta_err", "Distance to the true parameter, ‖θ − θ*‖"),
+    ("subopt", "Suboptimality of the greedy policy under θ"),
+    ("regret", "Cumulative regret"),
+    ("subopt_avg", "Suboptimality of the averaged iterate"),
+    ("cost", "Flops per sample between evaluations (one-pass: flat; mle: growing)"),
+    ("cum_pair_reward", "Cumulative oracle reward of the chosen pairs, Σ over chunks of mean r(a) + r(a′)"),
+    ("policy_reward", "Oracle reward of the deployed policy, per chunk"),
+    ("kendall_tau", "Kendall τ between the learned and the oracle ranking, per chunk"),
 ];
 
 /// policy.parquet columns that get a figure (x: the chunk).
 pub const POLICY_FIGURES: [(&str, &str); 3] = [
-    ("oracle_reward", "oracle reward of the policy's samples (held-out prompts)"),
-    ("bon_oracle_reward", "oracle reward of the best sample under θ (held-out prompts)"),
-    ("kl", "KL to the initial policy (per sequence)"),
+    ("oracle_reward", "Oracle reward of the policy's samples on held-out prompts"),
+    ("bon_oracle_reward", "Oracle reward of the best sample under θ on held-out prompts"),
+    ("kl", "KL divergence to the initial policy, per sequence"),
 ];
 
 /// A run's policy.parquet as rows whose x is the chunk.
@@ -252,20 +255,6 @@ fn win_table(path: &Path) -> Result<String> {
     Ok(s)
 }
 
-/// Matplotlib's tab10: distinct, and familiar to readers of ML papers.
-const TAB10: [RGBColor; 10] = [
-    RGBColor(31, 119, 180),
-    RGBColor(255, 127, 14),
-    RGBColor(44, 160, 44),
-    RGBColor(214, 39, 40),
-    RGBColor(148, 103, 189),
-    RGBColor(140, 86, 75),
-    RGBColor(227, 119, 194),
-    RGBColor(127, 127, 127),
-    RGBColor(188, 189, 34),
-    RGBColor(23, 190, 207),
-];
-
 const FONT_PATHS: [&str; 5] = [
     "/usr/share/fonts/truetype/dejavu/DejaVuSans.ttf",
     "/usr/share/fonts/TTF/DejaVuSans.ttf",
@@ -295,78 +284,162 @@ fn register_font() -> Result<PathBuf> {
     )
 }
 
-fn draw<DB: DrawingBackend>(
-    root: DrawingArea<DB, plotters::coord::Shift>,
-    metric: &str,
-    title: &str,
+/// Draws one figure twice, as `<name>.png` and `<name>.svg` under `out` (plotters' backends are
+/// different types, so the body is written once and expanded for each).
+macro_rules! png_and_svg {
+    ($out:expr, $name:expr, $size:expr, |$root:ident| $body:expr) => {{
+        let png = $out.join(format!("{}.png", $name));
+        let svg = $out.join(format!("{}.svg", $name));
+        {
+            let $root = BitMapBackend::new(&png, $size).into_drawing_area();
+            $body.with_context(|| format!("drawing {}", png.display()))?;
+        }
+        {
+            let $root = SVGBackend::new(&svg, $size).into_drawing_area();
+            $body.with_context(|| format!("drawing {}", svg.display()))?;
+        }
+    }};
+}
+
+/// The y axis of a metric's figure (the figure's title says the rest).
+fn axis_name(metric: &str) -> &'static str {
+    match metric {
+        "train_loss" | "eval_loss" => "logistic loss",
+        "eval_accuracy" => "accuracy",
+        "theta_err" => "‖θ − θ*‖",
+        "subopt" | "subopt_avg" => "SubOpt",
+        "regret" => "regret",
+        "cost" => "flops per sample",
+        "cum_pair_reward" => "cumulative reward",
+        "policy_reward" | "oracle_reward" | "bon_oracle_reward" => "oracle reward",
+        "kendall_tau" => "Kendall τ",
+        "kl" => "KL (nats)",
+        _ => "value",
+    }
+}
+
+/// A file's name from a path, a `*` pattern or an `hf:` locator.
+fn short_name(p: &str) -> &str {
+    p.rsplit(['/', ':']).next().unwrap_or(p)
+}
+
+/// What data a run's figures show, in a few words.
+fn data_phrase(spec: &crate::spec::Spec) -> String {
+    use crate::spec::EnvKind;
+    match spec.env.kind {
+        EnvKind::Synthetic => {
+            format!("synthetic bandit (d = {}, {} contexts × {} arms)", spec.env.dim, spec.env.contexts, spec.env.arms)
+        }
+        EnvKind::Features => format!(
+            "labelled pairs from {}",
+            spec.env.path.as_ref().map_or("?".into(), |p| short_name(&p.display().to_string()).to_string())
+        ),
+        EnvKind::Dataset => match &spec.data {
+            Some(d) => format!("{} pairs, φ from {}", short_name(&d.path), short_name(&d.model)),
+            None => "a preference dataset".into(),
+        },
+        EnvKind::Generated => match (&spec.generate, &spec.features) {
+            (Some(g), Some(f)) => format!(
+                "{} samples for {}, φ from {}, oracle {:?}",
+                short_name(&g.policy),
+                short_name(&g.prompts),
+                short_name(&f.model),
+                spec.oracle.as_ref().map(|o| o.kind).map_or("?".to_string(), |k| format!("{k:?}").to_lowercase())
+            ),
+            _ => "generated responses".into(),
+        },
+    }
+}
+
+/// Every figure of the report (see `figures`); returns their names.
+fn draw_figures(
+    run: &Path,
+    out: &Path,
     rows: &[Row],
-    x_desc: &str,
-) -> Result<()>
-where
-    DB::ErrorType: 'static,
-{
-    let data = series(rows, metric);
-    let mut pts: Vec<(f64, f64, f64)> = Vec::new();
-    for by in data.values() {
-        for vals in by.values() {
-            let (m, s) = mean_std(vals);
-            pts.push((0.0, m - s, m + s));
+    policy: &[Row],
+    times: &BTreeMap<String, Vec<(f64, f64)>>,
+    spec: Option<&crate::spec::Spec>,
+) -> Result<Vec<String>> {
+    use crate::spec::Setting;
+    let legend_title = match spec.map(|s| s.setting) {
+        Some(Setting::Deploy) => "strategy",
+        Some(Setting::Active) => "selection rule",
+        _ => "config",
+    };
+    let layout = Layout::new(rows.iter().chain(policy).map(|r| r.label.as_str()), legend_title);
+    let seeds = rows.iter().map(|r| r.seed).collect::<std::collections::BTreeSet<_>>().len();
+    let name = run.file_name().unwrap_or_default().to_string_lossy();
+    // run directories are `<name>-<UTC time>`
+    let name = name.rsplit_once('-').map_or(name.as_ref(), |x| x.0);
+    let data = spec.map(data_phrase).unwrap_or_default();
+    let plural = if seeds == 1 { "" } else { "s" };
+    let sub = format!("{name} · {data} · mean ± 1 sd over {seeds} seed{plural} (bands)");
+    let mut made = Vec::new();
+    let sets: [(&[(&str, &str)], &[Row], &str, &str); 2] = [
+        (&FIGURES, rows, "samples seen", ""),
+        (&POLICY_FIGURES, policy, "chunk (0: before the first update)", "policy_"),
+    ];
+    for (list, rows, x_title, prefix) in sets {
+        for &(metric, title) in list {
+            if series(rows, metric).is_empty() {
+                continue;
+            }
+            let fig = LineFigure {
+                metric,
+                y_title: axis_name(metric),
+                title: title.to_string(),
+                subtitle: &sub,
+                x_title,
+                rows,
+                layout: &layout,
+            };
+            let size = figures::line_size(figures::panel_count(&fig));
+            let file = format!("{prefix}{metric}");
+            png_and_svg!(out, file, size, |root| figures::lines(root, &fig));
+            made.push(file);
         }
     }
-    let xs: Vec<f64> = data.values().flat_map(|by| by.keys().map(|&k| k as f64)).collect();
-    let (x0, x1) =
-        (xs.iter().copied().fold(f64::INFINITY, f64::min), xs.iter().copied().fold(f64::NEG_INFINITY, f64::max));
-    let (mut y0, mut y1) = pts.iter().fold((f64::INFINITY, f64::NEG_INFINITY), |(a, b), p| (a.min(p.1), b.max(p.2)));
-    if !(y0.is_finite() && y1.is_finite()) {
-        bail!("no finite values of {metric}");
+    // Fig. 3c: configs in the plan's order
+    let mut order: Vec<&str> = Vec::new();
+    for r in rows {
+        if !order.contains(&r.label.as_str()) {
+            order.push(&r.label);
+        }
     }
-    if y1 - y0 < 1e-12 {
-        y0 -= 0.5;
-        y1 += 0.5;
+    let mean = |v: &[f64]| v.iter().sum::<f64>() / v.len().max(1) as f64;
+    let bars: figures::Times = order
+        .iter()
+        .filter_map(|l| times.get(*l).map(|t| (l.to_string(), t)))
+        .map(|(l, t)| {
+            let est: Vec<f64> = t.iter().map(|x| x.0).collect();
+            let wall: Vec<f64> = t.iter().map(|x| x.1).collect();
+            (l, mean(&est), mean(&wall))
+        })
+        .collect();
+    if !bars.is_empty() {
+        let size = (1000, 62 + 90 + 34 * bars.len() as u32);
+        let sub = format!("{name} · {data} · mean over {seeds} seed{plural}");
+        png_and_svg!(out, "time_per_cell", size, |root| figures::time_bars(root, &bars, &sub));
+        made.push("time_per_cell".to_string());
     }
-    let pad = 0.05 * (y1 - y0);
-    root.fill(&WHITE).map_err(|e| anyhow!("{e:?}"))?;
-    let mut chart = ChartBuilder::on(&root)
-        .caption(title, ("sans-serif", 22))
-        .margin(12)
-        .x_label_area_size(40)
-        .y_label_area_size(70)
-        .build_cartesian_2d(x0..x1.max(x0 + 1.0), (y0 - pad)..(y1 + pad))
-        .map_err(|e| anyhow!("{e:?}"))?;
-    // a few integer x values (chunks): one tick each, no "0.5"
-    let few = xs.iter().all(|x| x.fract() == 0.0) && x1 - x0 <= 30.0;
-    let mut mesh = chart.configure_mesh();
-    if few {
-        mesh.x_labels((x1 - x0) as usize + 1).x_label_formatter(&|x| format!("{x:.0}"));
+    let wpath = run.join("winrates.parquet");
+    if wpath.exists() {
+        let mut wins = Vec::new();
+        for b in read_batches(&wpath)? {
+            let label = column::<StringArray>(&b, "label", &wpath)?;
+            let ch = column::<Float64Array>(&b, "chunk_win_rate", &wpath)?;
+            for i in 0..b.num_rows() {
+                wins.push((label.value(i).to_string(), ch.value(i)));
+            }
+        }
+        if !wins.is_empty() {
+            let size = figures::heatmap_size(&wins, &layout);
+            let sub = format!("{name} · {data} · over {seeds} seed{plural} × chunks");
+            png_and_svg!(out, "win_rates", size, |root| figures::win_heatmap(root, &wins, &layout, &sub));
+            made.push("win_rates".to_string());
+        }
     }
-    mesh.x_desc(x_desc).y_desc(title).draw().map_err(|e| anyhow!("{e:?}"))?;
-    for (i, (label, by)) in data.iter().enumerate() {
-        let color = TAB10[i % TAB10.len()].to_rgba();
-        let stats: Vec<(f64, f64, f64)> = by
-            .iter()
-            .map(|(&x, v)| {
-                let (m, s) = mean_std(v);
-                (x as f64, m, s)
-            })
-            .collect();
-        let band: Vec<(f64, f64)> =
-            stats.iter().map(|&(x, m, s)| (x, m + s)).chain(stats.iter().rev().map(|&(x, m, s)| (x, m - s))).collect();
-        chart.draw_series(std::iter::once(Polygon::new(band, color.mix(0.15)))).map_err(|e| anyhow!("{e:?}"))?;
-        chart
-            .draw_series(LineSeries::new(stats.iter().map(|&(x, m, _)| (x, m)), color.stroke_width(2)))
-            .map_err(|e| anyhow!("{e:?}"))?
-            .label(label.clone())
-            .legend(move |(x, y)| PathElement::new(vec![(x, y), (x + 18, y)], color.stroke_width(2)));
-    }
-    chart
-        .configure_series_labels()
-        .background_style(WHITE.mix(0.8))
-        .border_style(BLACK)
-        .position(SeriesLabelPosition::UpperRight)
-        .draw()
-        .map_err(|e| anyhow!("{e:?}"))?;
-    root.present().map_err(|e| anyhow!("{e:?}"))?;
-    Ok(())
+    Ok(made)
 }
 
 /// Per label: (estimator seconds, cell wall seconds) of every cell, from timings.parquet.
@@ -622,36 +695,7 @@ pub fn report(run: &Path) -> Result<PathBuf> {
         md.push_str(&format!("- `heads/{}`\n", h.file_name().unwrap_or_default().to_string_lossy()));
     }
     let figures = match register_font() {
-        Ok(_) => {
-            let mut made = Vec::new();
-            for (metric, title) in FIGURES {
-                if series(&rows, metric).is_empty() {
-                    continue;
-                }
-                let png = out.join(format!("{metric}.png"));
-                let svg = out.join(format!("{metric}.svg"));
-                draw(BitMapBackend::new(&png, (900, 560)).into_drawing_area(), metric, title, &rows, "samples seen")
-                    .with_context(|| format!("drawing {}", png.display()))?;
-                draw(SVGBackend::new(&svg, (900, 560)).into_drawing_area(), metric, title, &rows, "samples seen")
-                    .with_context(|| format!("drawing {}", svg.display()))?;
-                made.push(metric.to_string());
-            }
-            for (metric, title) in POLICY_FIGURES {
-                if series(&policy, metric).is_empty() {
-                    continue;
-                }
-                let name = format!("policy_{metric}");
-                let png = out.join(format!("{name}.png"));
-                let svg = out.join(format!("{name}.svg"));
-                let x = "chunk (0: before the first update)";
-                draw(BitMapBackend::new(&png, (900, 560)).into_drawing_area(), metric, title, &policy, x)
-                    .with_context(|| format!("drawing {}", png.display()))?;
-                draw(SVGBackend::new(&svg, (900, 560)).into_drawing_area(), metric, title, &policy, x)
-                    .with_context(|| format!("drawing {}", svg.display()))?;
-                made.push(name);
-            }
-            made
-        }
+        Ok(_) => draw_figures(run, &out, &rows, &policy, &times, spec.as_ref())?,
         Err(e) => {
             eprintln!("onepass: {e:#}; writing the tables only");
             Vec::new()
