@@ -5,7 +5,7 @@ use parquet::arrow::arrow_reader::ParquetRecordBatchReaderBuilder;
 use std::path::{Path, PathBuf};
 
 mod util;
-use util::{onepass, write};
+use util::{npy_i64, onepass, write};
 
 const PASSIVE: &str = r#"
 setting = "passive"
@@ -550,22 +550,6 @@ fn swapping_sides_of_pairs_changes_nothing() {
     let tc = read_npy_f64(&tmp.path().join(run_dir(&r.stdout)).join("theta/c0000.npy"));
     let ta = read_npy_f64(&dirs[0].join("theta/c0000.npy"));
     assert!(ta.iter().zip(&tc).any(|(x, y)| (x - y).abs() > 1e-3), "flipping labels alone must change θ");
-}
-
-/// A .npy of int64 as numpy writes it (header padded to a multiple of 64 bytes).
-fn npy_i64(v: &[i64]) -> Vec<u8> {
-    let mut h = format!("{{'descr': '<i8', 'fortran_order': False, 'shape': ({},), }}", v.len());
-    while (10 + h.len() + 1) % 64 != 0 {
-        h.push(' ');
-    }
-    h.push('\n');
-    let mut b = b"\x93NUMPY\x01\x00".to_vec();
-    b.extend_from_slice(&(h.len() as u16).to_le_bytes());
-    b.extend_from_slice(h.as_bytes());
-    for x in v {
-        b.extend_from_slice(&x.to_le_bytes());
-    }
-    b
 }
 
 const RANKS: &str = r#"

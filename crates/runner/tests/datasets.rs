@@ -1,62 +1,17 @@
 //! Dataset readers on files written here in the real layouts: an UltraFeedback-binarized parquet
 //! (zstd-compressed, as the hub's files are) and HH-RLHF jsonl.gz.
 
-use arrow_array::builder::{ListBuilder, StringBuilder, StructBuilder};
-use arrow_array::{ArrayRef, Float64Array, RecordBatch, StringArray};
-use arrow_schema::{DataType, Field, Fields};
+use arrow_array::{ArrayRef, RecordBatch, StringArray};
 use parquet::arrow::ArrowWriter;
-use parquet::basic::{Compression, ZstdLevel};
-use parquet::file::properties::WriterProperties;
 use runner::world::datasets::{expand_glob, read_dataset, read_pairs, Format, Keys, ReadOptions};
 use std::sync::Arc;
 
 mod util;
-
-fn messages(rows: &[Vec<(&str, Option<&str>)>]) -> ArrayRef {
-    let fields =
-        Fields::from(vec![Field::new("content", DataType::Utf8, true), Field::new("role", DataType::Utf8, true)]);
-    let mut b = ListBuilder::new(StructBuilder::new(
-        fields.clone(),
-        vec![Box::new(StringBuilder::new()), Box::new(StringBuilder::new())],
-    ))
-    .with_field(Arc::new(Field::new("item", DataType::Struct(fields), true)));
-    for row in rows {
-        for (role, content) in row {
-            let s = b.values();
-            s.field_builder::<StringBuilder>(0).unwrap().append_option(*content);
-            s.field_builder::<StringBuilder>(1).unwrap().append_value(role);
-            s.append(true);
-        }
-        b.append(true);
-    }
-    Arc::new(b.finish())
-}
+use util::{messages, write_uf_scored};
 
 fn write_uf(path: &std::path::Path, chosen: &[Vec<(&str, Option<&str>)>], rejected: &[Vec<(&str, Option<&str>)>]) {
     let scores: Vec<(f64, f64)> = vec![(8.0, 3.0); chosen.len()];
     write_uf_scored(path, chosen, rejected, &scores);
-}
-
-fn write_uf_scored(
-    path: &std::path::Path,
-    chosen: &[Vec<(&str, Option<&str>)>],
-    rejected: &[Vec<(&str, Option<&str>)>],
-    scores: &[(f64, f64)],
-) {
-    let n = chosen.len();
-    let batch = RecordBatch::try_from_iter([
-        ("prompt", Arc::new(StringArray::from(vec!["p"; n])) as ArrayRef),
-        ("prompt_id", Arc::new(StringArray::from(vec!["id"; n])) as ArrayRef),
-        ("chosen", messages(chosen)),
-        ("rejected", messages(rejected)),
-        ("score_chosen", Arc::new(Float64Array::from(scores.iter().map(|s| s.0).collect::<Vec<_>>())) as ArrayRef),
-        ("score_rejected", Arc::new(Float64Array::from(scores.iter().map(|s| s.1).collect::<Vec<_>>())) as ArrayRef),
-    ])
-    .unwrap();
-    let props = WriterProperties::builder().set_compression(Compression::ZSTD(ZstdLevel::default())).build();
-    let mut w = ArrowWriter::try_new(std::fs::File::create(path).unwrap(), batch.schema(), Some(props)).unwrap();
-    w.write(&batch).unwrap();
-    w.close().unwrap();
 }
 
 #[test]

@@ -2,10 +2,16 @@
 //! directory, small files written there, the model files the tests read, and parquet columns.
 #![allow(dead_code)] // each test binary uses its own part of the harness
 
-use arrow_array::{Array, Float64Array, StringArray, UInt32Array, UInt64Array};
+use arrow_array::builder::{ListBuilder, StringBuilder, StructBuilder};
+use arrow_array::{Array, ArrayRef, Float64Array, RecordBatch, StringArray, UInt32Array, UInt64Array};
+use arrow_schema::{DataType, Field, Fields};
 use parquet::arrow::arrow_reader::ParquetRecordBatchReaderBuilder;
+use parquet::arrow::ArrowWriter;
+use parquet::basic::{Compression, ZstdLevel};
+use parquet::file::properties::WriterProperties;
 use std::path::{Path, PathBuf};
 use std::process::Command;
+use std::sync::Arc;
 
 /// What a finished `onepass` process left.
 pub struct Run {
@@ -108,4 +114,100 @@ impl Run {
     pub fn parts(self) -> (i32, String, String) {
         (self.code, self.stdout, self.stderr)
     }
+}
+
+/// The features crate's test fixtures (tiny models).
+pub fn fixtures() -> PathBuf {
+    root().join("crates/features/tests/fixtures")
+}
+
+/// Copies a directory tree.
+pub fn copy_dir(from: &Path, to: &Path) {
+    std::fs::create_dir_all(to).unwrap();
+    for e in std::fs::read_dir(from).unwrap() {
+        let e = e.unwrap();
+        let t = e.file_type().unwrap();
+        if t.is_file() {
+            std::fs::copy(e.path(), to.join(e.file_name())).unwrap();
+        } else if t.is_dir() {
+            copy_dir(&e.path(), &to.join(e.file_name()));
+        }
+    }
+}
+
+/// A transformers-layout model directory at `m`: the tiny Llama fixture (safetensors, d = 32)
+/// with a WordLevel tokenizer and a ChatML-like template.
+pub fn tiny_model_dir(m: &Path) {
+    copy_dir(&fixtures().join("tiny-llama"), m);
+    let vocab = serde_json::json!({"<unk>": 0, "<|im_start|>": 1, "<|im_end|>": 2, "Hi?": 3, "Hello.": 4});
+    let tok = serde_json::json!({
+        "version": "1.0", "truncation": null, "padding": null, "added_tokens": [], "normalizer": null,
+        "pre_tokenizer": {"type": "Whitespace"}, "post_processor": null, "decoder": null,
+        "model": {"type": "WordLevel", "vocab": vocab, "unk_token": "<unk>"}
+    });
+    std::fs::write(m.join("tokenizer.json"), tok.to_string()).unwrap();
+    let template = "{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}";
+    let tc = serde_json::json!({"bos_token": "<|im_start|>", "eos_token": "<|im_end|>", "chat_template": template});
+    std::fs::write(m.join("tokenizer_config.json"), tc.to_string()).unwrap();
+}
+
+/// A list<struct<content, role>> column (UltraFeedback's and Mixture2's message lists).
+pub fn messages(rows: &[Vec<(&str, Option<&str>)>]) -> ArrayRef {
+    let fields =
+        Fields::from(vec![Field::new("content", DataType::Utf8, true), Field::new("role", DataType::Utf8, true)]);
+    let mut b = ListBuilder::new(StructBuilder::new(
+        fields.clone(),
+        vec![Box::new(StringBuilder::new()), Box::new(StringBuilder::new())],
+    ))
+    .with_field(Arc::new(Field::new("item", DataType::Struct(fields), true)));
+    for row in rows {
+        for (role, content) in row {
+            let s = b.values();
+            s.field_builder::<StringBuilder>(0).unwrap().append_option(*content);
+            s.field_builder::<StringBuilder>(1).unwrap().append_value(role);
+            s.append(true);
+        }
+        b.append(true);
+    }
+    Arc::new(b.finish())
+}
+
+/// An UltraFeedback-binarized parquet (zstd, as the hub's files): prompt, prompt_id, chosen,
+/// rejected (message lists), score_chosen, score_rejected.
+pub fn write_uf_scored(
+    path: &std::path::Path,
+    chosen: &[Vec<(&str, Option<&str>)>],
+    rejected: &[Vec<(&str, Option<&str>)>],
+    scores: &[(f64, f64)],
+) {
+    let n = chosen.len();
+    let batch = RecordBatch::try_from_iter([
+        ("prompt", Arc::new(StringArray::from(vec!["p"; n])) as ArrayRef),
+        ("prompt_id", Arc::new(StringArray::from(vec!["id"; n])) as ArrayRef),
+        ("chosen", messages(chosen)),
+        ("rejected", messages(rejected)),
+        ("score_chosen", Arc::new(Float64Array::from(scores.iter().map(|s| s.0).collect::<Vec<_>>())) as ArrayRef),
+        ("score_rejected", Arc::new(Float64Array::from(scores.iter().map(|s| s.1).collect::<Vec<_>>())) as ArrayRef),
+    ])
+    .unwrap();
+    let props = WriterProperties::builder().set_compression(Compression::ZSTD(ZstdLevel::default())).build();
+    let mut w = ArrowWriter::try_new(std::fs::File::create(path).unwrap(), batch.schema(), Some(props)).unwrap();
+    w.write(&batch).unwrap();
+    w.close().unwrap();
+}
+
+/// A .npy of int64 as numpy writes it (header padded to a multiple of 64 bytes).
+pub fn npy_i64(v: &[i64]) -> Vec<u8> {
+    let mut h = format!("{{'descr': '<i8', 'fortran_order': False, 'shape': ({},), }}", v.len());
+    while (10 + h.len() + 1) % 64 != 0 {
+        h.push(' ');
+    }
+    h.push('\n');
+    let mut b = b"\x93NUMPY\x01\x00".to_vec();
+    b.extend_from_slice(&(h.len() as u16).to_le_bytes());
+    b.extend_from_slice(h.as_bytes());
+    for x in v {
+        b.extend_from_slice(&x.to_le_bytes());
+    }
+    b
 }
