@@ -287,7 +287,7 @@ impl Backbone {
                     start = start.min(ids.len() - 1);
                 }
                 Truncation::PromptFirst => {
-                    let opening = usize::from(self.tok.bos.as_ref().is_some_and(|(_, b)| ids[0] == *b));
+                    let opening = self.content_start(messages, &ids)?.min(start);
                     let prompt_room = start.saturating_sub(opening);
                     let cut = dropped.min(prompt_room);
                     ids.drain(opening..opening + cut);
@@ -306,6 +306,20 @@ impl Backbone {
         }
         let end = ids.len();
         Ok(Prepared { ids, response: (start, end), dropped, response_cut })
+    }
+
+    /// Where the first message's content begins in `ids` (the rendering of `messages`): the
+    /// tokens before it — a BOS, a system prompt the template adds, the first role header — are
+    /// what prompt-first truncation keeps. Found as the tokens `ids` shares with the rendering
+    /// whose first message is emptied (at least the opening BOS).
+    fn content_start(&self, messages: &[Message], ids: &[u32]) -> Result<usize, Error> {
+        let bos = usize::from(self.tok.bos.as_ref().is_some_and(|(_, b)| ids.first() == Some(b)));
+        let mut emptied = messages.to_vec();
+        emptied[0].content.clear();
+        // a template that refuses an empty message keeps the old rule: only the BOS stays
+        let Ok(text) = self.template.render(&emptied, false) else { return Ok(bos) };
+        let head = self.tok.encode(&text)?;
+        Ok(ids.iter().zip(&head).take_while(|(a, b)| a == b).count().max(bos))
     }
 
     /// φ of prepared conversations, in order, `batch` at a time (right-padded; each row read at
@@ -349,13 +363,18 @@ impl Backbone {
     pub fn space(&self, opts: &PhiOptions) -> (String, serde_json::Value) {
         let o = serde_json::to_string(opts).expect("options serialise");
         let dtype = format!("{:?}", self.model.dtype());
-        let parts = [
+        let mut parts = vec![
             ("weights", self.weights_digest.as_str()),
             ("tokenizer", self.tok.digest.as_str()),
             ("template", self.template.source.as_str()),
             ("options", o.as_str()),
             ("dtype", dtype.as_str()),
         ];
+        // prompt-first truncation changed what it keeps (the role header since v2): φ cached by
+        // the old rule is not reused
+        if opts.truncation == Truncation::PromptFirst {
+            parts.push(("prompt_first", "v2: keeps the template's opening and the first role header"));
+        }
         let describe = serde_json::json!({
             "source": self.source, "weights_blake3": self.weights_digest, "tokenizer_blake3": self.tok.digest,
             "options": opts, "dtype": dtype, "dim": self.dim(),

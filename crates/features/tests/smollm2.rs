@@ -114,11 +114,20 @@ fn eos_rule_and_truncation() {
     let full = b.prepare(&msgs, &PhiOptions { max_len: 4096, ..Default::default() }).unwrap();
     assert_eq!(*full.ids.last().unwrap(), eos.1);
     assert_ne!(full.ids[full.ids.len() - 2], eos.1);
-    // prompt-first keeps the opening token and the whole response
+    // prompt-first keeps the template's opening — its system prompt and the user's role header —
+    // and the whole response; the user's content loses its first tokens
     let opts = PhiOptions { max_len: 64, ..Default::default() };
     let p = b.prepare(&msgs, &opts).unwrap();
     assert_eq!(p.ids.len(), 64);
-    assert_eq!(p.ids[0], full.ids[0]);
+    let kept = p.ids.iter().zip(&full.ids).take_while(|(a, b)| a == b).count();
+    let head = b.tok.decode(&full.ids[..kept]).unwrap();
+    assert!(head.ends_with("<|im_start|>user\n"), "the kept opening ends with the user header: {head:?}");
+    assert!(head.matches("<|im_start|>").count() == 2, "system turn and user header: {head:?}");
+    // what follows the header is the content's tail: words, not template tokens
+    let after = b.tok.decode(&p.ids[kept..kept + 3]).unwrap();
+    assert_eq!(after.trim(), "word word word", "{after:?}");
+    // negative control: the full sequence has the same header, so `kept` is not the whole prefix
+    assert!(kept < 40, "{kept}");
     let resp = &full.ids[full.response.0..];
     assert_eq!(&p.ids[p.response.0..], resp);
     assert!(!p.response_cut && p.dropped == full.ids.len() - 64);

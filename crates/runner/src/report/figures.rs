@@ -466,7 +466,7 @@ pub fn heatmap_size(wins: &[(String, f64)], layout: &Layout) -> (u32, u32) {
         }
     }
     let left = rows.iter().map(|r| r.chars().count()).max().unwrap_or(4).clamp(4, 40) as u32 * 8 + 20;
-    (left + 130 * cols.len().max(1) as u32 + 30, TITLE_H + 60 + 56 * rows.len().max(1) as u32)
+    ((left + 130 * cols.len().max(1) as u32 + 30).max(900), TITLE_H + 60 + 56 * rows.len().max(1) as u32)
 }
 
 #[cfg(test)]

@@ -318,9 +318,10 @@ fn axis_name(metric: &str) -> &'static str {
     }
 }
 
-/// A file's name from a path, a `*` pattern or an `hf:` locator.
+/// A file's name from a path, a `*` pattern or an `hf:` locator (a model's without its extension).
 fn short_name(p: &str) -> &str {
-    p.rsplit(['/', ':']).next().unwrap_or(p)
+    let name = p.rsplit(['/', ':']).next().unwrap_or(p);
+    [".gguf", ".safetensors"].iter().find_map(|e| name.strip_suffix(e)).unwrap_or(name)
 }
 
 /// What data a run's figures show, in a few words.
@@ -339,13 +340,15 @@ fn data_phrase(spec: &crate::spec::Spec) -> String {
             None => "a preference dataset".into(),
         },
         EnvKind::Generated => match (&spec.generate, &spec.features) {
-            (Some(g), Some(f)) => format!(
-                "{} samples for {}, φ from {}, oracle {:?}",
-                short_name(&g.policy),
-                short_name(&g.prompts),
-                short_name(&f.model),
-                spec.oracle.as_ref().map(|o| o.kind).map_or("?".to_string(), |k| format!("{k:?}").to_lowercase())
-            ),
+            (Some(g), Some(f)) => {
+                let oracle = spec.oracle.as_ref().map_or("?".to_string(), |o| format!("{:?}", o.kind).to_lowercase());
+                let models = if g.policy == f.model {
+                    format!("{}: samples and φ", short_name(&g.policy))
+                } else {
+                    format!("{} samples, φ from {}", short_name(&g.policy), short_name(&f.model))
+                };
+                format!("{models}, prompts from {}, oracle {oracle}", short_name(&g.prompts))
+            }
             _ => "generated responses".into(),
         },
     }
