@@ -31,6 +31,12 @@ impl Kind {
         Kind::SgdReplay,
     ];
 
+    /// Whether the estimator keeps the paper's 𝓗_t (Alg. 1's 𝓗_{t+1} = 𝓗_t + H_t(θ_{t+1})) and
+    /// answers [`crate::Estimator::inverse_norm`] from it.
+    pub fn keeps_curvature(&self) -> bool {
+        matches!(self, Kind::OmdExact)
+    }
+
     pub fn as_str(&self) -> &'static str {
         match self {
             Kind::OmdExact => "omd-exact",

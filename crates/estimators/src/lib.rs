@@ -187,6 +187,11 @@ pub trait Estimator: Send {
     /// Bytes of state the estimator holds (parameters, matrices, moments, history), for the
     /// memory-independent-of-t claims.
     fn state_bytes(&self) -> usize;
+    /// ‖x‖_{𝓗_t⁻¹} from the estimator's own 𝓗_t, when it keeps one ([`Kind::keeps_curvature`]):
+    /// the uncertainty Alg. 3 and Alg. 4 score with. `None` otherwise.
+    fn inverse_norm(&mut self, _x: &[f64]) -> Option<f64> {
+        None
+    }
     /// Everything the estimator holds, borrowed for serialisation (checkpoints): deserialised
     /// as a [`Snapshot`], it continues bit for bit as this estimator would.
     fn snapshot(&self) -> SnapshotRef<'_>;

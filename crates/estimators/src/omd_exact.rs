@@ -178,6 +178,10 @@ impl Estimator for OmdExact {
         Kind::OmdExact
     }
 
+    fn inverse_norm(&mut self, x: &[f64]) -> Option<f64> {
+        Some(OmdExact::inverse_norm(self, x))
+    }
+
     fn dim(&self) -> usize {
         self.theta.len()
     }

@@ -44,6 +44,41 @@ impl ConfigPlan {
     }
 }
 
+/// Where a cell's uncertainty ‖x‖_{𝓗_t⁻¹} comes from (`[curvature]`), and its tracker's λ.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct CurvatureChoice {
+    /// the estimator's own 𝓗_t (omd-exact), not the tracker
+    pub estimator: bool,
+    /// the tracker's 𝓗_1 = λI: `curvature.lambda`, else the estimator's λ, else 1
+    pub tracker_lambda: f64,
+}
+
+impl CurvatureChoice {
+    pub fn of(spec: &Spec, c: &ConfigPlan) -> CurvatureChoice {
+        let own = c.kind.keeps_curvature();
+        let estimator = match spec.curvature.source {
+            CurvatureSource::Auto => own,
+            CurvatureSource::Estimator => true,
+            CurvatureSource::Tracker => false,
+        };
+        let est_lambda = c
+            .hparams
+            .iter()
+            .find(|(k, _)| own && k == "lambda")
+            .and_then(|(_, v)| v.as_float().or_else(|| v.as_integer().map(|i| i as f64)));
+        CurvatureChoice { estimator, tracker_lambda: spec.curvature.lambda.or(est_lambda).unwrap_or(1.0) }
+    }
+
+    /// As cells.parquet's `curvature` column writes it.
+    pub fn describe(&self, c: &ConfigPlan) -> String {
+        if self.estimator {
+            format!("estimator ({} 𝓗_t)", c.kind)
+        } else {
+            format!("tracker (λ = {})", self.tracker_lambda)
+        }
+    }
+}
+
 #[derive(Clone, Debug)]
 pub struct CellPlan {
     pub cell_id: String,
@@ -185,6 +220,17 @@ pub fn build(mut spec: Spec, file: &Path, text: &str, overrides: &[String]) -> R
     let arms = arms(&spec, keys)?;
     let mut configs = configs(&spec, keys, &arms)?;
     disambiguate_labels(&mut configs);
+    if spec.curvature.source == CurvatureSource::Estimator {
+        if let Some(c) = configs.iter().find(|c| !c.kind.keeps_curvature()) {
+            return Err(keys.err(
+                &["curvature", "source"],
+                format!(
+                    "`estimator`: {} keeps no 𝓗_t of its own (only omd-exact does); use \"auto\" (the estimator's where it has one, else the tracker) or \"tracker\"",
+                    c.label
+                ),
+            ));
+        }
+    }
     let cells = configs
         .iter()
         .flat_map(|c| (0..spec.seeds).map(move |s| (c.config_id, s)))
@@ -325,7 +371,7 @@ fn check_ranges(spec: &Spec, keys: Locator<'_>) -> Result<(), SpecError> {
         (&["stream", "samples"], spec.stream.samples >= 1, "T ≥ 1"),
         (&["stream", "batch_size"], spec.stream.batch_size >= 1, "a batch size ≥ 1"),
         (&["stream", "eval_every"], spec.stream.eval_every >= 1, "≥ 1 sample"),
-        (&["curvature", "lambda"], spec.curvature.lambda.is_finite() && spec.curvature.lambda > 0.0, "λ > 0"),
+        (&["curvature", "lambda"], spec.curvature.lambda.is_none_or(|l| l.is_finite() && l > 0.0), "λ > 0"),
         (
             &["checkpoint", "every_s"],
             spec.checkpoint.every_s.is_finite() && spec.checkpoint.every_s >= 0.0,

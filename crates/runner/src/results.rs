@@ -183,6 +183,11 @@ pub fn write_tables(
         .opt_str("strategy", cells.iter().map(|c| strategy(c.config)))
         .u32("seed", cells.iter().map(|c| c.seed))
         .str("hparams", cells.iter().map(|c| hparams_json(c.config)))
+        // whose 𝓗_t scored the uncertainty (pessimism, UCB, active selection)
+        .str(
+            "curvature",
+            cells.iter().map(|c| crate::plan::CurvatureChoice::of(&world.spec, c.config).describe(c.config)),
+        )
         .str("status", cells.iter().map(|c| if c.result.is_ok() { "ok".into() } else { "failed".into() }))
         .opt_str("err", cells.iter().map(|c| c.result.as_ref().err().cloned()))
         .opt_str(

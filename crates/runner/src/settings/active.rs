@@ -87,7 +87,7 @@ pub(super) fn active(
             }
             let chosen: Vec<usize> = match rule {
                 ActiveRule::PoolArgmax => {
-                    let scores: Vec<f64> = avail.iter().map(|&i| l.curv.inv_norm(row_of(i))).collect();
+                    let scores: Vec<f64> = avail.iter().map(|&i| l.inv_norm(row_of(i))).collect();
                     let (top, t) = selection::top_k(&scores, b, select);
                     *ties += u64::from(t);
                     top.iter().map(|&j| avail[j]).collect()
@@ -106,7 +106,7 @@ pub(super) fn active(
                             }
                             cand.iter().map(|&i| vtrack.inv_norm(row_of(i))).collect()
                         }
-                        ScoreNorm::H => cand.iter().map(|&i| l.curv.inv_norm(row_of(i))).collect(),
+                        ScoreNorm::H => cand.iter().map(|&i| l.inv_norm(row_of(i))).collect(),
                     };
                     let (top, t) = selection::top_k(&scores, a.keep, select);
                     *ties += u64::from(t);

@@ -3,6 +3,7 @@
 
 use super::Source;
 use crate::plan::ConfigPlan;
+use crate::plan::CurvatureChoice;
 use crate::rows::{Bucket, CellResult, MetricRow, StepRow};
 use crate::spec::{CurvaturePoint, Spec};
 use crate::world::env::{dot, Component, Env};
@@ -19,6 +20,12 @@ pub struct Learner {
     #[serde(with = "estimator_state")]
     pub(super) est: Box<dyn Estimator>,
     pub(super) curv: Curvature,
+    /// The uncertainty comes from the estimator's own 𝓗_t ([`crate::plan::CurvatureChoice`]).
+    #[serde(default)]
+    pub(super) own_curvature: bool,
+    /// x widened to f64 for the estimator's norm (no allocation per call).
+    #[serde(skip)]
+    scratch: Vec<f64>,
     pub(super) d: usize,
     pub(super) steps: u64,
     pub(super) samples: u64,
@@ -66,9 +73,29 @@ impl Learner {
         &self.theta
     }
 
-    /// ‖x‖_{𝓗_t⁻¹} of the curvature tracker.
+    /// ‖x‖_{𝓗_t⁻¹}, the uncertainty of Alg. 2–4: from the estimator's own 𝓗_t when the cell
+    /// uses it (omd-exact under `curvature.source = "auto"`), else from the tracker.
     pub fn inv_norm(&mut self, x: &[f32]) -> f64 {
-        self.curv.inv_norm(x)
+        if self.own_curvature {
+            let mut xs = std::mem::take(&mut self.scratch);
+            xs.clear();
+            xs.extend(x.iter().map(|&v| f64::from(v)));
+            let n = self.inv_norm_f64(&xs);
+            self.scratch = xs;
+            n
+        } else {
+            self.curv.inv_norm(x)
+        }
+    }
+
+    /// [`Learner::inv_norm`] of an f64 vector.
+    pub fn inv_norm_f64(&mut self, x: &[f64]) -> f64 {
+        if self.own_curvature {
+            // the plan admits own_curvature only for estimators that keep 𝓗_t
+            self.est.inverse_norm(x).unwrap_or_else(|| self.curv.inv_norm_f64(x))
+        } else {
+            self.curv.inv_norm_f64(x)
+        }
     }
 
     /// (d, the estimator's dimension): a checkpoint's learner must match the run's d.
@@ -98,11 +125,14 @@ impl Learner {
             CurvaturePoint::LookAhead => HessianPoint::LookAhead,
             CurvaturePoint::Current => HessianPoint::Current,
         };
-        let curv = Curvature::with_forward(CurvatureKind::Hessian { lambda: spec.curvature.lambda, point }, d);
+        let choice = CurvatureChoice::of(spec, c);
+        let curv = Curvature::with_forward(CurvatureKind::Hessian { lambda: choice.tracker_lambda, point }, d);
         let theta = est.theta();
         Ok(Learner {
             est,
             curv,
+            own_curvature: choice.estimator,
+            scratch: Vec::new(),
             d,
             steps: 0,
             samples: 0,
@@ -234,5 +264,87 @@ impl Learner {
     /// samples (so `eval_every` need not be a multiple of the batch size).
     pub(super) fn due(&self, eval_every: u64, last: bool) -> bool {
         last || self.samples / eval_every > self.prev_samples / eval_every
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use rand::{Rng, SeedableRng};
+
+    fn plan(text: &str) -> crate::plan::Plan {
+        let dir = tempfile::tempdir().unwrap();
+        let p = dir.path().join("spec.toml");
+        std::fs::write(&p, text).unwrap();
+        crate::run::load_plan(&p, &[]).unwrap()
+    }
+
+    fn spec(batch: usize, extra: &str) -> String {
+        format!(
+            "setting = \"passive\"\n[env]\ndim = 6\n[stream]\nsamples = 64\nbatch_size = {batch}\n{extra}\n[[estimator]]\nkind = \"omd-exact\"\nlambda = 2.0\n[[estimator]]\nkind = \"sgd\"\n"
+        )
+    }
+
+    /// Feeds the same 64 labelled differences to a learner; returns it.
+    fn fed(p: &crate::plan::Plan, config: usize) -> Learner {
+        let mut l = Learner::new(&p.spec, &p.configs[config], 0).unwrap();
+        let mut rng = rand_chacha::ChaCha20Rng::seed_from_u64(5);
+        let b = p.spec.stream.batch_size;
+        for _ in 0..64 / b {
+            let z: Vec<f32> = (0..6 * b).map(|_| rng.random_range(-2.0..2.0)).collect();
+            let y: Vec<f32> = (0..b).map(|_| f32::from(u8::from(rng.random_bool(0.5)))).collect();
+            l.update(&z, &y).unwrap();
+        }
+        l
+    }
+
+    /// Alg. 3/4 score with the learner's own 𝓗_t: under `auto`, omd-exact's uncertainty is its
+    /// estimator's 𝓗_t (λ = its own 2), sgd's the tracker's (λ = 1); the tracker of omd-exact
+    /// defaults to the estimator's λ and, with batch 1, is the same matrix as the estimator's
+    /// (look-ahead σ′ at θ_{t+1} per sample); with batch 4 its look-ahead is taken once at the
+    /// end of the batch for every row, so it differs — which is why it is not the default.
+    #[test]
+    fn the_uncertainty_comes_from_the_estimators_own_curvature() {
+        let probes: Vec<Vec<f32>> =
+            (0..5).map(|i| (0..6).map(|j| ((i * 7 + j * 3) % 5) as f32 - 2.0).collect()).collect();
+        let p1 = plan(&spec(1, ""));
+        let omd = CurvatureChoice::of(&p1.spec, &p1.configs[0]);
+        assert_eq!(omd, CurvatureChoice { estimator: true, tracker_lambda: 2.0 });
+        assert_eq!(
+            CurvatureChoice::of(&p1.spec, &p1.configs[1]),
+            CurvatureChoice { estimator: false, tracker_lambda: 1.0 }
+        );
+        let mut l = fed(&p1, 0);
+        assert!(l.own_curvature);
+        for x in &probes {
+            let xd: Vec<f64> = x.iter().map(|&v| f64::from(v)).collect();
+            let own = l.inv_norm(x);
+            let want = l.est.inverse_norm(&xd).unwrap();
+            assert_eq!(own, want, "the learner's norm is the estimator's");
+            let tracker = l.curv.inv_norm(x);
+            assert!((tracker - own).abs() <= 1e-9 * own, "batch 1: tracker {tracker} vs estimator {own}");
+        }
+        // batch 4: the tracker's look-ahead point differs from Alg. 1's per-sample one
+        let p4 = plan(&spec(4, ""));
+        let mut l4 = fed(&p4, 0);
+        let gap =
+            probes.iter().map(|x| (l4.curv.inv_norm(x) - l4.inv_norm(x)).abs() / l4.inv_norm(x)).fold(0.0, f64::max);
+        assert!(gap > 1e-6, "batch 4: tracker and estimator agree to {gap}");
+        // `tracker` forces the tracker; an explicit λ is the tracker's
+        let pt = plan(&spec(1, "[curvature]\nsource = \"tracker\"\nlambda = 3.0"));
+        assert_eq!(
+            CurvatureChoice::of(&pt.spec, &pt.configs[0]),
+            CurvatureChoice { estimator: false, tracker_lambda: 3.0 }
+        );
+        let mut lt = fed(&pt, 0);
+        assert!(!lt.own_curvature);
+        assert_eq!(lt.inv_norm(&probes[0]), lt.curv.inv_norm(&probes[0]));
+        // `estimator` with an estimator that keeps no 𝓗_t is refused by the plan
+        let dir = tempfile::tempdir().unwrap();
+        let p = dir.path().join("spec.toml");
+        std::fs::write(&p, spec(1, "[curvature]\nsource = \"estimator\"")).unwrap();
+        let e = crate::run::load_plan(&p, &[]).unwrap_err();
+        assert_eq!(e.key, "curvature.source", "{e}");
+        assert!(e.message.contains("sgd keeps no 𝓗_t"), "{e}");
     }
 }

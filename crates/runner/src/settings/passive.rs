@@ -171,7 +171,8 @@ pub(super) fn passive(
         Beta::Theory => theory_beta(d, spec.stream.samples, spec.passive.delta),
         Beta::Value(v) => v,
     };
-    let pess = pessimistic(env, &l.theta, &l.curv, beta, spec.passive.pessimism);
+    let theta = l.theta.clone();
+    let pess = pessimistic(env, &theta, &mut |x| l.inv_norm_f64(x), beta, spec.passive.pessimism);
     if let Some(last) = rows.last_mut() {
         last.subopt_pessimistic = Some(env.subopt_of(&pess));
     }

@@ -2,28 +2,29 @@
 
 use crate::spec::Pessimism;
 use crate::world::env::{argmax, dot, Env};
-use estimators::Curvature;
 
-/// The pessimistic policy of Alg. 2 with width β over the contexts.
-pub fn pessimistic(env: &Env, theta: &[f64], curv: &Curvature, beta: f64, how: Pessimism) -> Vec<usize> {
+/// The pessimistic policy of Alg. 2 with width β over the contexts; `norm` is the cell's
+/// ‖·‖_{𝓗_t⁻¹} (the estimator's own 𝓗_t or the tracker's).
+pub fn pessimistic(
+    env: &Env,
+    theta: &[f64],
+    norm: &mut dyn FnMut(&[f64]) -> f64,
+    beta: f64,
+    how: Pessimism,
+) -> Vec<usize> {
     let k = env.k;
     let phi64 =
         |c: usize, a: usize| -> Vec<f64> { env.arm(&env.contexts[c], a).iter().map(|&v| f64::from(v)).collect() };
     match how {
         Pessimism::PerContext => (0..env.contexts.len())
-            .map(|c| {
-                argmax(
-                    (0..k).map(|a| dot(env.arm(&env.contexts[c], a), theta) - beta * curv.inv_norm_f64(&phi64(c, a))),
-                )
-            })
+            .map(|c| argmax((0..k).map(|a| dot(env.arm(&env.contexts[c], a), theta) - beta * norm(&phi64(c, a)))))
             .collect(),
         Pessimism::Policy => {
             // Eq. (5): J(π) = mᵀθ − β‖m‖_{𝓗⁻¹}, m = mean_x φ(x, π(x)); exhaustive when the
             // policy class is small, else coordinate ascent from the greedy policy
             let n = env.contexts.len();
-            let objective = |m: &[f64]| -> f64 {
-                m.iter().zip(theta).map(|(a, b)| a * b).sum::<f64>() - beta * curv.inv_norm_f64(m)
-            };
+            let mut objective =
+                |m: &[f64]| -> f64 { m.iter().zip(theta).map(|(a, b)| a * b).sum::<f64>() - beta * norm(m) };
             let mean = |choice: &[usize]| -> Vec<f64> {
                 let mut m = vec![0.0; env.d];
                 for (c, &a) in choice.iter().enumerate() {
@@ -93,7 +94,7 @@ pub fn pessimistic(env: &Env, theta: &[f64], curv: &Curvature, beta: f64, how: P
 mod tests {
     use super::*;
     use crate::spec::EnvSpec;
-    use estimators::{CurvatureKind, HessianPoint};
+    use estimators::{Curvature, CurvatureKind, HessianPoint};
 
     fn objective(env: &Env, theta: &[f64], curv: &Curvature, beta: f64, choice: &[usize]) -> f64 {
         let n = env.contexts.len() as f64;
@@ -116,12 +117,13 @@ mod tests {
             curv.add(&env.contexts[0].phi[..4], 3.0);
             let theta: Vec<f64> = env.theta_star.iter().map(|v| 0.7 * v + 0.1).collect();
             let greedy = env.greedy(&theta);
-            assert_eq!(pessimistic(&env, &theta, &curv, 0.0, Pessimism::PerContext), greedy);
-            let p0 = pessimistic(&env, &theta, &curv, 0.0, Pessimism::Policy);
+            let norm = |x: &[f64]| curv.inv_norm_f64(x);
+            assert_eq!(pessimistic(&env, &theta, &mut { norm }, 0.0, Pessimism::PerContext), greedy);
+            let p0 = pessimistic(&env, &theta, &mut { norm }, 0.0, Pessimism::Policy);
             assert!(
                 (objective(&env, &theta, &curv, 0.0, &p0) - objective(&env, &theta, &curv, 0.0, &greedy)).abs() < 1e-12
             );
-            let p = pessimistic(&env, &theta, &curv, 2.0, Pessimism::Policy);
+            let p = pessimistic(&env, &theta, &mut { norm }, 2.0, Pessimism::Policy);
             let v = objective(&env, &theta, &curv, 2.0, &p);
             assert!(v >= objective(&env, &theta, &curv, 2.0, &greedy) - 1e-12, "never worse than its start");
             if contexts == 5 {

@@ -468,16 +468,30 @@ pub enum CurvaturePoint {
     Current,
 }
 
-/// The 𝓗_t tracker attached to every cell (its norms drive pessimism, UCB, active selection
-/// and theta_err_H), whatever the estimator.
+/// The uncertainty ‖x‖_{𝓗_t⁻¹} that drives pessimism, UCB and active selection, and the 𝓗_t
+/// tracker every cell keeps (theta_err_H; the uncertainty of estimators without their own 𝓗).
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct CurvatureSpec {
-    /// 𝓗_1 = λI.
-    #[serde(default = "d_one")]
-    pub lambda: f64,
+    /// The tracker's 𝓗_1 = λI. Unset: the estimator's own λ (`lambda` of omd-exact), else 1.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub lambda: Option<f64>,
     #[serde(default = "d_point")]
     pub point: CurvaturePoint,
+    /// Whose 𝓗_t gives the uncertainty: `auto` (the estimator's own when it keeps one — omd-exact,
+    /// as Alg. 3 and 4 use the learner's 𝓗_t —, else the tracker), `estimator` (refused for an
+    /// estimator without one), `tracker`.
+    #[serde(default)]
+    pub source: CurvatureSource,
+}
+
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum CurvatureSource {
+    #[default]
+    Auto,
+    Estimator,
+    Tracker,
 }
 
 impl Default for CurvatureSpec {
