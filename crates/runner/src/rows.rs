@@ -26,6 +26,8 @@ pub struct MetricRow {
     pub subopt_avg: Option<f64>,
     /// Passive, final row: SubOpt of the pessimistic policy.
     pub subopt_pessimistic: Option<f64>,
+    /// SubOpt of the pessimistic policy with Zhu et al.'s reference vector (`passive.pessimism_reference`).
+    pub subopt_pessimistic_ref: Option<f64>,
     /// Deploy: cumulative regret Σ r(x,π*) − ½(r(a)+r(a′)), and the mean of ½(r(a)+r(a′)).
     pub regret: Option<f64>,
     pub mean_reward: Option<f64>,
@@ -202,6 +204,7 @@ pub const METRICS: &[Col<MetricRow>] = &[
     Col::OptF64("subopt", |r| r.subopt),
     Col::OptF64("subopt_avg", |r| r.subopt_avg),
     Col::OptF64("subopt_pessimistic", |r| r.subopt_pessimistic),
+    Col::OptF64("subopt_pessimistic_ref", |r| r.subopt_pessimistic_ref),
     Col::OptF64("regret", |r| r.regret),
     Col::OptF64("mean_reward", |r| r.mean_reward),
     Col::F64("kappa", |r| r.kappa),

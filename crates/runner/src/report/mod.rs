@@ -123,6 +123,7 @@ pub fn read_metrics(run: &Path) -> Result<Vec<Row>> {
         let mut floats = Vec::new();
         for name in FIGURES.iter().map(|(n, _)| *n).filter(|n| *n != "cost").chain([
             "subopt_pessimistic",
+            "subopt_pessimistic_ref",
             "theta_err_h",
             "kappa",
             "kappa_reference",
@@ -209,6 +210,7 @@ pub fn final_table(runs: &[(String, Vec<Row>)]) -> String {
         "theta_err",
         "subopt",
         "subopt_pessimistic",
+        "subopt_pessimistic_ref",
         "subopt_avg",
         "regret",
         "cum_pair_reward",
@@ -776,7 +778,8 @@ mod tests {
             cols.iter().any(|c| c.name() == n && matches!(c, Col::F64(..) | Col::OptF64(..)))
         };
         let read = FIGURES.iter().map(|(n, _)| *n).filter(|n| *n != "cost");
-        for n in read.chain(["subopt_pessimistic", "theta_err_h", "kappa", "kappa_reference"]) {
+        for n in read.chain(["subopt_pessimistic", "subopt_pessimistic_ref", "theta_err_h", "kappa", "kappa_reference"])
+        {
             assert!(float(METRICS, n) || float(METRICS_CHUNKED, n), "report reads `{n}`, which rows does not define");
             assert_eq!(OPTIONAL.contains(&n), float(METRICS_CHUNKED, n), "`{n}`: optional iff chunked-only");
         }

@@ -8,7 +8,7 @@ use super::state::{drive, CellCtx, Progress};
 use super::Source;
 use crate::plan::{theory_beta, ConfigPlan};
 use crate::rows::{CellResult, MetricRow};
-use crate::spec::{Beta, Order, Spec};
+use crate::spec::{Beta, Order, PessimismReference, Spec};
 use crate::world::env::two_arms;
 use crate::world::pairs::PairData;
 use anyhow::{anyhow, Result};
@@ -172,9 +172,13 @@ pub(super) fn passive(
         Beta::Value(v) => v,
     };
     let theta = l.theta.clone();
-    let pess = pessimistic(env, &theta, &mut |x| l.inv_norm_f64(x), beta, spec.passive.pessimism);
+    let how = spec.passive.pessimism;
+    let pess = pessimistic(env, &theta, &mut |x| l.inv_norm_f64(x), beta, how, false);
+    let pess_ref = (spec.passive.pessimism_reference == PessimismReference::Uniform)
+        .then(|| pessimistic(env, &theta, &mut |x| l.inv_norm_f64(x), beta, how, true));
     if let Some(last) = rows.last_mut() {
         last.subopt_pessimistic = Some(env.subopt_of(&pess));
+        last.subopt_pessimistic_ref = pess_ref.map(|p| env.subopt_of(&p));
     }
     Ok(CellResult { rows, stream_hash: h.0, ..Default::default() })
 }

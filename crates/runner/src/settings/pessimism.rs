@@ -4,17 +4,34 @@ use crate::spec::Pessimism;
 use crate::world::env::{argmax, dot, Env};
 
 /// The pessimistic policy of Alg. 2 with width β over the contexts; `norm` is the cell's
-/// ‖·‖_{𝓗_t⁻¹} (the estimator's own 𝓗_t or the tracker's).
+/// ‖·‖_{𝓗_t⁻¹} (the estimator's own 𝓗_t or the tracker's). With `centred`, Zhu et al.'s
+/// reference-vector form: the penalty is on φ(x, a) − φ̄(x), φ̄(x) the mean over arms (a uniform
+/// reference policy), and Eq. (5) on m − v, v its mean over contexts — 𝓗 only ever sees
+/// differences of features, so the component all arms share no longer dominates the width.
 pub fn pessimistic(
     env: &Env,
     theta: &[f64],
     norm: &mut dyn FnMut(&[f64]) -> f64,
     beta: f64,
     how: Pessimism,
+    centred: bool,
 ) -> Vec<usize> {
     let k = env.k;
-    let phi64 =
-        |c: usize, a: usize| -> Vec<f64> { env.arm(&env.contexts[c], a).iter().map(|&v| f64::from(v)).collect() };
+    let mean_arm = |c: usize| -> Vec<f64> {
+        let mut m = vec![0.0; env.d];
+        if centred {
+            for a in 0..k {
+                for (mi, &v) in m.iter_mut().zip(env.arm(&env.contexts[c], a)) {
+                    *mi += f64::from(v) / k as f64;
+                }
+            }
+        }
+        m
+    };
+    let refs: Vec<Vec<f64>> = (0..env.contexts.len()).map(mean_arm).collect();
+    let phi64 = |c: usize, a: usize| -> Vec<f64> {
+        env.arm(&env.contexts[c], a).iter().zip(&refs[c]).map(|(&v, r)| f64::from(v) - r).collect()
+    };
     match how {
         Pessimism::PerContext => (0..env.contexts.len())
             .map(|c| argmax((0..k).map(|a| dot(env.arm(&env.contexts[c], a), theta) - beta * norm(&phi64(c, a)))))
@@ -23,6 +40,7 @@ pub fn pessimistic(
             // Eq. (5): J(π) = mᵀθ − β‖m‖_{𝓗⁻¹}, m = mean_x φ(x, π(x)); exhaustive when the
             // policy class is small, else coordinate ascent from the greedy policy
             let n = env.contexts.len();
+            // phi64 is already centred: m is m_π − v, and (m_π − v)ᵀθ ranks policies as m_πᵀθ does
             let mut objective =
                 |m: &[f64]| -> f64 { m.iter().zip(theta).map(|(a, b)| a * b).sum::<f64>() - beta * norm(m) };
             let mean = |choice: &[usize]| -> Vec<f64> {
@@ -118,12 +136,12 @@ mod tests {
             let theta: Vec<f64> = env.theta_star.iter().map(|v| 0.7 * v + 0.1).collect();
             let greedy = env.greedy(&theta);
             let norm = |x: &[f64]| curv.inv_norm_f64(x);
-            assert_eq!(pessimistic(&env, &theta, &mut { norm }, 0.0, Pessimism::PerContext), greedy);
-            let p0 = pessimistic(&env, &theta, &mut { norm }, 0.0, Pessimism::Policy);
+            assert_eq!(pessimistic(&env, &theta, &mut { norm }, 0.0, Pessimism::PerContext, false), greedy);
+            let p0 = pessimistic(&env, &theta, &mut { norm }, 0.0, Pessimism::Policy, false);
             assert!(
                 (objective(&env, &theta, &curv, 0.0, &p0) - objective(&env, &theta, &curv, 0.0, &greedy)).abs() < 1e-12
             );
-            let p = pessimistic(&env, &theta, &mut { norm }, 2.0, Pessimism::Policy);
+            let p = pessimistic(&env, &theta, &mut { norm }, 2.0, Pessimism::Policy, false);
             let v = objective(&env, &theta, &curv, 2.0, &p);
             assert!(v >= objective(&env, &theta, &curv, 2.0, &greedy) - 1e-12, "never worse than its start");
             if contexts == 5 {
@@ -137,5 +155,41 @@ mod tests {
                 }
             }
         }
+    }
+
+    /// Zhu et al.'s reference-vector form: adding a vector common to every arm of a context
+    /// (what 𝓗, built from differences, never sees) leaves the centred pessimistic policy as it
+    /// was; the paper's form, whose penalty is on ‖φ‖, changes (negative control).
+    #[test]
+    fn the_reference_form_ignores_what_all_arms_share() {
+        let spec = EnvSpec { dim: 4, contexts: 8, arms: 3, eval_pairs: 10, ..Default::default() };
+        let env = Env::new(&spec, 11, 0);
+        let mut curv = Curvature::new(CurvatureKind::Hessian { lambda: 1.0, point: HessianPoint::LookAhead }, 4);
+        // curvature along differences of arms only, as training pairs give it
+        for c in env.contexts.iter() {
+            let z: Vec<f32> = env.arm(c, 0).iter().zip(env.arm(c, 1)).map(|(a, b)| a - b).collect();
+            curv.add(&z, 5.0);
+        }
+        let theta: Vec<f64> = env.theta_star.iter().map(|v| 0.8 * v).collect();
+        let mut shifted = Env::new(&spec, 11, 0);
+        let mut contexts: Vec<crate::world::env::Context> = shifted.contexts.iter().cloned().collect();
+        for (i, c) in contexts.iter_mut().enumerate() {
+            let u: Vec<f32> = (0..4).map(|j| 3.0 * ((i * 5 + j * 3) % 7) as f32 - 9.0).collect();
+            for a in 0..3 {
+                for j in 0..4 {
+                    c.phi[a * 4 + j] += u[j];
+                }
+            }
+        }
+        shifted.contexts = std::sync::Arc::new(contexts);
+        let norm = |x: &[f64]| curv.inv_norm_f64(x);
+        for how in [Pessimism::PerContext, Pessimism::Policy] {
+            let a = pessimistic(&env, &theta, &mut { norm }, 3.0, how, true);
+            let b = pessimistic(&shifted, &theta, &mut { norm }, 3.0, how, true);
+            assert_eq!(a, b, "{how:?}: the centred form moved with a shift common to all arms");
+        }
+        let a = pessimistic(&env, &theta, &mut { norm }, 3.0, Pessimism::PerContext, false);
+        let b = pessimistic(&shifted, &theta, &mut { norm }, 3.0, Pessimism::PerContext, false);
+        assert_ne!(a, b, "the paper's form should move with the shift (else this test proves nothing)");
     }
 }

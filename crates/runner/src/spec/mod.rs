@@ -523,6 +523,20 @@ pub struct PassiveSpec {
     /// δ of β = "theory".
     #[serde(default = "d_delta")]
     pub delta: f64,
+    /// The reference vector of Zhu et al.'s pessimistic value, reported as
+    /// `subopt_pessimistic_ref` beside the paper's form (`subopt_pessimistic`): `uniform` (the
+    /// default) centres each context's features on their mean over arms — the reference policy
+    /// picks arms uniformly —, `none` leaves the column empty.
+    #[serde(default)]
+    pub pessimism_reference: PessimismReference,
+}
+
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum PessimismReference {
+    #[default]
+    Uniform,
+    None,
 }
 
 impl Default for PassiveSpec {
