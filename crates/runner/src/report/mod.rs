@@ -380,7 +380,9 @@ fn draw_figures(
     let plural = if seeds == 1 { "" } else { "s" };
     let sub = format!("{name} · {data} · mean ± 1 sd over {seeds} seed{plural} (bands)");
     let mut made = Vec::new();
-    let sets: [(&[(&str, &str)], &[Row], &str, &str); 2] = [
+    // (figures, their rows, the x axis, the file-name prefix)
+    type FigureSet<'a> = (&'a [(&'a str, &'a str)], &'a [Row], &'a str, &'a str);
+    let sets: [FigureSet<'_>; 2] = [
         (&FIGURES, rows, "samples seen", ""),
         (&POLICY_FIGURES, policy, "chunk (0: before the first update)", "policy_"),
     ];

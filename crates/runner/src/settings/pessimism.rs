@@ -175,9 +175,9 @@ mod tests {
         let mut contexts: Vec<crate::world::env::Context> = shifted.contexts.iter().cloned().collect();
         for (i, c) in contexts.iter_mut().enumerate() {
             let u: Vec<f32> = (0..4).map(|j| 3.0 * ((i * 5 + j * 3) % 7) as f32 - 9.0).collect();
-            for a in 0..3 {
-                for j in 0..4 {
-                    c.phi[a * 4 + j] += u[j];
+            for arm in c.phi.chunks_exact_mut(4) {
+                for (p, v) in arm.iter_mut().zip(&u) {
+                    *p += v;
                 }
             }
         }
