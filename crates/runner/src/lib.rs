@@ -1,7 +1,8 @@
 //! The `onepass` runner. Data flows one way through its layers, each importing only from the
 //! ones before it (a test checks the `use crate::…` lines against this order):
 //!
-//! 1. [`io`] — atomic writes, `.npy`, the checkpoint file format, signals, failpoints;
+//! 1. [`io`], [`progress`] — atomic writes, `.npy`, the checkpoint file format, signals,
+//!    failpoints; progress bars and log lines;
 //! 2. [`spec`] — every TOML table type, `--set`, errors naming file, line and key;
 //! 3. [`rows`] — the output schema: the rows the loops write and the tables hold;
 //! 4. [`plan`] — pure validation of a spec into configs and cells (`--dry-run` stops here);

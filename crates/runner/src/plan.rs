@@ -42,6 +42,28 @@ impl ConfigPlan {
     pub fn hparam(&self, key: &str) -> Option<String> {
         self.hparams.iter().find(|(k, _)| k == key).map(|(_, v)| estimator::show(v))
     }
+
+    /// λ = "auto" of this config resolved from the data (`spec.data_scale`, filled by the world).
+    pub fn auto_lambda(&self, spec: &Spec) -> Option<f64> {
+        (self.hparam("lambda").as_deref() == Some("auto")).then(|| spec.data_scale.unwrap_or_default().auto_lambda())
+    }
+
+    /// The estimator's config with λ = "auto" resolved: what a cell builds.
+    pub fn cfg_for(&self, spec: &Spec) -> EstimatorConfig {
+        let mut cfg = self.cfg.clone();
+        if let (Some(l), EstimatorConfig::OmdExact(o)) = (self.auto_lambda(spec), &mut cfg) {
+            o.lambda = l;
+        }
+        cfg
+    }
+
+    /// The λ of 𝓗_1 = λI this config's estimator uses, if it has one.
+    pub fn lambda(&self, spec: &Spec) -> Option<f64> {
+        match self.cfg_for(spec) {
+            EstimatorConfig::OmdExact(o) => Some(o.lambda),
+            _ => None,
+        }
+    }
 }
 
 /// Where a cell's uncertainty ‖x‖_{𝓗_t⁻¹} comes from (`[curvature]`), and its tracker's λ.
@@ -61,18 +83,17 @@ impl CurvatureChoice {
             CurvatureSource::Estimator => true,
             CurvatureSource::Tracker => false,
         };
-        let est_lambda = c
-            .hparams
-            .iter()
-            .find(|(k, _)| own && k == "lambda")
-            .and_then(|(_, v)| v.as_float().or_else(|| v.as_integer().map(|i| i as f64)));
-        CurvatureChoice { estimator, tracker_lambda: spec.curvature.lambda.or(est_lambda).unwrap_or(1.0) }
+        let est_lambda = if own { c.lambda(spec) } else { None };
+        let auto = spec.data_scale.unwrap_or_default().auto_lambda();
+        let set = spec.curvature.lambda.map(|l| l.or(auto));
+        CurvatureChoice { estimator, tracker_lambda: set.or(est_lambda).unwrap_or(1.0) }
     }
 
     /// As cells.parquet's `curvature` column writes it.
-    pub fn describe(&self, c: &ConfigPlan) -> String {
+    pub fn describe(&self, c: &ConfigPlan, spec: &Spec) -> String {
         if self.estimator {
-            format!("estimator ({} 𝓗_t)", c.kind)
+            let l = c.lambda(spec).map_or(String::new(), |l| format!(", λ = {l}"));
+            format!("estimator ({} 𝓗_t{l})", c.kind)
         } else {
             format!("tracker (λ = {})", self.tracker_lambda)
         }
@@ -371,7 +392,11 @@ fn check_ranges(spec: &Spec, keys: Locator<'_>) -> Result<(), SpecError> {
         (&["stream", "samples"], spec.stream.samples >= 1, "T ≥ 1"),
         (&["stream", "batch_size"], spec.stream.batch_size >= 1, "a batch size ≥ 1"),
         (&["stream", "eval_every"], spec.stream.eval_every >= 1, "≥ 1 sample"),
-        (&["curvature", "lambda"], spec.curvature.lambda.is_none_or(|l| l.is_finite() && l > 0.0), "λ > 0"),
+        (
+            &["curvature", "lambda"],
+            spec.curvature.lambda.is_none_or(|l| l == OrAuto::Auto || l.or(1.0).is_finite() && l.or(1.0) > 0.0),
+            "λ > 0 or \"auto\"",
+        ),
         (
             &["checkpoint", "every_s"],
             spec.checkpoint.every_s.is_finite() && spec.checkpoint.every_s >= 0.0,

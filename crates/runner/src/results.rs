@@ -186,7 +186,9 @@ pub fn write_tables(
         // whose 𝓗_t scored the uncertainty (pessimism, UCB, active selection)
         .str(
             "curvature",
-            cells.iter().map(|c| crate::plan::CurvatureChoice::of(&world.spec, c.config).describe(c.config)),
+            cells
+                .iter()
+                .map(|c| crate::plan::CurvatureChoice::of(&world.spec, c.config).describe(c.config, &world.spec)),
         )
         .str("status", cells.iter().map(|c| if c.result.is_ok() { "ok".into() } else { "failed".into() }))
         .opt_str("err", cells.iter().map(|c| c.result.as_ref().err().cloned()))

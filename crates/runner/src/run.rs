@@ -221,6 +221,9 @@ pub fn run(opts: &RunOptions) -> Result<RunSummary> {
         );
     }
     let world = world::build(&plan, opts.progress)?;
+    if let (_, Some(w)) = scale_meta(&plan, &world) {
+        eprintln!("onepass: warning: {w}");
+    }
     let started = humantime::format_rfc3339_seconds(std::time::SystemTime::now()).to_string();
     let id = RunIdentity::of(&plan, &world)?;
     let fingerprint = id.fingerprint();
@@ -319,6 +322,7 @@ pub fn run(opts: &RunOptions) -> Result<RunSummary> {
             dataset: d.report.clone(),
             backbone_cost: backbone_cost(&plan, &world),
         }),
+        data_scale: scale_meta(&plan, &world).0,
         generated: world.generated.as_ref().map(|g| &g.report),
         cells: plan.cells.len(),
         failed_cells: failed,
@@ -364,6 +368,8 @@ struct Meta<'a> {
     seeds: u32,
     setting: &'static str,
     data: Option<DataMeta>,
+    /// ‖z‖² of the first pairs and each config's λ against it (λ = "auto", the diagnostic).
+    data_scale: serde_json::Value,
     generated: Option<&'a world::generated::BankReport>,
     cells: usize,
     failed_cells: usize,
@@ -375,6 +381,46 @@ struct Meta<'a> {
     crates: std::collections::BTreeMap<&'static str, &'static str>,
     started: String,
     finished: String,
+}
+
+/// ‖z‖²/λ above this: a full 𝓗⁻¹z step early in the stream moves the margin by ~100 units, and
+/// omd-exact can overshoot into σ′ ≈ 0 where 𝓗 stops growing (issue 18's divergence).
+pub const LARGE_Z_OVER_LAMBDA: f64 = 100.0;
+
+/// meta.json's `data_scale` block, and a warning when some λ is small for the data:
+/// median ‖z‖² over λ for the estimator's λ and the tracker's of every config.
+pub fn scale_meta(plan: &Plan, world: &World) -> (serde_json::Value, Option<String>) {
+    let s = world.spec.data_scale.unwrap_or_default();
+    let mut lambdas = Vec::new();
+    let mut worst: Option<(f64, String)> = None;
+    for c in &plan.configs {
+        let choice = plan::CurvatureChoice::of(&world.spec, c);
+        let mut one = |what: &str, l: f64, auto: bool| {
+            let ratio = s.median_z_sq / l;
+            if worst.as_ref().is_none_or(|w| ratio > w.0) {
+                worst = Some((ratio, format!("{} ({what} λ = {l})", c.label)));
+            }
+            serde_json::json!({"config": c.label, "lambda_of": what, "lambda": l, "auto": auto, "median_z_sq_over_lambda": ratio})
+        };
+        if let Some(l) = c.lambda(&world.spec) {
+            lambdas.push(one("estimator", l, c.auto_lambda(&world.spec).is_some()));
+        }
+        if !choice.estimator {
+            let auto = world.spec.curvature.lambda == Some(crate::spec::OrAuto::Auto);
+            lambdas.push(one("tracker", choice.tracker_lambda, auto));
+        }
+    }
+    let warning = worst.filter(|w| w.0 > LARGE_Z_OVER_LAMBDA).map(|(r, who)| {
+        format!(
+            "median ‖z‖² / λ = {r:.0} for {who}: λ is small for this data (median ‖z‖² = {:.4}); early steps can overshoot — consider lambda = \"auto\" or a larger λ",
+            s.median_z_sq
+        )
+    });
+    let v = serde_json::json!({
+        "pairs": s.pairs, "median_z_sq": s.median_z_sq, "p90_z_sq": s.p90_z_sq, "max_z_sq": s.max_z_sq,
+        "auto_lambda": s.auto_lambda(), "lambdas": lambdas, "warning": warning,
+    });
+    (v, warning)
 }
 
 /// meta.json's `data` block (kind = "features" or "dataset").

@@ -821,3 +821,58 @@ fn a_redirected_run_prints_progress_lines() {
     assert!(run(Some("0"), &["--quiet"]).is_empty());
     assert!(run(Some("0"), &["-q"]).is_empty());
 }
+
+/// λ = "auto" (issue 18, item 4): on features with ‖z‖² ≈ 1,700, omd-exact at λ = 1 overshoots
+/// into σ′ ≈ 0 and ends far from θ* (the negative control, with the warning and meta.json's
+/// ratio); at λ = "auto" (the median ‖z‖² of the first pairs) it ends as close as mle.
+#[test]
+fn lambda_auto_follows_the_scale_of_the_data() {
+    let tmp = tempfile::tempdir().unwrap();
+    let spec = util::root().join("experiments/passive/synthetic.toml");
+    let run = |lambda: &str| {
+        let r = onepass(
+            tmp.path(),
+            &[
+                "run",
+                spec.to_str().unwrap(),
+                "--out",
+                "out",
+                "--set",
+                "seeds=1",
+                "--set",
+                "stream.samples=4000",
+                "--set",
+                "env.feature_norm=30",
+                "--set",
+                "env.theta_norm=0.1",
+                "--set",
+                &format!("estimator.0.lambda={lambda}"),
+            ],
+        );
+        let dir = tmp.path().join(r.dir());
+        let m = util::table(&dir.join("metrics.parquet"));
+        let (labels, loss, err) = (util::strs(&m, "label"), util::f64s(&m, "eval_loss"), util::f64s(&m, "theta_err"));
+        let last = |l: &str| {
+            let i = labels.iter().rposition(|x| x == l).unwrap();
+            (loss[i], err[i])
+        };
+        let meta: serde_json::Value =
+            serde_json::from_str(&std::fs::read_to_string(dir.join("meta.json")).unwrap()).unwrap();
+        (last("omd-exact"), last("mle"), meta["data_scale"].clone(), r.stderr)
+    };
+    let ((loss1, err1), _, scale1, stderr1) = run("1.0");
+    let median = scale1["median_z_sq"].as_f64().unwrap();
+    assert!(median > 1000.0, "{scale1}");
+    let omd1 = scale1["lambdas"].as_array().unwrap().iter().find(|l| l["config"] == "omd-exact").unwrap().clone();
+    assert_eq!(omd1["median_z_sq_over_lambda"].as_f64(), Some(median));
+    assert!(stderr1.contains("warning: median ‖z‖² / λ ="), "{stderr1}");
+    assert!(loss1 > 2.0 && err1 > 1.0, "λ = 1 should overshoot here: loss {loss1}, θ-error {err1}");
+    let ((loss, err), (mle_loss, mle_err), scale, _) = run("auto");
+    let omd = scale["lambdas"].as_array().unwrap().iter().find(|l| l["config"] == "omd-exact").unwrap().clone();
+    assert_eq!(omd["auto"], true);
+    assert_eq!(omd["lambda"].as_f64(), Some(median), "auto = the median ‖z‖²");
+    assert!(
+        (loss - mle_loss).abs() < 0.05 && err < 2.0 * mle_err,
+        "auto: loss {loss} vs mle {mle_loss}, θ-error {err} vs {mle_err}"
+    );
+}

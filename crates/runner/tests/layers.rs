@@ -6,7 +6,7 @@ use std::path::Path;
 
 /// Layers in order; a module may use its own layer and the ones before it.
 const LAYERS: &[&[&str]] = &[
-    &["io"],
+    &["io", "progress"],
     &["spec"],
     &["rows"],
     &["plan"],

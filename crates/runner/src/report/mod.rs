@@ -573,6 +573,33 @@ fn data_summary(meta: &serde_json::Value) -> Option<String> {
     Some(s)
 }
 
+/// meta.json's `data_scale` in words: ‖z‖² of the first pairs, each λ against it, the warning.
+fn scale_summary(meta: &serde_json::Value) -> Option<String> {
+    let d = meta.get("data_scale")?;
+    let f = |k: &str| d.get(k).and_then(|v| v.as_f64()).unwrap_or(f64::NAN);
+    let mut s = format!(
+        "## Data scale\n\n‖z‖² over the first {} pairs: median {:.4}, 90th percentile {:.4}, max {:.4}. λ = \"auto\" resolves to the median. A full step 𝓗⁻¹z moves a margin by about ‖z‖²/λ.\n\n| config | λ of | λ | median ‖z‖² / λ |\n|---|---|---|---|\n",
+        d.get("pairs").and_then(|v| v.as_u64()).unwrap_or(0),
+        f("median_z_sq"),
+        f("p90_z_sq"),
+        f("max_z_sq")
+    );
+    for l in d.get("lambdas")?.as_array()? {
+        let auto = if l.get("auto").and_then(|v| v.as_bool()) == Some(true) { " (auto)" } else { "" };
+        s.push_str(&format!(
+            "| {} | {} | {:.4}{auto} | {:.1} |\n",
+            l.get("config").and_then(|v| v.as_str()).unwrap_or("?"),
+            l.get("lambda_of").and_then(|v| v.as_str()).unwrap_or("?"),
+            l.get("lambda").and_then(|v| v.as_f64()).unwrap_or(f64::NAN),
+            l.get("median_z_sq_over_lambda").and_then(|v| v.as_f64()).unwrap_or(f64::NAN),
+        ));
+    }
+    if let Some(w) = d.get("warning").and_then(|v| v.as_str()) {
+        s.push_str(&format!("\n**Warning:** {w}.\n"));
+    }
+    Some(s)
+}
+
 /// File-name form of a config label.
 fn slug(label: &str) -> String {
     let s: String =
@@ -693,6 +720,10 @@ pub fn report(run: &Path) -> Result<PathBuf> {
     let meta: Option<serde_json::Value> =
         std::fs::read_to_string(run.join("meta.json")).ok().and_then(|t| serde_json::from_str(&t).ok());
     if let Some(s) = meta.as_ref().and_then(data_summary) {
+        md.push('\n');
+        md.push_str(&s);
+    }
+    if let Some(s) = meta.as_ref().and_then(scale_summary) {
         md.push('\n');
         md.push_str(&s);
     }

@@ -120,7 +120,7 @@ impl Learner {
             // per head: with R ranks each head makes 1/R of the updates
             planned_steps: Some(spec.stream.samples / (spec.stream.batch_size * spec.stream.ranks.max(1)) as u64),
         };
-        let est = estimators::build(&c.cfg, &setup)?;
+        let est = estimators::build(&c.cfg_for(spec), &setup)?;
         let point = match spec.curvature.point {
             CurvaturePoint::LookAhead => HessianPoint::LookAhead,
             CurvaturePoint::Current => HessianPoint::Current,
@@ -276,7 +276,12 @@ mod tests {
         let dir = tempfile::tempdir().unwrap();
         let p = dir.path().join("spec.toml");
         std::fs::write(&p, text).unwrap();
-        crate::run::load_plan(&p, &[]).unwrap()
+        load(&p).unwrap()
+    }
+
+    fn load(p: &std::path::Path) -> Result<crate::plan::Plan, crate::spec::SpecError> {
+        let (s, text) = crate::spec::load(p, &[])?;
+        crate::plan::build(s, p, &text, &[])
     }
 
     fn spec(batch: usize, extra: &str) -> String {
@@ -331,7 +336,7 @@ mod tests {
             probes.iter().map(|x| (l4.curv.inv_norm(x) - l4.inv_norm(x)).abs() / l4.inv_norm(x)).fold(0.0, f64::max);
         assert!(gap > 1e-6, "batch 4: tracker and estimator agree to {gap}");
         // `tracker` forces the tracker; an explicit λ is the tracker's
-        let pt = plan(&spec(1, "[curvature]\nsource = \"tracker\"\nlambda = 3.0"));
+        let pt = plan(&spec(1, "[curvature]\nsource = \"tracker\"\nlambda = 3"));
         assert_eq!(
             CurvatureChoice::of(&pt.spec, &pt.configs[0]),
             CurvatureChoice { estimator: false, tracker_lambda: 3.0 }
@@ -343,7 +348,7 @@ mod tests {
         let dir = tempfile::tempdir().unwrap();
         let p = dir.path().join("spec.toml");
         std::fs::write(&p, spec(1, "[curvature]\nsource = \"estimator\"")).unwrap();
-        let e = crate::run::load_plan(&p, &[]).unwrap_err();
+        let e = load(&p).unwrap_err();
         assert_eq!(e.key, "curvature.source", "{e}");
         assert!(e.message.contains("sgd keeps no 𝓗_t"), "{e}");
     }

@@ -5,7 +5,7 @@
 //! is written twice. Adding an estimator kind to the runner: a variant, its table struct and
 //! its arm of [`EstimatorSpec::resolve`], all in this file.
 
-use super::OrNone;
+use super::{OrAuto, OrNone};
 use estimators::{
     AdamConfig, DampingSchedule, EstimatorConfig, HvpCgConfig, Init, MleConfig, MleSolver, OmdExactConfig,
     OmdReferenceConfig, ReplayConfig, SgdConfig,
@@ -35,7 +35,8 @@ pub enum EstimatorSpec {
 #[serde(default, deny_unknown_fields)]
 pub struct OmdExactSpec {
     pub eta: f64,
-    pub lambda: f64,
+    /// A number, or "auto" (the median ‖z‖² of the first pairs, resolved by the world).
+    pub lambda: OrAuto,
     pub radius: OrNone,
     /// Lemma 1's η, λ and radius from env.theta_norm and env.feature_norm.
     #[serde(skip_serializing)]
@@ -45,7 +46,7 @@ pub struct OmdExactSpec {
 impl Default for OmdExactSpec {
     fn default() -> Self {
         let c = OmdExactConfig::default();
-        OmdExactSpec { eta: c.eta, lambda: c.lambda, radius: c.radius.into(), theory: false }
+        OmdExactSpec { eta: c.eta, lambda: OrAuto::Value(c.lambda), radius: c.radius.into(), theory: false }
     }
 }
 
@@ -279,9 +280,11 @@ impl EstimatorSpec {
                         )
                     })?;
                     let t = OmdExactConfig::theory(b, l, d);
-                    (s.eta, s.lambda, s.radius) = (t.eta, t.lambda, t.radius.into());
+                    (s.eta, s.lambda, s.radius) = (t.eta, OrAuto::Value(t.lambda), t.radius.into());
                 }
-                E::OmdExact(OmdExactConfig { eta: s.eta, lambda: s.lambda, radius: s.radius.get() })
+                // "auto" validates as 1 here; the cell builds its estimator with the data's value
+                // (ConfigPlan::cfg_for)
+                E::OmdExact(OmdExactConfig { eta: s.eta, lambda: s.lambda.or(1.0), radius: s.radius.get() })
             }
             EstimatorSpec::OmdHvpCg(s) => E::OmdHvpCg(s.config()),
             EstimatorSpec::OmdHvpCgAdam(s) => E::OmdHvpCgAdam {

@@ -166,6 +166,102 @@ impl<'de> Deserialize<'de> for OrNone {
     }
 }
 
+/// A number, or the word "auto": resolved from the data once it is read (λ = "auto": the median
+/// ‖z‖² of the first pairs, [`DataScale`]).
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub enum OrAuto {
+    Auto,
+    Value(f64),
+}
+
+impl OrAuto {
+    /// The number, with "auto" resolved to `auto`.
+    pub fn or(&self, auto: f64) -> f64 {
+        match self {
+            OrAuto::Auto => auto,
+            OrAuto::Value(v) => *v,
+        }
+    }
+}
+
+impl Serialize for OrAuto {
+    fn serialize<S: Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        match self {
+            OrAuto::Auto => s.serialize_str("auto"),
+            OrAuto::Value(v) => s.serialize_f64(*v),
+        }
+    }
+}
+
+impl<'de> Deserialize<'de> for OrAuto {
+    fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        struct V;
+        impl de::Visitor<'_> for V {
+            type Value = OrAuto;
+            fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+                f.write_str("a number or \"auto\"")
+            }
+            fn visit_f64<E: de::Error>(self, v: f64) -> Result<OrAuto, E> {
+                Ok(OrAuto::Value(v))
+            }
+            fn visit_i64<E: de::Error>(self, v: i64) -> Result<OrAuto, E> {
+                Ok(OrAuto::Value(v as f64))
+            }
+            fn visit_u64<E: de::Error>(self, v: u64) -> Result<OrAuto, E> {
+                Ok(OrAuto::Value(v as f64))
+            }
+            fn visit_str<E: de::Error>(self, v: &str) -> Result<OrAuto, E> {
+                if v == "auto" {
+                    Ok(OrAuto::Auto)
+                } else {
+                    Err(E::invalid_value(de::Unexpected::Str(v), &self))
+                }
+            }
+        }
+        d.deserialize_any(V)
+    }
+}
+
+/// The scale of the data's differences z = φ(x, a) − φ(x, a′): ‖z‖² over the first
+/// [`DataScale::PAIRS`] training pairs in file order (bandits: arms 0 and 1 of the first
+/// contexts). λ = "auto" is the median; meta.json and the report show it beside each λ.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Serialize, Deserialize)]
+pub struct DataScale {
+    pub pairs: usize,
+    pub median_z_sq: f64,
+    pub p90_z_sq: f64,
+    pub max_z_sq: f64,
+}
+
+impl DataScale {
+    pub const PAIRS: usize = 1000;
+
+    /// The scale of `zs` (row-major, `d` per row), the first [`DataScale::PAIRS`] rows.
+    pub fn of(zs: &[f32], d: usize) -> DataScale {
+        let mut sq: Vec<f64> = zs
+            .chunks_exact(d.max(1))
+            .take(Self::PAIRS)
+            .map(|z| z.iter().map(|&v| f64::from(v) * f64::from(v)).sum())
+            .collect();
+        if sq.is_empty() {
+            return DataScale::default();
+        }
+        sq.sort_by(f64::total_cmp);
+        let at = |q: f64| sq[((sq.len() - 1) as f64 * q).round() as usize];
+        DataScale { pairs: sq.len(), median_z_sq: at(0.5), p90_z_sq: at(0.9), max_z_sq: sq[sq.len() - 1] }
+    }
+
+    /// What λ = "auto" resolves to: the median ‖z‖² (so a typical pair moves the margin by
+    /// about one unit in a full 𝓗⁻¹z step), 1 when the data has no nonzero difference.
+    pub fn auto_lambda(&self) -> f64 {
+        if self.median_z_sq > 0.0 && self.median_z_sq.is_finite() {
+            self.median_z_sq
+        } else {
+            1.0
+        }
+    }
+}
+
 /// A confidence width β: a number, or "theory" (√d·log(T/δ), the order of Lemma 1).
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub enum Beta {
@@ -271,6 +367,9 @@ pub struct Spec {
     /// deploy.policy with "rloo" or "dpo": how the policy learns between chunks.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub policy: Option<PolicySpec>,
+    /// Filled by the world from the data (not a key): the scale λ = "auto" resolves from.
+    #[serde(skip)]
+    pub data_scale: Option<DataScale>,
 }
 
 fn d_master_seed() -> u64 {
@@ -473,9 +572,10 @@ pub enum CurvaturePoint {
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct CurvatureSpec {
-    /// The tracker's 𝓗_1 = λI. Unset: the estimator's own λ (`lambda` of omd-exact), else 1.
+    /// The tracker's 𝓗_1 = λI: a number or "auto" (the median ‖z‖² of the first pairs). Unset:
+    /// the estimator's own λ (`lambda` of omd-exact), else 1.
     #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub lambda: Option<f64>,
+    pub lambda: Option<OrAuto>,
     #[serde(default = "d_point")]
     pub point: CurvaturePoint,
     /// Whose 𝓗_t gives the uncertainty: `auto` (the estimator's own when it keeps one — omd-exact,

@@ -20,7 +20,7 @@ pub mod pairs;
 
 use crate::plan::{Locator, Plan};
 use crate::progress::Mode;
-use crate::spec::{EnvKind, Order, Setting, Spec, SpecError};
+use crate::spec::{DataScale, EnvKind, Order, Setting, Spec, SpecError};
 use pairs::{read_pairs, PairData, Pairs};
 use std::sync::Arc;
 
@@ -66,7 +66,26 @@ pub fn build(plan: &Plan, progress: Mode) -> Result<World, SpecError> {
             generated = Some(Arc::new(g));
         }
     }
+    spec.data_scale = Some(data_scale(&spec, data.as_deref(), generated.as_deref()));
     Ok(World { spec, data, generated, online })
+}
+
+/// ‖z‖² of the first pairs ([`DataScale`]): the training pairs in file order; for the bandits,
+/// arms 0 and 1 of the first contexts (the synthetic one as seed 0 draws it).
+fn data_scale(spec: &Spec, data: Option<&PairData>, generated: Option<&generated::Generated>) -> DataScale {
+    if let Some(d) = data {
+        return DataScale::of(&d.train.z, d.d);
+    }
+    let (contexts, d) = match generated {
+        Some(g) => (g.bank.contexts.clone(), g.bank.d),
+        None => (env::Env::new(&spec.env, spec.master_seed, 0).contexts, spec.env.dim),
+    };
+    let z: Vec<f32> = contexts
+        .iter()
+        .take(DataScale::PAIRS)
+        .flat_map(|c| c.phi[..d].iter().zip(&c.phi[d..2 * d]).map(|(a, b)| a - b).collect::<Vec<_>>())
+        .collect();
+    DataScale::of(&z, d)
 }
 
 /// Generates (or reads from the caches) the responses of a `kind = "generated"` environment and
