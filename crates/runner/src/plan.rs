@@ -50,7 +50,7 @@ impl ConfigPlan {
 
     /// The estimator's config with λ = "auto" resolved: what a cell builds.
     pub fn cfg_for(&self, spec: &Spec) -> EstimatorConfig {
-        let mut cfg = self.cfg.clone();
+        let mut cfg = self.cfg;
         if let (Some(l), EstimatorConfig::OmdExact(o)) = (self.auto_lambda(spec), &mut cfg) {
             o.lambda = l;
         }
