@@ -876,3 +876,65 @@ fn lambda_auto_follows_the_scale_of_the_data() {
         "auto: loss {loss} vs mle {mle_loss}, θ-error {err} vs {mle_err}"
     );
 }
+
+/// Width and height of a PNG (its IHDR chunk).
+fn png_size(path: &Path) -> (u32, u32) {
+    let b = std::fs::read(path).unwrap_or_else(|e| panic!("{}: {e}", path.display()));
+    assert_eq!(&b[..8], b"\x89PNG\r\n\x1a\n", "{}: not a PNG", path.display());
+    let be = |i: usize| u32::from_be_bytes(b[i..i + 4].try_into().unwrap());
+    (be(16), be(20))
+}
+
+/// Every setting's report draws its figures (issue 19): non-trivial PNGs and SVGs; one panel
+/// per estimator when labels carry a strategy (deploy: 2 estimators → 2 panels side by side), a
+/// single panel otherwise (passive); the time bars for each; titles name the data.
+#[test]
+fn every_setting_draws_readable_figures() {
+    if !Path::new("/usr/share/fonts/truetype/dejavu/DejaVuSans.ttf").exists()
+        && std::env::var_os("ONEPASS_FONT").is_none()
+    {
+        eprintln!("no font: the report writes tables only (tested elsewhere)");
+        return;
+    }
+    let tmp = tempfile::tempdir().unwrap();
+    let root = util::root().join("experiments");
+    let mut widths = std::collections::BTreeMap::new();
+    for (setting, extra) in
+        [("passive", "stream.samples=400"), ("active", "stream.samples=200"), ("deploy", "stream.samples=400")]
+    {
+        let spec = root.join(setting).join("synthetic.toml");
+        let r =
+            onepass(tmp.path(), &["run", spec.to_str().unwrap(), "--out", setting, "--set", "seeds=2", "--set", extra]);
+        let dir = tmp.path().join(r.dir());
+        let rep = onepass(tmp.path(), &["report", dir.to_str().unwrap()]);
+        assert_eq!(rep.code, 0, "{}", rep.stderr);
+        let fig = dir.join("report");
+        for f in ["eval_accuracy", "time_per_cell"] {
+            let png = fig.join(format!("{f}.png"));
+            assert!(png.metadata().unwrap().len() > 10_000, "{setting}: {f}.png is near empty");
+            let svg = std::fs::read_to_string(fig.join(format!("{f}.svg"))).unwrap();
+            assert!(svg.contains("synthetic bandit"), "{setting}: the subtitle names the data");
+        }
+        let svg = std::fs::read_to_string(fig.join("eval_accuracy.svg")).unwrap();
+        // plotters writes each text on its own line
+        let texts: Vec<&str> = svg.lines().map(str::trim).collect();
+        assert!(texts.contains(&"Held-out accuracy"), "{setting}");
+        assert!(
+            !texts.iter().any(|t| t.starts_with("-0") && t.trim_start_matches(['-', '0', '.']).is_empty()),
+            "{setting}: a -0 tick"
+        );
+        widths.insert(setting, png_size(&fig.join("eval_accuracy.png")));
+    }
+    // passive: labels are estimators only → one panel; deploy: omd-exact and mle panels
+    let (pw, _) = widths["passive"];
+    let (dw, _) = widths["deploy"];
+    assert!(dw > pw + 100, "deploy draws two panels side by side: {widths:?}");
+    let svg = std::fs::read_to_string(
+        std::fs::read_dir(tmp.path().join("deploy")).unwrap().next().unwrap().unwrap().path().join("report/regret.svg"),
+    )
+    .unwrap();
+    // a panel title per estimator, the strategies once each in the legend
+    let texts: Vec<&str> = svg.lines().map(str::trim).collect();
+    assert!(texts.contains(&"omd-exact") && texts.contains(&"mle"), "panel captions");
+    assert_eq!(texts.iter().filter(|t| **t == "best-two").count(), 1, "one legend entry per strategy");
+}

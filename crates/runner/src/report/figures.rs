@@ -369,7 +369,9 @@ where
         chart
             .draw_series(std::iter::once(Rectangle::new([(0.0, y - 0.35), (est.min(*wall), y + 0.35)], base.filled())))
             .map_err(err)?;
-        let note = format!("{} s ({:.0}% estimator)", xfmt(wall), 100.0 * est / wall.max(1e-12));
+        let pct = 100.0 * est / wall.max(1e-12);
+        let share = if pct > 0.0 && pct < 0.5 { "<1".to_string() } else { format!("{pct:.0}") };
+        let note = format!("{} s ({share}% estimator)", xfmt(wall));
         chart
             .draw_series(std::iter::once(Text::new(note, (*wall + xmax * 0.01, y + 0.18), ("sans-serif", 12))))
             .map_err(err)?;

@@ -94,6 +94,9 @@ fn policy_table(rows: &[Row]) -> String {
 /// Columns only chunked deployment runs have.
 const OPTIONAL: [&str; 3] = ["cum_pair_reward", "policy_reward", "kendall_tau"];
 
+/// Columns that runs written by earlier versions lack: the report reads those runs without them.
+const ADDED_LATER: [&str; 1] = ["subopt_pessimistic_ref"];
+
 fn read_batches(path: &Path) -> Result<Vec<RecordBatch>> {
     let f = std::fs::File::open(path).with_context(|| format!("opening {}", path.display()))?;
     let reader = ParquetRecordBatchReaderBuilder::try_new(f)
@@ -128,7 +131,7 @@ pub fn read_metrics(run: &Path) -> Result<Vec<Row>> {
             "kappa",
             "kappa_reference",
         ]) {
-            if OPTIONAL.contains(&name) && b.column_by_name(name).is_none() {
+            if (OPTIONAL.contains(&name) || ADDED_LATER.contains(&name)) && b.column_by_name(name).is_none() {
                 continue;
             }
             floats.push((name, column::<Float64Array>(&b, name, &path)?));
