@@ -33,6 +33,9 @@ pub struct Curvature {
     u: Vec<f64>,
     x: Vec<f64>,
     added: u64,
+    /// Quadratic forms of M⁻¹ that came out negative (rounding drift) and were taken as 0.
+    #[serde(default)]
+    negative: std::cell::Cell<u64>,
 }
 
 impl Curvature {
@@ -49,6 +52,7 @@ impl Curvature {
             u: vec![0.0; dim],
             x: vec![0.0; dim],
             added: 0,
+            negative: std::cell::Cell::new(0),
         }
     }
 
@@ -123,12 +127,27 @@ impl Curvature {
         for (a, &b) in self.x.iter_mut().zip(x) {
             *a = f64::from(b);
         }
-        self.inv.quad_form(&self.x).max(0.0).sqrt()
+        let q = self.inv.quad_form(&self.x);
+        self.clamped(q)
     }
 
     /// ‖x‖_{M⁻¹} of an f64 vector.
     pub fn inv_norm_f64(&self, x: &[f64]) -> f64 {
-        self.inv.quad_form(x).max(0.0).sqrt()
+        self.clamped(self.inv.quad_form(x))
+    }
+
+    /// √q, a negative q (drift of the maintained inverse: M⁻¹ is positive definite) counted and
+    /// taken as 0.
+    fn clamped(&self, q: f64) -> f64 {
+        if q < 0.0 {
+            self.negative.set(self.negative.get() + 1);
+        }
+        q.max(0.0).sqrt()
+    }
+
+    /// How many quadratic forms of M⁻¹ came out negative so far (each taken as 0).
+    pub fn negative_quad_forms(&self) -> u64 {
+        self.negative.get()
     }
 
     /// ‖xᵢ‖_{M⁻¹} for every row of row-major `xs`.

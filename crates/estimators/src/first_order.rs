@@ -248,7 +248,7 @@ impl Estimator for FirstOrder {
         let (bd, d64) = ((b * d) as u64, d as u64);
         let before = self.gradient(batch);
         let grad_norm = norm_f32(&self.g);
-        let mut cost = Counters { grad_evals: b as u64, hvp_evals: 0, flops: 4 * bd };
+        let mut cost = Counters { grad_evals: b as u64, hvp_evals: 0, flops: 4 * bd, negative_quad_forms: 0 };
         let mut damping = f64::NAN;
         let mut inner_iters = 0;
 

@@ -133,6 +133,10 @@ pub struct Counters {
     pub hvp_evals: u64,
     /// Floating-point operations of the update, counted analytically (a multiply-add is 2).
     pub flops: u64,
+    /// Quadratic forms xᵀ𝓗⁻¹x that came out negative (rounding drift of a maintained inverse)
+    /// and were taken as 0: omd-exact's zᵀ𝓗⁻¹z in its update and in its confidence widths.
+    #[serde(default)]
+    pub negative_quad_forms: u64,
 }
 
 impl Counters {
@@ -140,6 +144,7 @@ impl Counters {
         self.grad_evals += o.grad_evals;
         self.hvp_evals += o.hvp_evals;
         self.flops += o.flops;
+        self.negative_quad_forms += o.negative_quad_forms;
     }
 }
 

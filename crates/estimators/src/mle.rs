@@ -290,7 +290,8 @@ impl Estimator for Mle {
         let b = batch.len();
         self.z.extend_from_slice(batch.z());
         self.y.extend_from_slice(batch.y());
-        let mut cost = Counters { grad_evals: b as u64, hvp_evals: 0, flops: 4 * (b * d) as u64 };
+        let mut cost =
+            Counters { grad_evals: b as u64, hvp_evals: 0, flops: 4 * (b * d) as u64, negative_quad_forms: 0 };
         let (mut step_norm, mut cos, mut iters, mut converged) = (0.0, 0.0, 0, true);
         if self.steps % self.cfg.refit_every == 0 {
             let old = self.theta.clone();

@@ -75,10 +75,15 @@ impl OmdExact {
         &self.hinv
     }
 
-    /// ‖x‖ in the 𝓗_t⁻¹ norm, for confidence widths.
+    /// ‖x‖ in the 𝓗_t⁻¹ norm, for confidence widths (a negative form, rounding drift, is
+    /// counted in `negative_quad_forms` and taken as 0).
     pub fn inverse_norm(&mut self, x: &[f64]) -> f64 {
         self.flush();
-        self.hinv.quad_form(x).max(0.0).sqrt()
+        let q = self.hinv.quad_form(x);
+        if q < 0.0 {
+            self.counters.negative_quad_forms += 1;
+        }
+        q.max(0.0).sqrt()
     }
 
     pub fn projection(&self) -> Projection {
@@ -108,7 +113,13 @@ impl OmdExact {
         let eta = self.cfg.eta;
         let m = dot_f64(&self.zd, &self.theta);
         let (s, sp) = (sigmoid(m), sigmoid_prime(m));
-        let q = dot_f64(&self.zd, &self.u);
+        let mut q = dot_f64(&self.zd, &self.u);
+        if q < 0.0 {
+            // 𝓗⁻¹ is positive definite: a negative zᵀ𝓗⁻¹z is drift of the maintained inverse;
+            // counted, and taken as 0 so that 1 + ησ′q stays ≥ 1
+            self.counters.negative_quad_forms += 1;
+            q = 0.0;
+        }
         let denom = 1.0 + eta * sp * q;
         let coef = eta * (s - y) / denom;
         for (t, &ui) in self.theta.iter_mut().zip(&self.u) {
@@ -213,6 +224,7 @@ impl Estimator for OmdExact {
         let b = batch.len();
         self.old.copy_from_slice(&self.theta);
         let flops_before = self.counters.flops;
+        let negative_before = self.counters.negative_quad_forms;
         for (row, &y) in batch.rows().zip(batch.y()) {
             self.sample(row, f64::from(y));
         }
@@ -227,6 +239,7 @@ impl Estimator for OmdExact {
             grad_evals: b as u64,
             hvp_evals: 0,
             flops: (self.counters.flops - flops_before) + b as u64 * (3 * dd * (dd + 1) + 12 * dd) + 4 * b as u64 * dd,
+            negative_quad_forms: self.counters.negative_quad_forms - negative_before,
         };
         self.counters.grad_evals += cost.grad_evals;
         self.counters.flops = flops_before + cost.flops;

@@ -47,3 +47,18 @@ fn gram_tracker_norms_match_dense_inverse() {
     assert!((v.norm(x.as_slice()).unwrap() - want).abs() < 1e-9 * want);
     assert!(Curvature::new(CurvatureKind::Gram { v0: 1.0 }, d).norm(x.as_slice()).is_none());
 }
+
+/// A negative quadratic form of M⁻¹ is taken as 0 and counted, never hidden: M = I − 2xxᵀ
+/// (indefinite, as a drifted inverse could be) has xᵀM⁻¹x = −1 along the unit x.
+#[test]
+fn negative_quadratic_forms_are_counted() {
+    let mut c = estimators::Curvature::new(estimators::CurvatureKind::Gram { v0: 1.0 }, 3);
+    assert_eq!(c.inv_norm(&[1.0, 0.0, 0.0]), 1.0);
+    assert_eq!(c.negative_quad_forms(), 0, "a positive form is not counted");
+    c.add(&[1.0, 0.0, 0.0], -2.0);
+    assert_eq!(c.inv_norm(&[1.0, 0.0, 0.0]), 0.0);
+    assert_eq!(c.inv_norm_f64(&[2.0, 0.0, 0.0]), 0.0);
+    assert_eq!(c.negative_quad_forms(), 2);
+    assert_eq!(c.inv_norm(&[0.0, 1.0, 0.0]), 1.0);
+    assert_eq!(c.negative_quad_forms(), 2);
+}

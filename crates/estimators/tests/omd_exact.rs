@@ -5,6 +5,7 @@ mod common;
 use common::*;
 use estimators::{build, linalg::PackedSym, Estimator, EstimatorConfig, Init, OmdExact, OmdExactConfig, Setup};
 use nalgebra::{DMatrix, DVector};
+use rand::{Rng, SeedableRng};
 
 /// Dense Eq. (3): returns θ after every sample.
 fn dense_omd(s: &Stream, n: usize, eta: f64, lambda: f64, radius: Option<f64>) -> Vec<Vec<f64>> {
@@ -109,6 +110,56 @@ fn inverse_drift_after_20k_updates_is_negligible() {
     let drift = (&h * inv - DMatrix::<f64>::identity(d, d)).abs().max();
     eprintln!("‖𝓗𝓗⁻¹ − I‖_max after {n} updates, d = {d}: {drift:e}");
     assert!(drift < 1e-9, "drift {drift:e}");
+}
+
+/// The maintained 𝓗⁻¹ at the paper's scale (issue 18, item 5): d = 4096, ‖z‖² ≈ 1,000 against
+/// λ = 1 (‖z‖²/λ ≫ 1), 400 Sherman–Morrison updates. A dense inverse would be O(d³); instead
+/// 𝓗 is applied from its definition, 𝓗u = λu + Σ σ′(zᵢᵀθ_{i+1}) zᵢ(zᵢᵀu), to u = 𝓗⁻¹x for
+/// random probes x: the residual ‖𝓗u − x‖/‖x‖ measures the drift, and no quadratic form zᵀ𝓗⁻¹z
+/// may have come out negative (`negative_quad_forms`, which would be taken as 0 silently).
+#[test]
+fn inverse_drift_at_d_4096_with_large_z_over_lambda() {
+    let (d, n) = (4096, 400);
+    let s = stream(11, n, d, 1000f64.sqrt(), 3.0);
+    let z_sq: f64 = s.row64(0).iter().map(|v| v * v).sum();
+    assert!(z_sq > 500.0, "‖z‖² = {z_sq}: the test needs ‖z‖²/λ ≫ 1");
+    let mut est = OmdExact::new(OmdExactConfig::default(), vec![0.0; d]).unwrap();
+    let mut weights = Vec::with_capacity(n);
+    for i in 0..n {
+        est.update(&s.batch(i, 1)).unwrap();
+        let th = est.theta();
+        let m: f64 = s.row64(i).iter().zip(&th).map(|(a, b)| a * b).sum();
+        weights.push(sigmoid(m) * (1.0 - sigmoid(m)));
+    }
+    let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(3);
+    let mut worst: f64 = 0.0;
+    for probe in 0..3 {
+        // a random direction, and one inside the span of the data (where 𝓗 grew)
+        let x: Vec<f64> = if probe < 2 {
+            (0..d).map(|_| rng.sample::<f64, _>(rand_distr::StandardNormal)).collect()
+        } else {
+            (0..d).map(|j| (0..n).map(|i| f64::from(s.z[i * d + j])).sum::<f64>()).collect()
+        };
+        let mut u = vec![0.0; d];
+        est.inverse_hessian().matvec(&x, &mut u);
+        let mut hu: Vec<f64> = u.clone(); // λ = 1
+        for i in 0..n {
+            let zi = s.row64(i);
+            let c = weights[i] * zi.iter().zip(&u).map(|(a, b)| a * b).sum::<f64>();
+            hu.iter_mut().zip(&zi).for_each(|(h, z)| *h += c * z);
+        }
+        let r = hu.iter().zip(&x).map(|(a, b)| (a - b).powi(2)).sum::<f64>().sqrt()
+            / x.iter().map(|v| v * v).sum::<f64>().sqrt();
+        worst = worst.max(r);
+    }
+    eprintln!("d = {d}, ‖z‖² ≈ {z_sq:.0}, λ = 1, {n} updates: ‖𝓗𝓗⁻¹x − x‖/‖x‖ ≤ {worst:e}");
+    assert!(worst < 1e-9, "drift {worst:e}");
+    assert_eq!(est.counters().negative_quad_forms, 0);
+    // every quadratic form of the data is positive
+    for i in (0..n).step_by(40) {
+        assert!(est.inverse_norm(&s.row64(i)) > 0.0);
+    }
+    assert_eq!(est.counters().negative_quad_forms, 0);
 }
 
 #[test]

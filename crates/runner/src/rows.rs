@@ -50,6 +50,9 @@ pub struct MetricRow {
     pub ties: u64,
     pub grad_evals: u64,
     pub hvp_evals: u64,
+    /// Negative quadratic forms xᵀ𝓗⁻¹x taken as 0 so far (the estimator's and the tracker's):
+    /// rounding drift of a maintained inverse; 0 in a healthy run.
+    pub negative_quad_forms: u64,
     pub flops: u64,
     /// Every re-fit so far reached its tolerance (mle; true otherwise).
     pub converged: bool,
@@ -212,6 +215,7 @@ pub const METRICS: &[Col<MetricRow>] = &[
     Col::U64("ties", |r| r.ties),
     Col::U64("grad_evals", |r| r.grad_evals),
     Col::U64("hvp_evals", |r| r.hvp_evals),
+    Col::U64("negative_quad_forms", |r| r.negative_quad_forms),
     Col::U64("flops", |r| r.flops),
     Col::Bool("converged", |r| r.converged),
 ];

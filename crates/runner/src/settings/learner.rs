@@ -247,6 +247,7 @@ impl Learner {
             kappa_reference: self.win_kref / self.win_batches.max(1.0),
             grad_evals: c.grad_evals,
             hvp_evals: c.hvp_evals,
+            negative_quad_forms: c.negative_quad_forms + self.curv.negative_quad_forms(),
             flops: c.flops,
             converged: self.converged,
             ..Default::default()
