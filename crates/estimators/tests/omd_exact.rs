@@ -143,9 +143,9 @@ fn inverse_drift_at_d_4096_with_large_z_over_lambda() {
         let mut u = vec![0.0; d];
         est.inverse_hessian().matvec(&x, &mut u);
         let mut hu: Vec<f64> = u.clone(); // λ = 1
-        for i in 0..n {
+        for (i, w) in weights.iter().enumerate() {
             let zi = s.row64(i);
-            let c = weights[i] * zi.iter().zip(&u).map(|(a, b)| a * b).sum::<f64>();
+            let c = w * zi.iter().zip(&u).map(|(a, b)| a * b).sum::<f64>();
             hu.iter_mut().zip(&zi).for_each(|(h, z)| *h += c * z);
         }
         let r = hu.iter().zip(&x).map(|(a, b)| (a - b).powi(2)).sum::<f64>().sqrt()
