@@ -5,7 +5,8 @@
 //!    failpoints; progress bars and log lines;
 //! 2. [`spec`] — every TOML table type, `--set`, errors naming file, line and key;
 //! 3. [`rows`] — the output schema: the rows the loops write and the tables hold;
-//! 4. [`plan`] — pure validation of a spec into configs and cells (`--dry-run` stops here);
+//! 4. [`plan`], [`budget`] — pure validation of a spec into configs and cells (`--dry-run`
+//!    stops here); the memory its cells will take;
 //! 5. [`world`] — the only stage that reads data and runs models; the checks that need data;
 //! 6. [`settings`] — the cells: passive, active and deployment loops over a pair source;
 //! 7. [`results`] — the run directory's parquet tables from the rows;
@@ -16,6 +17,7 @@
 //! `estimators`, `selection` and `features` know none of them.
 
 pub mod bench;
+pub mod budget;
 pub mod io;
 pub mod plan;
 pub mod progress;

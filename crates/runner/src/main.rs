@@ -48,6 +48,10 @@ enum Cmd {
         /// With --resume: continue even when the spec, revision or data differ.
         #[arg(long, requires = "resume")]
         force: bool,
+        /// The memory the cells may take, e.g. 8G or 512M (default: what the machine has
+        /// available); a run whose estimate is larger is refused before it allocates.
+        #[arg(long, value_name = "SIZE")]
+        max_memory: Option<String>,
     },
     /// Write <run-dir>/report/: report.md (final metrics, mean ± std over seeds) and figures.
     Report { run: PathBuf },
@@ -278,7 +282,11 @@ fn main() -> ExitCode {
             }
             ExitCode::SUCCESS
         }
-        Cmd::Run { spec, overrides, out, threads, dry_run, resume, force } => {
+        Cmd::Run { spec, overrides, out, threads, dry_run, resume, force, max_memory } => {
+            let max_memory = match max_memory.as_deref().map(runner::budget::parse_size).transpose() {
+                Ok(m) => m,
+                Err(e) => return bad_input(&format!("--max-memory {e}")),
+            };
             if dry_run {
                 return match runner::load_plan(&spec, &overrides) {
                     Ok(plan) => {
@@ -291,7 +299,16 @@ fn main() -> ExitCode {
                     Err(e) => bad_input(&e.to_string()),
                 };
             }
-            match runner::run(&runner::RunOptions { spec, overrides, out, threads, resume, force, progress }) {
+            match runner::run(&runner::RunOptions {
+                spec,
+                overrides,
+                out,
+                threads,
+                resume,
+                force,
+                progress,
+                max_memory,
+            }) {
                 Ok(s) => {
                     println!("{}", s.dir.display());
                     if s.interrupted {

@@ -42,6 +42,27 @@ pub struct RunOptions {
     pub force: bool,
     /// How the long stages report on stderr (bars, log lines, nothing).
     pub progress: crate::progress::Mode,
+    /// The memory the cells may take (default: the machine's MemAvailable).
+    pub max_memory: Option<u64>,
+}
+
+/// Refuses a run whose cells would take more memory than `opts.max_memory` or what the machine
+/// has available ([`budget`]), naming the key behind the largest term (exit 2).
+fn check_memory(opts: &RunOptions, plan: &Plan, spec: &spec::Spec, threads: usize) -> Result<()> {
+    let (limit, from) = match (opts.max_memory, crate::budget::available()) {
+        (Some(m), _) => (m, "--max-memory allows".to_string()),
+        (None, Some(a)) => {
+            (a, "available on this machine (MemAvailable; --max-memory sets another budget)".to_string())
+        }
+        (None, None) => return Ok(()),
+    };
+    // threads = 0: one per core, as the pool starts them
+    let threads = if threads == 0 { std::thread::available_parallelism().map_or(1, |n| n.get()) } else { threads };
+    let e = crate::budget::estimate(spec, plan, threads);
+    crate::budget::check(&e, limit, &from).map_err(|(key, msg)| {
+        let path: Vec<&str> = key.split('.').collect();
+        anyhow::Error::new(plan.keys().err(&path, msg))
+    })
 }
 
 /// Parses and validates a spec (errors are [`spec::SpecError`]); reads nothing else.
@@ -220,7 +241,13 @@ pub fn run(opts: &RunOptions) -> Result<RunSummary> {
             "--threads {threads}: more than 8 threads per core of this machine; cells beyond the cores only wait, and starting that many threads takes the machine"
         );
     }
+    // the synthetic bandit's sizes are all in the spec: check before anything is allocated;
+    // the data kinds learn d from the data, and are checked once it is read
+    if plan.spec.env.kind == spec::EnvKind::Synthetic {
+        check_memory(opts, &plan, &plan.spec, threads)?;
+    }
     let world = world::build(&plan, opts.progress)?;
+    check_memory(opts, &plan, &world.spec, threads)?;
     if let (_, Some(w)) = scale_meta(&plan, &world) {
         eprintln!("onepass: warning: {w}");
     }

@@ -9,7 +9,7 @@ const LAYERS: &[&[&str]] = &[
     &["io", "progress"],
     &["spec"],
     &["rows"],
-    &["plan"],
+    &["plan", "budget"],
     &["world"],
     &["settings"],
     &["results"],

@@ -19,7 +19,9 @@ use std::time::Instant;
 pub struct Learner {
     #[serde(with = "estimator_state")]
     pub(super) est: Box<dyn Estimator>,
-    pub(super) curv: Curvature,
+    /// The 𝓗_t tracker, when the cell uses one ([`crate::budget::needs_tracker`]): an unused
+    /// tracker is two packed d×d matrices (134 MB at d = 4096) per cell.
+    pub(super) curv: Option<Curvature>,
     /// The uncertainty comes from the estimator's own 𝓗_t ([`crate::plan::CurvatureChoice`]).
     #[serde(default)]
     pub(super) own_curvature: bool,
@@ -84,7 +86,7 @@ impl Learner {
             self.scratch = xs;
             n
         } else {
-            self.curv.inv_norm(x)
+            self.tracker().inv_norm(x)
         }
     }
 
@@ -92,10 +94,17 @@ impl Learner {
     pub fn inv_norm_f64(&mut self, x: &[f64]) -> f64 {
         if self.own_curvature {
             // the plan admits own_curvature only for estimators that keep 𝓗_t
-            self.est.inverse_norm(x).unwrap_or_else(|| self.curv.inv_norm_f64(x))
+            match self.est.inverse_norm(x) {
+                Some(n) => n,
+                None => self.tracker().inv_norm_f64(x),
+            }
         } else {
-            self.curv.inv_norm_f64(x)
+            self.tracker().inv_norm_f64(x)
         }
+    }
+
+    fn tracker(&mut self) -> &mut Curvature {
+        self.curv.as_mut().expect("a cell that scores uncertainty keeps a tracker (budget::needs_tracker)")
     }
 
     /// (d, the estimator's dimension): a checkpoint's learner must match the run's d.
@@ -126,7 +135,8 @@ impl Learner {
             CurvaturePoint::Current => HessianPoint::Current,
         };
         let choice = CurvatureChoice::of(spec, c);
-        let curv = Curvature::with_forward(CurvatureKind::Hessian { lambda: choice.tracker_lambda, point }, d);
+        let curv = crate::budget::needs_tracker(spec, c)
+            .then(|| Curvature::with_forward(CurvatureKind::Hessian { lambda: choice.tracker_lambda, point }, d));
         let theta = est.theta();
         Ok(Learner {
             est,
@@ -177,7 +187,9 @@ impl Learner {
         self.est_s += t0.elapsed().as_secs_f64();
         crate::io::failpoint("update");
         self.est.theta_into(&mut self.next);
-        self.curv.observe(&batch, &self.theta, &self.next);
+        if let Some(c) = &mut self.curv {
+            c.observe(&batch, &self.theta, &self.next);
+        }
         std::mem::swap(&mut self.theta, &mut self.next);
         for (s, t) in self.theta_sum.iter_mut().zip(&self.theta) {
             *s += t;
@@ -241,13 +253,13 @@ impl Learner {
             eval_accuracy: right / n,
             eval_ties: ties,
             theta_err: err.as_ref().map(|e| e.iter().map(|v| v * v).sum::<f64>().sqrt()),
-            theta_err_h: err.as_ref().map(|e| self.curv.norm(e).unwrap_or(f64::NAN)),
+            theta_err_h: err.as_ref().and_then(|e| self.curv.as_ref().map(|c| c.norm(e).unwrap_or(f64::NAN))),
             subopt: truth.map(|env| env.subopt_of(&env.greedy(&self.theta))),
             kappa: self.win_kappa,
             kappa_reference: self.win_kref / self.win_batches.max(1.0),
             grad_evals: c.grad_evals,
             hvp_evals: c.hvp_evals,
-            negative_quad_forms: c.negative_quad_forms + self.curv.negative_quad_forms(),
+            negative_quad_forms: c.negative_quad_forms + self.curv.as_ref().map_or(0, |c| c.negative_quad_forms()),
             flops: c.flops,
             converged: self.converged,
             ..Default::default()
@@ -327,14 +339,16 @@ mod tests {
             let own = l.inv_norm(x);
             let want = l.est.inverse_norm(&xd).unwrap();
             assert_eq!(own, want, "the learner's norm is the estimator's");
-            let tracker = l.curv.inv_norm(x);
+            let tracker = l.tracker().inv_norm(x);
             assert!((tracker - own).abs() <= 1e-9 * own, "batch 1: tracker {tracker} vs estimator {own}");
         }
         // batch 4: the tracker's look-ahead point differs from Alg. 1's per-sample one
         let p4 = plan(&spec(4, ""));
         let mut l4 = fed(&p4, 0);
-        let gap =
-            probes.iter().map(|x| (l4.curv.inv_norm(x) - l4.inv_norm(x)).abs() / l4.inv_norm(x)).fold(0.0, f64::max);
+        let gap = probes
+            .iter()
+            .map(|x| (l4.tracker().inv_norm(x) - l4.inv_norm(x)).abs() / l4.inv_norm(x))
+            .fold(0.0, f64::max);
         assert!(gap > 1e-6, "batch 4: tracker and estimator agree to {gap}");
         // `tracker` forces the tracker; an explicit λ is the tracker's
         let pt = plan(&spec(1, "[curvature]\nsource = \"tracker\"\nlambda = 3"));
@@ -344,7 +358,7 @@ mod tests {
         );
         let mut lt = fed(&pt, 0);
         assert!(!lt.own_curvature);
-        assert_eq!(lt.inv_norm(&probes[0]), lt.curv.inv_norm(&probes[0]));
+        assert_eq!(lt.inv_norm(&probes[0]), lt.tracker().inv_norm(&probes[0]));
         // `estimator` with an estimator that keeps no 𝓗_t is refused by the plan
         let dir = tempfile::tempdir().unwrap();
         let p = dir.path().join("spec.toml");

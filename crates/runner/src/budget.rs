@@ -1,0 +1,227 @@
+//! The memory a run's cells will take, estimated from the plan before anything is allocated, and
+//! the check against what the machine has (`MemAvailable`) or `--max-memory`. The estimate counts
+//! the dominant terms per cell — the estimator's state (omd-exact's packed 𝓗⁻¹ is d(d+1)/2 f64;
+//! mle and sgd-replay keep the whole history), the curvature tracker (𝓗⁻¹ and 𝓗, two packed
+//! matrices) when the cell uses one, the authors' V tracker, the synthetic bandit's contexts and
+//! evaluation pairs, an active pool — times the cells that run at once. Shared data (pairs read
+//! once) is already allocated when the second check runs, so `MemAvailable` accounts for it.
+
+use crate::plan::{ConfigPlan, CurvatureChoice, Plan};
+use crate::spec::{ActiveRule, EnvKind, ScoreNorm, Setting, Spec};
+use estimators::{EstimatorConfig, Kind, MleSolver};
+
+/// One term of the estimate: the key that sets it, what it is, bytes.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Term {
+    pub key: &'static str,
+    pub what: String,
+    pub bytes: u64,
+}
+
+/// What the cells will take.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Estimate {
+    /// the largest cell's terms, largest first
+    pub cell: Vec<Term>,
+    pub per_cell: u64,
+    /// cells that run at once (threads, at most the cells)
+    pub parallel: usize,
+    pub total: u64,
+}
+
+/// d(d+1)/2 f64: a packed symmetric matrix.
+fn packed(d: u64) -> u64 {
+    (d.saturating_mul(d.saturating_add(1)) / 2).saturating_mul(8)
+}
+
+/// Whether a cell of `c` keeps the 𝓗_t tracker: for ‖θ − θ*‖_𝓗 when the truth is known (the
+/// synthetic and generated bandits), or as the uncertainty of an estimator without its own 𝓗_t
+/// in the settings that score uncertainty.
+pub fn needs_tracker(spec: &Spec, c: &ConfigPlan) -> bool {
+    let truth = matches!(spec.env.kind, EnvKind::Synthetic | EnvKind::Generated);
+    let scores = spec.setting != Setting::Passive;
+    truth || (scores && !CurvatureChoice::of(spec, c).estimator)
+}
+
+/// The key behind d: env.dim for the synthetic bandit, else where the data's d comes from.
+fn dim_key(spec: &Spec) -> &'static str {
+    match spec.env.kind {
+        EnvKind::Synthetic => "env.dim",
+        EnvKind::Features => "env.path",
+        EnvKind::Dataset => "data.model",
+        EnvKind::Generated => "features.model",
+    }
+}
+
+fn cell_terms(spec: &Spec, c: &ConfigPlan) -> Vec<Term> {
+    let d = spec.env.dim as u64;
+    let dk = dim_key(spec);
+    let f32s = |n: u64| n.saturating_mul(d).saturating_mul(4);
+    let mut t = Vec::new();
+    let history = spec.stream.samples;
+    match c.cfg_for(spec) {
+        EstimatorConfig::OmdExact(o) => {
+            t.push(Term { key: dk, what: format!("omd-exact's 𝓗⁻¹ (packed, f64) at d = {d}"), bytes: packed(d) });
+            if o.radius.is_some() {
+                t.push(Term {
+                    key: dk,
+                    what: "omd-exact's projection (dense H̃ and its eigenvectors)".into(),
+                    bytes: d.saturating_mul(d).saturating_mul(8 * 3),
+                });
+            }
+        }
+        EstimatorConfig::Mle(m) => {
+            t.push(Term {
+                key: "stream.samples",
+                what: format!("mle's history ({history} pairs × d = {d}, f32)"),
+                bytes: f32s(history),
+            });
+            if matches!(m.solver, MleSolver::Newton) {
+                t.push(Term {
+                    key: dk,
+                    what: format!("mle's Newton Hessian (d × d f64) at d = {d}"),
+                    bytes: d.saturating_mul(d).saturating_mul(16),
+                });
+            }
+        }
+        _ if c.kind == Kind::SgdReplay => {
+            t.push(Term {
+                key: "stream.samples",
+                what: format!("sgd-replay's history ({history} pairs × d = {d}, f32)"),
+                bytes: f32s(history),
+            });
+        }
+        _ => t.push(Term { key: dk, what: format!("{}'s vectors", c.kind), bytes: d.saturating_mul(8 * 16) }),
+    }
+    if needs_tracker(spec, c) {
+        t.push(Term {
+            key: dk,
+            what: format!("the 𝓗_t tracker (𝓗⁻¹ and 𝓗, packed f64) at d = {d}"),
+            bytes: packed(d).saturating_mul(2),
+        });
+    }
+    if spec.env.kind == EnvKind::Synthetic {
+        let e = &spec.env;
+        let rows = (e.contexts as u64).saturating_mul(e.arms as u64).saturating_add(e.eval_pairs as u64);
+        t.push(Term {
+            key: "env.contexts",
+            what: format!(
+                "the bandit's features ({} contexts × {} arms + {} evaluation pairs, d = {d})",
+                e.contexts, e.arms, e.eval_pairs
+            ),
+            bytes: f32s(rows),
+        });
+    }
+    if spec.setting == Setting::Active {
+        if let Some(rule) = c.rule {
+            if matches!(rule, ActiveRule::Stream) && spec.active.score_norm == ScoreNorm::V {
+                t.push(Term { key: dk, what: format!("the V tracker (packed f64) at d = {d}"), bytes: packed(d) });
+            }
+            if spec.env.kind == EnvKind::Synthetic && !matches!(rule, ActiveRule::Fresh(_)) {
+                t.push(Term {
+                    key: "active.pool",
+                    what: format!("the active pool ({} pairs × d = {d}, f32)", spec.active.pool),
+                    bytes: f32s(spec.active.pool as u64),
+                });
+            }
+        }
+    }
+    t.sort_by_key(|x| std::cmp::Reverse(x.bytes));
+    t
+}
+
+/// The estimate for a plan whose `spec` has its final env.dim, `threads` workers.
+pub fn estimate(spec: &Spec, plan: &Plan, threads: usize) -> Estimate {
+    let mut cell = Vec::new();
+    let mut per_cell = 0;
+    for c in &plan.configs {
+        let t = cell_terms(spec, c);
+        let sum: u64 = t.iter().map(|x| x.bytes).fold(0, u64::saturating_add);
+        if sum > per_cell {
+            (per_cell, cell) = (sum, t);
+        }
+    }
+    let parallel = threads.max(1).min(plan.cells.len().max(1));
+    Estimate { cell, per_cell, parallel, total: per_cell.saturating_mul(parallel as u64) }
+}
+
+/// `MemAvailable` of /proc/meminfo (Linux), in bytes.
+pub fn available() -> Option<u64> {
+    let text = std::fs::read_to_string("/proc/meminfo").ok()?;
+    let line = text.lines().find(|l| l.starts_with("MemAvailable:"))?;
+    let kb: u64 = line.split_whitespace().nth(1)?.parse().ok()?;
+    Some(kb * 1024)
+}
+
+/// "1.5 GiB".
+pub fn show(bytes: u64) -> String {
+    let g = bytes as f64 / (1u64 << 30) as f64;
+    if g >= 1e4 {
+        format!("{g:.2e} GiB")
+    } else if g >= 0.1 {
+        format!("{g:.1} GiB")
+    } else {
+        format!("{:.1} MiB", bytes as f64 / (1u64 << 20) as f64)
+    }
+}
+
+/// A size as `--max-memory` takes it: bytes, or a number with K, M, G, T (powers of 1024; "iB",
+/// "B" and case are ignored), e.g. `8G`, `512MiB`, `1.5g`.
+pub fn parse_size(s: &str) -> Result<u64, String> {
+    let t = s.trim().to_ascii_lowercase();
+    let t = t.trim_end_matches("ib").trim_end_matches('b');
+    let (num, mult) = match t.chars().last() {
+        Some('k') => (&t[..t.len() - 1], 1u64 << 10),
+        Some('m') => (&t[..t.len() - 1], 1 << 20),
+        Some('g') => (&t[..t.len() - 1], 1 << 30),
+        Some('t') => (&t[..t.len() - 1], 1 << 40),
+        _ => (t, 1),
+    };
+    let v: f64 =
+        num.trim().parse().map_err(|_| format!("{s}: expected a size such as 8G, 512M or a number of bytes"))?;
+    if !(v.is_finite() && v > 0.0) {
+        return Err(format!("{s}: expected a size > 0"));
+    }
+    Ok((v * mult as f64) as u64)
+}
+
+/// Refuses an estimate above `budget`: (the key of the largest term, a one-line message).
+pub fn check(e: &Estimate, budget: u64, budget_from: &str) -> Result<(), (&'static str, String)> {
+    if e.total <= budget {
+        return Ok(());
+    }
+    let top = e.cell.first().map_or(("env.dim", String::new()), |t| (t.key, format!("{}: {}", t.what, show(t.bytes))));
+    Err((
+        top.0,
+        format!(
+            "the run needs about {} ({} per cell — largest: {} — × {} {} at a time), more than the {} {budget_from}",
+            show(e.total),
+            show(e.per_cell),
+            top.1,
+            e.parallel,
+            if e.parallel == 1 { "cell" } else { "cells" },
+            show(budget),
+        ),
+    ))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn sizes_parse_as_people_write_them() {
+        assert_eq!(parse_size("8G"), Ok(8 << 30));
+        assert_eq!(parse_size("512MiB"), Ok(512 << 20));
+        assert_eq!(parse_size("1.5g"), Ok(3 << 29));
+        assert_eq!(parse_size("4096"), Ok(4096));
+        assert!(parse_size("lots").is_err() && parse_size("-1G").is_err() && parse_size("0").is_err());
+    }
+
+    #[test]
+    fn packed_matrices_are_half_a_square() {
+        assert_eq!(packed(4096), 4096 * 4097 / 2 * 8);
+        // no overflow at absurd sizes: the estimate saturates
+        assert_eq!(packed(u64::MAX), u64::MAX);
+    }
+}
