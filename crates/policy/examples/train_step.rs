@@ -14,14 +14,8 @@ use policy::{LoraConfig, PolicyModel};
 use rand::{Rng, SeedableRng};
 
 fn main() {
-    // the allocator settings of the onepass binary (see `keep_freed_memory` in runner/src/main.rs):
-    // freed tensors are reused instead of returned to the kernel and zeroed again
-    // SAFETY: mallopt only sets allocator parameters; no other thread runs yet.
-    unsafe {
-        libc::mallopt(libc::M_ARENA_MAX, 1);
-        libc::mallopt(libc::M_MMAP_THRESHOLD, i32::MAX);
-        libc::mallopt(libc::M_TRIM_THRESHOLD, i32::MAX);
-    }
+    // the allocator settings of the onepass binary: freed tensors are reused
+    policy::keep_freed_memory();
     let args: Vec<String> = std::env::args().collect();
     let path = std::path::PathBuf::from(args.get(1).expect("a .gguf file"));
     let arg = |i: usize, d: usize| args.get(i).map_or(d, |s| s.parse().expect("a number"));

@@ -231,22 +231,6 @@ fn extract_cmd(a: ExtractArgs, progress: runner::progress::Mode) -> anyhow::Resu
     Ok(())
 }
 
-/// glibc's malloc gives large blocks (over 128 kB–32 MB) their own mmap and returns them on free,
-/// so every large tensor of a training step — activations, a log-softmax over the vocabulary —
-/// comes back as fresh pages the kernel must zero: a third of a LoRA step's time went to
-/// `clear_page` (perf). One arena that neither maps large blocks separately nor trims its top
-/// keeps freed memory for reuse (policy update step 28 s → 15 s here); the cost is that the
-/// process keeps its peak memory until it exits.
-fn keep_freed_memory() {
-    // SAFETY: mallopt only sets allocator parameters; called before any other thread starts.
-    unsafe {
-        libc::mallopt(libc::M_ARENA_MAX, 1);
-        libc::mallopt(libc::M_MMAP_THRESHOLD, i32::MAX);
-        libc::mallopt(libc::M_TRIM_THRESHOLD, i32::MAX);
-        libc::mallopt(libc::M_TOP_PAD, 1 << 28);
-    }
-}
-
 fn main() -> ExitCode {
     // a closed stdout (`onepass run … --dry-run | head -1`) ends the process quietly, as it does
     // other Unix tools, instead of a panic in println! (exit 101)
@@ -254,7 +238,8 @@ fn main() -> ExitCode {
     unsafe {
         libc::signal(libc::SIGPIPE, libc::SIG_DFL);
     }
-    keep_freed_memory();
+    // a LoRA step's large tensors are reused, not handed back and zeroed again
+    policy::keep_freed_memory();
     let cli = Cli::parse();
     let progress = runner::progress::Mode::for_stderr(cli.quiet);
     match cli.cmd {
