@@ -318,6 +318,9 @@ fn check_env_kind(spec: &Spec, keys: Locator<'_>) -> Result<(), SpecError> {
             let d =
                 spec.data.as_ref().ok_or_else(|| keys.err(&["data"], "required when env.kind = \"dataset\"".into()))?;
             d.check().map_err(|(k, m)| keys.err(&["data", k], m))?;
+            if let Some(k) = &d.keys {
+                k.label_form().map_err(|(key, m)| keys.err(&["data", "keys", key], m))?;
+            }
         }
         EnvKind::Generated => check_generated(spec, keys)?,
     }

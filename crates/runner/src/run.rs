@@ -422,9 +422,19 @@ pub fn scale_meta(plan: &Plan, world: &World) -> (serde_json::Value, Option<Stri
     let mut worst: Option<(f64, String)> = None;
     for c in &plan.configs {
         let choice = plan::CurvatureChoice::of(&world.spec, c);
+        // a tracker's λ matters where the cell scores uncertainty with it (UCB, the pool and
+        // stream rules, pessimism on a known truth); elsewhere it only feeds ‖θ − θ*‖_𝓗
+        let scores = match (c.strategy, c.rule) {
+            (Some(st), _) => st.needs_bonus(),
+            (_, Some(crate::spec::ActiveRule::PoolArgmax)) => true,
+            (_, Some(crate::spec::ActiveRule::Stream)) => world.spec.active.score_norm == crate::spec::ScoreNorm::H,
+            (_, Some(crate::spec::ActiveRule::Fresh(st))) => st.needs_bonus(),
+            _ => world.spec.setting == crate::spec::Setting::Passive,
+        };
         let mut one = |what: &str, l: f64, auto: bool| {
             let ratio = s.median_z_sq / l;
-            if worst.as_ref().is_none_or(|w| ratio > w.0) {
+            let counts = what == "estimator" || scores;
+            if counts && worst.as_ref().is_none_or(|w| ratio > w.0) {
                 worst = Some((ratio, format!("{} ({what} λ = {l})", c.label)));
             }
             serde_json::json!({"config": c.label, "lambda_of": what, "lambda": l, "auto": auto, "median_z_sq_over_lambda": ratio})
@@ -432,7 +442,7 @@ pub fn scale_meta(plan: &Plan, world: &World) -> (serde_json::Value, Option<Stri
         if let Some(l) = c.lambda(&world.spec) {
             lambdas.push(one("estimator", l, c.auto_lambda(&world.spec).is_some()));
         }
-        if !choice.estimator {
+        if !choice.estimator && crate::budget::needs_tracker(&world.spec, c) {
             let auto = world.spec.curvature.lambda == Some(crate::spec::OrAuto::Auto);
             lambdas.push(one("tracker", choice.tracker_lambda, auto));
         }

@@ -193,3 +193,100 @@ fn an_overlong_jsonl_row_is_malformed_not_a_memory_blowup() {
     assert_eq!((r.pairs.len(), r.rows_read, r.skipped), (2, 3, 1));
     assert_eq!(r.pairs[1].chosen.last().unwrap().content, "yes");
 }
+
+/// The label form (issue 21): a winner column over two responses, with string and integer labels
+/// mapped explicitly ("1" and 1 are different values), ties kept as y = ½ (or dropped with
+/// score_ties = "drop"); an unmapped value is an error naming the file, the row and the value.
+#[test]
+fn winner_column_labels_map_to_chosen_and_rejected() {
+    let tmp = tempfile::tempdir().unwrap();
+    let j = tmp.path().join("arena.jsonl");
+    std::fs::write(
+        &j,
+        [
+            r#"{"q": "2+2?", "response_a": "4", "response_b": "5", "winner": "model_a"}"#,
+            r#"{"q": "Hi", "response_a": "Go away.", "response_b": "Hello!", "winner": "model_b"}"#,
+            r#"{"q": "Sky?", "response_a": "Blue.", "response_b": "Azure.", "winner": "tie"}"#,
+            r#"{"q": "Bye", "response_a": "Bye!", "response_b": "No.", "winner": 0}"#,
+            r#"{"q": "Yo", "response_a": "Hm.", "response_b": "Yo!", "winner": "1"}"#,
+            r#"{"q": "Eh", "response_a": "a", "response_b": "b", "winner": "tie (bothbad)"}"#,
+        ]
+        .join("\n"),
+    )
+    .unwrap();
+    let v = |s: &str| toml::Value::String(s.into());
+    let keys = Keys {
+        prompt: Some("q".into()),
+        side_a: Some("response_a".into()),
+        side_b: Some("response_b".into()),
+        label: Some("winner".into()),
+        label_a: vec![v("model_a"), toml::Value::Integer(0)],
+        label_b: vec![v("model_b"), v("1")],
+        label_tie: vec![v("tie")],
+        ..Keys::default()
+    };
+    let o = ReadOptions { format: Some(Format::Generic), keys, ..Default::default() };
+    // "tie (bothbad)" is not mapped: an error naming the file, the row and the value
+    let e = format!("{:#}", read_dataset(std::slice::from_ref(&j), &o).unwrap_err());
+    assert!(e.contains("arena.jsonl: row 5, field `winner`: \"tie (bothbad)\" is not a mapped label value"), "{e}");
+    let r = read_dataset(std::slice::from_ref(&j), &ReadOptions { skip_malformed: true, ..o.clone() }).unwrap();
+    assert_eq!((r.pairs.len(), r.skipped), (5, 1));
+    let last = |p: &runner::world::datasets::Pair, side: &str| -> String {
+        let m = if side == "c" { &p.chosen } else { &p.rejected };
+        m.last().unwrap().content.clone()
+    };
+    // a wins: (a, b); b wins: (b, a); the integer 0 and the string "1" as mapped
+    assert_eq!((last(&r.pairs[0], "c"), last(&r.pairs[0], "r")), ("4".into(), "5".into()));
+    assert_eq!((last(&r.pairs[1], "c"), last(&r.pairs[1], "r")), ("Hello!".into(), "Go away.".into()));
+    assert_eq!((last(&r.pairs[3], "c"), r.pairs[3].y()), ("Bye!".into(), 1.0));
+    assert_eq!(last(&r.pairs[4], "c"), "Yo!");
+    // a tie: kept with y = ½ and counted among the score ties
+    assert!(r.pairs[2].tie && r.pairs[2].score_tie() && r.pairs[2].y() == 0.5);
+    assert!(!r.pairs[0].score_tie());
+    // negative control: the integer 1 is not the mapped string "1"
+    std::fs::write(&j, r#"{"q": "x", "response_a": "a", "response_b": "b", "winner": 1}"#).unwrap();
+    let e = format!("{:#}", read_dataset(std::slice::from_ref(&j), &o).unwrap_err());
+    assert!(e.contains("field `winner`: 1 is not a mapped label value"), "{e}");
+    // half a label form is refused
+    let half = Keys { side_a: Some("response_a".into()), ..Keys::default() };
+    assert!(half.label_form().unwrap_err().1.contains("set data.keys.label"));
+}
+
+/// A winner-column file through a passive run on the tiny GGUF: ties are counted (and kept as
+/// y = ½ — a soft label the estimators take), then dropped on request.
+#[test]
+fn a_winner_column_dataset_runs_passive() {
+    let tmp = tempfile::tempdir().unwrap();
+    let winners = ["model_a", "model_b", "tie"];
+    let lines: Vec<String> = (0..30)
+        .map(|i| {
+            serde_json::json!({
+                "question": format!("Question {i}: what is {i} times two?"),
+                "response_a": format!("It is {}.", 2 * i),
+                "response_b": format!("Maybe {}.", 3 * i + 1),
+                "winner": winners[i % 3],
+            })
+            .to_string()
+        })
+        .collect();
+    std::fs::write(tmp.path().join("arena.jsonl"), lines.join("\n")).unwrap();
+    let spec = format!(
+        "setting = \"passive\"\n[env]\nkind = \"dataset\"\n[stream]\nsamples = 12\neval_every = 6\n[data]\npath = \"arena.jsonl\"\nformat = \"generic\"\nmodel = \"{}\"\nmax_len = 48\neval_fraction = 0.3\n[data.keys]\nprompt = \"question\"\nside_a = \"response_a\"\nside_b = \"response_b\"\nlabel = \"winner\"\nlabel_a = [\"model_a\"]\nlabel_b = [\"model_b\"]\nlabel_tie = [\"tie\"]\n[[estimator]]\nkind = \"sgd\"\n",
+        util::tiny_gguf().display()
+    );
+    std::fs::write(tmp.path().join("spec.toml"), spec).unwrap();
+    for (ties, kept) in [("keep", 30), ("drop", 20)] {
+        let r = util::onepass(
+            tmp.path(),
+            &["run", "spec.toml", "--out", ties, "--set", &format!("data.score_ties={ties}")],
+        );
+        let dir = tmp.path().join(r.dir());
+        let meta: serde_json::Value =
+            serde_json::from_str(&std::fs::read_to_string(dir.join("meta.json")).unwrap()).unwrap();
+        let d = &meta["data"];
+        assert_eq!(d["dataset"]["score_ties"].as_u64(), Some(10), "{d}");
+        let rows = d["train_rows"].as_u64().unwrap() + d["eval_rows"].as_u64().unwrap();
+        assert_eq!(rows, kept, "{ties}: {d}");
+        assert!(dir.join("metrics.parquet").exists());
+    }
+}

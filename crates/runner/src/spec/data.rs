@@ -216,6 +216,71 @@ pub struct Keys {
     pub score_chosen: Option<String>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub score_rejected: Option<String>,
+    /// The label form (a winner column over two responses, Chatbot Arena / PKU-SafeRLHF style):
+    /// the two sides, the key of the label, and the label values that mean "a wins", "b wins"
+    /// and "tie". Values are compared after JSON typing: `"1"` and `1` differ, so map both when
+    /// a file mixes them. Used instead of `chosen`/`rejected` when `label` is set.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub side_a: Option<String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub side_b: Option<String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub label: Option<String>,
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub label_a: Vec<toml::Value>,
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub label_b: Vec<toml::Value>,
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub label_tie: Vec<toml::Value>,
+}
+
+/// The label form's keys: (side_a, side_b, label).
+pub type LabelKeys<'a> = (&'a str, &'a str, &'a str);
+
+impl Keys {
+    /// The label form's settings, checked; None for the chosen/rejected form. Errors: (key,
+    /// message).
+    pub fn label_form(&self) -> Result<Option<LabelKeys<'_>>, (&'static str, String)> {
+        let Some(label) = &self.label else {
+            for (k, set) in [
+                ("side_a", self.side_a.is_some()),
+                ("side_b", self.side_b.is_some()),
+                ("label_a", !self.label_a.is_empty()),
+                ("label_b", !self.label_b.is_empty()),
+                ("label_tie", !self.label_tie.is_empty()),
+            ] {
+                if set {
+                    return Err((
+                        k,
+                        "belongs to the label form: set data.keys.label (the key of the winner column) too".into(),
+                    ));
+                }
+            }
+            return Ok(None);
+        };
+        let (Some(a), Some(b)) = (&self.side_a, &self.side_b) else {
+            return Err(("label", "the label form needs side_a and side_b (the keys of the two responses)".into()));
+        };
+        if self.label_a.is_empty() || self.label_b.is_empty() {
+            return Err((
+                "label",
+                "the label form needs label_a and label_b (the values meaning \"a wins\" and \"b wins\")".into(),
+            ));
+        }
+        let all: Vec<&toml::Value> = self.label_a.iter().chain(&self.label_b).chain(&self.label_tie).collect();
+        for (i, v) in all.iter().enumerate() {
+            if !matches!(
+                v,
+                toml::Value::String(_) | toml::Value::Integer(_) | toml::Value::Float(_) | toml::Value::Boolean(_)
+            ) {
+                return Err(("label_a", format!("{v}: label values are strings, numbers or booleans")));
+            }
+            if all[..i].contains(v) {
+                return Err(("label_a", format!("{v} is mapped twice (label_a, label_b, label_tie must not overlap)")));
+            }
+        }
+        Ok(Some((a, b, label)))
+    }
 }
 
 fn d_chosen() -> String {
@@ -227,6 +292,18 @@ fn d_rejected() -> String {
 
 impl Default for Keys {
     fn default() -> Self {
-        Keys { prompt: None, chosen: d_chosen(), rejected: d_rejected(), score_chosen: None, score_rejected: None }
+        Keys {
+            prompt: None,
+            chosen: d_chosen(),
+            rejected: d_rejected(),
+            score_chosen: None,
+            score_rejected: None,
+            side_a: None,
+            side_b: None,
+            label: None,
+            label_a: Vec::new(),
+            label_b: Vec::new(),
+            label_tie: Vec::new(),
+        }
     }
 }

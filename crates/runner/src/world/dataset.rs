@@ -210,7 +210,7 @@ pub fn load(d: &DataSpec, progress: Mode) -> Result<(PairData, DataReport)> {
             }
             let (c, r) = (ex.phi[2 * i].as_ref().expect("all rows"), ex.phi[2 * i + 1].as_ref().expect("all rows"));
             z.extend(c.iter().zip(r).map(|(a, b)| a - b));
-            y.push(1.0);
+            y.push(both[i].y());
         }
         Pairs { d: dim, z, y, digest: String::new() }
     };

@@ -31,12 +31,36 @@ pub struct Pair {
     pub rejected: Vec<Message>,
     /// (score_chosen, score_rejected) when the file has them (UltraFeedback).
     pub scores: Option<(f64, f64)>,
+    /// The label form's tie: neither side won (label y = ½).
+    pub tie: bool,
 }
 
 impl Pair {
-    /// The two sides have the same score: the "chosen" side is an arbitrary pick.
+    /// The two sides have the same score, or a label said tie: the "chosen" side is an
+    /// arbitrary pick.
     pub fn score_tie(&self) -> bool {
-        self.scores.is_some_and(|(c, r)| c == r)
+        self.tie || self.scores.is_some_and(|(c, r)| c == r)
+    }
+
+    /// The Bradley–Terry label of z = φ(chosen) − φ(rejected): 1, or ½ for a label-form tie.
+    pub fn y(&self) -> f32 {
+        if self.tie {
+            0.5
+        } else {
+            1.0
+        }
+    }
+}
+
+/// Whether a JSON value equals a mapped TOML label value (after JSON typing: a string only
+/// equals a string, a number a number of the same value, a boolean a boolean).
+fn label_is(v: &Value, t: &toml::Value) -> bool {
+    match (v, t) {
+        (Value::String(a), toml::Value::String(b)) => a == b,
+        (Value::Bool(a), toml::Value::Boolean(b)) => a == b,
+        (Value::Number(a), toml::Value::Integer(b)) => a.as_f64() == Some(*b as f64),
+        (Value::Number(a), toml::Value::Float(b)) => a.as_f64() == Some(*b),
+        _ => false,
     }
 }
 
@@ -130,7 +154,10 @@ fn keys_of(format: Format, generic: &Keys) -> Keys {
 
 /// The parquet columns a format needs: (name, required).
 fn columns_of(format: Format, k: &Keys) -> Vec<(String, bool)> {
-    let mut c = vec![(k.chosen.clone(), true), (k.rejected.clone(), true)];
+    let mut c = match k.label_form() {
+        Ok(Some((a, b, l))) => vec![(a.to_string(), true), (b.to_string(), true), (l.to_string(), true)],
+        _ => vec![(k.chosen.clone(), true), (k.rejected.clone(), true)],
+    };
     if let Some(p) = &k.prompt {
         c.push((p.clone(), true));
     }
@@ -150,6 +177,7 @@ fn to_pair(v: &Value, format: Format, k: &Keys, row: usize) -> Result<Pair, Stri
             Some(x) => Ok(x),
         }
     };
+    let mut tie = false;
     let (chosen, rejected) = if format == Format::HhRlhf {
         let side = |key: &str| -> Result<Vec<Message>, String> {
             let s = field(key)?.as_str().ok_or_else(|| format!(", field `{key}`: not a string"))?;
@@ -180,7 +208,26 @@ fn to_pair(v: &Value, format: Format, k: &Keys, row: usize) -> Result<Pair, Stri
                 _ => Err(format!(", field `{key}`: does not end with an assistant message")),
             }
         };
-        (side(&k.chosen)?, side(&k.rejected)?)
+        match k.label_form() {
+            Ok(Some((a, b, label))) => {
+                let lv = field(label)?;
+                let (sa, sb) = (side(a)?, side(b)?);
+                if k.label_a.iter().any(|t| label_is(lv, t)) {
+                    (sa, sb)
+                } else if k.label_b.iter().any(|t| label_is(lv, t)) {
+                    (sb, sa)
+                } else if k.label_tie.iter().any(|t| label_is(lv, t)) {
+                    tie = true;
+                    (sa, sb)
+                } else {
+                    return Err(format!(
+                        ", field `{label}`: {lv} is not a mapped label value (data.keys.label_a, label_b, label_tie)"
+                    ));
+                }
+            }
+            Ok(None) => (side(&k.chosen)?, side(&k.rejected)?),
+            Err((key, m)) => return Err(format!(": data.keys.{key}: {m}")),
+        }
     };
     let score = |key: &Option<String>| -> Result<Option<f64>, String> {
         match key {
@@ -198,7 +245,7 @@ fn to_pair(v: &Value, format: Format, k: &Keys, row: usize) -> Result<Pair, Stri
         (Some(a), Some(b)) => Some((a, b)),
         _ => None,
     };
-    Ok(Pair { row, chosen, rejected, scores })
+    Ok(Pair { row, chosen, rejected, scores, tie })
 }
 
 /// A list of {role, content} objects.
