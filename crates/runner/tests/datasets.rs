@@ -290,3 +290,137 @@ fn a_winner_column_dataset_runs_passive() {
         assert!(dir.join("metrics.parquet").exists());
     }
 }
+
+/// The ranked form (issue 21): responses with nested scores (a dotted path, two paths averaged),
+/// every pair rule against a hand enumeration, equal scores as ties, a missing score path named
+/// by file, row and path; and the same from parquet (a list of structs).
+#[test]
+fn ranked_completions_make_pairs_by_rule() {
+    use runner::world::datasets::PairRule;
+    let tmp = tempfile::tempdir().unwrap();
+    let j = tmp.path().join("ranked.jsonl");
+    let resp = |t: &str, h: f64, c: f64| serde_json::json!({"response": t, "annotations": {"helpfulness": {"Rating": h}, "honesty": {"Rating": c}}});
+    let rows = [
+        // averaged scores: A 4, B 2, C 5, D 3  → ranking C, A, D, B
+        serde_json::json!({"prompt": "p0", "completions": [resp("A", 4.0, 4.0), resp("B", 1.0, 3.0), resp("C", 5.0, 5.0), resp("D", 3.0, 3.0)]}),
+        // two responses with equal scores: one tied pair
+        serde_json::json!({"prompt": "p1", "completions": [resp("E", 2.0, 2.0), resp("F", 2.0, 2.0)]}),
+        // one response: no pair
+        serde_json::json!({"prompt": "p2", "completions": [resp("G", 1.0, 1.0)]}),
+    ];
+    std::fs::write(&j, rows.iter().map(|r| r.to_string()).collect::<Vec<_>>().join("\n")).unwrap();
+    let keys = |rule: PairRule| Keys {
+        prompt: Some("prompt".into()),
+        responses: Some("completions".into()),
+        score: vec!["annotations.helpfulness.Rating".into(), "annotations.honesty.Rating".into()],
+        pairs: Some(rule),
+        ..Keys::default()
+    };
+    let read = |rule: PairRule| -> Vec<(String, String, bool)> {
+        let o = ReadOptions { format: Some(Format::Generic), keys: keys(rule), ..Default::default() };
+        read_dataset(std::slice::from_ref(&j), &o)
+            .unwrap()
+            .pairs
+            .iter()
+            .map(|p| (p.chosen.last().unwrap().content.clone(), p.rejected.last().unwrap().content.clone(), p.tie))
+            .collect()
+    };
+    let t = |a: &str, b: &str| (a.to_string(), b.to_string(), false);
+    let tie = ("E".to_string(), "F".to_string(), true);
+    assert_eq!(read(PairRule::BestWorst), vec![t("C", "B"), tie.clone()]);
+    assert_eq!(read(PairRule::Adjacent), vec![t("C", "A"), t("A", "D"), t("D", "B"), tie.clone()]);
+    assert_eq!(
+        read(PairRule::All),
+        vec![t("C", "A"), t("C", "D"), t("C", "B"), t("A", "D"), t("A", "B"), t("D", "B"), tie.clone()]
+    );
+    let br = read(PairRule::BestRandom);
+    assert_eq!(br.len(), 2);
+    assert_eq!(br[0].0, "C", "best-random: the best is chosen");
+    assert!(["A", "D", "B"].contains(&br[0].1.as_str()));
+    assert_eq!(read(PairRule::BestRandom), br, "seeded: the same draw again");
+    // the prompt is the first message of each side
+    let o = ReadOptions { format: Some(Format::Generic), keys: keys(PairRule::BestWorst), ..Default::default() };
+    let p = &read_dataset(std::slice::from_ref(&j), &o).unwrap().pairs[0];
+    assert_eq!((p.chosen[0].content.as_str(), p.scores), ("p0", Some((5.0, 2.0))));
+    // a missing score path: file, row and path
+    let bad = Keys { score: vec!["annotations.truthfulness.Rating".into()], ..keys(PairRule::All) };
+    let o = ReadOptions { format: Some(Format::Generic), keys: bad, ..Default::default() };
+    let e = format!("{:#}", read_dataset(std::slice::from_ref(&j), &o).unwrap_err());
+    assert!(
+        e.contains(
+            "ranked.jsonl: row 0, field `completions[0].annotations.truthfulness.Rating`: missing or not a number"
+        ),
+        "{e}"
+    );
+
+    // parquet: a list of structs (text, score as a string), read through the same rules
+    let pq = tmp.path().join("ranked.parquet");
+    let lists = messages(&[vec![("7", Some("X")), ("2", Some("Y")), ("9", Some("Z"))]]);
+    let batch = RecordBatch::try_from_iter([
+        ("prompt", std::sync::Arc::new(StringArray::from(vec!["q"])) as ArrayRef),
+        ("completions", lists),
+    ])
+    .unwrap();
+    let mut w = ArrowWriter::try_new(std::fs::File::create(&pq).unwrap(), batch.schema(), None).unwrap();
+    w.write(&batch).unwrap();
+    w.close().unwrap();
+    let k = Keys {
+        prompt: Some("prompt".into()),
+        responses: Some("completions".into()),
+        response_text: Some("content".into()),
+        score: vec!["role".into()],
+        pairs: Some(PairRule::Adjacent),
+        ..Keys::default()
+    };
+    let o = ReadOptions { format: Some(Format::Generic), keys: k, ..Default::default() };
+    let got: Vec<(String, String)> = read_dataset(&[pq], &o)
+        .unwrap()
+        .pairs
+        .iter()
+        .map(|p| (p.chosen.last().unwrap().content.clone(), p.rejected.last().unwrap().content.clone()))
+        .collect();
+    assert_eq!(got, vec![("Z".to_string(), "X".to_string()), ("X".to_string(), "Y".to_string())]);
+}
+
+/// A ranked-completions file through a passive and an active run on the tiny GGUF: meta.json
+/// reports the pairs per prompt and the score gaps; a prompt's pairs stay on one side of the
+/// held-out split.
+#[test]
+fn a_ranked_dataset_runs_passive_and_active() {
+    let tmp = tempfile::tempdir().unwrap();
+    let lines: Vec<String> = (0..12)
+        .map(|i| {
+            let c: Vec<serde_json::Value> = (0..4)
+                .map(|r| serde_json::json!({"response": format!("Answer {r} to {i}: {}", "ok ".repeat(r + 1)), "rating": (r * 2 + i % 3) as f64}))
+                .collect();
+            serde_json::json!({"prompt": format!("Question number {i}?"), "completions": c}).to_string()
+        })
+        .collect();
+    std::fs::write(tmp.path().join("ranked.jsonl"), lines.join("\n")).unwrap();
+    let spec = |setting: &str, extra: &str| {
+        format!(
+            "setting = \"{setting}\"\n[env]\nkind = \"dataset\"\n[stream]\nsamples = 12\neval_every = 6\n{extra}[data]\npath = \"ranked.jsonl\"\nformat = \"generic\"\nmodel = \"{}\"\nmax_len = 48\neval_fraction = 0.2\n[data.keys]\nprompt = \"prompt\"\nresponses = \"completions\"\nscore = \"rating\"\npairs = \"adjacent\"\n[[estimator]]\nkind = \"sgd\"\n",
+            util::tiny_gguf().display()
+        )
+    };
+    std::fs::write(tmp.path().join("passive.toml"), spec("passive", "")).unwrap();
+    std::fs::write(
+        tmp.path().join("active.toml"),
+        spec("active", "batch_size = 2\n[active]\nrule = [\"random\", \"stream\"]\ncandidates = 4\nkeep = 2\n"),
+    )
+    .unwrap();
+    for s in ["passive.toml", "active.toml"] {
+        let r = util::onepass(tmp.path(), &["run", s, "--out", "out"]);
+        let dir = tmp.path().join(r.dir());
+        let meta: serde_json::Value =
+            serde_json::from_str(&std::fs::read_to_string(dir.join("meta.json")).unwrap()).unwrap();
+        let ranked = &meta["data"]["dataset"]["ranked"];
+        assert_eq!((ranked["prompts"].as_u64(), ranked["pairs"].as_u64()), (Some(12), Some(36)), "{ranked}");
+        assert_eq!(ranked["pairs_per_prompt"]["mean"].as_f64(), Some(3.0));
+        assert_eq!(ranked["score_gap"]["min"].as_f64(), Some(2.0), "adjacent ranks differ by 2");
+        // 20% of 36 pairs is 7: whole prompts are held out until 7 are reached → 3 prompts, 9
+        // pairs (a split by pairs would hold out 7 and put some prompts on both sides)
+        assert_eq!(meta["data"]["eval_rows"].as_u64(), Some(9), "{}", meta["data"]);
+        assert!(dir.join("metrics.parquet").exists());
+    }
+}

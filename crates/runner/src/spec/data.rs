@@ -232,6 +232,50 @@ pub struct Keys {
     pub label_b: Vec<toml::Value>,
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub label_tie: Vec<toml::Value>,
+    /// The ranked form (several rated completions per prompt, UltraFeedback raw / Nectar /
+    /// HelpSteer style): the key of the list of responses (strings or objects) ...
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub responses: Option<String>,
+    /// ... inside each object, the dotted path of its text (default "response") ...
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub response_text: Option<String>,
+    /// ... the dotted path(s) of its score (several: averaged), e.g.
+    /// "annotations.helpfulness.Rating" ...
+    #[serde(default, skip_serializing_if = "Vec::is_empty", deserialize_with = "one_or_many")]
+    pub score: Vec<String>,
+    /// ... and how pairs are formed from the ranking.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub pairs: Option<PairRule>,
+    #[serde(default)]
+    pub pairs_seed: u64,
+}
+
+/// How the ranked form makes pairs of a prompt's scored responses (higher score = chosen).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum PairRule {
+    /// The best against one other drawn uniformly (seeded by pairs_seed and the row): the
+    /// UltraFeedback-binarized recipe.
+    BestRandom,
+    /// The best against the worst.
+    BestWorst,
+    /// Every two responses.
+    All,
+    /// Neighbours in the ranking.
+    Adjacent,
+}
+
+fn one_or_many<'de, D: serde::Deserializer<'de>>(d: D) -> Result<Vec<String>, D::Error> {
+    #[derive(Deserialize)]
+    #[serde(untagged)]
+    enum OneOrMany {
+        One(String),
+        Many(Vec<String>),
+    }
+    Ok(match OneOrMany::deserialize(d)? {
+        OneOrMany::One(s) => vec![s],
+        OneOrMany::Many(v) => v,
+    })
 }
 
 /// The label form's keys: (side_a, side_b, label).
@@ -241,6 +285,20 @@ impl Keys {
     /// The label form's settings, checked; None for the chosen/rejected form. Errors: (key,
     /// message).
     pub fn label_form(&self) -> Result<Option<LabelKeys<'_>>, (&'static str, String)> {
+        // both or neither
+        if self.responses.is_some() == self.score.is_empty() {
+            return Err((
+                "responses",
+                "the ranked form needs both responses (the list's key) and score (the path of each response's score)"
+                    .into(),
+            ));
+        }
+        if self.responses.is_some() && self.label.is_some() {
+            return Err(("responses", "the ranked form and the label form exclude each other".into()));
+        }
+        if self.responses.is_none() && (self.pairs.is_some() || self.response_text.is_some()) {
+            return Err(("pairs", "belongs to the ranked form: set data.keys.responses and score too".into()));
+        }
         let Some(label) = &self.label else {
             for (k, set) in [
                 ("side_a", self.side_a.is_some()),
@@ -304,6 +362,11 @@ impl Default for Keys {
             label_a: Vec::new(),
             label_b: Vec::new(),
             label_tie: Vec::new(),
+            responses: None,
+            response_text: None,
+            score: Vec::new(),
+            pairs: None,
+            pairs_seed: 0,
         }
     }
 }

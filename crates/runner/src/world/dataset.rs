@@ -53,6 +53,39 @@ pub struct DataReport {
     pub eval_tokens: usize,
     pub extraction_s: f64,
     pub dim: usize,
+    /// The ranked form: prompts with pairs, pairs per prompt and the score gaps of the pairs.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub ranked: Option<serde_json::Value>,
+}
+
+/// Pairs per prompt and score gaps (chosen − rejected) of the ranked form's pairs, as read.
+fn ranked_summary(pairs: &[Pair]) -> serde_json::Value {
+    let mut per: Vec<usize> = Vec::new();
+    let mut last = None;
+    for p in pairs {
+        if last != Some(p.row) {
+            per.push(0);
+            last = Some(p.row);
+        }
+        *per.last_mut().expect("pushed") += 1;
+    }
+    let mut gaps: Vec<f64> = pairs.iter().filter_map(|p| p.scores.map(|(c, r)| c - r)).collect();
+    gaps.sort_by(f64::total_cmp);
+    let stat = |v: &[f64]| {
+        if v.is_empty() {
+            return serde_json::Value::Null;
+        }
+        serde_json::json!({
+            "min": v[0], "median": v[(v.len() - 1) / 2], "mean": v.iter().sum::<f64>() / v.len() as f64,
+            "max": v[v.len() - 1],
+        })
+    };
+    let per_f: Vec<f64> = {
+        let mut x: Vec<f64> = per.iter().map(|&n| n as f64).collect();
+        x.sort_by(f64::total_cmp);
+        x
+    };
+    serde_json::json!({"prompts": per.len(), "pairs": pairs.len(), "pairs_per_prompt": stat(&per_f), "score_gap": stat(&gaps)})
 }
 
 fn file_blake3(p: &std::path::Path) -> Result<String> {
@@ -120,6 +153,8 @@ pub fn load(d: &DataSpec, progress: Mode) -> Result<(PairData, DataReport)> {
         skip_malformed: d.malformed == Malformed::Skip,
     };
     let read = read_dataset(&files, &opts)?;
+    let ranked = opts.keys.responses.is_some() && opts.format == Some(crate::spec::Format::Generic);
+    let ranked_report = ranked.then(|| ranked_summary(&read.pairs));
     let (mut skipped, mut skipped_examples) = (read.skipped, read.skipped_examples);
     let all = read.pairs;
     let rows_read = all.len();
@@ -166,11 +201,31 @@ pub fn load(d: &DataSpec, progress: Mode) -> Result<(PairData, DataReport)> {
                     selected.len()
                 ));
             }
-            let mut idx: Vec<usize> = (0..selected.len()).collect();
-            idx.shuffle(&mut rand_chacha::ChaCha8Rng::seed_from_u64(d.split_seed));
             let mut is_eval = vec![false; selected.len()];
-            for &i in &idx[..n_eval] {
-                is_eval[i] = true;
+            if ranked {
+                // the ranked form makes several pairs of one prompt: a prompt's pairs go to the
+                // same side, so no held-out prompt was trained on
+                let mut rows: Vec<usize> = selected.iter().map(|p| p.row).collect();
+                rows.dedup();
+                rows.shuffle(&mut rand_chacha::ChaCha8Rng::seed_from_u64(d.split_seed));
+                let mut held = std::collections::HashSet::new();
+                let mut count = 0;
+                for r in rows {
+                    if count >= n_eval {
+                        break;
+                    }
+                    held.insert(r);
+                    count += selected.iter().filter(|p| p.row == r).count();
+                }
+                for (e, p) in is_eval.iter_mut().zip(&selected) {
+                    *e = held.contains(&p.row);
+                }
+            } else {
+                let mut idx: Vec<usize> = (0..selected.len()).collect();
+                idx.shuffle(&mut rand_chacha::ChaCha8Rng::seed_from_u64(d.split_seed));
+                for &i in &idx[..n_eval] {
+                    is_eval[i] = true;
+                }
             }
             let (mut tr, mut ev) = (Vec::new(), Vec::new());
             for (p, e) in selected.into_iter().zip(is_eval) {
@@ -259,6 +314,7 @@ pub fn load(d: &DataSpec, progress: Mode) -> Result<(PairData, DataReport)> {
         eval_tokens,
         extraction_s: ex.summary.forward_s,
         dim,
+        ranked: ranked_report,
     };
     let data = PairData {
         d: dim,

@@ -12,6 +12,7 @@
 //! Errors name the file, the row and the field. A malformed row is an error, or, with
 //! `skip_malformed`, skipped and counted (the first few reasons are kept for the run's report).
 
+pub use crate::spec::data::PairRule;
 pub use crate::spec::{Format, Keys};
 use anyhow::{anyhow, bail, Context, Result};
 use arrow_array::{Array, RecordBatch};
@@ -109,8 +110,8 @@ pub fn read_dataset(files: &[PathBuf], o: &ReadOptions) -> Result<ReadOut> {
             }
             let row = out.rows_read;
             out.rows_read += 1;
-            match v.and_then(|v| to_pair(&v, format, &keys, row)) {
-                Ok(p) => out.pairs.push(p),
+            match v.and_then(|v| to_pairs(&v, format, &keys, row)) {
+                Ok(ps) => out.pairs.extend(ps),
                 Err(why) => {
                     let msg = format!("{name}: row {row_in_file}{why}");
                     if !o.skip_malformed {
@@ -154,8 +155,9 @@ fn keys_of(format: Format, generic: &Keys) -> Keys {
 
 /// The parquet columns a format needs: (name, required).
 fn columns_of(format: Format, k: &Keys) -> Vec<(String, bool)> {
-    let mut c = match k.label_form() {
-        Ok(Some((a, b, l))) => vec![(a.to_string(), true), (b.to_string(), true), (l.to_string(), true)],
+    let mut c = match (k.label_form(), &k.responses) {
+        (_, Some(r)) => vec![(r.clone(), true)],
+        (Ok(Some((a, b, l))), _) => vec![(a.to_string(), true), (b.to_string(), true), (l.to_string(), true)],
         _ => vec![(k.chosen.clone(), true), (k.rejected.clone(), true)],
     };
     if let Some(p) = &k.prompt {
@@ -167,6 +169,90 @@ fn columns_of(format: Format, k: &Keys) -> Vec<(String, bool)> {
         c.push((s.clone(), scores_required));
     }
     c
+}
+
+/// The value at a dotted path ("annotations.helpfulness.Rating") inside `v`.
+fn at_path<'a>(v: &'a Value, dotted: &str) -> Option<&'a Value> {
+    dotted.split('.').try_fold(v, |x, k| x.get(k))
+}
+
+/// A row's pairs: one, or with the ranked form those its rule makes.
+fn to_pairs(v: &Value, format: Format, k: &Keys, row: usize) -> Result<Vec<Pair>, String> {
+    if format == Format::Generic && k.responses.is_some() {
+        ranked_pairs(v, k, row)
+    } else {
+        Ok(vec![to_pair(v, format, k, row)?])
+    }
+}
+
+/// The ranked form: a prompt and its scored responses → pairs by `k.pairs` (higher score chosen;
+/// equal scores make a tie, y = ½). Fewer than two responses make no pair.
+fn ranked_pairs(v: &Value, k: &Keys, row: usize) -> Result<Vec<Pair>, String> {
+    use rand::{Rng, SeedableRng};
+    let rkey = k.responses.as_deref().unwrap_or_default();
+    let Some(pkey) = &k.prompt else {
+        return Err(": data.keys.prompt: the ranked form needs the prompt's key".into());
+    };
+    let prompt = match v.get(pkey.as_str()) {
+        None | Some(Value::Null) => return Err(format!(", field `{pkey}`: missing or null")),
+        Some(Value::String(s)) => vec![Message::new("user", s)],
+        Some(x) => messages(x).map_err(|m| format!(", field `{pkey}`: {m}"))?,
+    };
+    let list = match v.get(rkey) {
+        None | Some(Value::Null) => return Err(format!(", field `{rkey}`: missing or null")),
+        Some(Value::Array(a)) => a,
+        Some(_) => return Err(format!(", field `{rkey}`: not a list of responses")),
+    };
+    let text_key = k.response_text.as_deref().unwrap_or("response");
+    let mut items: Vec<(String, f64)> = Vec::with_capacity(list.len());
+    for (j, e) in list.iter().enumerate() {
+        let text = match e {
+            Value::String(s) => s.clone(),
+            _ => at_path(e, text_key)
+                .and_then(|t| t.as_str())
+                .ok_or_else(|| format!(", field `{rkey}[{j}].{text_key}`: missing or not a string"))?
+                .to_string(),
+        };
+        let mut sum = 0.0;
+        for p in &k.score {
+            let x = at_path(e, p)
+                .and_then(|x| x.as_f64().or_else(|| x.as_str().and_then(|s| s.trim().parse().ok())))
+                .filter(|x| x.is_finite())
+                .ok_or_else(|| format!(", field `{rkey}[{j}].{p}`: missing or not a number"))?;
+            sum += x;
+        }
+        items.push((text, sum / k.score.len() as f64));
+    }
+    let n = items.len();
+    if n < 2 {
+        return Ok(Vec::new());
+    }
+    // best first; equal scores keep the file's order
+    let mut order: Vec<usize> = (0..n).collect();
+    order.sort_by(|&a, &b| items[b].1.total_cmp(&items[a].1));
+    let picks: Vec<(usize, usize)> = match k.pairs.unwrap_or(PairRule::BestRandom) {
+        PairRule::BestWorst => vec![(0, n - 1)],
+        PairRule::BestRandom => {
+            // one stream per (seed, row): the same pairs whatever else the file holds
+            let mut rng =
+                rand_chacha::ChaCha8Rng::seed_from_u64(k.pairs_seed ^ (row as u64).wrapping_mul(0x9E37_79B9_7F4A_7C15));
+            vec![(0, rng.random_range(1..n))]
+        }
+        PairRule::All => (0..n).flat_map(|i| (i + 1..n).map(move |j| (i, j))).collect(),
+        PairRule::Adjacent => (0..n - 1).map(|i| (i, i + 1)).collect(),
+    };
+    let conv = |i: usize| {
+        let mut m = prompt.clone();
+        m.push(Message::new("assistant", &items[order[i]].0));
+        m
+    };
+    Ok(picks
+        .into_iter()
+        .map(|(i, j)| {
+            let (si, sj) = (items[order[i]].1, items[order[j]].1);
+            Pair { row, chosen: conv(i), rejected: conv(j), scores: Some((si, sj)), tie: si == sj }
+        })
+        .collect())
 }
 
 /// Row errors are written as ", field `x`: what" or ": what" after "file: row N".
