@@ -37,9 +37,10 @@ pub fn log_loss(m: f64, y: f64) -> f64 {
 /// y = 1, m < 0 for y = 0), 0 when it predicts the other side, ½ for a tie (m = 0: the model
 /// cannot tell the sides apart, e.g. both responses became the same tokens). The authors'
 /// `r_chosen > r_rejected` counts a tie as wrong; with ½ a coin flip is what a tie is worth.
+/// A label y = ½ (a pair the data calls a tie: neither side is right) is worth ½ whatever m.
 #[inline]
 pub fn accuracy_credit(m: f64, y: f64) -> f64 {
-    if m == 0.0 {
+    if m == 0.0 || y == 0.5 {
         0.5
     } else if (m > 0.0) == (y >= 0.5) {
         1.0
@@ -121,6 +122,9 @@ mod tests {
         assert_eq!(st.accuracy, 2.5 / 4.0);
         assert_eq!((accuracy_credit(0.0, 0.0), accuracy_credit(-0.0, 1.0)), (0.5, 0.5));
         assert_eq!((accuracy_credit(-1e-300, 0.0), accuracy_credit(1e-300, 0.0)), (1.0, 0.0));
+        // a tied label: ½ on either side of the boundary
+        assert_eq!((accuracy_credit(3.0, 0.5), accuracy_credit(-3.0, 0.5)), (0.5, 0.5));
+        assert_eq!(accuracy_credit(3.0, 0.51), 1.0);
         // κ = max 1/σ'(m): the largest |m| (= 2) has the smallest σ'
         let sp2 = sigmoid_prime(2.0);
         assert!((st.kappa - 1.0 / sp2).abs() < 1e-9);
