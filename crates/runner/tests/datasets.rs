@@ -424,3 +424,64 @@ fn a_ranked_dataset_runs_passive_and_active() {
         assert!(dir.join("metrics.parquet").exists());
     }
 }
+
+/// Preference strengths as soft labels (HelpSteer2-Preference style, −3…3, negative: response 1
+/// better): y by hand for the linear and the Bradley–Terry maps; chosen is the favoured side; 0 is
+/// a tie. Then the soft y in an estimator's update, against a hand computation.
+#[test]
+fn preference_strengths_are_soft_labels() {
+    use runner::spec::data::{StrengthMap, StrengthSign};
+    let tmp = tempfile::tempdir().unwrap();
+    let j = tmp.path().join("strength.jsonl");
+    let rows: Vec<String> = [-3.0, -1.0, 0.0, 2.0, 3.0]
+        .iter()
+        .map(|s| {
+            serde_json::json!({"prompt": "p", "response_1": "one", "response_2": "two", "preference_strength": s})
+                .to_string()
+        })
+        .collect();
+    std::fs::write(&j, rows.join("\n")).unwrap();
+    let keys = |map: StrengthMap| Keys {
+        prompt: Some("prompt".into()),
+        side_a: Some("response_1".into()),
+        side_b: Some("response_2".into()),
+        strength: Some("preference_strength".into()),
+        strength_scale: 3.0,
+        strength_map: map,
+        strength_a_wins: StrengthSign::Negative,
+        ..Keys::default()
+    };
+    let read = |map: StrengthMap| {
+        let o = ReadOptions { format: Some(Format::Generic), keys: keys(map), ..Default::default() };
+        read_dataset(std::slice::from_ref(&j), &o).unwrap().pairs
+    };
+    let lin = read(StrengthMap::Linear);
+    let winner: Vec<&str> = lin.iter().map(|p| p.chosen.last().unwrap().content.as_str()).collect();
+    assert_eq!(winner, ["one", "one", "one", "two", "two"]);
+    // linear: y = 1/2 + |s|/6 for the favoured side
+    let want = [1.0, 0.5 + 1.0 / 6.0, 0.5, 0.5 + 2.0 / 6.0, 1.0];
+    for (p, w) in lin.iter().zip(want) {
+        assert!((f64::from(p.y()) - w).abs() < 1e-6, "{} vs {w}", p.y());
+    }
+    assert!(lin[2].tie && lin[2].score_tie());
+    // Bradley–Terry: y = σ(|s|/3)
+    let bt = read(StrengthMap::BradleyTerry);
+    let sig = |x: f64| 1.0 / (1.0 + (-x).exp());
+    for (p, s) in bt.iter().zip([3.0, 1.0, 0.0, 2.0, 3.0]) {
+        assert!((f64::from(p.y()) - sig(s / 3.0)).abs() < 1e-6);
+    }
+    // the soft y in one sgd step from θ = 0: θ = −lr (σ(0) − y) z, by hand
+    let z = [1.0f32, -2.0];
+    let y = [lin[1].y()];
+    let cfg: estimators::EstimatorConfig =
+        estimators::EstimatorConfig::Sgd(estimators::SgdConfig { lr: 0.5, clip: None });
+    let setup = estimators::Setup { dim: 2, init: estimators::Init::Zero, seed: 0, planned_steps: None };
+    let mut est = estimators::build(&cfg, &setup).unwrap();
+    est.update(&estimators::Batch::new(&z, &y, 2).unwrap()).unwrap();
+    let g = 0.5 - f64::from(y[0]);
+    let theta = est.theta();
+    for (t, zi) in theta.iter().zip(z) {
+        assert!((t - (-0.5 * g * f64::from(zi))).abs() < 1e-6, "{theta:?}");
+    }
+    assert!(theta[0] > 0.0, "a soft label above 1/2 moves θ toward z");
+}

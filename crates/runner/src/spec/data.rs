@@ -232,6 +232,18 @@ pub struct Keys {
     pub label_b: Vec<toml::Value>,
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub label_tie: Vec<toml::Value>,
+    /// Instead of `label`: the key of a preference strength (HelpSteer2-Preference's −3…3), a
+    /// soft label y that side a wins: `strength_map = "linear"` y = ½ + s/(2·scale), clamped to
+    /// [0, 1], or `"bradley-terry"` y = σ(s/scale); `strength_a_wins` says which sign favours
+    /// side a ("positive", the default, or "negative"). s = 0 is a tie.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub strength: Option<String>,
+    #[serde(default = "d_strength_scale")]
+    pub strength_scale: f64,
+    #[serde(default)]
+    pub strength_map: StrengthMap,
+    #[serde(default)]
+    pub strength_a_wins: StrengthSign,
     /// The ranked form (several rated completions per prompt, UltraFeedback raw / Nectar /
     /// HelpSteer style): the key of the list of responses (strings or objects) ...
     #[serde(default, skip_serializing_if = "Option::is_none")]
@@ -248,6 +260,37 @@ pub struct Keys {
     pub pairs: Option<PairRule>,
     #[serde(default)]
     pub pairs_seed: u64,
+}
+
+fn d_strength_scale() -> f64 {
+    3.0
+}
+
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum StrengthMap {
+    #[default]
+    Linear,
+    BradleyTerry,
+}
+
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum StrengthSign {
+    #[default]
+    Positive,
+    Negative,
+}
+
+impl Keys {
+    /// The soft label that side a wins for strength `s` (see [`Keys::strength`]).
+    pub fn strength_y(&self, s: f64) -> f64 {
+        let s = if self.strength_a_wins == StrengthSign::Negative { -s } else { s };
+        match self.strength_map {
+            StrengthMap::Linear => (0.5 + s / (2.0 * self.strength_scale)).clamp(0.0, 1.0),
+            StrengthMap::BradleyTerry => 1.0 / (1.0 + (-s / self.strength_scale).exp()),
+        }
+    }
 }
 
 /// How the ranked form makes pairs of a prompt's scored responses (higher score = chosen).
@@ -299,6 +342,18 @@ impl Keys {
         if self.responses.is_none() && (self.pairs.is_some() || self.response_text.is_some()) {
             return Err(("pairs", "belongs to the ranked form: set data.keys.responses and score too".into()));
         }
+        if !(self.strength_scale.is_finite() && self.strength_scale > 0.0) {
+            return Err(("strength_scale", format!("{}: expected a number > 0", self.strength_scale)));
+        }
+        if let Some(st) = &self.strength {
+            if self.label.is_some() {
+                return Err(("strength", "a strength replaces the label: set one of label and strength".into()));
+            }
+            let (Some(a), Some(b)) = (&self.side_a, &self.side_b) else {
+                return Err(("strength", "needs side_a and side_b (the keys of the two responses)".into()));
+            };
+            return Ok(Some((a, b, st)));
+        }
         let Some(label) = &self.label else {
             for (k, set) in [
                 ("side_a", self.side_a.is_some()),
@@ -310,7 +365,8 @@ impl Keys {
                 if set {
                     return Err((
                         k,
-                        "belongs to the label form: set data.keys.label (the key of the winner column) too".into(),
+                        "belongs to the label form: set data.keys.label (the key of the winner column) or strength too"
+                            .into(),
                     ));
                 }
             }
@@ -362,6 +418,10 @@ impl Default for Keys {
             label_a: Vec::new(),
             label_b: Vec::new(),
             label_tie: Vec::new(),
+            strength: None,
+            strength_scale: d_strength_scale(),
+            strength_map: StrengthMap::Linear,
+            strength_a_wins: StrengthSign::Positive,
             responses: None,
             response_text: None,
             score: Vec::new(),

@@ -34,6 +34,8 @@ pub struct Pair {
     pub scores: Option<(f64, f64)>,
     /// The label form's tie: neither side won (label y = ½).
     pub tie: bool,
+    /// A preference strength's soft label that `chosen` wins (in [½, 1]).
+    pub soft: Option<f32>,
 }
 
 impl Pair {
@@ -48,7 +50,7 @@ impl Pair {
         if self.tie {
             0.5
         } else {
-            1.0
+            self.soft.unwrap_or(1.0)
         }
     }
 }
@@ -250,7 +252,7 @@ fn ranked_pairs(v: &Value, k: &Keys, row: usize) -> Result<Vec<Pair>, String> {
         .into_iter()
         .map(|(i, j)| {
             let (si, sj) = (items[order[i]].1, items[order[j]].1);
-            Pair { row, chosen: conv(i), rejected: conv(j), scores: Some((si, sj)), tie: si == sj }
+            Pair { row, chosen: conv(i), rejected: conv(j), scores: Some((si, sj)), tie: si == sj, soft: None }
         })
         .collect())
 }
@@ -263,7 +265,7 @@ fn to_pair(v: &Value, format: Format, k: &Keys, row: usize) -> Result<Pair, Stri
             Some(x) => Ok(x),
         }
     };
-    let mut tie = false;
+    let (mut tie, mut soft) = (false, None);
     let (chosen, rejected) = if format == Format::HhRlhf {
         let side = |key: &str| -> Result<Vec<Message>, String> {
             let s = field(key)?.as_str().ok_or_else(|| format!(", field `{key}`: not a string"))?;
@@ -295,6 +297,27 @@ fn to_pair(v: &Value, format: Format, k: &Keys, row: usize) -> Result<Pair, Stri
             }
         };
         match k.label_form() {
+            Ok(Some((a, b, key))) if k.strength.is_some() => {
+                let sv = field(key)?;
+                let st = sv
+                    .as_f64()
+                    .or_else(|| sv.as_str().and_then(|x| x.trim().parse().ok()))
+                    .filter(|x: &f64| x.is_finite())
+                    .ok_or_else(|| format!(", field `{key}`: {sv} is not a number"))?;
+                let y = k.strength_y(st);
+                let (sa, sb) = (side(a)?, side(b)?);
+                // chosen is the side the strength favours; its soft label in [½, 1]
+                if y == 0.5 {
+                    tie = true;
+                    (sa, sb)
+                } else if y > 0.5 {
+                    soft = Some(y as f32);
+                    (sa, sb)
+                } else {
+                    soft = Some((1.0 - y) as f32);
+                    (sb, sa)
+                }
+            }
             Ok(Some((a, b, label))) => {
                 let lv = field(label)?;
                 let (sa, sb) = (side(a)?, side(b)?);
@@ -331,7 +354,7 @@ fn to_pair(v: &Value, format: Format, k: &Keys, row: usize) -> Result<Pair, Stri
         (Some(a), Some(b)) => Some((a, b)),
         _ => None,
     };
-    Ok(Pair { row, chosen, rejected, scores, tie })
+    Ok(Pair { row, chosen, rejected, scores, tie, soft })
 }
 
 /// A list of {role, content} objects.
