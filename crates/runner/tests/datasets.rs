@@ -338,6 +338,15 @@ fn ranked_completions_make_pairs_by_rule() {
     assert_eq!(br[0].0, "C", "best-random: the best is chosen");
     assert!(["A", "D", "B"].contains(&br[0].1.as_str()));
     assert_eq!(read(PairRule::BestRandom), br, "seeded: the same draw again");
+    // ranks (lower is better) reverse the order: B (2) is now the best, C (5) the worst
+    let o = ReadOptions {
+        format: Some(Format::Generic),
+        keys: Keys { score_lower_is_better: true, ..keys(PairRule::BestWorst) },
+        ..Default::default()
+    };
+    let p = &read_dataset(std::slice::from_ref(&j), &o).unwrap().pairs[0];
+    assert_eq!((p.chosen.last().unwrap().content.as_str(), p.rejected.last().unwrap().content.as_str()), ("B", "C"));
+    assert_eq!(p.scores, Some((-2.0, -5.0)));
     // the prompt is the first message of each side
     let o = ReadOptions { format: Some(Format::Generic), keys: keys(PairRule::BestWorst), ..Default::default() };
     let p = &read_dataset(std::slice::from_ref(&j), &o).unwrap().pairs[0];

@@ -255,6 +255,10 @@ pub struct Keys {
     /// "annotations.helpfulness.Rating" ...
     #[serde(default, skip_serializing_if = "Vec::is_empty", deserialize_with = "one_or_many")]
     pub score: Vec<String>,
+    /// ... whether a lower score is better (a rank: Nectar's 1 is the best; the scores are then
+    /// negated, so chosen − rejected stays positive) ...
+    #[serde(default)]
+    pub score_lower_is_better: bool,
     /// ... and how pairs are formed from the ranking.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub pairs: Option<PairRule>,
@@ -425,6 +429,7 @@ impl Default for Keys {
             responses: None,
             response_text: None,
             score: Vec::new(),
+            score_lower_is_better: false,
             pairs: None,
             pairs_seed: 0,
         }

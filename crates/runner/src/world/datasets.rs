@@ -223,7 +223,8 @@ fn ranked_pairs(v: &Value, k: &Keys, row: usize) -> Result<Vec<Pair>, String> {
                 .ok_or_else(|| format!(", field `{rkey}[{j}].{p}`: missing or not a number"))?;
             sum += x;
         }
-        items.push((text, sum / k.score.len() as f64));
+        let score = sum / k.score.len() as f64;
+        items.push((text, if k.score_lower_is_better { -score } else { score }));
     }
     let n = items.len();
     if n < 2 {
