@@ -494,3 +494,49 @@ fn preference_strengths_are_soft_labels() {
     }
     assert!(theta[0] > 0.0, "a soft label above 1/2 moves θ toward z");
 }
+
+/// The label form with winners and the label form with strengths, each through a passive and an
+/// active run on the tiny GGUF (soft labels reach the estimators; ties counted).
+#[test]
+fn label_and_strength_forms_run_passive_and_active() {
+    let tmp = tempfile::tempdir().unwrap();
+    let winners = ["model_a", "model_b", "tie", "model_a"];
+    let strengths = [-3, -1, 0, 2, 3];
+    let lines: Vec<String> = (0..40)
+        .map(|i| {
+            serde_json::json!({
+                "prompt": format!("Question {i}: name a number near {i}."),
+                "response_1": format!("{} is near it.", i + 1),
+                "response_2": format!("I would say {}.", 3 * i + 7),
+                "winner": winners[i % 4],
+                "preference_strength": strengths[i % 5],
+            })
+            .to_string()
+        })
+        .collect();
+    std::fs::write(tmp.path().join("pairs.jsonl"), lines.join("\n")).unwrap();
+    let keys = [
+        "label = \"winner\"\nlabel_a = [\"model_a\"]\nlabel_b = [\"model_b\"]\nlabel_tie = [\"tie\"]\n",
+        "strength = \"preference_strength\"\nstrength_a_wins = \"negative\"\nstrength_map = \"bradley-terry\"\n",
+    ];
+    for (form, k) in keys.iter().enumerate() {
+        for (setting, extra) in
+            [("passive", ""), ("active", "batch_size = 2\n[active]\nrule = [\"random\", \"pool-argmax\"]\n")]
+        {
+            let spec = format!(
+                "setting = \"{setting}\"\n[env]\nkind = \"dataset\"\n[stream]\nsamples = 12\neval_every = 6\n{extra}[data]\npath = \"pairs.jsonl\"\nformat = \"generic\"\nmodel = \"{}\"\nmax_len = 48\neval_fraction = 0.25\n[data.keys]\nprompt = \"prompt\"\nside_a = \"response_1\"\nside_b = \"response_2\"\n{k}[[estimator]]\nkind = \"sgd\"\n[[estimator]]\nkind = \"omd-exact\"\n",
+                util::tiny_gguf().display()
+            );
+            std::fs::write(tmp.path().join("spec.toml"), spec).unwrap();
+            let r = util::onepass(tmp.path(), &["run", "spec.toml", "--out", &format!("out{form}")]);
+            let dir = tmp.path().join(r.dir());
+            let meta: serde_json::Value =
+                serde_json::from_str(&std::fs::read_to_string(dir.join("meta.json")).unwrap()).unwrap();
+            // ties: a quarter of the winners; a fifth of the strengths (s = 0)
+            let ties = meta["data"]["dataset"]["score_ties"].as_u64();
+            assert_eq!(ties, Some([10, 8][form]), "{setting} form {form}: {}", meta["data"]);
+            let m = util::table(&dir.join("metrics.parquet"));
+            assert!(util::f64s(&m, "eval_loss").iter().all(|v| v.is_finite()), "{setting} form {form}");
+        }
+    }
+}
