@@ -362,12 +362,40 @@ fn ranked_completions_make_pairs_by_rule() {
         "{e}"
     );
 
-    // parquet: a list of structs (text, score as a string), read through the same rules
+    // parquet: a list of structs with a nested score (completions[i].annotations.helpfulness.Rating
+    // as a string, as in UltraFeedback's raw files), read through the same rules
+    use arrow_array::builder::{ListBuilder, StringBuilder, StructBuilder};
+    use arrow_schema::{DataType, Field, Fields};
+    let rating = Fields::from(vec![Field::new("Rating", DataType::Utf8, true)]);
+    let helpfulness = Fields::from(vec![Field::new("helpfulness", DataType::Struct(rating.clone()), true)]);
+    let item = Fields::from(vec![
+        Field::new("response", DataType::Utf8, true),
+        Field::new("annotations", DataType::Struct(helpfulness.clone()), true),
+    ]);
+    let annotations = || {
+        let inner = StructBuilder::new(rating.clone(), vec![Box::new(StringBuilder::new())]);
+        StructBuilder::new(helpfulness.clone(), vec![Box::new(inner)])
+    };
+    let mut lb = ListBuilder::new(StructBuilder::new(
+        item.clone(),
+        vec![Box::new(StringBuilder::new()), Box::new(annotations())],
+    ))
+    .with_field(std::sync::Arc::new(Field::new("item", DataType::Struct(item), true)));
+    for (text, r) in [("X", "7"), ("Y", "2"), ("Z", "9")] {
+        let st = lb.values();
+        st.field_builder::<StringBuilder>(0).unwrap().append_value(text);
+        let ann = st.field_builder::<StructBuilder>(1).unwrap();
+        let help = ann.field_builder::<StructBuilder>(0).unwrap();
+        help.field_builder::<StringBuilder>(0).unwrap().append_value(r);
+        help.append(true);
+        ann.append(true);
+        st.append(true);
+    }
+    lb.append(true);
     let pq = tmp.path().join("ranked.parquet");
-    let lists = messages(&[vec![("7", Some("X")), ("2", Some("Y")), ("9", Some("Z"))]]);
     let batch = RecordBatch::try_from_iter([
         ("prompt", std::sync::Arc::new(StringArray::from(vec!["q"])) as ArrayRef),
-        ("completions", lists),
+        ("completions", std::sync::Arc::new(lb.finish()) as ArrayRef),
     ])
     .unwrap();
     let mut w = ArrowWriter::try_new(std::fs::File::create(&pq).unwrap(), batch.schema(), None).unwrap();
@@ -376,8 +404,7 @@ fn ranked_completions_make_pairs_by_rule() {
     let k = Keys {
         prompt: Some("prompt".into()),
         responses: Some("completions".into()),
-        response_text: Some("content".into()),
-        score: vec!["role".into()],
+        score: vec!["annotations.helpfulness.Rating".into()],
         pairs: Some(PairRule::Adjacent),
         ..Keys::default()
     };
