@@ -370,6 +370,8 @@ fn draw_figures(
 ) -> Result<Vec<String>> {
     use crate::spec::Setting;
     let legend_title = match spec.map(|s| s.setting) {
+        // labels `estimator / strategy / arm` when several policy arms are swept
+        Some(Setting::Deploy) if rows.iter().any(|r| r.label.matches(" / ").count() >= 2) => "strategy / policy arm",
         Some(Setting::Deploy) => "strategy",
         Some(Setting::Active) => "selection rule",
         _ => "config",
