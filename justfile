@@ -52,6 +52,13 @@ bench-features batch="8" len="256" reps="3": fetch-models
 bench-train batch="8" len="256" reps="3": fetch-models
     scripts/bench_train.sh {{batch}} {{len}} {{reps}}
 
+# Generation throughput: onepass's sampling loop vs transformers' generate() in f32 and bf16 on the
+# same GGUF, templated prompts, shape (16 prompts × 8 samples, 8 prompts per call, T = 1, ≤ 64 new
+# tokens: the deploy mini's) and threads; alternating rounds, medians, ratios. Python as for
+# bench-features. tok/s counts generated tokens (stop token included) on both sides.
+bench-generate prompts="16" n="8" max_new="64" batch_prompts="8": fetch-models
+    scripts/bench_generate.sh {{prompts}} {{n}} {{max_new}} {{batch_prompts}}
+
 # Fuzz the spec parser, the jsonl and parquet readers and the GGUF/safetensors readers with
 # cargo-fuzz (nightly; installed when missing), SECONDS each; prints executions and crashes per
 # target. Not in CI. E.g. `just fuzz 300`, `just fuzz 60 gguf`.

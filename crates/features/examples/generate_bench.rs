@@ -1,0 +1,66 @@
+//! Tokens per second of onepass's sampling loop (prefill + decode with the KV cache), the shape of
+//! the deploy mini: `cargo run --release -p features --example generate_bench -- MODEL PROMPTS.jsonl
+//! [PROMPTS=16] [N=8] [MAX_NEW=64] [BATCH_PROMPTS=8] [IDS_OUT]`. The first PROMPTS prompts of the
+//! jsonl (key `prompt`) are templated with the model's chat template; N samples each at T = 1,
+//! BATCH_PROMPTS prompts × N rows per decoding step, at most MAX_NEW new tokens, stopping at the
+//! end-of-turn token. One untimed warm-up on the first batch, then one timed pass over all
+//! prompts. tok/s counts generated tokens (the stop token included). The last line is a JSON
+//! record for `just bench-generate` (`scripts/bench_generate.sh`); IDS_OUT receives the templated
+//! prompt ids so that transformers' `generate()` starts from the same tokens.
+
+use candle_core::{DType, Device};
+use features::generate::SampleOptions;
+use features::{Backbone, Message, Source};
+
+fn main() {
+    let args: Vec<String> = std::env::args().collect();
+    let model = args.get(1).expect("a .gguf file or model directory");
+    let prompts_path = args.get(2).expect("a prompts .jsonl");
+    let arg = |i: usize, d: usize| args.get(i).map_or(d, |s| s.parse().expect("a number"));
+    let (n_prompts, n, max_new, batch_prompts) = (arg(3, 16), arg(4, 8), arg(5, 64), arg(6, 8));
+    let text = std::fs::read_to_string(prompts_path).expect("reading the prompts");
+    let prompts: Vec<Vec<Message>> = text
+        .lines()
+        .filter(|l| !l.trim().is_empty())
+        .take(n_prompts)
+        .map(|l| {
+            let v: serde_json::Value = serde_json::from_str(l).expect("a JSON line");
+            vec![Message::new("user", v["prompt"].as_str().expect("a `prompt` string"))]
+        })
+        .collect();
+    let source = Source::parse(model).expect("a model source");
+    let b = Backbone::load_with(&source, &Device::Cpu, DType::F32, 4096, true).expect("loading the model");
+    let ids: Vec<Vec<u32>> = prompts.iter().map(|p| b.prompt_ids(p).expect("templating")).collect();
+    if let Some(out) = args.get(7) {
+        let eos: Vec<u32> = b.tok.eos.iter().map(|e| e.1).collect();
+        let spec = serde_json::json!({"ids": ids, "n": n, "max_new_tokens": max_new, "batch_prompts": batch_prompts, "eos": eos});
+        std::fs::write(out, spec.to_string()).expect("writing the ids");
+    }
+    let opts = SampleOptions { n, temperature: 1.0, top_p: 1.0, max_new_tokens: max_new, seed: 0 };
+    // warm-up: the first batch
+    b.generate(&prompts[..batch_prompts.min(prompts.len())], &opts, batch_prompts, &mut |_| {}).expect("generating");
+    let t0 = std::time::Instant::now();
+    let out = b.generate(&prompts, &opts, batch_prompts, &mut |_| {}).expect("generating");
+    let s = t0.elapsed().as_secs_f64();
+    let tokens: usize = out.iter().flatten().map(|x| x.tokens).sum();
+    let stopped = out.iter().flatten().filter(|x| x.stopped).count();
+    let threads = std::env::var("RAYON_NUM_THREADS").ok().and_then(|t| t.parse().ok()).unwrap_or(0usize);
+    let rss = std::fs::read_to_string("/proc/self/status")
+        .ok()
+        .and_then(|t| t.lines().find(|l| l.starts_with("VmHWM:")).map(str::to_string))
+        .and_then(|l| l.split_whitespace().nth(1).and_then(|v| v.parse::<f64>().ok()))
+        .map_or(0.0, |kb| kb / 1024.0);
+    eprintln!(
+        "{tokens} tokens in {s:.2} s ({:.0} tok/s), {stopped} of {} rows stopped",
+        tokens as f64 / s,
+        n * prompts.len()
+    );
+    println!(
+        "{}",
+        serde_json::json!({
+            "engine": "candle", "dtype": "float32", "model": model, "threads": threads,
+            "batch": batch_prompts * n, "len": max_new, "reps": 1, "pass_s": [s],
+            "tok_s": tokens as f64 / s, "peak_rss_mb": rss, "abs_sum": tokens as f64,
+        })
+    );
+}

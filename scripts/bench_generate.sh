@@ -1,0 +1,29 @@
+#!/usr/bin/env bash
+# `just bench-generate`: onepass's sampling loop against transformers' `generate()` (f32 and
+# bf16) on the same model file, the same templated prompts (ids written by onepass), the same
+# shape (PROMPTS prompts × N samples, BATCH_PROMPTS prompts per call, T = 1, ≤ MAX_NEW new tokens,
+# the deploy mini's by default) and threads. Rounds alternate the engines; medians over rounds.
+# Environment as for bench-features (scripts/bench_env.sh): ONEPASS_BENCH_MODEL, _THREADS,
+# _ROUNDS, _PYTHON. llama.cpp (llama-cpp-python) is not part of it yet.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+bench=bench-generate
+prompts_n=${1:-16}
+n=${2:-8}
+max_new=${3:-64}
+batch_prompts=${4:-8}
+source scripts/bench_env.sh
+cargo build --release -p features --example generate_bench --quiet
+out=$(mktemp -d)
+trap 'rm -rf "$out"' EXIT
+bin=target/release/examples/generate_bench
+for r in $(seq 1 "$rounds"); do
+    echo "bench-generate: round $r/$rounds" >&2
+    RAYON_NUM_THREADS=$threads $bin "$model" datasets/prompts/prompts.jsonl "$prompts_n" "$n" "$max_new" \
+        "$batch_prompts" "$out/ids.json" 2>/dev/null | tail -n 1 >"$out/candle-f32-$r.json"
+    for dt in float32 bfloat16; do
+        "$py" scripts/bench_generate_torch.py --model "$model" --ids "$out/ids.json" --dtype $dt \
+            --threads "$threads" 2>/dev/null >"$out/torch-$dt-$r.json"
+    done
+done
+python3 scripts/bench_features_report.py "$out"/candle-*.json "$out"/torch-*.json
