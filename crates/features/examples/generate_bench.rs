@@ -13,6 +13,8 @@ use features::generate::SampleOptions;
 use features::{Backbone, Message, Source};
 
 fn main() {
+    // the allocator settings of the onepass binary
+    features::keep_freed_memory();
     let args: Vec<String> = std::env::args().collect();
     let model = args.get(1).expect("a .gguf file or model directory");
     let prompts_path = args.get(2).expect("a prompts .jsonl");
