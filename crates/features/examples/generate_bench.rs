@@ -47,11 +47,7 @@ fn main() {
     let tokens: usize = out.iter().flatten().map(|x| x.tokens).sum();
     let stopped = out.iter().flatten().filter(|x| x.stopped).count();
     let threads = std::env::var("RAYON_NUM_THREADS").ok().and_then(|t| t.parse().ok()).unwrap_or(0usize);
-    let rss = std::fs::read_to_string("/proc/self/status")
-        .ok()
-        .and_then(|t| t.lines().find(|l| l.starts_with("VmHWM:")).map(str::to_string))
-        .and_then(|l| l.split_whitespace().nth(1).and_then(|v| v.parse::<f64>().ok()))
-        .map_or(0.0, |kb| kb / 1024.0);
+    let rss = features::peak_rss_mb().unwrap_or(0.0);
     eprintln!(
         "{tokens} tokens in {s:.2} s ({:.0} tok/s), {stopped} of {} rows stopped",
         tokens as f64 / s,

@@ -73,3 +73,11 @@ pub fn keep_freed_memory() {
         libc::mallopt(libc::M_TOP_PAD, 1 << 28);
     }
 }
+
+/// Peak resident set size of this process (Linux `VmHWM`), in MB; what the benchmarks report.
+pub fn peak_rss_mb() -> Option<f64> {
+    let s = std::fs::read_to_string("/proc/self/status").ok()?;
+    let line = s.lines().find(|l| l.starts_with("VmHWM:"))?;
+    let kb: f64 = line.split_whitespace().nth(1)?.parse().ok()?;
+    Some(kb / 1024.0)
+}

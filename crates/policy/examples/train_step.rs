@@ -50,11 +50,7 @@ fn main() {
         }
     }
     let threads = std::env::var("RAYON_NUM_THREADS").ok().and_then(|t| t.parse().ok()).unwrap_or(0usize);
-    let rss = std::fs::read_to_string("/proc/self/status")
-        .ok()
-        .and_then(|s| s.lines().find(|l| l.starts_with("VmHWM:")).map(String::from))
-        .and_then(|l| l.split_whitespace().nth(1).and_then(|k| k.parse::<f64>().ok()))
-        .map_or(0.0, |kb| kb / 1024.0);
+    let rss = features::peak_rss_mb().unwrap_or(0.0);
     println!(
         "{}",
         serde_json::json!({

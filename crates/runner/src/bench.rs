@@ -42,14 +42,6 @@ pub struct BenchReport {
     pub abs_sum: f64,
 }
 
-/// Peak resident set size of this process (Linux `VmHWM`), in MB.
-pub fn peak_rss_mb() -> Option<f64> {
-    let s = std::fs::read_to_string("/proc/self/status").ok()?;
-    let line = s.lines().find(|l| l.starts_with("VmHWM:"))?;
-    let kb: f64 = line.split_whitespace().nth(1)?.parse().ok()?;
-    Some(kb / 1024.0)
-}
-
 pub fn bench(o: &BenchOptions) -> Result<BenchReport> {
     let t0 = Instant::now();
     let backbone = Backbone::load(&Source::parse(&o.model)?, &o.device, o.dtype, o.len)
@@ -102,7 +94,7 @@ pub fn bench(o: &BenchOptions) -> Result<BenchReport> {
         tok_s: (o.batch * o.len * o.reps) as f64 / total.max(1e-12),
         pass_s,
         load_s,
-        peak_rss_mb: peak_rss_mb(),
+        peak_rss_mb: features::peak_rss_mb(),
         abs_sum,
     })
 }

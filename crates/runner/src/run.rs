@@ -248,7 +248,8 @@ pub fn run(opts: &RunOptions) -> Result<RunSummary> {
     }
     let world = world::build(&plan, opts.progress)?;
     check_memory(opts, &plan, &world.spec, threads)?;
-    if let (_, Some(w)) = scale_meta(&plan, &world) {
+    let (data_scale, warning) = scale_meta(&plan, &world);
+    if let Some(w) = warning {
         eprintln!("onepass: warning: {w}");
     }
     let started = humantime::format_rfc3339_seconds(std::time::SystemTime::now()).to_string();
@@ -349,7 +350,7 @@ pub fn run(opts: &RunOptions) -> Result<RunSummary> {
             dataset: d.report.clone(),
             backbone_cost: backbone_cost(&plan, &world),
         }),
-        data_scale: scale_meta(&plan, &world).0,
+        data_scale,
         generated: world.generated.as_ref().map(|g| &g.report),
         cells: plan.cells.len(),
         failed_cells: failed,

@@ -703,29 +703,25 @@ lr = 0.5
     assert!(r.code == 2 && r.stderr.contains("unknown rule `best-three`"), "{}", r.stderr);
 }
 
+/// The reproduction of large features (‖z‖² ≈ 1,700) and a small θ*, on passive/synthetic.
+const LARGE_Z: &[&str] = &[
+    "--set",
+    "seeds=1",
+    "--set",
+    "stream.samples=4000",
+    "--set",
+    "env.feature_norm=30",
+    "--set",
+    "env.theta_norm=0.1",
+];
+
 /// Regression: large features and a small θ* gave a pair whose gradient underflowed; CG divided
 /// by pᵀAp = 0 and omd-hvp-cg's θ became ∞ ("θ became non-finite"). Every cell now finishes.
 #[test]
 fn omd_hvp_cg_survives_underflowing_gradients() {
     let tmp = tempfile::tempdir().unwrap();
     let spec = util::root().join("experiments/passive/synthetic.toml");
-    let r = onepass(
-        tmp.path(),
-        &[
-            "run",
-            spec.to_str().unwrap(),
-            "--out",
-            "o",
-            "--set",
-            "seeds=1",
-            "--set",
-            "stream.samples=4000",
-            "--set",
-            "env.feature_norm=30",
-            "--set",
-            "env.theta_norm=0.1",
-        ],
-    );
+    let r = onepass(tmp.path(), &[&["run", spec.to_str().unwrap(), "--out", "o"][..], LARGE_Z].concat());
     assert_eq!(r.code, 0, "{}", r.stderr);
     let cells = util::table(&tmp.path().join(r.dir()).join("cells.parquet"));
     assert!(util::strs(&cells, "status").iter().all(|s| s == "ok"), "{:?}", util::strs(&cells, "err"));
@@ -830,25 +826,9 @@ fn lambda_auto_follows_the_scale_of_the_data() {
     let tmp = tempfile::tempdir().unwrap();
     let spec = util::root().join("experiments/passive/synthetic.toml");
     let run = |lambda: &str| {
-        let r = onepass(
-            tmp.path(),
-            &[
-                "run",
-                spec.to_str().unwrap(),
-                "--out",
-                "out",
-                "--set",
-                "seeds=1",
-                "--set",
-                "stream.samples=4000",
-                "--set",
-                "env.feature_norm=30",
-                "--set",
-                "env.theta_norm=0.1",
-                "--set",
-                &format!("estimator.0.lambda={lambda}"),
-            ],
-        );
+        let set = format!("estimator.0.lambda={lambda}");
+        let args = [&["run", spec.to_str().unwrap(), "--out", "out"][..], LARGE_Z, &["--set", &set]].concat();
+        let r = onepass(tmp.path(), &args);
         let dir = tmp.path().join(r.dir());
         let m = util::table(&dir.join("metrics.parquet"));
         let (labels, loss, err) = (util::strs(&m, "label"), util::f64s(&m, "eval_loss"), util::f64s(&m, "theta_err"));

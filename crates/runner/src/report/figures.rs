@@ -391,17 +391,7 @@ pub fn win_heatmap<DB: DrawingBackend>(
 where
     DB::ErrorType: 'static,
 {
-    let mut rows: Vec<&str> = Vec::new();
-    let mut cols: Vec<&str> = Vec::new();
-    for (l, _) in wins {
-        let (r, c) = layout.parts(l);
-        if !rows.contains(&r) {
-            rows.push(r);
-        }
-        if !cols.contains(&c) {
-            cols.push(c);
-        }
-    }
+    let (rows, cols) = heat_axes(wins, layout);
     if wins.is_empty() {
         bail!("no win rates");
     }
@@ -454,10 +444,9 @@ where
     Ok(())
 }
 
-/// The pixel size of the win-rate heatmap for these wins.
-pub fn heatmap_size(wins: &[(String, f64)], layout: &Layout) -> (u32, u32) {
-    let mut rows = Vec::new();
-    let mut cols = Vec::new();
+/// The heatmap's rows (estimators) and columns (strategies), in first-appearance order.
+fn heat_axes<'a>(wins: &'a [(String, f64)], layout: &Layout) -> (Vec<&'a str>, Vec<&'a str>) {
+    let (mut rows, mut cols): (Vec<&str>, Vec<&str>) = (Vec::new(), Vec::new());
     for (l, _) in wins {
         let (r, c) = layout.parts(l);
         if !rows.contains(&r) {
@@ -467,6 +456,12 @@ pub fn heatmap_size(wins: &[(String, f64)], layout: &Layout) -> (u32, u32) {
             cols.push(c);
         }
     }
+    (rows, cols)
+}
+
+/// The pixel size of the win-rate heatmap for these wins.
+pub fn heatmap_size(wins: &[(String, f64)], layout: &Layout) -> (u32, u32) {
+    let (rows, cols) = heat_axes(wins, layout);
     let left = rows.iter().map(|r| r.chars().count()).max().unwrap_or(4).clamp(4, 40) as u32 * 8 + 20;
     ((left + 130 * cols.len().max(1) as u32 + 30).max(900), TITLE_H + 60 + 56 * rows.len().max(1) as u32)
 }

@@ -205,6 +205,10 @@ pub fn load(d: &DataSpec, progress: Mode) -> Result<(PairData, DataReport)> {
             if ranked {
                 // the ranked form makes several pairs of one prompt: a prompt's pairs go to the
                 // same side, so no held-out prompt was trained on
+                let mut per_row: std::collections::HashMap<usize, usize> = std::collections::HashMap::new();
+                for p in &selected {
+                    *per_row.entry(p.row).or_default() += 1;
+                }
                 let mut rows: Vec<usize> = selected.iter().map(|p| p.row).collect();
                 rows.dedup();
                 rows.shuffle(&mut rand_chacha::ChaCha8Rng::seed_from_u64(d.split_seed));
@@ -215,7 +219,7 @@ pub fn load(d: &DataSpec, progress: Mode) -> Result<(PairData, DataReport)> {
                         break;
                     }
                     held.insert(r);
-                    count += selected.iter().filter(|p| p.row == r).count();
+                    count += per_row[&r];
                 }
                 for (e, p) in is_eval.iter_mut().zip(&selected) {
                     *e = held.contains(&p.row);
