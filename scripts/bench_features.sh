@@ -8,7 +8,7 @@
 #   ONEPASS_BENCH_THREADS  threads for both engines (default: nproc)
 #   ONEPASS_BENCH_PYTHON   a python with torch, transformers, gguf and accelerate (scripts/bench_env.sh); when unset,
 #                          .venv-bench/ is created and filled from PyPI (once; ~3 GB with torch)
-#   ONEPASS_BENCH_ROUNDS   rounds (default 3);  ONEPASS_BENCH_TRACE=path: also a Chrome trace
+#   ONEPASS_BENCH_ROUNDS   rounds (default 3);  ONEPASS_BENCH_TRACE=path: also Chrome traces (path.f32, path.bf16)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bench=bench-features
@@ -22,8 +22,10 @@ bin=target/release/onepass
 RAYON_NUM_THREADS=$threads $bin features bench --model "$model" --batch "$batch" --len "$len" --reps 1 --warmup 0 --ids-out "$ids" >/dev/null
 for r in $(seq 1 "$rounds"); do
     echo "bench-features: round $r/$rounds" >&2
-    RAYON_NUM_THREADS=$threads $bin features bench --model "$model" --batch "$batch" --len "$len" --reps "$reps" \
-        ${ONEPASS_BENCH_TRACE:+--trace "$ONEPASS_BENCH_TRACE"} >"$out/candle-f32-$r.json"
+    for dt in f32 bf16; do
+        RAYON_NUM_THREADS=$threads $bin features bench --model "$model" --batch "$batch" --len "$len" --reps "$reps" \
+            --dtype $dt ${ONEPASS_BENCH_TRACE:+--trace "$ONEPASS_BENCH_TRACE.$dt"} >"$out/candle-$dt-$r.json"
+    done
     for dt in float32 bfloat16; do
         "$py" scripts/bench_features_torch.py --model "$model" --ids "$ids" --dtype $dt --threads "$threads" \
             --reps "$reps" 2>/dev/null >"$out/torch-$dt-$r.json"

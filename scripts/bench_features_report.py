@@ -24,11 +24,16 @@ def main(paths):
         med[(eng, dt)] = statistics.median(tok)
         rss = max(r["peak_rss_mb"] or 0 for r in rs)
         print(f"{eng:<8} {dt:<5} {len(rs):>6} {med[(eng, dt)]:>13.0f} {min(tok):>8.0f} {max(tok):>8.0f} {rss:>12.0f} {rs[-1]['abs_sum']:>10.2f}")
-    c = med.get(("candle", "f32"))
-    for dt in ("f32", "bf16"):
-        t = med.get(("torch", dt))
-        if c and t:
-            print(f"candle f32 / torch {dt}: {c / t:.2f}x")
+    # Ratios per round too (engines alternate within a round, so a round's ratio compares runs
+    # that saw the same machine): the min-max says how much of the median is noise.
+    for cd in ("f32", "bf16"):
+        for dt in ("f32", "bf16"):
+            c, t = runs.get(("candle", cd)), runs.get(("torch", dt))
+            if not c or not t:
+                continue
+            per_round = [a["tok_s"] / b["tok_s"] for a, b in zip(c, t)]
+            print(f"candle {cd} / torch {dt}: {med[('candle', cd)] / med[('torch', dt)]:.2f}x"
+                  f" (per round {min(per_round):.2f}-{max(per_round):.2f}x)")
 
 
 if __name__ == "__main__":

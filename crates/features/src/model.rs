@@ -178,15 +178,93 @@ fn llama3_factors(s: &RopeScaling, head_dim: usize, theta: f64) -> Result<Vec<f6
         .collect())
 }
 
+/// How a layer's weights are kept: candle tensors of the model's dtype, or — a bf16 model on the
+/// CPU — packed for the bf16 product of [`crate::bf16`], with f32 activations around it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Store {
+    Dense,
+    Bf16Cpu,
+}
+
+impl Store {
+    /// bf16 on the CPU takes the packed path (candle 0.11 has no bf16 CPU gemm: it would widen
+    /// both sides to f32 on every product); every other device and dtype stays dense.
+    fn of(vb: &VarBuilder) -> Store {
+        if vb.dtype() == DType::BF16 && vb.device().is_cpu() {
+            Store::Bf16Cpu
+        } else {
+            Store::Dense
+        }
+    }
+
+    /// A weight that is not a matrix product's (norms, embeddings, biases) as the activations
+    /// will use it: unchanged when dense; its bf16 values widened to f32 when packed.
+    fn plain(self, t: Tensor) -> candle_core::Result<Tensor> {
+        match self {
+            Store::Dense => Ok(t),
+            Store::Bf16Cpu => t.to_dtype(DType::F32),
+        }
+    }
+}
+
+enum Weight {
+    Dense(Tensor),
+    Bf16(std::sync::Arc<crate::bf16::Bf16Matrix>),
+}
+
+/// The packed bf16 product as a candle op: (rows, in) f32 → (rows, out) f32.
+struct Bf16Linear(std::sync::Arc<crate::bf16::Bf16Matrix>);
+
+impl candle_core::CustomOp1 for Bf16Linear {
+    fn name(&self) -> &'static str {
+        "onepass-bf16-linear"
+    }
+
+    fn cpu_fwd(
+        &self,
+        storage: &candle_core::CpuStorage,
+        layout: &candle_core::Layout,
+    ) -> candle_core::Result<(candle_core::CpuStorage, candle_core::Shape)> {
+        let candle_core::CpuStorage::F32(x) = storage else {
+            use candle_core::backend::BackendStorage;
+            candle_core::bail!("bf16 linear: expected f32 activations, got {:?}", storage.dtype());
+        };
+        let Some((o1, o2)) = layout.contiguous_offsets() else {
+            candle_core::bail!("bf16 linear: expected a contiguous input");
+        };
+        let (rows, inp) = layout.shape().dims2()?;
+        if inp != self.0.k() {
+            candle_core::bail!("bf16 linear: input of {inp} features, the weight takes {}", self.0.k());
+        }
+        let y = self.0.matmul_t(&x[o1..o2], rows);
+        Ok((candle_core::CpuStorage::F32(y), candle_core::Shape::from((rows, self.0.n()))))
+    }
+}
+
 /// A dense layer y = x Wᵀ (+ b) applied to the flattened rows of x: one 2-D gemm per call, so
 /// the weight is packed once per batch rather than once per sequence (candle_nn::Linear runs a
 /// batched matmul over a broadcast weight).
 struct Lin {
-    w: Tensor,
+    w: Weight,
     b: Option<Tensor>,
+    out: usize,
 }
 
 impl Lin {
+    fn new(w: Tensor, b: Option<Tensor>, store: Store) -> candle_core::Result<Lin> {
+        let (out, inp) = w.dims2()?;
+        let w = match store {
+            Store::Dense => Weight::Dense(w),
+            Store::Bf16Cpu => {
+                let bits: Vec<u16> =
+                    w.to_dtype(DType::BF16)?.flatten_all()?.to_vec1::<half::bf16>()?.iter().map(|v| v.to_bits()).collect();
+                Weight::Bf16(std::sync::Arc::new(crate::bf16::Bf16Matrix::from_bits(&bits, out, inp)))
+            }
+        };
+        let b = b.map(|b| store.plain(b)).transpose()?;
+        Ok(Lin { w, b, out })
+    }
+
     /// Several layers that read the same input, fused along the output dimension.
     fn load_fused(vb: &VarBuilder, names: &[(&str, usize)], inp: usize, bias: bool) -> candle_core::Result<Lin> {
         let ws = names.iter().map(|(n, out)| vb.pp(n).get((*out, inp), "weight")).collect::<Result<Vec<_>, _>>()?;
@@ -196,13 +274,13 @@ impl Lin {
         } else {
             None
         };
-        Ok(Lin { w: Tensor::cat(&ws, 0)?, b })
+        Lin::new(Tensor::cat(&ws, 0)?, b, Store::of(vb))
     }
 
     fn load(vb: VarBuilder, inp: usize, out: usize, bias: bool) -> candle_core::Result<Lin> {
         let w = vb.get((out, inp), "weight")?;
         let b = if bias { Some(vb.get(out, "bias")?) } else { None };
-        Ok(Lin { w, b })
+        Lin::new(w, b, Store::of(&vb))
     }
 
     /// (…, in) → (…, out).
@@ -210,13 +288,17 @@ impl Lin {
         let dims = x.dims();
         let inp = dims[dims.len() - 1];
         let rows = x.elem_count() / inp.max(1);
-        let y = x.reshape((rows, inp))?.matmul(&self.w.t()?)?;
+        let x = x.reshape((rows, inp))?;
+        let y = match &self.w {
+            Weight::Dense(w) => x.matmul(&w.t()?)?,
+            Weight::Bf16(w) => x.contiguous()?.apply_op1_no_bwd(&Bf16Linear(w.clone()))?,
+        };
         let y = match &self.b {
             Some(b) => y.broadcast_add(b)?,
             None => y,
         };
         let mut out = dims.to_vec();
-        *out.last_mut().expect("rank ≥ 1") = self.w.dim(0)?;
+        *out.last_mut().expect("rank ≥ 1") = self.out;
         y.reshape(out)
     }
 }
@@ -292,6 +374,20 @@ impl Attention {
             let _s = tracing::trace_span!("qkv").entered();
             self.qkv.forward(x)?.reshape((b, t, h + 2 * kv, hd))?
         };
+        let scale = 1.0 / (hd as f64).sqrt();
+        if qkv.device().is_cpu() && qkv.dtype() == DType::F32 {
+            // The fused CPU path: rotate and lay out q, k, v in one pass, attend from there.
+            let packed = {
+                let _s = tracing::trace_span!("rope").entered();
+                crate::ops::qkv_rope(&qkv, &rope.cos, &rope.sin, h + kv, 0, rope.interleaved)?
+            };
+            let y = {
+                let _s = tracing::trace_span!("causal_attention").entered();
+                crate::ops::causal_attention_packed(&packed, h, kv, scale, matches!(self.qkv.w, Weight::Bf16(_)))?.reshape((b, t, h * hd))?
+            };
+            let _s = tracing::trace_span!("o_proj").entered();
+            return self.o.forward(&y);
+        }
         let _s = tracing::trace_span!("rope").entered();
         let q = rope.apply(&qkv.narrow(2, 0, h)?.transpose(1, 2)?, t)?;
         let k = rope.apply(&qkv.narrow(2, h, kv)?.transpose(1, 2)?, t)?;
@@ -299,7 +395,7 @@ impl Attention {
         drop(_s);
         let y = {
             let _s = tracing::trace_span!("causal_attention").entered();
-            crate::ops::causal_attention(&q, &k, &v, 1.0 / (hd as f64).sqrt())?.reshape((b, t, h * hd))?
+            crate::ops::causal_attention(&q, &k, &v, scale)?.reshape((b, t, h * hd))?
         };
         let _s = tracing::trace_span!("o_proj").entered();
         self.o.forward(&y)
@@ -323,9 +419,14 @@ impl Attention {
         let (b, t, _) = x.dims3()?;
         let (h, kv, hd) = (self.heads, self.kv_heads, self.head_dim);
         let qkv = self.qkv.forward(x)?.reshape((b, t, h + 2 * kv, hd))?;
-        let q = rope.apply_at(&qkv.narrow(2, 0, h)?.transpose(1, 2)?, offset, t)?;
-        let k = rope.apply_at(&qkv.narrow(2, h, kv)?.transpose(1, 2)?, offset, t)?;
-        let v = qkv.narrow(2, h + kv, kv)?.transpose(1, 2)?.contiguous()?;
+        let (q, k, v) = if qkv.device().is_cpu() && qkv.dtype() == DType::F32 {
+            let packed = crate::ops::qkv_rope(&qkv, &rope.cos, &rope.sin, h + kv, offset, rope.interleaved)?;
+            (packed.narrow(1, 0, h)?, packed.narrow(1, h, kv)?.contiguous()?, packed.narrow(1, h + kv, kv)?.contiguous()?)
+        } else {
+            let q = rope.apply_at(&qkv.narrow(2, 0, h)?.transpose(1, 2)?, offset, t)?;
+            let k = rope.apply_at(&qkv.narrow(2, h, kv)?.transpose(1, 2)?, offset, t)?;
+            (q, k, qkv.narrow(2, h + kv, kv)?.transpose(1, 2)?.contiguous()?)
+        };
         kv_cache.0.slice_set(&k, 2, offset)?;
         kv_cache.1.slice_set(&v, 2, offset)?;
         let len = offset + t;
@@ -377,11 +478,16 @@ struct RmsNorm {
 
 impl RmsNorm {
     fn load(vb: VarBuilder, cfg: &Config) -> candle_core::Result<Self> {
-        Ok(RmsNorm { w: vb.get(cfg.hidden, "weight")?, eps: cfg.eps as f32 })
+        Ok(RmsNorm { w: Store::of(&vb).plain(vb.get(cfg.hidden, "weight")?)?, eps: cfg.eps as f32 })
     }
     fn forward(&self, x: &Tensor) -> candle_core::Result<Tensor> {
         let _s = tracing::trace_span!("rms_norm").entered();
-        candle_nn::ops::rms_norm(&x.contiguous()?, &self.w, self.eps)
+        crate::ops::rms_norm(x, &self.w, self.eps)
+    }
+    /// (x + a, RMSNorm(x + a)).
+    fn add_forward(&self, x: &Tensor, a: &Tensor) -> candle_core::Result<(Tensor, Tensor)> {
+        let _s = tracing::trace_span!("residual_rms_norm").entered();
+        crate::ops::add_rms_norm(x, a, &self.w, self.eps)
     }
 }
 
@@ -401,21 +507,20 @@ impl Block {
             mlp: Mlp::load(vb.pp("mlp"), cfg)?,
         })
     }
-    fn forward(&self, x: &Tensor, rope: &Rope) -> candle_core::Result<Tensor> {
+    /// The block on `x` given `h` = its first norm of `x`: returns the block's output and `next`
+    /// applied to it (the following block's first norm, or the final norm), each residual sum
+    /// fused with the norm that reads it.
+    fn forward(&self, x: &Tensor, h: &Tensor, rope: &Rope, next: &RmsNorm) -> candle_core::Result<(Tensor, Tensor)> {
         let a = {
             let _s = tracing::trace_span!("attention").entered();
-            self.attn.forward(&self.norm1.forward(x)?, rope)?
+            self.attn.forward(h, rope)?
         };
-        let x = {
-            let _s = tracing::trace_span!("residual").entered();
-            (x + a)?
-        };
+        let (x, h) = self.norm2.add_forward(x, &a)?;
         let m = {
             let _s = tracing::trace_span!("mlp").entered();
-            self.mlp.forward(&self.norm2.forward(&x)?)?
+            self.mlp.forward(&h)?
         };
-        let _s = tracing::trace_span!("residual").entered();
-        &x + m
+        next.add_forward(&x, &m)
     }
 }
 
@@ -429,8 +534,8 @@ impl Block {
         mask: &Tensor,
     ) -> candle_core::Result<Tensor> {
         let a = self.attn.forward_cached(&self.norm1.forward(x)?, rope, kv, offset, mask)?;
-        let x = (x + a)?;
-        let m = self.mlp.forward(&self.norm2.forward(&x)?)?;
+        let (x, h) = self.norm2.add_forward(x, &a)?;
+        let m = self.mlp.forward(&h)?;
         &x + m
     }
 }
@@ -498,11 +603,14 @@ pub struct Model {
     pub cfg: Config,
     embed: Embedding,
     /// The LM head (vocab, d) when loaded for generation (tied: the embeddings).
-    lm_head: Option<Tensor>,
+    lm_head: Option<Lin>,
     blocks: Vec<Block>,
     norm: RmsNorm,
     rope: Rope,
+    /// The weights' dtype (what the user asked for; part of the feature cache's key).
     dtype: DType,
+    /// The activations' dtype: the weights' except on the bf16 CPU path, where it is f32.
+    act: DType,
     device: Device,
 }
 
@@ -533,6 +641,7 @@ impl Model {
         cfg.check()?;
         let ctx = |what: String| move |e: candle_core::Error| Error::Weights(format!("{what}: {e}"));
         let m = vb.pp("model");
+        let store = Store::of(&vb);
         let embed_w = m.get((cfg.vocab, cfg.hidden), "embed_tokens.weight").map_err(ctx("embeddings".into()))?;
         let lm_head = match lm_head {
             None => None,
@@ -543,21 +652,28 @@ impl Model {
                 ))
             })?),
         };
-        let embed = Embedding::new(embed_w, cfg.hidden);
+        let lm_head = lm_head.map(|w| Lin::new(w, None, store)).transpose().map_err(ctx("LM head".into()))?;
+        let embed = Embedding::new(store.plain(embed_w).map_err(ctx("embeddings".into()))?, cfg.hidden);
         let blocks = (0..cfg.layers)
             .map(|i| Block::load(m.pp("layers").pp(i), &cfg).map_err(ctx(format!("layer {i}"))))
             .collect::<Result<Vec<_>, _>>()?;
         let norm = RmsNorm::load(m.pp("norm"), &cfg).map_err(ctx("final norm".into()))?;
         let (device, dtype) = (vb.device().clone(), vb.dtype());
-        let rope = Rope::new(&cfg, max_len.max(1), &device, dtype).map_err(ctx("rope tables".into()))?;
-        Ok(Model { cfg, embed, lm_head, blocks, norm, rope, dtype, device })
+        let act = if store == Store::Bf16Cpu { DType::F32 } else { dtype };
+        let rope = Rope::new(&cfg, max_len.max(1), &device, act).map_err(ctx("rope tables".into()))?;
+        Ok(Model { cfg, embed, lm_head, blocks, norm, rope, dtype, act, device })
     }
 
     pub fn device(&self) -> &Device {
         &self.device
     }
+    /// The weights' dtype.
     pub fn dtype(&self) -> DType {
         self.dtype
+    }
+    /// The activations' dtype (f32 on the bf16 CPU path).
+    pub fn activation_dtype(&self) -> DType {
+        self.act
     }
     pub fn max_len(&self) -> usize {
         self.rope.cos.dim(0).unwrap_or(0)
@@ -573,14 +689,20 @@ impl Model {
         if layer == 0 {
             return Ok(x);
         }
+        let Some(first) = self.blocks.first() else {
+            return Ok(self.norm.forward(&x)?);
+        };
+        let mut h = first.norm1.forward(&x)?;
         for (i, b) in self.blocks.iter().enumerate() {
             let _s = tracing::debug_span!("block", i).entered();
-            x = b.forward(&x, &self.rope)?;
+            let next = self.blocks.get(i + 1).map_or(&self.norm, |n| &n.norm1);
+            (x, h) = b.forward(&x, &h, &self.rope, next)?;
             if i + 1 == layer && layer < self.cfg.layers {
                 return Ok(x);
             }
         }
-        Ok(self.norm.forward(&x)?)
+        // h is the final norm of the last block's output
+        Ok(h)
     }
 }
 
@@ -594,7 +716,7 @@ impl Model {
             )));
         }
         let (kv, hd) = (self.cfg.kv_heads, self.cfg.head_dim);
-        let zeros = || Tensor::zeros((pads.len(), kv, cap, hd), self.dtype, &self.device);
+        let zeros = || Tensor::zeros((pads.len(), kv, cap, hd), self.act, &self.device);
         let layers = (0..self.cfg.layers).map(|_| Ok((zeros()?, zeros()?))).collect::<candle_core::Result<Vec<_>>>()?;
         Ok(KvCache { layers, len: 0, cap, pads })
     }
@@ -615,7 +737,7 @@ impl Model {
                 cache.cap
             )));
         }
-        let mask = cache.mask(t, &self.device, self.dtype)?;
+        let mask = cache.mask(t, &self.device, self.act)?;
         let offset = cache.len;
         let mut x = self.embed.forward(ids)?;
         for (blk, kv) in self.blocks.iter().zip(cache.layers.iter_mut()) {
@@ -623,7 +745,7 @@ impl Model {
         }
         cache.len += t;
         let last = self.norm.forward(&x.narrow(1, t - 1, 1)?)?.squeeze(1)?;
-        Ok(last.matmul(&head.t()?)?.to_dtype(DType::F32)?)
+        Ok(head.forward(&last)?.to_dtype(DType::F32)?)
     }
 
     /// Logits (b, t, vocab) of every position of right-padded `ids` by the full forward pass
@@ -633,7 +755,7 @@ impl Model {
             self.lm_head.as_ref().ok_or_else(|| Error::Input("the model was loaded without its LM head".into()))?;
         let h = self.hidden_states(ids, self.cfg.layers)?;
         let (b, t, d) = h.dims3()?;
-        Ok(h.reshape((b * t, d))?.matmul(&head.t()?)?.reshape((b, t, ()))?.to_dtype(DType::F32)?)
+        Ok(head.forward(&h.reshape((b * t, d))?)?.reshape((b, t, ()))?.to_dtype(DType::F32)?)
     }
 }
 

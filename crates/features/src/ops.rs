@@ -1,5 +1,6 @@
-//! Two fused CPU kernels for the forward pass, with the plain candle composition as the fallback
-//! (other devices and dtypes) and as the reference the tests compare against.
+//! Fused CPU kernels for the forward pass (f32 activations: the f32 model and the bf16-weight
+//! path of [`crate::bf16`]), with the plain candle composition as the fallback (other devices
+//! and dtypes) and as the reference the tests compare against.
 //!
 //! candle 0.11 runs unary ops (silu, scaling) on one core and materialises every intermediate, so
 //! on a 2-core CPU the attention mask/scale/softmax chain and the MLP's silu·up were ~15% of a
@@ -7,7 +8,7 @@
 //! rayon's pool.
 
 use candle_core::backend::BackendStorage;
-use candle_core::{CpuStorage, CustomOp1, CustomOp3, DType, Layout, Result, Shape, Tensor};
+use candle_core::{CpuStorage, CustomOp1, CustomOp2, CustomOp3, DType, Layout, Result, Shape, Tensor};
 use rayon::prelude::*;
 
 /// Rows per rayon task: enough work per task that scheduling stays negligible.
@@ -165,6 +166,139 @@ fn contiguous_f32<'a>(s: &'a CpuStorage, l: &Layout, what: &str) -> Result<&'a [
     Ok(&v[o1..o2])
 }
 
+/// Softmax(scale · s) of the rows of a block of query positions i0, i0 + 1, … (`n` scores each):
+/// row r sees keys 0..=i0 + r, the rest become 0.
+fn causal_softmax_rows(sc: &mut [f32], n: usize, i0: usize, scale: f32) {
+    for (r, row) in sc.chunks_exact_mut(n).enumerate() {
+        let len = i0 + r + 1;
+        let (live, dead) = row.split_at_mut(len);
+        let max = live.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+        live.iter_mut().for_each(|x| *x = (*x - max) * scale);
+        exp_in_place(live);
+        let inv = 1.0 / live.iter().sum::<f32>();
+        live.iter_mut().for_each(|x| *x *= inv);
+        dead.fill(0.0);
+    }
+}
+
+/// [`attend`] with the two products in bf16 ([`crate::bf16`]: q, k, the probabilities and v
+/// rounded to bf16, sums in f32; the softmax in f32), for the bf16-weight model. K and Vᵀ of
+/// every (batch row, key/value head) are packed once and shared by its query heads and blocks.
+fn attend_bf16<'a>(
+    (b, h, kv, t, d): (usize, usize, usize, usize, usize),
+    scale: f32,
+    q: impl Fn(usize, usize) -> &'a [f32] + Sync,
+    k: impl Fn(usize, usize) -> &'a [f32] + Sync,
+    v: impl Fn(usize, usize) -> &'a [f32] + Sync,
+) -> Vec<f32> {
+    use crate::bf16::{pack_rows, Bf16Matrix};
+    let rep = h / kv;
+    let packed: Vec<(Bf16Matrix, Bf16Matrix)> = (0..b * kv)
+        .into_par_iter()
+        .map(|bg| {
+            let (bi, g) = (bg / kv, bg % kv);
+            (Bf16Matrix::from_f32(&k(bi, g)[..t * d], t, d), Bf16Matrix::from_f32_transposed(&v(bi, g)[..t * d], t, d))
+        })
+        .collect();
+    let blocks = t.div_ceil(Q_BLOCK);
+    let mut out = vec![0f32; b * t * h * d];
+    let dst = OutPtr(out.as_mut_ptr());
+    (0..b * h * blocks).into_par_iter().for_each(|task| {
+        let (bh, blk) = (task / blocks, task % blocks);
+        let (bi, head) = (bh / h, bh % h);
+        let (i0, i1) = (blk * Q_BLOCK, ((blk + 1) * Q_BLOCK).min(t));
+        let (m, n) = (i1 - i0, i1);
+        let (km, vm) = &packed[bi * kv + head / rep];
+        let qs = pack_rows(&q(bi, head)[i0 * d..][..m * d], m, d);
+        let mut sc = vec![0f32; m * n];
+        // SAFETY: `sc` holds m × n values, this task's own; the output rows i0..i1 of this head
+        // are written by this task only, at row stride h·d.
+        unsafe { km.product(&qs, d.div_ceil(2), m, n, sc.as_mut_ptr(), n) };
+        causal_softmax_rows(&mut sc, n, i0, scale);
+        let ps = pack_rows(&sc, m, n);
+        unsafe { vm.product(&ps, n.div_ceil(2), m, d, dst.at(((bi * t + i0) * h + head) * d), h * d) };
+    });
+    out
+}
+
+/// The core of [`CausalAttention`] and [`CausalAttentionPacked`]: `q(bi, head)`, `k(bi, g)` and
+/// `v(bi, g)` give the (t, d) rows of query head `head` and key/value head `g` of batch row `bi`;
+/// the result is (b, t, h, d).
+#[allow(clippy::too_many_arguments)]
+fn attend<'a>(
+    (b, h, kv, t, d): (usize, usize, usize, usize, usize),
+    scale: f32,
+    q: impl Fn(usize, usize) -> &'a [f32] + Sync,
+    k: impl Fn(usize, usize) -> &'a [f32] + Sync,
+    v: impl Fn(usize, usize) -> &'a [f32] + Sync,
+) -> Vec<f32> {
+    let rep = h / kv;
+    let blocks = t.div_ceil(Q_BLOCK);
+    let mut out = vec![0f32; b * t * h * d];
+    let dst = OutPtr(out.as_mut_ptr());
+    (0..b * h * blocks).into_par_iter().for_each(|task| {
+        let (bh, blk) = (task / blocks, task % blocks);
+        let (bi, head) = (bh / h, bh % h);
+        let (i0, i1) = (blk * Q_BLOCK, ((blk + 1) * Q_BLOCK).min(t));
+        let (m, n) = (i1 - i0, i1);
+        let qp = &q(bi, head)[i0 * d..][..m * d];
+        let (kp, vp) = (&k(bi, head / rep)[..n * d], &v(bi, head / rep)[..n * d]);
+        let mut sc = vec![0f32; m * n];
+        // SAFETY: the slices above hold m×d, n×d and n×d row-major values; `sc` holds m×n.
+        unsafe {
+            gemm::gemm(
+                m,
+                n,
+                d,
+                sc.as_mut_ptr(),
+                1,
+                n as isize,
+                false,
+                qp.as_ptr(),
+                1,
+                d as isize,
+                kp.as_ptr(),
+                d as isize,
+                1,
+                0.0,
+                1.0,
+                false,
+                false,
+                false,
+                gemm::Parallelism::None,
+            );
+        }
+        causal_softmax_rows(&mut sc, n, i0, scale);
+        // SAFETY: rows i0..i1 of head `head` of batch row `bi` in the (b, t, h, d) output are
+        // written by this task only; `sc` is m×n and `vp` n×d.
+        unsafe {
+            let o = dst.at(((bi * t + i0) * h + head) * d);
+            gemm::gemm(
+                m,
+                d,
+                n,
+                o,
+                1,
+                (h * d) as isize,
+                false,
+                sc.as_ptr(),
+                1,
+                n as isize,
+                vp.as_ptr(),
+                1,
+                d as isize,
+                0.0,
+                1.0,
+                false,
+                false,
+                false,
+                gemm::Parallelism::None,
+            );
+        }
+    });
+    out
+}
+
 impl CustomOp3 for CausalAttention {
     fn name(&self) -> &'static str {
         "onepass-causal-attention"
@@ -190,82 +324,225 @@ impl CustomOp3 for CausalAttention {
                 lv.shape()
             );
         }
-        let rep = h / kv;
-        let blocks = t.div_ceil(Q_BLOCK);
-        let mut out = vec![0f32; b * t * h * d];
-        let dst = OutPtr(out.as_mut_ptr());
-        let scale = self.scale;
-        (0..b * h * blocks).into_par_iter().for_each(|task| {
-            let (bh, blk) = (task / blocks, task % blocks);
-            let (bi, head) = (bh / h, bh % h);
-            let (i0, i1) = (blk * Q_BLOCK, ((blk + 1) * Q_BLOCK).min(t));
-            let (m, n) = (i1 - i0, i1);
-            let qp = &q[((bi * h + head) * t + i0) * d..][..m * d];
-            let kvoff = (bi * kv + head / rep) * t * d;
-            let (kp, vp) = (&k[kvoff..][..n * d], &v[kvoff..][..n * d]);
-            let mut sc = vec![0f32; m * n];
-            // SAFETY: the slices above hold m×d, n×d and n×d row-major values; `sc` holds m×n.
-            unsafe {
-                gemm::gemm(
-                    m,
-                    n,
-                    d,
-                    sc.as_mut_ptr(),
-                    1,
-                    n as isize,
-                    false,
-                    qp.as_ptr(),
-                    1,
-                    d as isize,
-                    kp.as_ptr(),
-                    d as isize,
-                    1,
-                    0.0,
-                    1.0,
-                    false,
-                    false,
-                    false,
-                    gemm::Parallelism::None,
-                );
-            }
-            for (r, row) in sc.chunks_exact_mut(n).enumerate() {
-                let len = i0 + r + 1;
-                let (live, dead) = row.split_at_mut(len);
-                let max = live.iter().copied().fold(f32::NEG_INFINITY, f32::max);
-                live.iter_mut().for_each(|x| *x = (*x - max) * scale);
-                exp_in_place(live);
-                let inv = 1.0 / live.iter().sum::<f32>();
-                live.iter_mut().for_each(|x| *x *= inv);
-                dead.fill(0.0);
-            }
-            // SAFETY: rows i0..i1 of head `head` of batch row `bi` in the (b, t, h, d) output are
-            // written by this task only; `sc` is m×n and `vp` n×d.
-            unsafe {
-                let o = dst.at(((bi * t + i0) * h + head) * d);
-                gemm::gemm(
-                    m,
-                    d,
-                    n,
-                    o,
-                    1,
-                    (h * d) as isize,
-                    false,
-                    sc.as_ptr(),
-                    1,
-                    n as isize,
-                    vp.as_ptr(),
-                    1,
-                    d as isize,
-                    0.0,
-                    1.0,
-                    false,
-                    false,
-                    false,
-                    gemm::Parallelism::None,
-                );
+        let out = attend(
+            (b, h, kv, t, d),
+            self.scale,
+            |bi, head| &q[(bi * h + head) * t * d..],
+            |bi, g| &k[(bi * kv + g) * t * d..],
+            |bi, g| &v[(bi * kv + g) * t * d..],
+        );
+        Ok((CpuStorage::F32(out), Shape::from((b, t, h, d))))
+    }
+}
+
+/// [`CausalAttention`] reading q, k and v from one (b, h + 2·kv, t, d) tensor (what
+/// [`qkv_rope`] writes): query heads first, then the key heads, then the value heads.
+struct CausalAttentionPacked {
+    scale: f32,
+    heads: usize,
+    kv_heads: usize,
+    bf16: bool,
+}
+
+impl CustomOp1 for CausalAttentionPacked {
+    fn name(&self) -> &'static str {
+        "onepass-causal-attention-packed"
+    }
+
+    fn cpu_fwd(&self, s: &CpuStorage, l: &Layout) -> Result<(CpuStorage, Shape)> {
+        let x = contiguous_f32(s, l, "qkv")?;
+        let (b, heads, t, d) = l.shape().dims4()?;
+        let (h, kv) = (self.heads, self.kv_heads);
+        if heads != h + 2 * kv || kv == 0 || h % kv != 0 {
+            candle_core::bail!("causal attention: {:?} is not (b, {h} + 2·{kv}, t, d)", l.shape());
+        }
+        let at = |bi: usize, j: usize| &x[(bi * heads + j) * t * d..];
+        let dims = (b, h, kv, t, d);
+        let out = if self.bf16 {
+            attend_bf16(dims, self.scale, |bi, j| at(bi, j), |bi, g| at(bi, h + g), |bi, g| at(bi, h + kv + g))
+        } else {
+            attend(dims, self.scale, |bi, j| at(bi, j), |bi, g| at(bi, h + g), |bi, g| at(bi, h + kv + g))
+        };
+        Ok((CpuStorage::F32(out), Shape::from((b, t, h, d))))
+    }
+}
+
+/// Causal grouped-query attention over a packed (b, h + 2·kv, t, d) tensor → (b, t, h, d); CPU,
+/// f32 activations; `bf16`: the two products in bf16 ([`attend_bf16`]).
+pub fn causal_attention_packed(qkv: &Tensor, heads: usize, kv_heads: usize, scale: f64, bf16: bool) -> Result<Tensor> {
+    qkv.contiguous()?.apply_op1_no_bwd(&CausalAttentionPacked { scale: scale as f32, heads, kv_heads, bf16 })
+}
+
+/// q, k and v of a fused projection, rotated and laid out for attention: `qkv` (b, t, H, d) with
+/// H = heads + 2·kv heads → (b, H, t, d), RoPE applied to the first `rotated` heads (q and k) at
+/// positions offset..offset + t, v copied. The rotation is candle_nn's `rope` (rotate-half) or
+/// `rope_i` (interleaved pairs), expression for expression, so the bits match the composition.
+struct QkvRope {
+    rotated: usize,
+    offset: usize,
+    interleaved: bool,
+}
+
+impl CustomOp3 for QkvRope {
+    fn name(&self) -> &'static str {
+        "onepass-qkv-rope"
+    }
+
+    fn cpu_fwd(
+        &self,
+        s: &CpuStorage,
+        l: &Layout,
+        sc: &CpuStorage,
+        lc: &Layout,
+        ss: &CpuStorage,
+        ls: &Layout,
+    ) -> Result<(CpuStorage, Shape)> {
+        let (x, cos, sin) = (contiguous_f32(s, l, "qkv")?, contiguous_f32(sc, lc, "cos")?, contiguous_f32(ss, ls, "sin")?);
+        let (b, t, heads, d) = l.shape().dims4()?;
+        let (rows, half) = lc.shape().dims2()?;
+        if d % 2 != 0 || half * 2 != d || self.offset + t > rows || ls.shape() != lc.shape() || self.rotated > heads {
+            candle_core::bail!("qkv rope: {:?} against tables {:?} at offset {}", l.shape(), lc.shape(), self.offset);
+        }
+        let mut out = vec![0f32; x.len()];
+        out.par_chunks_mut(t * d).enumerate().for_each(|(bj, dst)| {
+            let (bi, j) = (bj / heads, bj % heads);
+            for (ti, o) in dst.chunks_exact_mut(d).enumerate() {
+                let src = &x[((bi * t + ti) * heads + j) * d..][..d];
+                if j >= self.rotated {
+                    o.copy_from_slice(src);
+                    continue;
+                }
+                let pos = (self.offset + ti) * half;
+                let (c, sn) = (&cos[pos..pos + half], &sin[pos..pos + half]);
+                if self.interleaved {
+                    for i in 0..half {
+                        let (a, b) = (src[2 * i], src[2 * i + 1]);
+                        o[2 * i] = a * c[i] - b * sn[i];
+                        o[2 * i + 1] = a * sn[i] + b * c[i];
+                    }
+                } else {
+                    for i in 0..half {
+                        let (a, b) = (src[i], src[i + half]);
+                        o[i] = a * c[i] - b * sn[i];
+                        o[i + half] = a * sn[i] + b * c[i];
+                    }
+                }
             }
         });
-        Ok((CpuStorage::F32(out), Shape::from((b, t, h, d))))
+        Ok((CpuStorage::F32(out), Shape::from((b, heads, t, d))))
+    }
+}
+
+/// See [`QkvRope`]: `cos`, `sin` (max_len, d/2), f32 on the CPU.
+pub fn qkv_rope(qkv: &Tensor, cos: &Tensor, sin: &Tensor, rotated: usize, offset: usize, interleaved: bool) -> Result<Tensor> {
+    qkv.contiguous()?.apply_op3_no_bwd(&cos.contiguous()?, &sin.contiguous()?, &QkvRope { rotated, offset, interleaved })
+}
+
+/// RMSNorm of each row of `src` into `dst` with candle_nn's arithmetic (Σx² summed in order in
+/// f32, m = √(Σx²/n + ε), x / m · w), so the bits match `candle_nn::ops::rms_norm`. The sum is a
+/// chain of dependent adds; running eight rows' chains side by side hides its latency.
+fn rms_rows(src: &[f32], w: &[f32], eps: f32, dst: &mut [f32]) {
+    let n = w.len();
+    for (s8, d8) in src.chunks(8 * n).zip(dst.chunks_mut(8 * n)) {
+        let rows = s8.len() / n;
+        let mut sum = [0f32; 8];
+        for i in 0..n {
+            for (r, acc) in sum.iter_mut().enumerate().take(rows) {
+                let v = s8[r * n + i];
+                *acc += v * v;
+            }
+        }
+        for (r, acc) in sum.iter().enumerate().take(rows) {
+            let m = (acc / n as f32 + eps).sqrt();
+            for ((o, &x), &a) in d8[r * n..(r + 1) * n].iter_mut().zip(&s8[r * n..(r + 1) * n]).zip(w) {
+                *o = x / m * a;
+            }
+        }
+    }
+}
+
+/// RMSNorm over the last dim, `candle_nn::ops::rms_norm` bit for bit; rows in parallel.
+struct RmsNormOp {
+    eps: f32,
+}
+
+impl CustomOp2 for RmsNormOp {
+    fn name(&self) -> &'static str {
+        "onepass-rms-norm"
+    }
+
+    fn cpu_fwd(&self, s: &CpuStorage, l: &Layout, sw: &CpuStorage, lw: &Layout) -> Result<(CpuStorage, Shape)> {
+        let (x, w) = (contiguous_f32(s, l, "x")?, contiguous_f32(sw, lw, "weight")?);
+        let n = w.len();
+        if l.dims().last() != Some(&n) || n == 0 {
+            candle_core::bail!("rms norm: {:?} against a weight of {n}", l.shape());
+        }
+        let mut out = vec![0f32; x.len()];
+        out.par_chunks_mut(8 * n).zip(x.par_chunks(8 * n)).with_min_len(4).for_each(|(d, s)| rms_rows(s, w, self.eps, d));
+        Ok((CpuStorage::F32(out), l.shape().clone()))
+    }
+}
+
+/// x + a and RMSNorm(x + a) in one pass: a (2, …) tensor, [sum; normalised].
+struct AddRmsNorm {
+    eps: f32,
+}
+
+impl CustomOp3 for AddRmsNorm {
+    fn name(&self) -> &'static str {
+        "onepass-add-rms-norm"
+    }
+
+    fn cpu_fwd(
+        &self,
+        sx: &CpuStorage,
+        lx: &Layout,
+        sa: &CpuStorage,
+        la: &Layout,
+        sw: &CpuStorage,
+        lw: &Layout,
+    ) -> Result<(CpuStorage, Shape)> {
+        let (x, a, w) = (contiguous_f32(sx, lx, "x")?, contiguous_f32(sa, la, "a")?, contiguous_f32(sw, lw, "weight")?);
+        let n = w.len();
+        if lx.shape() != la.shape() || lx.dims().last() != Some(&n) || n == 0 {
+            candle_core::bail!("add + rms norm: {:?} + {:?} against a weight of {n}", lx.shape(), la.shape());
+        }
+        let mut out = vec![0f32; 2 * x.len()];
+        let (sum, normed) = out.split_at_mut(x.len());
+        sum.par_chunks_mut(8 * n)
+            .zip(normed.par_chunks_mut(8 * n))
+            .zip(x.par_chunks(8 * n).zip(a.par_chunks(8 * n)))
+            .with_min_len(4)
+            .for_each(|((s, d), (x, a))| {
+                for ((o, &x), &a) in s.iter_mut().zip(x).zip(a) {
+                    *o = x + a;
+                }
+                rms_rows(s, w, self.eps, d);
+            });
+        let mut dims = vec![2];
+        dims.extend_from_slice(lx.dims());
+        Ok((CpuStorage::F32(out), Shape::from(dims)))
+    }
+}
+
+/// RMSNorm over the last dim (candle_nn's `rms_norm`, which it matches bit for bit on the CPU).
+pub fn rms_norm(x: &Tensor, w: &Tensor, eps: f32) -> Result<Tensor> {
+    if x.device().is_cpu() && x.dtype() == DType::F32 && w.dtype() == DType::F32 {
+        x.contiguous()?.apply_op2_no_bwd(&w.contiguous()?, &RmsNormOp { eps })
+    } else {
+        candle_nn::ops::rms_norm(&x.contiguous()?, w, eps)
+    }
+}
+
+/// (x + a, RMSNorm(x + a)): the residual sum and the next sublayer's input in one pass.
+pub fn add_rms_norm(x: &Tensor, a: &Tensor, w: &Tensor, eps: f32) -> Result<(Tensor, Tensor)> {
+    if x.device().is_cpu() && x.dtype() == DType::F32 && a.dtype() == DType::F32 && w.dtype() == DType::F32 {
+        let both = x.contiguous()?.apply_op3_no_bwd(&a.contiguous()?, &w.contiguous()?, &AddRmsNorm { eps })?;
+        Ok((both.get(0)?, both.get(1)?))
+    } else {
+        let sum = (x + a)?;
+        let normed = candle_nn::ops::rms_norm(&sum.contiguous()?, w, eps)?;
+        Ok((sum, normed))
     }
 }
 
@@ -437,5 +714,90 @@ mod tests {
         assert!(max_abs(&fast, &silu_mul_reference(&x).unwrap()) < 1e-5);
         let odd = Tensor::zeros((2, 3), DType::F32, &Device::Cpu).unwrap();
         assert!(silu_mul(&odd).is_err());
+    }
+
+    fn same_bits(a: &Tensor, b: &Tensor) -> bool {
+        let (a, b) = (a.flatten_all().unwrap().to_vec1::<f32>().unwrap(), b.flatten_all().unwrap().to_vec1::<f32>().unwrap());
+        a.len() == b.len() && a.iter().zip(&b).all(|(x, y)| x.to_bits() == y.to_bits())
+    }
+
+    /// The fused norms give candle_nn's bits (so the f32 path's φ did not move), for row counts
+    /// around the 8-row interleave.
+    #[test]
+    fn fused_norms_match_candle_bit_for_bit() {
+        let dev = Device::Cpu;
+        let w = Tensor::randn(1f32, 0.3, 40, &dev).unwrap();
+        for rows in [1, 7, 8, 9, 23, 300] {
+            let x = Tensor::randn(0f32, 2.0, (rows, 40), &dev).unwrap();
+            let a = Tensor::randn(0f32, 1.0, (rows, 40), &dev).unwrap();
+            let want = candle_nn::ops::rms_norm(&x, &w, 1e-5).unwrap();
+            assert!(same_bits(&rms_norm(&x, &w, 1e-5).unwrap(), &want), "rows {rows}");
+            let sum = (&x + &a).unwrap();
+            let (s, n) = add_rms_norm(&x, &a, &w, 1e-5).unwrap();
+            assert!(same_bits(&s, &sum));
+            assert!(same_bits(&n, &candle_nn::ops::rms_norm(&sum, &w, 1e-5).unwrap()), "rows {rows}");
+            // Negative control: another ε changes the bits.
+            assert!(!same_bits(&rms_norm(&x, &w, 1e-2).unwrap(), &want));
+        }
+    }
+
+    /// qkv_rope = split, candle_nn's rope (both layouts) on q and k at an offset, v untouched.
+    #[test]
+    fn qkv_rope_matches_candle_rope() {
+        let dev = Device::Cpu;
+        let (b, t, h, kv, d, max_len) = (2, 5, 6, 2, 8, 12);
+        let qkv = Tensor::randn(0f32, 1.0, (b, t, h + 2 * kv, d), &dev).unwrap();
+        let cos = Tensor::randn(0f32, 1.0, (max_len, d / 2), &dev).unwrap();
+        let sin = Tensor::randn(0f32, 1.0, (max_len, d / 2), &dev).unwrap();
+        for interleaved in [false, true] {
+            for offset in [0, 3] {
+                let got = qkv_rope(&qkv, &cos, &sin, h + kv, offset, interleaved).unwrap();
+                assert_eq!(got.dims(), &[b, h + 2 * kv, t, d]);
+                let (c, s) = (cos.narrow(0, offset, t).unwrap(), sin.narrow(0, offset, t).unwrap());
+                let rot = |x: &Tensor| {
+                    let x = x.transpose(1, 2).unwrap().contiguous().unwrap();
+                    if interleaved {
+                        candle_nn::rotary_emb::rope_i(&x, &c, &s).unwrap()
+                    } else {
+                        candle_nn::rotary_emb::rope(&x, &c, &s).unwrap()
+                    }
+                };
+                let q = rot(&qkv.narrow(2, 0, h + kv).unwrap());
+                assert!(same_bits(&got.narrow(1, 0, h + kv).unwrap(), &q), "interleaved {interleaved} offset {offset}");
+                let v = qkv.narrow(2, h + kv, kv).unwrap().transpose(1, 2).unwrap();
+                assert!(same_bits(&got.narrow(1, h + kv, kv).unwrap(), &v));
+                // The attention over the packed tensor equals the one over separate q, k, v.
+                let packed = causal_attention_packed(&got, h, kv, 0.3, false).unwrap();
+                let sep = causal_attention(
+                    &got.narrow(1, 0, h).unwrap(),
+                    &got.narrow(1, h, kv).unwrap(),
+                    &got.narrow(1, h + kv, kv).unwrap(),
+                    0.3,
+                )
+                .unwrap();
+                assert!(same_bits(&packed, &sep));
+            }
+        }
+        // The other layout rotates different pairs: a negative control.
+        let a = qkv_rope(&qkv, &cos, &sin, h + kv, 0, false).unwrap();
+        let b2 = qkv_rope(&qkv, &cos, &sin, h + kv, 0, true).unwrap();
+        assert!(!same_bits(&a, &b2));
+    }
+
+    /// The bf16 attention stays within bf16's rounding of the f32 one, and differs from it (so
+    /// the flag is honoured).
+    #[test]
+    fn bf16_attention_is_close_to_f32() {
+        let dev = Device::Cpu;
+        for (b, h, kv, t, d) in [(2, 6, 2, 150, 16), (1, 3, 1, 7, 64), (1, 2, 2, 1, 8)] {
+            let qkv = Tensor::randn(0f32, 1.0, (b, h + 2 * kv, t, d), &dev).unwrap();
+            let f = causal_attention_packed(&qkv, h, kv, 0.25, false).unwrap();
+            let g = causal_attention_packed(&qkv, h, kv, 0.25, true).unwrap();
+            let err = max_abs(&f, &g);
+            assert!(err < 0.03, "b {b} h {h} t {t}: {err}");
+            if t > 1 {
+                assert!(err > 1e-5, "bf16 attention gave f32's values ({err})");
+            }
+        }
     }
 }

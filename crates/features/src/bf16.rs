@@ -1,0 +1,604 @@
+//! The bf16 matrix product of the CPU path: y = x Wᵀ with W stored in bf16, x rounded to bf16 at
+//! the product's input and the products summed in f32 — the arithmetic of x86's `VDPBF16PS`
+//! (AVX-512 BF16), which this CPU family runs at twice the rate of f32 FMAs and which halves the
+//! weight bytes streamed per token.
+//!
+//! candle 0.11 has no bf16 CPU gemm (it widens both sides to f32, multiplies and narrows back), so
+//! this module is the whole product: weights packed once at load ([`Bf16Matrix`]), activations
+//! packed per call, a register-blocked kernel over (rows × 48 outputs) tiles on rayon's pool.
+//!
+//! **One result on every CPU.** Each output element is one accumulator that starts at 0 and, for
+//! the input pairs (x₂ₚ, x₂ₚ₊₁) in ascending p, adds x₂ₚ₊₁·w₂ₚ₊₁ and then x₂ₚ·w₂ₚ, each sum
+//! rounded to nearest even. That is `VDPBF16PS`'s documented order (and what a test measured on
+//! Zen 4); a product of two bf16 values is exact in f32, so the portable kernel, written as a
+//! multiply then an add in that order, gives the same bits. Blocking over the inner dimension
+//! reloads the partial sums and continues the same sequence, so neither the tiling nor the thread
+//! count changes a bit. The instruction flushes subnormal inputs to zero: [`to_bf16`] does so for
+//! both sides, so no subnormal ever reaches it. (A partial sum below 1.2·10⁻³⁸ would be flushed by
+//! the instruction and kept by the portable kernel; activations and weights of a language model
+//! never get there.)
+
+use rayon::prelude::*;
+
+/// f32 → bf16 bits, rounding to nearest even (as PyTorch, `half` and `VCVTNE2PS2BF16` do);
+/// subnormals become ±0 (the dot-product instruction would treat them as 0 anyway), NaN stays a
+/// quiet NaN, values past the largest bf16 become ±∞.
+#[inline(always)]
+pub fn to_bf16(x: f32) -> u16 {
+    let b = x.to_bits();
+    if x.is_nan() {
+        return ((b >> 16) | 0x40) as u16;
+    }
+    if b & 0x7f80_0000 == 0 {
+        return ((b >> 16) & 0x8000) as u16;
+    }
+    // Adding 0x7fff plus the lowest kept bit rounds half to even; a carry into the exponent is the
+    // correct rounding up to the next binade (or to ∞).
+    ((b + 0x7fff + ((b >> 16) & 1)) >> 16) as u16
+}
+
+/// bf16 bits → f32 (exact).
+#[inline(always)]
+pub fn from_bf16(h: u16) -> f32 {
+    f32::from_bits((h as u32) << 16)
+}
+
+/// Output columns per packed panel: one 512-bit register of f32.
+const LANES: usize = 16;
+/// Panels per register tile (48 outputs): 8 rows × 3 panels = 24 accumulators, plus the three
+/// weight registers and the broadcast, of the 32 vector registers.
+const NB: usize = 3;
+/// Rows per register tile.
+const MR: usize = 8;
+/// Input pairs per cache block: a 48-output panel of 128 pairs is 24 KiB, inside L1.
+const KC: usize = 128;
+/// Rows per task: the activations of a task's block (64 × 128 pairs = 32 KiB) stay in L2.
+const MC: usize = 64;
+
+/// A weight matrix W (n outputs × k inputs, PyTorch's `Linear` layout) in bf16, packed for the
+/// kernel: panels of 16 outputs; within a panel, for each input pair p, 16 words holding
+/// (w[o, 2p] in the low half, w[o, 2p+1] in the high half). Missing outputs and an odd k's last
+/// input are zeros.
+pub struct Bf16Matrix {
+    n: usize,
+    k: usize,
+    pairs: usize,
+    data: Vec<u32>,
+}
+
+impl Bf16Matrix {
+    /// Packs W given as bf16 bits, row-major (n, k).
+    pub fn from_bits(w: &[u16], n: usize, k: usize) -> Bf16Matrix {
+        assert_eq!(w.len(), n * k, "a {n} × {k} matrix needs {} values", n * k);
+        Bf16Matrix::pack(n, k, |o, i| w[o * k + i])
+    }
+
+    /// Packs W given in f32, row-major (n, k), rounding each weight with [`to_bf16`].
+    pub fn from_f32(w: &[f32], n: usize, k: usize) -> Bf16Matrix {
+        assert_eq!(w.len(), n * k, "a {n} × {k} matrix needs {} values", n * k);
+        Bf16Matrix::pack(n, k, |o, i| to_bf16(w[o * k + i]))
+    }
+
+    /// Packs W = Vᵀ for V given in f32, row-major (k, n) — attention's values, whose rows are
+    /// the product's inputs — rounding with [`to_bf16`].
+    pub fn from_f32_transposed(v: &[f32], k: usize, n: usize) -> Bf16Matrix {
+        assert_eq!(v.len(), n * k, "a {k} × {n} matrix needs {} values", n * k);
+        Bf16Matrix::pack(n, k, |o, i| to_bf16(v[i * n + o]))
+    }
+
+    /// The packed layout from `at(output, input)` (bf16 bits). Large matrices (weights, once at
+    /// load) are packed on the pool; small ones (attention's keys and values, inside a task) on
+    /// the calling thread.
+    fn pack(n: usize, k: usize, at: impl Fn(usize, usize) -> u16 + Sync) -> Bf16Matrix {
+        let pairs = k.div_ceil(2);
+        let panels = n.div_ceil(LANES);
+        let mut data = vec![0u32; panels * pairs * LANES];
+        let fill = |panel: usize, dst: &mut [u32]| {
+            let lanes = LANES.min(n - panel * LANES);
+            for (p, words) in dst.chunks_exact_mut(LANES).enumerate() {
+                let (i, odd) = (2 * p, 2 * p + 1 < k);
+                for (lane, word) in words.iter_mut().enumerate().take(lanes) {
+                    let o = panel * LANES + lane;
+                    let hi = if odd { at(o, i + 1) as u32 } else { 0 };
+                    *word = at(o, i) as u32 | (hi << 16);
+                }
+            }
+        };
+        if n * k >= 1 << 18 {
+            data.par_chunks_mut(pairs * LANES).enumerate().for_each(|(panel, dst)| fill(panel, dst));
+        } else {
+            data.chunks_mut((pairs * LANES).max(1)).enumerate().for_each(|(panel, dst)| fill(panel, dst));
+        }
+        Bf16Matrix { n, k, pairs, data }
+    }
+
+    /// Outputs (rows of W).
+    pub fn n(&self) -> usize {
+        self.n
+    }
+    /// Inputs (columns of W).
+    pub fn k(&self) -> usize {
+        self.k
+    }
+
+    /// W as f32 values, row-major (n, k): what the products use (a test's reference).
+    pub fn to_f32(&self) -> Vec<f32> {
+        let mut w = vec![0f32; self.n * self.k];
+        for o in 0..self.n {
+            let (panel, lane) = (o / LANES, o % LANES);
+            for i in 0..self.k {
+                let word = self.data[(panel * self.pairs + i / 2) * LANES + lane];
+                w[o * self.k + i] = from_bf16(if i % 2 == 0 { word as u16 } else { (word >> 16) as u16 });
+            }
+        }
+        w
+    }
+
+    /// y = x Wᵀ for x (m, k) row-major f32: (m, n) f32. x is rounded to bf16 first.
+    pub fn matmul_t(&self, x: &[f32], m: usize) -> Vec<f32> {
+        assert_eq!(x.len(), m * self.k, "x has {} values, expected {m} × {}", x.len(), self.k);
+        if m == 0 || self.n == 0 || self.k == 0 {
+            return vec![0f32; m * self.n];
+        }
+        let xs = pack_rows(x, m, self.k);
+        // Every output is stored by exactly one tile before anything reads it (k > 0, so each
+        // tile runs its first block), so the buffer need not be zeroed first: that memset was
+        // ~5% of a bf16 forward pass.
+        let mut y: Vec<std::mem::MaybeUninit<f32>> = Vec::with_capacity(m * self.n);
+        // SAFETY: MaybeUninit needs no initialisation.
+        unsafe { y.set_len(m * self.n) };
+        let kernel = Kernel::detect();
+        let groups = self.n.div_ceil(LANES * NB);
+        let row_blocks = m.div_ceil(MC);
+        // Enough tasks for the pool with few rows (decoding), bigger column blocks with many.
+        let groups_per_task = if row_blocks >= 8 { 4 } else { 1 };
+        let col_tasks = groups.div_ceil(groups_per_task);
+        let out = OutPtr(y.as_mut_ptr() as *mut f32);
+        (0..row_blocks * col_tasks).into_par_iter().for_each(|task| {
+            let (rb, ct) = (task / col_tasks, task % col_tasks);
+            let rows = rb * MC..((rb + 1) * MC).min(m);
+            let groups = ct * groups_per_task..((ct + 1) * groups_per_task).min(groups);
+            // SAFETY: the task's rows × groups region of y is written by this task only.
+            unsafe { self.block(kernel, &xs, self.pairs, rows, groups, self.n, out.at(0), self.n) };
+        });
+        let mut y = std::mem::ManuallyDrop::new(y);
+        // SAFETY: every element was written (see above); MaybeUninit<f32> has f32's layout.
+        unsafe { Vec::from_raw_parts(y.as_mut_ptr() as *mut f32, y.len(), y.capacity()) }
+    }
+
+    /// y = x Wᵀ on the calling thread, for x already packed by [`pack_rows`] with `x_pairs`
+    /// (≤ W's) pairs per row — W's later inputs are skipped, as if x were zero there — and only
+    /// the first `cols` outputs, written at `y` with row stride `ldc`. What attention uses inside
+    /// its own tasks (scores against a causal prefix of the keys, probabilities times values).
+    ///
+    /// # Safety
+    /// `y` is valid for m rows of `cols` values at stride `ldc` and no other thread touches them.
+    pub unsafe fn product(&self, xs: &[u32], x_pairs: usize, m: usize, cols: usize, y: *mut f32, ldc: usize) {
+        assert!(x_pairs <= self.pairs && cols <= self.n && xs.len() >= m.div_ceil(MR) * MR * x_pairs);
+        let groups = cols.div_ceil(LANES * NB);
+        self.block(Kernel::detect(), xs, x_pairs, 0..m, 0..groups, cols, y, ldc)
+    }
+
+    /// Rows `rows` (starting at a multiple of MR) × column groups `groups` (48 outputs each,
+    /// clipped to `cols`) of y = x Wᵀ, x packed with `x_pairs` pairs per row.
+    ///
+    /// # Safety
+    /// `y` is valid for the region at row stride `ldc`, written by this call only.
+    #[allow(clippy::too_many_arguments)]
+    unsafe fn block(
+        &self,
+        kernel: Kernel,
+        xs: &[u32],
+        x_pairs: usize,
+        rows: std::ops::Range<usize>,
+        groups: std::ops::Range<usize>,
+        cols: usize,
+        y: *mut f32,
+        ldc: usize,
+    ) {
+        for p0 in (0..x_pairs).step_by(KC) {
+            let kc = KC.min(x_pairs - p0);
+            for g in groups.clone() {
+                let c0 = g * LANES * NB;
+                let b = &self.data[((c0 / LANES) * self.pairs + p0) * LANES..];
+                for r in rows.clone().step_by(MR) {
+                    let t = Tile {
+                        a: &xs[r * x_pairs + p0 * MR..],
+                        b,
+                        ldb: self.pairs * LANES,
+                        kc,
+                        c: y.add(r * ldc + c0),
+                        ldc,
+                        cols: (cols - c0).min(LANES * NB),
+                        first: p0 == 0,
+                    };
+                    kernel.run(MR.min(rows.end - r), &t);
+                }
+            }
+        }
+    }
+}
+
+/// The output buffer, shared by tasks that write disjoint tiles.
+struct OutPtr(*mut f32);
+// SAFETY: every task writes a distinct (row block, column block) region.
+unsafe impl Send for OutPtr {}
+unsafe impl Sync for OutPtr {}
+
+impl OutPtr {
+    /// A method, so closures capture the wrapper (Send + Sync), not the raw pointer field.
+    fn at(&self, offset: usize) -> *mut f32 {
+        // SAFETY: callers stay inside the buffer.
+        unsafe { self.0.add(offset) }
+    }
+}
+
+/// x (m, k) rounded to bf16 and packed for the kernel: tiles of MR rows; within a tile, for each
+/// input pair p, MR words (x[r, 2p] low, x[r, 2p+1] high), so that a step of the kernel reads
+/// its MR broadcasts from one place. Rows past m and an odd k's last input are zeros.
+pub fn pack_rows(x: &[f32], m: usize, k: usize) -> Vec<u32> {
+    let pairs = k.div_ceil(2);
+    let mut xs = vec![0u32; m.div_ceil(MR) * MR * pairs];
+    let fill = |tile: usize, dst: &mut [u32]| {
+        for r in 0..MR.min(m - tile * MR) {
+            let row = &x[(tile * MR + r) * k..][..k];
+            let mut words = dst[r..].iter_mut().step_by(MR);
+            for (pair, w) in row.chunks_exact(2).zip(&mut words) {
+                *w = to_bf16(pair[0]) as u32 | ((to_bf16(pair[1]) as u32) << 16);
+            }
+            if k % 2 == 1 {
+                *words.next().expect("room for the last pair") = to_bf16(row[k - 1]) as u32;
+            }
+        }
+    };
+    if m * k >= 1 << 16 {
+        xs.par_chunks_mut((MR * pairs).max(1)).enumerate().for_each(|(tile, dst)| fill(tile, dst));
+    } else {
+        xs.chunks_mut((MR * pairs).max(1)).enumerate().for_each(|(tile, dst)| fill(tile, dst));
+    }
+    xs
+}
+
+/// One register tile: `rows` (≤ MR) rows of packed activations from `a` (MR words per pair, see
+/// [`pack_rows`]), `kc` input pairs of up to NB panels from `b` (panel stride `ldb` words), accumulated into the
+/// `cols` (≤ 48) outputs at `c` (row stride `ldc`); `first`: start from 0 rather than from c.
+struct Tile<'a> {
+    a: &'a [u32],
+    b: &'a [u32],
+    ldb: usize,
+    kc: usize,
+    c: *mut f32,
+    ldc: usize,
+    cols: usize,
+    first: bool,
+}
+
+/// Which kernel this CPU runs, chosen once per product.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Kernel {
+    /// AVX-512 BF16's `VDPBF16PS`.
+    Avx512Bf16,
+    /// The portable kernel, compiled for AVX-512F.
+    Avx512,
+    /// The portable kernel, compiled for AVX2 + FMA.
+    Avx2,
+    /// The portable kernel, compiled for the baseline target.
+    Portable,
+}
+
+impl Kernel {
+    /// The fastest kernel this CPU has, decided once per process; `ONEPASS_BF16_KERNEL=portable`
+    /// forces the portable one (how a test compares the two on one machine).
+    pub fn detect() -> Kernel {
+        static CHOICE: std::sync::OnceLock<Kernel> = std::sync::OnceLock::new();
+        *CHOICE.get_or_init(Kernel::probe)
+    }
+
+    fn probe() -> Kernel {
+        if std::env::var("ONEPASS_BF16_KERNEL").as_deref() == Ok("portable") {
+            return Kernel::Portable;
+        }
+        #[cfg(target_arch = "x86_64")]
+        {
+            use std::arch::is_x86_feature_detected as has;
+            if has!("avx512f") && has!("avx512bf16") {
+                return Kernel::Avx512Bf16;
+            }
+            if has!("avx512f") {
+                return Kernel::Avx512;
+            }
+            if has!("avx2") && has!("fma") {
+                return Kernel::Avx2;
+            }
+        }
+        Kernel::Portable
+    }
+
+    /// # Safety
+    /// `t` describes valid memory (see [`Tile`]), rows ≤ MR, the CPU has this kernel's features.
+    unsafe fn run(self, rows: usize, t: &Tile) {
+        macro_rules! dispatch {
+            ($f:ident) => {
+                match rows.min(MR) {
+                    1 => $f::<1>(t),
+                    2 => $f::<2>(t),
+                    3 => $f::<3>(t),
+                    4 => $f::<4>(t),
+                    5 => $f::<5>(t),
+                    6 => $f::<6>(t),
+                    7 => $f::<7>(t),
+                    _ => $f::<8>(t),
+                }
+            };
+        }
+        match self {
+            #[cfg(target_arch = "x86_64")]
+            Kernel::Avx512Bf16 => dispatch!(tile_dpbf16),
+            #[cfg(target_arch = "x86_64")]
+            Kernel::Avx512 => dispatch!(tile_avx512),
+            #[cfg(target_arch = "x86_64")]
+            Kernel::Avx2 => dispatch!(tile_avx2),
+            _ => dispatch!(tile_portable),
+        }
+    }
+}
+
+/// The portable tile: per output, acc += x_hi·w_hi, then acc += x_lo·w_lo (see the module doc);
+/// the 16 lanes of a panel are independent, so the compiler vectorises over them.
+#[inline(always)]
+unsafe fn tile_generic<const R: usize>(t: &Tile) {
+    let panels = t.cols.div_ceil(LANES);
+    let mut acc = [[[0f32; LANES]; NB]; R];
+    if !t.first {
+        for (r, row) in acc.iter_mut().enumerate() {
+            for c in 0..t.cols {
+                row[c / LANES][c % LANES] = *t.c.add(r * t.ldc + c);
+            }
+        }
+    }
+    for p in 0..t.kc {
+        for (j, _) in (0..panels).zip(0..NB) {
+            let w = &t.b[j * t.ldb + p * LANES..][..LANES];
+            for (r, row) in acc.iter_mut().enumerate() {
+                let a = t.a[p * MR + r];
+                let (a_lo, a_hi) = (f32::from_bits(a << 16), f32::from_bits(a & 0xffff_0000));
+                for (o, &wv) in row[j].iter_mut().zip(w) {
+                    *o += a_hi * f32::from_bits(wv & 0xffff_0000);
+                    *o += a_lo * f32::from_bits(wv << 16);
+                }
+            }
+        }
+    }
+    for (r, row) in acc.iter().enumerate() {
+        for c in 0..t.cols {
+            *t.c.add(r * t.ldc + c) = row[c / LANES][c % LANES];
+        }
+    }
+}
+
+unsafe fn tile_portable<const R: usize>(t: &Tile) {
+    tile_generic::<R>(t)
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f")]
+unsafe fn tile_avx512<const R: usize>(t: &Tile) {
+    tile_generic::<R>(t)
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma")]
+unsafe fn tile_avx2<const R: usize>(t: &Tile) {
+    tile_generic::<R>(t)
+}
+
+/// The `VDPBF16PS` tile: R × 3 accumulators of 16 outputs, each step broadcasting one packed
+/// activation pair per row against three panels' weight pairs.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f,avx512bf16")]
+unsafe fn tile_dpbf16<const R: usize>(t: &Tile) {
+    use std::arch::x86_64::*;
+    let panels = t.cols.div_ceil(LANES);
+    let last = t.cols - (panels - 1) * LANES;
+    let mask = |j: usize| -> __mmask16 {
+        if j + 1 < panels {
+            0xffff
+        } else if j + 1 == panels {
+            if last == LANES {
+                0xffff
+            } else {
+                ((1u32 << last) - 1) as __mmask16
+            }
+        } else {
+            0
+        }
+    };
+    let mut acc = [[_mm512_setzero_ps(); NB]; R];
+    if !t.first {
+        for (r, row) in acc.iter_mut().enumerate() {
+            for (j, v) in row.iter_mut().enumerate() {
+                *v = _mm512_maskz_loadu_ps(mask(j), t.c.add(r * t.ldc + j * LANES));
+            }
+        }
+    }
+    let (a, b) = (t.a.as_ptr(), t.b.as_ptr());
+    // A full tile loads every panel unconditionally, so the loop has one shape; a short one loads
+    // zeros for the panels past its columns.
+    let full = panels == NB;
+    for p in 0..t.kc {
+        let w: [__m512bh; NB] = std::array::from_fn(|j| {
+            if full || j < panels {
+                std::mem::transmute::<__m512i, __m512bh>(_mm512_loadu_si512(b.add(j * t.ldb + p * LANES) as *const _))
+            } else {
+                std::mem::transmute::<__m512i, __m512bh>(_mm512_setzero_si512())
+            }
+        });
+        for (r, row) in acc.iter_mut().enumerate() {
+            let x = std::mem::transmute::<__m512i, __m512bh>(_mm512_set1_epi32(*a.add(p * MR + r) as i32));
+            for (v, wj) in row.iter_mut().zip(w) {
+                *v = _mm512_dpbf16_ps(*v, x, wj);
+            }
+        }
+    }
+    for (r, row) in acc.iter().enumerate() {
+        for (j, v) in row.iter().enumerate() {
+            let m = mask(j);
+            if m != 0 {
+                _mm512_mask_storeu_ps(t.c.add(r * t.ldc + j * LANES), m, *v);
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use rand::{Rng, SeedableRng};
+
+    fn random(n: usize, seed: u64, scale: f32) -> Vec<f32> {
+        let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(seed);
+        (0..n).map(|_| (rng.random::<f32>() * 2.0 - 1.0) * scale).collect()
+    }
+
+    /// The defining sequence, written independently of the kernels: per output, over pairs in
+    /// order, the odd product then the even one, each added in f32.
+    fn reference(x: &[f32], w: &[f32], m: usize, n: usize, k: usize) -> Vec<f32> {
+        let r = |v: f32| from_bf16(to_bf16(v));
+        let mut y = vec![0f32; m * n];
+        for i in 0..m {
+            for o in 0..n {
+                let mut acc = 0f32;
+                for p in 0..k.div_ceil(2) {
+                    if 2 * p + 1 < k {
+                        acc += r(x[i * k + 2 * p + 1]) * r(w[o * k + 2 * p + 1]);
+                    } else {
+                        acc += 0.0;
+                    }
+                    acc += r(x[i * k + 2 * p]) * r(w[o * k + 2 * p]);
+                }
+                y[i * n + o] = acc;
+            }
+        }
+        y
+    }
+
+    #[test]
+    fn rounding_matches_half() {
+        let mut xs = random(100_000, 1, 1e3);
+        xs.extend([0.0, -0.0, 1.0, f32::MAX, f32::MIN, f32::INFINITY, f32::NEG_INFINITY, 1e-30, -3e-39]);
+        xs.extend((0..1000).map(|i| f32::from_bits(0x3f80_8000 + i * 0x1_0000)));
+        for x in xs {
+            let want = if x != 0.0 && x.abs() < f32::MIN_POSITIVE { 0.0f32.copysign(x) } else { x };
+            assert_eq!(to_bf16(x), half::bf16::from_f32(want).to_bits(), "{x:e}");
+        }
+        assert!(from_bf16(to_bf16(f32::NAN)).is_nan());
+        // Half-way cases round to even: 1 + 2^-8 is half an ulp of bf16 above 1.
+        assert_eq!(from_bf16(to_bf16(1.0 + 2f32.powi(-8))), 1.0);
+        assert_eq!(from_bf16(to_bf16(1.0 + 3.0 * 2f32.powi(-8))), 1.0 + 2f32.powi(-6));
+    }
+
+    /// Every kernel, every tile shape (rows 1–8 and beyond a task block, outputs not a multiple
+    /// of 16 or 48, odd k, k past one cache block) gives the reference's bits.
+    #[test]
+    fn kernels_give_the_defining_sequence_bit_for_bit() {
+        let kernels = {
+            let mut v = vec![Kernel::Portable];
+            #[cfg(target_arch = "x86_64")]
+            {
+                use std::arch::is_x86_feature_detected as has;
+                if has!("avx2") && has!("fma") {
+                    v.push(Kernel::Avx2);
+                }
+                if has!("avx512f") {
+                    v.push(Kernel::Avx512);
+                }
+                if has!("avx512f") && has!("avx512bf16") {
+                    v.push(Kernel::Avx512Bf16);
+                }
+            }
+            v
+        };
+        for (m, n, k) in [(1, 1, 1), (3, 17, 5), (8, 48, 64), (13, 50, 257), (70, 96, 300), (9, 33, 2)] {
+            let x = random(m * k, 2, 3.0);
+            let w = random(n * k, 3, 0.5);
+            let want = reference(&x, &w, m, n, k);
+            let mat = Bf16Matrix::from_f32(&w, n, k);
+            assert_eq!(mat.to_f32(), w.iter().map(|&v| from_bf16(to_bf16(v))).collect::<Vec<_>>());
+            for &kern in &kernels {
+                let got = with_kernel(kern, &mat, &x, m);
+                for (i, (g, w)) in got.iter().zip(&want).enumerate() {
+                    assert_eq!(g.to_bits(), w.to_bits(), "{kern:?} m {m} n {n} k {k} at {i}: {g} vs {w}");
+                }
+            }
+            // Negative control: summing the even product first changes some bits (so the test
+            // can see the order), and f32 inputs unrounded differ by far more.
+            if k >= 64 {
+                let mut swapped = vec![0f32; m * n];
+                let r = |v: f32| from_bf16(to_bf16(v));
+                for i in 0..m {
+                    for o in 0..n {
+                        let mut acc = 0f32;
+                        for p in 0..k / 2 {
+                            acc += r(x[i * k + 2 * p]) * r(w[o * k + 2 * p]);
+                            acc += r(x[i * k + 2 * p + 1]) * r(w[o * k + 2 * p + 1]);
+                        }
+                        swapped[i * n + o] = acc;
+                    }
+                }
+                assert!(swapped.iter().zip(&want).any(|(a, b)| a.to_bits() != b.to_bits()));
+            }
+        }
+    }
+
+    /// The product a caller sees (rayon tasks, detected kernel) equals the reference at any
+    /// thread count, and stays within bf16's rounding of the f32 product.
+    #[test]
+    fn matmul_is_deterministic_and_close_to_f32() {
+        let (m, n, k) = (150, 200, 576);
+        let x = random(m * k, 4, 2.0);
+        let w = random(n * k, 5, 0.1);
+        let mat = Bf16Matrix::from_f32(&w, n, k);
+        let one = rayon::ThreadPoolBuilder::new().num_threads(1).build().unwrap().install(|| mat.matmul_t(&x, m));
+        let two = rayon::ThreadPoolBuilder::new().num_threads(2).build().unwrap().install(|| mat.matmul_t(&x, m));
+        assert_eq!(one, two);
+        assert_eq!(one, reference(&x, &w, m, n, k));
+        let mut worst = 0f64;
+        for i in 0..m {
+            for o in 0..n {
+                let exact: f64 = (0..k).map(|j| x[i * k + j] as f64 * w[o * k + j] as f64).sum();
+                let scale: f64 = (0..k).map(|j| (x[i * k + j] as f64 * w[o * k + j] as f64).abs()).sum();
+                worst = worst.max((one[i * n + o] as f64 - exact).abs() / scale);
+            }
+        }
+        // Two roundings of 2^-9 each per product, relative to Σ|x·w|.
+        assert!(worst < 2.0 * 2f64.powi(-8), "worst relative error {worst}");
+        assert!(worst > 1e-6, "bf16 rounding should be visible ({worst}): is x rounded at all?");
+    }
+
+    fn with_kernel(kern: Kernel, mat: &Bf16Matrix, x: &[f32], m: usize) -> Vec<f32> {
+        // The single-task path of matmul_t with a chosen kernel.
+        let (k, pairs, n) = (mat.k, mat.pairs, mat.n);
+        let xs = pack_rows(x, m, k);
+        let mut y = vec![f32::NAN; m * n];
+        for p0 in (0..pairs).step_by(KC) {
+            let kc = KC.min(pairs - p0);
+            for c0 in (0..n).step_by(LANES * NB) {
+                let cols = (n - c0).min(LANES * NB);
+                for r in (0..m).step_by(MR) {
+                    let t = Tile {
+                        a: &xs[r * pairs + p0 * MR..],
+                        b: &mat.data[((c0 / LANES) * pairs + p0) * LANES..],
+                        ldb: pairs * LANES,
+                        kc,
+                        c: unsafe { y.as_mut_ptr().add(r * n + c0) },
+                        ldc: n,
+                        cols,
+                        first: p0 == 0,
+                    };
+                    unsafe { kern.run(MR.min(m - r), &t) };
+                }
+            }
+        }
+        y
+    }
+}
