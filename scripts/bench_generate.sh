@@ -19,8 +19,10 @@ trap 'rm -rf "$out"' EXIT
 bin=target/release/examples/generate_bench
 for r in $(seq 1 "$rounds"); do
     echo "bench-generate: round $r/$rounds" >&2
-    RAYON_NUM_THREADS=$threads $bin "$model" datasets/prompts/prompts.jsonl "$prompts_n" "$n" "$max_new" \
-        "$batch_prompts" "$out/ids.json" 2>/dev/null | tail -n 1 >"$out/candle-f32-$r.json"
+    for dt in f32 bf16; do
+        RAYON_NUM_THREADS=$threads $bin "$model" datasets/prompts/prompts.jsonl "$prompts_n" "$n" "$max_new" \
+            "$batch_prompts" "$out/ids.json" $dt 2>/dev/null | tail -n 1 >"$out/candle-$dt-$r.json"
+    done
     for dt in float32 bfloat16; do
         "$py" scripts/bench_generate_torch.py --model "$model" --ids "$out/ids.json" --dtype $dt \
             --threads "$threads" 2>/dev/null >"$out/torch-$dt-$r.json"

@@ -1,6 +1,6 @@
 //! Tokens per second of onepass's sampling loop (prefill + decode with the KV cache), the shape of
 //! the deploy mini: `cargo run --release -p features --example generate_bench -- MODEL PROMPTS.jsonl
-//! [PROMPTS=16] [N=8] [MAX_NEW=64] [BATCH_PROMPTS=8] [IDS_OUT]`. The first PROMPTS prompts of the
+//! [PROMPTS=16] [N=8] [MAX_NEW=64] [BATCH_PROMPTS=8] [IDS_OUT] [DTYPE=f32|bf16]`. The first PROMPTS prompts of the
 //! jsonl (key `prompt`) are templated with the model's chat template; N samples each at T = 1,
 //! BATCH_PROMPTS prompts × N rows per decoding step, at most MAX_NEW new tokens, stopping at the
 //! end-of-turn token. One untimed warm-up on the first batch, then one timed pass over all
@@ -31,9 +31,14 @@ fn main() {
         })
         .collect();
     let source = Source::parse(model).expect("a model source");
-    let b = Backbone::load_with(&source, &Device::Cpu, DType::F32, 4096, true).expect("loading the model");
+    let (dtype, dtype_name) = match args.get(8).map(String::as_str) {
+        None | Some("f32") => (DType::F32, "float32"),
+        Some("bf16") => (DType::BF16, "bfloat16"),
+        Some(other) => panic!("dtype {other}: expected f32 or bf16"),
+    };
+    let b = Backbone::load_with(&source, &Device::Cpu, dtype, 4096, true).expect("loading the model");
     let ids: Vec<Vec<u32>> = prompts.iter().map(|p| b.prompt_ids(p).expect("templating")).collect();
-    if let Some(out) = args.get(7) {
+    if let Some(out) = args.get(7).filter(|o| !o.is_empty()) {
         let eos: Vec<u32> = b.tok.eos.iter().map(|e| e.1).collect();
         let spec = serde_json::json!({"ids": ids, "n": n, "max_new_tokens": max_new, "batch_prompts": batch_prompts, "eos": eos});
         std::fs::write(out, spec.to_string()).expect("writing the ids");
@@ -56,7 +61,7 @@ fn main() {
     println!(
         "{}",
         serde_json::json!({
-            "engine": "candle", "dtype": "float32", "model": model, "threads": threads,
+            "engine": "candle", "dtype": dtype_name, "model": model, "threads": threads,
             "batch": batch_prompts * n, "len": max_new, "reps": 1, "pass_s": [s],
             "tok_s": tokens as f64 / s, "peak_rss_mb": rss, "abs_sum": tokens as f64,
         })

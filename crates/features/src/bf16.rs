@@ -84,16 +84,8 @@ impl Bf16Matrix {
         Bf16Matrix::pack(n, k, |o, i| to_bf16(w[o * k + i]))
     }
 
-    /// Packs W = Vᵀ for V given in f32, row-major (k, n) — attention's values, whose rows are
-    /// the product's inputs — rounding with [`to_bf16`].
-    pub fn from_f32_transposed(v: &[f32], k: usize, n: usize) -> Bf16Matrix {
-        assert_eq!(v.len(), n * k, "a {k} × {n} matrix needs {} values", n * k);
-        Bf16Matrix::pack(n, k, |o, i| to_bf16(v[i * n + o]))
-    }
-
     /// The packed layout from `at(output, input)` (bf16 bits). Large matrices (weights, once at
-    /// load) are packed on the pool; small ones (attention's keys and values, inside a task) on
-    /// the calling thread.
+    /// load) are packed on the pool, small ones on the calling thread.
     fn pack(n: usize, k: usize, at: impl Fn(usize, usize) -> u16 + Sync) -> Bf16Matrix {
         let pairs = k.div_ceil(2);
         let panels = n.div_ceil(LANES);
@@ -171,19 +163,6 @@ impl Bf16Matrix {
         unsafe { Vec::from_raw_parts(y.as_mut_ptr() as *mut f32, y.len(), y.capacity()) }
     }
 
-    /// y = x Wᵀ on the calling thread, for x already packed by [`pack_rows`] with `x_pairs`
-    /// (≤ W's) pairs per row — W's later inputs are skipped, as if x were zero there — and only
-    /// the first `cols` outputs, written at `y` with row stride `ldc`. What attention uses inside
-    /// its own tasks (scores against a causal prefix of the keys, probabilities times values).
-    ///
-    /// # Safety
-    /// `y` is valid for m rows of `cols` values at stride `ldc` and no other thread touches them.
-    pub unsafe fn product(&self, xs: &[u32], x_pairs: usize, m: usize, cols: usize, y: *mut f32, ldc: usize) {
-        assert!(x_pairs <= self.pairs && cols <= self.n && xs.len() >= m.div_ceil(MR) * MR * x_pairs);
-        let groups = cols.div_ceil(LANES * NB);
-        self.block(Kernel::detect(), xs, x_pairs, 0..m, 0..groups, cols, y, ldc)
-    }
-
     /// Rows `rows` (starting at a multiple of MR) × column groups `groups` (48 outputs each,
     /// clipped to `cols`) of y = x Wᵀ, x packed with `x_pairs` pairs per row.
     ///
@@ -241,7 +220,7 @@ impl OutPtr {
 /// x (m, k) rounded to bf16 and packed for the kernel: tiles of MR rows; within a tile, for each
 /// input pair p, MR words (x[r, 2p] low, x[r, 2p+1] high), so that a step of the kernel reads
 /// its MR broadcasts from one place. Rows past m and an odd k's last input are zeros.
-pub fn pack_rows(x: &[f32], m: usize, k: usize) -> Vec<u32> {
+fn pack_rows(x: &[f32], m: usize, k: usize) -> Vec<u32> {
     let pairs = k.div_ceil(2);
     let mut xs = vec![0u32; m.div_ceil(MR) * MR * pairs];
     let fill = |tile: usize, dst: &mut [u32]| {

@@ -375,6 +375,11 @@ impl Backbone {
         if opts.truncation == Truncation::PromptFirst {
             parts.push(("prompt_first", "v2: keeps the template's opening and the first role header"));
         }
+        // bf16 on the CPU changed meaning (bf16 weights, f32 activations, `crate::bf16`): φ
+        // computed by candle's all-bf16 composition before is not reused
+        if self.model.dtype() == DType::BF16 && self.model.device().is_cpu() {
+            parts.push(("bf16_cpu", "v2: bf16 weights and products, f32 activations"));
+        }
         let describe = serde_json::json!({
             "source": self.source, "weights_blake3": self.weights_digest, "tokenizer_blake3": self.tok.digest,
             "options": opts, "dtype": dtype, "dim": self.dim(),

@@ -383,7 +383,7 @@ impl Attention {
             };
             let y = {
                 let _s = tracing::trace_span!("causal_attention").entered();
-                crate::ops::causal_attention_packed(&packed, h, kv, scale, matches!(self.qkv.w, Weight::Bf16(_)))?.reshape((b, t, h * hd))?
+                crate::ops::causal_attention_packed(&packed, h, kv, scale)?.reshape((b, t, h * hd))?
             };
             let _s = tracing::trace_span!("o_proj").entered();
             return self.o.forward(&y);

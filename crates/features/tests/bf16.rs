@@ -1,0 +1,104 @@
+//! The bf16 CPU path at the model level: a bf16 model keeps f32 activations around bf16 products
+//! (`features::bf16`), so its hidden states and logits are within bf16's rounding of the f32
+//! model's — and not equal to them (the path is taken); its KV-cache decoding agrees with its own
+//! full forward pass; and the portable kernel gives the same bits as the AVX-512 BF16 one, end
+//! to end (a child process forces it with ONEPASS_BF16_KERNEL=portable).
+
+use candle_core::{DType, Device, Tensor};
+use candle_nn::VarBuilder;
+use features::model::{Config, HfConfig, Model};
+use std::path::PathBuf;
+
+fn fixtures() -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures")
+}
+
+fn tiny(name: &str, dtype: DType) -> Model {
+    let d = fixtures().join(name);
+    let hf: HfConfig = serde_json::from_str(&std::fs::read_to_string(d.join("config.json")).unwrap()).unwrap();
+    let cfg = Config::from_hf(&hf).unwrap();
+    let vb = unsafe { VarBuilder::from_mmaped_safetensors(&[d.join("model.safetensors")], dtype, &Device::Cpu) }.unwrap();
+    Model::load_with(vb, cfg, 128, Some(hf.tie_word_embeddings)).unwrap()
+}
+
+fn ids(b: usize, t: usize) -> Tensor {
+    let v: Vec<u32> = (0..(b * t) as u32).map(|i| (i * 37 + 5) % 128).collect();
+    Tensor::from_vec(v, (b, t), &Device::Cpu).unwrap()
+}
+
+fn rows(x: &Tensor) -> Vec<Vec<f32>> {
+    let d = *x.dims().last().unwrap();
+    x.reshape(((), d)).unwrap().to_vec2().unwrap()
+}
+
+fn cosine(a: &[f32], b: &[f32]) -> f64 {
+    let dot: f64 = a.iter().zip(b).map(|(x, y)| *x as f64 * *y as f64).sum();
+    let n = |v: &[f32]| v.iter().map(|x| (*x as f64).powi(2)).sum::<f64>().sqrt();
+    dot / n(a) / n(b)
+}
+
+#[test]
+fn bf16_hidden_states_are_within_rounding_of_f32() {
+    for name in ["tiny-llama", "tiny-qwen2"] {
+        let (f, h) = (tiny(name, DType::F32), tiny(name, DType::BF16));
+        assert_eq!(h.dtype(), DType::BF16);
+        assert_eq!(h.activation_dtype(), DType::F32, "{name}: the CPU bf16 path keeps f32 activations");
+        let x = ids(3, 40);
+        let (a, b) = (f.hidden_states(&x, f.cfg.layers).unwrap(), h.hidden_states(&x, h.cfg.layers).unwrap());
+        assert_eq!(b.dtype(), DType::F32);
+        let (a, b) = (rows(&a), rows(&b));
+        let worst = a.iter().zip(&b).map(|(x, y)| cosine(x, y)).fold(1.0, f64::min);
+        assert!(worst > 0.999, "{name}: worst cosine {worst}");
+        let differs = a.iter().zip(&b).any(|(x, y)| x.iter().zip(y).any(|(p, q)| p != q));
+        assert!(differs, "{name}: bf16 gave the f32 bits: the packed path was not taken");
+    }
+}
+
+#[test]
+fn bf16_decoding_follows_its_own_full_forward() {
+    let m = tiny("tiny-llama", DType::BF16);
+    let seq: Vec<u32> = (0..16u32).map(|i| (i * 29 + 3) % 128).collect();
+    let full = m.logits(&Tensor::new(seq.as_slice(), &Device::Cpu).unwrap().unsqueeze(0).unwrap()).unwrap();
+    let full = rows(&full);
+    let mut cache = m.new_cache(vec![0], seq.len()).unwrap();
+    m.forward_cached(&Tensor::new(&seq[..4], &Device::Cpu).unwrap().unsqueeze(0).unwrap(), &mut cache).unwrap();
+    for p in 4..seq.len() {
+        let t = Tensor::new(&seq[p..p + 1], &Device::Cpu).unwrap().unsqueeze(0).unwrap();
+        let l: Vec<f32> = m.forward_cached(&t, &mut cache).unwrap().squeeze(0).unwrap().to_vec1().unwrap();
+        let c = cosine(&l, &full[p]);
+        assert!(c > 0.9999, "position {p}: cosine {c} between decoded and full-forward logits");
+    }
+}
+
+/// The child half of the next test: prints the bf16 model's hidden states as bits.
+#[test]
+fn print_bf16_hidden_state_bits() {
+    if std::env::var_os("ONEPASS_BF16_CHILD").is_none() {
+        return;
+    }
+    let m = tiny("tiny-qwen2", DType::BF16);
+    let h = m.hidden_states(&ids(2, 70), m.cfg.layers).unwrap();
+    let bits: Vec<u32> = h.flatten_all().unwrap().to_vec1::<f32>().unwrap().iter().map(|x| x.to_bits()).collect();
+    println!("\nBITS {}", serde_json::to_string(&bits).unwrap());
+}
+
+#[test]
+fn portable_and_native_kernels_give_the_same_model_bits() {
+    let run = |portable: bool| -> String {
+        let mut cmd = std::process::Command::new(std::env::current_exe().unwrap());
+        cmd.args(["--exact", "print_bf16_hidden_state_bits", "--nocapture", "--test-threads", "1"]);
+        cmd.env("ONEPASS_BF16_CHILD", "1");
+        if portable {
+            cmd.env("ONEPASS_BF16_KERNEL", "portable");
+        } else {
+            cmd.env_remove("ONEPASS_BF16_KERNEL");
+        }
+        let out = cmd.output().unwrap();
+        assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+        let s = String::from_utf8(out.stdout).unwrap();
+        s.lines().find_map(|l| l.split_once("BITS ").map(|x| x.1)).expect("the child printed its bits").to_string()
+    };
+    let (native, portable) = (run(false), run(true));
+    assert!(native.len() > 100);
+    assert_eq!(native, portable, "kernel {:?} and the portable kernel disagree", features::bf16::Kernel::detect());
+}
