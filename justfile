@@ -59,6 +59,11 @@ bench-train batch="8" len="256" reps="3": fetch-models
 bench-generate prompts="16" n="8" max_new="64" batch_prompts="8": fetch-models
     scripts/bench_generate.sh {{prompts}} {{n}} {{max_new}} {{batch_prompts}}
 
+# The bf16 CPU path against f32: phi cosine on the first HH pairs, greedy agreement on the first
+# prompts (issue 20's quality bar; the mini-hh-ci accuracy comparison is in the script's header).
+bf16-quality pairs="200" prompts="50" tokens="32": fetch-models
+    scripts/bf16_quality.sh {{pairs}} {{prompts}} {{tokens}}
+
 # Fuzz the spec parser, the jsonl and parquet readers and the GGUF/safetensors readers with
 # cargo-fuzz (nightly; installed when missing), SECONDS each; prints executions and crashes per
 # target. Not in CI. E.g. `just fuzz 300`, `just fuzz 60 gguf`.

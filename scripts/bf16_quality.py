@@ -1,8 +1,10 @@
 #!/usr/bin/env python3
-"""Issue 20's quality bar for phi: per-sequence cosine between the bf16 and the f32 features of the
-same pairs (two `onepass features extract --out` parquets: phi_chosen, phi_rejected, label).
-Prints the minimum, the 1st percentile and the median cosine and how many sequences fall below 0.999;
-exits 1 if any does. Usage: bf16_quality.py F32.parquet BF16.parquet"""
+"""Issue 20's quality bar for bf16 against f32.
+  bf16_quality.py F32.parquet BF16.parquet   per-sequence cosine between the features of the same pairs
+      (two `onepass features extract --out` parquets: phi_chosen, phi_rejected, label): minimum, 1st
+      percentile, median, and how many fall below 0.999 (exit 1 if any).
+  bf16_quality.py --runs F32_RUN BF16_RUN     final held-out accuracy per config (mean over seeds) of two
+      run directories of one preset, and the largest difference (exit 1 above 0.01)."""
 import sys
 
 import numpy as np
@@ -27,5 +29,26 @@ def main(a, b):
     sys.exit(1 if below else 0)
 
 
+def runs(a, b):
+    import pandas as pd
+
+    def final(run):
+        m = pd.read_parquet(f"{run}/metrics.parquet")
+        last = m.sort_values("step").groupby(["label", "seed"]).last().reset_index()
+        return last.groupby("label")["eval_accuracy"].mean()
+
+    fa, fb = final(a), final(b)
+    worst = 0.0
+    for label in fa.index:
+        d = fb[label] - fa[label]
+        worst = max(worst, abs(d))
+        print(f"{label:<24} f32 {fa[label]:.4f}  bf16 {fb[label]:.4f}  difference {d:+.4f}")
+    print(f"largest difference {worst:.4f}")
+    sys.exit(1 if worst > 0.01 else 0)
+
+
 if __name__ == "__main__":
-    main(*sys.argv[1:3])
+    if sys.argv[1] == "--runs":
+        runs(*sys.argv[2:4])
+    else:
+        main(*sys.argv[1:3])
