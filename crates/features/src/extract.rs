@@ -130,6 +130,65 @@ fn read(p: &Path) -> Result<String, Error> {
 }
 
 /// A special token in tokenizer_config.json: a string or an AddedToken dict.
+/// A hub source resolved to its local directory or GGUF file (downloaded when missing).
+fn resolve_hub(spec: &crate::hub::HubSpec) -> Result<Source, Error> {
+    Ok(match crate::hub::resolve(spec, &crate::hub::HubEnv::from_env())? {
+        crate::hub::Resolved::Dir(d) => Source::Dir(d),
+        crate::hub::Resolved::Gguf(f) => Source::Gguf(f),
+    })
+}
+
+/// The tokenizer and chat template a GGUF file carries in its metadata.
+fn gguf_text(
+    metadata: &std::collections::HashMap<String, candle_core::quantized::gguf_file::Value>,
+    path: &Path,
+) -> Result<(Tok, ChatTemplate), Error> {
+    let tok = Tok::from_gguf(metadata)?;
+    let tmpl = meta_str(metadata, "tokenizer.chat_template")
+        .ok_or_else(|| Error::Template(format!("{}: no `tokenizer.chat_template` in the metadata", path.display())))?;
+    let template = ChatTemplate::new(
+        tmpl,
+        &format!("{} tokenizer.chat_template", path.display()),
+        tok.bos.as_ref().map(|b| b.0.as_str()),
+        tok.eos.as_ref().map(|b| b.0.as_str()),
+    )?;
+    Ok((tok, template))
+}
+
+/// A model directory's config (as written and as read), tokenizer and chat template.
+fn dir_text(dir: &Path) -> Result<(HfConfig, Config, Tok, ChatTemplate), Error> {
+    let cfg_text = read(&dir.join("config.json"))?;
+    let hf: HfConfig = serde_json::from_str(&cfg_text)
+        .map_err(|e| Error::Format(format!("{}: {e}", dir.join("config.json").display())))?;
+    let cfg = Config::from_hf(&hf)?;
+    let tc_path = dir.join("tokenizer_config.json");
+    let tc: serde_json::Value =
+        serde_json::from_str(&read(&tc_path)?).map_err(|e| Error::Format(format!("{}: {e}", tc_path.display())))?;
+    let (bos, eos) = (special(tc.get("bos_token")), special(tc.get("eos_token")));
+    let tok_path = dir.join("tokenizer.json");
+    let tok = Tok::from_json(&read(&tok_path)?, &tok_path, bos.as_deref(), eos.as_deref())?;
+    let tmpl = match tc.get("chat_template") {
+        Some(serde_json::Value::String(s)) => s.clone(),
+        Some(serde_json::Value::Array(list)) => list
+            .iter()
+            .find(|t| t.get("name").and_then(|n| n.as_str()) == Some("default"))
+            .and_then(|t| t.get("template")?.as_str().map(String::from))
+            .ok_or_else(|| Error::Template(format!("{}: no `default` chat template", tc_path.display())))?,
+        _ => match std::fs::read_to_string(dir.join("chat_template.jinja")) {
+            Ok(s) => s,
+            Err(_) => {
+                return Err(Error::Template(format!(
+                    "{}: no `chat_template` (and no chat_template.jinja beside it)",
+                    tc_path.display()
+                )))
+            }
+        },
+    };
+    let template =
+        ChatTemplate::new(&tmpl, &format!("{} chat_template", tc_path.display()), bos.as_deref(), eos.as_deref())?;
+    Ok((hf, cfg, tok, template))
+}
+
 fn special(v: Option<&serde_json::Value>) -> Option<String> {
     match v? {
         serde_json::Value::String(s) => Some(s.clone()),
@@ -154,27 +213,14 @@ impl Backbone {
     ) -> Result<Backbone, Error> {
         match source {
             Source::Hub(spec) => {
-                let local = match crate::hub::resolve(spec, &crate::hub::HubEnv::from_env())? {
-                    crate::hub::Resolved::Dir(d) => Source::Dir(d),
-                    crate::hub::Resolved::Gguf(f) => Source::Gguf(f),
-                };
-                let mut b = Backbone::load_with(&local, device, dtype, max_len, lm_head)?;
+                let mut b = Backbone::load_with(&resolve_hub(spec)?, device, dtype, max_len, lm_head)?;
                 b.source = spec.display();
                 Ok(b)
             }
             Source::Gguf(path) => {
                 let g = Gguf::read_with(path, device, dtype, lm_head)?;
                 let tied = !g.tensors.contains_key("lm_head.weight");
-                let tok = Tok::from_gguf(&g.metadata)?;
-                let tmpl = meta_str(&g.metadata, "tokenizer.chat_template").ok_or_else(|| {
-                    Error::Template(format!("{}: no `tokenizer.chat_template` in the metadata", path.display()))
-                })?;
-                let template = ChatTemplate::new(
-                    tmpl,
-                    &format!("{} tokenizer.chat_template", path.display()),
-                    tok.bos.as_ref().map(|b| b.0.as_str()),
-                    tok.eos.as_ref().map(|b| b.0.as_str()),
-                )?;
+                let (tok, template) = gguf_text(&g.metadata, path)?;
                 let vb = VarBuilder::from_tensors(g.tensors, dtype, device);
                 let model = Model::load_with(vb, g.cfg, max_len, lm_head.then_some(tied))?;
                 Ok(Backbone {
@@ -186,39 +232,7 @@ impl Backbone {
                 })
             }
             Source::Dir(dir) => {
-                let cfg_text = read(&dir.join("config.json"))?;
-                let hf: HfConfig = serde_json::from_str(&cfg_text)
-                    .map_err(|e| Error::Format(format!("{}: {e}", dir.join("config.json").display())))?;
-                let cfg = Config::from_hf(&hf)?;
-                let tc_path = dir.join("tokenizer_config.json");
-                let tc: serde_json::Value = serde_json::from_str(&read(&tc_path)?)
-                    .map_err(|e| Error::Format(format!("{}: {e}", tc_path.display())))?;
-                let (bos, eos) = (special(tc.get("bos_token")), special(tc.get("eos_token")));
-                let tok_path = dir.join("tokenizer.json");
-                let tok = Tok::from_json(&read(&tok_path)?, &tok_path, bos.as_deref(), eos.as_deref())?;
-                let tmpl = match tc.get("chat_template") {
-                    Some(serde_json::Value::String(s)) => s.clone(),
-                    Some(serde_json::Value::Array(list)) => list
-                        .iter()
-                        .find(|t| t.get("name").and_then(|n| n.as_str()) == Some("default"))
-                        .and_then(|t| t.get("template")?.as_str().map(String::from))
-                        .ok_or_else(|| Error::Template(format!("{}: no `default` chat template", tc_path.display())))?,
-                    _ => match std::fs::read_to_string(dir.join("chat_template.jinja")) {
-                        Ok(s) => s,
-                        Err(_) => {
-                            return Err(Error::Template(format!(
-                                "{}: no `chat_template` (and no chat_template.jinja beside it)",
-                                tc_path.display()
-                            )))
-                        }
-                    },
-                };
-                let template = ChatTemplate::new(
-                    &tmpl,
-                    &format!("{} chat_template", tc_path.display()),
-                    bos.as_deref(),
-                    eos.as_deref(),
-                )?;
+                let (hf, cfg, tok, template) = dir_text(dir)?;
                 let files = safetensors_files(dir)?;
                 // SAFETY: the weight files are memory-mapped read-only; onepass never writes them.
                 let vb = unsafe { VarBuilder::from_mmaped_safetensors(&files, dtype, device) }
@@ -233,6 +247,49 @@ impl Backbone {
                 })
             }
         }
+    }
+
+    /// A policy's weights read once: the backbone (with its LM head, in `dtype`, for generation
+    /// and templating) and the same weights as f32 tensors under Hugging Face names (what a
+    /// trainer puts adapters on and merges them into), with whether the LM head is tied.
+    pub fn load_base(
+        source: &Source,
+        device: &Device,
+        dtype: DType,
+        max_len: usize,
+    ) -> Result<(Backbone, std::collections::HashMap<String, Tensor>, bool), Error> {
+        let (base, cfg, tied, tok, template, files, name) = match source {
+            Source::Hub(spec) => {
+                let (mut b, base, tied) = Backbone::load_base(&resolve_hub(spec)?, device, dtype, max_len)?;
+                b.source = spec.display();
+                return Ok((b, base, tied));
+            }
+            Source::Gguf(path) => {
+                let g = Gguf::read_with(path, device, DType::F32, true)?;
+                let tied = !g.tensors.contains_key("lm_head.weight");
+                let (tok, template) = gguf_text(&g.metadata, path)?;
+                (g.tensors, g.cfg, tied, tok, template, vec![path.clone()], path.display().to_string())
+            }
+            Source::Dir(dir) => {
+                let (hf, cfg, tok, template) = dir_text(dir)?;
+                let files = safetensors_files(dir)?;
+                let mut base = std::collections::HashMap::new();
+                for f in &files {
+                    let ts = candle_core::safetensors::load(f, device)
+                        .map_err(|e| Error::Weights(format!("{}: {e}", f.display())))?;
+                    for (k, v) in ts {
+                        base.insert(k, v.to_dtype(DType::F32)?);
+                    }
+                }
+                (base, cfg, hf.tie_word_embeddings, tok, template, files, dir.display().to_string())
+            }
+        };
+        // The backbone shares the f32 tensors (candle tensors are reference-counted); only fused
+        // or packed layers are copies.
+        let vb = VarBuilder::from_tensors(base.clone(), dtype, device);
+        let model = Model::load_with(vb, cfg, max_len, Some(tied))?;
+        let b = Backbone { model, tok, template, weights_digest: file_digest(&files)?, source: name };
+        Ok((b, base, tied))
     }
 
     pub fn dim(&self) -> usize {

@@ -107,6 +107,17 @@ pub(super) fn generate(
     let max_len = g.max_prompt_tokens + g.max_new_tokens;
     let b = Backbone::load_with(&Source::parse(&policy)?, &device(g.device)?, dtype(g.dtype), max_len, true)
         .with_context(|| format!("loading the policy {policy}"))?;
+    generate_with(&b, g, prompts, progress, rep)
+}
+
+/// [`generate`] with the policy already loaded (the online loop holds it).
+pub(super) fn generate_with(
+    b: &Backbone,
+    g: &GenerateSpec,
+    prompts: &[Vec<Message>],
+    progress: Mode,
+    rep: &mut BankReport,
+) -> Result<Vec<Vec<Sample>>> {
     rep.policy = b.source.clone();
     rep.policy_weights_blake3 = b.weights_digest.clone();
     let opts = g.sample_options();

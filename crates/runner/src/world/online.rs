@@ -4,12 +4,12 @@
 //! adapters (crate::settings); this holds the frozen parts.
 
 use super::extract::{device, dtype, PhiRun};
-use super::generated::{generate, BankReport, Generated, Scorer};
+use super::generated::{generate_with, BankReport, Generated, Scorer};
 use crate::progress::Mode;
 use crate::spec::data::expand_env;
 use crate::spec::{FeatureSpec, GenerateSpec, OracleKind, OracleSpec, PolicySpec};
 use anyhow::{anyhow, Context as _, Result};
-use candle_core::{DType, Tensor};
+use candle_core::Tensor;
 use features::generate::{Sample, SampleOptions};
 use features::model::{Config, Model};
 use features::{Backbone, FeatureCache, Message, Source};
@@ -67,38 +67,6 @@ struct Phi {
     cache: FeatureCache,
 }
 
-/// The base weights of a policy source, by Hugging Face name, and its architecture.
-fn base_weights(source: &Source, dev: &candle_core::Device) -> Result<(HashMap<String, Tensor>, Config, bool)> {
-    match source {
-        Source::Hub(spec) => {
-            let local = match features::hub::resolve(spec, &features::hub::HubEnv::from_env())? {
-                features::hub::Resolved::Dir(d) => Source::Dir(d),
-                features::hub::Resolved::Gguf(f) => Source::Gguf(f),
-            };
-            base_weights(&local, dev)
-        }
-        Source::Gguf(path) => {
-            let g = features::gguf::Gguf::read_with(path, dev, DType::F32, true)?;
-            let tied = !g.tensors.contains_key("lm_head.weight");
-            Ok((g.tensors, g.cfg, tied))
-        }
-        Source::Dir(dir) => {
-            let p = dir.join("config.json");
-            let text = std::fs::read_to_string(&p).with_context(|| format!("reading {}", p.display()))?;
-            let hf: features::model::HfConfig =
-                serde_json::from_str(&text).map_err(|e| anyhow!("{}: {e}", p.display()))?;
-            let cfg = Config::from_hf(&hf)?;
-            let mut t = HashMap::new();
-            for f in features::extract::safetensors_files(dir)? {
-                for (k, v) in candle_core::safetensors::load(&f, dev).map_err(|e| anyhow!("{}: {e}", f.display()))? {
-                    t.insert(k, v.to_dtype(DType::F32)?);
-                }
-            }
-            Ok((t, cfg, hf.tie_word_embeddings))
-        }
-    }
-}
-
 impl Online {
     /// Loads the policy's weights and tokenizer, the feature model, and generates (or reads from
     /// the generation cache) the base policy's samples of the held-out prompts.
@@ -127,9 +95,10 @@ impl Online {
         let source = Source::parse(&model)?;
         let dev = device(g.device)?;
         let max_len = g.max_prompt_tokens + g.max_new_tokens;
-        let (base, cfg, tied) = base_weights(&source, &dev).with_context(|| format!("loading the policy {model}"))?;
-        let policy = Backbone::load_with(&source, &dev, dtype(g.dtype), max_len, true)
+        // read once: the trainer's f32 base weights and the backbone that templates and generates
+        let (policy, base, tied) = Backbone::load_base(&source, &dev, dtype(g.dtype), max_len)
             .with_context(|| format!("loading the policy {model}"))?;
+        let cfg = policy.model.cfg.clone();
         let ids = |ps: &[Vec<Message>], what: &str| -> Result<Vec<Vec<u32>>> {
             ps.iter()
                 .enumerate()
@@ -148,7 +117,7 @@ impl Online {
         let opts = g.sample_options();
         let eval_opts = SampleOptions { n: p.eval_samples, ..opts.clone() };
         let eval_gen = GenerateSpec { n: p.eval_samples, ..g.clone() };
-        let eval_base = generate(&eval_gen, &bank.eval_prompts, progress, &mut BankReport::default())?;
+        let eval_base = generate_with(&policy, &eval_gen, &bank.eval_prompts, progress, &mut BankReport::default())?;
         let phi = Phi::load(PhiRun::new(&f.phi(), Mode::Quiet).context("features")?)?;
         Ok(Online {
             spec: p.clone(),
