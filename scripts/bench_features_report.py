@@ -26,13 +26,14 @@ def main(paths):
         print(f"{eng:<8} {dt:<5} {len(rs):>6} {med[(eng, dt)]:>13.0f} {min(tok):>8.0f} {max(tok):>8.0f} {rss:>12.0f} {rs[-1]['abs_sum']:>10.2f}")
     # Ratios per round too (engines alternate within a round, so a round's ratio compares runs
     # that saw the same machine): the min-max says how much of the median is noise.
+    peers = sorted(k for k in runs if k[0] != "candle")
     for cd in ("f32", "bf16"):
-        for dt in ("f32", "bf16"):
-            c, t = runs.get(("candle", cd)), runs.get(("torch", dt))
-            if not c or not t:
+        for peer in peers:
+            c, t = runs.get(("candle", cd)), runs[peer]
+            if not c:
                 continue
             per_round = [a["tok_s"] / b["tok_s"] for a, b in zip(c, t)]
-            print(f"candle {cd} / torch {dt}: {med[('candle', cd)] / med[('torch', dt)]:.2f}x"
+            print(f"candle {cd} / {peer[0]} {peer[1]}: {med[('candle', cd)] / med[peer]:.2f}x"
                   f" (per round {min(per_round):.2f}-{max(per_round):.2f}x)")
 
 

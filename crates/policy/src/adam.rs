@@ -87,6 +87,11 @@ impl Adam {
         Ok(StepInfo { grad_norm: norm, clip_factor: factor })
     }
 
+    /// Steps taken so far (restored with the state, so a resumed run counts on).
+    pub fn steps(&self) -> u64 {
+        self.t
+    }
+
     pub fn state(&self) -> Result<AdamState> {
         let flat = |ts: &[Tensor]| {
             ts.iter().map(|t| t.flatten_all()?.to_dtype(DType::F32)?.to_vec1::<f32>()).collect::<Result<Vec<_>>>()

@@ -29,7 +29,7 @@ pub mod ops;
 pub mod peft;
 pub mod train;
 
-pub use lora::{LoraConfig, Target};
+pub use lora::{Dropout, LoraConfig, Pass, Target};
 pub use model::PolicyModel;
 
 /// glibc's allocator settings for training and generating processes (see the function's doc).

@@ -57,22 +57,69 @@ impl Target {
     }
 }
 
-/// Rank, scale and placement of the adapters (dropout is 0: the sampled responses are scored
-/// by a deterministic forward pass).
+/// Rank, scale, placement and dropout of the adapters.
 #[derive(Clone, Debug, PartialEq)]
 pub struct LoraConfig {
     pub rank: usize,
     pub alpha: f64,
     pub targets: Vec<Target>,
-    /// Seed of A's initial draw.
+    /// Seed of A's initial draw (and, with the step count, of the dropout masks).
     pub seed: u64,
+    /// PEFT's `lora_dropout`: the probability of dropping an input of the adapters' branch in a
+    /// training pass ([`Dropout`]); 0 (the default) turns it off. Scoring and generation never drop.
+    pub dropout: f64,
 }
 
 impl Default for LoraConfig {
-    /// PEFT's common choice for causal LMs: r = 8, α = 16 on q_proj and v_proj.
+    /// PEFT's common choice for causal LMs: r = 8, α = 16 on q_proj and v_proj, no dropout.
     fn default() -> Self {
-        LoraConfig { rank: 8, alpha: 16.0, targets: vec![Target::QProj, Target::VProj], seed: 0 }
+        LoraConfig { rank: 8, alpha: 16.0, targets: vec![Target::QProj, Target::VProj], seed: 0, dropout: 0.0 }
     }
+}
+
+/// PEFT's LoRA dropout (`lora_dropout`): in a training pass the adapters' branch reads
+/// dropout(x) — each input kept with probability 1 − p and scaled by 1/(1 − p) (inverted
+/// dropout, as torch.nn.Dropout) — while the frozen path reads x. The masks come from one ChaCha20
+/// stream per training step, drawn in the model's fixed layer order, so a step (and a resumed
+/// run) is reproducible.
+pub struct Dropout {
+    p: f64,
+    rng: std::sync::Mutex<rand_chacha::ChaCha20Rng>,
+}
+
+impl Dropout {
+    /// The masks of one training step: `seed` (the adapters' seed) and `step` (the optimiser's
+    /// step count) name the stream.
+    pub fn new(p: f64, seed: u64, step: u64) -> Dropout {
+        let mut h = blake3::Hasher::new();
+        h.update(b"onepass-lora-dropout");
+        h.update(&seed.to_le_bytes());
+        h.update(&step.to_le_bytes());
+        Dropout { p, rng: std::sync::Mutex::new(rand_chacha::ChaCha20Rng::from_seed(*h.finalize().as_bytes())) }
+    }
+
+    /// A (rows, inp) mask of 0 and 1/(1 − p).
+    fn mask(&self, rows: usize, inp: usize, dev: &Device, dtype: candle_core::DType) -> Result<Tensor> {
+        let keep = 1.0 / (1.0 - self.p);
+        let mut rng = self.rng.lock().map_err(|_| candle_core::Error::Msg("dropout stream poisoned".into()))?;
+        let m: Vec<f32> = (0..rows * inp).map(|_| if rng.random::<f64>() < self.p { 0.0 } else { keep as f32 }).collect();
+        Tensor::from_vec(m, (rows, inp), dev)?.to_dtype(dtype)
+    }
+}
+
+/// What a forward pass computes: with or without the adapters, and with dropout on their
+/// branch (training passes only).
+#[derive(Clone, Copy)]
+pub struct Pass<'a> {
+    pub adapters: bool,
+    pub dropout: Option<&'a Dropout>,
+}
+
+impl Pass<'_> {
+    /// The reference (base) model.
+    pub const BASE: Pass<'static> = Pass { adapters: false, dropout: None };
+    /// The adapted model, deterministic (scoring, evaluation).
+    pub const ADAPTED: Pass<'static> = Pass { adapters: true, dropout: None };
 }
 
 impl LoraConfig {
@@ -127,8 +174,9 @@ pub struct Linear {
 
 impl Linear {
     /// (…, in) → (…, out): x Wᵀ + b + (α/r)(x Aᵀ)Bᵀ, on the flattened rows; without the
-    /// adapter's term when `adapters` is false (the reference policy).
-    pub fn forward(&self, x: &Tensor, adapters: bool) -> Result<Tensor> {
+    /// adapter's term when `pass.adapters` is false (the reference policy); the adapter's x
+    /// through [`Dropout`] when the pass has one.
+    pub fn forward(&self, x: &Tensor, pass: Pass<'_>) -> Result<Tensor> {
         let dims = x.dims().to_vec();
         let inp = *dims.last().expect("rank ≥ 1");
         let rows = x.elem_count() / inp.max(1);
@@ -137,8 +185,12 @@ impl Linear {
         if let Some(b) = &self.bias {
             y = y.broadcast_add(b)?;
         }
-        if let (Some(ad), true) = (&self.adapter, adapters) {
-            let low = x2.matmul(&ad.a.as_tensor().t()?)?.matmul(&ad.b.as_tensor().t()?)?;
+        if let (Some(ad), true) = (&self.adapter, pass.adapters) {
+            let xa = match pass.dropout {
+                Some(d) if d.p > 0.0 => (&x2 * d.mask(rows, inp, x2.device(), x2.dtype())?)?,
+                _ => x2.clone(),
+            };
+            let low = xa.matmul(&ad.a.as_tensor().t()?)?.matmul(&ad.b.as_tensor().t()?)?;
             y = (y + (low * ad.scale)?)?;
         }
         let mut out = dims;

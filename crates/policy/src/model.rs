@@ -6,7 +6,7 @@
 //! for training and log-probabilities, `features` stays the path for generation and φ
 //! (with [`PolicyModel::merged_weights`]).
 
-use crate::lora::{frozen_matmul, init_rng, Adapter, Linear, LoraConfig, Target};
+use crate::lora::{frozen_matmul, init_rng, Adapter, Dropout, Linear, LoraConfig, Pass, Target};
 use candle_core::{DType, Device, Module, Result, Tensor, Var};
 use features::model::{Config, Family};
 use std::collections::HashMap;
@@ -136,6 +136,12 @@ impl PolicyModel {
     /// Final-norm hidden states (b, t, hidden) of right-padded ids (b, t); with `adapters`
     /// false, those of the base (reference) model.
     pub fn hidden(&self, ids: &Tensor, adapters: bool) -> Result<Tensor> {
+        self.hidden_pass(ids, if adapters { Pass::ADAPTED } else { Pass::BASE })
+    }
+
+    /// [`PolicyModel::hidden`] for any [`Pass`] (a training pass with dropout).
+    pub fn hidden_pass(&self, ids: &Tensor, pass: Pass<'_>) -> Result<Tensor> {
+        let adapters = pass;
         let t = ids.dim(1)?;
         if t > self.cos.dim(0)? {
             candle_core::bail!("{t} tokens: the model was built for at most {}", self.cos.dim(0)?);
@@ -160,7 +166,22 @@ impl PolicyModel {
     /// reach the LM head and the log-softmax (a response is a fraction of its sequence).
     /// `batch` from [`crate::batch::SeqBatch`]; returns (positions,), f32.
     pub fn logprobs_at(&self, batch: &crate::batch::SeqBatch, adapters: bool) -> Result<Tensor> {
-        let h = self.hidden(&batch.ids, adapters)?;
+        self.logprobs_pass(batch, if adapters { Pass::ADAPTED } else { Pass::BASE })
+    }
+
+    /// [`PolicyModel::logprobs_at`] of the adapted model in a training pass: with the adapters'
+    /// dropout of optimiser step `step` when the config has one ([`Dropout`]).
+    pub fn logprobs_train(&self, batch: &crate::batch::SeqBatch, step: u64) -> Result<Tensor> {
+        if self.lora.dropout > 0.0 {
+            let d = Dropout::new(self.lora.dropout, self.lora.seed, step);
+            self.logprobs_pass(batch, Pass { adapters: true, dropout: Some(&d) })
+        } else {
+            self.logprobs_pass(batch, Pass::ADAPTED)
+        }
+    }
+
+    fn logprobs_pass(&self, batch: &crate::batch::SeqBatch, pass: Pass<'_>) -> Result<Tensor> {
+        let h = self.hidden_pass(&batch.ids, pass)?;
         let (b, t, d) = h.dims3()?;
         let rows = h.reshape((b * t, d))?.index_select(&batch.at, 0)?;
         let logits = frozen_matmul(&rows, &self.lm_head)?;
@@ -175,7 +196,7 @@ impl PolicyModel {
         cos: &Tensor,
         sin: &Tensor,
         mask: &Tensor,
-        adapters: bool,
+        adapters: Pass<'_>,
     ) -> Result<Tensor> {
         let (b, t, _) = x.dims3()?;
         let (h, kv, hd) = (self.cfg.heads, self.cfg.kv_heads, self.cfg.head_dim);

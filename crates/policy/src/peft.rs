@@ -66,7 +66,7 @@ pub fn encode(m: &PolicyModel, base_model: &str) -> std::result::Result<(Vec<u8>
         "base_model_name_or_path": base_model,
         "r": l.rank,
         "lora_alpha": l.alpha,
-        "lora_dropout": 0.0,
+        "lora_dropout": l.dropout,
         "target_modules": targets,
         "bias": "none",
         "fan_in_fan_out": false,

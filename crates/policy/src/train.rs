@@ -137,7 +137,8 @@ pub fn rloo_update(
         for (i, part) in rollouts.chunks(cfg.minibatch.max(1)).enumerate() {
             let at = i * cfg.minibatch.max(1);
             let b = batch(m, part)?;
-            let seq_lp = b.seq_sum(&m.logprobs_at(&b, true)?)?;
+            // the gradient pass: the adapters' dropout, if any, with this step's masks
+            let seq_lp = b.seq_sum(&m.logprobs_train(&b, opt.steps())?)?;
             let old: Vec<f32> = before[at..at + part.len()].iter().map(|s| s.0 as f32).collect();
             let a: Vec<f32> = adv[at..at + part.len()].iter().map(|&x| x as f32).collect();
             let old = Tensor::from_vec(old, part.len(), dev)?;
@@ -196,7 +197,7 @@ pub fn dpo_update(m: &PolicyModel, opt: &mut Adam, pairs: &[Preference<'_>], cfg
             let at = i * mb;
             let c = part.len();
             let b = batch(m, &flat(part))?;
-            let seq = b.seq_sum(&m.logprobs_at(&b, true)?)?;
+            let seq = b.seq_sum(&m.logprobs_train(&b, opt.steps())?)?;
             let (w, l) = (seq.narrow(0, 0, c)?, seq.narrow(0, c, c)?);
             let rw: Vec<f32> = refs[at..at + c].iter().map(|&x| x as f32).collect();
             let rl: Vec<f32> = refs[n + at..n + at + c].iter().map(|&x| x as f32).collect();

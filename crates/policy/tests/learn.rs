@@ -56,7 +56,7 @@ fn evaluate(m: &PolicyModel) -> f64 {
 /// `updates` RLOO steps of 8 samples; returns the evaluated reward before and after.
 fn train(lr: f64, updates: usize) -> (f64, f64) {
     let c = cfg(Family::Llama, true);
-    let lora = LoraConfig { rank: 4, alpha: 8.0, targets: Target::ALL.to_vec(), seed: 3 };
+    let lora = LoraConfig { rank: 4, alpha: 8.0, targets: Target::ALL.to_vec(), seed: 3, dropout: 0.0 };
     let m = PolicyModel::new(weights(&c, 11), c, &lora, 16, DType::F32).unwrap();
     let vars = m.vars();
     let mut opt = Adam::new(AdamConfig { lr, clip: Some(1.0), ..Default::default() }, &vars).unwrap();
@@ -95,7 +95,7 @@ fn adapters_round_trip_in_peft_layout_and_q_k_rows_in_hf_order() {
     let tmp = tempfile::tempdir().unwrap();
     let c = cfg(Family::Llama, true);
     let w = weights(&c, 12);
-    let lora = LoraConfig { rank: 2, alpha: 4.0, targets: vec![Target::QProj, Target::KProj, Target::VProj], seed: 5 };
+    let lora = LoraConfig { rank: 2, alpha: 4.0, targets: vec![Target::QProj, Target::KProj, Target::VProj], seed: 5, dropout: 0.0 };
     let m = PolicyModel::new(w.clone(), c.clone(), &lora, 16, DType::F32).unwrap();
     randomize(&m, 3);
     policy::peft::save(&m, tmp.path(), "tiny").unwrap();
@@ -144,7 +144,7 @@ fn adapters_round_trip_in_peft_layout_and_q_k_rows_in_hf_order() {
 
 fn tiny(seed: u64) -> PolicyModel {
     let c = cfg(Family::Qwen2, false);
-    let lora = LoraConfig { rank: 4, alpha: 8.0, targets: Target::ALL.to_vec(), seed };
+    let lora = LoraConfig { rank: 4, alpha: 8.0, targets: Target::ALL.to_vec(), seed, dropout: 0.0 };
     PolicyModel::new(weights(&c, 21), c, &lora, 16, DType::F32).unwrap()
 }
 

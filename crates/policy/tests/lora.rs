@@ -17,7 +17,7 @@ fn base_and_merged_logits_match_the_inference_path() {
     for (family, interleaved) in [(Family::Llama, false), (Family::Llama, true), (Family::Qwen2, false)] {
         let c = cfg(family, interleaved);
         let w = weights(&c, 3);
-        let lora = LoraConfig { rank: 2, alpha: 4.0, targets: Target::ALL.to_vec(), seed: 1 };
+        let lora = LoraConfig { rank: 2, alpha: 4.0, targets: Target::ALL.to_vec(), seed: 1, dropout: 0.0 };
         let m = PolicyModel::new(w.clone(), c.clone(), &lora, 32, DType::F32).unwrap();
         let got: Vec<f32> = m.forward(&ids()).unwrap().flatten_all().unwrap().to_vec1().unwrap();
         let want = inference_logits(&w, &c, &ids());
@@ -51,7 +51,7 @@ fn gradients_equal_central_differences(family: Family, interleaved: bool) {
     let w: HashMap<String, Tensor> =
         weights(&c, 4).into_iter().map(|(k, v)| (k, v.to_dtype(DType::F64).unwrap())).collect();
     let lora =
-        LoraConfig { rank: 2, alpha: 3.0, targets: vec![Target::QProj, Target::VProj, Target::DownProj], seed: 2 };
+        LoraConfig { rank: 2, alpha: 3.0, targets: vec![Target::QProj, Target::VProj, Target::DownProj], seed: 2, dropout: 0.0 };
     let m = PolicyModel::new(w, c, &lora, 32, DType::F64).unwrap();
     randomize(&m, 5);
     let ids = ids();
@@ -94,7 +94,7 @@ fn response_logprobs_equal_the_full_path_and_adapters_off_is_the_base_model() {
     let c = cfg(Family::Qwen2, false);
     let w: HashMap<String, Tensor> =
         weights(&c, 6).into_iter().map(|(k, v)| (k, v.to_dtype(DType::F64).unwrap())).collect();
-    let lora = LoraConfig { rank: 2, alpha: 4.0, targets: Target::ALL.to_vec(), seed: 3 };
+    let lora = LoraConfig { rank: 2, alpha: 4.0, targets: Target::ALL.to_vec(), seed: 3, dropout: 0.0 };
     let m = PolicyModel::new(w.clone(), c.clone(), &lora, 32, DType::F64).unwrap();
     randomize(&m, 8);
     let seqs: [(&[u32], &[u32]); 3] = [(&[1, 5, 3], &[9, 2]), (&[4], &[10, 0, 6, 8]), (&[7, 7, 2, 1], &[3])];
@@ -176,4 +176,55 @@ fn frozen_matmul_routes_the_gradient_to_x_alone() {
     let b: Vec<Vec<f64>> = g2.get(x.as_tensor()).unwrap().to_vec2().unwrap();
     assert_eq!(a, b);
     assert!(g1.get(&w).is_none(), "no gradient for the frozen weight");
+}
+
+/// PEFT's lora_dropout: the frozen path never sees it (with B = 0 a dropped pass is the base
+/// pass, bit for bit); the adapters' branch is unbiased (the mean over many masks is the
+/// undropped output: inverted dropout); a step's masks are reproducible and differ between steps.
+#[test]
+fn lora_dropout_is_unbiased_reproducible_and_spares_the_frozen_path() {
+    use policy::lora::{Adapter, Linear};
+    use policy::{Dropout, Pass};
+    use rand::{Rng, SeedableRng};
+    let dev = Device::Cpu;
+    let mut rng = rand_chacha::ChaCha20Rng::seed_from_u64(9);
+    let mut rand = |n: usize| -> Vec<f64> { (0..n).map(|_| rng.random::<f64>() * 2.0 - 1.0).collect() };
+    let (rows, inp, out, r) = (3, 6, 4, 2);
+    let x = Tensor::from_vec(rand(rows * inp), (rows, inp), &dev).unwrap();
+    let w = Tensor::from_vec(rand(out * inp), (out, inp), &dev).unwrap();
+    let mut init = policy::lora::init_rng(1);
+    let ad = Adapter::new(inp, out, r, 1.5, &mut init, &dev, DType::F64).unwrap();
+    let lin = Linear { w, bias: None, adapter: Some(ad) };
+    let v = |t: Tensor| -> Vec<f64> { t.flatten_all().unwrap().to_vec1().unwrap() };
+    fn pass(d: &Dropout) -> Pass<'_> {
+        Pass { adapters: true, dropout: Some(d) }
+    }
+    // B = 0: the branch is zero, so a dropped pass must equal the base pass exactly.
+    let base = v(lin.forward(&x, Pass::BASE).unwrap());
+    assert_eq!(v(lin.forward(&x, pass(&Dropout::new(0.5, 0, 0))).unwrap()), base);
+    // A non-zero B.
+    let b = Tensor::from_vec(rand(out * r), (out, r), &dev).unwrap();
+    lin.adapter.as_ref().unwrap().b.set(&b).unwrap();
+    let want = v(lin.forward(&x, Pass::ADAPTED).unwrap());
+    let p = 0.3;
+    let one = |step: u64| v(lin.forward(&x, pass(&Dropout::new(p, 4, step))).unwrap());
+    assert_eq!(one(7), one(7), "a step's masks are reproducible");
+    assert_ne!(one(7), one(8), "steps draw different masks");
+    assert_ne!(one(7), want, "p = 0.3 drops something");
+    let n = 4000;
+    let draws: Vec<Vec<f64>> = (0..n).map(|s| one(s as u64)).collect();
+    for j in 0..want.len() {
+        let mean = draws.iter().map(|d| d[j]).sum::<f64>() / n as f64;
+        let sd = (draws.iter().map(|d| (d[j] - mean).powi(2)).sum::<f64>() / (n - 1) as f64).sqrt();
+        assert!(sd > 0.0, "element {j} never varies");
+        assert!((mean - want[j]).abs() < 5.0 * sd / (n as f64).sqrt(), "element {j}: mean {mean} vs {}", want[j]);
+        // Negative control: without the 1/(1 − p) rescaling the mean of the branch would shrink by
+        // (1 − p); that bias is larger than the tolerance here, so the test could see it.
+        let biased = base[j] + (1.0 - p) * (want[j] - base[j]);
+        if (want[j] - base[j]).abs() > 0.05 {
+            assert!((mean - biased).abs() > 5.0 * sd / (n as f64).sqrt(), "element {j}: cannot tell scaled from unscaled");
+        }
+    }
+    // p = 0 in the config: the training pass is the adapted pass.
+    assert_eq!(v(lin.forward(&x, pass(&Dropout::new(0.0, 4, 1))).unwrap()), want);
 }

@@ -20,7 +20,7 @@ fn model() -> PolicyModel {
     let cfg = Config::from_hf(&hf).unwrap();
     let t: HashMap<String, Tensor> =
         candle_core::safetensors::load(base.join("model.safetensors"), &Device::Cpu).unwrap();
-    let lora = LoraConfig { rank: 2, alpha: 4.0, targets: Target::ALL.to_vec(), seed: 0 };
+    let lora = LoraConfig { rank: 2, alpha: 4.0, targets: Target::ALL.to_vec(), seed: 0, dropout: 0.0 };
     PolicyModel::new(t, cfg, &lora, 32, DType::F32).unwrap()
 }
 

@@ -28,6 +28,10 @@ pub struct PolicySpec {
     /// down_proj, or "all-linear".
     #[serde(default = "d_targets")]
     pub targets: Targets,
+    /// PEFT's lora_dropout: the chance of dropping an input of the adapters' branch in a
+    /// gradient pass (kept inputs scaled by 1/(1 − p)); 0 turns it off.
+    #[serde(default)]
+    pub dropout: f64,
     /// Adam on the adapters (β = 0.9, 0.999, ε = 1e-8), gradients clipped to this global norm.
     #[serde(default = "d_lr")]
     pub lr: f64,
@@ -120,6 +124,9 @@ impl PolicySpec {
         one("rank", self.rank)?;
         pos("alpha", self.alpha)?;
         self.targets.resolve().map_err(|m| ("targets", m))?;
+        if !(self.dropout.is_finite() && (0.0..1.0).contains(&self.dropout)) {
+            return Err(("dropout", format!("{}: expected a probability 0 ≤ p < 1", self.dropout)));
+        }
         nonneg("lr", self.lr)?;
         pos("max_grad_norm", self.max_grad_norm)?;
         one("epochs", self.epochs)?;
@@ -159,6 +166,7 @@ impl PolicySpec {
             alpha: self.alpha,
             targets: self.targets.resolve().expect("checked by the plan"),
             seed,
+            dropout: self.dropout,
         }
     }
 }
