@@ -365,7 +365,7 @@ impl Estimator for FirstOrder {
             r.z.extend_from_slice(batch.z());
             r.y.extend_from_slice(batch.y());
             r.sizes.push(b);
-            if self.steps % r.every == 0 {
+            if self.steps.is_multiple_of(r.every) {
                 let mut start = 0;
                 for &n in &r.sizes {
                     let end = start + n;

@@ -293,7 +293,7 @@ impl Estimator for Mle {
         let mut cost =
             Counters { grad_evals: b as u64, hvp_evals: 0, flops: 4 * (b * d) as u64, negative_quad_forms: 0 };
         let (mut step_norm, mut cos, mut iters, mut converged) = (0.0, 0.0, 0, true);
-        if self.steps % self.cfg.refit_every == 0 {
+        if self.steps.is_multiple_of(self.cfg.refit_every) {
             let old = self.theta.clone();
             let fit = self.refit_into(&mut cost);
             (step_norm, cos) = self.stats.step_geometry(&old, &self.theta, grad_norm);

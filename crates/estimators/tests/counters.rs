@@ -55,7 +55,7 @@ fn mle_cost_grows_with_the_history() {
             // the prequential batch gradient, then whole passes over the n stored samples
             let passes = c.grad_evals - b as u64;
             assert!(
-                passes >= n && passes % n == 0,
+                passes >= n && passes.is_multiple_of(n),
                 "{solver:?} step {}: {} evaluations for n = {n}",
                 t + 1,
                 c.grad_evals

@@ -45,4 +45,3 @@ fn main() -> anyhow::Result<()> {
     }
     Ok(())
 }
-

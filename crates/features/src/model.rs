@@ -140,7 +140,11 @@ impl Config {
     }
 
     pub fn check(&self) -> Result<(), Error> {
-        if self.heads == 0 || self.kv_heads == 0 || self.heads % self.kv_heads != 0 || self.head_dim % 2 != 0 {
+        if self.heads == 0
+            || self.kv_heads == 0
+            || !self.heads.is_multiple_of(self.kv_heads)
+            || !self.head_dim.is_multiple_of(2)
+        {
             return Err(Error::Unsupported(format!(
                 "{} query heads, {} key/value heads, head_dim {}: expected heads divisible by kv heads and an even head_dim",
                 self.heads, self.kv_heads, self.head_dim
@@ -256,8 +260,13 @@ impl Lin {
         let w = match store {
             Store::Dense => Weight::Dense(w),
             Store::Bf16Cpu => {
-                let bits: Vec<u16> =
-                    w.to_dtype(DType::BF16)?.flatten_all()?.to_vec1::<half::bf16>()?.iter().map(|v| v.to_bits()).collect();
+                let bits: Vec<u16> = w
+                    .to_dtype(DType::BF16)?
+                    .flatten_all()?
+                    .to_vec1::<half::bf16>()?
+                    .iter()
+                    .map(|v| v.to_bits())
+                    .collect();
                 Weight::Bf16(std::sync::Arc::new(crate::bf16::Bf16Matrix::from_bits(&bits, out, inp)))
             }
         };
@@ -421,7 +430,11 @@ impl Attention {
         let qkv = self.qkv.forward(x)?.reshape((b, t, h + 2 * kv, hd))?;
         let (q, k, v) = if qkv.device().is_cpu() && qkv.dtype() == DType::F32 {
             let packed = crate::ops::qkv_rope(&qkv, &rope.cos, &rope.sin, h + kv, offset, rope.interleaved)?;
-            (packed.narrow(1, 0, h)?, packed.narrow(1, h, kv)?.contiguous()?, packed.narrow(1, h + kv, kv)?.contiguous()?)
+            (
+                packed.narrow(1, 0, h)?,
+                packed.narrow(1, h, kv)?.contiguous()?,
+                packed.narrow(1, h + kv, kv)?.contiguous()?,
+            )
         } else {
             let q = rope.apply_at(&qkv.narrow(2, 0, h)?.transpose(1, 2)?, offset, t)?;
             let k = rope.apply_at(&qkv.narrow(2, h, kv)?.transpose(1, 2)?, offset, t)?;

@@ -89,7 +89,7 @@ impl CustomOp1 for CausalSoftmax {
         let src = &src[o1..o2];
         let (t, scale) = (self.t, self.scale);
         let dims = layout.shape().dims();
-        if dims.last() != Some(&t) || dims.len() < 2 || dims[dims.len() - 2] % t != 0 {
+        if dims.last() != Some(&t) || dims.len() < 2 || !dims[dims.len() - 2].is_multiple_of(t) {
             candle_core::bail!("causal softmax: shape {dims:?} is not (…, k·{t}, {t})");
         }
         let mut dst = vec![0f32; src.len()];
@@ -316,7 +316,8 @@ impl CustomOp1 for CausalAttentionPacked {
             candle_core::bail!("causal attention: {:?} is not (b, {h} + 2·{kv}, t, d)", l.shape());
         }
         let at = |bi: usize, j: usize| &x[(bi * heads + j) * t * d..];
-        let out = attend((b, h, kv, t, d), self.scale, |bi, j| at(bi, j), |bi, g| at(bi, h + g), |bi, g| at(bi, h + kv + g));
+        let out =
+            attend((b, h, kv, t, d), self.scale, |bi, j| at(bi, j), |bi, g| at(bi, h + g), |bi, g| at(bi, h + kv + g));
         Ok((CpuStorage::F32(out), Shape::from((b, t, h, d))))
     }
 }
@@ -352,7 +353,8 @@ impl CustomOp3 for QkvRope {
         ss: &CpuStorage,
         ls: &Layout,
     ) -> Result<(CpuStorage, Shape)> {
-        let (x, cos, sin) = (contiguous_f32(s, l, "qkv")?, contiguous_f32(sc, lc, "cos")?, contiguous_f32(ss, ls, "sin")?);
+        let (x, cos, sin) =
+            (contiguous_f32(s, l, "qkv")?, contiguous_f32(sc, lc, "cos")?, contiguous_f32(ss, ls, "sin")?);
         let (b, t, heads, d) = l.shape().dims4()?;
         let (rows, half) = lc.shape().dims2()?;
         if d % 2 != 0 || half * 2 != d || self.offset + t > rows || ls.shape() != lc.shape() || self.rotated > heads {
@@ -389,8 +391,19 @@ impl CustomOp3 for QkvRope {
 }
 
 /// See [`QkvRope`]: `cos`, `sin` (max_len, d/2), f32 on the CPU.
-pub fn qkv_rope(qkv: &Tensor, cos: &Tensor, sin: &Tensor, rotated: usize, offset: usize, interleaved: bool) -> Result<Tensor> {
-    qkv.contiguous()?.apply_op3_no_bwd(&cos.contiguous()?, &sin.contiguous()?, &QkvRope { rotated, offset, interleaved })
+pub fn qkv_rope(
+    qkv: &Tensor,
+    cos: &Tensor,
+    sin: &Tensor,
+    rotated: usize,
+    offset: usize,
+    interleaved: bool,
+) -> Result<Tensor> {
+    qkv.contiguous()?.apply_op3_no_bwd(
+        &cos.contiguous()?,
+        &sin.contiguous()?,
+        &QkvRope { rotated, offset, interleaved },
+    )
 }
 
 /// RMSNorm of each row of `src` into `dst` with candle_nn's arithmetic (Σx² summed in order in
@@ -433,7 +446,10 @@ impl CustomOp2 for RmsNormOp {
             candle_core::bail!("rms norm: {:?} against a weight of {n}", l.shape());
         }
         let mut out = vec![0f32; x.len()];
-        out.par_chunks_mut(8 * n).zip(x.par_chunks(8 * n)).with_min_len(4).for_each(|(d, s)| rms_rows(s, w, self.eps, d));
+        out.par_chunks_mut(8 * n)
+            .zip(x.par_chunks(8 * n))
+            .with_min_len(4)
+            .for_each(|(d, s)| rms_rows(s, w, self.eps, d));
         Ok((CpuStorage::F32(out), l.shape().clone()))
     }
 }
@@ -538,7 +554,7 @@ impl CustomOp1 for SiluMul {
         let src = &src[o1..o2];
         let mut dims = layout.shape().dims().to_vec();
         let two = *dims.last().unwrap_or(&0);
-        if two % 2 != 0 || two == 0 {
+        if !two.is_multiple_of(2) || two == 0 {
             candle_core::bail!("silu·mul: last dim {two} is not even");
         }
         let i = two / 2;
@@ -672,7 +688,8 @@ mod tests {
     }
 
     fn same_bits(a: &Tensor, b: &Tensor) -> bool {
-        let (a, b) = (a.flatten_all().unwrap().to_vec1::<f32>().unwrap(), b.flatten_all().unwrap().to_vec1::<f32>().unwrap());
+        let (a, b) =
+            (a.flatten_all().unwrap().to_vec1::<f32>().unwrap(), b.flatten_all().unwrap().to_vec1::<f32>().unwrap());
         a.len() == b.len() && a.iter().zip(&b).all(|(x, y)| x.to_bits() == y.to_bits())
     }
 

@@ -17,7 +17,8 @@ fn tiny(name: &str, dtype: DType) -> Model {
     let d = fixtures().join(name);
     let hf: HfConfig = serde_json::from_str(&std::fs::read_to_string(d.join("config.json")).unwrap()).unwrap();
     let cfg = Config::from_hf(&hf).unwrap();
-    let vb = unsafe { VarBuilder::from_mmaped_safetensors(&[d.join("model.safetensors")], dtype, &Device::Cpu) }.unwrap();
+    let vb =
+        unsafe { VarBuilder::from_mmaped_safetensors(&[d.join("model.safetensors")], dtype, &Device::Cpu) }.unwrap();
     Model::load_with(vb, cfg, 128, Some(hf.tie_word_embeddings)).unwrap()
 }
 

@@ -105,7 +105,7 @@ fn corrupt_tensor_tables_are_errors() {
         }
         b.extend(0u32.to_le_bytes()); // F32
         b.extend(0u64.to_le_bytes()); // offset
-        while b.len() % 32 != 0 {
+        while !b.len().is_multiple_of(32) {
             b.push(0);
         }
         b.extend([0u8; 64]); // 16 f32 of data

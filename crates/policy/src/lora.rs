@@ -102,7 +102,8 @@ impl Dropout {
     fn mask(&self, rows: usize, inp: usize, dev: &Device, dtype: candle_core::DType) -> Result<Tensor> {
         let keep = 1.0 / (1.0 - self.p);
         let mut rng = self.rng.lock().map_err(|_| candle_core::Error::Msg("dropout stream poisoned".into()))?;
-        let m: Vec<f32> = (0..rows * inp).map(|_| if rng.random::<f64>() < self.p { 0.0 } else { keep as f32 }).collect();
+        let m: Vec<f32> =
+            (0..rows * inp).map(|_| if rng.random::<f64>() < self.p { 0.0 } else { keep as f32 }).collect();
         Tensor::from_vec(m, (rows, inp), dev)?.to_dtype(dtype)
     }
 }

@@ -38,7 +38,7 @@ pub fn kl_k3(lp: &Tensor, lp_ref: &Tensor) -> Result<Tensor> {
 /// Leave-one-out advantages of `rewards` in groups of `k` consecutive samples (one prompt
 /// each): A_i = r_i − (Σ_{j≠i} r_j)/(k − 1). Needs k ≥ 2 and a length divisible by k.
 pub fn rloo_advantages(rewards: &[f64], k: usize) -> Vec<f64> {
-    assert!(k >= 2 && rewards.len() % k == 0, "rloo_advantages: {} rewards in groups of {k}", rewards.len());
+    assert!(k >= 2 && rewards.len().is_multiple_of(k), "rloo_advantages: {} rewards in groups of {k}", rewards.len());
     rewards
         .chunks_exact(k)
         .flat_map(|g| {

@@ -112,7 +112,7 @@ pub fn rloo_update(
     k: usize,
     cfg: &RlooConfig,
 ) -> Result<UpdateStats> {
-    if rollouts.len() != rewards.len() || k < 2 || rollouts.len() % k != 0 {
+    if rollouts.len() != rewards.len() || k < 2 || !rollouts.len().is_multiple_of(k) {
         candle_core::bail!("rloo: {} rollouts, {} rewards, in groups of {k}", rollouts.len(), rewards.len());
     }
     let before = score(m, rollouts, cfg.kl, cfg.minibatch)?;

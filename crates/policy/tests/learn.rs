@@ -95,7 +95,13 @@ fn adapters_round_trip_in_peft_layout_and_q_k_rows_in_hf_order() {
     let tmp = tempfile::tempdir().unwrap();
     let c = cfg(Family::Llama, true);
     let w = weights(&c, 12);
-    let lora = LoraConfig { rank: 2, alpha: 4.0, targets: vec![Target::QProj, Target::KProj, Target::VProj], seed: 5, dropout: 0.0 };
+    let lora = LoraConfig {
+        rank: 2,
+        alpha: 4.0,
+        targets: vec![Target::QProj, Target::KProj, Target::VProj],
+        seed: 5,
+        dropout: 0.0,
+    };
     let m = PolicyModel::new(w.clone(), c.clone(), &lora, 16, DType::F32).unwrap();
     randomize(&m, 3);
     policy::peft::save(&m, tmp.path(), "tiny").unwrap();

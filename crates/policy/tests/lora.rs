@@ -50,8 +50,13 @@ fn gradients_equal_central_differences(family: Family, interleaved: bool) {
     let c = cfg(family, interleaved);
     let w: HashMap<String, Tensor> =
         weights(&c, 4).into_iter().map(|(k, v)| (k, v.to_dtype(DType::F64).unwrap())).collect();
-    let lora =
-        LoraConfig { rank: 2, alpha: 3.0, targets: vec![Target::QProj, Target::VProj, Target::DownProj], seed: 2, dropout: 0.0 };
+    let lora = LoraConfig {
+        rank: 2,
+        alpha: 3.0,
+        targets: vec![Target::QProj, Target::VProj, Target::DownProj],
+        seed: 2,
+        dropout: 0.0,
+    };
     let m = PolicyModel::new(w, c, &lora, 32, DType::F64).unwrap();
     randomize(&m, 5);
     let ids = ids();
@@ -222,7 +227,10 @@ fn lora_dropout_is_unbiased_reproducible_and_spares_the_frozen_path() {
         // (1 − p); that bias is larger than the tolerance here, so the test could see it.
         let biased = base[j] + (1.0 - p) * (want[j] - base[j]);
         if (want[j] - base[j]).abs() > 0.05 {
-            assert!((mean - biased).abs() > 5.0 * sd / (n as f64).sqrt(), "element {j}: cannot tell scaled from unscaled");
+            assert!(
+                (mean - biased).abs() > 5.0 * sd / (n as f64).sqrt(),
+                "element {j}: cannot tell scaled from unscaled"
+            );
         }
     }
     // p = 0 in the config: the training pass is the adapted pass.

@@ -431,7 +431,7 @@ fn check_ranges(spec: &Spec, keys: Locator<'_>) -> Result<(), SpecError> {
         }
     }
     let chunked = spec.setting == Setting::Deploy && spec.env.kind == EnvKind::Generated;
-    if !chunked && spec.stream.samples % spec.stream.batch_size as u64 != 0 {
+    if !chunked && !spec.stream.samples.is_multiple_of(spec.stream.batch_size as u64) {
         return Err(keys.err(
             &["stream", "samples"],
             format!("{} is not a multiple of batch_size = {}", spec.stream.samples, spec.stream.batch_size),

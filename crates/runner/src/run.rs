@@ -586,7 +586,7 @@ fn backbone_cost(plan: &Plan, world: &World) -> Option<serde_json::Value> {
     let (train_tok, eval_tok) = (get("train_tokens"), get("eval_tokens"));
     let s = &world.spec.stream;
     let samples = s.samples as f64;
-    let evals = (s.samples / s.eval_every + u64::from(s.samples % s.eval_every != 0)) as f64;
+    let evals = (s.samples / s.eval_every + u64::from(!s.samples.is_multiple_of(s.eval_every))) as f64;
     // pairs pushed through the backbone per labelled sample: 1, or the stream rule's candidates/keep
     let per_sample = |c: &ConfigPlan| match c.rule {
         Some(spec::ActiveRule::Stream) => plan.spec.active.candidates as f64 / plan.spec.active.keep.max(1) as f64,

@@ -121,7 +121,7 @@ pub(super) fn generate_with(
     rep.policy = b.source.clone();
     rep.policy_weights_blake3 = b.weights_digest.clone();
     let opts = g.sample_options();
-    let dir = g.cache.join(policy_key(&b, &opts));
+    let dir = g.cache.join(policy_key(b, &opts));
     std::fs::create_dir_all(&dir).with_context(|| format!("creating the generation cache {}", dir.display()))?;
     std::fs::write(
         dir.join("describe.json"),
