@@ -57,6 +57,9 @@ const NB: usize = 3;
 const MR: usize = 8;
 /// Input pairs per cache block: a 48-output panel of 128 pairs is 24 KiB, inside L1.
 const KC: usize = 128;
+// A task's rows start at a multiple of MR (pack_rows's tiles).
+const _: () = assert!(MC.is_multiple_of(MR));
+
 /// Rows per task: the activations of a task's block (128 × 128 pairs = 64 KiB) stay in L2.
 const MC: usize = 128;
 
@@ -156,7 +159,7 @@ impl Bf16Matrix {
             let rows = rb * MC..((rb + 1) * MC).min(m);
             let groups = ct * groups_per_task..((ct + 1) * groups_per_task).min(groups);
             // SAFETY: the task's rows × groups region of y is written by this task only.
-            unsafe { self.block(kernel, &xs, self.pairs, rows, groups, self.n, out.at(0), self.n) };
+            unsafe { self.block(kernel, &xs, rows, groups, out.at(0)) };
         });
         let mut y = std::mem::ManuallyDrop::new(y);
         // SAFETY: every element was written (see above); MaybeUninit<f32> has f32's layout.
@@ -164,36 +167,33 @@ impl Bf16Matrix {
     }
 
     /// Rows `rows` (starting at a multiple of MR) × column groups `groups` (48 outputs each,
-    /// clipped to `cols`) of y = x Wᵀ, x packed with `x_pairs` pairs per row.
+    /// the last clipped to n) of y = x Wᵀ (row stride n), x packed by [`pack_rows`].
     ///
     /// # Safety
-    /// `y` is valid for the region at row stride `ldc`, written by this call only.
-    #[allow(clippy::too_many_arguments)]
+    /// `y` holds m × n values and this region of it is written by this call only.
     unsafe fn block(
         &self,
         kernel: Kernel,
         xs: &[u32],
-        x_pairs: usize,
         rows: std::ops::Range<usize>,
         groups: std::ops::Range<usize>,
-        cols: usize,
         y: *mut f32,
-        ldc: usize,
     ) {
-        for p0 in (0..x_pairs).step_by(KC) {
-            let kc = KC.min(x_pairs - p0);
+        let (pairs, n) = (self.pairs, self.n);
+        for p0 in (0..pairs).step_by(KC) {
+            let kc = KC.min(pairs - p0);
             for g in groups.clone() {
                 let c0 = g * LANES * NB;
-                let b = &self.data[((c0 / LANES) * self.pairs + p0) * LANES..];
+                let b = &self.data[((c0 / LANES) * pairs + p0) * LANES..];
                 for r in rows.clone().step_by(MR) {
                     let t = Tile {
-                        a: &xs[r * x_pairs + p0 * MR..],
+                        a: &xs[r * pairs + p0 * MR..],
                         b,
-                        ldb: self.pairs * LANES,
+                        ldb: pairs * LANES,
                         kc,
-                        c: y.add(r * ldc + c0),
-                        ldc,
-                        cols: (cols - c0).min(LANES * NB),
+                        c: y.add(r * n + c0),
+                        ldc: n,
+                        cols: (n - c0).min(LANES * NB),
                         first: p0 == 0,
                     };
                     kernel.run(MR.min(rows.end - r), &t);
