@@ -6,24 +6,17 @@
 
 use candle_core::{DType, Device};
 use features::generate::SampleOptions;
-use features::{Backbone, Message, Source};
+use features::{Backbone, Source};
+
+mod common;
 
 fn main() {
     features::keep_freed_memory();
     let args: Vec<String> = std::env::args().collect();
     let model = args.get(1).expect("a .gguf file or model directory");
-    let text = std::fs::read_to_string(args.get(2).expect("a prompts .jsonl")).expect("reading the prompts");
     let arg = |i: usize, d: usize| args.get(i).map_or(d, |s| s.parse().expect("a number"));
     let (n_prompts, tokens) = (arg(3, 50), arg(4, 32));
-    let prompts: Vec<Vec<Message>> = text
-        .lines()
-        .filter(|l| !l.trim().is_empty())
-        .take(n_prompts)
-        .map(|l| {
-            let v: serde_json::Value = serde_json::from_str(l).expect("a JSON line");
-            vec![Message::new("user", v["prompt"].as_str().expect("a `prompt` string"))]
-        })
-        .collect();
+    let prompts = common::first_prompts(args.get(2).expect("a prompts .jsonl"), n_prompts);
     let source = Source::parse(model).expect("a model source");
     let opts = SampleOptions { n: 1, temperature: 0.0, top_p: 1.0, max_new_tokens: tokens, seed: 0 };
     let run = |dtype: DType| -> Vec<Vec<u32>> {

@@ -10,7 +10,9 @@
 
 use candle_core::{DType, Device};
 use features::generate::SampleOptions;
-use features::{Backbone, Message, Source};
+use features::{Backbone, Source};
+
+mod common;
 
 fn main() {
     // the allocator settings of the onepass binary
@@ -20,16 +22,7 @@ fn main() {
     let prompts_path = args.get(2).expect("a prompts .jsonl");
     let arg = |i: usize, d: usize| args.get(i).map_or(d, |s| s.parse().expect("a number"));
     let (n_prompts, n, max_new, batch_prompts) = (arg(3, 16), arg(4, 8), arg(5, 64), arg(6, 8));
-    let text = std::fs::read_to_string(prompts_path).expect("reading the prompts");
-    let prompts: Vec<Vec<Message>> = text
-        .lines()
-        .filter(|l| !l.trim().is_empty())
-        .take(n_prompts)
-        .map(|l| {
-            let v: serde_json::Value = serde_json::from_str(l).expect("a JSON line");
-            vec![Message::new("user", v["prompt"].as_str().expect("a `prompt` string"))]
-        })
-        .collect();
+    let prompts = common::first_prompts(prompts_path, n_prompts);
     let source = Source::parse(model).expect("a model source");
     let (dtype, dtype_name) = match args.get(8).map(String::as_str) {
         None | Some("f32") => (DType::F32, "float32"),

@@ -18,6 +18,7 @@
 //! the instruction and kept by the portable kernel; activations and weights of a language model
 //! never get there.)
 
+use crate::ops::OutPtr;
 use rayon::prelude::*;
 
 /// f32 → bf16 bits, rounding to nearest even (as PyTorch, `half` and `VCVTNE2PS2BF16` do);
@@ -203,31 +204,18 @@ impl Bf16Matrix {
     }
 }
 
-/// The output buffer, shared by tasks that write disjoint tiles.
-struct OutPtr(*mut f32);
-// SAFETY: every task writes a distinct (row block, column block) region.
-unsafe impl Send for OutPtr {}
-unsafe impl Sync for OutPtr {}
-
-impl OutPtr {
-    /// A method, so closures capture the wrapper (Send + Sync), not the raw pointer field.
-    fn at(&self, offset: usize) -> *mut f32 {
-        // SAFETY: callers stay inside the buffer.
-        unsafe { self.0.add(offset) }
-    }
-}
-
 /// x (m, k) rounded to bf16 and packed for the kernel: tiles of MR rows; within a tile, for each
 /// input pair p, MR words (x[r, 2p] low, x[r, 2p+1] high), so that a step of the kernel reads
 /// its MR broadcasts from one place. Rows past m and an odd k's last input are zeros.
 fn pack_rows(x: &[f32], m: usize, k: usize) -> Vec<u32> {
     let pairs = k.div_ceil(2);
     let mut xs = vec![0u32; m.div_ceil(MR) * MR * pairs];
-    let fill = |tile: usize, dst: &mut [u32]| {
-        // Round the tile's rows into words (a contiguous, vectorised pass), then interleave them.
+    // Round the tile's rows into `words` (a contiguous, vectorised pass), then interleave them;
+    // `words` is one scratch buffer per rayon job, not one allocation per tile.
+    let fill = |words: &mut Vec<u32>, tile: usize, dst: &mut [u32]| {
         let rows = MR.min(m - tile * MR);
-        let mut words = vec![0u32; rows * pairs];
-        for (r, w) in words.chunks_exact_mut(pairs.max(1)).enumerate() {
+        words.resize(MR * pairs, 0);
+        for (r, w) in words.chunks_exact_mut(pairs.max(1)).take(rows).enumerate() {
             round_pairs(&x[(tile * MR + r) * k..][..k], w);
         }
         for (p, d) in dst.chunks_exact_mut(MR).enumerate() {
@@ -237,9 +225,12 @@ fn pack_rows(x: &[f32], m: usize, k: usize) -> Vec<u32> {
         }
     };
     if m * k >= 1 << 16 {
-        xs.par_chunks_mut((MR * pairs).max(1)).enumerate().for_each(|(tile, dst)| fill(tile, dst));
+        xs.par_chunks_mut((MR * pairs).max(1))
+            .enumerate()
+            .for_each_init(Vec::new, |words, (tile, dst)| fill(words, tile, dst));
     } else {
-        xs.chunks_mut((MR * pairs).max(1)).enumerate().for_each(|(tile, dst)| fill(tile, dst));
+        let mut words = Vec::new();
+        xs.chunks_mut((MR * pairs).max(1)).enumerate().for_each(|(tile, dst)| fill(&mut words, tile, dst));
     }
     xs
 }

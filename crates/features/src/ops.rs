@@ -142,16 +142,17 @@ struct CausalAttention {
     scale: f32,
 }
 
-/// The output buffer, shared by tasks that write disjoint rows.
-struct OutPtr(*mut f32);
-// SAFETY: every task writes a distinct (batch, position block, head) region of the buffer.
+/// An output buffer shared by rayon tasks that write disjoint regions of it (attention's
+/// (batch, position block, head) rows; the bf16 product's tiles).
+pub(crate) struct OutPtr(pub(crate) *mut f32);
+// SAFETY: every user's tasks write distinct regions of the buffer.
 unsafe impl Send for OutPtr {}
 unsafe impl Sync for OutPtr {}
 
 impl OutPtr {
     /// A method, so closures capture the wrapper (Send + Sync), not the raw pointer field.
-    fn at(&self, offset: usize) -> *mut f32 {
-        // SAFETY: callers stay inside the buffer (offsets of the (b, t, h, d) output).
+    pub(crate) fn at(&self, offset: usize) -> *mut f32 {
+        // SAFETY: callers stay inside the buffer.
         unsafe { self.0.add(offset) }
     }
 }

@@ -71,12 +71,11 @@ fn bf16_decoding_follows_its_own_full_forward() {
     }
 }
 
-/// The child half of the next test: prints the bf16 model's hidden states as bits.
+/// The child half of the next test (ignored in a plain run, which it would only print in):
+/// prints the bf16 model's hidden states as bits.
 #[test]
+#[ignore = "run by portable_and_native_kernels_give_the_same_model_bits in a child process"]
 fn print_bf16_hidden_state_bits() {
-    if std::env::var_os("ONEPASS_BF16_CHILD").is_none() {
-        return;
-    }
     let m = tiny("tiny-qwen2", DType::BF16);
     let h = m.hidden_states(&ids(2, 70), m.cfg.layers).unwrap();
     let bits: Vec<u32> = h.flatten_all().unwrap().to_vec1::<f32>().unwrap().iter().map(|x| x.to_bits()).collect();
@@ -87,8 +86,7 @@ fn print_bf16_hidden_state_bits() {
 fn portable_and_native_kernels_give_the_same_model_bits() {
     let run = |portable: bool| -> String {
         let mut cmd = std::process::Command::new(std::env::current_exe().unwrap());
-        cmd.args(["--exact", "print_bf16_hidden_state_bits", "--nocapture", "--test-threads", "1"]);
-        cmd.env("ONEPASS_BF16_CHILD", "1");
+        cmd.args(["--exact", "print_bf16_hidden_state_bits", "--ignored", "--nocapture", "--test-threads", "1"]);
         if portable {
             cmd.env("ONEPASS_BF16_KERNEL", "portable");
         } else {

@@ -121,6 +121,15 @@ impl Pass<'_> {
     pub const BASE: Pass<'static> = Pass { adapters: false, dropout: None };
     /// The adapted model, deterministic (scoring, evaluation).
     pub const ADAPTED: Pass<'static> = Pass { adapters: true, dropout: None };
+
+    /// [`Pass::ADAPTED`] or [`Pass::BASE`].
+    pub fn of(adapters: bool) -> Pass<'static> {
+        if adapters {
+            Pass::ADAPTED
+        } else {
+            Pass::BASE
+        }
+    }
 }
 
 impl LoraConfig {

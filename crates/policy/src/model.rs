@@ -136,12 +136,11 @@ impl PolicyModel {
     /// Final-norm hidden states (b, t, hidden) of right-padded ids (b, t); with `adapters`
     /// false, those of the base (reference) model.
     pub fn hidden(&self, ids: &Tensor, adapters: bool) -> Result<Tensor> {
-        self.hidden_pass(ids, if adapters { Pass::ADAPTED } else { Pass::BASE })
+        self.hidden_pass(ids, Pass::of(adapters))
     }
 
     /// [`PolicyModel::hidden`] for any [`Pass`] (a training pass with dropout).
     pub fn hidden_pass(&self, ids: &Tensor, pass: Pass<'_>) -> Result<Tensor> {
-        let adapters = pass;
         let t = ids.dim(1)?;
         if t > self.cos.dim(0)? {
             candle_core::bail!("{t} tokens: the model was built for at most {}", self.cos.dim(0)?);
@@ -151,11 +150,11 @@ impl PolicyModel {
         let (cos, sin) = (self.cos.narrow(0, 0, t)?, self.sin.narrow(0, 0, t)?);
         for blk in &self.blocks {
             let a =
-                self.attention(blk, &crate::ops::rms_norm(&x, &blk.norm1, self.cfg.eps)?, &cos, &sin, &mask, adapters)?;
+                self.attention(blk, &crate::ops::rms_norm(&x, &blk.norm1, self.cfg.eps)?, &cos, &sin, &mask, pass)?;
             x = (x + a)?;
             let h = crate::ops::rms_norm(&x, &blk.norm2, self.cfg.eps)?;
-            let gate = candle_nn::ops::silu(&blk.gate.forward(&h, adapters)?)?;
-            let m = blk.down.forward(&(gate * blk.up.forward(&h, adapters)?)?, adapters)?;
+            let gate = candle_nn::ops::silu(&blk.gate.forward(&h, pass)?)?;
+            let m = blk.down.forward(&(gate * blk.up.forward(&h, pass)?)?, pass)?;
             x = (x + m)?;
         }
         crate::ops::rms_norm(&x, &self.norm, self.cfg.eps)
@@ -166,7 +165,7 @@ impl PolicyModel {
     /// reach the LM head and the log-softmax (a response is a fraction of its sequence).
     /// `batch` from [`crate::batch::SeqBatch`]; returns (positions,), f32.
     pub fn logprobs_at(&self, batch: &crate::batch::SeqBatch, adapters: bool) -> Result<Tensor> {
-        self.logprobs_pass(batch, if adapters { Pass::ADAPTED } else { Pass::BASE })
+        self.logprobs_pass(batch, Pass::of(adapters))
     }
 
     /// [`PolicyModel::logprobs_at`] of the adapted model in a training pass: with the adapters'
@@ -196,7 +195,7 @@ impl PolicyModel {
         cos: &Tensor,
         sin: &Tensor,
         mask: &Tensor,
-        adapters: Pass<'_>,
+        pass: Pass<'_>,
     ) -> Result<Tensor> {
         let (b, t, _) = x.dims3()?;
         let (h, kv, hd) = (self.cfg.heads, self.cfg.kv_heads, self.cfg.head_dim);
@@ -204,9 +203,9 @@ impl PolicyModel {
             let y = y.reshape((b, t, n, hd))?.transpose(1, 2)?;
             crate::ops::rope(&y, cos, sin, self.cfg.rope_interleaved)
         };
-        let q = rope(blk.q.forward(x, adapters)?, h)?;
-        let k = rope(blk.k.forward(x, adapters)?, kv)?;
-        let v = blk.v.forward(x, adapters)?.reshape((b, t, kv, hd))?.transpose(1, 2)?.contiguous()?;
+        let q = rope(blk.q.forward(x, pass)?, h)?;
+        let k = rope(blk.k.forward(x, pass)?, kv)?;
+        let v = blk.v.forward(x, pass)?.reshape((b, t, kv, hd))?.transpose(1, 2)?.contiguous()?;
         // grouped-query attention: query head j reads kv head j / g
         let g = h / kv;
         let q = q.contiguous()?.reshape((b, kv, g * t, hd))?;
@@ -215,7 +214,7 @@ impl PolicyModel {
         let p = crate::ops::softmax_last(&s.contiguous()?)?;
         let y = p.reshape((b, kv, g * t, t))?.matmul(&v)?;
         let y = y.reshape((b, h, t, hd))?.transpose(1, 2)?.reshape((b, t, h * hd))?;
-        blk.o.forward(&y, adapters)
+        blk.o.forward(&y, pass)
     }
 
     /// The adapters as (PEFT-style name without the `base_model.model.` prefix, A, B), e.g.
