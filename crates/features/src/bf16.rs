@@ -138,33 +138,42 @@ impl Bf16Matrix {
     /// y = x Wᵀ for x (m, k) row-major f32: (m, n) f32. x is rounded to bf16 first.
     pub fn matmul_t(&self, x: &[f32], m: usize) -> Vec<f32> {
         assert_eq!(x.len(), m * self.k, "x has {} values, expected {m} × {}", x.len(), self.k);
+        self.product(Rows::Plain(x), m)
+    }
+
+    /// y = (silu(g) ⊙ u) Wᵀ for gu = [g | u] (m, 2k) row-major f32: SwiGLU's down projection,
+    /// silu(g)·u formed row by row while the product's input is packed (the bits of
+    /// [`crate::ops::silu_mul`] followed by [`Bf16Matrix::matmul_t`], without writing and
+    /// re-reading the (m, k) activation).
+    pub fn matmul_t_swiglu(&self, gu: &[f32], m: usize) -> Vec<f32> {
+        assert_eq!(gu.len(), m * 2 * self.k, "gu has {} values, expected {m} × 2·{}", gu.len(), self.k);
+        self.product(Rows::SiluMul(gu), m)
+    }
+
+    fn product(&self, x: Rows, m: usize) -> Vec<f32> {
         if m == 0 || self.n == 0 || self.k == 0 {
             return vec![0f32; m * self.n];
         }
         let xs = pack_rows(x, m, self.k);
-        // Every output is stored by exactly one tile before anything reads it (k > 0, so each
-        // tile runs its first block), so the buffer need not be zeroed first: that memset was
-        // ~5% of a bf16 forward pass.
-        let mut y: Vec<std::mem::MaybeUninit<f32>> = Vec::with_capacity(m * self.n);
-        // SAFETY: MaybeUninit needs no initialisation.
-        unsafe { y.set_len(m * self.n) };
         let kernel = Kernel::detect();
         let groups = self.n.div_ceil(LANES * NB);
         let row_blocks = m.div_ceil(MC);
         // Enough tasks for the pool with few rows (decoding), bigger column blocks with many.
         let groups_per_task = if row_blocks >= 8 { 4 } else { 1 };
         let col_tasks = groups.div_ceil(groups_per_task);
-        let out = OutPtr(y.as_mut_ptr() as *mut f32);
-        (0..row_blocks * col_tasks).into_par_iter().for_each(|task| {
-            let (rb, ct) = (task / col_tasks, task % col_tasks);
-            let rows = rb * MC..((rb + 1) * MC).min(m);
-            let groups = ct * groups_per_task..((ct + 1) * groups_per_task).min(groups);
-            // SAFETY: the task's rows × groups region of y is written by this task only.
-            unsafe { self.block(kernel, &xs, rows, groups, out.at(0)) };
-        });
-        let mut y = std::mem::ManuallyDrop::new(y);
-        // SAFETY: every element was written (see above); MaybeUninit<f32> has f32's layout.
-        unsafe { Vec::from_raw_parts(y.as_mut_ptr() as *mut f32, y.len(), y.capacity()) }
+        let fill = |y: &mut [std::mem::MaybeUninit<f32>]| {
+            let out = OutPtr(y.as_mut_ptr() as *mut f32);
+            (0..row_blocks * col_tasks).into_par_iter().for_each(|task| {
+                let (rb, ct) = (task / col_tasks, task % col_tasks);
+                let rows = rb * MC..((rb + 1) * MC).min(m);
+                let groups = ct * groups_per_task..((ct + 1) * groups_per_task).min(groups);
+                // SAFETY: the task's rows × groups region of y is written by this task only.
+                unsafe { self.block(kernel, &xs, rows, groups, out.at(0)) };
+            });
+        };
+        // SAFETY (of `overwritten`): every output is stored by exactly one tile before anything
+        // reads it (k > 0, so each tile runs its first block).
+        unsafe { crate::ops::overwritten(m * self.n, fill) }
     }
 
     /// Rows `rows` (starting at a multiple of MR) × column groups `groups` (48 outputs each,
@@ -204,19 +213,35 @@ impl Bf16Matrix {
     }
 }
 
+/// A product's input rows: x (m, k) as it is, or [g | u] (m, 2k) whose row is silu(g)·u.
+#[derive(Clone, Copy)]
+enum Rows<'a> {
+    Plain(&'a [f32]),
+    SiluMul(&'a [f32]),
+}
+
 /// x (m, k) rounded to bf16 and packed for the kernel: tiles of MR rows; within a tile, for each
 /// input pair p, MR words (x[r, 2p] low, x[r, 2p+1] high), so that a step of the kernel reads
 /// its MR broadcasts from one place. Rows past m and an odd k's last input are zeros.
-fn pack_rows(x: &[f32], m: usize, k: usize) -> Vec<u32> {
+fn pack_rows(x: Rows, m: usize, k: usize) -> Vec<u32> {
     let pairs = k.div_ceil(2);
     let mut xs = vec![0u32; m.div_ceil(MR) * MR * pairs];
     // Round the tile's rows into `words` (a contiguous, vectorised pass), then interleave them;
-    // `words` is one scratch buffer per rayon job, not one allocation per tile.
-    let fill = |words: &mut Vec<u32>, tile: usize, dst: &mut [u32]| {
+    // `words` (and `row`, silu·up's f32 row) are scratch buffers per rayon job, not allocations
+    // per tile.
+    let fill = |(words, row): &mut (Vec<u32>, Vec<f32>), tile: usize, dst: &mut [u32]| {
         let rows = MR.min(m - tile * MR);
         words.resize(MR * pairs, 0);
         for (r, w) in words.chunks_exact_mut(pairs.max(1)).take(rows).enumerate() {
-            round_pairs(&x[(tile * MR + r) * k..][..k], w);
+            let i = tile * MR + r;
+            match x {
+                Rows::Plain(x) => round_pairs(&x[i * k..][..k], w),
+                Rows::SiluMul(gu) => {
+                    row.resize(k, 0.0);
+                    crate::ops::silu_mul_row(&gu[i * 2 * k..][..2 * k], row);
+                    round_pairs(row, w);
+                }
+            }
         }
         for (p, d) in dst.chunks_exact_mut(MR).enumerate() {
             for (r, d) in d.iter_mut().enumerate().take(rows) {
@@ -227,10 +252,10 @@ fn pack_rows(x: &[f32], m: usize, k: usize) -> Vec<u32> {
     if m * k >= 1 << 16 {
         xs.par_chunks_mut((MR * pairs).max(1))
             .enumerate()
-            .for_each_init(Vec::new, |words, (tile, dst)| fill(words, tile, dst));
+            .for_each_init(Default::default, |scratch, (tile, dst)| fill(scratch, tile, dst));
     } else {
-        let mut words = Vec::new();
-        xs.chunks_mut((MR * pairs).max(1)).enumerate().for_each(|(tile, dst)| fill(&mut words, tile, dst));
+        let mut scratch = Default::default();
+        xs.chunks_mut((MR * pairs).max(1)).enumerate().for_each(|(tile, dst)| fill(&mut scratch, tile, dst));
     }
     xs
 }
@@ -566,6 +591,34 @@ mod tests {
         }
     }
 
+    /// The fused SwiGLU product is silu·up (the f32 op) followed by the plain product, bit for
+    /// bit, over enough rows for the parallel packing path; a negative control: the product of
+    /// the gate alone differs.
+    #[test]
+    fn swiglu_product_is_silu_mul_then_the_product() {
+        let (m, n, k) = (130, 70, 515);
+        let gu = random(m * 2 * k, 6, 3.0);
+        let w = random(n * k, 7, 0.1);
+        let mat = Bf16Matrix::from_f32(&w, n, k);
+        let mut a = vec![0f32; m * k];
+        for (d, s) in a.chunks_exact_mut(k).zip(gu.chunks_exact(2 * k)) {
+            let (g, u) = s.split_at(k);
+            for ((d, &g), &u) in d.iter_mut().zip(g).zip(u) {
+                *d = g / (1.0 + (-g).exp()) * u;
+            }
+        }
+        let want = {
+            let t = candle_core::Tensor::from_vec(gu.clone(), (m, 2 * k), &candle_core::Device::Cpu).unwrap();
+            crate::ops::silu_mul(&t).unwrap().flatten_all().unwrap().to_vec1::<f32>().unwrap()
+        };
+        // The f32 op itself is silu·up (within its exp's error) — not, say, the gate alone.
+        assert!(want.iter().zip(&a).all(|(x, y)| (x - y).abs() <= 1e-5 * (1.0 + y.abs())));
+        let fused = mat.matmul_t_swiglu(&gu, m);
+        assert_eq!(fused, mat.matmul_t(&want, m));
+        let gate: Vec<f32> = gu.chunks_exact(2 * k).flat_map(|r| r[..k].to_vec()).collect();
+        assert_ne!(fused, mat.matmul_t(&gate, m));
+    }
+
     /// The product a caller sees (rayon tasks, detected kernel) equals the reference at any
     /// thread count, and stays within bf16's rounding of the f32 product.
     #[test]
@@ -594,7 +647,7 @@ mod tests {
     fn with_kernel(kern: Kernel, mat: &Bf16Matrix, x: &[f32], m: usize) -> Vec<f32> {
         // The single-task path of matmul_t with a chosen kernel.
         let (k, pairs, n) = (mat.k, mat.pairs, mat.n);
-        let xs = pack_rows(x, m, k);
+        let xs = pack_rows(Rows::Plain(x), m, k);
         let mut y = vec![f32::NAN; m * n];
         for p0 in (0..pairs).step_by(KC) {
             let kc = KC.min(pairs - p0);

@@ -216,8 +216,12 @@ enum Weight {
     Bf16(std::sync::Arc<crate::bf16::Bf16Matrix>),
 }
 
-/// The packed bf16 product as a candle op: (rows, in) f32 → (rows, out) f32.
-struct Bf16Linear(std::sync::Arc<crate::bf16::Bf16Matrix>);
+/// The packed bf16 product as a candle op: (rows, in) f32 → (rows, out) f32; with `swiglu`,
+/// (rows, 2·in) = [gate | up] → (rows, out), the product of silu(gate)·up.
+struct Bf16Linear {
+    w: std::sync::Arc<crate::bf16::Bf16Matrix>,
+    swiglu: bool,
+}
 
 impl candle_core::CustomOp1 for Bf16Linear {
     fn name(&self) -> &'static str {
@@ -237,11 +241,13 @@ impl candle_core::CustomOp1 for Bf16Linear {
             candle_core::bail!("bf16 linear: expected a contiguous input");
         };
         let (rows, inp) = layout.shape().dims2()?;
-        if inp != self.0.k() {
-            candle_core::bail!("bf16 linear: input of {inp} features, the weight takes {}", self.0.k());
+        let k = self.w.k();
+        if inp != if self.swiglu { 2 * k } else { k } {
+            candle_core::bail!("bf16 linear: input of {inp} features, the weight takes {k} (swiglu: {})", self.swiglu);
         }
-        let y = self.0.matmul_t(&x[o1..o2], rows);
-        Ok((candle_core::CpuStorage::F32(y), candle_core::Shape::from((rows, self.0.n()))))
+        let x = &x[o1..o2];
+        let y = if self.swiglu { self.w.matmul_t_swiglu(x, rows) } else { self.w.matmul_t(x, rows) };
+        Ok((candle_core::CpuStorage::F32(y), candle_core::Shape::from((rows, self.w.n()))))
     }
 }
 
@@ -294,13 +300,32 @@ impl Lin {
 
     /// (…, in) → (…, out).
     fn forward(&self, x: &Tensor) -> candle_core::Result<Tensor> {
+        self.forward_of(x, false)
+    }
+
+    /// SwiGLU's second half: (…, 2·in) = [gate | up] → silu(gate)·up → (…, out); on the bf16 CPU
+    /// path silu·up is formed while the product packs its input.
+    fn forward_swiglu(&self, gu: &Tensor) -> candle_core::Result<Tensor> {
+        match &self.w {
+            Weight::Bf16(_) => self.forward_of(gu, true),
+            Weight::Dense(_) => {
+                let a = {
+                    let _s = tracing::trace_span!("silu_mul").entered();
+                    crate::ops::silu_mul(gu)?
+                };
+                self.forward_of(&a, false)
+            }
+        }
+    }
+
+    fn forward_of(&self, x: &Tensor, swiglu: bool) -> candle_core::Result<Tensor> {
         let dims = x.dims();
         let inp = dims[dims.len() - 1];
         let rows = x.elem_count() / inp.max(1);
         let x = x.reshape((rows, inp))?;
         let y = match &self.w {
             Weight::Dense(w) => x.matmul(&w.t()?)?,
-            Weight::Bf16(w) => x.contiguous()?.apply_op1_no_bwd(&Bf16Linear(w.clone()))?,
+            Weight::Bf16(w) => x.contiguous()?.apply_op1_no_bwd(&Bf16Linear { w: w.clone(), swiglu })?,
         };
         let y = match &self.b {
             Some(b) => y.broadcast_add(b)?,
@@ -475,12 +500,8 @@ impl Mlp {
             let _s = tracing::trace_span!("gate_up").entered();
             self.gate_up.forward(x)?
         };
-        let a = {
-            let _s = tracing::trace_span!("silu_mul").entered();
-            crate::ops::silu_mul(&gu)?
-        };
         let _s = tracing::trace_span!("down").entered();
-        self.down.forward(&a)
+        self.down.forward_swiglu(&gu)
     }
 }
 

@@ -10,6 +10,7 @@
 use candle_core::backend::BackendStorage;
 use candle_core::{CpuStorage, CustomOp1, CustomOp2, CustomOp3, DType, Layout, Result, Shape, Tensor};
 use rayon::prelude::*;
+use std::mem::MaybeUninit;
 
 /// Rows per rayon task: enough work per task that scheduling stays negligible.
 const MIN_ROWS: usize = 16;
@@ -56,12 +57,17 @@ fn exp_generic(x: &mut [f32]) {
         // Below −87.3 the result is 0 (e^−87.3 ≈ 1.2e−38, the smallest normal; −∞ → 0); above
         // ln(f32::MAX) ≈ 88.72 it is +∞.
         let xi = v.clamp(-87.3, 89.0);
-        let n = (xi * LOG2E + ROUND) - ROUND;
+        let shifted = xi * LOG2E + ROUND;
+        let n = shifted - ROUND;
         let r = (xi - n * LN2_HI) - n * LN2_LO;
         let p =
             1.0 + r * (1.0 + r * (0.5 + r * (1.0 / 6.0 + r * (1.0 / 24.0 + r * (1.0 / 120.0 + r * (1.0 / 720.0))))));
         // 2^n as 2·2^(n−1): n reaches 128 at the top of the range, one past the largest exponent.
-        let scale = f32::from_bits((((n as i32) + 126) << 23) as u32);
+        // n is read from `shifted`'s low mantissa bits (its bits are ROUND's plus n, |n| ≤ 127)
+        // rather than with `n as i32`: Rust's saturating float → int cast does not vectorise, and
+        // was most of this function's time.
+        let n_int = shifted.to_bits().wrapping_sub(ROUND.to_bits()) as i32;
+        let scale = f32::from_bits(((n_int + 126) << 23) as u32);
         *v = if *v < -87.3 { 0.0 } else { (p * scale) * 2.0 };
     }
 }
@@ -157,6 +163,31 @@ impl OutPtr {
     }
 }
 
+/// A vector of `len` f32 that `fill` writes in full, never zeroed first: the memsets of every
+/// activation buffer that a kernel then overwrote were ~3% of a forward pass.
+///
+/// # Safety
+/// `fill` writes each of the `len` elements (through `write` or a pointer from `as_mut_ptr`)
+/// and reads none before writing it.
+pub(crate) unsafe fn overwritten(len: usize, fill: impl FnOnce(&mut [MaybeUninit<f32>])) -> Vec<f32> {
+    let mut v: Vec<MaybeUninit<f32>> = Vec::with_capacity(len);
+    // SAFETY: MaybeUninit needs no initialisation.
+    unsafe { v.set_len(len) };
+    fill(&mut v);
+    let mut v = std::mem::ManuallyDrop::new(v);
+    // SAFETY: every element was written (the caller's promise); MaybeUninit<f32> has f32's layout.
+    unsafe { Vec::from_raw_parts(v.as_mut_ptr() as *mut f32, len, v.capacity()) }
+}
+
+/// The initialised view of a buffer [`overwritten`]'s `fill` has written.
+///
+/// # Safety
+/// Every element of `s` has been written.
+pub(crate) unsafe fn assume_written(s: &[MaybeUninit<f32>]) -> &[f32] {
+    // SAFETY: the caller's promise; same layout.
+    unsafe { std::slice::from_raw_parts(s.as_ptr() as *const f32, s.len()) }
+}
+
 fn contiguous_f32<'a>(s: &'a CpuStorage, l: &Layout, what: &str) -> Result<&'a [f32]> {
     let CpuStorage::F32(v) = s else {
         candle_core::bail!("causal attention: {what} is {:?}, expected f32", s.dtype());
@@ -195,69 +226,74 @@ fn attend<'a>(
 ) -> Vec<f32> {
     let rep = h / kv;
     let blocks = t.div_ceil(Q_BLOCK);
-    let mut out = vec![0f32; b * t * h * d];
-    let dst = OutPtr(out.as_mut_ptr());
-    (0..b * h * blocks).into_par_iter().for_each(|task| {
-        let (bh, blk) = (task / blocks, task % blocks);
-        let (bi, head) = (bh / h, bh % h);
-        let (i0, i1) = (blk * Q_BLOCK, ((blk + 1) * Q_BLOCK).min(t));
-        let (m, n) = (i1 - i0, i1);
-        let qp = &q(bi, head)[i0 * d..][..m * d];
-        let (kp, vp) = (&k(bi, head / rep)[..n * d], &v(bi, head / rep)[..n * d]);
-        let mut sc = vec![0f32; m * n];
-        // SAFETY: the slices above hold m×d, n×d and n×d row-major values; `sc` holds m×n.
-        unsafe {
-            gemm::gemm(
-                m,
-                n,
-                d,
-                sc.as_mut_ptr(),
-                1,
-                n as isize,
-                false,
-                qp.as_ptr(),
-                1,
-                d as isize,
-                kp.as_ptr(),
-                d as isize,
-                1,
-                0.0,
-                1.0,
-                false,
-                false,
-                false,
-                gemm::Parallelism::None,
-            );
-        }
-        causal_softmax_rows(&mut sc, n, i0, scale);
-        // SAFETY: rows i0..i1 of head `head` of batch row `bi` in the (b, t, h, d) output are
-        // written by this task only; `sc` is m×n and `vp` n×d.
-        unsafe {
-            let o = dst.at(((bi * t + i0) * h + head) * d);
-            gemm::gemm(
-                m,
-                d,
-                n,
-                o,
-                1,
-                (h * d) as isize,
-                false,
-                sc.as_ptr(),
-                1,
-                n as isize,
-                vp.as_ptr(),
-                1,
-                d as isize,
-                0.0,
-                1.0,
-                false,
-                false,
-                false,
-                gemm::Parallelism::None,
-            );
-        }
-    });
-    out
+    // SAFETY (of `overwritten`): the tasks' (batch row, block, head) regions tile the output and
+    // each task's second product writes its region in full (read_dst = false).
+    let fill = |out: &mut [MaybeUninit<f32>]| {
+        let dst = OutPtr(out.as_mut_ptr() as *mut f32);
+        (0..b * h * blocks).into_par_iter().for_each(|task| {
+            let (bh, blk) = (task / blocks, task % blocks);
+            let (bi, head) = (bh / h, bh % h);
+            let (i0, i1) = (blk * Q_BLOCK, ((blk + 1) * Q_BLOCK).min(t));
+            let (m, n) = (i1 - i0, i1);
+            let qp = &q(bi, head)[i0 * d..][..m * d];
+            let (kp, vp) = (&k(bi, head / rep)[..n * d], &v(bi, head / rep)[..n * d]);
+            let mut sc = Vec::<f32>::with_capacity(m * n);
+            // SAFETY: the slices above hold m×d, n×d and n×d row-major values; `sc` has room for m×n
+            // and the first product writes all of it without reading it (read_dst = false).
+            unsafe {
+                gemm::gemm(
+                    m,
+                    n,
+                    d,
+                    sc.as_mut_ptr(),
+                    1,
+                    n as isize,
+                    false,
+                    qp.as_ptr(),
+                    1,
+                    d as isize,
+                    kp.as_ptr(),
+                    d as isize,
+                    1,
+                    0.0,
+                    1.0,
+                    false,
+                    false,
+                    false,
+                    gemm::Parallelism::None,
+                );
+                sc.set_len(m * n);
+            }
+            causal_softmax_rows(&mut sc, n, i0, scale);
+            // SAFETY: rows i0..i1 of head `head` of batch row `bi` in the (b, t, h, d) output are
+            // written by this task only; `sc` is m×n and `vp` n×d.
+            unsafe {
+                let o = dst.at(((bi * t + i0) * h + head) * d);
+                gemm::gemm(
+                    m,
+                    d,
+                    n,
+                    o,
+                    1,
+                    (h * d) as isize,
+                    false,
+                    sc.as_ptr(),
+                    1,
+                    n as isize,
+                    vp.as_ptr(),
+                    1,
+                    d as isize,
+                    0.0,
+                    1.0,
+                    false,
+                    false,
+                    false,
+                    gemm::Parallelism::None,
+                );
+            }
+        });
+    };
+    unsafe { overwritten(b * t * h * d, fill) }
 }
 
 impl CustomOp3 for CausalAttention {
@@ -361,32 +397,35 @@ impl CustomOp3 for QkvRope {
         if d % 2 != 0 || half * 2 != d || self.offset + t > rows || ls.shape() != lc.shape() || self.rotated > heads {
             candle_core::bail!("qkv rope: {:?} against tables {:?} at offset {}", l.shape(), lc.shape(), self.offset);
         }
-        let mut out = vec![0f32; x.len()];
-        out.par_chunks_mut(t * d).enumerate().for_each(|(bj, dst)| {
-            let (bi, j) = (bj / heads, bj % heads);
-            for (ti, o) in dst.chunks_exact_mut(d).enumerate() {
-                let src = &x[((bi * t + ti) * heads + j) * d..][..d];
-                if j >= self.rotated {
-                    o.copy_from_slice(src);
-                    continue;
-                }
-                let pos = (self.offset + ti) * half;
-                let (c, sn) = (&cos[pos..pos + half], &sin[pos..pos + half]);
-                if self.interleaved {
-                    for i in 0..half {
-                        let (a, b) = (src[2 * i], src[2 * i + 1]);
-                        o[2 * i] = a * c[i] - b * sn[i];
-                        o[2 * i + 1] = a * sn[i] + b * c[i];
+        // SAFETY (of `overwritten`): every (row, head) chunk is written in full below.
+        let fill = |out: &mut [MaybeUninit<f32>]| {
+            out.par_chunks_mut(t * d).enumerate().for_each(|(bj, dst)| {
+                let (bi, j) = (bj / heads, bj % heads);
+                for (ti, o) in dst.chunks_exact_mut(d).enumerate() {
+                    let src = &x[((bi * t + ti) * heads + j) * d..][..d];
+                    if j >= self.rotated {
+                        o.iter_mut().zip(src).for_each(|(o, &v)| _ = o.write(v));
+                        continue;
                     }
-                } else {
-                    for i in 0..half {
-                        let (a, b) = (src[i], src[i + half]);
-                        o[i] = a * c[i] - b * sn[i];
-                        o[i + half] = a * sn[i] + b * c[i];
+                    let pos = (self.offset + ti) * half;
+                    let (c, sn) = (&cos[pos..pos + half], &sin[pos..pos + half]);
+                    if self.interleaved {
+                        for i in 0..half {
+                            let (a, b) = (src[2 * i], src[2 * i + 1]);
+                            o[2 * i].write(a * c[i] - b * sn[i]);
+                            o[2 * i + 1].write(a * sn[i] + b * c[i]);
+                        }
+                    } else {
+                        for i in 0..half {
+                            let (a, b) = (src[i], src[i + half]);
+                            o[i].write(a * c[i] - b * sn[i]);
+                            o[i + half].write(a * sn[i] + b * c[i]);
+                        }
                     }
                 }
-            }
-        });
+            });
+        };
+        let out = unsafe { overwritten(x.len(), fill) };
         Ok((CpuStorage::F32(out), Shape::from((b, heads, t, d))))
     }
 }
@@ -410,7 +449,7 @@ pub fn qkv_rope(
 /// RMSNorm of each row of `src` into `dst` with candle_nn's arithmetic (Σx² summed in order in
 /// f32, m = √(Σx²/n + ε), x / m · w), so the bits match `candle_nn::ops::rms_norm`. The sum is a
 /// chain of dependent adds; running eight rows' chains side by side hides its latency.
-fn rms_rows(src: &[f32], w: &[f32], eps: f32, dst: &mut [f32]) {
+fn rms_rows(src: &[f32], w: &[f32], eps: f32, dst: &mut [MaybeUninit<f32>]) {
     let n = w.len();
     for (s8, d8) in src.chunks(8 * n).zip(dst.chunks_mut(8 * n)) {
         let rows = s8.len() / n;
@@ -424,7 +463,7 @@ fn rms_rows(src: &[f32], w: &[f32], eps: f32, dst: &mut [f32]) {
         for (r, acc) in sum.iter().enumerate().take(rows) {
             let m = (acc / n as f32 + eps).sqrt();
             for ((o, &x), &a) in d8[r * n..(r + 1) * n].iter_mut().zip(&s8[r * n..(r + 1) * n]).zip(w) {
-                *o = x / m * a;
+                o.write(x / m * a);
             }
         }
     }
@@ -446,11 +485,15 @@ impl CustomOp2 for RmsNormOp {
         if l.dims().last() != Some(&n) || n == 0 {
             candle_core::bail!("rms norm: {:?} against a weight of {n}", l.shape());
         }
-        let mut out = vec![0f32; x.len()];
-        out.par_chunks_mut(8 * n)
-            .zip(x.par_chunks(8 * n))
-            .with_min_len(4)
-            .for_each(|(d, s)| rms_rows(s, w, self.eps, d));
+        // SAFETY (of `overwritten`): rms_rows writes every row of every chunk.
+        let out = unsafe {
+            overwritten(x.len(), |out| {
+                out.par_chunks_mut(8 * n)
+                    .zip(x.par_chunks(8 * n))
+                    .with_min_len(4)
+                    .for_each(|(d, s)| rms_rows(s, w, self.eps, d))
+            })
+        };
         Ok((CpuStorage::F32(out), l.shape().clone()))
     }
 }
@@ -479,18 +522,23 @@ impl CustomOp3 for AddRmsNorm {
         if lx.shape() != la.shape() || lx.dims().last() != Some(&n) || n == 0 {
             candle_core::bail!("add + rms norm: {:?} + {:?} against a weight of {n}", lx.shape(), la.shape());
         }
-        let mut out = vec![0f32; 2 * x.len()];
-        let (sum, normed) = out.split_at_mut(x.len());
-        sum.par_chunks_mut(8 * n)
-            .zip(normed.par_chunks_mut(8 * n))
-            .zip(x.par_chunks(8 * n).zip(a.par_chunks(8 * n)))
-            .with_min_len(4)
-            .for_each(|((s, d), (x, a))| {
-                for ((o, &x), &a) in s.iter_mut().zip(x).zip(a) {
-                    *o = x + a;
-                }
-                rms_rows(s, w, self.eps, d);
-            });
+        // SAFETY (of `overwritten` and `assume_written`): each chunk's sums are written before
+        // they are read, and rms_rows writes every normalised row.
+        let out = unsafe {
+            overwritten(2 * x.len(), |out| {
+                let (sum, normed) = out.split_at_mut(x.len());
+                sum.par_chunks_mut(8 * n)
+                    .zip(normed.par_chunks_mut(8 * n))
+                    .zip(x.par_chunks(8 * n).zip(a.par_chunks(8 * n)))
+                    .with_min_len(4)
+                    .for_each(|((s, d), (x, a))| {
+                        for ((o, &x), &a) in s.iter_mut().zip(x).zip(a) {
+                            o.write(x + a);
+                        }
+                        rms_rows(assume_written(s), w, self.eps, d);
+                    })
+            })
+        };
         let mut dims = vec![2];
         dims.extend_from_slice(lx.dims());
         Ok((CpuStorage::F32(out), Shape::from(dims)))
@@ -560,18 +608,22 @@ impl CustomOp1 for SiluMul {
         }
         let i = two / 2;
         let mut dst = vec![0f32; src.len() / 2];
-        dst.par_chunks_mut(i).zip(src.par_chunks(two)).with_min_len(MIN_ROWS).for_each(|(d, s)| {
-            let (g, u) = s.split_at(i);
-            for (o, &g) in d.iter_mut().zip(g) {
-                *o = -g;
-            }
-            exp_in_place(d);
-            for ((o, &g), &u) in d.iter_mut().zip(g).zip(u) {
-                *o = g / (1.0 + *o) * u;
-            }
-        });
+        dst.par_chunks_mut(i).zip(src.par_chunks(two)).with_min_len(MIN_ROWS).for_each(|(d, s)| silu_mul_row(s, d));
         *dims.last_mut().expect("non-empty") = i;
         Ok((CpuStorage::F32(dst), Shape::from(dims)))
+    }
+}
+
+/// silu(g)·u of one row [g | u] into `d` (half its length): candle's silu, x / (1 + e^−x), with
+/// [`exp_in_place`]'s e^x.
+pub(crate) fn silu_mul_row(s: &[f32], d: &mut [f32]) {
+    let (g, u) = s.split_at(d.len());
+    for (o, &g) in d.iter_mut().zip(g) {
+        *o = -g;
+    }
+    exp_in_place(d);
+    for ((o, &g), &u) in d.iter_mut().zip(g).zip(u) {
+        *o = g / (1.0 + *o) * u;
     }
 }
 
