@@ -138,7 +138,7 @@ impl Bf16Matrix {
     /// y = x Wᵀ for x (m, k) row-major f32: (m, n) f32. x is rounded to bf16 first.
     pub fn matmul_t(&self, x: &[f32], m: usize) -> Vec<f32> {
         assert_eq!(x.len(), m * self.k, "x has {} values, expected {m} × {}", x.len(), self.k);
-        self.product(Rows::Plain(x), m)
+        self.product(Rows::Plain(x), m, None)
     }
 
     /// y = (silu(g) ⊙ u) Wᵀ for gu = [g | u] (m, 2k) row-major f32: SwiGLU's down projection,
@@ -147,33 +147,93 @@ impl Bf16Matrix {
     /// re-reading the (m, k) activation).
     pub fn matmul_t_swiglu(&self, gu: &[f32], m: usize) -> Vec<f32> {
         assert_eq!(gu.len(), m * 2 * self.k, "gu has {} values, expected {m} × 2·{}", gu.len(), self.k);
-        self.product(Rows::SiluMul(gu), m)
+        self.product(Rows::SiluMul(gu), m, None)
     }
 
-    fn product(&self, x: Rows, m: usize) -> Vec<f32> {
-        if m == 0 || self.n == 0 || self.k == 0 {
-            return vec![0f32; m * self.n];
+    /// The residual sublayer's end: y = x Wᵀ (`swiglu`: of silu(g)·u for x = [g | u], as
+    /// [`Bf16Matrix::matmul_t_swiglu`]), then s = r + y and RMSNorm(s) with weight `norm` —
+    /// returned as one (2, m, n) buffer [s; RMSNorm(s)], the bits of the product followed by
+    /// [`crate::ops::add_rms_norm`]. With enough rows each task owns whole rows and normalises
+    /// its block while it is still in cache, rather than writing y out for a separate pass.
+    pub fn matmul_t_add_rms(&self, x: &[f32], swiglu: bool, m: usize, r: &[f32], norm: &[f32], eps: f32) -> Vec<f32> {
+        let k = if swiglu { 2 * self.k } else { self.k };
+        assert_eq!(x.len(), m * k, "x has {} values, expected {m} × {k}", x.len());
+        assert_eq!(r.len(), m * self.n, "the residual has {} values, expected {m} × {}", r.len(), self.n);
+        assert_eq!(norm.len(), self.n, "the norm has {} weights, expected {}", norm.len(), self.n);
+        let n = self.n;
+        let x = if swiglu { Rows::SiluMul(x) } else { Rows::Plain(x) };
+        let mut both: Vec<std::mem::MaybeUninit<f32>> = Vec::with_capacity(2 * m * n);
+        // SAFETY: MaybeUninit needs no initialisation.
+        unsafe { both.set_len(2 * m * n) };
+        let normed = OutPtr(both[m * n..].as_mut_ptr() as *mut f32);
+        let done = |rows: std::ops::Range<usize>, s: &mut [f32]| {
+            // SAFETY: rows of the normalised half are written by the one call that owns them.
+            let d = unsafe {
+                std::slice::from_raw_parts_mut(normed.at(rows.start * n) as *mut std::mem::MaybeUninit<f32>, s.len())
+            };
+            crate::ops::add_rms_rows_in_place(&r[rows.start * n..rows.end * n], s, norm, eps, d);
+        };
+        self.product_into(x, m, &mut both[..m * n], Some(&done));
+        let mut both = std::mem::ManuallyDrop::new(both);
+        // SAFETY: product_into wrote the first half and the epilogue the second, in full.
+        unsafe { Vec::from_raw_parts(both.as_mut_ptr() as *mut f32, 2 * m * n, both.capacity()) }
+    }
+
+    fn product(&self, x: Rows, m: usize, done: Option<RowsDone>) -> Vec<f32> {
+        // SAFETY (of `overwritten`): product_into writes every output.
+        unsafe { crate::ops::overwritten(m * self.n, |y| self.product_into(x, m, y, done)) }
+    }
+
+    /// The product into `y` (m × n, written in full), then `done` (if any) on each block of
+    /// finished rows.
+    fn product_into(&self, x: Rows, m: usize, y: &mut [std::mem::MaybeUninit<f32>], done: Option<RowsDone>) {
+        let n = self.n;
+        if m == 0 || n == 0 {
+            return;
+        }
+        if self.k == 0 {
+            y.iter_mut().for_each(|v| _ = v.write(0.0));
+            if let Some(done) = done {
+                // SAFETY: written just above.
+                done(0..m, unsafe { &mut *(y as *mut [std::mem::MaybeUninit<f32>] as *mut [f32]) });
+            }
+            return;
         }
         let xs = pack_rows(x, m, self.k);
         let kernel = Kernel::detect();
         let groups = self.n.div_ceil(LANES * NB);
         let row_blocks = m.div_ceil(MC);
-        // Enough tasks for the pool with few rows (decoding), bigger column blocks with many.
-        let groups_per_task = if row_blocks >= 8 { 4 } else { 1 };
-        let col_tasks = groups.div_ceil(groups_per_task);
-        let fill = |y: &mut [std::mem::MaybeUninit<f32>]| {
-            let out = OutPtr(y.as_mut_ptr() as *mut f32);
-            (0..row_blocks * col_tasks).into_par_iter().for_each(|task| {
-                let (rb, ct) = (task / col_tasks, task % col_tasks);
-                let rows = rb * MC..((rb + 1) * MC).min(m);
-                let groups = ct * groups_per_task..((ct + 1) * groups_per_task).min(groups);
-                // SAFETY: the task's rows × groups region of y is written by this task only.
-                unsafe { self.block(kernel, &xs, rows, groups, out.at(0)) };
-            });
+        // Enough tasks for the pool with few rows (decoding), bigger column blocks with many;
+        // with an epilogue and many rows, whole rows per task.
+        let whole_rows = done.is_some() && row_blocks >= 8;
+        let groups_per_task = if whole_rows {
+            groups
+        } else if row_blocks >= 8 {
+            4
+        } else {
+            1
         };
-        // SAFETY (of `overwritten`): every output is stored by exactly one tile before anything
-        // reads it (k > 0, so each tile runs its first block).
-        unsafe { crate::ops::overwritten(m * self.n, fill) }
+        let col_tasks = groups.div_ceil(groups_per_task);
+        let out = OutPtr(y.as_mut_ptr() as *mut f32);
+        // Each task's rows × groups region of y is written by that task only; every output is
+        // stored by exactly one tile before anything reads it (k > 0, so each tile runs its first
+        // block).
+        (0..row_blocks * col_tasks).into_par_iter().for_each(|task| {
+            let (rb, ct) = (task / col_tasks, task % col_tasks);
+            let rows = rb * MC..((rb + 1) * MC).min(m);
+            let groups = ct * groups_per_task..((ct + 1) * groups_per_task).min(groups);
+            // SAFETY: see above.
+            unsafe { self.block(kernel, &xs, rows.clone(), groups, out.at(0)) };
+            if let (true, Some(done)) = (whole_rows, done) {
+                // SAFETY: this task wrote these whole rows just above and owns them.
+                done(rows.clone(), unsafe { std::slice::from_raw_parts_mut(out.at(rows.start * n), rows.len() * n) });
+            }
+        });
+        if let (false, Some(done)) = (whole_rows, done) {
+            // SAFETY: every output was written above.
+            let y = unsafe { &mut *(y as *mut [std::mem::MaybeUninit<f32>] as *mut [f32]) };
+            y.par_chunks_mut(MC * n).enumerate().for_each(|(rb, s)| done(rb * MC..rb * MC + s.len() / n, s));
+        }
     }
 
     /// Rows `rows` (starting at a multiple of MR) × column groups `groups` (48 outputs each,
@@ -190,8 +250,11 @@ impl Bf16Matrix {
         y: *mut f32,
     ) {
         let (pairs, n) = (self.pairs, self.n);
-        for p0 in (0..pairs).step_by(KC) {
-            let kc = KC.min(pairs - p0);
+        // Equal blocks of at most KC pairs (288 pairs: 3 × 96, not 128 + 128 + 32: a short
+        // block pays the accumulators' loads and stores for little work).
+        let step = pairs.div_ceil(pairs.div_ceil(KC));
+        for p0 in (0..pairs).step_by(step) {
+            let kc = step.min(pairs - p0);
             for g in groups.clone() {
                 let c0 = g * LANES * NB;
                 let b = &self.data[((c0 / LANES) * pairs + p0) * LANES..];
@@ -212,6 +275,10 @@ impl Bf16Matrix {
         }
     }
 }
+
+/// A product's epilogue: called with a block of rows and their finished outputs (rows × n,
+/// row-major), which it may rewrite in place.
+type RowsDone<'a> = &'a (dyn Fn(std::ops::Range<usize>, &mut [f32]) + Sync);
 
 /// A product's input rows: x (m, k) as it is, or [g | u] (m, 2k) whose row is silu(g)·u.
 #[derive(Clone, Copy)]
@@ -263,30 +330,8 @@ fn pack_rows(x: Rows, m: usize, k: usize) -> Vec<u32> {
 /// A row of f32 into words of two bf16 (low: the even input), an odd last input alone.
 /// Compiled for AVX-512 and AVX2 as well, chosen at run time (the baseline's SSE copy was ~6% of
 /// a bf16 forward pass).
+#[multiversion::multiversion(targets("x86_64+avx512f+avx512bw", "x86_64+avx2"))]
 fn round_pairs(row: &[f32], words: &mut [u32]) {
-    #[cfg(target_arch = "x86_64")]
-    {
-        if std::arch::is_x86_feature_detected!("avx512f") {
-            // SAFETY: the CPU has the features this copy was compiled for (checked just above).
-            return unsafe { round_pairs_avx512(row, words) };
-        }
-        if std::arch::is_x86_feature_detected!("avx2") {
-            // SAFETY: as above.
-            return unsafe { round_pairs_avx2(row, words) };
-        }
-    }
-    round_pairs_generic(row, words)
-}
-
-#[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx512f,avx512bw")]
-unsafe fn round_pairs_avx512(row: &[f32], words: &mut [u32]) {
-    round_pairs_generic(row, words)
-}
-
-#[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx2")]
-unsafe fn round_pairs_avx2(row: &[f32], words: &mut [u32]) {
     round_pairs_generic(row, words)
 }
 

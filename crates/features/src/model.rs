@@ -251,6 +251,47 @@ impl candle_core::CustomOp1 for Bf16Linear {
     }
 }
 
+/// [`Bf16Linear`] ending a residual sublayer: (x, residual r, norm weight) → (2, rows, out) =
+/// [r + y; RMSNorm(r + y)] (see [`crate::bf16::Bf16Matrix::matmul_t_add_rms`]).
+struct Bf16LinearAddNorm {
+    w: std::sync::Arc<crate::bf16::Bf16Matrix>,
+    swiglu: bool,
+    eps: f32,
+}
+
+impl candle_core::CustomOp3 for Bf16LinearAddNorm {
+    fn name(&self) -> &'static str {
+        "onepass-bf16-linear-add-rms-norm"
+    }
+
+    fn cpu_fwd(
+        &self,
+        sx: &candle_core::CpuStorage,
+        lx: &candle_core::Layout,
+        sr: &candle_core::CpuStorage,
+        lr: &candle_core::Layout,
+        sw: &candle_core::CpuStorage,
+        lw: &candle_core::Layout,
+    ) -> candle_core::Result<(candle_core::CpuStorage, candle_core::Shape)> {
+        use crate::ops::contiguous_f32;
+        let (x, r, w) =
+            (contiguous_f32(sx, lx, "x")?, contiguous_f32(sr, lr, "residual")?, contiguous_f32(sw, lw, "norm")?);
+        let (rows, inp) = lx.shape().dims2()?;
+        let (k, n) = (self.w.k(), self.w.n());
+        if inp != if self.swiglu { 2 * k } else { k } || lr.shape().dims2()? != (rows, n) || w.len() != n {
+            candle_core::bail!(
+                "bf16 linear + norm: x {:?}, residual {:?} and norm {:?} do not fit a {n} × {k} weight (swiglu: {})",
+                lx.shape(),
+                lr.shape(),
+                lw.shape(),
+                self.swiglu
+            );
+        }
+        let y = self.w.matmul_t_add_rms(x, self.swiglu, rows, r, w, self.eps);
+        Ok((candle_core::CpuStorage::F32(y), candle_core::Shape::from((2, rows, n))))
+    }
+}
+
 /// A dense layer y = x Wᵀ (+ b) applied to the flattened rows of x: one 2-D gemm per call, so
 /// the weight is packed once per batch rather than once per sequence (candle_nn::Linear runs a
 /// batched matmul over a broadcast weight).
@@ -316,6 +357,29 @@ impl Lin {
                 self.forward_of(&a, false)
             }
         }
+    }
+
+    /// A residual sublayer's end: (r + y, norm(r + y)) for y = this layer of `x` (`swiglu`: of
+    /// silu(gate)·up, see [`Lin::forward_swiglu`]); on the bf16 CPU path in one fused product.
+    fn forward_add_norm(
+        &self,
+        x: &Tensor,
+        swiglu: bool,
+        r: &Tensor,
+        norm: &RmsNorm,
+    ) -> candle_core::Result<(Tensor, Tensor)> {
+        if let (Weight::Bf16(w), None) = (&self.w, &self.b) {
+            let dims = x.dims();
+            let rows = x.elem_count() / dims[dims.len() - 1].max(1);
+            let x = x.reshape((rows, dims[dims.len() - 1]))?.contiguous()?;
+            let op = Bf16LinearAddNorm { w: w.clone(), swiglu, eps: norm.eps };
+            let both = x.apply_op3_no_bwd(&r.reshape((rows, self.out))?.contiguous()?, &norm.w, &op)?;
+            let mut out = dims.to_vec();
+            *out.last_mut().expect("rank ≥ 1") = self.out;
+            return Ok((both.get(0)?.reshape(out.as_slice())?, both.get(1)?.reshape(out.as_slice())?));
+        }
+        let y = if swiglu { self.forward_swiglu(x)? } else { self.forward(x)? };
+        norm.add_forward(r, &y)
     }
 
     fn forward_of(&self, x: &Tensor, swiglu: bool) -> candle_core::Result<Tensor> {
@@ -401,7 +465,8 @@ impl Attention {
         })
     }
 
-    fn forward(&self, x: &Tensor, rope: &Rope) -> candle_core::Result<Tensor> {
+    /// Attention before its output projection: (b, t, heads·head_dim).
+    fn mix(&self, x: &Tensor, rope: &Rope) -> candle_core::Result<Tensor> {
         let (b, t, _) = x.dims3()?;
         let (h, kv, hd) = (self.heads, self.kv_heads, self.head_dim);
         let qkv = {
@@ -415,24 +480,16 @@ impl Attention {
                 let _s = tracing::trace_span!("rope").entered();
                 crate::ops::qkv_rope(&qkv, &rope.cos, &rope.sin, h + kv, 0, rope.interleaved)?
             };
-            let y = {
-                let _s = tracing::trace_span!("causal_attention").entered();
-                crate::ops::causal_attention_packed(&packed, h, kv, scale)?.reshape((b, t, h * hd))?
-            };
-            let _s = tracing::trace_span!("o_proj").entered();
-            return self.o.forward(&y);
+            let _s = tracing::trace_span!("causal_attention").entered();
+            return crate::ops::causal_attention_packed(&packed, h, kv, scale)?.reshape((b, t, h * hd));
         }
         let _s = tracing::trace_span!("rope").entered();
         let q = rope.apply(&qkv.narrow(2, 0, h)?.transpose(1, 2)?, t)?;
         let k = rope.apply(&qkv.narrow(2, h, kv)?.transpose(1, 2)?, t)?;
         let v = qkv.narrow(2, h + kv, kv)?.transpose(1, 2)?.contiguous()?;
         drop(_s);
-        let y = {
-            let _s = tracing::trace_span!("causal_attention").entered();
-            crate::ops::causal_attention(&q, &k, &v, scale)?.reshape((b, t, h * hd))?
-        };
-        let _s = tracing::trace_span!("o_proj").entered();
-        self.o.forward(&y)
+        let _s = tracing::trace_span!("causal_attention").entered();
+        crate::ops::causal_attention(&q, &k, &v, scale)?.reshape((b, t, h * hd))
     }
 }
 
@@ -545,16 +602,19 @@ impl Block {
     /// applied to it (the following block's first norm, or the final norm), each residual sum
     /// fused with the norm that reads it.
     fn forward(&self, x: &Tensor, h: &Tensor, rope: &Rope, next: &RmsNorm) -> candle_core::Result<(Tensor, Tensor)> {
-        let a = {
+        let (x, h) = {
             let _s = tracing::trace_span!("attention").entered();
-            self.attn.forward(h, rope)?
+            let y = self.attn.mix(h, rope)?;
+            let _s = tracing::trace_span!("o_proj").entered();
+            self.attn.o.forward_add_norm(&y, false, x, &self.norm2)?
         };
-        let (x, h) = self.norm2.add_forward(x, &a)?;
-        let m = {
-            let _s = tracing::trace_span!("mlp").entered();
-            self.mlp.forward(&h)?
+        let _s = tracing::trace_span!("mlp").entered();
+        let gu = {
+            let _s = tracing::trace_span!("gate_up").entered();
+            self.mlp.gate_up.forward(&h)?
         };
-        next.add_forward(&x, &m)
+        let _s = tracing::trace_span!("down").entered();
+        self.mlp.down.forward_add_norm(&gu, true, &x, next)
     }
 }
 
