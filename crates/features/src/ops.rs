@@ -185,17 +185,43 @@ pub(crate) fn contiguous_f32<'a>(s: &'a CpuStorage, l: &Layout, what: &str) -> R
 
 /// Softmax(scale · s) of the rows of a block of query positions i0, i0 + 1, … (`n` scores each):
 /// row r sees keys 0..=i0 + r, the rest become 0.
+///
+/// Each row's max and sum run in key order (the bits of a plain per-row fold), but eight rows'
+/// chains side by side: one row's chain of dependent adds was most of the softmax's time.
 #[multiversion(targets("x86_64+avx512f+avx512bw", "x86_64+avx2+fma"))]
 fn causal_softmax_rows(sc: &mut [f32], n: usize, i0: usize, scale: f32) {
-    for (r, row) in sc.chunks_exact_mut(n).enumerate() {
-        let len = i0 + r + 1;
-        let (live, dead) = row.split_at_mut(len);
-        let max = live.iter().copied().fold(f32::NEG_INFINITY, f32::max);
-        live.iter_mut().for_each(|x| *x = (*x - max) * scale);
-        exp_generic(live);
-        let inv = 1.0 / live.iter().sum::<f32>();
-        live.iter_mut().for_each(|x| *x *= inv);
-        dead.fill(0.0);
+    const R: usize = 8;
+    for (g, block) in sc.chunks_mut(R * n).enumerate() {
+        let rows = block.len() / n;
+        // Row r of the group sees `common + r` keys.
+        let common = i0 + g * R + 1;
+        let interleaved = |block: &[f32], init: f32, f: fn(f32, f32) -> f32| {
+            let mut acc = [init; R];
+            for j in 0..common {
+                for (r, a) in acc.iter_mut().enumerate().take(rows) {
+                    *a = f(*a, block[r * n + j]);
+                }
+            }
+            for (r, a) in acc.iter_mut().enumerate().take(rows) {
+                for &v in &block[r * n + common..r * n + common + r] {
+                    *a = f(*a, v);
+                }
+            }
+            acc
+        };
+        let max = interleaved(block, f32::NEG_INFINITY, f32::max);
+        for (r, row) in block.chunks_exact_mut(n).enumerate() {
+            let (live, dead) = row.split_at_mut(common + r);
+            live.iter_mut().for_each(|x| *x = (*x - max[r]) * scale);
+            exp_generic(live);
+            dead.fill(0.0);
+        }
+        // −0.0 is `Sum for f32`'s start: the bits of `iter().sum()`.
+        let sum = interleaved(block, -0.0, |a, v| a + v);
+        for (r, row) in block.chunks_exact_mut(n).enumerate() {
+            let inv = 1.0 / sum[r];
+            row[..common + r].iter_mut().for_each(|x| *x *= inv);
+        }
     }
 }
 
@@ -690,6 +716,40 @@ mod tests {
         let mut one = [1.0f32];
         exp_in_place(&mut one);
         assert!((one[0] - std::f32::consts::E).abs() < 1e-6);
+    }
+
+    /// The interleaved rows give the bits of a plain per-row softmax (max, exp, sum in key
+    /// order), block sizes around the 8-row groups; a negative control: summing the row in
+    /// another order changes some bits.
+    #[test]
+    fn causal_softmax_rows_match_a_per_row_fold() {
+        let plain = |sc: &mut [f32], n: usize, i0: usize, scale: f32| {
+            for (r, row) in sc.chunks_exact_mut(n).enumerate() {
+                let (live, dead) = row.split_at_mut(i0 + r + 1);
+                let max = live.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+                live.iter_mut().for_each(|x| *x = (*x - max) * scale);
+                exp_generic(live);
+                let inv = 1.0 / live.iter().sum::<f32>();
+                live.iter_mut().for_each(|x| *x *= inv);
+                dead.fill(0.0);
+            }
+        };
+        let mut reversed_differs = false;
+        for (m, i0) in [(1, 0), (7, 0), (8, 0), (13, 5), (64, 64), (37, 200)] {
+            let n = i0 + m;
+            let x = Tensor::randn(0f32, 3.0, m * n, &Device::Cpu).unwrap().to_vec1::<f32>().unwrap();
+            let (mut got, mut want) = (x.clone(), x.clone());
+            causal_softmax_rows(&mut got, n, i0, 0.125);
+            plain(&mut want, n, i0, 0.125);
+            assert!(got.iter().zip(&want).all(|(a, b)| a.to_bits() == b.to_bits()), "m {m}, i0 {i0}");
+            for (r, row) in x.chunks_exact(n).enumerate() {
+                let live = &row[..i0 + r + 1];
+                let forward: f32 = live.iter().sum();
+                let backward: f32 = live.iter().rev().sum();
+                reversed_differs |= forward.to_bits() != backward.to_bits();
+            }
+        }
+        assert!(reversed_differs, "the order of an f32 sum should show in its bits");
     }
 
     #[test]
