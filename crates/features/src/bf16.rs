@@ -664,6 +664,40 @@ mod tests {
         assert_ne!(fused, mat.matmul_t(&gate, m));
     }
 
+    /// The product with its residual + RMSNorm epilogue gives the product followed by the f32
+    /// op's bits, with few rows (the epilogue after the product) and many (whole-row tasks),
+    /// plain and SwiGLU inputs.
+    #[test]
+    fn add_rms_epilogue_is_the_product_then_the_norm() {
+        use candle_core::{Device, Tensor};
+        let (n, k) = (100, 70);
+        let w = random(n * k, 8, 0.1);
+        let mat = Bf16Matrix::from_f32(&w, n, k);
+        let norm = random(n, 9, 1.0);
+        for m in [5, 130, 1100] {
+            for swiglu in [false, true] {
+                let x = random(m * if swiglu { 2 * k } else { k }, 10, 2.0);
+                let r = random(m * n, 11, 1.0);
+                let y = if swiglu { mat.matmul_t_swiglu(&x, m) } else { mat.matmul_t(&x, m) };
+                let t = |v: &[f32], c: usize| Tensor::from_vec(v.to_vec(), (m, c), &Device::Cpu).unwrap();
+                let (s, d) = crate::ops::add_rms_norm(
+                    &t(&r, n),
+                    &t(&y, n),
+                    &Tensor::new(norm.as_slice(), &Device::Cpu).unwrap(),
+                    1e-5,
+                )
+                .unwrap();
+                let mut want = s.flatten_all().unwrap().to_vec1::<f32>().unwrap();
+                want.extend(d.flatten_all().unwrap().to_vec1::<f32>().unwrap());
+                let got = mat.matmul_t_add_rms(&x, swiglu, m, &r, &norm, 1e-5);
+                assert!(got.iter().zip(&want).all(|(a, b)| a.to_bits() == b.to_bits()), "m {m}, swiglu {swiglu}");
+                // The residual is really added (the norm of y alone differs).
+                let alone = mat.matmul_t_add_rms(&x, swiglu, m, &vec![0.0; m * n], &norm, 1e-5);
+                assert_ne!(alone[m * n..], got[m * n..]);
+            }
+        }
+    }
+
     /// The product a caller sees (rayon tasks, detected kernel) equals the reference at any
     /// thread count, and stays within bf16's rounding of the f32 product.
     #[test]

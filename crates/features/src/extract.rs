@@ -3,7 +3,7 @@
 //! mean over the response).
 
 use crate::gguf::{meta_str, Gguf};
-use crate::model::{gather_rows, mean_rows, resolve_layer, Config, HfConfig, Model};
+use crate::model::{mean_rows, resolve_layer, Config, HfConfig, Model};
 use crate::template::{ChatTemplate, Message};
 use crate::tokenizer::Tok;
 use crate::Error;
@@ -394,10 +394,14 @@ impl Backbone {
             ids.extend(std::iter::repeat_n(pad, t - p.ids.len()));
         }
         let ids = Tensor::from_vec(ids, (items.len(), t), self.model.device())?;
-        let h = self.model.hidden_states(&ids, layer)?;
         let rows = match opts.pool {
-            Pool::Last => gather_rows(&h, &items.iter().map(|p| p.ids.len() - 1).collect::<Vec<_>>())?,
-            Pool::Mean => mean_rows(&h, &items.iter().map(|p| p.response).collect::<Vec<_>>())?,
+            Pool::Last => {
+                self.model.hidden_at(&ids, layer, &items.iter().map(|p| p.ids.len() - 1).collect::<Vec<_>>())?
+            }
+            Pool::Mean => mean_rows(
+                &self.model.hidden_states(&ids, layer)?,
+                &items.iter().map(|p| p.response).collect::<Vec<_>>(),
+            )?,
         };
         Ok(rows.to_dtype(DType::F32)?.to_vec2()?)
     }

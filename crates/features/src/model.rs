@@ -619,6 +619,36 @@ impl Block {
 }
 
 impl Block {
+    /// [`Block::forward`] for φ: the block reads every position (keys and values need them all)
+    /// but only the rows `idx` (flat b·t indices, one per batch row) leave it, so with packed
+    /// bf16 products its output projection and MLP run on those rows alone. Returns (x, next(x))
+    /// at those rows, (b, 1, d). Other weights run the whole block and then pick the rows: a
+    /// dense gemm of 8 rows need not round like one of 2,048 (it does not, on the tiny test
+    /// models), and f32 φ keeps the bits of its caches.
+    fn forward_rows(
+        &self,
+        x: &Tensor,
+        h: &Tensor,
+        rope: &Rope,
+        next: &RmsNorm,
+        idx: &Tensor,
+    ) -> candle_core::Result<(Tensor, Tensor)> {
+        let (b, t, d) = x.dims3()?;
+        let pick = |y: &Tensor| -> candle_core::Result<Tensor> {
+            let w = y.dim(2)?;
+            y.reshape((b * t, w))?.index_select(idx, 0)?.reshape((b, 1, w))
+        };
+        let packed = |l: &Lin| matches!(l.w, Weight::Bf16(_));
+        if ![&self.attn.o, &self.mlp.gate_up, &self.mlp.down].into_iter().all(packed) {
+            let (x, h) = self.forward(x, h, rope, next)?;
+            return Ok((pick(&x)?, pick(&h)?));
+        }
+        let y = pick(&self.attn.mix(h, rope)?)?;
+        let (x, h) = self.attn.o.forward_add_norm(&y, false, &pick(&x.reshape((b, t, d))?)?, &self.norm2)?;
+        let gu = self.mlp.gate_up.forward(&h)?;
+        self.mlp.down.forward_add_norm(&gu, true, &x, next)
+    }
+
     fn forward_cached(
         &self,
         x: &Tensor,
@@ -797,6 +827,38 @@ impl Model {
         }
         // h is the final norm of the last block's output
         Ok(h)
+    }
+
+    /// The rows of [`Model::hidden_states`] at one position per batch row, (b, d): φ's
+    /// last-token features. The last block that `layer` needs runs its output projection and
+    /// MLP on those rows only (~1/L of a pass saved); each row's arithmetic is the full pass's,
+    /// so the values are `gather_rows(hidden_states(ids, layer), pos)` (tested).
+    pub fn hidden_at(&self, ids: &Tensor, layer: usize, pos: &[usize]) -> Result<Tensor, Error> {
+        let (b, t) = ids.dims2()?;
+        if t > self.max_len() {
+            return Err(Error::Input(format!("a batch of {t} tokens exceeds max_len = {}", self.max_len())));
+        }
+        if pos.len() != b || pos.iter().any(|&p| p >= t) {
+            return Err(Error::Input(format!("positions {pos:?} out of range for a ({b}, {t}) batch")));
+        }
+        if layer == 0 || self.blocks.is_empty() {
+            return gather_rows(&self.hidden_states(ids, layer)?, pos);
+        }
+        let idx: Vec<u32> = pos.iter().enumerate().map(|(i, &p)| (i * t + p) as u32).collect();
+        let idx = Tensor::from_vec(idx, b, &self.device)?;
+        let mut x = self.embed.forward(ids)?;
+        let mut h = self.blocks[0].norm1.forward(&x)?;
+        let last = layer.min(self.blocks.len()) - 1;
+        for (i, blk) in self.blocks.iter().enumerate().take(last) {
+            let _s = tracing::debug_span!("block", i).entered();
+            (x, h) = blk.forward(&x, &h, &self.rope, &self.blocks[i + 1].norm1)?;
+        }
+        let _s = tracing::debug_span!("block", i = last).entered();
+        let next = self.blocks.get(last + 1).map_or(&self.norm, |n| &n.norm1);
+        let (x, h) = self.blocks[last].forward_rows(&x, &h, &self.rope, next, &idx)?;
+        // As hidden_states: the block's output for an inner layer, the final norm after the last.
+        let out = if layer < self.cfg.layers { x } else { h };
+        Ok(out.squeeze(1)?)
     }
 }
 

@@ -101,3 +101,27 @@ fn portable_and_native_kernels_give_the_same_model_bits() {
     assert!(native.len() > 100);
     assert_eq!(native, portable, "kernel {:?} and the portable kernel disagree", features::bf16::Kernel::detect());
 }
+
+/// φ's pruned pass (the last block's output projection and MLP on the read rows only) gives the
+/// full pass's rows bit for bit, in f32 and bf16, for an inner layer and the final norm, with
+/// enough rows (8 × 120) that the bf16 products' fused norm runs on whole-row tasks. A negative
+/// control: other positions' rows differ.
+#[test]
+fn hidden_at_is_the_full_pass_at_those_rows() {
+    for name in ["tiny-llama", "tiny-qwen2"] {
+        for dtype in [DType::F32, DType::BF16] {
+            let m = tiny(name, dtype);
+            let x = ids(8, 120);
+            let pos: Vec<usize> = (0..8).map(|i| 119 - 13 * i).collect();
+            for layer in [0, 1, m.cfg.layers] {
+                let full = features::model::gather_rows(&m.hidden_states(&x, layer).unwrap(), &pos).unwrap();
+                let got = m.hidden_at(&x, layer, &pos).unwrap();
+                assert_eq!(rows(&got), rows(&full), "{name} {dtype:?} layer {layer}");
+                let other: Vec<usize> = pos.iter().map(|p| p - 1).collect();
+                let elsewhere = features::model::gather_rows(&m.hidden_states(&x, layer).unwrap(), &other).unwrap();
+                assert_ne!(rows(&got), rows(&elsewhere), "{name} {dtype:?} layer {layer}");
+            }
+            assert!(m.hidden_at(&x, m.cfg.layers, &[120; 8]).is_err(), "a position past the batch's length");
+        }
+    }
+}

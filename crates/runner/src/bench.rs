@@ -59,8 +59,7 @@ pub fn bench(o: &BenchOptions) -> Result<BenchReport> {
     let layer = backbone.model.cfg.layers;
     let last = vec![o.len - 1; o.batch];
     let pass = || -> Result<Tensor> {
-        let h = backbone.model.hidden_states(&x, layer)?;
-        let phi = features::model::gather_rows(&h, &last)?;
+        let phi = backbone.model.hidden_at(&x, layer, &last)?;
         // Bring the result to the host so the timing includes the whole pass on any device.
         Ok(phi.to_dtype(DType::F32)?.to_device(&Device::Cpu)?)
     };
