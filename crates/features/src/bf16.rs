@@ -292,11 +292,11 @@ enum Rows<'a> {
 /// its MR broadcasts from one place. Rows past m and an odd k's last input are zeros.
 fn pack_rows(x: Rows, m: usize, k: usize) -> Vec<u32> {
     let pairs = k.div_ceil(2);
-    let mut xs = vec![0u32; m.div_ceil(MR) * MR * pairs];
+    let len = m.div_ceil(MR) * MR * pairs;
     // Round the tile's rows into `words` (a contiguous, vectorised pass), then interleave them;
     // `words` (and `row`, silu·up's f32 row) are scratch buffers per rayon job, not allocations
     // per tile.
-    let fill = |(words, row): &mut (Vec<u32>, Vec<f32>), tile: usize, dst: &mut [u32]| {
+    let fill = |(words, row): &mut (Vec<u32>, Vec<f32>), tile: usize, dst: &mut [std::mem::MaybeUninit<u32>]| {
         let rows = MR.min(m - tile * MR);
         words.resize(MR * pairs, 0);
         for (r, w) in words.chunks_exact_mut(pairs.max(1)).take(rows).enumerate() {
@@ -310,21 +310,27 @@ fn pack_rows(x: Rows, m: usize, k: usize) -> Vec<u32> {
                 }
             }
         }
+        // Every word is written (the last tile's missing rows as zeros), so `xs` is never zeroed
+        // first.
         for (p, d) in dst.chunks_exact_mut(MR).enumerate() {
-            for (r, d) in d.iter_mut().enumerate().take(rows) {
-                *d = words[r * pairs + p];
+            for (r, d) in d.iter_mut().enumerate() {
+                d.write(if r < rows { words[r * pairs + p] } else { 0 });
             }
         }
     };
-    if m * k >= 1 << 16 {
-        xs.par_chunks_mut((MR * pairs).max(1))
-            .enumerate()
-            .for_each_init(Default::default, |scratch, (tile, dst)| fill(scratch, tile, dst));
-    } else {
-        let mut scratch = Default::default();
-        xs.chunks_mut((MR * pairs).max(1)).enumerate().for_each(|(tile, dst)| fill(&mut scratch, tile, dst));
+    // SAFETY (of `overwritten`): the tiles cover xs and `fill` writes each tile in full.
+    unsafe {
+        crate::ops::overwritten(len, |xs| {
+            if m * k >= 1 << 16 {
+                xs.par_chunks_mut((MR * pairs).max(1))
+                    .enumerate()
+                    .for_each_init(Default::default, |scratch, (tile, dst)| fill(scratch, tile, dst));
+            } else {
+                let mut scratch = Default::default();
+                xs.chunks_mut((MR * pairs).max(1)).enumerate().for_each(|(tile, dst)| fill(&mut scratch, tile, dst));
+            }
+        })
     }
-    xs
 }
 
 /// A row of f32 into words of two bf16 (low: the even input), an odd last input alone.

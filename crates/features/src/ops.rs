@@ -147,20 +147,20 @@ impl OutPtr {
     }
 }
 
-/// A vector of `len` f32 that `fill` writes in full, never zeroed first: the memsets of every
+/// A vector of `len` values that `fill` writes in full, never zeroed first: the memsets of every
 /// activation buffer that a kernel then overwrote were ~3% of a forward pass.
 ///
 /// # Safety
 /// `fill` writes each of the `len` elements (through `write` or a pointer from `as_mut_ptr`)
 /// and reads none before writing it.
-pub(crate) unsafe fn overwritten(len: usize, fill: impl FnOnce(&mut [MaybeUninit<f32>])) -> Vec<f32> {
-    let mut v: Vec<MaybeUninit<f32>> = Vec::with_capacity(len);
+pub(crate) unsafe fn overwritten<T: Copy>(len: usize, fill: impl FnOnce(&mut [MaybeUninit<T>])) -> Vec<T> {
+    let mut v: Vec<MaybeUninit<T>> = Vec::with_capacity(len);
     // SAFETY: MaybeUninit needs no initialisation.
     unsafe { v.set_len(len) };
     fill(&mut v);
     let mut v = std::mem::ManuallyDrop::new(v);
-    // SAFETY: every element was written (the caller's promise); MaybeUninit<f32> has f32's layout.
-    unsafe { Vec::from_raw_parts(v.as_mut_ptr() as *mut f32, len, v.capacity()) }
+    // SAFETY: every element was written (the caller's promise); MaybeUninit<T> has T's layout.
+    unsafe { Vec::from_raw_parts(v.as_mut_ptr() as *mut T, len, v.capacity()) }
 }
 
 /// The initialised view of a buffer [`overwritten`]'s `fill` has written.
@@ -413,15 +413,10 @@ impl CustomOp3 for QkvRope {
         let fill = |out: &mut [MaybeUninit<f32>]| {
             out.par_chunks_mut(t * d).enumerate().for_each(|(bj, dst)| {
                 let (bi, j) = (bj / heads, bj % heads);
-                for (ti, o) in dst.chunks_exact_mut(d).enumerate() {
-                    let src = &x[((bi * t + ti) * heads + j) * d..][..d];
-                    if j >= self.rotated {
-                        o.iter_mut().zip(src).for_each(|(o, &v)| _ = o.write(v));
-                        continue;
-                    }
-                    let pos = (self.offset + ti) * half;
-                    rope_row(src, &cos[pos..pos + half], &sin[pos..pos + half], self.interleaved, o);
-                }
+                // Head j of batch row bi: rows at a stride of heads·d in x.
+                let src = &x[(bi * t * heads + j) * d..];
+                let tables = (j < self.rotated).then(|| (&cos[self.offset * half..], &sin[self.offset * half..]));
+                rope_head(src, (d, heads * d), tables, self.interleaved, dst);
             });
         };
         let out = unsafe { overwritten(x.len(), fill) };
@@ -429,8 +424,28 @@ impl CustomOp3 for QkvRope {
     }
 }
 
-/// One head's row of q or k rotated into `o` (see [`QkvRope`]); `c`, `sn`: its position's tables.
+/// One head's rows into `dst` (t × d): row ti read from `src[ti · stride..]`, rotated with the
+/// tables' rows from its position on (`tables`: cos, sin from the first row's position; `None`:
+/// copied, v). See [`QkvRope`].
 #[multiversion(targets("x86_64+avx512f+avx512bw", "x86_64+avx2+fma"))]
+fn rope_head(
+    src: &[f32],
+    (d, stride): (usize, usize),
+    tables: Option<(&[f32], &[f32])>,
+    interleaved: bool,
+    dst: &mut [MaybeUninit<f32>],
+) {
+    let half = d / 2;
+    for (ti, o) in dst.chunks_exact_mut(d).enumerate() {
+        let row = &src[ti * stride..][..d];
+        match tables {
+            Some((cos, sin)) => rope_row(row, &cos[ti * half..][..half], &sin[ti * half..][..half], interleaved, o),
+            None => o.iter_mut().zip(row).for_each(|(o, &v)| _ = o.write(v)),
+        }
+    }
+}
+
+#[inline(always)]
 fn rope_row(src: &[f32], c: &[f32], sn: &[f32], interleaved: bool, o: &mut [MaybeUninit<f32>]) {
     let half = c.len();
     if interleaved {
