@@ -150,6 +150,20 @@ impl Bf16Matrix {
         self.product(Rows::SiluMul(gu), m, None)
     }
 
+    /// y = x Wᵀ as [`Bf16Matrix::matmul_t`], then `done(rows, y[rows])` on each block of
+    /// finished rows, which it may read or rewrite: with enough rows each task owns whole rows
+    /// and runs `done` while its block is still in cache (how the q/k/v product lays out and
+    /// rotates its heads without a separate pass over y).
+    pub fn matmul_t_then(
+        &self,
+        x: &[f32],
+        m: usize,
+        done: &(dyn Fn(std::ops::Range<usize>, &mut [f32]) + Sync),
+    ) -> Vec<f32> {
+        assert_eq!(x.len(), m * self.k, "x has {} values, expected {m} × {}", x.len(), self.k);
+        self.product(Rows::Plain(x), m, Some(done))
+    }
+
     /// The residual sublayer's end: y = x Wᵀ (`swiglu`: of silu(g)·u for x = [g | u], as
     /// [`Bf16Matrix::matmul_t_swiglu`]), then s = r + y and RMSNorm(s) with weight `norm` —
     /// returned as one (2, m, n) buffer [s; RMSNorm(s)], the bits of the product followed by

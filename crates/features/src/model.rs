@@ -292,6 +292,62 @@ impl candle_core::CustomOp3 for Bf16LinearAddNorm {
     }
 }
 
+/// The q/k/v product with RoPE and the attention layout as its epilogue: (rows = b·t, in) f32
+/// and the cos, sin tables → the packed (b, heads + 2·kv, t, d) tensor of [`crate::ops::qkv_rope`]
+/// (offset 0), bit for bit, without a separate pass over the product's output.
+struct Bf16QkvRope {
+    w: std::sync::Arc<crate::bf16::Bf16Matrix>,
+    /// (b, t, heads, d): heads = q + k + v heads.
+    dims: (usize, usize, usize, usize),
+    rotated: usize,
+    interleaved: bool,
+}
+
+impl candle_core::CustomOp3 for Bf16QkvRope {
+    fn name(&self) -> &'static str {
+        "onepass-bf16-qkv-rope"
+    }
+
+    fn cpu_fwd(
+        &self,
+        sx: &candle_core::CpuStorage,
+        lx: &candle_core::Layout,
+        sc: &candle_core::CpuStorage,
+        lc: &candle_core::Layout,
+        ss: &candle_core::CpuStorage,
+        ls: &candle_core::Layout,
+    ) -> candle_core::Result<(candle_core::CpuStorage, candle_core::Shape)> {
+        use crate::ops::contiguous_f32;
+        let (x, cos, sin) =
+            (contiguous_f32(sx, lx, "qkv input")?, contiguous_f32(sc, lc, "cos")?, contiguous_f32(ss, ls, "sin")?);
+        let (b, t, heads, d) = self.dims;
+        let (rows, half) = lc.shape().dims2()?;
+        if lx.shape().dims2()? != (b * t, self.w.k()) || self.w.n() != heads * d || half * 2 != d || t > rows {
+            candle_core::bail!(
+                "bf16 qkv + rope: input {:?}, tables {:?} against {:?} and a {} × {} weight",
+                lx.shape(),
+                lc.shape(),
+                self.dims,
+                self.w.n(),
+                self.w.k()
+            );
+        }
+        let mut out: Vec<std::mem::MaybeUninit<f32>> = Vec::with_capacity(b * heads * t * d);
+        // SAFETY: MaybeUninit needs no initialisation.
+        unsafe { out.set_len(b * heads * t * d) };
+        let dst = crate::ops::OutPtr(out.as_mut_ptr() as *mut f32);
+        let done = |r: std::ops::Range<usize>, y: &mut [f32]| {
+            // SAFETY: the product's blocks of rows are disjoint; each writes its rows' entries.
+            unsafe { crate::ops::qkv_rope_rows(y, r, (t, heads, d), self.rotated, (cos, sin), self.interleaved, &dst) }
+        };
+        drop(self.w.matmul_t_then(x, b * t, &done));
+        let mut out = std::mem::ManuallyDrop::new(out);
+        // SAFETY: every (row, head) entry was written by the epilogue.
+        let out = unsafe { Vec::from_raw_parts(out.as_mut_ptr() as *mut f32, out.len(), out.capacity()) };
+        Ok((candle_core::CpuStorage::F32(out), candle_core::Shape::from((b, heads, t, d))))
+    }
+}
+
 /// A dense layer y = x Wᵀ (+ b) applied to the flattened rows of x: one 2-D gemm per call, so
 /// the weight is packed once per batch rather than once per sequence (candle_nn::Linear runs a
 /// batched matmul over a broadcast weight).
@@ -469,11 +525,26 @@ impl Attention {
     fn mix(&self, x: &Tensor, rope: &Rope) -> candle_core::Result<Tensor> {
         let (b, t, _) = x.dims3()?;
         let (h, kv, hd) = (self.heads, self.kv_heads, self.head_dim);
+        let scale = 1.0 / (hd as f64).sqrt();
+        if let (Weight::Bf16(w), None) = (&self.qkv.w, &self.qkv.b) {
+            // The bf16 CPU path: RoPE and the heads' layout in the product's epilogue.
+            let packed = {
+                let _s = tracing::trace_span!("qkv").entered();
+                let op = Bf16QkvRope {
+                    w: w.clone(),
+                    dims: (b, t, h + 2 * kv, hd),
+                    rotated: h + kv,
+                    interleaved: rope.interleaved,
+                };
+                x.reshape((b * t, ()))?.contiguous()?.apply_op3_no_bwd(&rope.cos, &rope.sin, &op)?
+            };
+            let _s = tracing::trace_span!("causal_attention").entered();
+            return crate::ops::causal_attention_packed(&packed, h, kv, scale)?.reshape((b, t, h * hd));
+        }
         let qkv = {
             let _s = tracing::trace_span!("qkv").entered();
             self.qkv.forward(x)?.reshape((b, t, h + 2 * kv, hd))?
         };
-        let scale = 1.0 / (hd as f64).sqrt();
         if qkv.device().is_cpu() && qkv.dtype() == DType::F32 {
             // The fused CPU path: rotate and lay out q, k, v in one pass, attend from there.
             let packed = {
@@ -938,4 +1009,44 @@ pub fn mean_rows(h: &Tensor, spans: &[(usize, usize)]) -> Result<Tensor, Error> 
         .collect();
     let w = Tensor::from_vec(w, (b, 1, t), h.device())?.to_dtype(h.dtype())?;
     Ok(w.matmul(&h.contiguous()?)?.squeeze(1)?)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The bf16 q/k/v product with RoPE in its epilogue is the product followed by
+    /// [`crate::ops::qkv_rope`], bit for bit, both RoPE layouts, with few rows (the epilogue after
+    /// the product) and many (whole-row tasks); a negative control: other tables differ.
+    #[test]
+    fn fused_qkv_rope_is_the_product_then_qkv_rope() {
+        let dev = Device::Cpu;
+        let (h, kv, d, k) = (6, 2, 16, 40);
+        let heads = h + 2 * kv;
+        let w = Tensor::randn(0f32, 0.2, (heads * d, k), &dev).unwrap();
+        let mat = std::sync::Arc::new(crate::bf16::Bf16Matrix::from_f32(
+            &w.flatten_all().unwrap().to_vec1::<f32>().unwrap(),
+            heads * d,
+            k,
+        ));
+        let cos = Tensor::randn(0f32, 1.0, (300, d / 2), &dev).unwrap();
+        let sin = Tensor::randn(0f32, 1.0, (300, d / 2), &dev).unwrap();
+        for (b, t) in [(2, 7), (5, 230)] {
+            let x = Tensor::randn(0f32, 1.0, (b * t, k), &dev).unwrap();
+            for interleaved in [false, true] {
+                let op = Bf16QkvRope { w: mat.clone(), dims: (b, t, heads, d), rotated: h + kv, interleaved };
+                let got = x.apply_op3_no_bwd(&cos, &sin, &op).unwrap();
+                let plain = x.apply_op1_no_bwd(&Bf16Linear { w: mat.clone(), swiglu: false }).unwrap();
+                let plain = plain.reshape((b, t, heads, d)).unwrap();
+                let want = crate::ops::qkv_rope(&plain, &cos, &sin, h + kv, 0, interleaved).unwrap();
+                let bits = |t: &Tensor| -> Vec<u32> {
+                    t.flatten_all().unwrap().to_vec1::<f32>().unwrap().iter().map(|v| v.to_bits()).collect()
+                };
+                assert_eq!(got.dims(), want.dims());
+                assert_eq!(bits(&got), bits(&want), "b {b}, t {t}, interleaved {interleaved}");
+                let other = crate::ops::qkv_rope(&plain, &sin, &cos, h + kv, 0, interleaved).unwrap();
+                assert_ne!(bits(&got), bits(&other));
+            }
+        }
+    }
 }

@@ -445,6 +445,41 @@ fn rope_head(
     }
 }
 
+/// Rows `rows` (flat b·t indices) of a fused q/k/v product's output `y` (those rows × heads·d)
+/// rotated and laid out into the packed (b, heads, t, d) tensor at `dst`: [`QkvRope`] at
+/// offset 0 on a block of rows (the same expressions, so the same bits), for the bf16 product's
+/// epilogue. The first `rotated` heads (q and k) are rotated with the tables `cos`, `sin`.
+///
+/// # Safety
+/// `dst` holds b·heads·t·d values and these rows' entries are written by this call only.
+#[multiversion(targets("x86_64+avx512f+avx512bw", "x86_64+avx2+fma"))]
+pub(crate) unsafe fn qkv_rope_rows(
+    y: &[f32],
+    rows: std::ops::Range<usize>,
+    (t, heads, d): (usize, usize, usize),
+    rotated: usize,
+    (cos, sin): (&[f32], &[f32]),
+    interleaved: bool,
+    dst: &OutPtr,
+) {
+    let half = d / 2;
+    for (r, row) in rows.zip(y.chunks_exact(heads * d)) {
+        let (bi, ti) = (r / t, r % t);
+        for j in 0..heads {
+            let src = &row[j * d..][..d];
+            // SAFETY: the caller's promise: this (row, head) entry is ours to write.
+            let o = unsafe {
+                std::slice::from_raw_parts_mut(dst.at(((bi * heads + j) * t + ti) * d) as *mut MaybeUninit<f32>, d)
+            };
+            if j < rotated {
+                rope_row(src, &cos[ti * half..][..half], &sin[ti * half..][..half], interleaved, o);
+            } else {
+                o.iter_mut().zip(src).for_each(|(o, &v)| _ = o.write(v));
+            }
+        }
+    }
+}
+
 #[inline(always)]
 fn rope_row(src: &[f32], c: &[f32], sn: &[f32], interleaved: bool, o: &mut [MaybeUninit<f32>]) {
     let half = c.len();
