@@ -330,9 +330,10 @@ fn pack_rows(x: Rows, m: usize, k: usize) -> Vec<u32> {
         // first.
         let mut p0 = 0;
         #[cfg(target_arch = "x86_64")]
-        if rows == MR && std::arch::is_x86_feature_detected!("avx2") {
+        if rows == MR && Kernel::detect() != Kernel::Portable && std::arch::is_x86_feature_detected!("avx2") {
             // SAFETY: the CPU has AVX2 (checked just above); `words` holds MR rows of `pairs`
-            // words and `dst` MR words per pair.
+            // words and `dst` MR words per pair. (ONEPASS_BF16_KERNEL=portable keeps the scalar
+            // copy, so that the portable-kernel test covers it too.)
             p0 = unsafe { interleave8_avx2(words, pairs, dst) };
         }
         for (p, d) in dst.chunks_exact_mut(MR).enumerate().skip(p0) {
