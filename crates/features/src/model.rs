@@ -274,8 +274,11 @@ impl candle_core::CustomOp3 for Bf16LinearAddNorm {
         lw: &candle_core::Layout,
     ) -> candle_core::Result<(candle_core::CpuStorage, candle_core::Shape)> {
         use crate::ops::contiguous_f32;
-        let (x, r, w) =
-            (contiguous_f32(sx, lx, "x")?, contiguous_f32(sr, lr, "residual")?, contiguous_f32(sw, lw, "norm")?);
+        let (x, r, w) = (
+            contiguous_f32(sx, lx, "bf16 linear + norm: x")?,
+            contiguous_f32(sr, lr, "bf16 linear + norm: residual")?,
+            contiguous_f32(sw, lw, "bf16 linear + norm: norm")?,
+        );
         let (rows, inp) = lx.shape().dims2()?;
         let (k, n) = (self.w.k(), self.w.n());
         if inp != if self.swiglu { 2 * k } else { k } || lr.shape().dims2()? != (rows, n) || w.len() != n {
@@ -318,8 +321,11 @@ impl candle_core::CustomOp3 for Bf16QkvRope {
         ls: &candle_core::Layout,
     ) -> candle_core::Result<(candle_core::CpuStorage, candle_core::Shape)> {
         use crate::ops::contiguous_f32;
-        let (x, cos, sin) =
-            (contiguous_f32(sx, lx, "qkv input")?, contiguous_f32(sc, lc, "cos")?, contiguous_f32(ss, ls, "sin")?);
+        let (x, cos, sin) = (
+            contiguous_f32(sx, lx, "bf16 qkv + rope: qkv input")?,
+            contiguous_f32(sc, lc, "bf16 qkv + rope: cos")?,
+            contiguous_f32(ss, ls, "bf16 qkv + rope: sin")?,
+        );
         let (b, t, heads, d) = self.dims;
         let (rows, half) = lc.shape().dims2()?;
         if lx.shape().dims2()? != (b * t, self.w.k()) || self.w.n() != heads * d || half * 2 != d || t > rows {

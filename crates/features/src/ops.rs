@@ -322,7 +322,11 @@ impl CustomOp3 for CausalAttention {
         sv: &CpuStorage,
         lv: &Layout,
     ) -> Result<(CpuStorage, Shape)> {
-        let (q, k, v) = (contiguous_f32(sq, lq, "q")?, contiguous_f32(sk, lk, "k")?, contiguous_f32(sv, lv, "v")?);
+        let (q, k, v) = (
+            contiguous_f32(sq, lq, "causal attention: q")?,
+            contiguous_f32(sk, lk, "causal attention: k")?,
+            contiguous_f32(sv, lv, "causal attention: v")?,
+        );
         let (b, h, t, d) = lq.shape().dims4()?;
         let (bk, kv, tk, dk) = lk.shape().dims4()?;
         if (bk, tk, dk) != (b, t, d) || lv.shape() != lk.shape() || kv == 0 || h % kv != 0 {
@@ -358,7 +362,7 @@ impl CustomOp1 for CausalAttentionPacked {
     }
 
     fn cpu_fwd(&self, s: &CpuStorage, l: &Layout) -> Result<(CpuStorage, Shape)> {
-        let x = contiguous_f32(s, l, "qkv")?;
+        let x = contiguous_f32(s, l, "causal attention: qkv")?;
         let (b, heads, t, d) = l.shape().dims4()?;
         let (h, kv) = (self.heads, self.kv_heads);
         if heads != h + 2 * kv || kv == 0 || h % kv != 0 {
@@ -402,8 +406,11 @@ impl CustomOp3 for QkvRope {
         ss: &CpuStorage,
         ls: &Layout,
     ) -> Result<(CpuStorage, Shape)> {
-        let (x, cos, sin) =
-            (contiguous_f32(s, l, "qkv")?, contiguous_f32(sc, lc, "cos")?, contiguous_f32(ss, ls, "sin")?);
+        let (x, cos, sin) = (
+            contiguous_f32(s, l, "qkv rope: qkv")?,
+            contiguous_f32(sc, lc, "qkv rope: cos")?,
+            contiguous_f32(ss, ls, "qkv rope: sin")?,
+        );
         let (b, t, heads, d) = l.shape().dims4()?;
         let (rows, half) = lc.shape().dims2()?;
         if d % 2 != 0 || half * 2 != d || self.offset + t > rows || ls.shape() != lc.shape() || self.rotated > heads {
@@ -576,7 +583,7 @@ impl CustomOp2 for RmsNormOp {
     }
 
     fn cpu_fwd(&self, s: &CpuStorage, l: &Layout, sw: &CpuStorage, lw: &Layout) -> Result<(CpuStorage, Shape)> {
-        let (x, w) = (contiguous_f32(s, l, "x")?, contiguous_f32(sw, lw, "weight")?);
+        let (x, w) = (contiguous_f32(s, l, "rms norm: x")?, contiguous_f32(sw, lw, "rms norm: weight")?);
         let n = w.len();
         if l.dims().last() != Some(&n) || n == 0 {
             candle_core::bail!("rms norm: {:?} against a weight of {n}", l.shape());
@@ -613,7 +620,11 @@ impl CustomOp3 for AddRmsNorm {
         sw: &CpuStorage,
         lw: &Layout,
     ) -> Result<(CpuStorage, Shape)> {
-        let (x, a, w) = (contiguous_f32(sx, lx, "x")?, contiguous_f32(sa, la, "a")?, contiguous_f32(sw, lw, "weight")?);
+        let (x, a, w) = (
+            contiguous_f32(sx, lx, "add + rms norm: x")?,
+            contiguous_f32(sa, la, "add + rms norm: a")?,
+            contiguous_f32(sw, lw, "add + rms norm: weight")?,
+        );
         let n = w.len();
         if lx.shape() != la.shape() || lx.dims().last() != Some(&n) || n == 0 {
             candle_core::bail!("add + rms norm: {:?} + {:?} against a weight of {n}", lx.shape(), la.shape());
