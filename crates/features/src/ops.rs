@@ -506,7 +506,10 @@ fn rope_row(src: &[f32], c: &[f32], sn: &[f32], interleaved: bool, o: &mut [Mayb
     }
 }
 
-/// See [`QkvRope`]: `cos`, `sin` (max_len, d/2), f32 on the CPU.
+/// q, k and v of a fused projection, rotated and laid out for attention: `qkv` (b, t, H, d) →
+/// (b, H, t, d), RoPE (candle_nn's `rope`, or `rope_i` when `interleaved`, bit for bit) applied
+/// to the first `rotated` heads at positions offset..offset + t, the rest copied; `cos`, `sin`
+/// (max_len, d/2), f32 on the CPU.
 pub fn qkv_rope(
     qkv: &Tensor,
     cos: &Tensor,
