@@ -156,12 +156,7 @@ impl Bf16Matrix {
     /// finished rows, which it may read or rewrite: with enough rows each task owns whole rows
     /// and runs `done` while its block is still in cache (how the q/k/v product lays out and
     /// rotates its heads without a separate pass over y).
-    pub fn matmul_t_then(
-        &self,
-        x: &[f32],
-        m: usize,
-        done: &(dyn Fn(std::ops::Range<usize>, &mut [f32]) + Sync),
-    ) -> Vec<f32> {
+    pub fn matmul_t_then(&self, x: &[f32], m: usize, done: RowsDone) -> Vec<f32> {
         assert_eq!(x.len(), m * self.k, "x has {} values, expected {m} × {}", x.len(), self.k);
         self.product(Rows::Plain(x), m, Some(done))
     }
@@ -178,21 +173,24 @@ impl Bf16Matrix {
         assert_eq!(norm.len(), self.n, "the norm has {} weights, expected {}", norm.len(), self.n);
         let n = self.n;
         let x = if swiglu { Rows::SiluMul(x) } else { Rows::Plain(x) };
-        let mut both: Vec<std::mem::MaybeUninit<f32>> = Vec::with_capacity(2 * m * n);
-        // SAFETY: MaybeUninit needs no initialisation.
-        unsafe { both.set_len(2 * m * n) };
-        let normed = OutPtr(both[m * n..].as_mut_ptr() as *mut f32);
-        let done = |rows: std::ops::Range<usize>, s: &mut [f32]| {
-            // SAFETY: rows of the normalised half are written by the one call that owns them.
-            let d = unsafe {
-                std::slice::from_raw_parts_mut(normed.at(rows.start * n) as *mut std::mem::MaybeUninit<f32>, s.len())
+        let fill = |both: &mut [std::mem::MaybeUninit<f32>]| {
+            let (y, normed) = both.split_at_mut(m * n);
+            let normed = OutPtr(normed.as_mut_ptr() as *mut f32);
+            let done = |rows: std::ops::Range<usize>, s: &mut [f32]| {
+                // SAFETY: rows of the normalised half are written by the one call that owns them.
+                let d = unsafe {
+                    std::slice::from_raw_parts_mut(
+                        normed.at(rows.start * n) as *mut std::mem::MaybeUninit<f32>,
+                        s.len(),
+                    )
+                };
+                crate::ops::add_rms_rows_in_place(&r[rows.start * n..rows.end * n], s, norm, eps, d);
             };
-            crate::ops::add_rms_rows_in_place(&r[rows.start * n..rows.end * n], s, norm, eps, d);
+            self.product_into(x, m, y, Some(&done))
         };
-        self.product_into(x, m, &mut both[..m * n], Some(&done));
-        let mut both = std::mem::ManuallyDrop::new(both);
-        // SAFETY: product_into wrote the first half and the epilogue the second, in full.
-        unsafe { Vec::from_raw_parts(both.as_mut_ptr() as *mut f32, 2 * m * n, both.capacity()) }
+        // SAFETY (of `overwritten`): product_into writes the first half and the epilogue, called
+        // on every block of rows, the second.
+        unsafe { crate::ops::overwritten(2 * m * n, fill) }
     }
 
     fn product(&self, x: Rows, m: usize, done: Option<RowsDone>) -> Vec<f32> {
@@ -211,7 +209,7 @@ impl Bf16Matrix {
             y.iter_mut().for_each(|v| _ = v.write(0.0));
             if let Some(done) = done {
                 // SAFETY: written just above.
-                done(0..m, unsafe { &mut *(y as *mut [std::mem::MaybeUninit<f32>] as *mut [f32]) });
+                done(0..m, unsafe { crate::ops::assume_written_mut(y) });
             }
             return;
         }
@@ -247,7 +245,7 @@ impl Bf16Matrix {
         });
         if let (false, Some(done)) = (whole_rows, done) {
             // SAFETY: every output was written above.
-            let y = unsafe { &mut *(y as *mut [std::mem::MaybeUninit<f32>] as *mut [f32]) };
+            let y = unsafe { crate::ops::assume_written_mut(y) };
             y.par_chunks_mut(MC * n).enumerate().for_each(|(rb, s)| done(rb * MC..rb * MC + s.len() / n, s));
         }
     }
@@ -294,7 +292,7 @@ impl Bf16Matrix {
 
 /// A product's epilogue: called with a block of rows and their finished outputs (rows × n,
 /// row-major), which it may rewrite in place.
-type RowsDone<'a> = &'a (dyn Fn(std::ops::Range<usize>, &mut [f32]) + Sync);
+pub type RowsDone<'a> = &'a (dyn Fn(std::ops::Range<usize>, &mut [f32]) + Sync);
 
 /// A product's input rows: x (m, k) as it is, or [g | u] (m, 2k) whose row is silu(g)·u.
 #[derive(Clone, Copy)]

@@ -338,18 +338,18 @@ impl candle_core::CustomOp3 for Bf16QkvRope {
                 self.w.k()
             );
         }
-        let mut out: Vec<std::mem::MaybeUninit<f32>> = Vec::with_capacity(b * heads * t * d);
-        // SAFETY: MaybeUninit needs no initialisation.
-        unsafe { out.set_len(b * heads * t * d) };
-        let dst = crate::ops::OutPtr(out.as_mut_ptr() as *mut f32);
-        let done = |r: std::ops::Range<usize>, y: &mut [f32]| {
-            // SAFETY: the product's blocks of rows are disjoint; each writes its rows' entries.
-            unsafe { crate::ops::qkv_rope_rows(y, r, (t, heads, d), self.rotated, (cos, sin), self.interleaved, &dst) }
+        let fill = |out: &mut [std::mem::MaybeUninit<f32>]| {
+            let dst = crate::ops::OutPtr(out.as_mut_ptr() as *mut f32);
+            let done = |r: std::ops::Range<usize>, y: &mut [f32]| {
+                // SAFETY: the product's blocks of rows are disjoint; each writes its rows' entries.
+                unsafe {
+                    crate::ops::qkv_rope_rows(y, r, (t, heads, d), self.rotated, (cos, sin), self.interleaved, &dst)
+                }
+            };
+            drop(self.w.matmul_t_then(x, b * t, &done));
         };
-        drop(self.w.matmul_t_then(x, b * t, &done));
-        let mut out = std::mem::ManuallyDrop::new(out);
-        // SAFETY: every (row, head) entry was written by the epilogue.
-        let out = unsafe { Vec::from_raw_parts(out.as_mut_ptr() as *mut f32, out.len(), out.capacity()) };
+        // SAFETY (of `overwritten`): the epilogue writes every (row, head) entry.
+        let out = unsafe { crate::ops::overwritten(b * heads * t * d, fill) };
         Ok((candle_core::CpuStorage::F32(out), candle_core::Shape::from((b, heads, t, d))))
     }
 }

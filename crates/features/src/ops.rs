@@ -172,6 +172,15 @@ pub(crate) unsafe fn assume_written(s: &[MaybeUninit<f32>]) -> &[f32] {
     unsafe { std::slice::from_raw_parts(s.as_ptr() as *const f32, s.len()) }
 }
 
+/// [`assume_written`], mutable.
+///
+/// # Safety
+/// Every element of `s` has been written.
+pub(crate) unsafe fn assume_written_mut(s: &mut [MaybeUninit<f32>]) -> &mut [f32] {
+    // SAFETY: the caller's promise; same layout.
+    unsafe { std::slice::from_raw_parts_mut(s.as_mut_ptr() as *mut f32, s.len()) }
+}
+
 /// The f32 values of a contiguous CPU tensor (a custom op's input named `what`).
 pub(crate) fn contiguous_f32<'a>(s: &'a CpuStorage, l: &Layout, what: &str) -> Result<&'a [f32]> {
     let CpuStorage::F32(v) = s else {
@@ -239,73 +248,76 @@ fn attend<'a>(
     let rep = h / kv;
     let blocks = t.div_ceil(Q_BLOCK);
     // SAFETY (of `overwritten`): the tasks' (batch row, block, head) regions tile the output and
-    // each task's second product writes its region in full (read_dst = false).
+    // each task's second product writes its region in full.
     let fill = |out: &mut [MaybeUninit<f32>]| {
         let dst = OutPtr(out.as_mut_ptr() as *mut f32);
-        (0..b * h * blocks).into_par_iter().for_each(|task| {
+        // `sc`: the scores, one scratch buffer per rayon job.
+        (0..b * h * blocks).into_par_iter().for_each_init(Vec::<f32>::new, |sc, task| {
             let (bh, blk) = (task / blocks, task % blocks);
             let (bi, head) = (bh / h, bh % h);
             let (i0, i1) = (blk * Q_BLOCK, ((blk + 1) * Q_BLOCK).min(t));
             let (m, n) = (i1 - i0, i1);
             let qp = &q(bi, head)[i0 * d..][..m * d];
             let (kp, vp) = (&k(bi, head / rep)[..n * d], &v(bi, head / rep)[..n * d]);
-            let mut sc = Vec::<f32>::with_capacity(m * n);
-            // SAFETY: the slices above hold m×d, n×d and n×d row-major values; `sc` has room for m×n
-            // and the first product writes all of it without reading it (read_dst = false).
+            sc.clear();
+            sc.reserve(m * n);
+            // SAFETY: the slices above hold m×d, n×d and n×d row-major values; `sc` has room for
+            // m×n, which the product writes in full. Kᵀ's element (i, j) is k[j·d + i].
             unsafe {
-                gemm::gemm(
-                    m,
-                    n,
-                    d,
-                    sc.as_mut_ptr(),
-                    1,
-                    n as isize,
-                    false,
-                    qp.as_ptr(),
-                    1,
-                    d as isize,
-                    kp.as_ptr(),
-                    d as isize,
-                    1,
-                    0.0,
-                    1.0,
-                    false,
-                    false,
-                    false,
-                    gemm::Parallelism::None,
-                );
+                gemm_into((m, n, d), sc.as_mut_ptr(), n, qp.as_ptr(), d, kp.as_ptr(), (1, d));
                 sc.set_len(m * n);
             }
-            causal_softmax_rows(&mut sc, n, i0, scale);
+            causal_softmax_rows(sc, n, i0, scale);
             // SAFETY: rows i0..i1 of head `head` of batch row `bi` in the (b, t, h, d) output are
             // written by this task only; `sc` is m×n and `vp` n×d.
             unsafe {
                 let o = dst.at(((bi * t + i0) * h + head) * d);
-                gemm::gemm(
-                    m,
-                    d,
-                    n,
-                    o,
-                    1,
-                    (h * d) as isize,
-                    false,
-                    sc.as_ptr(),
-                    1,
-                    n as isize,
-                    vp.as_ptr(),
-                    1,
-                    d as isize,
-                    0.0,
-                    1.0,
-                    false,
-                    false,
-                    false,
-                    gemm::Parallelism::None,
-                );
+                gemm_into((m, d, n), o, h * d, sc.as_ptr(), n, vp.as_ptr(), (d, 1));
             }
         });
     };
     unsafe { overwritten(b * t * h * d, fill) }
+}
+
+/// dst (m × n, row stride `ldd`) = a (m × k, row stride `lda`) · b, where b's element (i, j) is
+/// at `b[i·rs + j·cs]` for `(rs, cs)`: one single-threaded gemm call (attention's tasks run in
+/// parallel already); dst is written without being read.
+///
+/// # Safety
+/// The pointers address matrices of those shapes and strides.
+unsafe fn gemm_into(
+    (m, n, k): (usize, usize, usize),
+    dst: *mut f32,
+    ldd: usize,
+    a: *const f32,
+    lda: usize,
+    b: *const f32,
+    (rs, cs): (usize, usize),
+) {
+    // SAFETY: the caller's promise.
+    unsafe {
+        gemm::gemm(
+            m,
+            n,
+            k,
+            dst,
+            1,
+            ldd as isize,
+            false,
+            a,
+            1,
+            lda as isize,
+            b,
+            cs as isize,
+            rs as isize,
+            0.0,
+            1.0,
+            false,
+            false,
+            false,
+            gemm::Parallelism::None,
+        )
+    }
 }
 
 impl CustomOp3 for CausalAttention {
