@@ -32,6 +32,8 @@ pub struct AdamState {
 
 pub struct Adam {
     pub cfg: AdamConfig,
+    /// The variables' names, for errors (e.g. `model.layers.0.self_attn.q_proj.lora_A`).
+    names: Vec<String>,
     t: u64,
     m: Vec<Tensor>,
     v: Vec<Tensor>,
@@ -49,17 +51,40 @@ impl Adam {
         let zeros = |v: &&Var| v.as_tensor().zeros_like();
         Ok(Adam {
             cfg,
+            names: (0..vars.len()).map(|i| format!("variable {i}")).collect(),
             t: 0,
             m: vars.iter().map(zeros).collect::<Result<_>>()?,
             v: vars.iter().map(zeros).collect::<Result<_>>()?,
         })
     }
 
-    /// One step on `vars` with their gradients in `grads` (a variable without one counts as 0).
+    /// Names the variables in errors (one per variable, in the order of `vars`).
+    pub fn with_names(mut self, names: Vec<String>) -> Result<Adam> {
+        if names.len() != self.m.len() {
+            candle_core::bail!("{} names for {} variables", names.len(), self.m.len());
+        }
+        self.names = names;
+        Ok(self)
+    }
+
+    /// One step on `vars` with their gradients in `grads`. A variable without a gradient is an
+    /// error naming it: the graph was cut between it and the loss (a zero would be a silent
+    /// non-update).
     pub fn step(&mut self, vars: &[&Var], grads: &GradStore) -> Result<StepInfo> {
+        if vars.len() != self.m.len() {
+            candle_core::bail!("Adam::step on {} variables: the optimiser holds {}", vars.len(), self.m.len());
+        }
         let gs: Vec<Tensor> = vars
             .iter()
-            .map(|v| grads.get(v.as_tensor()).cloned().map_or_else(|| v.as_tensor().zeros_like(), Ok))
+            .enumerate()
+            .map(|(i, v)| {
+                grads.get(v.as_tensor()).cloned().ok_or_else(|| {
+                    candle_core::Error::Msg(format!(
+                        "{}: received no gradient (the computation graph does not reach it)",
+                        self.names[i]
+                    ))
+                })
+            })
             .collect::<Result<_>>()?;
         let mut sq = 0.0f64;
         for g in &gs {

@@ -2,6 +2,7 @@
 //! y = x Wᵀ + b + (α/r)·(x Aᵀ) Bᵀ with A ∈ R^{r×in}, B ∈ R^{out×r}. As in PEFT, A starts
 //! Kaiming-uniform (bound 1/√in) and B at zero, so the adapted model starts as the base model.
 
+use crate::ops::Kernels;
 use candle_core::{Device, Result, Tensor, Var};
 use rand::{Rng, SeedableRng};
 
@@ -186,12 +187,12 @@ impl Linear {
     /// (…, in) → (…, out): x Wᵀ + b + (α/r)(x Aᵀ)Bᵀ, on the flattened rows; without the
     /// adapter's term when `pass.adapters` is false (the reference policy); the adapter's x
     /// through [`Dropout`] when the pass has one.
-    pub fn forward(&self, x: &Tensor, pass: Pass<'_>) -> Result<Tensor> {
+    pub fn forward(&self, x: &Tensor, pass: Pass<'_>, k: Kernels) -> Result<Tensor> {
         let dims = x.dims().to_vec();
         let inp = *dims.last().expect("rank ≥ 1");
         let rows = x.elem_count() / inp.max(1);
         let x2 = x.reshape((rows, inp))?;
-        let mut y = frozen_matmul(&x2, &self.w)?;
+        let mut y = frozen_matmul(&x2, &self.w, k)?;
         if let Some(b) = &self.bias {
             y = y.broadcast_add(b)?;
         }
@@ -220,11 +221,11 @@ impl Linear {
 /// x Wᵀ for a frozen W (rows, in) × (out, in) whose backward pass computes only ∂/∂x = g W.
 /// candle's matmul backward also forms the weight's gradient xᵀg, a second matmul as large as
 /// the forward one, even for a weight that is no variable; over every frozen layer and the LM
-/// head that is a third of a training step. On the CPU the product is computed outside the
-/// graph and [`crate::ops::routed`] gives it the gradient of x alone; elsewhere (no custom
-/// kernel there) the plain matmul.
-pub fn frozen_matmul(x: &Tensor, w: &Tensor) -> Result<Tensor> {
-    if !x.device().is_cpu() || !x.track_op() {
+/// head that is a third of a training step. With the fused kernels (the CPU) the product is
+/// computed outside the graph and [`crate::ops::routed`] gives it the gradient of x alone;
+/// composed (other devices), the plain matmul (W is no variable: its gradient is never read).
+pub fn frozen_matmul(x: &Tensor, w: &Tensor, k: Kernels) -> Result<Tensor> {
+    if k == Kernels::Composed || !x.track_op() {
         return x.matmul(&w.t()?);
     }
     let y = x.detach().matmul(&w.t()?)?;

@@ -7,6 +7,7 @@
 //! (with [`PolicyModel::merged_weights`]).
 
 use crate::lora::{frozen_matmul, init_rng, Adapter, Dropout, Linear, LoraConfig, Pass, Target};
+use crate::ops::Kernels;
 use candle_core::{DType, Device, Module, Result, Tensor, Var};
 use features::model::{Config, Family};
 use std::collections::HashMap;
@@ -50,6 +51,8 @@ pub struct PolicyModel {
     cos: Tensor,
     sin: Tensor,
     device: Device,
+    /// Fused CPU kernels or composed differentiable ops ([`Kernels`]): chosen by the device.
+    kernels: Kernels,
 }
 
 fn get_as(t: &HashMap<String, Tensor>, name: &str, dtype: DType) -> std::result::Result<Tensor, features::Error> {
@@ -111,7 +114,8 @@ impl PolicyModel {
         let norm = get_as(&tensors, "model.norm.weight", dtype)?;
         let (cos, sin) = rope_tables(&cfg, max_len.max(1), &device)?;
         let (cos, sin) = (cos.to_dtype(dtype)?, sin.to_dtype(dtype)?);
-        Ok(PolicyModel { cfg, lora: lora.clone(), base: tensors, embed, lm_head, blocks, norm, cos, sin, device })
+        let kernels = Kernels::for_device(&device);
+        Ok(PolicyModel { cfg, lora: lora.clone(), base: tensors, embed, lm_head, blocks, norm, cos, sin, device, kernels })
     }
 
     pub fn config(&self) -> &Config {
@@ -126,11 +130,26 @@ impl PolicyModel {
         &self.device
     }
 
+    /// The ops' implementation in use (fused on the CPU, composed elsewhere).
+    pub fn kernels(&self) -> Kernels {
+        self.kernels
+    }
+
+    /// Uses `k` from now on: composed on the CPU runs the path other devices train with (the
+    /// tests compare it with the fused one); fused off the CPU is an error.
+    pub fn set_kernels(&mut self, k: Kernels) -> std::result::Result<(), features::Error> {
+        if k == Kernels::Fused && !self.device.is_cpu() {
+            return Err(features::Error::Input(format!("fused kernels on {:?}: they are CPU-only", self.device)));
+        }
+        self.kernels = k;
+        Ok(())
+    }
+
     /// Logits (b, t, vocab) of right-padded ids (b, t), f32.
     pub fn forward(&self, ids: &Tensor) -> Result<Tensor> {
         let (b, t) = ids.dims2()?;
         let h = self.hidden(ids, true)?;
-        frozen_matmul(&h.reshape((b * t, self.cfg.hidden))?, &self.lm_head)?.reshape((b, t, self.cfg.vocab))
+        frozen_matmul(&h.reshape((b * t, self.cfg.hidden))?, &self.lm_head, self.kernels)?.reshape((b, t, self.cfg.vocab))
     }
 
     /// Final-norm hidden states (b, t, hidden) of right-padded ids (b, t); with `adapters`
@@ -148,16 +167,16 @@ impl PolicyModel {
         let mut x = candle_nn::Embedding::new(self.embed.clone(), self.cfg.hidden).forward(ids)?;
         let mask = causal_mask(t, &self.device, self.embed.dtype())?;
         let (cos, sin) = (self.cos.narrow(0, 0, t)?, self.sin.narrow(0, 0, t)?);
+        let k = self.kernels;
         for blk in &self.blocks {
-            let a =
-                self.attention(blk, &crate::ops::rms_norm(&x, &blk.norm1, self.cfg.eps)?, &cos, &sin, &mask, pass)?;
+            let a = self.attention(blk, &crate::ops::rms_norm(&x, &blk.norm1, self.cfg.eps, k)?, &cos, &sin, &mask, pass)?;
             x = (x + a)?;
-            let h = crate::ops::rms_norm(&x, &blk.norm2, self.cfg.eps)?;
-            let gate = candle_nn::ops::silu(&blk.gate.forward(&h, pass)?)?;
-            let m = blk.down.forward(&(gate * blk.up.forward(&h, pass)?)?, pass)?;
+            let h = crate::ops::rms_norm(&x, &blk.norm2, self.cfg.eps, k)?;
+            let gate = candle_nn::ops::silu(&blk.gate.forward(&h, pass, k)?)?;
+            let m = blk.down.forward(&(gate * blk.up.forward(&h, pass, k)?)?, pass, k)?;
             x = (x + m)?;
         }
-        crate::ops::rms_norm(&x, &self.norm, self.cfg.eps)
+        crate::ops::rms_norm(&x, &self.norm, self.cfg.eps, k)
     }
 
     /// log π(target | prefix) at chosen positions of a right-padded batch: the hidden state of
@@ -183,8 +202,8 @@ impl PolicyModel {
         let h = self.hidden_pass(&batch.ids, pass)?;
         let (b, t, d) = h.dims3()?;
         let rows = h.reshape((b * t, d))?.index_select(&batch.at, 0)?;
-        let logits = frozen_matmul(&rows, &self.lm_head)?;
-        let lp = crate::ops::log_softmax_last(&logits)?;
+        let logits = frozen_matmul(&rows, &self.lm_head, self.kernels)?;
+        let lp = crate::ops::log_softmax_last(&logits, self.kernels)?;
         lp.gather(&batch.targets.reshape((batch.targets.dim(0)?, 1))?, 1)?.squeeze(1)
     }
 
@@ -201,20 +220,20 @@ impl PolicyModel {
         let (h, kv, hd) = (self.cfg.heads, self.cfg.kv_heads, self.cfg.head_dim);
         let rope = |y: Tensor, n: usize| -> Result<Tensor> {
             let y = y.reshape((b, t, n, hd))?.transpose(1, 2)?;
-            crate::ops::rope(&y, cos, sin, self.cfg.rope_interleaved)
+            crate::ops::rope(&y, cos, sin, self.cfg.rope_interleaved, self.kernels)
         };
-        let q = rope(blk.q.forward(x, pass)?, h)?;
-        let k = rope(blk.k.forward(x, pass)?, kv)?;
-        let v = blk.v.forward(x, pass)?.reshape((b, t, kv, hd))?.transpose(1, 2)?.contiguous()?;
+        let q = rope(blk.q.forward(x, pass, self.kernels)?, h)?;
+        let k = rope(blk.k.forward(x, pass, self.kernels)?, kv)?;
+        let v = blk.v.forward(x, pass, self.kernels)?.reshape((b, t, kv, hd))?.transpose(1, 2)?.contiguous()?;
         // grouped-query attention: query head j reads kv head j / g
         let g = h / kv;
         let q = q.contiguous()?.reshape((b, kv, g * t, hd))?;
         let s = (q.matmul(&k.contiguous()?.t()?)? * (1.0 / (hd as f64).sqrt()))?;
         let s = s.reshape((b, kv, g, t, t))?.broadcast_add(mask)?;
-        let p = crate::ops::softmax_last(&s.contiguous()?)?;
+        let p = crate::ops::softmax_last(&s.contiguous()?, self.kernels)?;
         let y = p.reshape((b, kv, g * t, t))?.matmul(&v)?;
         let y = y.reshape((b, h, t, hd))?.transpose(1, 2)?.reshape((b, t, h * hd))?;
-        blk.o.forward(&y, pass)
+        blk.o.forward(&y, pass, self.kernels)
     }
 
     /// The adapters as (PEFT-style name without the `base_model.model.` prefix, A, B), e.g.
@@ -236,16 +255,61 @@ impl PolicyModel {
         self.adapters().into_iter().flat_map(|(_, a)| [&a.a, &a.b]).collect()
     }
 
-    /// The base weights with every adapter merged in (W + (α/r)BA), by Hugging Face name: what
-    /// `features::model::Model` loads to generate with the current policy.
+    /// The names of [`PolicyModel::vars`], PEFT's (`model.layers.0.self_attn.q_proj.lora_A`).
+    pub fn var_names(&self) -> Vec<String> {
+        self.adapters().into_iter().flat_map(|(n, _)| [format!("{n}.lora_A"), format!("{n}.lora_B")]).collect()
+    }
+
+    /// Adam on the adapters, its errors naming them.
+    pub fn adam(&self, cfg: crate::adam::AdamConfig) -> Result<crate::adam::Adam> {
+        crate::adam::Adam::new(cfg, &self.vars())?.with_names(self.var_names())
+    }
+
+    /// A digest of the adapters' current values (blake3 over their f32 bytes in
+    /// [`PolicyModel::vars`] order, 16 hex digits): which policy generated a sample.
+    pub fn digest(&self) -> Result<String> {
+        let mut h = blake3::Hasher::new();
+        for v in self.vars() {
+            let x: Vec<f32> = v.as_tensor().flatten_all()?.to_dtype(DType::F32)?.to_vec1()?;
+            for f in x {
+                h.update(&f.to_le_bytes());
+            }
+        }
+        Ok(h.finalize().to_hex()[..16].to_string())
+    }
+
+    /// The base weights with every adapter merged in, W + (α/r)BA, by Hugging Face name, in
+    /// f32 (f64 for an f64 model) whatever the base's dtype: what `features::model::Model`
+    /// loads to generate with the current policy. Never merged in bf16/f16: at the learning
+    /// rates of RLHF, (α/r)BA is far below half an ulp of W in bf16 and the merge would round the
+    /// update away (the sampler would stay the base policy while the trainer moved).
     pub fn merged_weights(&self) -> Result<HashMap<String, Tensor>> {
         let mut out = self.base.clone();
         for (name, ad) in self.adapters() {
             let key = format!("{name}.weight");
-            let (w, delta) = (&self.base[&key], ad.delta()?);
-            out.insert(key, (w.to_dtype(delta.dtype())? + delta)?.to_dtype(w.dtype())?);
+            let delta = ad.delta()?;
+            let dt = if delta.dtype() == DType::F64 { DType::F64 } else { DType::F32 };
+            let w = self.base[&key].to_dtype(dt)?;
+            out.insert(key, (w + delta.to_dtype(dt)?)?);
         }
         Ok(out)
+    }
+
+    /// How far generation weights are from the trained policy: over every adapted layer,
+    /// ‖W_gen − (W + (α/r)BA)‖_F / ‖(α/r)BA‖_F, the target computed in f64 (0 when the update
+    /// is exact to f64, e.g. adapters at zero; ~1 when a merge rounded the update away).
+    pub fn merge_error(&self, weights: &HashMap<String, Tensor>) -> Result<f64> {
+        let (mut err, mut size) = (0f64, 0f64);
+        for (name, ad) in self.adapters() {
+            let key = format!("{name}.weight");
+            let Some(gen) = weights.get(&key) else { candle_core::bail!("merge_error: `{key}` is missing") };
+            let (a, b) = (ad.a.as_tensor().to_dtype(DType::F64)?, ad.b.as_tensor().to_dtype(DType::F64)?);
+            let delta = (b.matmul(&a)? * ad.scale)?;
+            let want = (self.base[&key].to_dtype(DType::F64)? + &delta)?;
+            err += (gen.to_dtype(DType::F64)? - want)?.sqr()?.sum_all()?.to_scalar::<f64>()?;
+            size += delta.sqr()?.sum_all()?.to_scalar::<f64>()?;
+        }
+        Ok(if size > 0.0 { (err / size).sqrt() } else if err > 0.0 { f64::INFINITY } else { 0.0 })
     }
 
     /// The family, for adapters exported in another layout.

@@ -1,9 +1,36 @@
-//! Fused forward kernels with hand-written backward passes for the differentiable decoder.
-//! candle's CPU kernels for RMSNorm, softmax and RoPE (`candle_nn::ops`, `rotary_emb`) have no
-//! backward pass; composing them from elementwise ops (as autograd needs) costs a dozen passes
-//! over every activation, forward and backward. Here the fused kernel computes the value outside
-//! the graph and [`routed`] attaches it to its input with the gradient written out: on the CPU
-//! a training step runs about as many passes over memory as inference does.
+//! The differentiable decoder's non-linear ops, in two implementations that compute the same
+//! function ([`Kernels`]):
+//!
+//! - **Fused** (the CPU): candle's CPU kernels for RMSNorm, softmax and RoPE (`candle_nn::ops`,
+//!   `rotary_emb`) have no backward pass; composing them from elementwise ops (as autograd needs)
+//!   costs a dozen passes over every activation, forward and backward. Here the fused kernel
+//!   computes the value outside the graph and [`routed`] attaches it to its input with the
+//!   gradient written out: on the CPU a training step runs about as many passes over memory as
+//!   inference does. `routed` is a CPU custom op: it refuses any other device.
+//! - **Composed** (every other device: CUDA, Metal): the same functions written with candle's
+//!   differentiable tensor ops, so autograd derives the gradient. This is the path a GPU trains
+//!   with; the tests run it on the CPU against the fused path (values and every adapter's
+//!   gradient), which is how its maths is checked on a machine without a GPU.
+
+/// Which implementation of the ops a model uses (see the module's doc).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Kernels {
+    /// Fused CPU kernels with hand-written gradients ([`routed`]); CPU only.
+    Fused,
+    /// candle's differentiable ops; any device.
+    Composed,
+}
+
+impl Kernels {
+    /// Fused on the CPU, composed elsewhere.
+    pub fn for_device(dev: &candle_core::Device) -> Kernels {
+        if dev.is_cpu() {
+            Kernels::Fused
+        } else {
+            Kernels::Composed
+        }
+    }
+}
 
 use candle_core::{CpuStorage, CustomOp1, Layout, Result, Shape, Storage, Tensor, D};
 
@@ -46,15 +73,19 @@ impl CustomOp1 for Routed {
     }
 }
 
-/// `y` (computed from `x` outside the graph) as a function of `x` whose gradient is `grad`.
-/// Off the CPU, or when `x` needs no gradient, `y` itself.
+/// `y` (computed from `x` outside the graph) as a function of `x` whose gradient is `grad`;
+/// `y` itself when `x` needs no gradient. An error off the CPU: there the value would reach the
+/// graph without its gradient (the composed ops are the path for other devices).
 pub fn routed(
     x: &Tensor,
     y: Tensor,
     name: &'static str,
     grad: impl Fn(&Tensor, &Tensor, &Tensor) -> Result<Tensor> + Send + Sync + 'static,
 ) -> Result<Tensor> {
-    if !x.device().is_cpu() || !x.track_op() {
+    if !x.device().is_cpu() {
+        candle_core::bail!("{name}: the fused kernels are CPU-only (use Kernels::Composed on {:?})", x.device());
+    }
+    if !x.track_op() {
         return Ok(y);
     }
     // the result's shape is the value's (a frozen matmul changes the last dimension)
@@ -62,7 +93,11 @@ pub fn routed(
 }
 
 /// RMSNorm y = w ⊙ x·r, r = (mean x² + ε)^{-½}; ∂L/∂x = r (w ⊙ g) − x r³ ⟨w ⊙ g, x⟩ / d.
-pub fn rms_norm(x: &Tensor, w: &Tensor, eps: f64) -> Result<Tensor> {
+pub fn rms_norm(x: &Tensor, w: &Tensor, eps: f64, k: Kernels) -> Result<Tensor> {
+    if k == Kernels::Composed {
+        let r = (x.sqr()?.mean_keepdim(D::Minus1)? + eps)?.sqrt()?;
+        return x.broadcast_div(&r)?.broadcast_mul(w);
+    }
     let xd = x.detach().contiguous()?;
     let y = if x.dtype() == candle_core::DType::F64 {
         // candle's fused kernel has no f64 (the exact gradient checks run in f64)
@@ -81,15 +116,25 @@ pub fn rms_norm(x: &Tensor, w: &Tensor, eps: f64) -> Result<Tensor> {
     })
 }
 
-/// Softmax over the last dimension; ∂L/∂s = y ⊙ (g − ⟨g, y⟩).
-pub fn softmax_last(s: &Tensor) -> Result<Tensor> {
+/// Softmax over the last dimension; ∂L/∂s = y ⊙ (g − ⟨g, y⟩). Composed: e^{s − max s} / Σ,
+/// the max a constant (softmax does not depend on it, so its gradient is not needed).
+pub fn softmax_last(s: &Tensor, k: Kernels) -> Result<Tensor> {
+    if k == Kernels::Composed {
+        let e = s.broadcast_sub(&s.max_keepdim(D::Minus1)?.detach())?.exp()?;
+        return e.broadcast_div(&e.sum_keepdim(D::Minus1)?);
+    }
     let y = candle_nn::ops::softmax_last_dim(&s.detach().contiguous()?)?;
     routed(s, y, "softmax", |_, y, g| y * g.broadcast_sub(&(g * y)?.sum_keepdim(D::Minus1)?)?)
 }
 
-/// RoPE on x (b, h, t, hd) with cos, sin (t, hd/2): rotate-half (Hugging Face) or interleaved
-/// pairs (llama.cpp's row order). A rotation: its gradient is the rotation by −angle.
-pub fn rope(x: &Tensor, cos: &Tensor, sin: &Tensor, interleaved: bool) -> Result<Tensor> {
+/// RoPE on x (b, h, t, hd) with cos, sin (t, hd/2): rotate-half (Hugging Face: the pairs are
+/// (x_i, x_{i+hd/2})) or interleaved pairs (x_{2i}, x_{2i+1}: llama.cpp's row order); each pair
+/// turned by its angle, (a, b) ↦ (a cos − b sin, a sin + b cos). A rotation: its gradient is
+/// the rotation by −angle.
+pub fn rope(x: &Tensor, cos: &Tensor, sin: &Tensor, interleaved: bool, k: Kernels) -> Result<Tensor> {
+    if k == Kernels::Composed {
+        return rope_composed(x, cos, sin, interleaved);
+    }
     let f = if interleaved { candle_nn::rotary_emb::rope_i } else { candle_nn::rotary_emb::rope };
     let (cos, sin) = (cos.contiguous()?, sin.contiguous()?);
     let y = f(&x.detach().contiguous()?, &cos, &sin)?;
@@ -97,8 +142,35 @@ pub fn rope(x: &Tensor, cos: &Tensor, sin: &Tensor, interleaved: bool) -> Result
     routed(x, y, "rope", move |_, _, g| f(&g.contiguous()?, &cos, &neg))
 }
 
-/// log-softmax over the last dimension; ∂L/∂x = g − e^y Σg.
-pub fn log_softmax_last(x: &Tensor) -> Result<Tensor> {
+/// The rotation of [`rope`] in candle's differentiable ops.
+fn rope_composed(x: &Tensor, cos: &Tensor, sin: &Tensor, interleaved: bool) -> Result<Tensor> {
+    let (b, h, t, hd) = x.dims4()?;
+    let half = hd / 2;
+    let (cos, sin) = (cos.reshape((1, 1, t, half))?, sin.reshape((1, 1, t, half))?);
+    let turn = |a: &Tensor, b: &Tensor| -> Result<(Tensor, Tensor)> {
+        let ra = (a.broadcast_mul(&cos)? - b.broadcast_mul(&sin)?)?;
+        let rb = (a.broadcast_mul(&sin)? + b.broadcast_mul(&cos)?)?;
+        Ok((ra, rb))
+    };
+    if interleaved {
+        let pairs = x.reshape((b, h, t, half, 2))?;
+        let (a, c) = (pairs.narrow(4, 0, 1)?.squeeze(4)?, pairs.narrow(4, 1, 1)?.squeeze(4)?);
+        let (ra, rc) = turn(&a, &c)?;
+        Tensor::stack(&[ra, rc], 4)?.reshape((b, h, t, hd))
+    } else {
+        let (a, c) = (x.narrow(3, 0, half)?, x.narrow(3, half, half)?);
+        let (ra, rc) = turn(&a, &c)?;
+        Tensor::cat(&[ra, rc], 3)
+    }
+}
+
+/// log-softmax over the last dimension; ∂L/∂x = g − e^y Σg. Composed: x − m − log Σ e^{x − m}
+/// with m = max x a constant.
+pub fn log_softmax_last(x: &Tensor, k: Kernels) -> Result<Tensor> {
+    if k == Kernels::Composed {
+        let c = x.broadcast_sub(&x.max_keepdim(D::Minus1)?.detach())?;
+        return c.broadcast_sub(&c.exp()?.sum_keepdim(D::Minus1)?.log()?);
+    }
     let y = candle_nn::ops::log_softmax(&x.detach(), D::Minus1)?;
     routed(x, y, "log-softmax", |_, y, g| g.broadcast_sub(&y.exp()?.broadcast_mul(&g.sum_keepdim(D::Minus1)?)?))
 }

@@ -2,7 +2,9 @@
 //! then the policy), as a library call on sampled token ids: [`rloo_update`] on the chunk's k
 //! samples per prompt scored by the learned reward, [`dpo_update`] on its labelled pairs.
 //! Both take Adam steps on the adapters, `epochs` passes over the data in mini-batches of
-//! `minibatch` sequences (pairs, for DPO), in the order given.
+//! `minibatch` sequences (pairs, for DPO), shuffled anew each epoch from a seeded stream.
+//! An update whose gradient is exactly zero while its advantages (pairs) are not is an error:
+//! the graph did not reach the adapters, and a step would be a silent non-update.
 
 use crate::adam::Adam;
 use crate::batch::SeqBatch;
@@ -29,19 +31,64 @@ impl KlEstimator {
     }
 }
 
-/// RLOO (Ahmadian et al. 2024) as TRL's `RLOOTrainer` does it: r̃ = r − β·KL(sequence),
-/// leave-one-out advantages within each prompt's k samples, a sequence-level ratio PPO-clipped
-/// to [1 − ε, 1 + ε] against the log-probabilities before the update.
+/// How the reward is scaled before the KL penalty is subtracted.
+#[derive(Clone, Copy, Debug, PartialEq, Serialize, Deserialize)]
+pub enum RewardNorm {
+    /// The raw reward (its scale, e.g. ‖θ‖ of a learned linear reward, sets the KL's weight).
+    None,
+    /// (r − mean)/sd over the update's rewards (the chunk), then clipped to ±`clip`: OpenRLHF's
+    /// `normalize_reward` and `reward_clip_range` (±10). The update no longer depends on the
+    /// reward's scale, so β means the same for every estimator and chunk.
+    Chunk { clip: f64 },
+}
+
+impl RewardNorm {
+    /// The rewards as the update sees them.
+    pub fn apply(&self, r: &[f64]) -> Vec<f64> {
+        match *self {
+            RewardNorm::None => r.to_vec(),
+            RewardNorm::Chunk { clip } => {
+                let n = r.len().max(1) as f64;
+                let mean = r.iter().sum::<f64>() / n;
+                let sd = (r.iter().map(|x| (x - mean).powi(2)).sum::<f64>() / n).sqrt();
+                // all equal (e.g. θ = 0): no information, every normalised reward 0
+                r.iter().map(|x| if sd > 0.0 { ((x - mean) / sd).clamp(-clip, clip) } else { 0.0 }).collect()
+            }
+        }
+    }
+}
+
+/// Where the KL penalty enters RLOO's advantage.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum KlPenalty {
+    /// TRL's RLOO: r̃ = r − β Σ_t KL_t per sequence, leave-one-out baselines of r̃, one
+    /// sequence-level ratio per sample.
+    Sequence,
+    /// OpenRLHF's: the leave-one-out advantage of r, then per token A_t = A − β Σ_{s≥t} KL_s
+    /// (the return of a reward −β KL_s at every token and r at the last, γ = 1), a ratio and
+    /// its clip per token, the loss averaged over each sequence's tokens, then over sequences.
+    Token,
+}
+
+/// RLOO (Ahmadian et al. 2024): the reward normalised ([`RewardNorm`]), the KL penalty per
+/// sequence (TRL's `RLOOTrainer`) or per token (OpenRLHF) ([`KlPenalty`]), leave-one-out
+/// advantages within each prompt's k samples, the ratio PPO-clipped to [1 − ε, 1 + ε] against
+/// the log-probabilities before the update.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub struct RlooConfig {
     pub kl_coef: f64,
     pub kl: KlEstimator,
+    pub kl_penalty: KlPenalty,
+    pub reward_norm: RewardNorm,
     pub clip: Option<f64>,
     pub epochs: usize,
     pub minibatch: usize,
     /// Divide the advantages by their standard deviation over the chunk (TRL's
-    /// `normalize_advantages`; the learned reward's scale drifts as θ learns).
+    /// `normalize_advantages`).
     pub normalize_advantages: bool,
+    /// Seed of the mini-batch shuffles (with the optimiser's step count).
+    pub seed: u64,
 }
 
 /// Online DPO on the chunk's labelled pairs, reference = the initial policy (adapters off).
@@ -50,6 +97,23 @@ pub struct DpoConfig {
     pub beta: f64,
     pub epochs: usize,
     pub minibatch: usize,
+    /// Seed of the mini-batch shuffles (with the optimiser's step count).
+    pub seed: u64,
+}
+
+/// The order of one epoch over `n` items: a permutation from a ChaCha20 stream named by
+/// (`seed`, the optimiser's step count at the epoch's start), so a resumed run repeats it.
+pub fn epoch_order(n: usize, seed: u64, step: u64) -> Vec<usize> {
+    use rand::seq::SliceRandom;
+    use rand::SeedableRng;
+    let mut h = blake3::Hasher::new();
+    h.update(b"onepass-minibatch-order");
+    h.update(&seed.to_le_bytes());
+    h.update(&step.to_le_bytes());
+    let mut rng = rand_chacha::ChaCha20Rng::from_seed(*h.finalize().as_bytes());
+    let mut order: Vec<usize> = (0..n).collect();
+    order.shuffle(&mut rng);
+    order
 }
 
 /// A sampled response: its prompt's ids (rendered for generation), its own ids.
@@ -82,6 +146,26 @@ pub fn score(
     kl: KlEstimator,
     minibatch: usize,
 ) -> Result<Vec<(f64, f64, usize)>> {
+    Ok(score_tokens(m, seqs, kl, minibatch)?
+        .into_iter()
+        .map(|t| (t.logprobs.iter().sum(), t.kl.iter().sum(), t.logprobs.len()))
+        .collect())
+}
+
+/// One sequence's per-token log π and KL estimator against the reference.
+#[derive(Clone, Debug, PartialEq)]
+pub struct TokenScores {
+    pub logprobs: Vec<f64>,
+    pub kl: Vec<f64>,
+}
+
+/// [`score`] token by token.
+pub fn score_tokens(
+    m: &PolicyModel,
+    seqs: &[Rollout<'_>],
+    kl: KlEstimator,
+    minibatch: usize,
+) -> Result<Vec<TokenScores>> {
     let mut out = Vec::with_capacity(seqs.len());
     for part in seqs.chunks(minibatch.max(1)) {
         let b = batch(m, part)?;
@@ -89,13 +173,25 @@ pub fn score(
         let lr: Vec<f64> = m.logprobs_at(&b, false)?.to_dtype(candle_core::DType::F64)?.to_vec1()?;
         let mut at = 0;
         for &l in &b.lens {
-            let s: f64 = lp[at..at + l].iter().sum();
-            let k: f64 = (at..at + l).map(|i| kl.per_token(lp[i], lr[i])).sum();
-            out.push((s, k, l));
+            out.push(TokenScores {
+                logprobs: lp[at..at + l].to_vec(),
+                kl: (at..at + l).map(|i| kl.per_token(lp[i], lr[i])).collect(),
+            });
             at += l;
         }
     }
     Ok(out)
+}
+
+/// The global norm of the gradients of `vars` (0 for a variable without one).
+fn grad_norm(vars: &[&candle_core::Var], grads: &candle_core::backprop::GradStore) -> Result<f64> {
+    let mut sq = 0.0;
+    for v in vars {
+        if let Some(g) = grads.get(v.as_tensor()) {
+            sq += g.sqr()?.sum_all()?.to_dtype(candle_core::DType::F64)?.to_scalar::<f64>()?;
+        }
+    }
+    Ok(sq.sqrt())
 }
 
 fn batch(m: &PolicyModel, part: &[Rollout<'_>]) -> Result<SeqBatch> {
@@ -103,7 +199,8 @@ fn batch(m: &PolicyModel, part: &[Rollout<'_>]) -> Result<SeqBatch> {
     SeqBatch::new(&seqs, m.device())
 }
 
-/// RLOO on `rollouts` (k consecutive samples per prompt) with learned rewards `rewards`.
+/// RLOO on `rollouts` (k consecutive samples per prompt) with rewards `rewards` (one per
+/// rollout; normalised by `cfg.reward_norm` before the KL penalty).
 pub fn rloo_update(
     m: &PolicyModel,
     opt: &mut Adam,
@@ -115,37 +212,97 @@ pub fn rloo_update(
     if rollouts.len() != rewards.len() || k < 2 || !rollouts.len().is_multiple_of(k) {
         candle_core::bail!("rloo: {} rollouts, {} rewards, in groups of {k}", rollouts.len(), rewards.len());
     }
-    let before = score(m, rollouts, cfg.kl, cfg.minibatch)?;
-    let shaped: Vec<f64> = rewards.iter().zip(&before).map(|(r, (_, kl, _))| r - cfg.kl_coef * kl).collect();
-    let mut adv = rloo_advantages(&shaped, k);
-    if cfg.normalize_advantages {
-        let n = adv.len() as f64;
-        let mean = adv.iter().sum::<f64>() / n;
-        let sd = (adv.iter().map(|a| (a - mean).powi(2)).sum::<f64>() / n).sqrt();
-        adv.iter_mut().for_each(|a| *a /= sd + 1e-8);
+    if let Some(i) = rewards.iter().position(|r| !r.is_finite()) {
+        candle_core::bail!("rloo: reward {i} is {}: expected a finite number", rewards[i]);
     }
-    let tokens: usize = before.iter().map(|s| s.2).sum();
+    let before = score_tokens(m, rollouts, cfg.kl, cfg.minibatch)?;
+    let seq_kl: Vec<f64> = before.iter().map(|t| t.kl.iter().sum()).collect();
+    let seq_lp: Vec<f64> = before.iter().map(|t| t.logprobs.iter().sum()).collect();
+    let r = cfg.reward_norm.apply(rewards);
+    // per sequence: its advantage (Sequence: of r − β·KL; Token: of r, the KL added per token)
+    let shaped: Vec<f64> = match cfg.kl_penalty {
+        KlPenalty::Sequence => r.iter().zip(&seq_kl).map(|(r, kl)| r - cfg.kl_coef * kl).collect(),
+        KlPenalty::Token => r.clone(),
+    };
+    let seq_adv = rloo_advantages(&shaped, k);
+    // per token (Token) or one per sequence (Sequence)
+    let mut adv: Vec<Vec<f64>> = match cfg.kl_penalty {
+        KlPenalty::Sequence => seq_adv.iter().map(|&a| vec![a]).collect(),
+        KlPenalty::Token => seq_adv
+            .iter()
+            .zip(&before)
+            .map(|(&a, t)| {
+                let mut tail = 0.0;
+                let mut out = vec![0.0; t.kl.len()];
+                for j in (0..t.kl.len()).rev() {
+                    tail += t.kl[j];
+                    out[j] = a - cfg.kl_coef * tail;
+                }
+                out
+            })
+            .collect(),
+    };
+    if cfg.normalize_advantages {
+        let all: Vec<f64> = adv.iter().flatten().copied().collect();
+        let n = all.len() as f64;
+        let mean = all.iter().sum::<f64>() / n;
+        let sd = (all.iter().map(|a| (a - mean).powi(2)).sum::<f64>() / n).sqrt();
+        adv.iter_mut().flatten().for_each(|a| *a /= sd + 1e-8);
+    }
+    let tokens: usize = before.iter().map(|t| t.logprobs.len()).sum();
     let mut st = UpdateStats {
-        kl: before.iter().map(|s| s.1).sum::<f64>() / before.len() as f64,
-        entropy: -before.iter().map(|s| s.0).sum::<f64>() / tokens as f64,
+        kl: seq_kl.iter().sum::<f64>() / seq_kl.len() as f64,
+        entropy: -seq_lp.iter().sum::<f64>() / tokens as f64,
         reward: rewards.iter().sum::<f64>() / rewards.len() as f64,
         ..Default::default()
     };
     let vars = m.vars();
     let dev = m.device();
+    let mb = cfg.minibatch.max(1);
     for _ in 0..cfg.epochs {
-        for (i, part) in rollouts.chunks(cfg.minibatch.max(1)).enumerate() {
-            let at = i * cfg.minibatch.max(1);
-            let b = batch(m, part)?;
+        let order = epoch_order(rollouts.len(), cfg.seed, opt.steps());
+        for idx in order.chunks(mb) {
+            let part: Vec<Rollout> = idx.iter().map(|&i| rollouts[i].clone()).collect();
+            let b = batch(m, &part)?;
             // the gradient pass: the adapters' dropout, if any, with this step's masks
-            let seq_lp = b.seq_sum(&m.logprobs_train(&b, opt.steps())?)?;
-            let old: Vec<f32> = before[at..at + part.len()].iter().map(|s| s.0 as f32).collect();
-            let a: Vec<f32> = adv[at..at + part.len()].iter().map(|&x| x as f32).collect();
-            let old = Tensor::from_vec(old, part.len(), dev)?;
-            let a = Tensor::from_vec(a, part.len(), dev)?;
-            let loss = rloo_loss(&seq_lp, &old, &a, cfg.clip)?;
+            let lp = m.logprobs_train(&b, opt.steps())?;
+            let loss = match cfg.kl_penalty {
+                KlPenalty::Sequence => {
+                    let old: Vec<f32> = idx.iter().map(|&i| seq_lp[i] as f32).collect();
+                    let a: Vec<f32> = idx.iter().map(|&i| adv[i][0] as f32).collect();
+                    let old = Tensor::from_vec(old, part.len(), dev)?;
+                    let a = Tensor::from_vec(a, part.len(), dev)?;
+                    rloo_loss(&b.seq_sum(&lp)?, &old, &a, cfg.clip)?
+                }
+                KlPenalty::Token => {
+                    let old: Vec<f32> =
+                        idx.iter().flat_map(|&i| before[i].logprobs.iter().map(|&x| x as f32)).collect();
+                    let a: Vec<f32> = idx.iter().flat_map(|&i| adv[i].iter().map(|&x| x as f32)).collect();
+                    // each token weighted 1/(its sequence's length), the sum over sequences / b
+                    let w: Vec<f32> = idx
+                        .iter()
+                        .flat_map(|&i| {
+                            let l = before[i].logprobs.len();
+                            std::iter::repeat_n(1.0 / (l * idx.len()) as f32, l)
+                        })
+                        .collect();
+                    let p = old.len();
+                    let (old, a) = (Tensor::from_vec(old, p, dev)?, Tensor::from_vec(a, p, dev)?);
+                    token_pg_loss(&lp, &old, &a, &Tensor::from_vec(w, p, dev)?, cfg.clip)?
+                }
+            };
             st.loss += loss.to_dtype(candle_core::DType::F64)?.to_scalar::<f64>()?;
-            let info = opt.step(&vars, &loss.backward()?)?;
+            let grads = loss.backward()?;
+            let norm = grad_norm(&vars, &grads)?;
+            // the update's first step has ratio 1 (nothing clipped, no earlier step): a zero
+            // gradient there with non-zero advantages means the graph does not reach the adapters
+            // (later steps may be clipped to an exact 0 legitimately)
+            if st.steps == 0 && norm == 0.0 && idx.iter().any(|&i| adv[i].iter().any(|&a| a != 0.0)) {
+                candle_core::bail!(
+                    "rloo: the policy gradient is exactly 0 while the advantages are not: no gradient reaches the adapters"
+                );
+            }
+            let info = opt.step(&vars, &grads)?;
             st.grad_norm += info.grad_norm;
             st.steps += 1;
         }
@@ -155,6 +312,20 @@ pub fn rloo_update(
         st.grad_norm /= st.steps as f64;
     }
     Ok(st)
+}
+
+/// The token-level PPO loss: Σ_t w_t·max(−A_t ρ_t, −A_t clip(ρ_t, 1 − ε, 1 + ε)) with
+/// ρ_t = exp(log π_t − log π_old,t); `w` the tokens' weights (1/(len · b): a mean per sequence,
+/// then over sequences). `lp` (P,) carries the gradient.
+pub fn token_pg_loss(lp: &Tensor, old: &Tensor, adv: &Tensor, w: &Tensor, clip: Option<f64>) -> Result<Tensor> {
+    let ratio = (lp - old.detach())?.exp()?;
+    let adv = adv.detach();
+    let pg = (ratio.neg()? * &adv)?;
+    let pg = match clip {
+        Some(eps) => pg.maximum(&(ratio.clamp(1.0 - eps, 1.0 + eps)?.neg()? * &adv)?)?,
+        None => pg,
+    };
+    (pg * w.detach())?.sum_all()
 }
 
 /// A labelled pair: the prompt, the preferred and the other response.
@@ -173,10 +344,11 @@ fn flat<'a>(ps: &[Preference<'a>]) -> Vec<Rollout<'a>> {
         .collect()
 }
 
-/// DPO on `pairs`; the reference is the base model (adapters off).
+/// DPO on `pairs`; the reference is the base model (adapters off). No pairs: an error (the
+/// caller decides what a chunk without preferences means).
 pub fn dpo_update(m: &PolicyModel, opt: &mut Adam, pairs: &[Preference<'_>], cfg: &DpoConfig) -> Result<UpdateStats> {
     if pairs.is_empty() {
-        return Ok(UpdateStats::default());
+        candle_core::bail!("dpo: no pairs to learn from");
     }
     let before = score(m, &flat(pairs), KlEstimator::K1, cfg.minibatch.max(1) * 2)?;
     let n = pairs.len();
@@ -193,17 +365,24 @@ pub fn dpo_update(m: &PolicyModel, opt: &mut Adam, pairs: &[Preference<'_>], cfg
     let dev = m.device();
     let mb = cfg.minibatch.max(1);
     for _ in 0..cfg.epochs {
-        for (i, part) in pairs.chunks(mb).enumerate() {
-            let at = i * mb;
-            let c = part.len();
-            let b = batch(m, &flat(part))?;
+        let order = epoch_order(n, cfg.seed, opt.steps());
+        for idx in order.chunks(mb) {
+            let c = idx.len();
+            let part: Vec<Preference> = idx.iter().map(|&i| pairs[i].clone()).collect();
+            let b = batch(m, &flat(&part))?;
             let seq = b.seq_sum(&m.logprobs_train(&b, opt.steps())?)?;
             let (w, l) = (seq.narrow(0, 0, c)?, seq.narrow(0, c, c)?);
-            let rw: Vec<f32> = refs[at..at + c].iter().map(|&x| x as f32).collect();
-            let rl: Vec<f32> = refs[n + at..n + at + c].iter().map(|&x| x as f32).collect();
+            let rw: Vec<f32> = idx.iter().map(|&i| refs[i] as f32).collect();
+            let rl: Vec<f32> = idx.iter().map(|&i| refs[n + i] as f32).collect();
             let loss = dpo_loss(&w, &l, &Tensor::from_vec(rw, c, dev)?, &Tensor::from_vec(rl, c, dev)?, cfg.beta)?;
             st.loss += loss.to_dtype(candle_core::DType::F64)?.to_scalar::<f64>()?;
-            let info = opt.step(&vars, &loss.backward()?)?;
+            let grads = loss.backward()?;
+            if st.steps == 0 && grad_norm(&vars, &grads)? == 0.0 && part.iter().any(|p| p.chosen != p.rejected) {
+                candle_core::bail!(
+                    "dpo: the gradient is exactly 0 on pairs of distinct responses: no gradient reaches the adapters"
+                );
+            }
+            let info = opt.step(&vars, &grads)?;
             st.grad_norm += info.grad_norm;
             st.steps += 1;
         }

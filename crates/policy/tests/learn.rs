@@ -12,6 +12,7 @@ use policy::adam::{Adam, AdamConfig};
 use policy::loss::{masked_sum, rloo_advantages, rloo_loss, token_logprobs};
 use policy::{LoraConfig, PolicyModel, Target};
 use rand::{Rng, SeedableRng};
+use std::collections::HashMap;
 
 const PROMPT: [u32; 2] = [1, 5];
 const LEN: usize = 6;
@@ -182,7 +183,7 @@ fn dpo_updates_raise_the_chosen_margin_and_lr_zero_does_not_move() {
         let vars = m.vars();
         let mut opt = Adam::new(AdamConfig { lr, clip: Some(1.0), ..Default::default() }, &vars).unwrap();
         let before = margin(&m);
-        let cfg = DpoConfig { beta: 0.5, epochs: 1, minibatch: 2 };
+        let cfg = DpoConfig { beta: 0.5, epochs: 1, minibatch: 2, seed: 3 };
         let first = dpo_update(&m, &mut opt, &pairs, &cfg).unwrap();
         for _ in 0..15 {
             dpo_update(&m, &mut opt, &pairs, &cfg).unwrap();
@@ -220,10 +221,13 @@ fn rloo_updates_favour_the_rewarded_samples_and_lr_zero_does_not_move() {
         let cfg = RlooConfig {
             kl_coef: 0.05,
             kl: KlEstimator::K1,
+            kl_penalty: policy::train::KlPenalty::Sequence,
+            reward_norm: policy::train::RewardNorm::None,
             clip: Some(0.2),
             epochs: 2,
             minibatch: 4,
             normalize_advantages: true,
+            seed: 1,
         };
         let before = gap(&m);
         let first = rloo_update(&m, &mut opt, &rollouts, &rewards, 3, &cfg).unwrap();
@@ -240,4 +244,190 @@ fn rloo_updates_favour_the_rewarded_samples_and_lr_zero_does_not_move() {
     assert!(after > before + 1.0, "the gap rose by only {:.3}", after - before);
     let (b0, a0, _) = run(0.0);
     assert_eq!(b0, a0, "lr = 0 moved the policy");
+}
+
+fn rollouts6() -> (Vec<Vec<u32>>, Vec<Vec<u32>>) {
+    let prompts = vec![vec![1u32, 5], vec![2, 7, 3]];
+    let responses = vec![vec![3u32, 3], vec![9, 1, 2], vec![4], vec![6, 3], vec![1, 2, 4], vec![9, 9]];
+    (prompts, responses)
+}
+
+fn rloo_cfg(norm: policy::train::RewardNorm, pen: policy::train::KlPenalty) -> policy::train::RlooConfig {
+    policy::train::RlooConfig {
+        kl_coef: 0.05,
+        kl: policy::train::KlEstimator::K1,
+        kl_penalty: pen,
+        reward_norm: norm,
+        clip: Some(0.2),
+        epochs: 2,
+        minibatch: 4,
+        normalize_advantages: true,
+        seed: 2,
+    }
+}
+
+/// Adapter values after `updates` RLOO updates with `rewards` (the first update has KL 0; the
+/// later ones carry a KL term, so the reward's scale matters unless it is normalised).
+fn after_rloo(rewards: &[f64], cfg: &policy::train::RlooConfig, updates: usize) -> Vec<f32> {
+    use policy::train::{rloo_update, Rollout};
+    let (p, r) = rollouts6();
+    let rollouts: Vec<Rollout> = (0..6).map(|i| Rollout { prompt: &p[i / 3], response: &r[i] }).collect();
+    let m = tiny(6);
+    let mut opt = m.adam(AdamConfig { lr: 0.02, clip: Some(1.0), ..Default::default() }).unwrap();
+    for _ in 0..updates {
+        rloo_update(&m, &mut opt, &rollouts, rewards, 3, cfg).unwrap();
+    }
+    m.vars().iter().flat_map(|v| v.as_tensor().flatten_all().unwrap().to_vec1::<f32>().unwrap()).collect()
+}
+
+fn max_diff(a: &[f32], b: &[f32]) -> f32 {
+    a.iter().zip(b).map(|(x, y)| (x - y).abs()).fold(0.0, f32::max)
+}
+
+/// The learned reward φᵀθ scales with ‖θ‖: with the reward normalised per chunk, θ × 10
+/// (rewards × 10) leaves the update unchanged, with the KL per sequence and per token; raw
+/// rewards (the negative control) give another update, because β·KL weighs 10× less.
+#[test]
+fn a_normalised_reward_makes_the_update_independent_of_the_rewards_scale() {
+    use policy::train::{KlPenalty, RewardNorm};
+    let r = [1.0, -1.0, 0.0, 0.5, 2.0, -2.0];
+    let r10: Vec<f64> = r.iter().map(|x| x * 10.0).collect();
+    for pen in [KlPenalty::Sequence, KlPenalty::Token] {
+        let norm = rloo_cfg(RewardNorm::Chunk { clip: 10.0 }, pen);
+        let (a, b) = (after_rloo(&r, &norm, 3), after_rloo(&r10, &norm, 3));
+        let moved = max_diff(&a, &after_rloo(&r, &norm, 0));
+        assert!(moved > 1e-3, "{pen:?}: the updates moved the adapters by {moved}");
+        assert!(max_diff(&a, &b) <= 1e-6 * moved, "{pen:?} normalised: θ×10 changed the update by {}", max_diff(&a, &b));
+        let raw = rloo_cfg(RewardNorm::None, pen);
+        let (a, b) = (after_rloo(&r, &raw, 3), after_rloo(&r10, &raw, 3));
+        assert!(max_diff(&a, &b) > 1e-2 * moved, "{pen:?} raw: θ×10 should change the update");
+    }
+}
+
+/// The KL per token (OpenRLHF's shaping, token-level ratios) learns like the per-sequence form:
+/// the rewarded samples gain log-probability; lr = 0 does not move.
+#[test]
+fn rloo_with_the_kl_per_token_favours_the_rewarded_samples() {
+    use policy::train::{score, KlEstimator, KlPenalty, RewardNorm, Rollout};
+    let (p, r) = rollouts6();
+    let rollouts: Vec<Rollout> = (0..6).map(|i| Rollout { prompt: &p[i / 3], response: &r[i] }).collect();
+    let rewards = [1.0, -1.0, 0.0, 0.5, 2.0, -2.0];
+    let cfg = rloo_cfg(RewardNorm::Chunk { clip: 10.0 }, KlPenalty::Token);
+    let gap = |m: &PolicyModel| -> f64 {
+        let s = score(m, &rollouts, KlEstimator::K1, 4).unwrap();
+        (s[0].0 - s[1].0) + (s[4].0 - s[5].0)
+    };
+    let m = tiny(6);
+    let mut opt = m.adam(AdamConfig { lr: 0.02, clip: Some(1.0), ..Default::default() }).unwrap();
+    let before = gap(&m);
+    for _ in 0..10 {
+        policy::train::rloo_update(&m, &mut opt, &rollouts, &rewards, 3, &cfg).unwrap();
+    }
+    let after = gap(&m);
+    assert!(after > before + 1.0, "per-token KL: the gap rose by only {:.3}", after - before);
+}
+
+/// A gradient that does not reach the adapters is an error, not a zero step: Adam refuses a
+/// variable without a gradient (naming it), and an RLOO update whose gradient is exactly 0
+/// while its advantages are not (A = B = 0 cuts every adapter's gradient) stops.
+#[test]
+fn a_missing_or_empty_gradient_is_an_error() {
+    use policy::train::{KlPenalty, RewardNorm, Rollout};
+    let m = tiny(6);
+    let vars = m.vars();
+    let mut opt = m.adam(AdamConfig::default()).unwrap();
+    // a loss that reaches only the first variable
+    let loss = vars[0].as_tensor().sum_all().unwrap();
+    let e = opt.step(&vars, &loss.backward().unwrap()).unwrap_err().to_string();
+    assert!(e.contains("model.layers.0.self_attn.q_proj.lora_B") && e.contains("no gradient"), "{e}");
+    assert_eq!(opt.steps(), 0, "nothing stepped");
+    for v in &vars {
+        v.set(&v.as_tensor().zeros_like().unwrap()).unwrap();
+    }
+    let (p, r) = rollouts6();
+    let rollouts: Vec<Rollout> = (0..6).map(|i| Rollout { prompt: &p[i / 3], response: &r[i] }).collect();
+    let cfg = rloo_cfg(RewardNorm::Chunk { clip: 10.0 }, KlPenalty::Sequence);
+    let e = policy::train::rloo_update(&m, &mut opt, &rollouts, &[1.0, -1.0, 0.0, 0.5, 2.0, -2.0], 3, &cfg)
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("exactly 0"), "{e}");
+    // negative control: all-equal rewards give zero advantages, and a zero gradient is then fine
+    let cfg = rloo_cfg(RewardNorm::Chunk { clip: 10.0 }, KlPenalty::Sequence);
+    policy::train::rloo_update(&m, &mut opt, &rollouts, &[1.0; 6], 3, &cfg).unwrap();
+}
+
+/// Mini-batches are shuffled per epoch: a permutation, reproducible from (seed, step), another
+/// one at another step or seed.
+#[test]
+fn minibatch_order_is_a_seeded_permutation_per_epoch() {
+    use policy::train::epoch_order;
+    let a = epoch_order(40, 7, 0);
+    let mut sorted = a.clone();
+    sorted.sort();
+    assert_eq!(sorted, (0..40).collect::<Vec<_>>());
+    assert_eq!(a, epoch_order(40, 7, 0));
+    assert_ne!(a, epoch_order(40, 7, 5));
+    assert_ne!(a, epoch_order(40, 8, 0));
+    assert_ne!(a, (0..40).collect::<Vec<_>>());
+}
+
+/// The sampler is the trained policy: after a few RLOO updates at the paper presets' lr
+/// (5e-7), the f32 merge the generator loads changes most adapted weights and gives other
+/// logits than the base model, with a small merge error; the negative control — the same
+/// weights merged in bf16 — rounds the update away: almost every adapted weight is the bf16
+/// base's, and the merge error (against W + BA in f64) is far above 1.
+#[test]
+fn the_generating_weights_carry_a_tiny_update_and_a_bf16_merge_does_not() {
+    use policy::train::{KlPenalty, RewardNorm, Rollout};
+    let c = cfg(Family::Qwen2, false);
+    let w = weights(&c, 21);
+    let lora = LoraConfig { rank: 4, alpha: 8.0, targets: Target::ALL.to_vec(), seed: 6, dropout: 0.0 };
+    let m = PolicyModel::new(w.clone(), c.clone(), &lora, 16, DType::F32).unwrap();
+    let d0 = m.digest().unwrap();
+    let mut opt = m.adam(AdamConfig { lr: 5e-7, clip: Some(1.0), ..Default::default() }).unwrap();
+    let (p, r) = rollouts6();
+    let rollouts: Vec<Rollout> = (0..6).map(|i| Rollout { prompt: &p[i / 3], response: &r[i] }).collect();
+    let cfg = rloo_cfg(RewardNorm::Chunk { clip: 10.0 }, KlPenalty::Sequence);
+    for _ in 0..3 {
+        policy::train::rloo_update(&m, &mut opt, &rollouts, &[1.0, -1.0, 0.0, 0.5, 2.0, -2.0], 3, &cfg).unwrap();
+    }
+    assert_ne!(m.digest().unwrap(), d0, "the digest names the updated adapters");
+    let ids = ids();
+    let logits = |t: &HashMap<String, Tensor>, dt: DType| -> Vec<f32> {
+        let vb = candle_nn::VarBuilder::from_tensors(t.clone(), dt, &Device::Cpu);
+        let model = features::model::Model::load_with(vb, c.clone(), 32, Some(true)).unwrap();
+        model.logits(&ids).unwrap().to_dtype(DType::F32).unwrap().flatten_all().unwrap().to_vec1().unwrap()
+    };
+    let merged = m.merged_weights().unwrap();
+    let err32 = m.merge_error(&merged).unwrap();
+    let moved32 = max_diff(&logits(&merged, DType::F32), &logits(&w, DType::F32));
+    let bf16: HashMap<String, Tensor> =
+        merged.iter().map(|(k, v)| (k.clone(), v.to_dtype(DType::BF16).unwrap().to_dtype(DType::F32).unwrap())).collect();
+    let base16: HashMap<String, Tensor> =
+        w.iter().map(|(k, v)| (k.clone(), v.to_dtype(DType::BF16).unwrap().to_dtype(DType::F32).unwrap())).collect();
+    let err16 = m.merge_error(&bf16).unwrap();
+    // the fraction of adapted weights that differ from the base's, in each precision
+    let changed = |a: &HashMap<String, Tensor>, b: &HashMap<String, Tensor>| -> f64 {
+        let (mut n, mut d) = (0usize, 0usize);
+        for (name, _) in m.adapters() {
+            let k = format!("{name}.weight");
+            let x: Vec<f32> = a[&k].flatten_all().unwrap().to_vec1().unwrap();
+            let y: Vec<f32> = b[&k].flatten_all().unwrap().to_vec1().unwrap();
+            n += x.len();
+            d += x.iter().zip(&y).filter(|(p, q)| p != q).count();
+        }
+        d as f64 / n as f64
+    };
+    let (c32, c16) = (changed(&merged, &w), changed(&bf16, &base16));
+    eprintln!(
+        "lr 5e-7 × 3 updates: f32 merge error {err32:.2e}, {:.1}% of adapted weights changed, logits moved {moved32:.2e}; \
+         bf16 merge error {err16:.1}, {:.2}% changed",
+        100.0 * c32,
+        100.0 * c16
+    );
+    assert!(err32 < 1e-2, "the f32 merge keeps the update: error {err32}");
+    assert!(c32 > 0.5, "the f32 merge changed only {c32} of the adapted weights");
+    assert!(moved32 > 0.0, "the f32 merge moved no logit");
+    assert!(err16 > 1.0, "negative control: a bf16 merge should lose the update (error {err16})");
+    assert!(c16 < 0.01, "negative control: the bf16 merge kept {c16} of the update's changes");
 }

@@ -172,7 +172,7 @@ fn frozen_matmul_routes_the_gradient_to_x_alone() {
     .unwrap();
     let w = Tensor::from_vec((0..20).map(|i| (i as f64).sin()).collect::<Vec<_>>(), (5, 4), &Device::Cpu).unwrap();
     let c = Tensor::from_vec((0..15).map(|i| (i as f64).cos()).collect::<Vec<_>>(), (3, 5), &Device::Cpu).unwrap();
-    let y1 = policy::lora::frozen_matmul(x.as_tensor(), &w).unwrap();
+    let y1 = policy::lora::frozen_matmul(x.as_tensor(), &w, policy::ops::Kernels::Fused).unwrap();
     let y2 = x.as_tensor().matmul(&w.t().unwrap()).unwrap();
     assert_eq!(y1.to_vec2::<f64>().unwrap(), y2.to_vec2::<f64>().unwrap());
     let g1 = (y1 * &c).unwrap().sum_all().unwrap().backward().unwrap();
@@ -181,6 +181,77 @@ fn frozen_matmul_routes_the_gradient_to_x_alone() {
     let b: Vec<Vec<f64>> = g2.get(x.as_tensor()).unwrap().to_vec2().unwrap();
     assert_eq!(a, b);
     assert!(g1.get(&w).is_none(), "no gradient for the frozen weight");
+}
+
+/// Log-probabilities of a batch and every adapter's gradient of a weighted sum of them.
+fn values_and_gradients(m: &PolicyModel, b: &policy::batch::SeqBatch) -> (Vec<f64>, Vec<Vec<f64>>) {
+    let lp = m.logprobs_at(b, true).unwrap();
+    let n = lp.dim(0).unwrap();
+    // unequal weights: a sum of log-probabilities alone would hide errors that cancel
+    let w: Vec<f64> = (0..n).map(|i| 1.0 + 0.37 * (i as f64).sin()).collect();
+    let w = Tensor::from_vec(w, n, &Device::Cpu).unwrap().to_dtype(lp.dtype()).unwrap();
+    let grads = (&lp * &w).unwrap().sum_all().unwrap().backward().unwrap();
+    let values: Vec<f64> = lp.to_dtype(DType::F64).unwrap().to_vec1().unwrap();
+    let g = m
+        .vars()
+        .into_iter()
+        .map(|v| {
+            let g = grads.get(v.as_tensor()).expect("every adapter receives a gradient");
+            g.flatten_all().unwrap().to_dtype(DType::F64).unwrap().to_vec1().unwrap()
+        })
+        .collect();
+    (values, g)
+}
+
+/// max |a − b| / max |b|.
+fn rel(a: &[f64], b: &[f64]) -> f64 {
+    let scale = b.iter().fold(0f64, |m, x| m.max(x.abs()));
+    a.iter().zip(b).map(|(x, y)| (x - y).abs()).fold(0.0, f64::max) / scale
+}
+
+/// The composed ops — the path a GPU trains with (candle's differentiable tensor ops for
+/// RMSNorm, RoPE, the softmaxes and the frozen products) — give the fused CPU kernels' values
+/// and every adapter's gradient, on Llama (rotate-half and interleaved RoPE) and Qwen2 (biases),
+/// in f64 (the maths) and f32 (what trains). Negative control: the same comparison against a
+/// composed model with the other RoPE layout fails it.
+#[test]
+fn composed_ops_give_the_fused_values_and_every_adapter_gradient() {
+    let seqs: [(&[u32], &[u32]); 3] = [(&[1, 5, 3], &[9, 2, 4]), (&[4], &[10, 0, 6, 8]), (&[7, 7, 2, 1], &[3])];
+    let b = policy::batch::SeqBatch::new(&seqs, &Device::Cpu).unwrap();
+    let mut worst = [0f64; 2];
+    for (family, interleaved) in [(Family::Llama, false), (Family::Llama, true), (Family::Qwen2, false)] {
+        for (di, (dtype, tol)) in [(DType::F64, 1e-11), (DType::F32, 2e-4)].into_iter().enumerate() {
+            let c = cfg(family, interleaved);
+            let w: HashMap<String, Tensor> =
+                weights(&c, 11).into_iter().map(|(k, v)| (k, v.to_dtype(dtype).unwrap())).collect();
+            let lora = LoraConfig { rank: 2, alpha: 4.0, targets: Target::ALL.to_vec(), seed: 4, dropout: 0.0 };
+            let mut m = PolicyModel::new(w.clone(), c.clone(), &lora, 32, dtype).unwrap();
+            randomize(&m, 13);
+            assert_eq!(m.kernels(), policy::ops::Kernels::Fused, "the CPU trains fused");
+            let (fv, fg) = values_and_gradients(&m, &b);
+            m.set_kernels(policy::ops::Kernels::Composed).unwrap();
+            let (cv, cg) = values_and_gradients(&m, &b);
+            let mut err = rel(&cv, &fv);
+            for (vi, (x, y)) in cg.iter().zip(&fg).enumerate() {
+                assert!(y.iter().any(|v| *v != 0.0), "{family:?} {interleaved} {dtype:?}: adapter var {vi} has a zero gradient");
+                err = err.max(rel(x, y));
+            }
+            assert!(err < tol, "{family:?} interleaved={interleaved} {dtype:?}: composed vs fused {err:e}");
+            worst[di] = worst[di].max(err);
+            // negative control: the other RoPE layout, composed, is far off
+            if family == Family::Llama && dtype == DType::F64 {
+                let mut other = cfg(family, !interleaved);
+                other.rope_interleaved = !interleaved;
+                let mut m2 = PolicyModel::new(w.clone(), other, &lora, 32, dtype).unwrap();
+                randomize(&m2, 13);
+                m2.set_kernels(policy::ops::Kernels::Composed).unwrap();
+                let (v2, g2) = values_and_gradients(&m2, &b);
+                let off = rel(&v2, &fv).max(rel(&g2[0], &fg[0]));
+                assert!(off > 1e-3, "the comparison cannot see a wrong RoPE layout: {off:e}");
+            }
+        }
+    }
+    eprintln!("composed vs fused, largest relative error: f64 {:e}, f32 {:e}", worst[0], worst[1]);
 }
 
 /// PEFT's lora_dropout: the frozen path never sees it (with B = 0 a dropped pass is the base
@@ -205,14 +276,14 @@ fn lora_dropout_is_unbiased_reproducible_and_spares_the_frozen_path() {
         Pass { adapters: true, dropout: Some(d) }
     }
     // B = 0: the branch is zero, so a dropped pass must equal the base pass exactly.
-    let base = v(lin.forward(&x, Pass::BASE).unwrap());
-    assert_eq!(v(lin.forward(&x, pass(&Dropout::new(0.5, 0, 0))).unwrap()), base);
+    let base = v(lin.forward(&x, Pass::BASE, policy::ops::Kernels::Fused).unwrap());
+    assert_eq!(v(lin.forward(&x, pass(&Dropout::new(0.5, 0, 0)), policy::ops::Kernels::Fused).unwrap()), base);
     // A non-zero B.
     let b = Tensor::from_vec(rand(out * r), (out, r), &dev).unwrap();
     lin.adapter.as_ref().unwrap().b.set(&b).unwrap();
-    let want = v(lin.forward(&x, Pass::ADAPTED).unwrap());
+    let want = v(lin.forward(&x, Pass::ADAPTED, policy::ops::Kernels::Fused).unwrap());
     let p = 0.3;
-    let one = |step: u64| v(lin.forward(&x, pass(&Dropout::new(p, 4, step))).unwrap());
+    let one = |step: u64| v(lin.forward(&x, pass(&Dropout::new(p, 4, step)), policy::ops::Kernels::Fused).unwrap());
     assert_eq!(one(7), one(7), "a step's masks are reproducible");
     assert_ne!(one(7), one(8), "steps draw different masks");
     assert_ne!(one(7), want, "p = 0.3 drops something");
@@ -234,5 +305,5 @@ fn lora_dropout_is_unbiased_reproducible_and_spares_the_frozen_path() {
         }
     }
     // p = 0 in the config: the training pass is the adapted pass.
-    assert_eq!(v(lin.forward(&x, pass(&Dropout::new(0.0, 4, 1))).unwrap()), want);
+    assert_eq!(v(lin.forward(&x, pass(&Dropout::new(0.0, 4, 1)), policy::ops::Kernels::Fused).unwrap()), want);
 }
