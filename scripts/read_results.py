@@ -22,11 +22,15 @@ assert theta.ndim == 1 and np.isfinite(theta).all()
 print(f"read {len(metrics)} metric rows, {cells.height} cells, theta of dimension {theta.shape[0]}")
 policy = run / "policy.parquet"
 if policy.exists():
-    # a run whose policy learns: one evaluation per cell and chunk, chunk 0 the same for every arm
+    # a run whose policy learns: one evaluation per cell and chunk; at chunk 0 every arm of a
+    # seed holds the base policy's samples of that seed's held-out streams
     p = pd.read_parquet(policy)
     assert list(p.columns) == [c[0] for c in schema["policy.parquet"]], "policy columns match schema.json"
-    start = p[p.chunk == 0].oracle_reward
-    assert start.nunique() == 1, "every arm starts from the base policy's samples"
-    last = p.sort_values("chunk").groupby(["policy", "label", "seed"]).last().reset_index()
-    print(last.groupby("policy")[["oracle_reward", "bon_oracle_reward", "kl"]].agg(["mean", "std"]).to_string())
+    start = p[p.chunk == 0].groupby("seed").sample_reward.nunique()
+    assert (start == 1).all(), "every arm of a seed starts from the base policy's samples"
+    last = p.sort_values("chunk").groupby(["policy", "reward", "label", "seed"]).last().reset_index()
+    cols = ["policy_reward", "sample_reward", "bon_reward", "kl"]
+    print(last.groupby(["policy", "reward"])[cols].agg(["mean", "std"]).to_string())
+    updates = pd.read_parquet(run / "policy_updates.parquet")
+    assert list(updates.columns) == [c[0] for c in schema["policy_updates.parquet"]], "policy_updates columns match"
     print(f"read {len(p)} policy rows")

@@ -115,7 +115,19 @@ impl PolicyModel {
         let (cos, sin) = rope_tables(&cfg, max_len.max(1), &device)?;
         let (cos, sin) = (cos.to_dtype(dtype)?, sin.to_dtype(dtype)?);
         let kernels = Kernels::for_device(&device);
-        Ok(PolicyModel { cfg, lora: lora.clone(), base: tensors, embed, lm_head, blocks, norm, cos, sin, device, kernels })
+        Ok(PolicyModel {
+            cfg,
+            lora: lora.clone(),
+            base: tensors,
+            embed,
+            lm_head,
+            blocks,
+            norm,
+            cos,
+            sin,
+            device,
+            kernels,
+        })
     }
 
     pub fn config(&self) -> &Config {
@@ -149,7 +161,11 @@ impl PolicyModel {
     pub fn forward(&self, ids: &Tensor) -> Result<Tensor> {
         let (b, t) = ids.dims2()?;
         let h = self.hidden(ids, true)?;
-        frozen_matmul(&h.reshape((b * t, self.cfg.hidden))?, &self.lm_head, self.kernels)?.reshape((b, t, self.cfg.vocab))
+        frozen_matmul(&h.reshape((b * t, self.cfg.hidden))?, &self.lm_head, self.kernels)?.reshape((
+            b,
+            t,
+            self.cfg.vocab,
+        ))
     }
 
     /// Final-norm hidden states (b, t, hidden) of right-padded ids (b, t); with `adapters`
@@ -169,7 +185,8 @@ impl PolicyModel {
         let (cos, sin) = (self.cos.narrow(0, 0, t)?, self.sin.narrow(0, 0, t)?);
         let k = self.kernels;
         for blk in &self.blocks {
-            let a = self.attention(blk, &crate::ops::rms_norm(&x, &blk.norm1, self.cfg.eps, k)?, &cos, &sin, &mask, pass)?;
+            let a =
+                self.attention(blk, &crate::ops::rms_norm(&x, &blk.norm1, self.cfg.eps, k)?, &cos, &sin, &mask, pass)?;
             x = (x + a)?;
             let h = crate::ops::rms_norm(&x, &blk.norm2, self.cfg.eps, k)?;
             let gate = candle_nn::ops::silu(&blk.gate.forward(&h, pass, k)?)?;
@@ -309,7 +326,13 @@ impl PolicyModel {
             err += (gen.to_dtype(DType::F64)? - want)?.sqr()?.sum_all()?.to_scalar::<f64>()?;
             size += delta.sqr()?.sum_all()?.to_scalar::<f64>()?;
         }
-        Ok(if size > 0.0 { (err / size).sqrt() } else if err > 0.0 { f64::INFINITY } else { 0.0 })
+        Ok(if size > 0.0 {
+            (err / size).sqrt()
+        } else if err > 0.0 {
+            f64::INFINITY
+        } else {
+            0.0
+        })
     }
 
     /// The family, for adapters exported in another layout.

@@ -297,7 +297,11 @@ fn a_normalised_reward_makes_the_update_independent_of_the_rewards_scale() {
         let (a, b) = (after_rloo(&r, &norm, 3), after_rloo(&r10, &norm, 3));
         let moved = max_diff(&a, &after_rloo(&r, &norm, 0));
         assert!(moved > 1e-3, "{pen:?}: the updates moved the adapters by {moved}");
-        assert!(max_diff(&a, &b) <= 1e-6 * moved, "{pen:?} normalised: θ×10 changed the update by {}", max_diff(&a, &b));
+        assert!(
+            max_diff(&a, &b) <= 1e-6 * moved,
+            "{pen:?} normalised: θ×10 changed the update by {}",
+            max_diff(&a, &b)
+        );
         let raw = rloo_cfg(RewardNorm::None, pen);
         let (a, b) = (after_rloo(&r, &raw, 3), after_rloo(&r10, &raw, 3));
         assert!(max_diff(&a, &b) > 1e-2 * moved, "{pen:?} raw: θ×10 should change the update");
@@ -401,8 +405,10 @@ fn the_generating_weights_carry_a_tiny_update_and_a_bf16_merge_does_not() {
     let merged = m.merged_weights().unwrap();
     let err32 = m.merge_error(&merged).unwrap();
     let moved32 = max_diff(&logits(&merged, DType::F32), &logits(&w, DType::F32));
-    let bf16: HashMap<String, Tensor> =
-        merged.iter().map(|(k, v)| (k.clone(), v.to_dtype(DType::BF16).unwrap().to_dtype(DType::F32).unwrap())).collect();
+    let bf16: HashMap<String, Tensor> = merged
+        .iter()
+        .map(|(k, v)| (k.clone(), v.to_dtype(DType::BF16).unwrap().to_dtype(DType::F32).unwrap()))
+        .collect();
     let base16: HashMap<String, Tensor> =
         w.iter().map(|(k, v)| (k.clone(), v.to_dtype(DType::BF16).unwrap().to_dtype(DType::F32).unwrap())).collect();
     let err16 = m.merge_error(&bf16).unwrap();

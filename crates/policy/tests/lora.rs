@@ -233,7 +233,10 @@ fn composed_ops_give_the_fused_values_and_every_adapter_gradient() {
             let (cv, cg) = values_and_gradients(&m, &b);
             let mut err = rel(&cv, &fv);
             for (vi, (x, y)) in cg.iter().zip(&fg).enumerate() {
-                assert!(y.iter().any(|v| *v != 0.0), "{family:?} {interleaved} {dtype:?}: adapter var {vi} has a zero gradient");
+                assert!(
+                    y.iter().any(|v| *v != 0.0),
+                    "{family:?} {interleaved} {dtype:?}: adapter var {vi} has a zero gradient"
+                );
                 err = err.max(rel(x, y));
             }
             assert!(err < tol, "{family:?} interleaved={interleaved} {dtype:?}: composed vs fused {err:e}");

@@ -29,6 +29,9 @@ pub struct ConfigPlan {
     /// Deploy on generated responses: the deployed policy (best-of-n, fixed, or one that
     /// learns: rloo, dpo).
     pub policy: Option<DeployPolicy>,
+    /// The reward a learning arm's update reads (`policy.reward`; Learned for arms that read
+    /// none).
+    pub reward: Option<RewardSource>,
     /// Index of the expanded estimator config (shared by the strategies of a deploy run).
     pub estimator_index: usize,
     /// Index of the strategy in `deploy.strategies` or of the rule in `active.rule` (else 0).
@@ -534,11 +537,40 @@ fn check_policy(spec: &mut Spec, keys: Locator<'_>) -> Result<(), SpecError> {
     }
     let p = spec.policy.get_or_insert_with(PolicySpec::default);
     p.check().map_err(|(k, m)| keys.err(&["policy", k], m))?;
+    if let Some(g) = &spec.generate {
+        // the update's log-probabilities are those of the untransformed policy: samples drawn
+        // at another temperature or from a nucleus are not its samples
+        if g.temperature != 1.0 {
+            return Err(keys.err(
+                &["generate", "temperature"],
+                format!(
+                    "{}: a policy that learns samples at temperature 1 (its update scores log π at T = 1)",
+                    g.temperature
+                ),
+            ));
+        }
+        if g.top_p != 1.0 {
+            return Err(keys.err(
+                &["generate", "top_p"],
+                format!(
+                    "{}: a policy that learns samples with top_p = 1 (its update scores log π without a nucleus)",
+                    g.top_p
+                ),
+            ));
+        }
+        if let Some(m) = p.eval_samples.filter(|m| !m.is_multiple_of(g.n)) {
+            return Err(keys.err(
+                &["policy", "eval_samples"],
+                format!("{m}: expected a multiple of generate.n = {} (best-of-n is read off groups of n)", g.n),
+            ));
+        }
+    }
     Ok(())
 }
 
-/// A deploy strategy, an active rule and a deployed policy (each absent outside its setting).
-type Arm = (Option<Strategy>, Option<ActiveRule>, Option<DeployPolicy>);
+/// A deploy strategy, an active rule, a deployed policy and the reward its update reads (each
+/// absent outside its setting).
+type Arm = (Option<Strategy>, Option<ActiveRule>, Option<(DeployPolicy, RewardSource)>);
 
 /// The arms every estimator config runs under: deploy strategies × active rules (one `None`
 /// arm in the other settings).
@@ -562,12 +594,23 @@ fn arms(spec: &Spec, keys: Locator<'_>) -> Result<Vec<Arm>, SpecError> {
     } else {
         vec![None]
     };
-    let policies: Vec<Option<DeployPolicy>> = if spec.setting == Setting::Deploy && spec.env.kind == EnvKind::Generated
-    {
-        spec.deploy.policy.0.iter().map(|p| Some(*p)).collect()
-    } else {
-        vec![None]
-    };
+    let policies: Vec<Option<(DeployPolicy, RewardSource)>> =
+        if spec.setting == Setting::Deploy && spec.env.kind == EnvKind::Generated {
+            let sources = spec.policy.as_ref().map_or(vec![RewardSource::Learned], |p| p.reward.0.clone());
+            // only an arm that optimises a reward has a reward source; the others read θ (best-of-n)
+            // or the labels (dpo), and run once
+            spec.deploy
+                .policy
+                .0
+                .iter()
+                .flat_map(|&p| {
+                    let s = if p.optimises_reward() { sources.clone() } else { vec![RewardSource::Learned] };
+                    s.into_iter().map(move |s| Some((p, s)))
+                })
+                .collect()
+        } else {
+            vec![None]
+        };
     let mut out = Vec::new();
     for s in &strategies {
         for r in &rules {
@@ -585,6 +628,7 @@ fn configs(spec: &Spec, keys: Locator<'_>, arms: &[Arm]) -> Result<Vec<ConfigPla
     }
     let several_rules = spec.setting == Setting::Active && spec.active.rule.0.len() > 1;
     let several_policies = spec.deploy.policy.0.len() > 1;
+    let several_sources = spec.policy.as_ref().is_some_and(|p| p.reward.0.len() > 1);
     let bounds = Bounds {
         theta_norm_feature_norm_dim: (spec.env.kind == EnvKind::Synthetic).then_some((
             spec.env.theta_norm,
@@ -621,8 +665,13 @@ fn configs(spec: &Spec, keys: Locator<'_>, arms: &[Arm]) -> Result<Vec<ConfigPla
                 if let (Some(r), true) = (rule, several_rules) {
                     label = format!("{label} / {r}");
                 }
-                if let (Some(p), true) = (policy, several_policies) {
+                if let (Some((p, _)), true) = (policy, several_policies || several_sources) {
                     label = format!("{label} / {p}");
+                }
+                if let (Some((p, r)), true) = (policy, several_sources) {
+                    if p.optimises_reward() {
+                        label = format!("{label} ({r} reward)");
+                    }
                 }
                 configs.push(ConfigPlan {
                     config_id: configs.len(),
@@ -633,7 +682,8 @@ fn configs(spec: &Spec, keys: Locator<'_>, arms: &[Arm]) -> Result<Vec<ConfigPla
                     swept: combo.swept.clone(),
                     strategy: *strategy,
                     rule: *rule,
-                    policy: *policy,
+                    policy: policy.map(|p| p.0),
+                    reward: policy.map(|p| p.1),
                     estimator_index,
                     strategy_index,
                     label,

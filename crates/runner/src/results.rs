@@ -5,8 +5,8 @@
 use crate::io::{npy_f64, write_atomic, write_atomic_at};
 use crate::plan::{ConfigPlan, Plan};
 use crate::rows::{
-    Bucket, CellResult, Col, MetricRow, PolicyRow, PolicyTiming, RoundRow, StepRow, BUCKETS, METRICS, METRICS_CHUNKED,
-    POLICY, POLICY_TIMINGS, ROUNDS, STEPS,
+    Bucket, CellResult, Col, MetricRow, PolicyRow, PolicyTiming, RoundRow, StepRow, UpdateRow, BUCKETS, METRICS,
+    METRICS_CHUNKED, POLICY, POLICY_TIMINGS, POLICY_UPDATES, ROUNDS, STEPS,
 };
 use crate::world::World;
 use anyhow::{Context, Result};
@@ -146,6 +146,12 @@ fn policy_arm(c: &ConfigPlan) -> String {
     c.policy.map(|p| p.to_string()).unwrap_or_default()
 }
 
+/// deploy with a learning policy in the run: the reward the cell's policy update reads
+/// (policy.reward; "learned" for arms that read θ or the labels).
+fn reward_source(c: &ConfigPlan) -> String {
+    c.reward.map(|r| r.to_string()).unwrap_or_default()
+}
+
 /// The key columns of a per-cell table: cell_id, config_id, estimator, label, strategy, seed.
 fn keyed<R>(t: Table, rows: &[(&CellOutcome<'_>, &R)]) -> Table {
     t.str("cell_id", rows.iter().map(|(c, _)| c.cell_id.to_string()))
@@ -197,7 +203,12 @@ pub fn write_tables(
             cells.iter().map(|c| c.result.as_ref().ok().map(|r| format!("{:016x}", r.stream_hash))),
         );
     // runs with a learning policy: the deployed policy of each cell
-    let t = if world.online.is_some() { t.str("policy", cells.iter().map(|c| policy_arm(c.config))) } else { t };
+    let t = if world.online.is_some() {
+        t.str("policy", cells.iter().map(|c| policy_arm(c.config)))
+            .str("reward", cells.iter().map(|c| reward_source(c.config)))
+    } else {
+        t
+    };
     schemas.push(("cells.parquet".to_string(), t.write(&dir.join("cells.parquet"))?));
 
     // metrics: one row per cell × evaluation point
@@ -209,7 +220,12 @@ pub fn write_tables(
     );
     let chunked = world.generated.is_some() && setting == "deploy";
     let t = if chunked { t.cols(METRICS_CHUNKED, &rows, |(_, m)| m) } else { t };
-    let t = if world.online.is_some() { t.str("policy", rows.iter().map(|(c, _)| policy_arm(c.config))) } else { t };
+    let t = if world.online.is_some() {
+        t.str("policy", rows.iter().map(|(c, _)| policy_arm(c.config)))
+            .str("reward", rows.iter().map(|(c, _)| reward_source(c.config)))
+    } else {
+        t
+    };
     schemas.push(("metrics.parquet".to_string(), t.write(&dir.join("metrics.parquet"))?));
 
     if chunked {
@@ -236,12 +252,20 @@ pub fn write_tables(
     }
     if world.online.is_some() {
         let rows: Vec<(&CellOutcome<'_>, &PolicyRow)> = rows_of(cells, |r| &r.policy);
-        let t = keyed(Table::default(), &rows).str("policy", rows.iter().map(|(c, _)| policy_arm(c.config))).cols(
-            POLICY,
-            &rows,
-            |(_, m)| m,
-        );
+        let t = keyed(Table::default(), &rows)
+            .str("policy", rows.iter().map(|(c, _)| policy_arm(c.config)))
+            .str("reward", rows.iter().map(|(c, _)| reward_source(c.config)))
+            .cols(POLICY, &rows, |(_, m)| m)
+            .str("policy_digest", rows.iter().map(|(_, r)| r.policy_digest.clone()));
         schemas.push(("policy.parquet".to_string(), t.write(&dir.join("policy.parquet"))?));
+        let rows: Vec<(&CellOutcome<'_>, &UpdateRow)> = rows_of(cells, |r| &r.policy_updates);
+        let t = keyed(Table::default(), &rows)
+            .str("policy", rows.iter().map(|(c, _)| policy_arm(c.config)))
+            .str("reward", rows.iter().map(|(c, _)| reward_source(c.config)))
+            .cols(POLICY_UPDATES, &rows, |(_, m)| m)
+            .str("rollout_digest", rows.iter().map(|(_, r)| r.rollout_digest.clone()))
+            .str("updated_digest", rows.iter().map(|(_, r)| r.updated_digest.clone()));
+        schemas.push(("policy_updates.parquet".to_string(), t.write(&dir.join("policy_updates.parquet"))?));
         let rows: Vec<(&CellOutcome<'_>, &PolicyTiming)> = rows_of(cells, |r| &r.policy_times);
         let t = Table::default()
             .str("cell_id", rows.iter().map(|(c, _)| c.cell_id.to_string()))

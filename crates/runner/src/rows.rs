@@ -95,20 +95,27 @@ pub struct CellResult {
     /// (policy.parquet), its wall time per chunk (policy_timings.parquet), and its adapters in
     /// PEFT's layout (`adapters/<cell>/[chunk-NN/]`).
     pub policy: Vec<PolicyRow>,
+    pub policy_updates: Vec<UpdateRow>,
     pub policy_times: Vec<PolicyTiming>,
     pub adapters: Vec<AdapterFiles>,
 }
 
 /// A policy's evaluation on the held-out prompts after a chunk (chunk 0: before any update):
-/// `eval_samples` samples per prompt from the current policy. Deterministic.
+/// `policy.eval_samples` (a multiple of n) samples per prompt from the current policy, drawn
+/// with the seed's held-out streams — the same streams for every arm of a seed and every chunk
+/// (common random numbers), other streams for another seed. Deterministic.
 #[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
 pub struct PolicyRow {
     pub chunk: u64,
-    /// Mean oracle reward of the policy's samples (the paper's policy reward).
-    pub oracle_reward: f64,
-    /// Mean over prompts of the oracle reward of the sample the learned reward ranks first
-    /// (best-of-`eval_samples` under θ_t).
-    pub bon_oracle_reward: f64,
+    /// The mean oracle reward of what the arm deploys: a learning (or fixed) policy its
+    /// samples; best-of-n the best of each group of n samples under θ_t. One measure for every
+    /// arm: compare arms on this column.
+    pub policy_reward: f64,
+    /// The mean oracle reward of the policy's samples.
+    pub sample_reward: f64,
+    /// Best-of-n of the policy's samples under θ_t (n = generate.n): the mean over groups of n
+    /// of the oracle reward of the sample θ_t ranks first — every arm has it.
+    pub bon_reward: f64,
     /// Mean learned reward φᵀθ_t of the policy's samples.
     pub learned_reward: f64,
     /// Mean over samples of the sequence KL to the reference policy (policy.kl_estimator;
@@ -119,14 +126,40 @@ pub struct PolicyRow {
     pub response_tokens: f64,
     /// Samples cut at max_new_tokens.
     pub cut_fraction: f64,
-    /// The chunk's policy update: mean loss, mean ‖g‖ before clipping, Adam steps; the mean
-    /// learned (rloo) or implicit DPO reward it trained on.
-    pub update_loss: Option<f64>,
-    pub update_grad_norm: Option<f64>,
+    /// The generating weights against the trained policy: ‖W_gen − (W + (α/r)BA)‖_F /
+    /// ‖(α/r)BA‖_F over the adapted layers (0 when exact or unmoved; see
+    /// `PolicyModel::merge_error`).
+    pub merge_error: f64,
+    /// Which adapters generated the samples (blake3 of their values; "base" for an arm that
+    /// does not learn).
+    pub policy_digest: String,
+}
+
+/// A learning policy's chunk (policy_updates.parquet): the samples it drew on the chunk's
+/// training prompts (before the chunk's update) and the update they drove.
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+pub struct UpdateRow {
+    pub chunk: u64,
+    /// The adapters that generated the chunk's samples, and those after its update.
+    pub rollout_digest: String,
+    pub updated_digest: String,
+    /// Mean oracle and learned (φᵀθ_t, after θ's update on the chunk) reward of the chunk's samples.
+    pub rollout_oracle_reward: f64,
+    pub rollout_learned_reward: f64,
+    /// Mean of the reward the update read (policy.reward: learned, oracle or null; rloo)
+    /// before normalisation, or the mean implicit DPO reward margin.
+    pub update_reward: f64,
+    /// Mean loss, mean ‖g‖ before clipping, Adam steps.
+    pub update_loss: f64,
+    pub update_grad_norm: f64,
     pub update_steps: u64,
-    pub update_reward: Option<f64>,
-    /// Mean oracle reward of the chunk's own samples (training prompts; chunk ≥ 1).
-    pub chunk_oracle_reward: Option<f64>,
+    /// Mean sequence KL to the reference and entropy on the chunk's samples, before the update.
+    pub kl: f64,
+    pub entropy: f64,
+    /// dpo: the labelled pairs it learned from, and the pairs dropped (an argmax tie or two
+    /// identical responses: no preference).
+    pub pairs: u64,
+    pub dropped_pairs: u64,
 }
 
 /// Wall seconds of a chunk by stage (policy_timings.parquet; never in policy.parquet).
@@ -248,18 +281,30 @@ pub const ROUNDS: &[Col<RoundRow>] = &[
 /// policy.parquet: one row per cell × policy evaluation (runs with a learning policy).
 pub const POLICY: &[Col<PolicyRow>] = &[
     Col::U64("chunk", |r| r.chunk),
-    Col::F64("oracle_reward", |r| r.oracle_reward),
-    Col::F64("bon_oracle_reward", |r| r.bon_oracle_reward),
+    Col::F64("policy_reward", |r| r.policy_reward),
+    Col::F64("sample_reward", |r| r.sample_reward),
+    Col::F64("bon_reward", |r| r.bon_reward),
     Col::F64("learned_reward", |r| r.learned_reward),
     Col::F64("kl", |r| r.kl),
     Col::OptF64("entropy", |r| r.entropy),
     Col::F64("response_tokens", |r| r.response_tokens),
     Col::F64("cut_fraction", |r| r.cut_fraction),
-    Col::OptF64("update_loss", |r| r.update_loss),
-    Col::OptF64("update_grad_norm", |r| r.update_grad_norm),
+    Col::F64("merge_error", |r| r.merge_error),
+];
+
+/// policy_updates.parquet: one row per learning cell × chunk (with policy_digest columns).
+pub const POLICY_UPDATES: &[Col<UpdateRow>] = &[
+    Col::U64("chunk", |r| r.chunk),
+    Col::F64("rollout_oracle_reward", |r| r.rollout_oracle_reward),
+    Col::F64("rollout_learned_reward", |r| r.rollout_learned_reward),
+    Col::F64("update_reward", |r| r.update_reward),
+    Col::F64("update_loss", |r| r.update_loss),
+    Col::F64("update_grad_norm", |r| r.update_grad_norm),
     Col::U64("update_steps", |r| r.update_steps),
-    Col::OptF64("update_reward", |r| r.update_reward),
-    Col::OptF64("chunk_oracle_reward", |r| r.chunk_oracle_reward),
+    Col::F64("kl", |r| r.kl),
+    Col::F64("entropy", |r| r.entropy),
+    Col::U64("pairs", |r| r.pairs),
+    Col::U64("dropped_pairs", |r| r.dropped_pairs),
 ];
 
 /// policy_timings.parquet: one row per cell × chunk.

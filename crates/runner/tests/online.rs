@@ -1,8 +1,10 @@
 //! The online loop closed (`deploy.policy = "rloo" | "dpo"`) end to end on a tiny random Llama
-//! GGUF: every arm's policy evaluated before the first chunk on the same base samples; the
-//! fixed control stays flat; learning policies move away from the reference (KL > 0) and save
-//! PEFT adapters; lr = 0 does not move them (negative control); 1 vs 2 threads give the same
-//! bytes; a run killed mid-way resumes to the same bytes.
+//! GGUF: every arm of a seed evaluated before the first chunk on the same base samples (the
+//! seed's held-out streams; another seed's differ); the fixed control stays flat; learning
+//! policies move away from the reference (KL > 0), change their digest every chunk, generate
+//! from weights within f32 rounding of W + BA, and save PEFT adapters; lr = 0 does not move
+//! them (negative control); each reward source drives its update with its own reward; 1 vs 2
+//! threads give the same bytes; a run killed mid-way resumes to the same bytes.
 
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
@@ -49,7 +51,6 @@ lr = {lr}
 epochs = 2
 minibatch = 4
 eval_prompts = 3
-eval_samples = 2
 save_adapter = "every-chunk"
 [[estimator]]
 kind = "sgd"
@@ -92,7 +93,7 @@ type Curves = BTreeMap<(String, u32, String), Vec<(u64, f64, f64)>>;
 fn curves(dir: &Path) -> Curves {
     let t = table(&dir.join("policy.parquet"));
     let (arm, seed, strat) = (strs(&t, "policy"), u32s(&t, "seed"), strs(&t, "strategy"));
-    let (chunk, oracle, kl) = (u64s(&t, "chunk"), f64s(&t, "oracle_reward"), f64s(&t, "kl"));
+    let (chunk, oracle, kl) = (u64s(&t, "chunk"), f64s(&t, "sample_reward"), f64s(&t, "kl"));
     let mut out = Curves::new();
     for i in 0..chunk.len() {
         out.entry((arm[i].clone(), seed[i], strat[i].clone())).or_default().push((chunk[i], oracle[i], kl[i]));
@@ -107,11 +108,12 @@ fn learning_policies_move_the_fixed_one_does_not_and_every_arm_starts_alike() {
     let dir = run(p, "a", "2");
     let c = curves(&dir);
     assert_eq!(c.len(), 3 * 2 * 2, "3 arms × 2 seeds × 2 strategies");
-    let start: Vec<f64> = c.values().map(|v| v[0].1).collect();
+    let start: BTreeMap<u32, f64> = c.iter().map(|((_, seed, _), v)| (*seed, v[0].1)).collect();
+    assert_ne!(start[&0], start[&1], "the seeds' held-out streams should differ");
     for ((arm, seed, strat), v) in &c {
         assert_eq!(v.iter().map(|x| x.0).collect::<Vec<_>>(), [0, 1, 2, 3], "{arm} {seed} {strat}: chunks 0..=3");
-        // before any update every policy is the base policy on the same samples
-        assert_eq!(v[0].1, start[0], "{arm}: chunk 0 differs from the other arms'");
+        // before any update every policy of a seed is the base policy on the same samples
+        assert_eq!(v[0].1, start[seed], "{arm}: chunk 0 differs from the other arms' of seed {seed}");
         assert_eq!(v[0].2, 0.0);
         if arm == "best-of-n" {
             assert!(v.iter().all(|x| x.1 == v[0].1 && x.2 == 0.0), "the fixed policy moved: {v:?}");
@@ -119,6 +121,33 @@ fn learning_policies_move_the_fixed_one_does_not_and_every_arm_starts_alike() {
             assert!(v[1..].iter().all(|x| x.2 != 0.0), "{arm}: no KL after an update: {v:?}");
             assert!(v[1..].iter().any(|x| x.1 != v[0].1), "{arm}: the samples never changed: {v:?}");
         }
+    }
+    // the sampler is the trained policy: a new digest after every update, generating weights
+    // within f32 rounding of W + BA; the arms that do not learn generate from the base
+    let t = table(&dir.join("policy.parquet"));
+    let (arm, digest, merr, chunk) =
+        (strs(&t, "policy"), strs(&t, "policy_digest"), f64s(&t, "merge_error"), u64s(&t, "chunk"));
+    let (cid, mut last) = (strs(&t, "cell_id"), BTreeMap::new());
+    for i in 0..arm.len() {
+        if arm[i] == "best-of-n" {
+            assert_eq!((digest[i].as_str(), merr[i]), ("base", 0.0));
+            continue;
+        }
+        assert!(merr[i] < 1e-3, "{}: merge error {}", cid[i], merr[i]);
+        if let Some(prev) = last.insert(cid[i].clone(), digest[i].clone()) {
+            assert_ne!(prev, digest[i], "{} chunk {}: the digest did not change", cid[i], chunk[i]);
+        }
+    }
+    // policy_updates.parquet: each chunk's samples come from the previous chunk's update
+    let u = table(&dir.join("policy_updates.parquet"));
+    let (uc, roll, upd, steps) =
+        (strs(&u, "cell_id"), strs(&u, "rollout_digest"), strs(&u, "updated_digest"), u64s(&u, "update_steps"));
+    assert_eq!(uc.len(), 2 * 2 * 2 * 3, "2 learning arms × 2 seeds × 2 strategies × 3 chunks");
+    for i in 1..uc.len() {
+        if uc[i] == uc[i - 1] {
+            assert_eq!(roll[i], upd[i - 1], "{}: the chunk's sampler is not the last update's policy", uc[i]);
+        }
+        assert!(steps[i] > 0 || arms_of(&dir, &uc[i]) == "dpo", "{}: an rloo update without steps", uc[i]);
     }
     // adapters in PEFT's layout for the learning cells, after every chunk
     let cells = table(&dir.join("cells.parquet"));
@@ -145,6 +174,46 @@ fn learning_policies_move_the_fixed_one_does_not_and_every_arm_starts_alike() {
     for f in ["policy.parquet", "metrics.parquet", "rounds.parquet", "cells.parquet"] {
         assert!(std::fs::read(dir.join(f)).unwrap() == std::fs::read(one.join(f)).unwrap(), "{f}: 1 vs 2 threads");
     }
+}
+
+/// The deployed policy of a cell.
+fn arms_of(dir: &Path, cell: &str) -> String {
+    let t = table(&dir.join("cells.parquet"));
+    let (ids, arms) = (strs(&t, "cell_id"), strs(&t, "policy"));
+    ids.iter().zip(arms).find(|(i, _)| *i == cell).map(|(_, a)| a).unwrap()
+}
+
+/// `policy.reward` sweeps the reward rloo's update reads: the oracle arm trains on the oracle's
+/// rewards of its samples and the learned arm on φᵀθ (so each update_reward equals the mean of
+/// that reward over the chunk's samples); the null arm's reward is neither.
+#[test]
+fn each_reward_source_drives_its_update_with_its_own_reward() {
+    let tmp = setup(0.05);
+    let p = tmp.path();
+    let text = spec(0.05).replace("save_adapter", "reward = [\"learned\", \"oracle\", \"null\"]\nsave_adapter");
+    std::fs::write(p.join("run.toml"), text).unwrap();
+    let dir = run(p, "a", "2");
+    let cells = table(&dir.join("cells.parquet"));
+    assert_eq!(strs(&cells, "cell_id").len(), (1 + 3 + 1) * 2 * 2, "best-of-n, rloo × 3 sources, dpo");
+    let u = table(&dir.join("policy_updates.parquet"));
+    let (arm, src) = (strs(&u, "policy"), strs(&u, "reward"));
+    let (got, oracle, learned) =
+        (f64s(&u, "update_reward"), f64s(&u, "rollout_oracle_reward"), f64s(&u, "rollout_learned_reward"));
+    let mut seen = std::collections::BTreeSet::new();
+    for i in 0..arm.len() {
+        if arm[i] != "rloo" {
+            continue;
+        }
+        seen.insert(src[i].clone());
+        let close = |a: f64, b: f64| (a - b).abs() <= 1e-9 * (1.0 + b.abs());
+        match src[i].as_str() {
+            "oracle" => assert!(close(got[i], oracle[i]), "oracle arm: {} vs {}", got[i], oracle[i]),
+            "learned" => assert!(close(got[i], learned[i]), "learned arm: {} vs {}", got[i], learned[i]),
+            "null" => assert!(!close(got[i], learned[i]) && !close(got[i], oracle[i]), "null arm read a real reward"),
+            s => panic!("reward source {s}"),
+        }
+    }
+    assert_eq!(seen.len(), 3);
 }
 
 /// Negative control: with lr = 0 the learning arms take their steps but never move, so their

@@ -146,7 +146,6 @@ fn overrides(preset: &toml::Table, fx: &Fixture) -> Vec<String> {
         }
         if preset.contains_key("policy") {
             s.push("policy.eval_prompts=2".into());
-            s.push("policy.eval_samples=2".into());
             s.push("policy.minibatch=2".into());
         }
     }

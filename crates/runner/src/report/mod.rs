@@ -39,8 +39,8 @@ pub const FIGURES: [(&str, &str); 11] = [
 
 /// policy.parquet columns that get a figure (x: the chunk).
 pub const POLICY_FIGURES: [(&str, &str); 3] = [
-    ("oracle_reward", "Oracle reward of the policy's samples on held-out prompts"),
-    ("bon_oracle_reward", "Oracle reward of the best sample under θ on held-out prompts"),
+    ("policy_reward", "Oracle reward of what each arm deploys on held-out prompts (best-of-n: its pick)"),
+    ("bon_reward", "Oracle reward of the best of n samples under θ on held-out prompts"),
     ("kl", "KL divergence to the initial policy, per sequence"),
 ];
 
@@ -64,29 +64,89 @@ pub fn read_policy(run: &Path) -> Result<Vec<Row>> {
     Ok(rows)
 }
 
-/// Per label: oracle reward at the first and last evaluation, best-of-samples under θ and KL
-/// at the last (mean ± std over seeds).
-fn policy_table(rows: &[Row]) -> String {
-    let show = |v: &[f64]| {
-        let (m, s) = mean_std(v);
-        format!("{m:.3} ± {s:.3}")
-    };
-    let mut out = String::from("| config | oracle reward, first | oracle reward, last | best of samples under θ, last | KL, last |\n|---|---|---|---|---|\n");
-    let by = series(rows, "oracle_reward");
-    let bon = series(rows, "bon_oracle_reward");
+/// Mean and standard error of the mean (sd/√n; 0 for one value).
+fn mean_se(v: &[f64]) -> (f64, f64) {
+    let (m, sd) = mean_std(v);
+    (m, sd / (v.len() as f64).sqrt())
+}
+
+/// Per label and seed: the held-out policy reward at the first evaluation (chunk 0: the base
+/// policy on the seed's streams) and at the last.
+fn first_last(rows: &[Row]) -> BTreeMap<String, BTreeMap<u32, (f64, f64)>> {
+    let mut at: BTreeMap<String, BTreeMap<u32, BTreeMap<u64, f64>>> = BTreeMap::new();
+    for r in rows {
+        if let Some(&v) = r.values.get("policy_reward") {
+            at.entry(r.label.clone()).or_default().entry(r.seed).or_default().insert(r.samples, v);
+        }
+    }
+    at.into_iter()
+        .map(|(l, seeds)| {
+            let fl =
+                seeds.into_iter().filter_map(|(s, c)| Some((s, (*c.values().next()?, *c.values().last()?)))).collect();
+            (l, fl)
+        })
+        .collect()
+}
+
+/// The policy on the held-out prompts: per arm the base policy (chunk 0, the same prompts and
+/// sampling streams as every later evaluation of that seed), the last evaluation, their paired
+/// difference; then every pair of arms that share an estimator and strategy, paired by seed at
+/// the last evaluation. ± is the paired standard error over seeds; "detectable" is 2 paired SE,
+/// the smallest difference the evaluation resolves.
+pub fn policy_table(rows: &[Row]) -> String {
+    let show = |(m, se): (f64, f64)| format!("{m:+.3} ± {se:.3}");
+    let fl = first_last(rows);
+    let mut out = String::from(
+        "| arm | seeds | base (chunk 0) | last | last − base | detectable | best of n under θ, last | KL, last |\n|---|---|---|---|---|---|---|---|\n",
+    );
+    let bon = series(rows, "bon_reward");
     let kl = series(rows, "kl");
-    for (label, s) in &by {
-        let (Some(first), Some(last)) = (s.values().next(), s.values().last()) else { continue };
+    for (label, seeds) in &fl {
+        let base: Vec<f64> = seeds.values().map(|p| p.0).collect();
+        let last: Vec<f64> = seeds.values().map(|p| p.1).collect();
+        let diff: Vec<f64> = seeds.values().map(|p| p.1 - p.0).collect();
+        let (_, se) = mean_se(&diff);
         let at_last = |m: &BTreeMap<String, BTreeMap<u64, Vec<f64>>>| {
-            m.get(label).and_then(|x| x.values().last()).map_or("—".to_string(), |v| show(v))
+            m.get(label).and_then(|x| x.values().last()).map_or("—".to_string(), |v| format!("{:.3}", mean_std(v).0))
         };
         out.push_str(&format!(
-            "| {label} | {} | {} | {} | {} |\n",
-            show(first),
-            show(last),
+            "| {label} | {} | {:.3} | {:.3} | {} | {:.3} | {} | {} |\n",
+            seeds.len(),
+            mean_std(&base).0,
+            mean_std(&last).0,
+            show(mean_se(&diff)),
+            2.0 * se,
             at_last(&bon),
             at_last(&kl)
         ));
+    }
+    // arms of one estimator × strategy: the label up to its last " / " (the arm follows it)
+    let group =
+        |l: &str| l.rsplit_once(" / ").map_or((String::new(), l.to_string()), |(g, a)| (g.to_string(), a.to_string()));
+    let labels: Vec<&String> = fl.keys().collect();
+    let mut pairs = String::new();
+    for (i, a) in labels.iter().enumerate() {
+        for b in &labels[i + 1..] {
+            let ((ga, arm_a), (gb, arm_b)) = (group(a), group(b));
+            if ga != gb {
+                continue;
+            }
+            let d: Vec<f64> = fl[*a].iter().filter_map(|(s, pa)| fl[*b].get(s).map(|pb| pa.1 - pb.1)).collect();
+            if d.is_empty() {
+                continue;
+            }
+            let (_, se) = mean_se(&d);
+            pairs.push_str(&format!(
+                "| {ga} | {arm_a} − {arm_b} | {} | {} | {:.3} |\n",
+                d.len(),
+                show(mean_se(&d)),
+                2.0 * se
+            ));
+        }
+    }
+    if !pairs.is_empty() {
+        out.push_str("\nPaired differences between arms at the last evaluation (same seed: same held-out prompts and streams).\n\n| estimator / strategy | difference | seeds | mean ± paired SE | detectable |\n|---|---|---|---|---|\n");
+        out.push_str(&pairs);
     }
     out
 }
@@ -316,7 +376,7 @@ fn axis_name(metric: &str) -> &'static str {
         "regret" => "regret",
         "cost" => "flops per sample",
         "cum_pair_reward" => "cumulative reward",
-        "policy_reward" | "oracle_reward" | "bon_oracle_reward" => "oracle reward",
+        "policy_reward" | "bon_reward" => "oracle reward",
         "kendall_tau" => "Kendall τ",
         "kl" => "KL (nats)",
         _ => "value",
@@ -716,7 +776,7 @@ pub fn report(run: &Path) -> Result<PathBuf> {
     }
     let policy = if run.join("policy.parquet").exists() { read_policy(run)? } else { Vec::new() };
     if !policy.is_empty() {
-        md.push_str("\n## The policy\n\nOn the held-out prompts, mean ± std over seeds: the oracle reward of the policy's samples before the first chunk and after the last, the best of its samples under the learned θ, and the sequence KL to the initial policy after the last chunk.\n\n");
+        md.push_str("\n## The policy\n\nOn the held-out prompts, the oracle reward of what each arm deploys (`policy_reward`: a learning policy's samples, best-of-n its pick under θ): the base policy at chunk 0 and after the last chunk, both on the seed's sampling streams, their difference with its paired standard error over seeds and the smallest detectable difference (2 paired SE); best of n under θ and the sequence KL to the initial policy after the last chunk (means over seeds).\n\n");
         md.push_str(&policy_table(&policy));
     }
     let times = cell_times(run).unwrap_or_default();
@@ -796,11 +856,16 @@ fn failed_cells(run: &Path) -> Result<String> {
 /// Final metrics of several runs side by side, as markdown.
 pub fn compare(runs: &[PathBuf]) -> Result<String> {
     let mut all = Vec::new();
+    let mut policies = String::new();
     for r in runs {
         let name = r.file_name().unwrap_or_default().to_string_lossy().into_owned();
-        all.push((name, read_metrics(r)?));
+        all.push((name.clone(), read_metrics(r)?));
+        if r.join("policy.parquet").exists() {
+            policies.push_str(&format!("\n{name}: the policy on held-out prompts, paired over seeds\n\n"));
+            policies.push_str(&policy_table(&read_policy(r)?));
+        }
     }
-    Ok(final_table(&all))
+    Ok(final_table(&all) + &policies)
 }
 
 #[cfg(test)]

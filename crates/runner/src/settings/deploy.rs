@@ -104,7 +104,8 @@ pub(super) fn deploy_chunked(
     let mut pc = match online {
         Some(o) => {
             let arm = config.policy.ok_or_else(|| anyhow!("deploy cell without a policy arm"))?;
-            Some(PolicyCell::new(o, arm, spec, seed, pr.policy_state.as_ref())?)
+            let reward = config.reward.ok_or_else(|| anyhow!("deploy cell without a reward source"))?;
+            Some(PolicyCell::new(o, arm, reward, spec, seed, pr.policy_state.as_ref())?)
         }
         None => None,
     };
@@ -123,6 +124,10 @@ pub(super) fn deploy_chunked(
         }
         let mut time = PolicyTiming { chunk: t, ..Default::default() };
         let xs = &order[lo..hi];
+        let rollout_digest = match &pc {
+            Some(pc) => pc.digest()?,
+            None => String::new(),
+        };
         let (contexts, samples) = match &pc {
             Some(pc) => pc.respond(g, env, xs, &mut time)?,
             None => (Vec::new(), Vec::new()),
@@ -141,8 +146,10 @@ pub(super) fn deploy_chunked(
             h.bytes(&(x as u64).to_le_bytes());
             h.bytes(&u.to_le_bytes());
             let label = env.label(ctx, pair.first, pair.second, &zi, u);
-            labelled.push(Labelled { at: i, first: pair.first, second: pair.second, label });
-            *oracle_ties += u64::from(truth[pair.first] == truth[pair.second]);
+            let tie = truth[pair.first] == truth[pair.second];
+            let coin = tie && env.labels == crate::spec::LabelRule::Argmax;
+            labelled.push(Labelled { at: i, first: pair.first, second: pair.second, label, tie: coin });
+            *oracle_ties += u64::from(tie);
             y.push(label);
             z.extend(zi);
             let best = truth.iter().copied().fold(f64::NEG_INFINITY, f64::max);
@@ -150,12 +157,16 @@ pub(super) fn deploy_chunked(
             *regret += best - 0.5 * (ra + rb);
             *reward_sum += 0.5 * (ra + rb);
             pair_sum += ra + rb;
-            let pick = match config.policy {
-                Some(DeployPolicy::BestOfN) | None => argmax(est.iter().copied()),
-                // the fixed policy, and one that learns: a draw from the policy itself
-                Some(_) => 0,
+            // what the arm deploys: best-of-n its pick under θ; a fixed or learning policy its
+            // samples (their mean oracle reward; policy_pick 0 in rounds.parquet)
+            let (pick, deployed) = match config.policy {
+                Some(DeployPolicy::BestOfN) | None => {
+                    let a = argmax(est.iter().copied());
+                    (a, truth[a])
+                }
+                Some(_) => (0, truth.iter().sum::<f64>() / truth.len() as f64),
             };
-            pol_sum += truth[pick];
+            pol_sum += deployed;
             let tau = kendall_tau_b(&est, &truth);
             tau_sum += tau;
             rounds.push(RoundRow {
@@ -167,7 +178,7 @@ pub(super) fn deploy_chunked(
                 reward_second: rb,
                 label,
                 policy_pick: pick as u32,
-                policy_reward: truth[pick],
+                policy_reward: deployed,
                 best_reward: best,
                 kendall_tau: tau,
             });
@@ -193,22 +204,17 @@ pub(super) fn deploy_chunked(
         pr.rows.push(row);
         if let Some(pc) = &mut pc {
             let t1 = Instant::now();
-            let stats = pc.update(xs, &samples, &contexts, &labelled, l.theta(), d)?;
+            let up = pc.update(xs, &samples, &contexts, &labelled, l.theta(), d)?;
             time.policy_s = t1.elapsed().as_secs_f64();
+            if let Some(up) = &up {
+                let row = PolicyCell::update_row(t, rollout_digest, pc.digest()?, &contexts, l.theta(), d, up);
+                pr.policy_updates.push(row);
+            }
             let every = pc.online.spec.eval_every_chunks as u64;
             if t % every == 0 || last {
                 let t2 = Instant::now();
-                let mut prow = pc.evaluate(t, l.theta(), d)?;
+                pr.policy_rows.push(pc.evaluate(t, l.theta(), d)?);
                 time.eval_s = t2.elapsed().as_secs_f64();
-                if let Some(s) = stats {
-                    prow.update_loss = Some(s.loss);
-                    prow.update_grad_norm = Some(s.grad_norm);
-                    prow.update_steps = s.steps;
-                    prow.update_reward = Some(s.reward);
-                }
-                let own: Vec<f64> = contexts.iter().flat_map(|c| (0..k).map(|a| env.reward(c, a))).collect();
-                prow.chunk_oracle_reward = Some(own.iter().sum::<f64>() / own.len() as f64);
-                pr.policy_rows.push(prow);
             }
             pr.policy_times.push(time);
             if let Some(a) = pc.adapter(t, chunks as u64)? {
@@ -223,6 +229,7 @@ pub(super) fn deploy_chunked(
         rounds: pr.rounds,
         stream_hash: pr.hash.0,
         policy: pr.policy_rows,
+        policy_updates: pr.policy_updates,
         policy_times: pr.policy_times,
         adapters: pr.adapters,
         ..Default::default()

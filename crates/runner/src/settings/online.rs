@@ -1,15 +1,18 @@
 //! A deployed policy that learns between chunks (paper §6: "…construct new preference pairs,
 //! which are then used to update the reward model and the policy model"). Each cell owns its
 //! policy: LoRA adapters on the frozen policy model and their Adam state. Per chunk the policy
-//! samples n responses to the chunk's prompts (the bank's responses while it has not moved),
-//! φ and the oracle score them, the chunk loop labels pairs and updates θ, then
-//! [`PolicyCell::update`] takes the policy step: RLOO on the learned reward φᵀθ of all n
-//! samples, or online DPO on the labelled pairs. [`PolicyCell::evaluate`] samples the held-out
-//! prompts. Cells whose policy does not learn (best-of-n, fixed) are evaluated on the base
-//! policy's samples, so every arm of a run has the same policy.parquet rows.
+//! samples n responses to the chunk's prompts (the bank's responses while it has not moved and
+//! the bank is the f32 generator's), φ and the oracle score them, the chunk loop labels pairs
+//! and updates θ, then [`PolicyCell::update`] takes the policy step: RLOO on the reward its
+//! source names (learned φᵀθ, the oracle's, or the null control's) of all n samples, or online
+//! DPO on the labelled pairs. The sampler is the trained policy: it generates from the adapters
+//! merged in f32 (`PolicyModel::merged_weights`). [`PolicyCell::evaluate`] samples the
+//! held-out prompts with the seed's streams; cells whose policy does not learn (best-of-n,
+//! fixed) are evaluated on the base policy's samples of those streams, so every arm of a seed
+//! is measured on the same prompts and streams.
 
-use crate::rows::{AdapterFiles, PolicyRow, PolicyTiming};
-use crate::spec::{DeployPolicy, SaveAdapter, Spec};
+use crate::rows::{AdapterFiles, PolicyRow, PolicyTiming, UpdateRow};
+use crate::spec::{DeployPolicy, RewardSource, SaveAdapter, Spec};
 use crate::world::env::{argmax, dot, seed_of, Component, Context, Env};
 use crate::world::generated::{conversation, Generated};
 use crate::world::online::Online;
@@ -36,18 +39,33 @@ pub struct PolicyState {
 pub(super) struct PolicyCell<'a> {
     pub(super) online: &'a Online,
     pub(super) arm: DeployPolicy,
+    reward: RewardSource,
     learner: Option<(PolicyModel, Adam)>,
     moved: bool,
     base_model: String,
+    /// The seed index (its held-out streams) and the seed of the adapters and mini-batch order.
+    seed: usize,
+    policy_seed: u64,
+    /// The null reward's direction (unit norm), drawn per seed.
+    null_seed: u64,
 }
 
 /// A labelled pair of a chunk: the prompt's index in the chunk, the two samples, y (1: the
-/// first preferred).
+/// first preferred), and whether the oracle's rewards tie under argmax labels (a coin flip,
+/// not a preference).
 pub(super) struct Labelled {
     pub(super) at: usize,
     pub(super) first: usize,
     pub(super) second: usize,
     pub(super) label: f32,
+    pub(super) tie: bool,
+}
+
+/// What a chunk's update reports beside the optimiser's statistics.
+pub(super) struct Update {
+    pub(super) stats: UpdateStats,
+    pub(super) pairs: u64,
+    pub(super) dropped: u64,
 }
 
 impl<'a> PolicyCell<'a> {
@@ -56,16 +74,32 @@ impl<'a> PolicyCell<'a> {
     pub(super) fn new(
         online: &'a Online,
         arm: DeployPolicy,
+        reward: RewardSource,
         spec: &Spec,
         seed: u32,
         state: Option<&PolicyState>,
     ) -> Result<Self> {
         let base_model = spec.generate.as_ref().map(|g| g.policy.clone()).unwrap_or_default();
-        let mut cell = PolicyCell { online, arm, learner: None, moved: false, base_model };
+        if seed as usize >= online.eval_opts.len() {
+            return Err(anyhow!("seed index {seed}: the run prepared held-out streams for {}", online.eval_opts.len()));
+        }
+        let policy_seed = seed_of(spec.master_seed, seed, Component::Policy);
+        let null_seed = seed_of(spec.master_seed, seed, Component::NullReward);
+        let mut cell = PolicyCell {
+            online,
+            arm,
+            reward,
+            learner: None,
+            moved: false,
+            base_model,
+            seed: seed as usize,
+            policy_seed,
+            null_seed,
+        };
         if arm.learns() {
-            let lora = online.spec.lora(seed_of(spec.master_seed, seed, Component::Policy));
+            let lora = online.spec.lora(policy_seed);
             let m = PolicyModel::new(online.base.clone(), online.cfg.clone(), &lora, online.max_len, DType::F32)?;
-            let mut adam = Adam::new(online.spec.adam(), &m.vars())?;
+            let mut adam = m.adam(online.spec.adam())?;
             if let Some(st) = state {
                 let vars = m.vars();
                 if st.vars.len() != vars.len() {
@@ -97,17 +131,31 @@ impl<'a> PolicyCell<'a> {
         Ok(Some(PolicyState { vars, adam: adam.state()?, moved: self.moved }))
     }
 
-    /// Samples of `prompts` from the current policy: sampled anew once it has moved, else the
-    /// base policy's (`base`).
+    /// The digest of the adapters ("base" for a policy that does not learn).
+    pub(super) fn digest(&self) -> Result<String> {
+        match &self.learner {
+            Some((m, _)) => Ok(m.digest()?),
+            None => Ok("base".into()),
+        }
+    }
+
+    /// Samples of `prompts` from the current policy and the generating weights' merge error:
+    /// generated from the f32 merge once it has moved (or when `base` is None), else `base`.
     fn sample(
         &self,
         prompts: &[Vec<features::Message>],
         opts: &features::generate::SampleOptions,
-        base: impl FnOnce() -> Vec<Vec<Sample>>,
-    ) -> Result<Vec<Vec<Sample>>> {
-        match &self.learner {
-            Some((m, _)) if self.moved => self.online.generate(m.merged_weights()?, prompts, opts),
-            _ => Ok(base()),
+        base: Option<&Vec<Vec<Sample>>>,
+    ) -> Result<(Vec<Vec<Sample>>, f64)> {
+        match (&self.learner, base) {
+            (_, Some(b)) if !self.moved => Ok((b.clone(), 0.0)),
+            (Some((m, _)), _) => {
+                let w = m.merged_weights()?;
+                let err = m.merge_error(&w)?;
+                Ok((self.online.generate(w, prompts, opts)?, err))
+            }
+            (None, Some(b)) => Ok((b.clone(), 0.0)),
+            (None, None) => Err(anyhow!("a policy that does not learn has no samples but the base's")),
         }
     }
 
@@ -138,13 +186,13 @@ impl<'a> PolicyCell<'a> {
         if self.learner.is_none() {
             return Ok((xs.iter().map(|&x| env.contexts[x].clone()).collect(), Vec::new()));
         }
-        if !self.moved {
+        if !self.moved && self.online.bank_is_f32() {
             let samples = xs.iter().map(|&x| g.samples[x].clone()).collect();
             return Ok((xs.iter().map(|&x| env.contexts[x].clone()).collect(), samples));
         }
         let t0 = Instant::now();
         let prompts: Vec<Vec<features::Message>> = xs.iter().map(|&x| g.prompts[x].clone()).collect();
-        let samples = self.sample(&prompts, &self.online.opts, Vec::new)?;
+        let (samples, _) = self.sample(&prompts, &self.online.opts, None)?;
         time.generation_s += t0.elapsed().as_secs_f64();
         let t1 = Instant::now();
         let refs: Vec<&[features::Message]> = prompts.iter().map(|p| p.as_slice()).collect();
@@ -153,8 +201,33 @@ impl<'a> PolicyCell<'a> {
         Ok((contexts, samples))
     }
 
-    /// The policy step after θ's update on the chunk: RLOO on r̂ = φᵀθ of every sample, or DPO
-    /// on the labelled pairs. None when the policy does not learn.
+    /// The reward the update reads for sample j of a context: φᵀθ (learned), the oracle's,
+    /// or φᵀθ̃ with θ̃ = ‖θ‖·u, u a unit direction drawn per seed (null).
+    fn reward_of(&self, c: &Context, j: usize, theta: &[f64], null: &[f64], d: usize) -> Result<f64> {
+        let phi = &c.phi[j * d..(j + 1) * d];
+        Ok(match self.reward {
+            RewardSource::Learned => dot(phi, theta),
+            RewardSource::Null => dot(phi, null),
+            RewardSource::Oracle => c
+                .reward
+                .as_ref()
+                .and_then(|r| r.get(j).copied())
+                .ok_or_else(|| anyhow!("no oracle reward to learn from"))?,
+        })
+    }
+
+    /// θ̃ of the null reward: a unit direction from the seed's stream, scaled to ‖θ‖.
+    fn null_theta(&self, theta: &[f64]) -> Vec<f64> {
+        use rand::SeedableRng;
+        use rand_distr::{Distribution, StandardNormal};
+        let mut rng = rand_chacha::ChaCha20Rng::seed_from_u64(self.null_seed);
+        let u: Vec<f64> = theta.iter().map(|_| StandardNormal.sample(&mut rng)).collect();
+        let (nu, nt) = (u.iter().map(|x| x * x).sum::<f64>().sqrt(), theta.iter().map(|x| x * x).sum::<f64>().sqrt());
+        u.iter().map(|x| x / nu * nt).collect()
+    }
+
+    /// The policy step after θ's update on the chunk: RLOO on the rewards of every sample, or
+    /// DPO on the labelled pairs that carry a preference. None when the policy does not learn.
     pub(super) fn update(
         &mut self,
         xs: &[usize],
@@ -163,10 +236,14 @@ impl<'a> PolicyCell<'a> {
         pairs: &[Labelled],
         theta: &[f64],
         d: usize,
-    ) -> Result<Option<UpdateStats>> {
-        let Some((m, adam)) = &mut self.learner else { return Ok(None) };
+    ) -> Result<Option<Update>> {
+        if self.learner.is_none() {
+            return Ok(None);
+        }
+        let null = if self.reward == RewardSource::Null { self.null_theta(theta) } else { Vec::new() };
         let ids = &self.online.prompt_ids;
-        let stats = match self.arm {
+        let (policy_seed, arm) = (self.policy_seed, self.arm);
+        let up = match arm {
             DeployPolicy::Rloo => {
                 let k = samples.first().map_or(0, Vec::len);
                 let mut rollouts = Vec::new();
@@ -174,52 +251,116 @@ impl<'a> PolicyCell<'a> {
                 for ((&x, ss), c) in xs.iter().zip(samples).zip(contexts) {
                     for (j, s) in ss.iter().enumerate() {
                         rollouts.push(Rollout { prompt: &ids[x], response: &s.ids });
-                        rewards.push(dot(&c.phi[j * d..(j + 1) * d], theta));
+                        rewards.push(self.reward_of(c, j, theta, &null, d)?);
                     }
                 }
-                rloo_update(m, adam, &rollouts, &rewards, k, &self.online.spec.rloo())?
+                let (m, adam) = self.learner.as_mut().expect("checked");
+                let stats = rloo_update(m, adam, &rollouts, &rewards, k, &self.online.spec.rloo(policy_seed))?;
+                Update { stats, pairs: 0, dropped: 0 }
             }
             DeployPolicy::Dpo => {
-                let prefs: Vec<Preference> = pairs
-                    .iter()
-                    .map(|p| {
-                        let (w, l) = if p.label >= 0.5 { (p.first, p.second) } else { (p.second, p.first) };
-                        let ss = &samples[p.at];
-                        Preference { prompt: &ids[xs[p.at]], chosen: &ss[w].ids, rejected: &ss[l].ids }
-                    })
-                    .collect();
-                dpo_update(m, adam, &prefs, &self.online.spec.dpo())?
+                let mut prefs: Vec<Preference> = Vec::new();
+                let mut dropped = 0;
+                for p in pairs {
+                    let ss = &samples[p.at];
+                    // an argmax tie is a coin flip and two identical responses carry no preference
+                    if p.tie || ss[p.first].ids == ss[p.second].ids {
+                        dropped += 1;
+                        continue;
+                    }
+                    let (w, l) = if p.label >= 0.5 { (p.first, p.second) } else { (p.second, p.first) };
+                    prefs.push(Preference { prompt: &ids[xs[p.at]], chosen: &ss[w].ids, rejected: &ss[l].ids });
+                }
+                let (m, adam) = self.learner.as_mut().expect("checked");
+                let stats = if prefs.is_empty() {
+                    UpdateStats::default()
+                } else {
+                    dpo_update(m, adam, &prefs, &self.online.spec.dpo(policy_seed))?
+                };
+                Update { stats, pairs: prefs.len() as u64, dropped }
             }
             DeployPolicy::BestOfN | DeployPolicy::Fixed => return Ok(None),
         };
-        self.moved = true;
-        Ok(Some(stats))
+        self.moved |= up.stats.steps > 0;
+        Ok(Some(up))
     }
 
-    /// The policy on the held-out prompts under θ: oracle and learned rewards of its samples,
-    /// best-of-`eval_samples` under θ, KL to the reference and entropy (learning policies).
+    /// The chunk's row of policy_updates.parquet.
+    pub(super) fn update_row(
+        chunk: u64,
+        rollout_digest: String,
+        updated_digest: String,
+        contexts: &[Context],
+        theta: &[f64],
+        d: usize,
+        up: &Update,
+    ) -> UpdateRow {
+        let (mut oracle, mut learned, mut n) = (0.0, 0.0, 0usize);
+        for c in contexts {
+            let truth = c.reward.as_deref().unwrap_or_default();
+            oracle += truth.iter().sum::<f64>();
+            learned += c.phi.chunks_exact(d).map(|p| dot(p, theta)).sum::<f64>();
+            n += truth.len();
+        }
+        let s = &up.stats;
+        UpdateRow {
+            chunk,
+            rollout_digest,
+            updated_digest,
+            rollout_oracle_reward: oracle / n.max(1) as f64,
+            rollout_learned_reward: learned / n.max(1) as f64,
+            update_reward: s.reward,
+            update_loss: s.loss,
+            update_grad_norm: s.grad_norm,
+            update_steps: s.steps,
+            kl: s.kl,
+            entropy: s.entropy,
+            pairs: up.pairs,
+            dropped_pairs: up.dropped,
+        }
+    }
+
+    /// The policy on the held-out prompts under θ, with the seed's streams: the oracle reward of
+    /// what the arm deploys (its samples; best-of-n's best of each n under θ), of its samples,
+    /// best-of-n under θ of its samples, their learned reward, KL to the reference and entropy
+    /// (learning policies), the adapters' digest and the generating weights' merge error.
     pub(super) fn evaluate(&self, chunk: u64, theta: &[f64], d: usize) -> Result<PolicyRow> {
         let o = self.online;
-        let samples = self.sample(&o.eval_prompts, &o.eval_opts, || o.eval_base.clone())?;
+        let (samples, merge_error) =
+            self.sample(&o.eval_prompts, &o.eval_opts[self.seed], Some(&o.eval_base[self.seed]))?;
         let refs: Vec<&[features::Message]> = o.eval_prompts.iter().map(|p| p.as_slice()).collect();
         let contexts = self.contexts(&refs, &samples)?;
-        let (mut oracle, mut learned, mut bon, mut n) = (0.0, 0.0, 0.0, 0usize);
+        let n = o.opts.n;
+        let (mut oracle, mut learned, mut bon, mut count, mut groups) = (0.0, 0.0, 0.0, 0usize, 0usize);
         for c in &contexts {
             let truth = c.reward.as_ref().expect("scored");
             let est: Vec<f64> = c.phi.chunks_exact(d).map(|p| dot(p, theta)).collect();
             oracle += truth.iter().sum::<f64>();
             learned += est.iter().sum::<f64>();
-            bon += truth[argmax(est.iter().copied())];
-            n += truth.len();
+            if truth.len() % n != 0 {
+                return Err(anyhow!("{} held-out samples of a prompt: expected a multiple of n = {n}", truth.len()));
+            }
+            for (t, e) in truth.chunks_exact(n).zip(est.chunks_exact(n)) {
+                bon += t[argmax(e.iter().copied())];
+                groups += 1;
+            }
+            count += truth.len();
         }
         let all: Vec<&Sample> = samples.iter().flatten().collect();
+        let (sample_reward, bon_reward) = (oracle / count as f64, bon / groups as f64);
         let mut row = PolicyRow {
             chunk,
-            oracle_reward: oracle / n as f64,
-            bon_oracle_reward: bon / contexts.len() as f64,
-            learned_reward: learned / n as f64,
-            response_tokens: all.iter().map(|s| s.tokens as f64).sum::<f64>() / n as f64,
-            cut_fraction: all.iter().filter(|s| !s.stopped).count() as f64 / n as f64,
+            policy_reward: match self.arm {
+                DeployPolicy::BestOfN => bon_reward,
+                DeployPolicy::Fixed | DeployPolicy::Rloo | DeployPolicy::Dpo => sample_reward,
+            },
+            sample_reward,
+            bon_reward,
+            learned_reward: learned / count as f64,
+            response_tokens: all.iter().map(|s| s.tokens as f64).sum::<f64>() / count as f64,
+            cut_fraction: all.iter().filter(|s| !s.stopped).count() as f64 / count as f64,
+            merge_error,
+            policy_digest: self.digest()?,
             ..Default::default()
         };
         if let Some((m, _)) = &self.learner {

@@ -4,7 +4,7 @@
 
 use super::learner::Learner;
 use crate::io::{encode, stop_requested, write_atomic_at, Interrupted};
-use crate::rows::{AdapterFiles, MetricRow, PolicyRow, PolicyTiming, RoundRow};
+use crate::rows::{AdapterFiles, MetricRow, PolicyRow, PolicyTiming, RoundRow, UpdateRow};
 use crate::spec::{CheckpointSpec, Spec};
 use crate::world::env::{stream, Component};
 use anyhow::Result;
@@ -59,6 +59,8 @@ pub struct Progress {
     /// Deploy with a learning policy in the run: its evaluations, timings, adapters and
     /// optimizer state so far.
     pub(super) policy_rows: Vec<PolicyRow>,
+    #[serde(default)]
+    pub(super) policy_updates: Vec<UpdateRow>,
     pub(super) policy_times: Vec<PolicyTiming>,
     pub(super) policy_state: Option<super::online::PolicyState>,
     pub(super) adapters: Vec<AdapterFiles>,
@@ -85,6 +87,7 @@ impl Progress {
             used: Vec::new(),
             vtrack: None,
             policy_rows: Vec::new(),
+            policy_updates: Vec::new(),
             policy_times: Vec::new(),
             policy_state: None,
             adapters: Vec::new(),

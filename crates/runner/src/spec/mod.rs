@@ -14,7 +14,7 @@ pub mod policy;
 pub use data::{DataSpec, Format, Keys};
 pub use generate::{FeatureSpec, GenerateSpec, LabelRule, OracleKind, OracleSpec};
 pub use phi::{DType, Device, PhiSpec};
-pub use policy::{PolicySpec, SaveAdapter};
+pub use policy::{PolicySpec, RewardSource, SaveAdapter};
 
 use serde::{de, Deserialize, Deserializer, Serialize, Serializer};
 use std::fmt;
@@ -832,6 +832,11 @@ impl DeployPolicy {
     /// The policy's weights change between chunks (its responses are generated anew).
     pub fn learns(&self) -> bool {
         matches!(self, DeployPolicy::Rloo | DeployPolicy::Dpo)
+    }
+
+    /// The update optimises a reward of each sample (so `policy.reward` chooses which).
+    pub fn optimises_reward(&self) -> bool {
+        matches!(self, DeployPolicy::Rloo)
     }
 }
 

@@ -2,8 +2,44 @@
 //! `"dpo"`) updates after each chunk (paper §6: each chunk's pairs update the reward model,
 //! then the policy), and how it is evaluated.
 
-use policy::train::KlEstimator;
+use super::Sweep;
+use policy::train::{KlEstimator, KlPenalty};
 use serde::{Deserialize, Serialize};
+
+/// What reward drives a learning arm's policy update (rloo): the paper's learned reward, or one
+/// of the two controls a policy-level claim needs.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum RewardSource {
+    /// φᵀθ_t, the reward model learned in one pass (the paper's method).
+    Learned,
+    /// The oracle's own reward of each sample: the ceiling — can this update improve this
+    /// policy at this budget at all?
+    Oracle,
+    /// φᵀθ̃ with θ̃ a random direction (drawn per seed) of ‖θ_t‖: a reward with no information
+    /// about the oracle — the floor: what the update's drift alone does.
+    Null,
+}
+
+impl std::fmt::Display for RewardSource {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            RewardSource::Learned => "learned",
+            RewardSource::Oracle => "oracle",
+            RewardSource::Null => "null",
+        })
+    }
+}
+
+/// How rloo scales its reward before the KL penalty.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum RewardNormKind {
+    /// (r − mean)/sd over the chunk's rewards, clipped to ±reward_clip (OpenRLHF's convention).
+    Chunk,
+    /// The raw reward: its scale (‖θ‖) sets the KL penalty's weight.
+    None,
+}
 
 /// What a learning policy's run saves of its adapters (PEFT layout, under `adapters/`).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
@@ -43,12 +79,22 @@ pub struct PolicySpec {
     pub epochs: usize,
     #[serde(default = "d_minibatch")]
     pub minibatch: usize,
-    /// rloo: β of the KL penalty subtracted from the learned reward, its estimator, the PPO
-    /// clip ε of the sequence ratio (0: none), advantages divided by their sd over the chunk.
+    /// rloo: which reward drives the update (a sweep: one cell per source), how it is
+    /// normalised before the KL penalty (`reward_norm`, `reward_clip`), β of the KL penalty, its
+    /// estimator and where it enters (`kl_penalty`: per sequence as TRL's RLOO, or per token as
+    /// OpenRLHF), the PPO clip ε of the ratio (0: none), advantages divided by their sd.
+    #[serde(default = "d_reward")]
+    pub reward: Sweep<RewardSource>,
+    #[serde(default = "d_reward_norm")]
+    pub reward_norm: RewardNormKind,
+    #[serde(default = "d_reward_clip")]
+    pub reward_clip: f64,
     #[serde(default = "d_kl_coef")]
     pub kl_coef: f64,
     #[serde(default = "d_kl")]
     pub kl_estimator: KlEstimator,
+    #[serde(default = "d_kl_penalty")]
+    pub kl_penalty: KlPenalty,
     #[serde(default = "d_clip")]
     pub clip: f64,
     #[serde(default = "d_true")]
@@ -57,11 +103,12 @@ pub struct PolicySpec {
     #[serde(default = "d_dpo_beta")]
     pub dpo_beta: f64,
     /// Held-out prompts (the ones after the training prompts in generate.prompts), the
-    /// policy's samples per held-out prompt, and how often (in chunks) they are evaluated.
+    /// policy's samples per held-out prompt (a multiple of generate.n, so best-of-n is read off
+    /// groups of n; default n), and how often (in chunks) they are evaluated.
     #[serde(default = "d_eval_prompts")]
     pub eval_prompts: usize,
-    #[serde(default = "d_eval_samples")]
-    pub eval_samples: usize,
+    #[serde(default)]
+    pub eval_samples: Option<usize>,
     #[serde(default = "d_one_usize")]
     pub eval_every_chunks: usize,
     #[serde(default = "d_save")]
@@ -131,28 +178,50 @@ impl PolicySpec {
         pos("max_grad_norm", self.max_grad_norm)?;
         one("epochs", self.epochs)?;
         one("minibatch", self.minibatch)?;
+        if self.reward.0.is_empty() {
+            return Err(("reward", "an empty list: expected at least one of learned, oracle, null".into()));
+        }
+        if let Some(i) = (1..self.reward.0.len()).find(|&i| self.reward.0[..i].contains(&self.reward.0[i])) {
+            return Err(("reward", format!("`{}` is listed twice (entry {i})", self.reward.0[i])));
+        }
+        pos("reward_clip", self.reward_clip)?;
         nonneg("kl_coef", self.kl_coef)?;
         nonneg("clip", self.clip)?;
         pos("dpo_beta", self.dpo_beta)?;
         one("eval_prompts", self.eval_prompts)?;
-        one("eval_samples", self.eval_samples)?;
+        if self.eval_samples == Some(0) {
+            return Err(("eval_samples", "expected at least 1".into()));
+        }
         one("eval_every_chunks", self.eval_every_chunks)?;
         Ok(())
     }
 
-    pub fn rloo(&self) -> policy::train::RlooConfig {
+    /// rloo's update; `seed` orders its mini-batches.
+    pub fn rloo(&self, seed: u64) -> policy::train::RlooConfig {
         policy::train::RlooConfig {
             kl_coef: self.kl_coef,
             kl: self.kl_estimator,
+            kl_penalty: self.kl_penalty,
+            reward_norm: match self.reward_norm {
+                RewardNormKind::Chunk => policy::train::RewardNorm::Chunk { clip: self.reward_clip },
+                RewardNormKind::None => policy::train::RewardNorm::None,
+            },
             clip: (self.clip > 0.0).then_some(self.clip),
             epochs: self.epochs,
             minibatch: self.minibatch,
             normalize_advantages: self.normalize_advantages,
+            seed,
         }
     }
 
-    pub fn dpo(&self) -> policy::train::DpoConfig {
-        policy::train::DpoConfig { beta: self.dpo_beta, epochs: self.epochs, minibatch: self.minibatch }
+    /// dpo's update; `seed` orders its mini-batches.
+    pub fn dpo(&self, seed: u64) -> policy::train::DpoConfig {
+        policy::train::DpoConfig { beta: self.dpo_beta, epochs: self.epochs, minibatch: self.minibatch, seed }
+    }
+
+    /// Held-out samples per prompt: `eval_samples`, or generate.n.
+    pub fn eval_samples(&self, n: usize) -> usize {
+        self.eval_samples.unwrap_or(n)
     }
 
     pub fn adam(&self) -> policy::adam::AdamConfig {
@@ -201,6 +270,18 @@ fn d_kl_coef() -> f64 {
 fn d_kl() -> KlEstimator {
     KlEstimator::K1
 }
+fn d_kl_penalty() -> KlPenalty {
+    KlPenalty::Sequence
+}
+fn d_reward() -> Sweep<RewardSource> {
+    Sweep::one(RewardSource::Learned)
+}
+fn d_reward_norm() -> RewardNormKind {
+    RewardNormKind::Chunk
+}
+fn d_reward_clip() -> f64 {
+    10.0
+}
 fn d_clip() -> f64 {
     0.2
 }
@@ -212,9 +293,6 @@ fn d_dpo_beta() -> f64 {
 }
 fn d_eval_prompts() -> usize {
     16
-}
-fn d_eval_samples() -> usize {
-    2
 }
 fn d_save() -> SaveAdapter {
     SaveAdapter::Last

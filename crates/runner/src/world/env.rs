@@ -24,8 +24,13 @@ pub enum Component {
     Init = 5,
     /// Random selection rules and tie-breaking.
     Select = 6,
-    /// A learning policy's initial adapters (LoRA's A).
+    /// A learning policy's initial adapters (LoRA's A) and its mini-batch order.
     Policy = 7,
+    /// The sampling streams of the held-out evaluation (shared by the arms of a seed: common
+    /// random numbers; independent between seeds).
+    EvalSamples = 8,
+    /// The null reward's random direction.
+    NullReward = 9,
 }
 
 /// The stream of `component` for seed index `seed` under `master`.

@@ -28,7 +28,8 @@ pub struct Online {
     /// The policy's tokenizer and chat template (generation with merged weights).
     policy: Backbone,
     pub opts: SampleOptions,
-    pub eval_opts: SampleOptions,
+    /// The held-out sampling options of seed index i: `eval_opts[i]` (its own streams).
+    pub eval_opts: Vec<SampleOptions>,
     batch_prompts: usize,
     /// Prompt + new tokens: the longest sequence a policy scores.
     pub max_len: usize,
@@ -36,9 +37,10 @@ pub struct Online {
     pub prompt_ids: Vec<Vec<u32>>,
     pub eval_prompts: Vec<Vec<Message>>,
     pub eval_ids: Vec<Vec<u32>>,
-    /// The base policy's samples of the held-out prompts (every policy before its first update;
-    /// the evaluation of the arms whose policy does not learn).
-    pub eval_base: Vec<Vec<Sample>>,
+    /// The base policy's samples of the held-out prompts per seed index, from the f32
+    /// generator with the seed's streams: every policy's evaluation before its first update,
+    /// and the evaluation of the arms whose policy does not learn.
+    pub eval_base: Vec<Vec<Vec<Sample>>>,
     phi: Mutex<Phi>,
     oracle: Oracle,
 }
@@ -76,6 +78,7 @@ impl Online {
         o: &OracleSpec,
         p: &PolicySpec,
         bank: &Generated,
+        eval_seeds: &[u64],
         progress: Mode,
     ) -> Result<Online> {
         let oracle = match (&bank.scorer, o.kind) {
@@ -115,11 +118,11 @@ impl Online {
             ));
         }
         let opts = g.sample_options();
-        let eval_opts = SampleOptions { n: p.eval_samples, ..opts.clone() };
-        let eval_gen = GenerateSpec { n: p.eval_samples, ..g.clone() };
-        let eval_base = generate_with(&policy, &eval_gen, &bank.eval_prompts, progress, &mut BankReport::default())?;
+        let m = p.eval_samples(g.n);
+        let eval_opts: Vec<SampleOptions> =
+            eval_seeds.iter().map(|&seed| SampleOptions { n: m, seed, ..opts.clone() }).collect();
         let phi = Phi::load(PhiRun::new(&f.phi(), Mode::Quiet).context("features")?)?;
-        Ok(Online {
+        let mut o = Online {
             spec: p.clone(),
             base,
             cfg,
@@ -132,15 +135,31 @@ impl Online {
             prompt_ids,
             eval_prompts: bank.eval_prompts.clone(),
             eval_ids,
-            eval_base,
+            eval_base: Vec::new(),
             phi: Mutex::new(phi),
             oracle,
-        })
+        };
+        for (i, eo) in o.eval_opts.iter().enumerate() {
+            let samples = if o.policy.model.dtype() == candle_core::DType::F32 {
+                // the f32 generator's samples, through the generation cache
+                let gs = GenerateSpec { n: eo.n, seed: eo.seed, ..g.clone() };
+                generate_with(&o.policy, &gs, &bank.eval_prompts, progress, &mut BankReport::default())?
+            } else {
+                o.generate(o.base.clone(), &o.eval_prompts, eo)?
+            };
+            if samples.iter().any(|s| s.len() != eo.n) {
+                return Err(anyhow!("held-out samples of seed {i}: expected {} per prompt", eo.n));
+            }
+            o.eval_base.push(samples);
+        }
+        Ok(o)
     }
 
-    /// n samples of each prompt from the policy with `weights` (the adapters merged in), with
-    /// the sampling streams of the base policy's (so a policy that has not moved gives the
-    /// base policy's samples, and two policies are compared on common random numbers).
+    /// Samples of each prompt from the policy with `weights` (f32, the adapters merged in: see
+    /// `PolicyModel::merged_weights`), generated in f32 whatever generate.dtype says — a bf16
+    /// generator would round a small update away. The streams are the options' (a policy that
+    /// has not moved gives the base policy's samples, and two policies are compared on common
+    /// random numbers).
     pub fn generate(
         &self,
         weights: HashMap<String, Tensor>,
@@ -148,9 +167,15 @@ impl Online {
         opts: &SampleOptions,
     ) -> Result<Vec<Vec<Sample>>> {
         let dev = self.policy.model.device().clone();
-        let vb = candle_nn::VarBuilder::from_tensors(weights, self.policy.model.dtype(), &dev);
+        let vb = candle_nn::VarBuilder::from_tensors(weights, candle_core::DType::F32, &dev);
         let model = Model::load_with(vb, self.cfg.clone(), self.max_len, Some(self.tied))?;
         Ok(self.policy.generate_on(&model, prompts, opts, self.batch_prompts, &mut |_| {})?)
+    }
+
+    /// The base policy's training samples are the bank's only when the bank was generated in
+    /// f32 (the learning arms' generator); otherwise a learning arm generates its own.
+    pub fn bank_is_f32(&self) -> bool {
+        self.policy.model.dtype() == candle_core::DType::F32
     }
 
     /// The learner's φ of (prompt, response) conversations and the oracle's rewards.
