@@ -60,9 +60,8 @@ pub fn build(plan: &Plan, progress: Mode) -> Result<World, SpecError> {
             if let (Some(p), Some(gs), Some(f), Some(o)) = (&spec.policy, &spec.generate, &spec.features, &spec.oracle)
             {
                 // the held-out sampling streams of each seed index
-                let eval_seeds: Vec<u64> = (0..spec.seeds)
-                    .map(|i| env::seed_of(spec.master_seed, i as u32, env::Component::EvalSamples))
-                    .collect();
+                let eval_seeds: Vec<u64> =
+                    (0..spec.seeds).map(|i| env::seed_of(spec.master_seed, i, env::Component::EvalSamples)).collect();
                 let o = online::Online::load(gs, f, o, p, &g, &eval_seeds, progress)
                     .map_err(|e| keys.err(&["policy"], format!("{e:#}")))?;
                 online = Some(Arc::new(o));
