@@ -26,18 +26,58 @@ pub struct ConfigPlan {
     pub strategy: Option<Strategy>,
     /// Active: the selection rule of this config.
     pub rule: Option<ActiveRule>,
-    /// Deploy on generated responses: the deployed policy (best-of-n, fixed, or one that
-    /// learns: rloo, dpo).
-    pub policy: Option<DeployPolicy>,
-    /// The reward a learning arm's update reads (`policy.reward`; Learned for arms that read
-    /// none).
-    pub reward: Option<RewardSource>,
+    /// Deploy on generated responses: the deployed policy, resolved (best-of-n, fixed, or one
+    /// that learns with its update's config: rloo, dpo).
+    pub arm: Option<ArmPlan>,
     /// Index of the expanded estimator config (shared by the strategies of a deploy run).
     pub estimator_index: usize,
     /// Index of the strategy in `deploy.strategies` or of the rule in `active.rule` (else 0).
     pub strategy_index: usize,
     /// e.g. `sgd lr=0.1` or `omd-exact / ucb`.
     pub label: String,
+}
+
+/// A deployed policy resolved for its cells: which arm, and for a learning arm the reward it
+/// reads and its update (the mini-batch seed is the cell's: set by the cell).
+#[derive(Clone, Debug, PartialEq)]
+pub enum ArmPlan {
+    BestOfN,
+    Fixed,
+    Rloo { reward: RewardSource, update: ::policy::train::RlooConfig },
+    Dpo { update: ::policy::train::DpoConfig },
+}
+
+impl ArmPlan {
+    /// The arms of `p` under `spec`'s `[policy]`: rloo one per `policy.rloo.reward` source.
+    fn of(p: DeployPolicy, spec: &Spec) -> Vec<ArmPlan> {
+        let ps = spec.policy.clone().unwrap_or_default();
+        match p {
+            DeployPolicy::BestOfN => vec![ArmPlan::BestOfN],
+            DeployPolicy::Fixed => vec![ArmPlan::Fixed],
+            DeployPolicy::Rloo => {
+                ps.rloo.reward.0.iter().map(|&reward| ArmPlan::Rloo { reward, update: ps.rloo_update() }).collect()
+            }
+            DeployPolicy::Dpo => vec![ArmPlan::Dpo { update: ps.dpo_update() }],
+        }
+    }
+
+    pub fn kind(&self) -> DeployPolicy {
+        match self {
+            ArmPlan::BestOfN => DeployPolicy::BestOfN,
+            ArmPlan::Fixed => DeployPolicy::Fixed,
+            ArmPlan::Rloo { .. } => DeployPolicy::Rloo,
+            ArmPlan::Dpo { .. } => DeployPolicy::Dpo,
+        }
+    }
+
+    /// The reward the arm's update reads; `learned` for arms that read θ (best-of-n picks by
+    /// it, dpo learns from the pairs it picks) or nothing (fixed).
+    pub fn reward(&self) -> RewardSource {
+        match self {
+            ArmPlan::Rloo { reward, .. } => *reward,
+            ArmPlan::BestOfN | ArmPlan::Fixed | ArmPlan::Dpo { .. } => RewardSource::Learned,
+        }
+    }
 }
 
 impl ConfigPlan {
@@ -536,7 +576,7 @@ fn check_policy(spec: &mut Spec, keys: Locator<'_>) -> Result<(), SpecError> {
         ));
     }
     let p = spec.policy.get_or_insert_with(PolicySpec::default);
-    p.check().map_err(|(k, m)| keys.err(&["policy", k], m))?;
+    p.check().map_err(|(k, m)| keys.err(&[&["policy"], k.as_slice()].concat(), m))?;
     if let Some(g) = &spec.generate {
         // the update's log-probabilities are those of the untransformed policy: samples drawn
         // at another temperature or from a nucleus are not its samples
@@ -570,7 +610,7 @@ fn check_policy(spec: &mut Spec, keys: Locator<'_>) -> Result<(), SpecError> {
 
 /// A deploy strategy, an active rule, a deployed policy and the reward its update reads (each
 /// absent outside its setting).
-type Arm = (Option<Strategy>, Option<ActiveRule>, Option<(DeployPolicy, RewardSource)>);
+type Arm = (Option<Strategy>, Option<ActiveRule>, Option<ArmPlan>);
 
 /// The arms every estimator config runs under: deploy strategies × active rules (one `None`
 /// arm in the other settings).
@@ -594,27 +634,15 @@ fn arms(spec: &Spec, keys: Locator<'_>) -> Result<Vec<Arm>, SpecError> {
     } else {
         vec![None]
     };
-    let policies: Vec<Option<(DeployPolicy, RewardSource)>> =
-        if spec.setting == Setting::Deploy && spec.env.kind == EnvKind::Generated {
-            let sources = spec.policy.as_ref().map_or(vec![RewardSource::Learned], |p| p.reward.0.clone());
-            // only an arm that optimises a reward has a reward source; the others read θ (best-of-n)
-            // or the labels (dpo), and run once
-            spec.deploy
-                .policy
-                .0
-                .iter()
-                .flat_map(|&p| {
-                    let s = if p.optimises_reward() { sources.clone() } else { vec![RewardSource::Learned] };
-                    s.into_iter().map(move |s| Some((p, s)))
-                })
-                .collect()
-        } else {
-            vec![None]
-        };
+    let policies: Vec<Option<ArmPlan>> = if spec.setting == Setting::Deploy && spec.env.kind == EnvKind::Generated {
+        spec.deploy.policy.0.iter().flat_map(|&p| ArmPlan::of(p, spec)).map(Some).collect()
+    } else {
+        vec![None]
+    };
     let mut out = Vec::new();
     for s in &strategies {
         for r in &rules {
-            out.extend(policies.iter().map(|p| (*s, *r, *p)));
+            out.extend(policies.iter().map(|p| (*s, *r, p.clone())));
         }
     }
     Ok(out)
@@ -628,7 +656,7 @@ fn configs(spec: &Spec, keys: Locator<'_>, arms: &[Arm]) -> Result<Vec<ConfigPla
     }
     let several_rules = spec.setting == Setting::Active && spec.active.rule.0.len() > 1;
     let several_policies = spec.deploy.policy.0.len() > 1;
-    let several_sources = spec.policy.as_ref().is_some_and(|p| p.reward.0.len() > 1);
+    let several_sources = spec.policy.as_ref().is_some_and(|p| p.rloo.reward.0.len() > 1);
     let bounds = Bounds {
         theta_norm_feature_norm_dim: (spec.env.kind == EnvKind::Synthetic).then_some((
             spec.env.theta_norm,
@@ -665,13 +693,11 @@ fn configs(spec: &Spec, keys: Locator<'_>, arms: &[Arm]) -> Result<Vec<ConfigPla
                 if let (Some(r), true) = (rule, several_rules) {
                     label = format!("{label} / {r}");
                 }
-                if let (Some((p, _)), true) = (policy, several_policies || several_sources) {
-                    label = format!("{label} / {p}");
+                if let (Some(a), true) = (policy, several_policies || several_sources) {
+                    label = format!("{label} / {}", a.kind());
                 }
-                if let (Some((p, r)), true) = (policy, several_sources) {
-                    if p.optimises_reward() {
-                        label = format!("{label} ({r} reward)");
-                    }
+                if let (Some(a @ ArmPlan::Rloo { .. }), true) = (policy, several_sources) {
+                    label = format!("{label} ({} reward)", a.reward());
                 }
                 configs.push(ConfigPlan {
                     config_id: configs.len(),
@@ -682,8 +708,7 @@ fn configs(spec: &Spec, keys: Locator<'_>, arms: &[Arm]) -> Result<Vec<ConfigPla
                     swept: combo.swept.clone(),
                     strategy: *strategy,
                     rule: *rule,
-                    policy: policy.map(|p| p.0),
-                    reward: policy.map(|p| p.1),
+                    arm: policy.clone(),
                     estimator_index,
                     strategy_index,
                     label,

@@ -143,13 +143,13 @@ fn strategy(c: &ConfigPlan) -> Option<String> {
 
 /// deploy with a learning policy in the run: the cell's deployed policy.
 fn policy_arm(c: &ConfigPlan) -> String {
-    c.policy.map(|p| p.to_string()).unwrap_or_default()
+    c.arm.as_ref().map(|a| a.kind().to_string()).unwrap_or_default()
 }
 
 /// deploy with a learning policy in the run: the reward the cell's policy update reads
 /// (policy.reward; "learned" for arms that read θ or the labels).
 fn reward_source(c: &ConfigPlan) -> String {
-    c.reward.map(|r| r.to_string()).unwrap_or_default()
+    c.arm.as_ref().map(|a| a.reward().to_string()).unwrap_or_default()
 }
 
 /// The key columns of a per-cell table: cell_id, config_id, estimator, label, strategy, seed.

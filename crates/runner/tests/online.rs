@@ -190,7 +190,8 @@ fn arms_of(dir: &Path, cell: &str) -> String {
 fn each_reward_source_drives_its_update_with_its_own_reward() {
     let tmp = setup(0.05);
     let p = tmp.path();
-    let text = spec(0.05).replace("save_adapter", "reward = [\"learned\", \"oracle\", \"null\"]\nsave_adapter");
+    let text = spec(0.05)
+        .replace("[[estimator]]", "[policy.rloo]\nreward = [\"learned\", \"oracle\", \"null\"]\n[[estimator]]");
     std::fs::write(p.join("run.toml"), text).unwrap();
     let dir = run(p, "a", "2");
     let cells = table(&dir.join("cells.parquet"));

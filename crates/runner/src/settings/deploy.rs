@@ -2,13 +2,14 @@
 //! arms, a strategy picks the pair to label, the learner updates — per round on the synthetic
 //! bandit, per chunk of prompts on generated responses (the authors' form).
 
+use super::arms::Labelled;
 use super::choose;
 use super::learner::Learner;
-use super::online::{Labelled, PolicyCell};
+use super::online::PolicyCell;
 use super::state::{drive, CellCtx, Progress};
 use crate::plan::{parametrize, theory_beta, ConfigPlan};
 use crate::rows::{CellResult, PolicyTiming, RoundRow};
-use crate::spec::{DeployPolicy, Order, Spec};
+use crate::spec::{Order, Spec};
 use crate::world::env::{argmax, Env};
 use crate::world::generated::Generated;
 use crate::world::online::Online;
@@ -103,9 +104,8 @@ pub(super) fn deploy_chunked(
     let mut pr = resumed.unwrap_or(fresh);
     let mut pc = match online {
         Some(o) => {
-            let arm = config.policy.ok_or_else(|| anyhow!("deploy cell without a policy arm"))?;
-            let reward = config.reward.ok_or_else(|| anyhow!("deploy cell without a reward source"))?;
-            Some(PolicyCell::new(o, arm, reward, spec, seed, pr.policy_state.as_ref())?)
+            let arm = config.arm.as_ref().ok_or_else(|| anyhow!("deploy cell without a policy arm"))?;
+            Some(PolicyCell::new(o, arm, spec, seed, pr.policy_state.as_ref())?)
         }
         None => None,
     };
@@ -158,13 +158,14 @@ pub(super) fn deploy_chunked(
             *reward_sum += 0.5 * (ra + rb);
             pair_sum += ra + rb;
             // what the arm deploys: best-of-n its pick under θ; a fixed or learning policy its
-            // samples (their mean oracle reward; policy_pick 0 in rounds.parquet)
-            let (pick, deployed) = match config.policy {
-                Some(DeployPolicy::BestOfN) | None => {
+            // samples (their mean oracle reward; policy_pick 0 in rounds.parquet). Without a
+            // policy arm in the run (no learning arm), best-of-n.
+            let (pick, deployed) = match &pc {
+                Some(pc) => pc.deploy(&truth, &est),
+                None => {
                     let a = argmax(est.iter().copied());
                     (a, truth[a])
                 }
-                Some(_) => (0, truth.iter().sum::<f64>() / truth.len() as f64),
             };
             pol_sum += deployed;
             let tau = kendall_tau_b(&est, &truth);

@@ -4,6 +4,7 @@
 //! and returns its rows (crate::rows) and θ.
 
 mod active;
+mod arms;
 mod deploy;
 mod learner;
 mod online;

@@ -11,8 +11,10 @@
 //! fixed) are evaluated on the base policy's samples of those streams, so every arm of a seed
 //! is measured on the same prompts and streams.
 
+use super::arms::{self, Arm, Chunk, Labelled, Update};
+use crate::plan::ArmPlan;
 use crate::rows::{AdapterFiles, PolicyRow, PolicyTiming, UpdateRow};
-use crate::spec::{DeployPolicy, RewardSource, SaveAdapter, Spec};
+use crate::spec::{SaveAdapter, Spec};
 use crate::world::env::{argmax, dot, seed_of, Component, Context, Env};
 use crate::world::generated::{conversation, Generated};
 use crate::world::online::Online;
@@ -20,7 +22,7 @@ use anyhow::{anyhow, Result};
 use candle_core::{DType, Tensor};
 use features::generate::Sample;
 use policy::adam::{Adam, AdamState};
-use policy::train::{dpo_update, rloo_update, score, Preference, Rollout, UpdateStats};
+use policy::train::{score, Rollout};
 use policy::PolicyModel;
 use serde::{Deserialize, Serialize};
 use std::time::Instant;
@@ -35,37 +37,16 @@ pub struct PolicyState {
     pub moved: bool,
 }
 
-/// One cell's deployed policy.
+/// One cell's deployed policy: its arm ([`Arm`]: what it deploys, how it learns) and, for a
+/// learning arm, its adapters and Adam's state.
 pub(super) struct PolicyCell<'a> {
     pub(super) online: &'a Online,
-    pub(super) arm: DeployPolicy,
-    reward: RewardSource,
+    arm: Box<dyn Arm>,
     learner: Option<(PolicyModel, Adam)>,
     moved: bool,
     base_model: String,
-    /// The seed index (its held-out streams) and the seed of the adapters and mini-batch order.
+    /// The seed index: its held-out streams.
     seed: usize,
-    policy_seed: u64,
-    /// The null reward's direction (unit norm), drawn per seed.
-    null_seed: u64,
-}
-
-/// A labelled pair of a chunk: the prompt's index in the chunk, the two samples, y (1: the
-/// first preferred), and whether the oracle's rewards tie under argmax labels (a coin flip,
-/// not a preference).
-pub(super) struct Labelled {
-    pub(super) at: usize,
-    pub(super) first: usize,
-    pub(super) second: usize,
-    pub(super) label: f32,
-    pub(super) tie: bool,
-}
-
-/// What a chunk's update reports beside the optimiser's statistics.
-pub(super) struct Update {
-    pub(super) stats: UpdateStats,
-    pub(super) pairs: u64,
-    pub(super) dropped: u64,
 }
 
 impl<'a> PolicyCell<'a> {
@@ -73,8 +54,7 @@ impl<'a> PolicyCell<'a> {
     /// checkpointed ones.
     pub(super) fn new(
         online: &'a Online,
-        arm: DeployPolicy,
-        reward: RewardSource,
+        plan: &ArmPlan,
         spec: &Spec,
         seed: u32,
         state: Option<&PolicyState>,
@@ -83,21 +63,11 @@ impl<'a> PolicyCell<'a> {
         if seed as usize >= online.eval_opts.len() {
             return Err(anyhow!("seed index {seed}: the run prepared held-out streams for {}", online.eval_opts.len()));
         }
-        let policy_seed = seed_of(spec.master_seed, seed, Component::Policy);
-        let null_seed = seed_of(spec.master_seed, seed, Component::NullReward);
-        let mut cell = PolicyCell {
-            online,
-            arm,
-            reward,
-            learner: None,
-            moved: false,
-            base_model,
-            seed: seed as usize,
-            policy_seed,
-            null_seed,
-        };
-        if arm.learns() {
-            let lora = online.spec.lora(policy_seed);
+        let arm = arms::build(plan, spec.master_seed, seed);
+        let learns = arm.learns();
+        let mut cell = PolicyCell { online, arm, learner: None, moved: false, base_model, seed: seed as usize };
+        if learns {
+            let lora = online.spec.lora(seed_of(spec.master_seed, seed, Component::Policy));
             let m = PolicyModel::new(online.base.clone(), online.cfg.clone(), &lora, online.max_len, DType::F32)?;
             let mut adam = m.adam(online.spec.adam())?;
             if let Some(st) = state {
@@ -201,33 +171,13 @@ impl<'a> PolicyCell<'a> {
         Ok((contexts, samples))
     }
 
-    /// The reward the update reads for sample j of a context: φᵀθ (learned), the oracle's,
-    /// or φᵀθ̃ with θ̃ = ‖θ‖·u, u a unit direction drawn per seed (null).
-    fn reward_of(&self, c: &Context, j: usize, theta: &[f64], null: &[f64], d: usize) -> Result<f64> {
-        let phi = &c.phi[j * d..(j + 1) * d];
-        Ok(match self.reward {
-            RewardSource::Learned => dot(phi, theta),
-            RewardSource::Null => dot(phi, null),
-            RewardSource::Oracle => c
-                .reward
-                .as_ref()
-                .and_then(|r| r.get(j).copied())
-                .ok_or_else(|| anyhow!("no oracle reward to learn from"))?,
-        })
+    /// What the arm deploys among one prompt's samples: (pick, its oracle reward).
+    pub(super) fn deploy(&self, truth: &[f64], est: &[f64]) -> (usize, f64) {
+        self.arm.deploy(truth, est)
     }
 
-    /// θ̃ of the null reward: a unit direction from the seed's stream, scaled to ‖θ‖.
-    fn null_theta(&self, theta: &[f64]) -> Vec<f64> {
-        use rand::SeedableRng;
-        use rand_distr::{Distribution, StandardNormal};
-        let mut rng = rand_chacha::ChaCha20Rng::seed_from_u64(self.null_seed);
-        let u: Vec<f64> = theta.iter().map(|_| StandardNormal.sample(&mut rng)).collect();
-        let (nu, nt) = (u.iter().map(|x| x * x).sum::<f64>().sqrt(), theta.iter().map(|x| x * x).sum::<f64>().sqrt());
-        u.iter().map(|x| x / nu * nt).collect()
-    }
-
-    /// The policy step after θ's update on the chunk: RLOO on the rewards of every sample, or
-    /// DPO on the labelled pairs that carry a preference. None when the policy does not learn.
+    /// The policy step after θ's update on the chunk (the arm's [`Arm::update`]). None when
+    /// the policy does not learn.
     pub(super) fn update(
         &mut self,
         xs: &[usize],
@@ -237,50 +187,9 @@ impl<'a> PolicyCell<'a> {
         theta: &[f64],
         d: usize,
     ) -> Result<Option<Update>> {
-        if self.learner.is_none() {
-            return Ok(None);
-        }
-        let null = if self.reward == RewardSource::Null { self.null_theta(theta) } else { Vec::new() };
-        let ids = &self.online.prompt_ids;
-        let (policy_seed, arm) = (self.policy_seed, self.arm);
-        let up = match arm {
-            DeployPolicy::Rloo => {
-                let k = samples.first().map_or(0, Vec::len);
-                let mut rollouts = Vec::new();
-                let mut rewards = Vec::new();
-                for ((&x, ss), c) in xs.iter().zip(samples).zip(contexts) {
-                    for (j, s) in ss.iter().enumerate() {
-                        rollouts.push(Rollout { prompt: &ids[x], response: &s.ids });
-                        rewards.push(self.reward_of(c, j, theta, &null, d)?);
-                    }
-                }
-                let (m, adam) = self.learner.as_mut().expect("checked");
-                let stats = rloo_update(m, adam, &rollouts, &rewards, k, &self.online.spec.rloo(policy_seed))?;
-                Update { stats, pairs: 0, dropped: 0 }
-            }
-            DeployPolicy::Dpo => {
-                let mut prefs: Vec<Preference> = Vec::new();
-                let mut dropped = 0;
-                for p in pairs {
-                    let ss = &samples[p.at];
-                    // an argmax tie is a coin flip and two identical responses carry no preference
-                    if p.tie || ss[p.first].ids == ss[p.second].ids {
-                        dropped += 1;
-                        continue;
-                    }
-                    let (w, l) = if p.label >= 0.5 { (p.first, p.second) } else { (p.second, p.first) };
-                    prefs.push(Preference { prompt: &ids[xs[p.at]], chosen: &ss[w].ids, rejected: &ss[l].ids });
-                }
-                let (m, adam) = self.learner.as_mut().expect("checked");
-                let stats = if prefs.is_empty() {
-                    UpdateStats::default()
-                } else {
-                    dpo_update(m, adam, &prefs, &self.online.spec.dpo(policy_seed))?
-                };
-                Update { stats, pairs: prefs.len() as u64, dropped }
-            }
-            DeployPolicy::BestOfN | DeployPolicy::Fixed => return Ok(None),
-        };
+        let Some((m, adam)) = &mut self.learner else { return Ok(None) };
+        let prompts = xs.iter().map(|&x| self.online.prompt_ids[x].as_slice()).collect();
+        let up = self.arm.update(m, adam, &Chunk { prompts, samples, contexts, pairs, theta, d })?;
         self.moved |= up.stats.steps > 0;
         Ok(Some(up))
     }
@@ -331,7 +240,8 @@ impl<'a> PolicyCell<'a> {
         let refs: Vec<&[features::Message]> = o.eval_prompts.iter().map(|p| p.as_slice()).collect();
         let contexts = self.contexts(&refs, &samples)?;
         let n = o.opts.n;
-        let (mut oracle, mut learned, mut bon, mut count, mut groups) = (0.0, 0.0, 0.0, 0usize, 0usize);
+        let (mut oracle, mut learned, mut bon, mut deployed) = (0.0, 0.0, 0.0, 0.0);
+        let (mut count, mut groups) = (0usize, 0usize);
         for c in &contexts {
             let truth = c.reward.as_ref().expect("scored");
             let est: Vec<f64> = c.phi.chunks_exact(d).map(|p| dot(p, theta)).collect();
@@ -342,6 +252,7 @@ impl<'a> PolicyCell<'a> {
             }
             for (t, e) in truth.chunks_exact(n).zip(est.chunks_exact(n)) {
                 bon += t[argmax(e.iter().copied())];
+                deployed += self.arm.deploy(t, e).1;
                 groups += 1;
             }
             count += truth.len();
@@ -350,10 +261,7 @@ impl<'a> PolicyCell<'a> {
         let (sample_reward, bon_reward) = (oracle / count as f64, bon / groups as f64);
         let mut row = PolicyRow {
             chunk,
-            policy_reward: match self.arm {
-                DeployPolicy::BestOfN => bon_reward,
-                DeployPolicy::Fixed | DeployPolicy::Rloo | DeployPolicy::Dpo => sample_reward,
-            },
+            policy_reward: deployed / groups as f64,
             sample_reward,
             bon_reward,
             learned_reward: learned / count as f64,

@@ -831,12 +831,10 @@ pub enum DeployPolicy {
 impl DeployPolicy {
     /// The policy's weights change between chunks (its responses are generated anew).
     pub fn learns(&self) -> bool {
-        matches!(self, DeployPolicy::Rloo | DeployPolicy::Dpo)
-    }
-
-    /// The update optimises a reward of each sample (so `policy.reward` chooses which).
-    pub fn optimises_reward(&self) -> bool {
-        matches!(self, DeployPolicy::Rloo)
+        match self {
+            DeployPolicy::Rloo | DeployPolicy::Dpo => true,
+            DeployPolicy::BestOfN | DeployPolicy::Fixed => false,
+        }
     }
 }
 

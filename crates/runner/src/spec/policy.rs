@@ -79,29 +79,9 @@ pub struct PolicySpec {
     pub epochs: usize,
     #[serde(default = "d_minibatch")]
     pub minibatch: usize,
-    /// rloo: which reward drives the update (a sweep: one cell per source), how it is
-    /// normalised before the KL penalty (`reward_norm`, `reward_clip`), β of the KL penalty, its
-    /// estimator and where it enters (`kl_penalty`: per sequence as TRL's RLOO, or per token as
-    /// OpenRLHF), the PPO clip ε of the ratio (0: none), advantages divided by their sd.
-    #[serde(default = "d_reward")]
-    pub reward: Sweep<RewardSource>,
-    #[serde(default = "d_reward_norm")]
-    pub reward_norm: RewardNormKind,
-    #[serde(default = "d_reward_clip")]
-    pub reward_clip: f64,
-    #[serde(default = "d_kl_coef")]
-    pub kl_coef: f64,
+    /// The KL estimator of the evaluation's KL to the reference (and of rloo's penalty).
     #[serde(default = "d_kl")]
     pub kl_estimator: KlEstimator,
-    #[serde(default = "d_kl_penalty")]
-    pub kl_penalty: KlPenalty,
-    #[serde(default = "d_clip")]
-    pub clip: f64,
-    #[serde(default = "d_true")]
-    pub normalize_advantages: bool,
-    /// dpo: β.
-    #[serde(default = "d_dpo_beta")]
-    pub dpo_beta: f64,
     /// Held-out prompts (the ones after the training prompts in generate.prompts), the
     /// policy's samples per held-out prompt (a multiple of generate.n, so best-of-n is read off
     /// groups of n; default n), and how often (in chunks) they are evaluated.
@@ -113,6 +93,55 @@ pub struct PolicySpec {
     pub eval_every_chunks: usize,
     #[serde(default = "d_save")]
     pub save_adapter: SaveAdapter,
+    /// `[policy.rloo]`: the rloo arm's own keys.
+    #[serde(default)]
+    pub rloo: RlooSpec,
+    /// `[policy.dpo]`: the dpo arm's own keys.
+    #[serde(default)]
+    pub dpo: DpoSpec,
+}
+
+/// `[policy.rloo]`: which reward drives the update (a sweep: one cell per source), how it is
+/// normalised before the KL penalty (`reward_norm`, `reward_clip`), β of the KL penalty and
+/// where it enters (`kl_penalty`: per sequence as TRL's RLOO, or per token as OpenRLHF), the PPO
+/// clip ε of the ratio (0: none), advantages divided by their sd.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct RlooSpec {
+    #[serde(default = "d_reward")]
+    pub reward: Sweep<RewardSource>,
+    #[serde(default = "d_reward_norm")]
+    pub reward_norm: RewardNormKind,
+    #[serde(default = "d_reward_clip")]
+    pub reward_clip: f64,
+    #[serde(default = "d_kl_coef")]
+    pub kl_coef: f64,
+    #[serde(default = "d_kl_penalty")]
+    pub kl_penalty: KlPenalty,
+    #[serde(default = "d_clip")]
+    pub clip: f64,
+    #[serde(default = "d_true")]
+    pub normalize_advantages: bool,
+}
+
+impl Default for RlooSpec {
+    fn default() -> Self {
+        toml::from_str("").expect("defaults")
+    }
+}
+
+/// `[policy.dpo]`: β of the DPO loss.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct DpoSpec {
+    #[serde(default = "d_dpo_beta")]
+    pub beta: f64,
+}
+
+impl Default for DpoSpec {
+    fn default() -> Self {
+        toml::from_str("").expect("defaults")
+    }
 }
 
 /// PEFT's `target_modules`: names, or "all-linear".
@@ -144,6 +173,22 @@ impl Targets {
     }
 }
 
+fn positive(v: f64) -> Result<(), String> {
+    if v.is_finite() && v > 0.0 {
+        Ok(())
+    } else {
+        Err(format!("{v}: expected a finite number > 0"))
+    }
+}
+
+fn nonnegative(v: f64) -> Result<(), String> {
+    if v.is_finite() && v >= 0.0 {
+        Ok(())
+    } else {
+        Err(format!("{v}: expected a finite number ≥ 0"))
+    }
+}
+
 impl Default for PolicySpec {
     fn default() -> Self {
         toml::from_str("").expect("defaults")
@@ -151,22 +196,27 @@ impl Default for PolicySpec {
 }
 
 impl PolicySpec {
-    /// Checks that need no file: (key, message).
-    pub fn check(&self) -> Result<(), (&'static str, String)> {
-        let pos = |k: &'static str, v: f64| {
-            if v.is_finite() && v > 0.0 {
-                Ok(())
-            } else {
-                Err((k, format!("{v}: expected a finite number > 0")))
-            }
-        };
-        let nonneg = |k: &'static str, v: f64| {
-            if v.is_finite() && v >= 0.0 {
-                Ok(())
-            } else {
-                Err((k, format!("{v}: expected a finite number ≥ 0")))
-            }
-        };
+    /// Checks that need no file: (key path under `[policy]`, message).
+    pub fn check(&self) -> Result<(), (Vec<&'static str>, String)> {
+        self.check_shared().map_err(|(k, m)| (vec![k], m))?;
+        let r = &self.rloo;
+        let at = |k: &'static str| move |m: String| (vec!["rloo", k], m);
+        if r.reward.0.is_empty() {
+            return Err(at("reward")("an empty list: expected at least one of learned, oracle, null".into()));
+        }
+        if let Some(i) = (1..r.reward.0.len()).find(|&i| r.reward.0[..i].contains(&r.reward.0[i])) {
+            return Err(at("reward")(format!("`{}` is listed twice (entry {i})", r.reward.0[i])));
+        }
+        positive(r.reward_clip).map_err(at("reward_clip"))?;
+        nonnegative(r.kl_coef).map_err(at("kl_coef"))?;
+        nonnegative(r.clip).map_err(at("clip"))?;
+        positive(self.dpo.beta).map_err(|m| (vec!["dpo", "beta"], m))?;
+        Ok(())
+    }
+
+    fn check_shared(&self) -> Result<(), (&'static str, String)> {
+        let pos = |k: &'static str, v: f64| positive(v).map_err(|m| (k, m));
+        let nonneg = |k: &'static str, v: f64| nonnegative(v).map_err(|m| (k, m));
         let one = |k: &'static str, v: usize| if v >= 1 { Ok(()) } else { Err((k, "expected at least 1".to_string())) };
         one("rank", self.rank)?;
         pos("alpha", self.alpha)?;
@@ -178,16 +228,6 @@ impl PolicySpec {
         pos("max_grad_norm", self.max_grad_norm)?;
         one("epochs", self.epochs)?;
         one("minibatch", self.minibatch)?;
-        if self.reward.0.is_empty() {
-            return Err(("reward", "an empty list: expected at least one of learned, oracle, null".into()));
-        }
-        if let Some(i) = (1..self.reward.0.len()).find(|&i| self.reward.0[..i].contains(&self.reward.0[i])) {
-            return Err(("reward", format!("`{}` is listed twice (entry {i})", self.reward.0[i])));
-        }
-        pos("reward_clip", self.reward_clip)?;
-        nonneg("kl_coef", self.kl_coef)?;
-        nonneg("clip", self.clip)?;
-        pos("dpo_beta", self.dpo_beta)?;
         one("eval_prompts", self.eval_prompts)?;
         if self.eval_samples == Some(0) {
             return Err(("eval_samples", "expected at least 1".into()));
@@ -196,27 +236,28 @@ impl PolicySpec {
         Ok(())
     }
 
-    /// rloo's update; `seed` orders its mini-batches.
-    pub fn rloo(&self, seed: u64) -> policy::train::RlooConfig {
+    /// rloo's update (its mini-batch seed 0: each cell sets its own).
+    pub fn rloo_update(&self) -> policy::train::RlooConfig {
+        let r = &self.rloo;
         policy::train::RlooConfig {
-            kl_coef: self.kl_coef,
+            kl_coef: r.kl_coef,
             kl: self.kl_estimator,
-            kl_penalty: self.kl_penalty,
-            reward_norm: match self.reward_norm {
-                RewardNormKind::Chunk => policy::train::RewardNorm::Chunk { clip: self.reward_clip },
+            kl_penalty: r.kl_penalty,
+            reward_norm: match r.reward_norm {
+                RewardNormKind::Chunk => policy::train::RewardNorm::Chunk { clip: r.reward_clip },
                 RewardNormKind::None => policy::train::RewardNorm::None,
             },
-            clip: (self.clip > 0.0).then_some(self.clip),
+            clip: (r.clip > 0.0).then_some(r.clip),
             epochs: self.epochs,
             minibatch: self.minibatch,
-            normalize_advantages: self.normalize_advantages,
-            seed,
+            normalize_advantages: r.normalize_advantages,
+            seed: 0,
         }
     }
 
-    /// dpo's update; `seed` orders its mini-batches.
-    pub fn dpo(&self, seed: u64) -> policy::train::DpoConfig {
-        policy::train::DpoConfig { beta: self.dpo_beta, epochs: self.epochs, minibatch: self.minibatch, seed }
+    /// dpo's update (its mini-batch seed 0: each cell sets its own).
+    pub fn dpo_update(&self) -> policy::train::DpoConfig {
+        policy::train::DpoConfig { beta: self.dpo.beta, epochs: self.epochs, minibatch: self.minibatch, seed: 0 }
     }
 
     /// Held-out samples per prompt: `eval_samples`, or generate.n.
