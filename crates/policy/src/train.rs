@@ -152,6 +152,25 @@ pub fn score(
         .collect())
 }
 
+/// (Σ_t log π, tokens) per sequence under the adapted (`adapters`) or the reference model, one
+/// forward pass per mini-batch, no gradients: the policy's log-probabilities when it is known to
+/// equal its reference (adapters at their start, B = 0), where [`score`]'s second pass would
+/// only repeat the first.
+pub fn logprob_sums(
+    m: &PolicyModel,
+    seqs: &[Rollout<'_>],
+    minibatch: usize,
+    adapters: bool,
+) -> Result<Vec<(f64, usize)>> {
+    let mut out = Vec::with_capacity(seqs.len());
+    for part in seqs.chunks(minibatch.max(1)) {
+        let b = batch(m, part)?;
+        let lp = m.logprobs_at(&b, adapters)?;
+        out.extend(b.seq_sums(&lp)?.into_iter().zip(b.lens.iter().copied()));
+    }
+    Ok(out)
+}
+
 /// One sequence's per-token log π and KL estimator against the reference.
 #[derive(Clone, Debug, PartialEq)]
 pub struct TokenScores {

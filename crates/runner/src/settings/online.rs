@@ -22,7 +22,7 @@ use anyhow::{anyhow, Result};
 use candle_core::{DType, Tensor};
 use features::generate::Sample;
 use policy::adam::{Adam, AdamState};
-use policy::train::{score, Rollout};
+use policy::train::{logprob_sums, score, Rollout};
 use policy::PolicyModel;
 use serde::{Deserialize, Serialize};
 use std::time::Instant;
@@ -277,10 +277,17 @@ impl<'a> PolicyCell<'a> {
                 .zip(&o.eval_ids)
                 .flat_map(|(ss, p)| ss.iter().map(move |s| Rollout { prompt: p, response: &s.ids }))
                 .collect();
-            let sc = score(m, &rollouts, o.spec.kl_estimator, o.spec.minibatch)?;
-            row.kl = sc.iter().map(|s| s.1).sum::<f64>() / sc.len() as f64;
-            let tokens: usize = sc.iter().map(|s| s.2).sum();
-            row.entropy = Some(-sc.iter().map(|s| s.0).sum::<f64>() / tokens as f64);
+            let (lp, kl, tokens) = if self.moved {
+                let sc = score(m, &rollouts, o.spec.kl_estimator, o.spec.minibatch)?;
+                let kl = sc.iter().map(|s| s.1).sum::<f64>() / sc.len() as f64;
+                (sc.iter().map(|s| s.0).sum::<f64>(), kl, sc.iter().map(|s| s.2).sum::<usize>())
+            } else {
+                // unmoved (B = 0): the policy is its reference, KL exactly 0, one pass suffices
+                let sc = logprob_sums(m, &rollouts, o.spec.minibatch, false)?;
+                (sc.iter().map(|s| s.0).sum::<f64>(), 0.0, sc.iter().map(|s| s.1).sum::<usize>())
+            };
+            row.kl = kl;
+            row.entropy = Some(-lp / tokens as f64);
         }
         Ok(row)
     }
