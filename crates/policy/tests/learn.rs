@@ -437,3 +437,27 @@ fn the_generating_weights_carry_a_tiny_update_and_a_bf16_merge_does_not() {
     assert!(err16 > 1.0, "negative control: a bf16 merge should lose the update (error {err16})");
     assert!(c16 < 0.01, "negative control: the bf16 merge kept {c16} of the update's changes");
 }
+
+/// `logprob_sums` of the reference equals `score`'s Σ log π while the adapters are at their
+/// start (B = 0: the policy is its reference, KL 0), and no longer once they moved (negative
+/// control: the adapted sums differ from the reference's).
+#[test]
+fn one_pass_sums_equal_score_for_an_unmoved_policy() {
+    use policy::train::{logprob_sums, score, KlEstimator, KlPenalty, RewardNorm, Rollout};
+    let (p, r) = rollouts6();
+    let rollouts: Vec<Rollout> = (0..6).map(|i| Rollout { prompt: &p[i / 3], response: &r[i] }).collect();
+    let m = tiny(6);
+    let full = score(&m, &rollouts, KlEstimator::K1, 4).unwrap();
+    let one = logprob_sums(&m, &rollouts, 4, false).unwrap();
+    for (f, o) in full.iter().zip(&one) {
+        assert_eq!((f.0, f.2), *o);
+        assert_eq!(f.1, 0.0);
+    }
+    let mut opt = m.adam(AdamConfig { lr: 0.02, clip: Some(1.0), ..Default::default() }).unwrap();
+    let cfg = rloo_cfg(RewardNorm::Chunk { clip: 10.0 }, KlPenalty::Sequence);
+    policy::train::rloo_update(&m, &mut opt, &rollouts, &[1.0, -1.0, 0.0, 0.5, 2.0, -2.0], 3, &cfg).unwrap();
+    let moved = logprob_sums(&m, &rollouts, 4, true).unwrap();
+    let reference = logprob_sums(&m, &rollouts, 4, false).unwrap();
+    assert_eq!(reference, one, "the reference does not move");
+    assert!(moved.iter().zip(&reference).any(|(a, b)| a.0 != b.0), "the adapted sums should differ after an update");
+}
