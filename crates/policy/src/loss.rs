@@ -52,14 +52,26 @@ pub fn rloo_advantages(rewards: &[f64], k: usize) -> Vec<f64> {
 /// ρ = exp(seq_lp − seq_lp_old) (no clipping when `clip` is None). `seq_lp` (b,) carries the
 /// gradient; `seq_lp_old` and `adv` are constants.
 pub fn rloo_loss(seq_lp: &Tensor, seq_lp_old: &Tensor, adv: &Tensor, clip: Option<f64>) -> Result<Tensor> {
-    let ratio = (seq_lp - seq_lp_old.detach())?.exp()?;
+    clipped_pg(seq_lp, seq_lp_old, adv, clip)?.mean_all()
+}
+
+/// The token-level PPO loss: Σ_t w_t·max(−A_t ρ_t, −A_t clip(ρ_t, 1 − ε, 1 + ε)) with
+/// ρ_t = exp(log π_t − log π_old,t); `w` the tokens' weights (1/(len · b): a mean per sequence,
+/// then over sequences). `lp` (P,) carries the gradient.
+pub fn token_pg_loss(lp: &Tensor, old: &Tensor, adv: &Tensor, w: &Tensor, clip: Option<f64>) -> Result<Tensor> {
+    (clipped_pg(lp, old, adv, clip)? * w.detach())?.sum_all()
+}
+
+/// PPO's clipped surrogate per element: max(−A·ρ, −A·clip(ρ, 1 − ε, 1 + ε)), ρ = exp(lp − old);
+/// `old` and `adv` are constants.
+fn clipped_pg(lp: &Tensor, old: &Tensor, adv: &Tensor, clip: Option<f64>) -> Result<Tensor> {
+    let ratio = (lp - old.detach())?.exp()?;
     let adv = adv.detach();
     let pg = (ratio.neg()? * &adv)?;
-    let pg = match clip {
-        Some(eps) => pg.maximum(&(ratio.clamp(1.0 - eps, 1.0 + eps)?.neg()? * &adv)?)?,
-        None => pg,
-    };
-    pg.mean_all()
+    match clip {
+        Some(eps) => pg.maximum(&(ratio.clamp(1.0 - eps, 1.0 + eps)?.neg()? * &adv)?),
+        None => Ok(pg),
+    }
 }
 
 /// DPO (Rafailov et al. 2023): mean of −log σ(β[(log π(y_w) − log π_ref(y_w)) −

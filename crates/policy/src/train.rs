@@ -8,7 +8,7 @@
 
 use crate::adam::Adam;
 use crate::batch::SeqBatch;
-use crate::loss::{dpo_loss, rloo_advantages, rloo_loss};
+use crate::loss::{dpo_loss, rloo_advantages, rloo_loss, token_pg_loss};
 use crate::model::PolicyModel;
 use candle_core::{Result, Tensor};
 use serde::{Deserialize, Serialize};
@@ -312,11 +312,13 @@ pub fn rloo_update(
             };
             st.loss += loss.to_dtype(candle_core::DType::F64)?.to_scalar::<f64>()?;
             let grads = loss.backward()?;
-            let norm = grad_norm(&vars, &grads)?;
             // the update's first step has ratio 1 (nothing clipped, no earlier step): a zero
             // gradient there with non-zero advantages means the graph does not reach the adapters
             // (later steps may be clipped to an exact 0 legitimately)
-            if st.steps == 0 && norm == 0.0 && idx.iter().any(|&i| adv[i].iter().any(|&a| a != 0.0)) {
+            if st.steps == 0
+                && idx.iter().any(|&i| adv[i].iter().any(|&a| a != 0.0))
+                && grad_norm(&vars, &grads)? == 0.0
+            {
                 candle_core::bail!(
                     "rloo: the policy gradient is exactly 0 while the advantages are not: no gradient reaches the adapters"
                 );
@@ -331,20 +333,6 @@ pub fn rloo_update(
         st.grad_norm /= st.steps as f64;
     }
     Ok(st)
-}
-
-/// The token-level PPO loss: Σ_t w_t·max(−A_t ρ_t, −A_t clip(ρ_t, 1 − ε, 1 + ε)) with
-/// ρ_t = exp(log π_t − log π_old,t); `w` the tokens' weights (1/(len · b): a mean per sequence,
-/// then over sequences). `lp` (P,) carries the gradient.
-pub fn token_pg_loss(lp: &Tensor, old: &Tensor, adv: &Tensor, w: &Tensor, clip: Option<f64>) -> Result<Tensor> {
-    let ratio = (lp - old.detach())?.exp()?;
-    let adv = adv.detach();
-    let pg = (ratio.neg()? * &adv)?;
-    let pg = match clip {
-        Some(eps) => pg.maximum(&(ratio.clamp(1.0 - eps, 1.0 + eps)?.neg()? * &adv)?)?,
-        None => pg,
-    };
-    (pg * w.detach())?.sum_all()
 }
 
 /// A labelled pair: the prompt, the preferred and the other response.
@@ -396,7 +384,7 @@ pub fn dpo_update(m: &PolicyModel, opt: &mut Adam, pairs: &[Preference<'_>], cfg
             let loss = dpo_loss(&w, &l, &Tensor::from_vec(rw, c, dev)?, &Tensor::from_vec(rl, c, dev)?, cfg.beta)?;
             st.loss += loss.to_dtype(candle_core::DType::F64)?.to_scalar::<f64>()?;
             let grads = loss.backward()?;
-            if st.steps == 0 && grad_norm(&vars, &grads)? == 0.0 && part.iter().any(|p| p.chosen != p.rejected) {
+            if st.steps == 0 && part.iter().any(|p| p.chosen != p.rejected) && grad_norm(&vars, &grads)? == 0.0 {
                 candle_core::bail!(
                     "dpo: the gradient is exactly 0 on pairs of distinct responses: no gradient reaches the adapters"
                 );

@@ -78,6 +78,33 @@ fn rloo_loss_is_the_clipped_policy_gradient() {
     }
 }
 
+/// The token-level loss: Σ_t w_t·max(−A_t ρ_t, −A_t clip(ρ_t)), by hand; its gradient on fresh
+/// tokens is −w_t·A_t.
+#[test]
+fn token_pg_loss_is_the_weighted_clipped_policy_gradient() {
+    let (lp, old, adv, w) =
+        ([-2.0, -1.0, -3.0, -0.5], [-2.5, -1.0, -2.0, -0.1], [1.5, -0.5, 2.0, -1.0], [0.25, 0.25, 0.1, 0.4]);
+    for clip in [None, Some(0.2)] {
+        let got = s(&token_pg_loss(&t(&lp), &t(&old), &t(&adv), &t(&w), clip).unwrap());
+        let mut want = 0.0;
+        for i in 0..4 {
+            let rho = (lp[i] - old[i]).exp();
+            let mut v = -adv[i] * rho;
+            if let Some(e) = clip {
+                v = v.max(-adv[i] * rho.clamp(1.0 - e, 1.0 + e));
+            }
+            want += w[i] * v;
+        }
+        assert!((got - want).abs() < 1e-12, "{clip:?}: {got} vs {want}");
+    }
+    let v = Var::from_tensor(&t(&lp)).unwrap();
+    let g = token_pg_loss(v.as_tensor(), &t(&lp), &t(&adv), &t(&w), Some(0.2)).unwrap().backward().unwrap();
+    let g: Vec<f64> = g.get(v.as_tensor()).unwrap().to_vec1().unwrap();
+    for i in 0..4 {
+        assert!((g[i] + w[i] * adv[i]).abs() < 1e-12, "{g:?}");
+    }
+}
+
 #[test]
 fn dpo_loss_is_minus_log_sigmoid_of_the_margin() {
     let (pw, pl, rw, rl) = ([-3.0, -10.0, 50.0], [-4.0, -2.0, -60.0], [-3.5, -9.0, 0.0], [-3.0, -3.0, 0.0]);

@@ -50,7 +50,8 @@ pub enum ArmPlan {
 impl ArmPlan {
     /// The arms of `p` under `spec`'s `[policy]`: rloo one per `policy.rloo.reward` source.
     fn of(p: DeployPolicy, spec: &Spec) -> Vec<ArmPlan> {
-        let ps = spec.policy.clone().unwrap_or_default();
+        let default = PolicySpec::default();
+        let ps = spec.policy.as_ref().unwrap_or(&default);
         match p {
             DeployPolicy::BestOfN => vec![ArmPlan::BestOfN],
             DeployPolicy::Fixed => vec![ArmPlan::Fixed],
@@ -580,23 +581,13 @@ fn check_policy(spec: &mut Spec, keys: Locator<'_>) -> Result<(), SpecError> {
     if let Some(g) = &spec.generate {
         // the update's log-probabilities are those of the untransformed policy: samples drawn
         // at another temperature or from a nucleus are not its samples
-        if g.temperature != 1.0 {
-            return Err(keys.err(
-                &["generate", "temperature"],
-                format!(
-                    "{}: a policy that learns samples at temperature 1 (its update scores log π at T = 1)",
-                    g.temperature
-                ),
-            ));
-        }
-        if g.top_p != 1.0 {
-            return Err(keys.err(
-                &["generate", "top_p"],
-                format!(
-                    "{}: a policy that learns samples with top_p = 1 (its update scores log π without a nucleus)",
-                    g.top_p
-                ),
-            ));
+        for (key, v, why) in [
+            ("temperature", g.temperature, "at temperature 1 (its update scores log π at T = 1)"),
+            ("top_p", g.top_p, "with top_p = 1 (its update scores log π without a nucleus)"),
+        ] {
+            if v != 1.0 {
+                return Err(keys.err(&["generate", key], format!("{v}: a policy that learns samples {why}")));
+            }
         }
         if let Some(m) = p.eval_samples.filter(|m| !m.is_multiple_of(g.n)) {
             return Err(keys.err(

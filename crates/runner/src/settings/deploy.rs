@@ -10,7 +10,7 @@ use super::state::{drive, CellCtx, Progress};
 use crate::plan::{parametrize, theory_beta, ConfigPlan};
 use crate::rows::{CellResult, PolicyTiming, RoundRow};
 use crate::spec::{Order, Spec};
-use crate::world::env::{argmax, Env};
+use crate::world::env::Env;
 use crate::world::generated::Generated;
 use crate::world::online::Online;
 use anyhow::{anyhow, Result};
@@ -162,10 +162,7 @@ pub(super) fn deploy_chunked(
             // policy arm in the run (no learning arm), best-of-n.
             let (pick, deployed) = match &pc {
                 Some(pc) => pc.deploy(&truth, &est),
-                None => {
-                    let a = argmax(est.iter().copied());
-                    (a, truth[a])
-                }
+                None => super::arms::best_of_n(&truth, &est),
             };
             pol_sum += deployed;
             let tau = kendall_tau_b(&est, &truth);

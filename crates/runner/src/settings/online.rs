@@ -109,19 +109,21 @@ impl<'a> PolicyCell<'a> {
         }
     }
 
-    /// Samples of `prompts` from the current policy and the generating weights' merge error:
-    /// generated from the f32 merge once it has moved (or when `base` is None), else `base`.
+    /// Samples of `prompts` from the current policy: generated from the f32 merge once it has
+    /// moved (or when `base` is None), else `base`; with the generating weights' merge error
+    /// when `measure` asks for it (0 for `base`).
     fn sample(
         &self,
         prompts: &[Vec<features::Message>],
         opts: &features::generate::SampleOptions,
         base: Option<&Vec<Vec<Sample>>>,
+        measure: bool,
     ) -> Result<(Vec<Vec<Sample>>, f64)> {
         match (&self.learner, base) {
             (_, Some(b)) if !self.moved => Ok((b.clone(), 0.0)),
             (Some((m, _)), _) => {
                 let w = m.merged_weights()?;
-                let err = m.merge_error(&w)?;
+                let err = if measure { m.merge_error(&w)? } else { 0.0 };
                 Ok((self.online.generate(w, prompts, opts)?, err))
             }
             (None, Some(b)) => Ok((b.clone(), 0.0)),
@@ -162,7 +164,7 @@ impl<'a> PolicyCell<'a> {
         }
         let t0 = Instant::now();
         let prompts: Vec<Vec<features::Message>> = xs.iter().map(|&x| g.prompts[x].clone()).collect();
-        let (samples, _) = self.sample(&prompts, &self.online.opts, None)?;
+        let (samples, _) = self.sample(&prompts, &self.online.opts, None, false)?;
         time.generation_s += t0.elapsed().as_secs_f64();
         let t1 = Instant::now();
         let refs: Vec<&[features::Message]> = prompts.iter().map(|p| p.as_slice()).collect();
@@ -236,7 +238,7 @@ impl<'a> PolicyCell<'a> {
     pub(super) fn evaluate(&self, chunk: u64, theta: &[f64], d: usize) -> Result<PolicyRow> {
         let o = self.online;
         let (samples, merge_error) =
-            self.sample(&o.eval_prompts, &o.eval_opts[self.seed], Some(&o.eval_base[self.seed]))?;
+            self.sample(&o.eval_prompts, &o.eval_opts[self.seed], Some(&o.eval_base[self.seed]), true)?;
         let refs: Vec<&[features::Message]> = o.eval_prompts.iter().map(|p| p.as_slice()).collect();
         let contexts = self.contexts(&refs, &samples)?;
         let n = o.opts.n;

@@ -140,7 +140,7 @@ impl Online {
             oracle,
         };
         for (i, eo) in o.eval_opts.iter().enumerate() {
-            let samples = if o.policy.model.dtype() == candle_core::DType::F32 {
+            let samples = if o.bank_is_f32() {
                 // the f32 generator's samples, through the generation cache
                 let gs = GenerateSpec { n: eo.n, seed: eo.seed, ..g.clone() };
                 generate_with(&o.policy, &gs, &bank.eval_prompts, progress, &mut BankReport::default())?

@@ -2,7 +2,6 @@
 //! reward ranks first.
 
 use super::{does_not_learn, Arm, Chunk, Update};
-use crate::world::env::argmax;
 use anyhow::Result;
 use policy::adam::Adam;
 use policy::PolicyModel;
@@ -16,8 +15,7 @@ impl Arm for BestOfN {
 
     /// argmax_a φ(x,a)ᵀθ_t (ties to the lowest index).
     fn deploy(&self, truth: &[f64], est: &[f64]) -> (usize, f64) {
-        let a = argmax(est.iter().copied());
-        (a, truth[a])
+        super::best_of_n(truth, est)
     }
 
     fn update(&self, _: &PolicyModel, _: &mut Adam, _: &Chunk<'_>) -> Result<Update> {

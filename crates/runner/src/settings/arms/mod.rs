@@ -84,6 +84,12 @@ pub(in crate::settings) fn build(plan: &ArmPlan, master: u64, seed: u32) -> Box<
     }
 }
 
+/// Best-of-n: the sample θ_t ranks first (ties to the lowest index) and its oracle reward.
+pub(in crate::settings) fn best_of_n(truth: &[f64], est: &[f64]) -> (usize, f64) {
+    let a = crate::world::env::argmax(est.iter().copied());
+    (a, truth[a])
+}
+
 /// The mean of a prompt's samples' oracle rewards: what an arm that deploys its samples gets.
 fn mean(truth: &[f64]) -> (usize, f64) {
     (0, truth.iter().sum::<f64>() / truth.len() as f64)
