@@ -177,23 +177,75 @@ impl PolicyModel {
     /// [`PolicyModel::hidden`] for any [`Pass`] (a training pass with dropout).
     pub fn hidden_pass(&self, ids: &Tensor, pass: Pass<'_>) -> Result<Tensor> {
         let t = ids.dim(1)?;
+        self.check_len(t)?;
+        let mut x = self.embed(ids)?;
+        let mask = causal_mask(t, 0, &self.device, self.embed.dtype())?;
+        let (cos, sin) = (self.cos.narrow(0, 0, t)?, self.sin.narrow(0, 0, t)?);
+        for blk in &self.blocks {
+            x = self.block(blk, x, &cos, &sin, &mask, pass, None)?.0;
+        }
+        crate::ops::rms_norm(&x, &self.norm, self.cfg.eps, self.kernels)
+    }
+
+    fn check_len(&self, t: usize) -> Result<()> {
         if t > self.cos.dim(0)? {
             candle_core::bail!("{t} tokens: the model was built for at most {}", self.cos.dim(0)?);
         }
-        let mut x = candle_nn::Embedding::new(self.embed.clone(), self.cfg.hidden).forward(ids)?;
-        let mask = causal_mask(t, &self.device, self.embed.dtype())?;
-        let (cos, sin) = (self.cos.narrow(0, 0, t)?, self.sin.narrow(0, 0, t)?);
+        Ok(())
+    }
+
+    fn embed(&self, ids: &Tensor) -> Result<Tensor> {
+        candle_nn::Embedding::new(self.embed.clone(), self.cfg.hidden).forward(ids)
+    }
+
+    /// One decoder block on x (b, t, hidden) at positions of `cos`/`sin`, attending to
+    /// `prefix`'s keys and values first when given; returns the block's output and this
+    /// segment's (roped) keys and values (b, kv, t, hd).
+    #[allow(clippy::too_many_arguments)]
+    fn block(
+        &self,
+        blk: &Block,
+        x: Tensor,
+        cos: &Tensor,
+        sin: &Tensor,
+        mask: &Tensor,
+        pass: Pass<'_>,
+        prefix: Option<(&Tensor, &Tensor)>,
+    ) -> Result<(Tensor, Tensor, Tensor)> {
         let k = self.kernels;
+        let h = crate::ops::rms_norm(&x, &blk.norm1, self.cfg.eps, k)?;
+        let (a, keys, values) = self.attention(blk, &h, cos, sin, mask, pass, prefix)?;
+        let x = (x + a)?;
+        let h = crate::ops::rms_norm(&x, &blk.norm2, self.cfg.eps, k)?;
+        let gate = candle_nn::ops::silu(&blk.gate.forward(&h, pass, k)?)?;
+        let m = blk.down.forward(&(gate * blk.up.forward(&h, pass, k)?)?, pass, k)?;
+        Ok(((x + m)?, keys, values))
+    }
+
+    /// The hidden states that predict a shared-prompt group's response tokens (its `at` rows):
+    /// the prompt (positions 0..p) runs through every block once; the k responses (positions
+    /// p..p + r) attend to the prompt's keys and values, then causally to their own. The same
+    /// function as the padded layout: the prompt's states never depend on what follows it.
+    fn group_rows(&self, g: &crate::batch::Group, pass: Pass<'_>) -> Result<Tensor> {
+        let (p, (n, r)) = (g.prompt.dim(1)?, g.responses.dims2()?);
+        self.check_len(p + r)?;
+        let dt = self.embed.dtype();
+        let (mut xp, mut xr) = (self.embed(&g.prompt)?, self.embed(&g.responses)?);
+        let (mp, mr) = (causal_mask(p, 0, &self.device, dt)?, causal_mask(r, p, &self.device, dt)?);
+        let (cp, sp) = (self.cos.narrow(0, 0, p)?, self.sin.narrow(0, 0, p)?);
+        let (cr, sr) = (self.cos.narrow(0, p, r)?, self.sin.narrow(0, p, r)?);
         for blk in &self.blocks {
-            let a =
-                self.attention(blk, &crate::ops::rms_norm(&x, &blk.norm1, self.cfg.eps, k)?, &cos, &sin, &mask, pass)?;
-            x = (x + a)?;
-            let h = crate::ops::rms_norm(&x, &blk.norm2, self.cfg.eps, k)?;
-            let gate = candle_nn::ops::silu(&blk.gate.forward(&h, pass, k)?)?;
-            let m = blk.down.forward(&(gate * blk.up.forward(&h, pass, k)?)?, pass, k)?;
-            x = (x + m)?;
+            let (y, keys, values) = self.block(blk, xp, &cp, &sp, &mp, pass, None)?;
+            xp = y;
+            let (kv, hd) = (self.cfg.kv_heads, self.cfg.head_dim);
+            let keys = keys.broadcast_as((n, kv, p, hd))?;
+            let values = values.broadcast_as((n, kv, p, hd))?;
+            xr = self.block(blk, xr, &cr, &sr, &mr, pass, Some((&keys, &values)))?.0;
         }
-        crate::ops::rms_norm(&x, &self.norm, self.cfg.eps, k)
+        let d = self.cfg.hidden;
+        let last = crate::ops::rms_norm(&xp.narrow(1, p - 1, 1)?, &self.norm, self.cfg.eps, self.kernels)?;
+        let hr = crate::ops::rms_norm(&xr, &self.norm, self.cfg.eps, self.kernels)?;
+        Tensor::cat(&[last.reshape((1, d))?, hr.reshape((n * r, d))?], 0)?.index_select(&g.at, 0)
     }
 
     /// log π(target | prefix) at chosen positions of a right-padded batch: the hidden state of
@@ -216,14 +268,26 @@ impl PolicyModel {
     }
 
     fn logprobs_pass(&self, batch: &crate::batch::SeqBatch, pass: Pass<'_>) -> Result<Tensor> {
-        let h = self.hidden_pass(&batch.ids, pass)?;
-        let (b, t, d) = h.dims3()?;
-        let rows = h.reshape((b * t, d))?.index_select(&batch.at, 0)?;
+        let rows = match &batch.layout {
+            crate::batch::Layout::Padded { ids, at } => {
+                let h = self.hidden_pass(ids, pass)?;
+                let (b, t, d) = h.dims3()?;
+                h.reshape((b * t, d))?.index_select(at, 0)?
+            }
+            crate::batch::Layout::Shared(groups) => {
+                let rows = groups.iter().map(|g| self.group_rows(g, pass)).collect::<Result<Vec<_>>>()?;
+                Tensor::cat(&rows, 0)?
+            }
+        };
         let logits = frozen_matmul(&rows, &self.lm_head, self.kernels)?;
         let lp = crate::ops::log_softmax_last(&logits, self.kernels)?;
         lp.gather(&batch.targets.reshape((batch.targets.dim(0)?, 1))?, 1)?.squeeze(1)
     }
 
+    /// Grouped-query causal attention of x (b, t, hidden); with `prefix` ((b, kv, p, hd) keys
+    /// and values of earlier positions), the queries attend to those first (`mask` is then
+    /// (t, p + t)). Returns the output and this segment's keys and values.
+    #[allow(clippy::too_many_arguments)]
     fn attention(
         &self,
         blk: &Block,
@@ -232,7 +296,8 @@ impl PolicyModel {
         sin: &Tensor,
         mask: &Tensor,
         pass: Pass<'_>,
-    ) -> Result<Tensor> {
+        prefix: Option<(&Tensor, &Tensor)>,
+    ) -> Result<(Tensor, Tensor, Tensor)> {
         let (b, t, _) = x.dims3()?;
         let (h, kv, hd) = (self.cfg.heads, self.cfg.kv_heads, self.cfg.head_dim);
         let rope = |y: Tensor, n: usize| -> Result<Tensor> {
@@ -240,17 +305,23 @@ impl PolicyModel {
             crate::ops::rope(&y, cos, sin, self.cfg.rope_interleaved, self.kernels)
         };
         let q = rope(blk.q.forward(x, pass, self.kernels)?, h)?;
-        let k = rope(blk.k.forward(x, pass, self.kernels)?, kv)?;
+        let k = rope(blk.k.forward(x, pass, self.kernels)?, kv)?.contiguous()?;
         let v = blk.v.forward(x, pass, self.kernels)?.reshape((b, t, kv, hd))?.transpose(1, 2)?.contiguous()?;
+        let (keys, values) = match prefix {
+            // candle's cat along an inner dimension returns a strided view: matmul wants rows
+            Some((pk, pv)) => (Tensor::cat(&[pk, &k], 2)?.contiguous()?, Tensor::cat(&[pv, &v], 2)?.contiguous()?),
+            None => (k.clone(), v.clone()),
+        };
+        let s_len = keys.dim(2)?;
         // grouped-query attention: query head j reads kv head j / g
         let g = h / kv;
         let q = q.contiguous()?.reshape((b, kv, g * t, hd))?;
-        let s = (q.matmul(&k.contiguous()?.t()?)? * (1.0 / (hd as f64).sqrt()))?;
-        let s = s.reshape((b, kv, g, t, t))?.broadcast_add(mask)?;
+        let s = (q.matmul(&keys.t()?)? * (1.0 / (hd as f64).sqrt()))?;
+        let s = s.reshape((b, kv, g, t, s_len))?.broadcast_add(mask)?;
         let p = crate::ops::softmax_last(&s.contiguous()?, self.kernels)?;
-        let y = p.reshape((b, kv, g * t, t))?.matmul(&v)?;
+        let y = p.reshape((b, kv, g * t, s_len))?.matmul(&values)?;
         let y = y.reshape((b, h, t, hd))?.transpose(1, 2)?.reshape((b, t, h * hd))?;
-        blk.o.forward(&y, pass, self.kernels)
+        Ok((blk.o.forward(&y, pass, self.kernels)?, k, v))
     }
 
     /// The adapters as (PEFT-style name without the `base_model.model.` prefix, A, B), e.g.
@@ -270,6 +341,17 @@ impl PolicyModel {
     /// Every trainable variable (A then B of each adapter, in [`PolicyModel::adapters`] order).
     pub fn vars(&self) -> Vec<&Var> {
         self.adapters().into_iter().flat_map(|(_, a)| [&a.a, &a.b]).collect()
+    }
+
+    /// Whether the policy is its reference: every B exactly 0 (LoRA's start), so the adapted
+    /// pass adds exact zeros to every frozen product.
+    pub fn at_reference(&self) -> Result<bool> {
+        for (_, a) in self.adapters() {
+            if a.b.as_tensor().abs()?.max_all()?.to_dtype(DType::F64)?.to_scalar::<f64>()? != 0.0 {
+                return Ok(false);
+            }
+        }
+        Ok(true)
     }
 
     /// The names of [`PolicyModel::vars`], PEFT's (`model.layers.0.self_attn.q_proj.lora_A`).
@@ -341,10 +423,13 @@ impl PolicyModel {
     }
 }
 
-/// 0 on and below the diagonal, −10³⁰ above (exp underflows to 0; no −∞ in the backward pass).
-fn causal_mask(t: usize, dev: &Device, dtype: DType) -> Result<Tensor> {
-    let m: Vec<f32> = (0..t * t).map(|i| if i % t > i / t { -1e30 } else { 0.0 }).collect();
-    Tensor::from_vec(m, (t, t), dev)?.to_dtype(dtype)
+/// The additive mask of t queries at positions p..p + t over keys at 0..p + t: 0 where the key
+/// is at or before the query, −10³⁰ after it (exp underflows to 0; no −∞ in the backward pass).
+/// (t, p + t); p = 0 is the plain causal mask.
+fn causal_mask(t: usize, p: usize, dev: &Device, dtype: DType) -> Result<Tensor> {
+    let s = p + t;
+    let m: Vec<f32> = (0..t * s).map(|i| if i % s > p + i / s { -1e30 } else { 0.0 }).collect();
+    Tensor::from_vec(m, (t, s), dev)?.to_dtype(dtype)
 }
 
 /// cos and sin of position × inverse frequency: (max_len, head_dim / 2).

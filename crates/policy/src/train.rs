@@ -2,7 +2,10 @@
 //! then the policy), as a library call on sampled token ids: [`rloo_update`] on the chunk's k
 //! samples per prompt scored by the learned reward, [`dpo_update`] on its labelled pairs.
 //! Both take Adam steps on the adapters, `epochs` passes over the data in mini-batches of
-//! `minibatch` sequences (pairs, for DPO), shuffled anew each epoch from a seeded stream.
+//! `minibatch` sequences (pairs, for DPO), shuffled anew each epoch from a seeded stream —
+//! RLOO shuffles whole prompt groups, so the samples of a prompt stay together. Every pass lays
+//! its sequences out with shared prompts ([`SeqBatch::shared`]): a prompt runs through the
+//! decoder once for all of its samples in a mini-batch.
 //! An update whose gradient is exactly zero while its advantages (pairs) are not is an error:
 //! the graph did not reach the adapters, and a step would be a silent non-update.
 
@@ -87,7 +90,9 @@ pub struct RlooConfig {
     /// Divide the advantages by their standard deviation over the chunk (TRL's
     /// `normalize_advantages`).
     pub normalize_advantages: bool,
-    /// Seed of the mini-batch shuffles (with the optimiser's step count).
+    /// Seed of the mini-batch shuffles (with the optimiser's step count): each epoch orders
+    /// the prompt groups (a group's k samples stay together and in order), then cuts
+    /// mini-batches of `minibatch` samples from that order.
     pub seed: u64,
 }
 
@@ -185,11 +190,15 @@ pub fn score_tokens(
     kl: KlEstimator,
     minibatch: usize,
 ) -> Result<Vec<TokenScores>> {
+    let at_ref = m.at_reference()?;
     let mut out = Vec::with_capacity(seqs.len());
     for part in seqs.chunks(minibatch.max(1)) {
         let b = batch(m, part)?;
         let lp: Vec<f64> = m.logprobs_at(&b, true)?.to_dtype(candle_core::DType::F64)?.to_vec1()?;
-        let lr: Vec<f64> = m.logprobs_at(&b, false)?.to_dtype(candle_core::DType::F64)?.to_vec1()?;
+        // at the reference (every B exactly 0) the adapted pass adds exact zeros: the
+        // reference's log-probabilities are these, bit for bit, and the second pass is skipped
+        let lr: Vec<f64> =
+            if at_ref { lp.clone() } else { m.logprobs_at(&b, false)?.to_dtype(candle_core::DType::F64)?.to_vec1()? };
         let mut at = 0;
         for &l in &b.lens {
             out.push(TokenScores {
@@ -213,9 +222,17 @@ fn grad_norm(vars: &[&candle_core::Var], grads: &candle_core::backprop::GradStor
     Ok(sq.sqrt())
 }
 
+/// `part` in the shared-prompt layout (consecutive samples of a prompt share its pass).
 fn batch(m: &PolicyModel, part: &[Rollout<'_>]) -> Result<SeqBatch> {
     let seqs: Vec<(&[u32], &[u32])> = part.iter().map(|r| (r.prompt, r.response)).collect();
-    SeqBatch::new(&seqs, m.device())
+    SeqBatch::shared(&seqs, m.device())
+}
+
+/// One epoch's order of `n` samples in groups of `k` consecutive ones: the groups in
+/// [`epoch_order`]'s permutation, each group's samples in their own order.
+pub fn group_order(n: usize, k: usize, seed: u64, step: u64) -> Vec<usize> {
+    let k = k.max(1);
+    epoch_order(n.div_ceil(k), seed, step).into_iter().flat_map(|g| g * k..((g + 1) * k).min(n)).collect()
 }
 
 /// RLOO on `rollouts` (k consecutive samples per prompt) with rewards `rewards` (one per
@@ -279,7 +296,7 @@ pub fn rloo_update(
     let dev = m.device();
     let mb = cfg.minibatch.max(1);
     for _ in 0..cfg.epochs {
-        let order = epoch_order(rollouts.len(), cfg.seed, opt.steps());
+        let order = group_order(rollouts.len(), k, cfg.seed, opt.steps());
         for idx in order.chunks(mb) {
             let part: Vec<Rollout> = idx.iter().map(|&i| rollouts[i].clone()).collect();
             let b = batch(m, &part)?;
@@ -343,11 +360,11 @@ pub struct Preference<'a> {
     pub rejected: &'a [u32],
 }
 
-/// The chosen responses of `ps`, then their rejected ones.
+/// Each pair's chosen response, then its rejected one (rows 2i and 2i + 1: the two share
+/// their prompt's pass).
 fn flat<'a>(ps: &[Preference<'a>]) -> Vec<Rollout<'a>> {
     ps.iter()
-        .map(|p| Rollout { prompt: p.prompt, response: p.chosen })
-        .chain(ps.iter().map(|p| Rollout { prompt: p.prompt, response: p.rejected }))
+        .flat_map(|p| [Rollout { prompt: p.prompt, response: p.chosen }, Rollout { prompt: p.prompt, response: p.rejected }])
         .collect()
 }
 
@@ -360,12 +377,13 @@ pub fn dpo_update(m: &PolicyModel, opt: &mut Adam, pairs: &[Preference<'_>], cfg
     let before = score(m, &flat(pairs), KlEstimator::K1, cfg.minibatch.max(1) * 2)?;
     let n = pairs.len();
     // reference log-probs: Σ log π − Σ k1 = Σ log π_ref
+    // pair i: chosen at 2i, rejected at 2i + 1
     let refs: Vec<f64> = before.iter().map(|(lp, k1, _)| lp - k1).collect();
     let tokens: usize = before.iter().map(|s| s.2).sum();
     let mut st = UpdateStats {
         kl: before.iter().map(|s| s.1).sum::<f64>() / before.len() as f64,
         entropy: -before.iter().map(|s| s.0).sum::<f64>() / tokens as f64,
-        reward: (0..n).map(|i| cfg.beta * (before[i].1 - before[n + i].1)).sum::<f64>() / n as f64,
+        reward: (0..n).map(|i| cfg.beta * (before[2 * i].1 - before[2 * i + 1].1)).sum::<f64>() / n as f64,
         ..Default::default()
     };
     let vars = m.vars();
@@ -377,10 +395,10 @@ pub fn dpo_update(m: &PolicyModel, opt: &mut Adam, pairs: &[Preference<'_>], cfg
             let c = idx.len();
             let part: Vec<Preference> = idx.iter().map(|&i| pairs[i].clone()).collect();
             let b = batch(m, &flat(&part))?;
-            let seq = b.seq_sum(&m.logprobs_train(&b, opt.steps())?)?;
-            let (w, l) = (seq.narrow(0, 0, c)?, seq.narrow(0, c, c)?);
-            let rw: Vec<f32> = idx.iter().map(|&i| refs[i] as f32).collect();
-            let rl: Vec<f32> = idx.iter().map(|&i| refs[n + i] as f32).collect();
+            let seq = b.seq_sum(&m.logprobs_train(&b, opt.steps())?)?.reshape((c, 2))?;
+            let (w, l) = (seq.narrow(1, 0, 1)?.squeeze(1)?, seq.narrow(1, 1, 1)?.squeeze(1)?);
+            let rw: Vec<f32> = idx.iter().map(|&i| refs[2 * i] as f32).collect();
+            let rl: Vec<f32> = idx.iter().map(|&i| refs[2 * i + 1] as f32).collect();
             let loss = dpo_loss(&w, &l, &Tensor::from_vec(rw, c, dev)?, &Tensor::from_vec(rl, c, dev)?, cfg.beta)?;
             st.loss += loss.to_dtype(candle_core::DType::F64)?.to_scalar::<f64>()?;
             let grads = loss.backward()?;

@@ -375,6 +375,28 @@ fn minibatch_order_is_a_seeded_permutation_per_epoch() {
     assert_ne!(a, (0..40).collect::<Vec<_>>());
 }
 
+/// RLOO's order keeps each prompt's group together: a permutation of whole groups (a short last
+/// group included), each group's samples consecutive and in order, the groups shuffled.
+#[test]
+fn rloo_order_shuffles_whole_groups() {
+    use policy::train::group_order;
+    let o = group_order(22, 4, 3, 0);
+    let mut sorted = o.clone();
+    sorted.sort();
+    assert_eq!(sorted, (0..22).collect::<Vec<_>>());
+    let mut starts = Vec::new();
+    let mut i = 0;
+    while i < o.len() {
+        let g = o[i] / 4;
+        let len = if g == 5 { 2 } else { 4 };
+        assert_eq!(&o[i..i + len], &(g * 4..g * 4 + len).collect::<Vec<_>>()[..], "group {g} whole, in order");
+        starts.push(g);
+        i += len;
+    }
+    assert_ne!(starts, (0..6).collect::<Vec<_>>(), "the groups are shuffled");
+    assert_eq!(o, group_order(22, 4, 3, 0));
+}
+
 /// The sampler is the trained policy: after a few RLOO updates at the paper presets' lr
 /// (5e-7), the f32 merge the generator loads changes most adapted weights and gives other
 /// logits than the base model, with a small merge error; the negative control — the same

@@ -141,7 +141,8 @@ fn response_logprobs_equal_the_full_path_and_adapters_off_is_the_base_model() {
     // gradients of the response-only sum equal those of the full path (masked token log-probs)
     let g1 = fast(&m, true).sum_all().unwrap().backward().unwrap();
     let full = {
-        let t = b.ids.dim(1).unwrap();
+        let ids = b.padded_ids().unwrap();
+        let t = ids.dim(1).unwrap();
         let mut mask = vec![0f64; 3 * (t - 1)];
         for (r, (p, resp)) in seqs.iter().enumerate() {
             for j in p.len()..p.len() + resp.len() {
@@ -149,7 +150,7 @@ fn response_logprobs_equal_the_full_path_and_adapters_off_is_the_base_model() {
             }
         }
         let mask = Tensor::from_vec(mask, (3, t - 1), &Device::Cpu).unwrap();
-        masked_sum(&token_logprobs(&m.forward(&b.ids).unwrap(), &b.ids).unwrap(), &mask).unwrap().sum_all().unwrap()
+        masked_sum(&token_logprobs(&m.forward(ids).unwrap(), ids).unwrap(), &mask).unwrap().sum_all().unwrap()
     };
     let g2 = full.backward().unwrap();
     for var in m.vars() {
@@ -309,4 +310,57 @@ fn lora_dropout_is_unbiased_reproducible_and_spares_the_frozen_path() {
     }
     // p = 0 in the config: the training pass is the adapted pass.
     assert_eq!(v(lin.forward(&x, pass(&Dropout::new(0.0, 4, 1)), policy::ops::Kernels::Fused).unwrap()), want);
+}
+
+/// Shared prompts (prefix sharing: each group's prompt through the decoder once, its responses
+/// attending to the prompt's keys and values) give the padded layout's log-probabilities and
+/// every adapter's gradient, on Llama (both RoPE layouts) and Qwen2, fused and composed, in f64.
+/// The rows mix groups of 3, 2 and 1 (a prompt repeated after another starts a new group) and
+/// responses of unequal lengths. Negative control: the shared layout with one group's prompt
+/// cut by its last token differs.
+#[test]
+fn shared_prompts_give_the_padded_values_and_every_adapter_gradient() {
+    let (p1, p2): (&[u32], &[u32]) = (&[1, 5, 3, 2], &[4, 9]);
+    let seqs: [(&[u32], &[u32]); 7] = [
+        (p1, &[9, 2, 4]),
+        (p1, &[10]),
+        (p1, &[6, 8, 0, 7, 1]),
+        (p2, &[3, 3]),
+        (p2, &[10, 2, 5]),
+        (p1, &[2, 2]),
+        (&[7], &[1, 4]),
+    ];
+    let padded = policy::batch::SeqBatch::new(&seqs, &Device::Cpu).unwrap();
+    let shared = policy::batch::SeqBatch::shared(&seqs, &Device::Cpu).unwrap();
+    match &shared.layout {
+        policy::batch::Layout::Shared(g) => assert_eq!(g.len(), 4, "groups: p1 ×3, p2 ×2, p1, [7]"),
+        _ => panic!("expected the shared layout"),
+    }
+    let mut worst = 0f64;
+    for (family, interleaved) in [(Family::Llama, false), (Family::Llama, true), (Family::Qwen2, false)] {
+        for kernels in [policy::ops::Kernels::Fused, policy::ops::Kernels::Composed] {
+            let c = cfg(family, interleaved);
+            let w: HashMap<String, Tensor> =
+                weights(&c, 17).into_iter().map(|(k, v)| (k, v.to_dtype(DType::F64).unwrap())).collect();
+            let lora = LoraConfig { rank: 2, alpha: 4.0, targets: Target::ALL.to_vec(), seed: 5, dropout: 0.0 };
+            let mut m = PolicyModel::new(w, c, &lora, 32, DType::F64).unwrap();
+            randomize(&m, 19);
+            m.set_kernels(kernels).unwrap();
+            let (pv, pg) = values_and_gradients(&m, &padded);
+            let (sv, sg) = values_and_gradients(&m, &shared);
+            let mut err = rel(&sv, &pv);
+            for (x, y) in sg.iter().zip(&pg) {
+                assert!(y.iter().any(|v| *v != 0.0), "a zero gradient");
+                err = err.max(rel(x, y));
+            }
+            assert!(err < 1e-11, "{family:?} {interleaved} {kernels:?}: shared vs padded, rel err {err:e}");
+            worst = worst.max(err);
+            // negative control: the first group's prompt without its last token
+            let cut: Vec<(&[u32], &[u32])> =
+                seqs.iter().map(|&(p, r)| if p == p1 { (&p1[..3], r) } else { (p, r) }).collect();
+            let (cv, _) = values_and_gradients(&m, &policy::batch::SeqBatch::shared(&cut, &Device::Cpu).unwrap());
+            assert!(rel(&cv, &pv) > 1e-3, "negative control: a different prompt changes the log-probabilities");
+        }
+    }
+    eprintln!("shared vs padded: largest relative error {worst:e}");
 }

@@ -74,7 +74,8 @@ pub struct PolicySpec {
     #[serde(default = "d_one")]
     pub max_grad_norm: f64,
     /// Passes over a chunk's samples (pairs, for dpo), in mini-batches of `minibatch`
-    /// sequences (pairs); each mini-batch is one Adam step.
+    /// sequences (pairs); each mini-batch is one Adam step. rloo shuffles whole prompt groups
+    /// (a multiple of generate.n makes every mini-batch whole groups, each prompt computed once).
     #[serde(default = "d_epochs")]
     pub epochs: usize,
     #[serde(default = "d_minibatch")]
