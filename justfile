@@ -95,12 +95,14 @@ _reproduce setting preset args:
     fi
     if grep -q '"models/' "$spec"; then scripts/fetch_models.sh >&2; fi
     cargo build --quiet --release -p runner
+    # the binary where cargo put it (CARGO_TARGET_DIR, build.target-dir), not ./target
+    bin="$(cargo metadata --format-version 1 --no-deps | sed -n 's/.*"target_directory":"\([^"]*\)".*/\1/p')/release/onepass"
     # stdout (the final table, then the run directory) is shown on stderr; no `tee /dev/stderr`,
     # which re-opens (and truncates) a log file that stderr is redirected to
-    out=$(target/release/onepass run "$spec" {{args}})
+    out=$("$bin" run "$spec" {{args}})
     printf '%s\n' "$out" >&2
     dir=$(printf '%s\n' "$out" | tail -n 1)
-    target/release/onepass report "$dir" >&2
+    "$bin" report "$dir" >&2
     echo "$dir"
 
 # The order of PyTorch's DistributedSampler (torch.randperm(n), seed) as experiments/orders/*.npy,

@@ -20,7 +20,7 @@ import pandas as pd
 
 
 def arm(row):
-    return row["policy"] if row["policy"] != "rloo" else f"rloo ({row['reward']})"
+    return f"{row['policy']} ({row['reward']})" if row["policy"] in ("rloo", "ppo") else row["policy"]
 
 
 def paired(a: pd.Series, b: pd.Series):

@@ -33,9 +33,10 @@ fn main() {
     let seqs: Vec<(&[u32], &[u32])> =
         responses.iter().enumerate().map(|(i, resp)| (prompts[i / k].as_slice(), resp.as_slice())).collect();
     let mut out = Vec::new();
-    for (name, b) in
-        [("padded", SeqBatch::new(&seqs, &Device::Cpu).unwrap()), ("shared", SeqBatch::shared(&seqs, &Device::Cpu).unwrap())]
-    {
+    for (name, b) in [
+        ("padded", SeqBatch::new(&seqs, &Device::Cpu).unwrap()),
+        ("shared", SeqBatch::shared(&seqs, &Device::Cpu).unwrap()),
+    ] {
         let mut times = Vec::new();
         let mut values = Vec::new();
         for i in 0..=reps {

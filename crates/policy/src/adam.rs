@@ -1,24 +1,71 @@
 //! Adam (Kingma & Ba 2015) on the adapters, with global-norm gradient clipping before the step
 //! (as PyTorch's `clip_grad_norm_` then `Adam.step`): g ← g·min(1, c/‖g‖₂) over all adapters,
-//! m ← β₁m + (1−β₁)g, v ← β₂v + (1−β₂)g², θ ← θ − lr·m̂/(√v̂ + ε) with bias-corrected m̂, v̂.
+//! m ← β₁m + (1−β₁)g, v ← β₂v + (1−β₂)g², θ ← θ − lr_t·m̂/(√v̂ + ε) with bias-corrected m̂, v̂;
+//! lr_t from an [`LrSchedule`] over a window of steps ([`LrWindow`]).
 
 use candle_core::{backprop::GradStore, DType, Result, Tensor, Var};
 use serde::{Deserialize, Serialize};
 
 #[derive(Clone, Copy, Debug, PartialEq, Serialize, Deserialize)]
 pub struct AdamConfig {
+    /// The peak learning rate (the schedule's factor multiplies it).
     pub lr: f64,
     pub beta1: f64,
     pub beta2: f64,
     pub eps: f64,
     /// Global-norm clipping threshold (None: no clipping).
     pub clip: Option<f64>,
+    pub schedule: LrSchedule,
 }
 
 impl Default for AdamConfig {
     fn default() -> Self {
-        AdamConfig { lr: 1e-4, beta1: 0.9, beta2: 0.999, eps: 1e-8, clip: Some(1.0) }
+        AdamConfig { lr: 1e-4, beta1: 0.9, beta2: 0.999, eps: 1e-8, clip: Some(1.0), schedule: LrSchedule::Constant }
     }
+}
+
+/// The learning rate's factor per optimiser step, as transformers' schedulers (which TRL and
+/// OpenRLHF use) compute it with `LambdaLR`: the k-th step of a window (k = 0, 1, …) uses
+/// lr·f(k).
+#[derive(Clone, Copy, Debug, PartialEq, Serialize, Deserialize)]
+pub enum LrSchedule {
+    /// f = 1.
+    Constant,
+    /// transformers' `cosine_with_min_lr` (OpenRLHF: warm-up ⌈ratio·total⌉ steps, min_lr =
+    /// 0.1·lr): f(k) = k / w for k < w = ⌈warmup_ratio·total⌉ (so the first step of a window
+    /// with warm-up has f = 0, as in transformers), then m + (1 − m)·½(1 + cos π p) with
+    /// p = (k − w) / max(1, total − w) and m = `min_lr_ratio`. Past the window's end p stays at
+    /// 1 (transformers would let the cosine rise again; an update never gets there).
+    CosineWithMinLr { warmup_ratio: f64, min_lr_ratio: f64 },
+}
+
+impl LrSchedule {
+    /// f(k) over a window of `total` steps.
+    pub fn factor(&self, k: u64, total: u64) -> f64 {
+        match *self {
+            LrSchedule::Constant => 1.0,
+            LrSchedule::CosineWithMinLr { warmup_ratio, min_lr_ratio } => {
+                let w = (warmup_ratio * total as f64).ceil() as u64;
+                if k < w {
+                    return k as f64 / w.max(1) as f64;
+                }
+                let p = ((k - w) as f64 / total.saturating_sub(w).max(1) as f64).min(1.0);
+                let f = 0.5 * (1.0 + (std::f64::consts::PI * p).cos());
+                (f * (1.0 - min_lr_ratio) + min_lr_ratio).max(0.0)
+            }
+        }
+    }
+}
+
+/// Which optimiser steps a schedule spans.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub enum LrWindow {
+    /// Each policy update's own steps: the schedule restarts every chunk (the authors' loop,
+    /// which builds a new optimiser per chunk).
+    Update,
+    /// Steps 0..total of the optimiser's life (one schedule over the run; steps past `total`
+    /// stay at its end).
+    Run { total: u64 },
 }
 
 /// The optimizer's state: step count and moments, flat per variable, rounded to f32 (the
@@ -35,15 +82,18 @@ pub struct Adam {
     /// The variables' names, for errors (e.g. `model.layers.0.self_attn.q_proj.lora_A`).
     names: Vec<String>,
     t: u64,
+    /// The schedule's window: its first step and its length ([`Adam::begin`]).
+    window: (u64, u64),
     m: Vec<Tensor>,
     v: Vec<Tensor>,
 }
 
-/// What one step saw: ‖g‖₂ before clipping and the factor applied.
+/// What one step saw: ‖g‖₂ before clipping, the factor applied, the learning rate used.
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub struct StepInfo {
     pub grad_norm: f64,
     pub clip_factor: f64,
+    pub lr: f64,
 }
 
 impl Adam {
@@ -53,6 +103,7 @@ impl Adam {
             cfg,
             names: (0..vars.len()).map(|i| format!("variable {i}")).collect(),
             t: 0,
+            window: (0, 0),
             m: vars.iter().map(zeros).collect::<Result<_>>()?,
             v: vars.iter().map(zeros).collect::<Result<_>>()?,
         })
@@ -65,6 +116,24 @@ impl Adam {
         }
         self.names = names;
         Ok(self)
+    }
+
+    /// Starts an update of `steps` optimiser steps: the schedule's window becomes this update's
+    /// steps ([`LrWindow::Update`]) or the run's ([`LrWindow::Run`]).
+    pub fn begin(&mut self, window: LrWindow, steps: u64) {
+        self.window = match window {
+            LrWindow::Update => (self.t, steps),
+            LrWindow::Run { total } => (0, total),
+        };
+    }
+
+    /// The learning rate of the next step: lr·f(t − window start) ([`LrSchedule::factor`]).
+    pub fn lr(&self) -> f64 {
+        match self.cfg.schedule {
+            // exactly lr, not lr·1.0 through the window's arithmetic
+            LrSchedule::Constant => self.cfg.lr,
+            s => self.cfg.lr * s.factor(self.t.saturating_sub(self.window.0), self.window.1),
+        }
     }
 
     /// One step on `vars` with their gradients in `grads`. A variable without a gradient is an
@@ -95,6 +164,7 @@ impl Adam {
             Some(c) if norm > c => c / norm,
             _ => 1.0,
         };
+        let lr = self.lr();
         self.t += 1;
         let (b1, b2) = (self.cfg.beta1, self.cfg.beta2);
         let bc1 = 1.0 - b1.powi(self.t as i32);
@@ -107,9 +177,9 @@ impl Adam {
             let mhat = (&self.m[i] / bc1)?;
             let vhat = (&self.v[i] / bc2)?;
             let upd = (mhat / (vhat.sqrt()? + self.cfg.eps)?)?;
-            var.set(&(var.as_tensor() - (upd * self.cfg.lr)?)?)?;
+            var.set(&(var.as_tensor() - (upd * lr)?)?)?;
         }
-        Ok(StepInfo { grad_norm: norm, clip_factor: factor })
+        Ok(StepInfo { grad_norm: norm, clip_factor: factor, lr })
     }
 
     /// Steps taken so far (restored with the state, so a resumed run counts on).

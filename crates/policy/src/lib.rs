@@ -8,11 +8,18 @@
 //!   the adapters' gradients. Training batches are right-padded: with causal attention a real
 //!   token never sees a pad, so no padding mask is needed; losses mask the pads.
 //! - [`loss`]: per-token log-probabilities, the KL estimators k1 and k3, RLOO's leave-one-out
-//!   advantages and its (optionally PPO-clipped) policy-gradient loss, the DPO loss.
-//! - [`adam::Adam`]: Adam on the adapters with global-norm clipping; its state serialises.
-//! - [`batch::SeqBatch`]: (prompt, response) sequences as one right-padded batch; only the
-//!   response positions reach the LM head ([`PolicyModel::logprobs_at`]).
-//! - [`train`]: one policy update on a chunk — [`train::rloo_update`], [`train::dpo_update`] —
+//!   advantages and its (optionally PPO-clipped) policy-gradient loss, the DPO loss, GAE and
+//!   PPO's clipped value loss.
+//! - [`model::PolicyModel`]'s life cycle besides training: merging an adapter into the weights
+//!   and starting a fresh one, moving the KL reference ([`model::LifeEvent`]).
+//! - [`adam::Adam`]: Adam on the adapters with global-norm clipping and a learning-rate
+//!   schedule ([`adam::LrSchedule`]); its state serialises.
+//! - [`critic::Critic`]: PPO's value head on a decoder's hidden states (its own adapters).
+//! - [`batch::SeqBatch`]: (prompt, response) sequences as one right-padded batch or with
+//!   shared prompts (a prompt's pass computed once for its samples); only the response
+//!   positions reach the LM head ([`PolicyModel::logprobs_at`]).
+//! - [`train`]: one policy update on a chunk — [`train::rloo_update`], [`train::dpo_update`],
+//!   [`train::ppo_update`] (actor and critic) —
 //!   and [`train::score`] (log-probabilities and KL to the reference, no gradients).
 //! - [`peft`]: adapters saved and read in PEFT's layout (`adapter_model.safetensors`,
 //!   `adapter_config.json`).
@@ -22,6 +29,7 @@ pub const VERSION: &str = env!("CARGO_PKG_VERSION");
 
 pub mod adam;
 pub mod batch;
+pub mod critic;
 pub mod lora;
 pub mod loss;
 pub mod model;

@@ -173,14 +173,40 @@ impl Adapter {
     pub fn delta(&self) -> Result<Tensor> {
         self.b.as_tensor().matmul(self.a.as_tensor())? * self.scale
     }
+
+    /// A fresh start: A drawn anew as in [`Adapter::new`], B = 0 (the adapted layer is W again).
+    pub fn reset(&self, rng: &mut rand_chacha::ChaCha20Rng) -> Result<()> {
+        let (rank, inp) = self.a.as_tensor().dims2()?;
+        let bound = 1.0 / (inp as f64).sqrt();
+        let a: Vec<f32> = (0..rank * inp).map(|_| rng.random_range(-bound..bound) as f32).collect();
+        let t = self.a.as_tensor();
+        self.a.set(&Tensor::from_vec(a, (rank, inp), t.device())?.to_dtype(t.dtype())?)?;
+        self.b.set(&self.b.as_tensor().zeros_like()?)
+    }
+}
+
+/// What a layer's reference pass (`Pass::adapters` false: the policy the KL is measured
+/// against) computes.
+#[derive(Clone)]
+pub enum Reference {
+    /// x Wᵀ + b: the frozen weight alone — the initial policy, or after a merge with the
+    /// reference moved to it, the chunk's start.
+    Frozen,
+    /// x Wᵀ + b + (α/r)(x aᵀ)bᵀ with a frozen copy (a, b) of the adapter: the policy at a
+    /// chunk's start while the adapter persists.
+    Snapshot { a: Tensor, b: Tensor },
+    /// x W₀ᵀ + b with W₀ a weight from before merges: the initial policy after adapters were
+    /// merged into W.
+    Weight(Tensor),
 }
 
 /// A frozen linear layer with an optional adapter.
 pub struct Linear {
-    /// W: (out, in), frozen.
+    /// W: (out, in), frozen (adapters of past chunks merged in, when they are merged).
     pub w: Tensor,
     pub bias: Option<Tensor>,
     pub adapter: Option<Adapter>,
+    pub reference: Reference,
 }
 
 impl Linear {
@@ -192,17 +218,28 @@ impl Linear {
         let inp = *dims.last().expect("rank ≥ 1");
         let rows = x.elem_count() / inp.max(1);
         let x2 = x.reshape((rows, inp))?;
-        let mut y = frozen_matmul(&x2, &self.w, k)?;
+        let w = match (&self.reference, pass.adapters) {
+            (Reference::Weight(w0), false) => w0,
+            _ => &self.w,
+        };
+        let mut y = frozen_matmul(&x2, w, k)?;
         if let Some(b) = &self.bias {
             y = y.broadcast_add(b)?;
         }
-        if let (Some(ad), true) = (&self.adapter, pass.adapters) {
-            let xa = match pass.dropout {
-                Some(d) if d.p > 0.0 => (&x2 * d.mask(rows, inp, x2.device(), x2.dtype())?)?,
-                _ => x2.clone(),
-            };
-            let low = xa.matmul(&ad.a.as_tensor().t()?)?.matmul(&ad.b.as_tensor().t()?)?;
-            y = (y + (low * ad.scale)?)?;
+        match (&self.adapter, pass.adapters, &self.reference) {
+            (Some(ad), true, _) => {
+                let xa = match pass.dropout {
+                    Some(d) if d.p > 0.0 => (&x2 * d.mask(rows, inp, x2.device(), x2.dtype())?)?,
+                    _ => x2.clone(),
+                };
+                let low = xa.matmul(&ad.a.as_tensor().t()?)?.matmul(&ad.b.as_tensor().t()?)?;
+                y = (y + (low * ad.scale)?)?;
+            }
+            (Some(ad), false, Reference::Snapshot { a, b }) => {
+                let low = x2.matmul(&a.t()?)?.matmul(&b.t()?)?;
+                y = (y + (low * ad.scale)?)?;
+            }
+            _ => {}
         }
         let mut out = dims;
         *out.last_mut().expect("rank ≥ 1") = self.w.dim(0)?;
@@ -216,6 +253,46 @@ impl Linear {
             None => Ok(self.w.clone()),
         }
     }
+
+    /// The weight the reference pass multiplies by, with any snapshot folded in.
+    fn reference_weight(&self) -> Result<Tensor> {
+        match (&self.reference, &self.adapter) {
+            (Reference::Frozen, _) => Ok(self.w.clone()),
+            (Reference::Weight(w0), _) => Ok(w0.clone()),
+            (Reference::Snapshot { a, b }, Some(ad)) => Ok((&self.w + (b.matmul(a)? * ad.scale)?)?.detach()),
+            (Reference::Snapshot { .. }, None) => Ok(self.w.clone()),
+        }
+    }
+
+    /// W ← W + (α/r)·B·A in W's dtype, the reference unchanged (it keeps the weight it had,
+    /// as [`Reference::Weight`] when it was W). The adapter is then reset by the caller.
+    pub fn merge(&mut self) -> Result<()> {
+        let Some(ad) = &self.adapter else { return Ok(()) };
+        if !matches!(self.reference, Reference::Weight(_)) {
+            self.reference = Reference::Weight(self.reference_weight()?);
+        }
+        // detached: W stays frozen (no path from it back to the adapter's variables)
+        self.w = (&self.w + ad.delta()?.detach().to_dtype(self.w.dtype())?)?.detach();
+        Ok(())
+    }
+
+    /// The reference becomes this layer's current function: W itself when B = 0, else a
+    /// frozen copy of the adapter.
+    pub fn reference_here(&mut self) -> Result<()> {
+        self.reference = match &self.adapter {
+            Some(ad) if !is_zero(ad.b.as_tensor())? => {
+                // copies outside the graph: the reference never carries a gradient
+                Reference::Snapshot { a: ad.a.as_tensor().copy()?.detach(), b: ad.b.as_tensor().copy()?.detach() }
+            }
+            _ => Reference::Frozen,
+        };
+        Ok(())
+    }
+}
+
+/// Every element exactly 0.
+pub fn is_zero(t: &Tensor) -> Result<bool> {
+    Ok(t.abs()?.max_all()?.to_dtype(candle_core::DType::F64)?.to_scalar::<f64>()? == 0.0)
 }
 
 /// x Wᵀ for a frozen W (rows, in) × (out, in) whose backward pass computes only ∂/∂x = g W.

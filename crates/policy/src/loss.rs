@@ -84,3 +84,48 @@ pub fn dpo_loss(pi_w: &Tensor, pi_l: &Tensor, ref_w: &Tensor, ref_l: &Tensor, be
     let tail = (z.abs()?.neg()?.exp()? + 1.0)?.log()?;
     (relu + tail)?.mean_all()
 }
+
+/// Generalised advantage estimation (Schulman et al. 2016) over one response, as OpenRLHF's
+/// `get_advantages_and_returns`: δ_t = r_t + γ V_{t+1} − V_t with V_T = 0 after the last token,
+/// A_t = δ_t + γλ A_{t+1}, returns R_t = A_t + V_t. `rewards` and `values` per token, equal
+/// lengths. Returns (advantages, returns).
+pub fn gae(rewards: &[f64], values: &[f64], gamma: f64, lambda: f64) -> (Vec<f64>, Vec<f64>) {
+    assert_eq!(rewards.len(), values.len(), "gae: one value per reward");
+    let n = rewards.len();
+    let mut adv = vec![0.0; n];
+    let mut last = 0.0;
+    for t in (0..n).rev() {
+        let next = if t + 1 < n { values[t + 1] } else { 0.0 };
+        let delta = rewards[t] + gamma * next - values[t];
+        last = delta + gamma * lambda * last;
+        adv[t] = last;
+    }
+    let ret = adv.iter().zip(values).map(|(a, v)| a + v).collect();
+    (adv, ret)
+}
+
+/// OpenRLHF's per-token reward of a response: −β·KL_t at every token, plus the sequence's
+/// (normalised, clipped) reward `r` at the last one.
+pub fn token_rewards(r: f64, kl: &[f64], beta: f64) -> Vec<f64> {
+    let mut out: Vec<f64> = kl.iter().map(|k| -beta * k).collect();
+    if let Some(last) = out.last_mut() {
+        *last += r;
+    }
+    out
+}
+
+/// PPO's clipped value loss (OpenRLHF's `ValueLoss`): Σ_t w_t·½·max((V_t − R_t)²,
+/// (V_old,t + clip(V_t − V_old,t, −ε, ε) − R_t)²); without `clip`, Σ_t w_t·½(V_t − R_t)².
+/// `values` (P,) carries the gradient; `old`, `returns` and the weights `w` are constants.
+pub fn value_loss(values: &Tensor, old: &Tensor, returns: &Tensor, w: &Tensor, clip: Option<f64>) -> Result<Tensor> {
+    let (old, returns) = (old.detach(), returns.detach());
+    let plain = (values - &returns)?.sqr()?;
+    let l = match clip {
+        Some(eps) => {
+            let clipped = (&old + (values - &old)?.clamp(-eps, eps)?)?;
+            plain.maximum(&(clipped - &returns)?.sqr()?)?
+        }
+        None => plain,
+    };
+    ((l * 0.5)? * w.detach())?.sum_all()
+}

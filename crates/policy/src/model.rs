@@ -6,7 +6,7 @@
 //! for training and log-probabilities, `features` stays the path for generation and φ
 //! (with [`PolicyModel::merged_weights`]).
 
-use crate::lora::{frozen_matmul, init_rng, Adapter, Dropout, Linear, LoraConfig, Pass, Target};
+use crate::lora::{frozen_matmul, init_rng, is_zero, Adapter, Dropout, Linear, LoraConfig, Pass, Reference, Target};
 use crate::ops::Kernels;
 use candle_core::{DType, Device, Module, Result, Tensor, Var};
 use features::model::{Config, Family};
@@ -25,6 +25,18 @@ struct Block {
 }
 
 impl Block {
+    fn linears_mut(&mut self) -> [(Target, &mut Linear); 7] {
+        [
+            (Target::QProj, &mut self.q),
+            (Target::KProj, &mut self.k),
+            (Target::VProj, &mut self.v),
+            (Target::OProj, &mut self.o),
+            (Target::GateProj, &mut self.gate),
+            (Target::UpProj, &mut self.up),
+            (Target::DownProj, &mut self.down),
+        ]
+    }
+
     fn linears(&self) -> [(Target, &Linear); 7] {
         [
             (Target::QProj, &self.q),
@@ -53,6 +65,21 @@ pub struct PolicyModel {
     device: Device,
     /// Fused CPU kernels or composed differentiable ops ([`Kernels`]): chosen by the device.
     kernels: Kernels,
+    /// What happened to the adapters besides training ([`LifeEvent`]), in order: a checkpoint
+    /// replays it ([`PolicyModel::replay`]).
+    life: Vec<LifeEvent>,
+    /// blake3 chain over the merged adapters (None before the first merge): part of the digest.
+    history: Option<[u8; 32]>,
+}
+
+/// An event of the adapters' life cycle besides training, with the adapter values (in
+/// [`PolicyModel::vars`] order) at that moment.
+#[derive(Clone, Debug, PartialEq, serde::Serialize, serde::Deserialize)]
+pub enum LifeEvent {
+    /// [`PolicyModel::merge_and_reset`] with this seed.
+    Merge { vars: Vec<Vec<f32>>, seed: u64 },
+    /// [`PolicyModel::reference_here`].
+    Reference { vars: Vec<Vec<f32>> },
 }
 
 fn get_as(t: &HashMap<String, Tensor>, name: &str, dtype: DType) -> std::result::Result<Tensor, features::Error> {
@@ -97,7 +124,7 @@ impl PolicyModel {
                 } else {
                     None
                 };
-                Ok(Linear { w, bias, adapter })
+                Ok(Linear { w, bias, adapter, reference: Reference::Frozen })
             };
             blocks.push(Block {
                 q: lin(Target::QProj, cfg.qkv_bias)?,
@@ -127,11 +154,18 @@ impl PolicyModel {
             sin,
             device,
             kernels,
+            life: Vec::new(),
+            history: None,
         })
     }
 
     pub fn config(&self) -> &Config {
         &self.cfg
+    }
+
+    /// The compute dtype (the adapters' and activations').
+    pub fn var_dtype(&self) -> DType {
+        self.embed.dtype()
     }
 
     pub fn lora(&self) -> &LoraConfig {
@@ -268,20 +302,27 @@ impl PolicyModel {
     }
 
     fn logprobs_pass(&self, batch: &crate::batch::SeqBatch, pass: Pass<'_>) -> Result<Tensor> {
-        let rows = match &batch.layout {
-            crate::batch::Layout::Padded { ids, at } => {
-                let h = self.hidden_pass(ids, pass)?;
-                let (b, t, d) = h.dims3()?;
-                h.reshape((b * t, d))?.index_select(at, 0)?
-            }
-            crate::batch::Layout::Shared(groups) => {
-                let rows = groups.iter().map(|g| self.group_rows(g, pass)).collect::<Result<Vec<_>>>()?;
-                Tensor::cat(&rows, 0)?
-            }
-        };
+        let rows = self.response_rows(batch, pass)?;
         let logits = frozen_matmul(&rows, &self.lm_head, self.kernels)?;
         let lp = crate::ops::log_softmax_last(&logits, self.kernels)?;
         lp.gather(&batch.targets.reshape((batch.targets.dim(0)?, 1))?, 1)?.squeeze(1)
+    }
+
+    /// The final-norm hidden states (P, hidden) that predict the batch's response tokens, row
+    /// after row: what the LM head reads for log π, and what a value head reads for V (the
+    /// state before each response token, as OpenRLHF's critic takes it).
+    pub fn response_rows(&self, batch: &crate::batch::SeqBatch, pass: Pass<'_>) -> Result<Tensor> {
+        match &batch.layout {
+            crate::batch::Layout::Padded { ids, at } => {
+                let h = self.hidden_pass(ids, pass)?;
+                let (b, t, d) = h.dims3()?;
+                h.reshape((b * t, d))?.index_select(at, 0)
+            }
+            crate::batch::Layout::Shared(groups) => {
+                let rows = groups.iter().map(|g| self.group_rows(g, pass)).collect::<Result<Vec<_>>>()?;
+                Tensor::cat(&rows, 0)
+            }
+        }
     }
 
     /// Grouped-query causal attention of x (b, t, hidden); with `prefix` ((b, kv, p, hd) keys
@@ -346,12 +387,105 @@ impl PolicyModel {
     /// Whether the policy is its reference: every B exactly 0 (LoRA's start), so the adapted
     /// pass adds exact zeros to every frozen product.
     pub fn at_reference(&self) -> Result<bool> {
-        for (_, a) in self.adapters() {
-            if a.b.as_tensor().abs()?.max_all()?.to_dtype(DType::F64)?.to_scalar::<f64>()? != 0.0 {
-                return Ok(false);
+        for blk in &self.blocks {
+            for (_, lin) in blk.linears() {
+                if !matches!(lin.reference, Reference::Frozen) {
+                    return Ok(false);
+                }
+                if let Some(a) = &lin.adapter {
+                    if !is_zero(a.b.as_tensor())? {
+                        return Ok(false);
+                    }
+                }
             }
         }
         Ok(true)
+    }
+
+    /// The adapter values in [`PolicyModel::vars`] order, as f32.
+    pub fn var_values(&self) -> Result<Vec<Vec<f32>>> {
+        self.vars().iter().map(|v| v.as_tensor().flatten_all()?.to_dtype(DType::F32)?.to_vec1()).collect()
+    }
+
+    fn set_var_values(&self, values: &[Vec<f32>]) -> Result<()> {
+        let vars = self.vars();
+        if values.len() != vars.len() {
+            candle_core::bail!("{} adapter tensors: expected {}", values.len(), vars.len());
+        }
+        for (v, x) in vars.iter().zip(values) {
+            let t = v.as_tensor();
+            v.set(&Tensor::from_vec(x.clone(), t.shape(), t.device())?.to_dtype(t.dtype())?)?;
+        }
+        Ok(())
+    }
+
+    /// The authors' life cycle of an adapter (a fresh LoRA per chunk): W ← W + (α/r)BA in every
+    /// adapted layer (in the model's dtype: f32 for training, never bf16), then every adapter
+    /// starts again — A drawn from `seed` as at construction, B = 0. The reference pass keeps
+    /// computing the policy it computed (the pre-merge weights are kept where it needs them);
+    /// [`PolicyModel::reference_here`] moves it. The digest then covers the merged adapters too.
+    pub fn merge_and_reset(&mut self, seed: u64) -> Result<()> {
+        let vars = self.var_values()?;
+        let mut h = blake3::Hasher::new();
+        h.update(&self.history.unwrap_or([0; 32]));
+        for x in vars.iter().flatten() {
+            h.update(&x.to_le_bytes());
+        }
+        self.history = Some(*h.finalize().as_bytes());
+        let mut rng = init_rng(seed);
+        for (i, blk) in self.blocks.iter_mut().enumerate() {
+            for (t, lin) in blk.linears_mut() {
+                if lin.adapter.is_none() {
+                    continue;
+                }
+                lin.merge()?;
+                self.base.insert(format!("model.layers.{i}.{}.weight", t.path()), lin.w.clone());
+            }
+        }
+        // A's draws in adapters() order, as PolicyModel::new draws them
+        for (_, a) in self.adapters() {
+            a.reset(&mut rng)?;
+        }
+        self.life.push(LifeEvent::Merge { vars, seed });
+        Ok(())
+    }
+
+    /// The reference pass becomes the current policy (the KL reference of a chunk's start): each
+    /// adapted layer's W, with a frozen copy of its adapter when B ≠ 0.
+    pub fn reference_here(&mut self) -> Result<()> {
+        let vars = self.var_values()?;
+        for blk in self.blocks.iter_mut() {
+            for (_, lin) in blk.linears_mut() {
+                if lin.adapter.is_some() {
+                    lin.reference_here()?;
+                }
+            }
+        }
+        self.life.push(LifeEvent::Reference { vars });
+        Ok(())
+    }
+
+    /// The life-cycle events so far (for checkpoints).
+    pub fn life(&self) -> &[LifeEvent] {
+        &self.life
+    }
+
+    /// Re-applies `events` (a checkpoint's [`PolicyModel::life`]) to a fresh model, each with the
+    /// adapter values it recorded; the caller then sets the current values.
+    pub fn replay(&mut self, events: &[LifeEvent]) -> Result<()> {
+        for e in events {
+            match e {
+                LifeEvent::Merge { vars, seed } => {
+                    self.set_var_values(vars)?;
+                    self.merge_and_reset(*seed)?;
+                }
+                LifeEvent::Reference { vars } => {
+                    self.set_var_values(vars)?;
+                    self.reference_here()?;
+                }
+            }
+        }
+        Ok(())
     }
 
     /// The names of [`PolicyModel::vars`], PEFT's (`model.layers.0.self_attn.q_proj.lora_A`).
@@ -368,6 +502,11 @@ impl PolicyModel {
     /// [`PolicyModel::vars`] order, 16 hex digits): which policy generated a sample.
     pub fn digest(&self) -> Result<String> {
         let mut h = blake3::Hasher::new();
+        // after merges, the chain of merged adapters comes first (before any, the digest is the
+        // adapters' alone, as it always was)
+        if let Some(hist) = &self.history {
+            h.update(hist);
+        }
         for v in self.vars() {
             let x: Vec<f32> = v.as_tensor().flatten_all()?.to_dtype(DType::F32)?.to_vec1()?;
             for f in x {

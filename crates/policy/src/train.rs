@@ -9,9 +9,9 @@
 //! An update whose gradient is exactly zero while its advantages (pairs) are not is an error:
 //! the graph did not reach the adapters, and a step would be a silent non-update.
 
-use crate::adam::Adam;
+use crate::adam::{Adam, LrWindow};
 use crate::batch::SeqBatch;
-use crate::loss::{dpo_loss, rloo_advantages, rloo_loss, token_pg_loss};
+use crate::loss::{dpo_loss, rloo_advantages, rloo_loss, token_pg_loss, value_loss};
 use crate::model::PolicyModel;
 use candle_core::{Result, Tensor};
 use serde::{Deserialize, Serialize};
@@ -90,6 +90,8 @@ pub struct RlooConfig {
     /// Divide the advantages by their standard deviation over the chunk (TRL's
     /// `normalize_advantages`).
     pub normalize_advantages: bool,
+    /// The steps the optimiser's learning-rate schedule spans.
+    pub lr_window: LrWindow,
     /// Seed of the mini-batch shuffles (with the optimiser's step count): each epoch orders
     /// the prompt groups (a group's k samples stay together and in order), then cuts
     /// mini-batches of `minibatch` samples from that order.
@@ -102,8 +104,16 @@ pub struct DpoConfig {
     pub beta: f64,
     pub epochs: usize,
     pub minibatch: usize,
+    /// The steps the optimiser's learning-rate schedule spans.
+    pub lr_window: LrWindow,
     /// Seed of the mini-batch shuffles (with the optimiser's step count).
     pub seed: u64,
+}
+
+/// Optimiser steps of an update of `items` sequences (pairs) in mini-batches of `minibatch`,
+/// `epochs` times: epochs·⌈items / minibatch⌉.
+pub fn update_steps(items: usize, minibatch: usize, epochs: usize) -> u64 {
+    (epochs * items.div_ceil(minibatch.max(1))) as u64
 }
 
 /// The order of one epoch over `n` items: a permutation from a ChaCha20 stream named by
@@ -295,6 +305,7 @@ pub fn rloo_update(
     let vars = m.vars();
     let dev = m.device();
     let mb = cfg.minibatch.max(1);
+    opt.begin(cfg.lr_window, update_steps(rollouts.len(), mb, cfg.epochs));
     for _ in 0..cfg.epochs {
         let order = group_order(rollouts.len(), k, cfg.seed, opt.steps());
         for idx in order.chunks(mb) {
@@ -364,7 +375,9 @@ pub struct Preference<'a> {
 /// their prompt's pass).
 fn flat<'a>(ps: &[Preference<'a>]) -> Vec<Rollout<'a>> {
     ps.iter()
-        .flat_map(|p| [Rollout { prompt: p.prompt, response: p.chosen }, Rollout { prompt: p.prompt, response: p.rejected }])
+        .flat_map(|p| {
+            [Rollout { prompt: p.prompt, response: p.chosen }, Rollout { prompt: p.prompt, response: p.rejected }]
+        })
         .collect()
 }
 
@@ -389,6 +402,7 @@ pub fn dpo_update(m: &PolicyModel, opt: &mut Adam, pairs: &[Preference<'_>], cfg
     let vars = m.vars();
     let dev = m.device();
     let mb = cfg.minibatch.max(1);
+    opt.begin(cfg.lr_window, update_steps(n, mb, cfg.epochs));
     for _ in 0..cfg.epochs {
         let order = epoch_order(n, cfg.seed, opt.steps());
         for idx in order.chunks(mb) {
@@ -414,5 +428,154 @@ pub fn dpo_update(m: &PolicyModel, opt: &mut Adam, pairs: &[Preference<'_>], cfg
     }
     st.loss /= st.steps.max(1) as f64;
     st.grad_norm /= st.steps.max(1) as f64;
+    Ok(st)
+}
+
+/// PPO with a critic (Schulman et al. 2017) as OpenRLHF's `PPOTrainer` runs it (the authors'
+/// loop): per token the reward −β·KL_t, plus the sequence's reward — normalised by
+/// [`RewardNorm`] — at its last token; GAE (γ, λ) against the critic's values before the
+/// update; advantages normalised over the update's tokens (mean and sd) when asked; the actor's
+/// token-level ratio clipped to [1 − ε, 1 + ε]; the critic's value loss clipped around its old
+/// values (`value_clip`). Actor and critic each take one Adam step per mini-batch.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct PpoConfig {
+    pub kl_coef: f64,
+    pub kl: KlEstimator,
+    pub reward_norm: RewardNorm,
+    pub clip: Option<f64>,
+    pub value_clip: Option<f64>,
+    pub gamma: f64,
+    pub lambda: f64,
+    pub epochs: usize,
+    pub minibatch: usize,
+    pub normalize_advantages: bool,
+    /// The steps the optimisers' learning-rate schedules span.
+    pub lr_window: LrWindow,
+    /// Seed of the mini-batch shuffles (whole groups of k samples of a prompt, as RLOO's).
+    pub seed: u64,
+}
+
+/// What a PPO update saw: the actor's statistics, the critic's mean loss and ‖g‖, the mean
+/// value and return over the update's tokens (before it).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Serialize, Deserialize)]
+pub struct PpoStats {
+    pub actor: UpdateStats,
+    pub critic_loss: f64,
+    pub critic_grad_norm: f64,
+    pub value_mean: f64,
+    pub return_mean: f64,
+}
+
+/// One PPO update on `rollouts` (k consecutive samples per prompt; k = 1 for one rollout per
+/// prompt) with sequence rewards `rewards`.
+#[allow(clippy::too_many_arguments)]
+pub fn ppo_update(
+    actor: &PolicyModel,
+    actor_opt: &mut Adam,
+    critic: &crate::critic::Critic,
+    critic_opt: &mut Adam,
+    rollouts: &[Rollout<'_>],
+    rewards: &[f64],
+    k: usize,
+    cfg: &PpoConfig,
+) -> Result<PpoStats> {
+    if rollouts.is_empty() || rollouts.len() != rewards.len() || k == 0 || !rollouts.len().is_multiple_of(k) {
+        candle_core::bail!("ppo: {} rollouts, {} rewards, in groups of {k}", rollouts.len(), rewards.len());
+    }
+    if let Some(i) = rewards.iter().position(|r| !r.is_finite()) {
+        candle_core::bail!("ppo: reward {i} is {}: expected a finite number", rewards[i]);
+    }
+    let mb = cfg.minibatch.max(1);
+    let before = score_tokens(actor, rollouts, cfg.kl, mb)?;
+    // the critic's values before the update, per token
+    let mut old_v: Vec<Vec<f64>> = Vec::with_capacity(rollouts.len());
+    for part in rollouts.chunks(mb) {
+        let b = batch(&critic.model, part)?;
+        let v: Vec<f64> =
+            critic.values(&b, crate::lora::Pass::ADAPTED)?.to_dtype(candle_core::DType::F64)?.to_vec1()?;
+        let mut at = 0;
+        for &l in &b.lens {
+            old_v.push(v[at..at + l].to_vec());
+            at += l;
+        }
+    }
+    let r = cfg.reward_norm.apply(rewards);
+    let (mut adv, mut ret) = (Vec::with_capacity(r.len()), Vec::with_capacity(r.len()));
+    for ((ri, t), v) in r.iter().zip(&before).zip(&old_v) {
+        let (a, g) = crate::loss::gae(&crate::loss::token_rewards(*ri, &t.kl, cfg.kl_coef), v, cfg.gamma, cfg.lambda);
+        adv.push(a);
+        ret.push(g);
+    }
+    let tokens: usize = before.iter().map(|t| t.logprobs.len()).sum();
+    if cfg.normalize_advantages {
+        let mean = adv.iter().flatten().sum::<f64>() / tokens as f64;
+        let sd = (adv.iter().flatten().map(|a| (a - mean).powi(2)).sum::<f64>() / tokens as f64).sqrt();
+        adv.iter_mut().flatten().for_each(|a| *a = (*a - mean) / (sd + 1e-8));
+    }
+    let seq_kl: Vec<f64> = before.iter().map(|t| t.kl.iter().sum()).collect();
+    let mut st = PpoStats {
+        actor: UpdateStats {
+            kl: seq_kl.iter().sum::<f64>() / seq_kl.len() as f64,
+            entropy: -before.iter().flat_map(|t| &t.logprobs).sum::<f64>() / tokens as f64,
+            reward: rewards.iter().sum::<f64>() / rewards.len() as f64,
+            ..Default::default()
+        },
+        value_mean: old_v.iter().flatten().sum::<f64>() / tokens as f64,
+        return_mean: ret.iter().flatten().sum::<f64>() / tokens as f64,
+        ..Default::default()
+    };
+    let (avars, cvars) = (actor.vars(), critic.vars());
+    let dev = actor.device();
+    let steps = update_steps(rollouts.len(), mb, cfg.epochs);
+    actor_opt.begin(cfg.lr_window, steps);
+    critic_opt.begin(cfg.lr_window, steps);
+    let flat = |idx: &[usize], x: &[Vec<f64>]| -> Result<Tensor> {
+        let v: Vec<f32> = idx.iter().flat_map(|&i| x[i].iter().map(|&a| a as f32)).collect();
+        let n = v.len();
+        Tensor::from_vec(v, n, dev)
+    };
+    for _ in 0..cfg.epochs {
+        let order = group_order(rollouts.len(), k, cfg.seed, actor_opt.steps());
+        for idx in order.chunks(mb) {
+            let part: Vec<Rollout> = idx.iter().map(|&i| rollouts[i].clone()).collect();
+            let b = batch(actor, &part)?;
+            // each token weighted 1/(its sequence's length · b): a mean per sequence, then over
+            // sequences (OpenRLHF's masked_mean over tokens, then the batch mean)
+            let w: Vec<f32> = idx
+                .iter()
+                .flat_map(|&i| {
+                    let l = before[i].logprobs.len();
+                    std::iter::repeat_n(1.0 / (l * idx.len()) as f32, l)
+                })
+                .collect();
+            let p = w.len();
+            let w = Tensor::from_vec(w, p, dev)?;
+            let old_lp: Vec<Vec<f64>> = idx.iter().map(|&i| before[i].logprobs.clone()).collect();
+            let all: Vec<usize> = (0..idx.len()).collect();
+            let lp = actor.logprobs_train(&b, actor_opt.steps())?;
+            let loss = token_pg_loss(&lp, &flat(&all, &old_lp)?, &flat(idx, &adv)?, &w, cfg.clip)?;
+            st.actor.loss += loss.to_dtype(candle_core::DType::F64)?.to_scalar::<f64>()?;
+            let grads = loss.backward()?;
+            if st.actor.steps == 0
+                && idx.iter().any(|&i| adv[i].iter().any(|&a| a != 0.0))
+                && grad_norm(&avars, &grads)? == 0.0
+            {
+                candle_core::bail!(
+                    "ppo: the policy gradient is exactly 0 while the advantages are not: no gradient reaches the adapters"
+                );
+            }
+            st.actor.grad_norm += actor_opt.step(&avars, &grads)?.grad_norm;
+            st.actor.steps += 1;
+            let v = critic.values(&b, crate::lora::Pass::ADAPTED)?;
+            let closs = value_loss(&v, &flat(idx, &old_v)?, &flat(idx, &ret)?, &w, cfg.value_clip)?;
+            st.critic_loss += closs.to_dtype(candle_core::DType::F64)?.to_scalar::<f64>()?;
+            st.critic_grad_norm += critic_opt.step(&cvars, &closs.backward()?)?.grad_norm;
+        }
+    }
+    let s = st.actor.steps.max(1) as f64;
+    st.actor.loss /= s;
+    st.actor.grad_norm /= s;
+    st.critic_loss /= s;
+    st.critic_grad_norm /= s;
     Ok(st)
 }

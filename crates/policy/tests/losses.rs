@@ -120,7 +120,7 @@ fn dpo_loss_is_minus_log_sigmoid_of_the_margin() {
 fn adam_steps_as_written_with_clipping() {
     let x0 = [0.5, -1.0, 2.0];
     let v = Var::from_tensor(&t(&x0)).unwrap();
-    let cfg = AdamConfig { lr: 0.1, beta1: 0.9, beta2: 0.99, eps: 1e-8, clip: Some(1.0) };
+    let cfg = AdamConfig { lr: 0.1, beta1: 0.9, beta2: 0.99, eps: 1e-8, clip: Some(1.0), ..Default::default() };
     let mut opt = Adam::new(cfg, &[&v]).unwrap();
     let (mut m, mut s2, mut x) = ([0.0; 3], [0.0; 3], x0);
     for step in 1..=3 {
@@ -151,4 +151,70 @@ fn adam_steps_as_written_with_clipping() {
     let loss = v.as_tensor().sqr().unwrap().sum_all().unwrap();
     again.step(&[&v], &loss.backward().unwrap()).unwrap();
     assert_eq!(v.as_tensor().to_vec1::<f64>().unwrap(), before);
+}
+
+/// GAE by hand on three tokens: the recursion written out, at γ, λ ∈ {0, 1} and in between.
+#[test]
+fn gae_and_returns_equal_a_hand_computation() {
+    let (r, v) = ([0.5, -1.0, 2.0], [0.2, 0.4, -0.3]);
+    for (g, l) in [(1.0, 0.95), (1.0, 1.0), (0.9, 0.0), (0.0, 0.5), (0.7, 0.3)] {
+        let d2 = r[2] - v[2];
+        let d1 = r[1] + g * v[2] - v[1];
+        let d0 = r[0] + g * v[1] - v[0];
+        let a2 = d2;
+        let a1 = d1 + g * l * a2;
+        let a0 = d0 + g * l * a1;
+        let (adv, ret) = gae(&r, &v, g, l);
+        for (x, y) in adv.iter().zip([a0, a1, a2]) {
+            assert!((x - y).abs() < 1e-12, "γ {g} λ {l}: {adv:?}");
+        }
+        for i in 0..3 {
+            assert!((ret[i] - (adv[i] + v[i])).abs() < 1e-12);
+        }
+    }
+    // γ = λ = 1: the advantage is the sum of the remaining rewards minus the value
+    let (adv, ret) = gae(&r, &v, 1.0, 1.0);
+    assert!((adv[0] - (r.iter().sum::<f64>() - v[0])).abs() < 1e-12);
+    assert!((ret[0] - r.iter().sum::<f64>()).abs() < 1e-12, "the return is the reward-to-go");
+    // λ = 0: one-step TD errors
+    let (adv, _) = gae(&r, &v, 0.9, 0.0);
+    assert!((adv[0] - (r[0] + 0.9 * v[1] - v[0])).abs() < 1e-12);
+    assert_eq!(token_rewards(1.5, &[0.1, 0.2], 0.5), vec![-0.05, -0.1 + 1.5]);
+}
+
+/// The clipped value loss and its gradient by hand: one token inside the clip range, one
+/// outside (the clipped branch larger: its gradient is 0), one outside where the plain branch is
+/// larger.
+#[test]
+fn the_clipped_value_loss_and_its_gradient_equal_a_hand_computation() {
+    let v = Var::from_tensor(&t(&[1.0, 2.0, -1.0])).unwrap();
+    let (old, ret, w) = ([0.95, 1.0, 0.0], [0.0, 3.0, 1.0], [0.5, 0.25, 0.25]);
+    let eps = 0.2;
+    let loss = value_loss(v.as_tensor(), &t(&old), &t(&ret), &t(&w), Some(eps)).unwrap();
+    let vals = [1.0f64, 2.0, -1.0];
+    let mut want = 0.0;
+    let mut grad = [0.0; 3];
+    for i in 0..3 {
+        let clipped = old[i] + (vals[i] - old[i]).clamp(-eps, eps);
+        let (a, b) = ((vals[i] - ret[i]).powi(2), (clipped - ret[i]).powi(2));
+        want += w[i] * 0.5 * a.max(b);
+        // d/dV: the plain branch when it is the max; the clipped branch's is 0 outside the range
+        grad[i] = if a >= b {
+            w[i] * (vals[i] - ret[i])
+        } else if (vals[i] - old[i]).abs() < eps {
+            w[i] * (clipped - ret[i])
+        } else {
+            0.0
+        };
+    }
+    assert!((s(&loss) - want).abs() < 1e-12, "{} vs {want}", s(&loss));
+    let g: Vec<f64> = loss.backward().unwrap().get(v.as_tensor()).unwrap().to_vec1().unwrap();
+    for (x, y) in g.iter().zip(grad) {
+        assert!((x - y).abs() < 1e-12, "{g:?} vs {grad:?}");
+    }
+    // token 1 is outside the range with the clipped branch larger: no gradient there
+    assert_eq!(g[1], 0.0);
+    let plain = value_loss(v.as_tensor(), &t(&old), &t(&ret), &t(&w), None).unwrap();
+    let want: f64 = (0..3).map(|i| w[i] * 0.5 * (vals[i] - ret[i]).powi(2)).sum();
+    assert!((s(&plain) - want).abs() < 1e-12);
 }

@@ -43,8 +43,29 @@ pub struct ConfigPlan {
 pub enum ArmPlan {
     BestOfN,
     Fixed,
-    Rloo { reward: RewardSource, update: ::policy::train::RlooConfig },
-    Dpo { update: ::policy::train::DpoConfig },
+    /// `n`: samples per prompt (generate.n), the group each update sees per prompt.
+    Rloo {
+        reward: RewardSource,
+        update: ::policy::train::RlooConfig,
+        n: usize,
+    },
+    Dpo {
+        update: ::policy::train::DpoConfig,
+    },
+    /// `n` as rloo's; the critic's learning rate and head.
+    Ppo {
+        reward: RewardSource,
+        update: ::policy::train::PpoConfig,
+        n: usize,
+        critic: CriticPlan,
+    },
+}
+
+/// A PPO critic's resolved keys.
+#[derive(Clone, Debug, PartialEq)]
+pub struct CriticPlan {
+    pub lr: f64,
+    pub head: crate::spec::CriticHead,
 }
 
 impl ArmPlan {
@@ -56,9 +77,20 @@ impl ArmPlan {
             DeployPolicy::BestOfN => vec![ArmPlan::BestOfN],
             DeployPolicy::Fixed => vec![ArmPlan::Fixed],
             DeployPolicy::Rloo => {
-                ps.rloo.reward.0.iter().map(|&reward| ArmPlan::Rloo { reward, update: ps.rloo_update() }).collect()
+                let n = spec.generate.as_ref().map_or(0, |g| g.n);
+                ps.rloo.reward.0.iter().map(|&reward| ArmPlan::Rloo { reward, update: ps.rloo_update(), n }).collect()
             }
             DeployPolicy::Dpo => vec![ArmPlan::Dpo { update: ps.dpo_update() }],
+            DeployPolicy::Ppo => {
+                let n = spec.generate.as_ref().map_or(0, |g| g.n);
+                let critic = CriticPlan { lr: ps.ppo.critic_lr, head: ps.ppo.critic_head };
+                ps.ppo
+                    .reward
+                    .0
+                    .iter()
+                    .map(|&reward| ArmPlan::Ppo { reward, update: ps.ppo_update(), n, critic: critic.clone() })
+                    .collect()
+            }
         }
     }
 
@@ -68,6 +100,7 @@ impl ArmPlan {
             ArmPlan::Fixed => DeployPolicy::Fixed,
             ArmPlan::Rloo { .. } => DeployPolicy::Rloo,
             ArmPlan::Dpo { .. } => DeployPolicy::Dpo,
+            ArmPlan::Ppo { .. } => DeployPolicy::Ppo,
         }
     }
 
@@ -75,7 +108,7 @@ impl ArmPlan {
     /// it, dpo learns from the pairs it picks) or nothing (fixed).
     pub fn reward(&self) -> RewardSource {
         match self {
-            ArmPlan::Rloo { reward, .. } => *reward,
+            ArmPlan::Rloo { reward, .. } | ArmPlan::Ppo { reward, .. } => *reward,
             ArmPlan::BestOfN | ArmPlan::Fixed | ArmPlan::Dpo { .. } => RewardSource::Learned,
         }
     }
@@ -566,7 +599,9 @@ fn check_policy(spec: &mut Spec, keys: Locator<'_>) -> Result<(), SpecError> {
     let learns = spec.deploy.policy.0.iter().any(|p| p.learns());
     if !learns {
         if spec.policy.is_some() {
-            return Err(keys.err(&["policy"], "applies only when deploy.policy includes \"rloo\" or \"dpo\"".into()));
+            return Err(
+                keys.err(&["policy"], "applies only when deploy.policy includes \"rloo\", \"dpo\" or \"ppo\"".into())
+            );
         }
         return Ok(());
     }
@@ -588,6 +623,14 @@ fn check_policy(spec: &mut Spec, keys: Locator<'_>) -> Result<(), SpecError> {
             if v != 1.0 {
                 return Err(keys.err(&["generate", key], format!("{v}: a policy that learns samples {why}")));
             }
+        }
+        let ppo = spec.deploy.policy.0.contains(&crate::spec::DeployPolicy::Ppo);
+        let same_model = spec.features.as_ref().is_some_and(|f| f.model == g.policy);
+        if ppo && p.ppo.critic_head == crate::spec::CriticHead::Theta && !same_model {
+            return Err(keys.err(
+                &["policy", "ppo", "critic_head"],
+                "\"theta\": the critic runs on the policy's backbone, θ is over features.model's φ, and they differ: expected \"zero\" (or features.model = generate.policy)".into(),
+            ));
         }
         if let Some(m) = p.eval_samples.filter(|m| !m.is_multiple_of(g.n)) {
             return Err(keys.err(
@@ -647,7 +690,7 @@ fn configs(spec: &Spec, keys: Locator<'_>, arms: &[Arm]) -> Result<Vec<ConfigPla
     }
     let several_rules = spec.setting == Setting::Active && spec.active.rule.0.len() > 1;
     let several_policies = spec.deploy.policy.0.len() > 1;
-    let several_sources = spec.policy.as_ref().is_some_and(|p| p.rloo.reward.0.len() > 1);
+    let several_sources = spec.policy.as_ref().is_some_and(|p| p.rloo.reward.0.len() > 1 || p.ppo.reward.0.len() > 1);
     let bounds = Bounds {
         theta_norm_feature_norm_dim: (spec.env.kind == EnvKind::Synthetic).then_some((
             spec.env.theta_norm,
@@ -687,7 +730,7 @@ fn configs(spec: &Spec, keys: Locator<'_>, arms: &[Arm]) -> Result<Vec<ConfigPla
                 if let (Some(a), true) = (policy, several_policies || several_sources) {
                     label = format!("{label} / {}", a.kind());
                 }
-                if let (Some(a @ ArmPlan::Rloo { .. }), true) = (policy, several_sources) {
+                if let (Some(a @ (ArmPlan::Rloo { .. } | ArmPlan::Ppo { .. })), true) = (policy, several_sources) {
                     label = format!("{label} ({} reward)", a.reward());
                 }
                 configs.push(ConfigPlan {

@@ -160,6 +160,16 @@ pub struct UpdateRow {
     /// identical responses: no preference).
     pub pairs: u64,
     pub dropped_pairs: u64,
+    /// ppo: the critic's mean loss and ‖g‖ over the update, the mean value and return over the
+    /// chunk's tokens before it (null for the other arms).
+    #[serde(default)]
+    pub critic_loss: Option<f64>,
+    #[serde(default)]
+    pub critic_grad_norm: Option<f64>,
+    #[serde(default)]
+    pub value_mean: Option<f64>,
+    #[serde(default)]
+    pub return_mean: Option<f64>,
 }
 
 /// Wall seconds of a chunk by stage (policy_timings.parquet; never in policy.parquet).
@@ -305,6 +315,10 @@ pub const POLICY_UPDATES: &[Col<UpdateRow>] = &[
     Col::F64("entropy", |r| r.entropy),
     Col::U64("pairs", |r| r.pairs),
     Col::U64("dropped_pairs", |r| r.dropped_pairs),
+    Col::OptF64("critic_loss", |r| r.critic_loss),
+    Col::OptF64("critic_grad_norm", |r| r.critic_grad_norm),
+    Col::OptF64("value_mean", |r| r.value_mean),
+    Col::OptF64("return_mean", |r| r.return_mean),
 ];
 
 /// policy_timings.parquet: one row per cell × chunk.

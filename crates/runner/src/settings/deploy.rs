@@ -73,6 +73,11 @@ pub(super) fn deploy(
     Ok(CellResult { rows: pr.rows, stream_hash: pr.hash.0, ..Default::default() })
 }
 
+/// Chunk c of `chunks` over p prompts: positions [c·p/chunks, (c+1)·p/chunks) of the order.
+pub(super) fn chunk_range(c: usize, p: usize, chunks: usize) -> std::ops::Range<usize> {
+    c * p / chunks..(c + 1) * p / chunks
+}
+
 /// Deployment on generated responses (paper Alg. 4 in the authors' chunked form): the prompts,
 /// in a per-seed order, are cut into chunks; within a chunk θ is fixed — it ranks every
 /// prompt's n responses, the strategy picks a pair, the oracle labels it — then the estimator
@@ -117,8 +122,8 @@ pub(super) fn deploy_chunked(
     }
     drive(chunks as u64, &mut pr, l, ctx, |t, last, pr, l| {
         let c = (t - 1) as usize;
-        // chunk c holds prompts [c·p/chunks, (c+1)·p/chunks) of the order
-        let (lo, hi) = (c * p / chunks, (c + 1) * p / chunks);
+        let r = chunk_range(c, p, chunks);
+        let (lo, hi) = (r.start, r.end);
         if c > 0 && spec.deploy.reset_each_chunk {
             l.reset_estimator(spec, config, seed)?;
         }
@@ -202,7 +207,7 @@ pub(super) fn deploy_chunked(
         pr.rows.push(row);
         if let Some(pc) = &mut pc {
             let t1 = Instant::now();
-            let up = pc.update(xs, &samples, &contexts, &labelled, l.theta(), d)?;
+            let up = pc.update(t, xs, &samples, &contexts, &labelled, l.theta(), d)?;
             time.policy_s = t1.elapsed().as_secs_f64();
             if let Some(up) = &up {
                 let row = PolicyCell::update_row(t, rollout_digest, pc.digest()?, &contexts, l.theta(), d, up);

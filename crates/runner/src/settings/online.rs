@@ -14,27 +14,30 @@
 use super::arms::{self, Arm, Chunk, Labelled, Update};
 use crate::plan::ArmPlan;
 use crate::rows::{AdapterFiles, PolicyRow, PolicyTiming, UpdateRow};
-use crate::spec::{SaveAdapter, Spec};
+use crate::spec::{AdapterLife, KlReference, LrRestart, SaveAdapter, Spec};
 use crate::world::env::{argmax, dot, seed_of, Component, Context, Env};
 use crate::world::generated::{conversation, Generated};
 use crate::world::online::Online;
 use anyhow::{anyhow, Result};
 use candle_core::{DType, Tensor};
 use features::generate::Sample;
-use policy::adam::{Adam, AdamState};
+use policy::adam::{Adam, AdamState, LrWindow};
+use policy::model::LifeEvent;
 use policy::train::{logprob_sums, score, Rollout};
 use policy::PolicyModel;
 use serde::{Deserialize, Serialize};
 use std::time::Instant;
 
 /// A learning policy's state in a checkpoint: adapter values (in `PolicyModel::vars` order),
-/// Adam's state, and whether an update has happened (before it, the bank's samples are the
-/// policy's).
+/// Adam's state, whether an update has happened (before it, the bank's samples are the
+/// policy's), and the adapters' life-cycle events (merges, reference moves) to replay.
 #[derive(Clone, Debug, Serialize, Deserialize)]
 pub struct PolicyState {
     pub vars: Vec<Vec<f32>>,
     pub adam: AdamState,
     pub moved: bool,
+    #[serde(default)]
+    pub life: Vec<LifeEvent>,
 }
 
 /// One cell's deployed policy: its arm ([`Arm`]: what it deploys, how it learns) and, for a
@@ -47,6 +50,18 @@ pub(super) struct PolicyCell<'a> {
     base_model: String,
     /// The seed index: its held-out streams.
     seed: usize,
+    /// The adapters' stream (their first draw; fresh adapters derive theirs per chunk).
+    policy_seed: u64,
+}
+
+/// The seed of the fresh adapter that follows chunk `chunk`'s merge: from the cell's policy
+/// stream and the chunk (blake3, as every derived stream).
+fn fresh_seed(policy_seed: u64, chunk: u64) -> u64 {
+    let mut h = blake3::Hasher::new();
+    h.update(b"onepass-fresh-adapter");
+    h.update(&policy_seed.to_le_bytes());
+    h.update(&chunk.to_le_bytes());
+    u64::from_le_bytes(h.finalize().as_bytes()[..8].try_into().expect("8 bytes"))
 }
 
 impl<'a> PolicyCell<'a> {
@@ -63,12 +78,33 @@ impl<'a> PolicyCell<'a> {
         if seed as usize >= online.eval_opts.len() {
             return Err(anyhow!("seed index {seed}: the run prepared held-out streams for {}", online.eval_opts.len()));
         }
-        let arm = arms::build(plan, spec.master_seed, seed);
+        let ps = &online.spec;
+        // the schedule's window: each update's steps, or the run's (Σ over the chunks of the
+        // steps of an update that sees every prompt's items)
+        let (prompts, chunks) = (online.prompt_ids.len(), spec.deploy.chunks.max(1));
+        let window = |per_prompt: usize| match ps.lr_restart {
+            LrRestart::Chunk => LrWindow::Update,
+            LrRestart::Run => LrWindow::Run {
+                total: (0..chunks)
+                    .map(|c| {
+                        let r = super::deploy::chunk_range(c, prompts, chunks);
+                        policy::train::update_steps(r.len() * per_prompt, ps.minibatch, ps.epochs)
+                    })
+                    .sum(),
+            },
+        };
+        let arm = arms::build(plan, spec.master_seed, seed, &window, online);
         let learns = arm.learns();
-        let mut cell = PolicyCell { online, arm, learner: None, moved: false, base_model, seed: seed as usize };
+        let policy_seed = seed_of(spec.master_seed, seed, Component::Policy);
+        let mut cell =
+            PolicyCell { online, arm, learner: None, moved: false, base_model, seed: seed as usize, policy_seed };
         if learns {
-            let lora = online.spec.lora(seed_of(spec.master_seed, seed, Component::Policy));
-            let m = PolicyModel::new(online.base.clone(), online.cfg.clone(), &lora, online.max_len, DType::F32)?;
+            let lora = online.spec.lora(policy_seed);
+            let mut m = PolicyModel::new(online.base.clone(), online.cfg.clone(), &lora, online.max_len, DType::F32)?;
+            if let Some(st) = state {
+                // merges and reference moves first, each with the adapter values it saw
+                m.replay(&st.life)?;
+            }
             let mut adam = m.adam(online.spec.adam())?;
             if let Some(st) = state {
                 let vars = m.vars();
@@ -98,7 +134,7 @@ impl<'a> PolicyCell<'a> {
             .iter()
             .map(|v| v.as_tensor().flatten_all()?.to_dtype(DType::F32)?.to_vec1::<f32>())
             .collect::<candle_core::Result<Vec<_>>>()?;
-        Ok(Some(PolicyState { vars, adam: adam.state()?, moved: self.moved }))
+        Ok(Some(PolicyState { vars, adam: adam.state()?, moved: self.moved, life: m.life().to_vec() }))
     }
 
     /// The digest of the adapters ("base" for a policy that does not learn).
@@ -178,10 +214,14 @@ impl<'a> PolicyCell<'a> {
         self.arm.deploy(truth, est)
     }
 
-    /// The policy step after θ's update on the chunk (the arm's [`Arm::update`]). None when
-    /// the policy does not learn.
+    /// The policy step after θ's update on chunk `chunk` (the arm's [`Arm::update`]), then the
+    /// adapter's life cycle for the next chunk: a fresh-per-chunk adapter is merged and
+    /// redrawn (with a fresh Adam), a chunk-start KL reference moves to the updated policy.
+    /// None when the policy does not learn.
+    #[allow(clippy::too_many_arguments)]
     pub(super) fn update(
         &mut self,
+        chunk: u64,
         xs: &[usize],
         samples: &[Vec<Sample>],
         contexts: &[Context],
@@ -191,8 +231,16 @@ impl<'a> PolicyCell<'a> {
     ) -> Result<Option<Update>> {
         let Some((m, adam)) = &mut self.learner else { return Ok(None) };
         let prompts = xs.iter().map(|&x| self.online.prompt_ids[x].as_slice()).collect();
-        let up = self.arm.update(m, adam, &Chunk { prompts, samples, contexts, pairs, theta, d })?;
+        let up = self.arm.update(m, adam, &Chunk { index: chunk, prompts, samples, contexts, pairs, theta, d })?;
         self.moved |= up.stats.steps > 0;
+        let ps = &self.online.spec;
+        if ps.adapter == AdapterLife::FreshPerChunk {
+            m.merge_and_reset(fresh_seed(self.policy_seed, chunk))?;
+            *adam = m.adam(ps.adam())?;
+        }
+        if ps.kl_reference == KlReference::ChunkStart {
+            m.reference_here()?;
+        }
         Ok(Some(up))
     }
 
@@ -228,6 +276,10 @@ impl<'a> PolicyCell<'a> {
             entropy: s.entropy,
             pairs: up.pairs,
             dropped_pairs: up.dropped,
+            critic_loss: up.critic.map(|c| c.loss),
+            critic_grad_norm: up.critic.map(|c| c.grad_norm),
+            value_mean: up.critic.map(|c| c.value_mean),
+            return_mean: up.critic.map(|c| c.return_mean),
         }
     }
 

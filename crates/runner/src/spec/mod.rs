@@ -14,7 +14,7 @@ pub mod policy;
 pub use data::{DataSpec, Format, Keys};
 pub use generate::{FeatureSpec, GenerateSpec, LabelRule, OracleKind, OracleSpec};
 pub use phi::{DType, Device, PhiSpec};
-pub use policy::{PolicySpec, RewardSource, SaveAdapter};
+pub use policy::{AdapterLife, CriticHead, KlReference, LrRestart, PolicySpec, RewardSource, SaveAdapter};
 
 use serde::{de, Deserialize, Deserializer, Serialize, Serializer};
 use std::fmt;
@@ -811,7 +811,8 @@ pub struct DeploySpec {
     /// Swept: the deployed policy between chunks. "best-of-n": the best of the n samples under
     /// the learned reward (the policy itself fixed); "fixed": the policy's first sample;
     /// "rloo": the policy learns from the learned reward (RLOO on the chunk's n samples per
-    /// prompt, `[policy]`); "dpo": online DPO on the chunk's labelled pairs (reward-free).
+    /// prompt, `[policy]`); "dpo": online DPO on the chunk's labelled pairs (reward-free);
+    /// "ppo": PPO with a critic on the chunk's n samples per prompt (`[policy.ppo]`).
     #[serde(default = "d_policy")]
     pub policy: Sweep<DeployPolicy>,
     /// Re-initialise the estimator at every chunk (the authors' pipeline did, by accident).
@@ -826,13 +827,14 @@ pub enum DeployPolicy {
     Fixed,
     Rloo,
     Dpo,
+    Ppo,
 }
 
 impl DeployPolicy {
     /// The policy's weights change between chunks (its responses are generated anew).
     pub fn learns(&self) -> bool {
         match self {
-            DeployPolicy::Rloo | DeployPolicy::Dpo => true,
+            DeployPolicy::Rloo | DeployPolicy::Dpo | DeployPolicy::Ppo => true,
             DeployPolicy::BestOfN | DeployPolicy::Fixed => false,
         }
     }
@@ -845,6 +847,7 @@ impl fmt::Display for DeployPolicy {
             DeployPolicy::Fixed => "fixed",
             DeployPolicy::Rloo => "rloo",
             DeployPolicy::Dpo => "dpo",
+            DeployPolicy::Ppo => "ppo",
         })
     }
 }

@@ -41,6 +41,49 @@ pub enum RewardNormKind {
     None,
 }
 
+/// The learning-rate schedule of the policy's Adam.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum LrScheduleKind {
+    Constant,
+    /// transformers' `cosine_with_min_lr` (OpenRLHF's actor and critic): linear warm-up over
+    /// ⌈warmup_ratio·steps⌉ steps from 0, then a cosine down to min_lr_ratio·lr.
+    CosineWithMinLr,
+}
+
+/// Which steps the learning-rate schedule spans.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum LrRestart {
+    /// Each chunk's update (the authors' loop builds a new optimiser per chunk).
+    Chunk,
+    /// The whole run's updates.
+    Run,
+}
+
+/// An adapter's life across chunks.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum AdapterLife {
+    /// One adapter and one Adam state over the whole run.
+    Persistent,
+    /// The authors' loop: after each chunk's update the adapter is merged into the policy's
+    /// f32 weights, and the next chunk trains a fresh adapter (A redrawn, B = 0) with a fresh
+    /// Adam state.
+    FreshPerChunk,
+}
+
+/// The policy the KL penalty (and the evaluation's KL) is measured against.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum KlReference {
+    /// The base policy before any update.
+    Initial,
+    /// The policy at the start of the chunk's update (the authors': each chunk's actor and
+    /// reference start from the previous chunk's merged policy).
+    ChunkStart,
+}
+
 /// What a learning policy's run saves of its adapters (PEFT layout, under `adapters/`).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "kebab-case")]
@@ -68,11 +111,34 @@ pub struct PolicySpec {
     /// gradient pass (kept inputs scaled by 1/(1 − p)); 0 turns it off.
     #[serde(default)]
     pub dropout: f64,
-    /// Adam on the adapters (β = 0.9, 0.999, ε = 1e-8), gradients clipped to this global norm.
+    /// Adam on the adapters, gradients clipped to this global norm; `lr` is the peak learning
+    /// rate of the schedule.
     #[serde(default = "d_lr")]
     pub lr: f64,
     #[serde(default = "d_one")]
     pub max_grad_norm: f64,
+    /// Adam's β₁, β₂ and ε (PyTorch's defaults; the authors' actor and critic use [0.9, 0.95]).
+    #[serde(default = "d_betas")]
+    pub adam_betas: [f64; 2],
+    #[serde(default = "d_adam_eps")]
+    pub adam_eps: f64,
+    /// "constant" or "cosine-with-min-lr" (warm-up over ⌈warmup_ratio·steps⌉ steps, then a
+    /// cosine to min_lr_ratio·lr; OpenRLHF's defaults 0.03 and 0.1), restarted each chunk
+    /// (`lr_restart = "chunk"`, the authors') or spanning the run (`"run"`).
+    #[serde(default = "d_schedule")]
+    pub lr_schedule: LrScheduleKind,
+    #[serde(default = "d_warmup_ratio")]
+    pub warmup_ratio: f64,
+    #[serde(default = "d_min_lr_ratio")]
+    pub min_lr_ratio: f64,
+    #[serde(default = "d_restart")]
+    pub lr_restart: LrRestart,
+    /// "persistent" (one adapter over the run) or "fresh-per-chunk" (merged after each chunk,
+    /// a fresh one for the next: the authors'); the KL reference "initial" or "chunk-start".
+    #[serde(default = "d_adapter")]
+    pub adapter: AdapterLife,
+    #[serde(default = "d_kl_reference")]
+    pub kl_reference: KlReference,
     /// Passes over a chunk's samples (pairs, for dpo), in mini-batches of `minibatch`
     /// sequences (pairs); each mini-batch is one Adam step. rloo shuffles whole prompt groups
     /// (a multiple of generate.n makes every mini-batch whole groups, each prompt computed once).
@@ -100,6 +166,59 @@ pub struct PolicySpec {
     /// `[policy.dpo]`: the dpo arm's own keys.
     #[serde(default)]
     pub dpo: DpoSpec,
+    /// `[policy.ppo]`: the ppo arm's own keys.
+    #[serde(default)]
+    pub ppo: PpoSpec,
+}
+
+/// Where a PPO critic's value head starts each chunk.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum CriticHead {
+    /// v = θ_t: the critic starts as the learned reward model (OpenRLHF initialises the critic
+    /// from the reward model); needs features.model = generate.policy (the critic runs on the
+    /// policy's backbone, φ on the feature model's).
+    Theta,
+    /// v = 0.
+    Zero,
+}
+
+/// `[policy.ppo]`: PPO with a critic (OpenRLHF's, the authors' loop). The reward source (a
+/// sweep, as rloo's) normalised per chunk and clipped; per token the reward −`kl_coef`·KL_t
+/// plus the sequence's reward at its last token; GAE (`gamma`, `lambda`); the ratio clipped to
+/// 1 ± `clip`, the value loss clipped to ± `value_clip` around the old values (0: no clip);
+/// the critic's learning rate and value head's start; advantages divided by their sd.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct PpoSpec {
+    #[serde(default = "d_reward")]
+    pub reward: Sweep<RewardSource>,
+    #[serde(default = "d_reward_norm")]
+    pub reward_norm: RewardNormKind,
+    #[serde(default = "d_reward_clip")]
+    pub reward_clip: f64,
+    #[serde(default = "d_ppo_kl")]
+    pub kl_coef: f64,
+    #[serde(default = "d_clip")]
+    pub clip: f64,
+    #[serde(default = "d_clip")]
+    pub value_clip: f64,
+    #[serde(default = "d_one")]
+    pub gamma: f64,
+    #[serde(default = "d_lambda")]
+    pub lambda: f64,
+    #[serde(default = "d_lr")]
+    pub critic_lr: f64,
+    #[serde(default = "d_critic_head")]
+    pub critic_head: CriticHead,
+    #[serde(default = "d_true")]
+    pub normalize_advantages: bool,
+}
+
+impl Default for PpoSpec {
+    fn default() -> Self {
+        toml::from_str("").expect("defaults")
+    }
 }
 
 /// `[policy.rloo]`: which reward drives the update (a sweep: one cell per source), how it is
@@ -174,6 +293,17 @@ impl Targets {
     }
 }
 
+/// A reward-source sweep: at least one, none twice.
+fn sources(s: &Sweep<RewardSource>) -> Result<(), String> {
+    if s.0.is_empty() {
+        return Err("an empty list: expected at least one of learned, oracle, null".into());
+    }
+    if let Some(i) = (1..s.0.len()).find(|&i| s.0[..i].contains(&s.0[i])) {
+        return Err(format!("`{}` is listed twice (entry {i})", s.0[i]));
+    }
+    Ok(())
+}
+
 fn positive(v: f64) -> Result<(), String> {
     if v.is_finite() && v > 0.0 {
         Ok(())
@@ -202,16 +332,24 @@ impl PolicySpec {
         self.check_shared().map_err(|(k, m)| (vec![k], m))?;
         let r = &self.rloo;
         let at = |k: &'static str| move |m: String| (vec!["rloo", k], m);
-        if r.reward.0.is_empty() {
-            return Err(at("reward")("an empty list: expected at least one of learned, oracle, null".into()));
-        }
-        if let Some(i) = (1..r.reward.0.len()).find(|&i| r.reward.0[..i].contains(&r.reward.0[i])) {
-            return Err(at("reward")(format!("`{}` is listed twice (entry {i})", r.reward.0[i])));
-        }
+        sources(&r.reward).map_err(at("reward"))?;
         positive(r.reward_clip).map_err(at("reward_clip"))?;
         nonnegative(r.kl_coef).map_err(at("kl_coef"))?;
         nonnegative(r.clip).map_err(at("clip"))?;
         positive(self.dpo.beta).map_err(|m| (vec!["dpo", "beta"], m))?;
+        let p = &self.ppo;
+        let at = |k: &'static str| move |m: String| (vec!["ppo", k], m);
+        sources(&p.reward).map_err(at("reward"))?;
+        positive(p.reward_clip).map_err(at("reward_clip"))?;
+        nonnegative(p.kl_coef).map_err(at("kl_coef"))?;
+        nonnegative(p.clip).map_err(at("clip"))?;
+        nonnegative(p.value_clip).map_err(at("value_clip"))?;
+        nonnegative(p.critic_lr).map_err(at("critic_lr"))?;
+        for (k, v) in [("gamma", p.gamma), ("lambda", p.lambda)] {
+            if !(v.is_finite() && (0.0..=1.0).contains(&v)) {
+                return Err(at(k)(format!("{v}: expected 0 ≤ {k} ≤ 1")));
+            }
+        }
         Ok(())
     }
 
@@ -227,6 +365,17 @@ impl PolicySpec {
         }
         nonneg("lr", self.lr)?;
         pos("max_grad_norm", self.max_grad_norm)?;
+        for (i, b) in self.adam_betas.iter().enumerate() {
+            if !(b.is_finite() && (0.0..1.0).contains(b)) {
+                return Err(("adam_betas", format!("β{} = {b}: expected 0 ≤ β < 1", i + 1)));
+            }
+        }
+        pos("adam_eps", self.adam_eps)?;
+        for (k, v) in [("warmup_ratio", self.warmup_ratio), ("min_lr_ratio", self.min_lr_ratio)] {
+            if !(v.is_finite() && (0.0..=1.0).contains(&v)) {
+                return Err((k, format!("{v}: expected a ratio 0 ≤ r ≤ 1")));
+            }
+        }
         one("epochs", self.epochs)?;
         one("minibatch", self.minibatch)?;
         one("eval_prompts", self.eval_prompts)?;
@@ -234,10 +383,18 @@ impl PolicySpec {
             return Err(("eval_samples", "expected at least 1".into()));
         }
         one("eval_every_chunks", self.eval_every_chunks)?;
+        if self.adapter == AdapterLife::FreshPerChunk && self.save_adapter != SaveAdapter::None {
+            return Err((
+                "save_adapter",
+                "with adapter = \"fresh-per-chunk\" the policy is merged weights, not one adapter: expected \"none\""
+                    .into(),
+            ));
+        }
         Ok(())
     }
 
-    /// rloo's update (its mini-batch seed 0: each cell sets its own).
+    /// rloo's update (its mini-batch seed 0 and its schedule's window per update: each cell
+    /// sets its own, see `settings::online`).
     pub fn rloo_update(&self) -> policy::train::RlooConfig {
         let r = &self.rloo;
         policy::train::RlooConfig {
@@ -252,13 +409,44 @@ impl PolicySpec {
             epochs: self.epochs,
             minibatch: self.minibatch,
             normalize_advantages: r.normalize_advantages,
+            lr_window: policy::adam::LrWindow::Update,
             seed: 0,
         }
     }
 
-    /// dpo's update (its mini-batch seed 0: each cell sets its own).
+    /// dpo's update (its mini-batch seed 0 and its schedule's window per update: each cell sets
+    /// its own).
     pub fn dpo_update(&self) -> policy::train::DpoConfig {
-        policy::train::DpoConfig { beta: self.dpo.beta, epochs: self.epochs, minibatch: self.minibatch, seed: 0 }
+        policy::train::DpoConfig {
+            beta: self.dpo.beta,
+            epochs: self.epochs,
+            minibatch: self.minibatch,
+            lr_window: policy::adam::LrWindow::Update,
+            seed: 0,
+        }
+    }
+
+    /// ppo's update (its mini-batch seed 0 and its schedule's window per update: each cell
+    /// sets its own).
+    pub fn ppo_update(&self) -> policy::train::PpoConfig {
+        let p = &self.ppo;
+        policy::train::PpoConfig {
+            kl_coef: p.kl_coef,
+            kl: self.kl_estimator,
+            reward_norm: match p.reward_norm {
+                RewardNormKind::Chunk => policy::train::RewardNorm::Chunk { clip: p.reward_clip },
+                RewardNormKind::None => policy::train::RewardNorm::None,
+            },
+            clip: (p.clip > 0.0).then_some(p.clip),
+            value_clip: (p.value_clip > 0.0).then_some(p.value_clip),
+            gamma: p.gamma,
+            lambda: p.lambda,
+            epochs: self.epochs,
+            minibatch: self.minibatch,
+            normalize_advantages: p.normalize_advantages,
+            lr_window: policy::adam::LrWindow::Update,
+            seed: 0,
+        }
     }
 
     /// Held-out samples per prompt: `eval_samples`, or generate.n.
@@ -267,7 +455,21 @@ impl PolicySpec {
     }
 
     pub fn adam(&self) -> policy::adam::AdamConfig {
-        policy::adam::AdamConfig { lr: self.lr, clip: Some(self.max_grad_norm), ..Default::default() }
+        let schedule = match self.lr_schedule {
+            LrScheduleKind::Constant => policy::adam::LrSchedule::Constant,
+            LrScheduleKind::CosineWithMinLr => policy::adam::LrSchedule::CosineWithMinLr {
+                warmup_ratio: self.warmup_ratio,
+                min_lr_ratio: self.min_lr_ratio,
+            },
+        };
+        policy::adam::AdamConfig {
+            lr: self.lr,
+            beta1: self.adam_betas[0],
+            beta2: self.adam_betas[1],
+            eps: self.adam_eps,
+            clip: Some(self.max_grad_norm),
+            schedule,
+        }
     }
 
     /// The adapters, their initial draw from `seed`.
@@ -282,6 +484,39 @@ impl PolicySpec {
     }
 }
 
+fn d_ppo_kl() -> f64 {
+    0.01
+}
+fn d_lambda() -> f64 {
+    0.95
+}
+fn d_critic_head() -> CriticHead {
+    CriticHead::Theta
+}
+fn d_adapter() -> AdapterLife {
+    AdapterLife::Persistent
+}
+fn d_kl_reference() -> KlReference {
+    KlReference::Initial
+}
+fn d_betas() -> [f64; 2] {
+    [0.9, 0.999]
+}
+fn d_adam_eps() -> f64 {
+    1e-8
+}
+fn d_schedule() -> LrScheduleKind {
+    LrScheduleKind::Constant
+}
+fn d_warmup_ratio() -> f64 {
+    0.03
+}
+fn d_min_lr_ratio() -> f64 {
+    0.1
+}
+fn d_restart() -> LrRestart {
+    LrRestart::Chunk
+}
 fn d_rank() -> usize {
     8
 }

@@ -31,6 +31,8 @@ pub enum Component {
     EvalSamples = 8,
     /// The null reward's random direction.
     NullReward = 9,
+    /// A PPO critic's adapters (a fresh draw per chunk from this stream and the chunk).
+    Critic = 10,
 }
 
 /// The stream of `component` for seed index `seed` under `master`.

@@ -93,6 +93,12 @@ fn col<'a, T: 'static>(b: &'a arrow_array::RecordBatch, c: &str) -> &'a T {
 pub fn f64s(b: &arrow_array::RecordBatch, c: &str) -> Vec<f64> {
     col::<Float64Array>(b, c).values().to_vec()
 }
+/// A nullable f64 column (None where null).
+pub fn opt_f64s(b: &arrow_array::RecordBatch, c: &str) -> Vec<Option<f64>> {
+    use arrow_array::Array;
+    let a = col::<Float64Array>(b, c);
+    (0..a.len()).map(|i| (!a.is_null(i)).then(|| a.value(i))).collect()
+}
 pub fn u64s(b: &arrow_array::RecordBatch, c: &str) -> Vec<u64> {
     col::<UInt64Array>(b, c).values().to_vec()
 }

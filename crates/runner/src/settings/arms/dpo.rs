@@ -35,6 +35,6 @@ impl Arm for Dpo {
         }
         // a chunk whose pairs all lack a preference takes no step (recorded: 0 steps, dropped)
         let stats = if prefs.is_empty() { UpdateStats::default() } else { dpo_update(m, adam, &prefs, &self.update)? };
-        Ok(Update { stats, pairs: prefs.len() as u64, dropped })
+        Ok(Update { stats, pairs: prefs.len() as u64, dropped, critic: None })
     }
 }

@@ -10,14 +10,16 @@
 mod best_of_n;
 mod dpo;
 mod fixed;
+mod ppo;
 mod rloo;
 
 use crate::plan::ArmPlan;
-use crate::world::env::{seed_of, Component, Context};
+use crate::spec::RewardSource;
+use crate::world::env::{dot, seed_of, Component, Context};
 use anyhow::Result;
 use features::generate::Sample;
-use policy::adam::Adam;
-use policy::train::UpdateStats;
+use policy::adam::{Adam, LrWindow};
+use policy::train::{Rollout, UpdateStats};
 use policy::PolicyModel;
 
 /// A labelled pair of a chunk: the prompt's index in the chunk, the two samples, y (1: the
@@ -37,10 +39,24 @@ pub(in crate::settings) struct Update {
     /// dpo: the pairs it learned from and those dropped (no preference).
     pub(in crate::settings) pairs: u64,
     pub(in crate::settings) dropped: u64,
+    /// ppo: the critic's statistics.
+    pub(in crate::settings) critic: Option<CriticStats>,
+}
+
+/// What a PPO update's critic saw: its mean loss and ‖g‖, the mean value and return over the
+/// update's tokens (before it).
+#[derive(Clone, Copy, Debug, Default)]
+pub(in crate::settings) struct CriticStats {
+    pub(in crate::settings) loss: f64,
+    pub(in crate::settings) grad_norm: f64,
+    pub(in crate::settings) value_mean: f64,
+    pub(in crate::settings) return_mean: f64,
 }
 
 /// A chunk as a learning arm's update sees it, after θ's update on the chunk.
 pub(in crate::settings) struct Chunk<'a> {
+    /// The chunk's index (1-based).
+    pub(in crate::settings) index: u64,
     /// The templated prompt ids of the chunk's prompts, in chunk order.
     pub(in crate::settings) prompts: Vec<&'a [u32]>,
     /// Each prompt's n samples and their contexts (φ and the oracle's rewards).
@@ -67,20 +83,36 @@ pub(in crate::settings) trait Arm: Send + Sync {
 }
 
 /// The arm of a cell's plan; `master` and `seed` name the cell's streams (mini-batch order, the
-/// null reward's direction).
-pub(in crate::settings) fn build(plan: &ArmPlan, master: u64, seed: u32) -> Box<dyn Arm> {
+/// null reward's direction, a critic's adapters); `window(items per prompt)` is the
+/// learning-rate schedule's window of an arm whose update sees that many sequences (pairs) per
+/// prompt (rloo, ppo: n; dpo: 1); `online` the frozen models (a critic's backbone).
+pub(in crate::settings) fn build(
+    plan: &ArmPlan,
+    master: u64,
+    seed: u32,
+    window: &dyn Fn(usize) -> LrWindow,
+    online: &crate::world::online::Online,
+) -> Box<dyn Arm> {
     let policy_seed = seed_of(master, seed, Component::Policy);
     match plan {
         ArmPlan::BestOfN => Box::new(best_of_n::BestOfN),
         ArmPlan::Fixed => Box::new(fixed::Fixed),
-        ArmPlan::Rloo { reward, update } => Box::new(rloo::Rloo {
+        ArmPlan::Rloo { reward, update, n } => Box::new(rloo::Rloo {
             reward: *reward,
-            update: policy::train::RlooConfig { seed: policy_seed, ..update.clone() },
+            update: policy::train::RlooConfig { seed: policy_seed, lr_window: window(*n), ..update.clone() },
             null_seed: seed_of(master, seed, Component::NullReward),
         }),
-        ArmPlan::Dpo { update } => {
-            Box::new(dpo::Dpo { update: policy::train::DpoConfig { seed: policy_seed, ..update.clone() } })
-        }
+        ArmPlan::Dpo { update } => Box::new(dpo::Dpo {
+            update: policy::train::DpoConfig { seed: policy_seed, lr_window: window(1), ..update.clone() },
+        }),
+        ArmPlan::Ppo { reward, update, n, critic } => Box::new(ppo::Ppo {
+            reward: *reward,
+            update: policy::train::PpoConfig { seed: policy_seed, lr_window: window(*n), ..update.clone() },
+            null_seed: seed_of(master, seed, Component::NullReward),
+            critic: critic.clone(),
+            critic_seed: seed_of(master, seed, Component::Critic),
+            backbone: ppo::Backbone::of(online),
+        }),
     }
 }
 
@@ -93,6 +125,43 @@ pub(in crate::settings) fn best_of_n(truth: &[f64], est: &[f64]) -> (usize, f64)
 /// The mean of a prompt's samples' oracle rewards: what an arm that deploys its samples gets.
 fn mean(truth: &[f64]) -> (usize, f64) {
     (0, truth.iter().sum::<f64>() / truth.len() as f64)
+}
+
+/// θ̃ of the null reward: a unit direction from `seed`'s stream (the same every chunk), scaled to
+/// ‖θ‖ (with the reward normalised per chunk the scale does not matter; without, it matches the
+/// learned reward's).
+fn null_theta(seed: u64, theta: &[f64]) -> Vec<f64> {
+    use rand::SeedableRng;
+    use rand_distr::{Distribution, StandardNormal};
+    let mut rng = rand_chacha::ChaCha20Rng::seed_from_u64(seed);
+    let u: Vec<f64> = theta.iter().map(|_| StandardNormal.sample(&mut rng)).collect();
+    let nu = u.iter().map(|x| x * x).sum::<f64>().sqrt();
+    let nt = theta.iter().map(|x| x * x).sum::<f64>().sqrt();
+    u.iter().map(|x| x / nu * nt).collect()
+}
+
+/// Every sample of the chunk as a rollout (k consecutive per prompt) with the reward its source
+/// names: φᵀθ_t (learned), the oracle's, or φᵀθ̃ (null, θ̃ from `null_seed`); and k.
+fn rewarded<'a>(c: &Chunk<'a>, source: RewardSource, null_seed: u64) -> Result<(Vec<Rollout<'a>>, Vec<f64>, usize)> {
+    let null = if source == RewardSource::Null { null_theta(null_seed, c.theta) } else { Vec::new() };
+    let k = c.samples.first().map_or(0, Vec::len);
+    let (mut rollouts, mut rewards) = (Vec::new(), Vec::new());
+    for ((p, ss), ctx) in c.prompts.iter().zip(c.samples).zip(c.contexts) {
+        for (j, s) in ss.iter().enumerate() {
+            rollouts.push(Rollout { prompt: p, response: &s.ids });
+            let phi = &ctx.phi[j * c.d..(j + 1) * c.d];
+            rewards.push(match source {
+                RewardSource::Learned => dot(phi, c.theta),
+                RewardSource::Null => dot(phi, &null),
+                RewardSource::Oracle => ctx
+                    .reward
+                    .as_ref()
+                    .and_then(|r| r.get(j).copied())
+                    .ok_or_else(|| anyhow::anyhow!("no oracle reward to learn from"))?,
+            });
+        }
+    }
+    Ok((rollouts, rewards, k))
 }
 
 /// An arm that does not learn was asked to.
