@@ -407,7 +407,8 @@ impl PolicyModel {
         self.vars().iter().map(|v| v.as_tensor().flatten_all()?.to_dtype(DType::F32)?.to_vec1()).collect()
     }
 
-    fn set_var_values(&self, values: &[Vec<f32>]) -> Result<()> {
+    /// Sets the adapters to `values` ([`PolicyModel::var_values`]'s layout).
+    pub fn set_var_values(&self, values: &[Vec<f32>]) -> Result<()> {
         let vars = self.vars();
         if values.len() != vars.len() {
             candle_core::bail!("{} adapter tensors: expected {}", values.len(), vars.len());

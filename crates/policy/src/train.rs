@@ -232,6 +232,28 @@ fn grad_norm(vars: &[&candle_core::Var], grads: &candle_core::backprop::GradStor
     Ok(sq.sqrt())
 }
 
+/// The per-token values `of(x[i])` of the sequences `idx`, one after another, as f32 (P,).
+fn per_token<T>(idx: &[usize], x: &[T], of: impl Fn(&T) -> &Vec<f64>, dev: &candle_core::Device) -> Result<Tensor> {
+    let v: Vec<f32> = idx.iter().flat_map(|&i| of(&x[i]).iter().map(|&a| a as f32)).collect();
+    let n = v.len();
+    Tensor::from_vec(v, n, dev)
+}
+
+/// Token weights of a token-level loss over the sequences `idx`: 1/(the sequence's length · b),
+/// a mean per sequence, then over sequences (OpenRLHF's masked_mean over tokens, then the batch
+/// mean).
+fn token_weights(idx: &[usize], seqs: &[TokenScores], dev: &candle_core::Device) -> Result<Tensor> {
+    let w: Vec<f32> = idx
+        .iter()
+        .flat_map(|&i| {
+            let l = seqs[i].logprobs.len();
+            std::iter::repeat_n(1.0 / (l * idx.len()) as f32, l)
+        })
+        .collect();
+    let n = w.len();
+    Tensor::from_vec(w, n, dev)
+}
+
 /// `part` in the shared-prompt layout (consecutive samples of a prompt share its pass).
 fn batch(m: &PolicyModel, part: &[Rollout<'_>]) -> Result<SeqBatch> {
     let seqs: Vec<(&[u32], &[u32])> = part.iter().map(|r| (r.prompt, r.response)).collect();
@@ -322,20 +344,9 @@ pub fn rloo_update(
                     rloo_loss(&b.seq_sum(&lp)?, &old, &a, cfg.clip)?
                 }
                 KlPenalty::Token => {
-                    let old: Vec<f32> =
-                        idx.iter().flat_map(|&i| before[i].logprobs.iter().map(|&x| x as f32)).collect();
-                    let a: Vec<f32> = idx.iter().flat_map(|&i| adv[i].iter().map(|&x| x as f32)).collect();
-                    // each token weighted 1/(its sequence's length), the sum over sequences / b
-                    let w: Vec<f32> = idx
-                        .iter()
-                        .flat_map(|&i| {
-                            let l = before[i].logprobs.len();
-                            std::iter::repeat_n(1.0 / (l * idx.len()) as f32, l)
-                        })
-                        .collect();
-                    let p = old.len();
-                    let (old, a) = (Tensor::from_vec(old, p, dev)?, Tensor::from_vec(a, p, dev)?);
-                    token_pg_loss(&lp, &old, &a, &Tensor::from_vec(w, p, dev)?, cfg.clip)?
+                    let old = per_token(idx, &before, |t| &t.logprobs, dev)?;
+                    let a = per_token(idx, &adv, |a| a, dev)?;
+                    token_pg_loss(&lp, &old, &a, &token_weights(idx, &before, dev)?, cfg.clip)?
                 }
             };
             st.loss += loss.to_dtype(candle_core::DType::F64)?.to_scalar::<f64>()?;
@@ -529,31 +540,15 @@ pub fn ppo_update(
     let steps = update_steps(rollouts.len(), mb, cfg.epochs);
     actor_opt.begin(cfg.lr_window, steps);
     critic_opt.begin(cfg.lr_window, steps);
-    let flat = |idx: &[usize], x: &[Vec<f64>]| -> Result<Tensor> {
-        let v: Vec<f32> = idx.iter().flat_map(|&i| x[i].iter().map(|&a| a as f32)).collect();
-        let n = v.len();
-        Tensor::from_vec(v, n, dev)
-    };
     for _ in 0..cfg.epochs {
         let order = group_order(rollouts.len(), k, cfg.seed, actor_opt.steps());
         for idx in order.chunks(mb) {
             let part: Vec<Rollout> = idx.iter().map(|&i| rollouts[i].clone()).collect();
             let b = batch(actor, &part)?;
-            // each token weighted 1/(its sequence's length · b): a mean per sequence, then over
-            // sequences (OpenRLHF's masked_mean over tokens, then the batch mean)
-            let w: Vec<f32> = idx
-                .iter()
-                .flat_map(|&i| {
-                    let l = before[i].logprobs.len();
-                    std::iter::repeat_n(1.0 / (l * idx.len()) as f32, l)
-                })
-                .collect();
-            let p = w.len();
-            let w = Tensor::from_vec(w, p, dev)?;
-            let old_lp: Vec<Vec<f64>> = idx.iter().map(|&i| before[i].logprobs.clone()).collect();
-            let all: Vec<usize> = (0..idx.len()).collect();
+            let w = token_weights(idx, &before, dev)?;
+            let old = per_token(idx, &before, |t| &t.logprobs, dev)?;
             let lp = actor.logprobs_train(&b, actor_opt.steps())?;
-            let loss = token_pg_loss(&lp, &flat(&all, &old_lp)?, &flat(idx, &adv)?, &w, cfg.clip)?;
+            let loss = token_pg_loss(&lp, &old, &per_token(idx, &adv, |a| a, dev)?, &w, cfg.clip)?;
             st.actor.loss += loss.to_dtype(candle_core::DType::F64)?.to_scalar::<f64>()?;
             let grads = loss.backward()?;
             if st.actor.steps == 0
@@ -567,7 +562,8 @@ pub fn ppo_update(
             st.actor.grad_norm += actor_opt.step(&avars, &grads)?.grad_norm;
             st.actor.steps += 1;
             let v = critic.values(&b, crate::lora::Pass::ADAPTED)?;
-            let closs = value_loss(&v, &flat(idx, &old_v)?, &flat(idx, &ret)?, &w, cfg.value_clip)?;
+            let (vo, r) = (per_token(idx, &old_v, |v| v, dev)?, per_token(idx, &ret, |r| r, dev)?);
+            let closs = value_loss(&v, &vo, &r, &w, cfg.value_clip)?;
             st.critic_loss += closs.to_dtype(candle_core::DType::F64)?.to_scalar::<f64>()?;
             st.critic_grad_norm += critic_opt.step(&cvars, &closs.backward()?)?.grad_norm;
         }

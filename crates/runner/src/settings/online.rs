@@ -15,11 +15,11 @@ use super::arms::{self, Arm, Chunk, Labelled, Update};
 use crate::plan::ArmPlan;
 use crate::rows::{AdapterFiles, PolicyRow, PolicyTiming, UpdateRow};
 use crate::spec::{AdapterLife, KlReference, LrRestart, SaveAdapter, Spec};
-use crate::world::env::{argmax, dot, seed_of, Component, Context, Env};
+use crate::world::env::{argmax, dot, per_chunk_seed, seed_of, Component, Context, Env};
 use crate::world::generated::{conversation, Generated};
 use crate::world::online::Online;
 use anyhow::{anyhow, Result};
-use candle_core::{DType, Tensor};
+use candle_core::DType;
 use features::generate::Sample;
 use policy::adam::{Adam, AdamState, LrWindow};
 use policy::model::LifeEvent;
@@ -52,16 +52,6 @@ pub(super) struct PolicyCell<'a> {
     seed: usize,
     /// The adapters' stream (their first draw; fresh adapters derive theirs per chunk).
     policy_seed: u64,
-}
-
-/// The seed of the fresh adapter that follows chunk `chunk`'s merge: from the cell's policy
-/// stream and the chunk (blake3, as every derived stream).
-fn fresh_seed(policy_seed: u64, chunk: u64) -> u64 {
-    let mut h = blake3::Hasher::new();
-    h.update(b"onepass-fresh-adapter");
-    h.update(&policy_seed.to_le_bytes());
-    h.update(&chunk.to_le_bytes());
-    u64::from_le_bytes(h.finalize().as_bytes()[..8].try_into().expect("8 bytes"))
 }
 
 impl<'a> PolicyCell<'a> {
@@ -107,17 +97,7 @@ impl<'a> PolicyCell<'a> {
             }
             let mut adam = m.adam(online.spec.adam())?;
             if let Some(st) = state {
-                let vars = m.vars();
-                if st.vars.len() != vars.len() {
-                    return Err(anyhow!(
-                        "the checkpoint holds {} adapter tensors: expected {}",
-                        st.vars.len(),
-                        vars.len()
-                    ));
-                }
-                for (v, x) in vars.iter().zip(&st.vars) {
-                    v.set(&Tensor::from_vec(x.clone(), v.as_tensor().shape(), v.as_tensor().device())?)?;
-                }
+                m.set_var_values(&st.vars).map_err(|e| anyhow!("the checkpoint's adapters: {e}"))?;
                 adam.restore(&st.adam)?;
                 cell.moved = st.moved;
             }
@@ -129,12 +109,7 @@ impl<'a> PolicyCell<'a> {
     /// What a checkpoint keeps of the policy (None when it does not learn).
     pub(super) fn state(&self) -> Result<Option<PolicyState>> {
         let Some((m, adam)) = &self.learner else { return Ok(None) };
-        let vars = m
-            .vars()
-            .iter()
-            .map(|v| v.as_tensor().flatten_all()?.to_dtype(DType::F32)?.to_vec1::<f32>())
-            .collect::<candle_core::Result<Vec<_>>>()?;
-        Ok(Some(PolicyState { vars, adam: adam.state()?, moved: self.moved, life: m.life().to_vec() }))
+        Ok(Some(PolicyState { vars: m.var_values()?, adam: adam.state()?, moved: self.moved, life: m.life().to_vec() }))
     }
 
     /// The digest of the adapters ("base" for a policy that does not learn).
@@ -235,7 +210,7 @@ impl<'a> PolicyCell<'a> {
         self.moved |= up.stats.steps > 0;
         let ps = &self.online.spec;
         if ps.adapter == AdapterLife::FreshPerChunk {
-            m.merge_and_reset(fresh_seed(self.policy_seed, chunk))?;
+            m.merge_and_reset(per_chunk_seed(b"onepass-fresh-adapter", self.policy_seed, chunk))?;
             *adam = m.adam(ps.adam())?;
         }
         if ps.kl_reference == KlReference::ChunkStart {

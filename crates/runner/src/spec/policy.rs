@@ -84,6 +84,16 @@ pub enum KlReference {
     ChunkStart,
 }
 
+impl RewardNormKind {
+    /// The update's normalisation, clipped to ±`clip` when per chunk.
+    fn resolve(self, clip: f64) -> policy::train::RewardNorm {
+        match self {
+            RewardNormKind::Chunk => policy::train::RewardNorm::Chunk { clip },
+            RewardNormKind::None => policy::train::RewardNorm::None,
+        }
+    }
+}
+
 /// What a learning policy's run saves of its adapters (PEFT layout, under `adapters/`).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "kebab-case")]
@@ -401,10 +411,7 @@ impl PolicySpec {
             kl_coef: r.kl_coef,
             kl: self.kl_estimator,
             kl_penalty: r.kl_penalty,
-            reward_norm: match r.reward_norm {
-                RewardNormKind::Chunk => policy::train::RewardNorm::Chunk { clip: r.reward_clip },
-                RewardNormKind::None => policy::train::RewardNorm::None,
-            },
+            reward_norm: r.reward_norm.resolve(r.reward_clip),
             clip: (r.clip > 0.0).then_some(r.clip),
             epochs: self.epochs,
             minibatch: self.minibatch,
@@ -433,10 +440,7 @@ impl PolicySpec {
         policy::train::PpoConfig {
             kl_coef: p.kl_coef,
             kl: self.kl_estimator,
-            reward_norm: match p.reward_norm {
-                RewardNormKind::Chunk => policy::train::RewardNorm::Chunk { clip: p.reward_clip },
-                RewardNormKind::None => policy::train::RewardNorm::None,
-            },
+            reward_norm: p.reward_norm.resolve(p.reward_clip),
             clip: (p.clip > 0.0).then_some(p.clip),
             value_clip: (p.value_clip > 0.0).then_some(p.value_clip),
             gamma: p.gamma,

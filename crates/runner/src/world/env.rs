@@ -35,6 +35,16 @@ pub enum Component {
     Critic = 10,
 }
 
+/// A stream's seed for one chunk: blake3 of (`tag`, `seed`, `chunk`), first 8 bytes (a fresh
+/// adapter after a merge, a PPO critic's adapters).
+pub fn per_chunk_seed(tag: &[u8], seed: u64, chunk: u64) -> u64 {
+    let mut h = blake3::Hasher::new();
+    h.update(tag);
+    h.update(&seed.to_le_bytes());
+    h.update(&chunk.to_le_bytes());
+    u64::from_le_bytes(h.finalize().as_bytes()[..8].try_into().expect("8 bytes"))
+}
+
 /// The stream of `component` for seed index `seed` under `master`.
 pub fn stream(master: u64, seed: u32, component: Component) -> ChaCha20Rng {
     let mut key = [0u8; 32];

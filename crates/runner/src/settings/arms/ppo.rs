@@ -45,11 +45,7 @@ impl Ppo {
     /// The critic of chunk `chunk`: fresh adapters from (critic stream, chunk), v = θ_t or 0.
     fn critic(&self, chunk: u64, theta: &[f64]) -> Result<Critic> {
         let b = &self.backbone;
-        let mut h = blake3::Hasher::new();
-        h.update(b"onepass-critic");
-        h.update(&self.critic_seed.to_le_bytes());
-        h.update(&chunk.to_le_bytes());
-        let seed = u64::from_le_bytes(h.finalize().as_bytes()[..8].try_into().expect("8 bytes"));
+        let seed = crate::world::env::per_chunk_seed(b"onepass-critic", self.critic_seed, chunk);
         let lora = policy::LoraConfig { seed, dropout: 0.0, ..b.lora.clone() };
         let m = PolicyModel::new(b.base.clone(), b.cfg.clone(), &lora, b.max_len, DType::F32)?;
         let head = match self.critic.head {
