@@ -144,6 +144,28 @@ impl Backbone {
         Ok(ids)
     }
 
+    /// Token ids of a written response (e.g. a preference dataset's) as the policy would have
+    /// sampled it: the text's tokens, cut to `max_new_tokens`, closed by the chat format's
+    /// end-of-turn token (`<|im_end|>`, `<|eot_id|>`, else the tokenizer's EOS) when not cut.
+    /// Returns the ids and whether they were cut.
+    pub fn response_ids(&self, text: &str, max_new_tokens: usize) -> Result<(Vec<u32>, bool), Error> {
+        let mut ids = self.tok.encode(text)?;
+        let end = ["<|im_end|>", "<|eot_id|>"]
+            .iter()
+            .find_map(|s| self.tok.inner.token_to_id(s))
+            .or_else(|| self.tok.eos.as_ref().map(|e| e.1));
+        let cut = ids.len() + usize::from(end.is_some()) > max_new_tokens;
+        if cut {
+            ids.truncate(max_new_tokens);
+        } else if let Some(e) = end {
+            ids.push(e);
+        }
+        if ids.is_empty() {
+            return Err(Error::Input("the response tokenizes to nothing".into()));
+        }
+        Ok((ids, cut))
+    }
+
     /// Token ids that end a response: the tokenizer's EOS and the end-of-turn tokens of the
     /// chat formats onepass knows (ChatML `<|im_end|>`, Llama-3 `<|eot_id|>`), where present.
     pub fn stop_ids(&self) -> Vec<u32> {

@@ -48,14 +48,26 @@ pub enum RewardNorm {
 impl RewardNorm {
     /// The rewards as the update sees them.
     pub fn apply(&self, r: &[f64]) -> Vec<f64> {
+        match (*self, self.moments(r)) {
+            (RewardNorm::Chunk { clip }, Some((mean, sd))) => {
+                r.iter().map(|x| ((x - mean) / sd).clamp(-clip, clip)).collect()
+            }
+            // all equal (e.g. θ = 0): no information, every normalised reward 0
+            (RewardNorm::Chunk { .. }, None) => vec![0.0; r.len()],
+            (RewardNorm::None, _) => r.to_vec(),
+        }
+    }
+
+    /// (mean, sd) of `r` that [`RewardNorm::apply`] divides by (population sd); None when it
+    /// does not normalise, or every reward is equal. (0, 1) for `None`.
+    pub fn moments(&self, r: &[f64]) -> Option<(f64, f64)> {
         match *self {
-            RewardNorm::None => r.to_vec(),
-            RewardNorm::Chunk { clip } => {
+            RewardNorm::None => Some((0.0, 1.0)),
+            RewardNorm::Chunk { .. } => {
                 let n = r.len().max(1) as f64;
                 let mean = r.iter().sum::<f64>() / n;
                 let sd = (r.iter().map(|x| (x - mean).powi(2)).sum::<f64>() / n).sqrt();
-                // all equal (e.g. θ = 0): no information, every normalised reward 0
-                r.iter().map(|x| if sd > 0.0 { ((x - mean) / sd).clamp(-clip, clip) } else { 0.0 }).collect()
+                (sd > 0.0).then_some((mean, sd))
             }
         }
     }
@@ -475,6 +487,9 @@ pub struct PpoStats {
     pub critic_grad_norm: f64,
     pub value_mean: f64,
     pub return_mean: f64,
+    /// Wall seconds in the critic (its values before the update, its forward and backward
+    /// passes and Adam steps).
+    pub critic_seconds: f64,
 }
 
 /// One PPO update on `rollouts` (k consecutive samples per prompt; k = 1 for one rollout per
@@ -499,6 +514,7 @@ pub fn ppo_update(
     let mb = cfg.minibatch.max(1);
     let before = score_tokens(actor, rollouts, cfg.kl, mb)?;
     // the critic's values before the update, per token
+    let t0 = std::time::Instant::now();
     let mut old_v: Vec<Vec<f64>> = Vec::with_capacity(rollouts.len());
     for part in rollouts.chunks(mb) {
         let b = batch(&critic.model, part)?;
@@ -510,6 +526,7 @@ pub fn ppo_update(
             at += l;
         }
     }
+    let mut critic_seconds = t0.elapsed().as_secs_f64();
     let r = cfg.reward_norm.apply(rewards);
     let (mut adv, mut ret) = (Vec::with_capacity(r.len()), Vec::with_capacity(r.len()));
     for ((ri, t), v) in r.iter().zip(&before).zip(&old_v) {
@@ -561,11 +578,13 @@ pub fn ppo_update(
             }
             st.actor.grad_norm += actor_opt.step(&avars, &grads)?.grad_norm;
             st.actor.steps += 1;
+            let t1 = std::time::Instant::now();
             let v = critic.values(&b, crate::lora::Pass::ADAPTED)?;
             let (vo, r) = (per_token(idx, &old_v, |v| v, dev)?, per_token(idx, &ret, |r| r, dev)?);
             let closs = value_loss(&v, &vo, &r, &w, cfg.value_clip)?;
             st.critic_loss += closs.to_dtype(candle_core::DType::F64)?.to_scalar::<f64>()?;
             st.critic_grad_norm += critic_opt.step(&cvars, &closs.backward()?)?.grad_norm;
+            critic_seconds += t1.elapsed().as_secs_f64();
         }
     }
     let s = st.actor.steps.max(1) as f64;
@@ -573,5 +592,6 @@ pub fn ppo_update(
     st.actor.grad_norm /= s;
     st.critic_loss /= s;
     st.critic_grad_norm /= s;
+    st.critic_seconds = critic_seconds;
     Ok(st)
 }

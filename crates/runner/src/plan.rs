@@ -38,27 +38,50 @@ pub struct ConfigPlan {
 }
 
 /// A deployed policy resolved for its cells: which arm, and for a learning arm the reward it
-/// reads and its update (the mini-batch seed is the cell's: set by the cell).
+/// reads, its update (the mini-batch seed is the cell's: set by the cell) and its
+/// [`Learning`] (adapter life, rollouts).
 #[derive(Clone, Debug, PartialEq)]
 pub enum ArmPlan {
     BestOfN,
     Fixed,
-    /// `n`: samples per prompt (generate.n), the group each update sees per prompt.
     Rloo {
         reward: RewardSource,
         update: ::policy::train::RlooConfig,
-        n: usize,
+        learning: Learning,
     },
+    /// `pairs`: the strategy's or two fresh rollouts; `warm_start`: DPO on a dataset's pairs
+    /// before the first chunk.
     Dpo {
         update: ::policy::train::DpoConfig,
+        pairs: crate::spec::policy::DpoPairs,
+        warm_start: Option<Box<crate::spec::policy::WarmStart>>,
+        learning: Learning,
     },
-    /// `n` as rloo's; the critic's learning rate and head.
+    /// The critic's learning rate and head.
     Ppo {
         reward: RewardSource,
         update: ::policy::train::PpoConfig,
-        n: usize,
         critic: CriticPlan,
+        learning: Learning,
     },
+}
+
+/// What every learning arm resolves once: its adapter's life across chunks and the rollouts its
+/// update sees.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Learning {
+    pub adapter: crate::spec::AdapterLife,
+    pub rollouts: RolloutPlan,
+}
+
+/// A learning arm's rollouts per chunk: `per_prompt` sequences (0: it reads the strategy's
+/// pairs, no rollouts) on the first `prompts` of the chunk's prompts (None: all), from the
+/// chunk's samples or fresh.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct RolloutPlan {
+    pub per_prompt: usize,
+    pub prompts: Option<usize>,
+    pub source: crate::spec::policy::RolloutSource,
 }
 
 /// A PPO critic's resolved keys.
@@ -69,29 +92,49 @@ pub struct CriticPlan {
 }
 
 impl ArmPlan {
-    /// The arms of `p` under `spec`'s `[policy]`: rloo one per `policy.rloo.reward` source.
+    /// The arms of `p` under `spec`'s `[policy]`: a learning arm one per adapter life of
+    /// `policy.adapter`, rloo and ppo also one per reward source.
     fn of(p: DeployPolicy, spec: &Spec) -> Vec<ArmPlan> {
+        use crate::spec::policy::DpoPairs;
         let default = PolicySpec::default();
         let ps = spec.policy.as_ref().unwrap_or(&default);
+        let n = spec.generate.as_ref().map_or(0, |g| g.n);
+        let learning = |per_prompt: usize| -> Vec<Learning> {
+            let rollouts = RolloutPlan { per_prompt, prompts: ps.prompts_per_update, source: ps.rollouts };
+            ps.adapter.0.iter().map(|&adapter| Learning { adapter, rollouts }).collect()
+        };
+        let mut out = Vec::new();
         match p {
-            DeployPolicy::BestOfN => vec![ArmPlan::BestOfN],
-            DeployPolicy::Fixed => vec![ArmPlan::Fixed],
+            DeployPolicy::BestOfN => out.push(ArmPlan::BestOfN),
+            DeployPolicy::Fixed => out.push(ArmPlan::Fixed),
             DeployPolicy::Rloo => {
-                let n = spec.generate.as_ref().map_or(0, |g| g.n);
-                ps.rloo.reward.0.iter().map(|&reward| ArmPlan::Rloo { reward, update: ps.rloo_update(), n }).collect()
+                for &reward in &ps.rloo.reward.0 {
+                    for learning in learning(ps.rloo.rollouts_per_prompt.unwrap_or(n)) {
+                        out.push(ArmPlan::Rloo { reward, update: ps.rloo_update(), learning });
+                    }
+                }
             }
-            DeployPolicy::Dpo => vec![ArmPlan::Dpo { update: ps.dpo_update() }],
+            DeployPolicy::Dpo => {
+                let per_prompt = if ps.dpo.pairs == DpoPairs::FreshTwo { 2 } else { 0 };
+                for learning in learning(per_prompt) {
+                    out.push(ArmPlan::Dpo {
+                        update: ps.dpo_update(),
+                        pairs: ps.dpo.pairs,
+                        warm_start: ps.dpo.warm_start.clone().map(Box::new),
+                        learning,
+                    });
+                }
+            }
             DeployPolicy::Ppo => {
-                let n = spec.generate.as_ref().map_or(0, |g| g.n);
                 let critic = CriticPlan { lr: ps.ppo.critic_lr, head: ps.ppo.critic_head };
-                ps.ppo
-                    .reward
-                    .0
-                    .iter()
-                    .map(|&reward| ArmPlan::Ppo { reward, update: ps.ppo_update(), n, critic: critic.clone() })
-                    .collect()
+                for &reward in &ps.ppo.reward.0 {
+                    for learning in learning(ps.ppo.rollouts_per_prompt.unwrap_or(n)) {
+                        out.push(ArmPlan::Ppo { reward, update: ps.ppo_update(), critic: critic.clone(), learning });
+                    }
+                }
             }
         }
+        out
     }
 
     pub fn kind(&self) -> DeployPolicy {
@@ -110,6 +153,26 @@ impl ArmPlan {
         match self {
             ArmPlan::Rloo { reward, .. } | ArmPlan::Ppo { reward, .. } => *reward,
             ArmPlan::BestOfN | ArmPlan::Fixed | ArmPlan::Dpo { .. } => RewardSource::Learned,
+        }
+    }
+
+    /// A learning arm's adapter life and rollouts (None for an arm that does not learn).
+    pub fn learning(&self) -> Option<&Learning> {
+        match self {
+            ArmPlan::Rloo { learning, .. } | ArmPlan::Dpo { learning, .. } | ArmPlan::Ppo { learning, .. } => {
+                Some(learning)
+            }
+            ArmPlan::BestOfN | ArmPlan::Fixed => None,
+        }
+    }
+
+    /// The items (sequences, or pairs for dpo) its update sees per prompt: the schedule's
+    /// window over a run counts them.
+    pub fn items_per_prompt(&self) -> usize {
+        match self {
+            ArmPlan::Rloo { learning, .. } | ArmPlan::Ppo { learning, .. } => learning.rollouts.per_prompt,
+            ArmPlan::Dpo { .. } => 1,
+            ArmPlan::BestOfN | ArmPlan::Fixed => 0,
         }
     }
 }
@@ -632,6 +695,35 @@ fn check_policy(spec: &mut Spec, keys: Locator<'_>) -> Result<(), SpecError> {
                 "\"theta\": the critic runs on the policy's backbone, θ is over features.model's φ, and they differ: expected \"zero\" (or features.model = generate.policy)".into(),
             ));
         }
+        let has = |a| spec.deploy.policy.0.contains(&a);
+        if p.dpo.warm_start.is_some() && !has(crate::spec::DeployPolicy::Dpo) {
+            return Err(
+                keys.err(&["policy", "dpo", "warm_start"], "applies only when deploy.policy includes \"dpo\"".into())
+            );
+        }
+        // rollouts from the chunk's samples are the first k of its n
+        let samples = p.rollouts == crate::spec::policy::RolloutSource::Samples;
+        let dpo_two = spec.deploy.policy.0.contains(&crate::spec::DeployPolicy::Dpo)
+            && p.dpo.pairs == crate::spec::policy::DpoPairs::FreshTwo;
+        for (key, k) in [
+            (["policy", "rloo", "rollouts_per_prompt"], p.rloo.rollouts_per_prompt),
+            (["policy", "ppo", "rollouts_per_prompt"], p.ppo.rollouts_per_prompt),
+            (["policy", "dpo", "pairs"], dpo_two.then_some(2)),
+        ] {
+            if let Some(k) = k.filter(|&k| samples && k > g.n) {
+                return Err(keys.err(
+                    &key,
+                    format!("{k} rollouts per prompt from the chunk's samples, but generate.n = {}: expected at most n (or policy.rollouts = \"fresh\")", g.n),
+                ));
+            }
+        }
+        let rloo = spec.deploy.policy.0.contains(&crate::spec::DeployPolicy::Rloo);
+        if rloo && p.rloo.rollouts_per_prompt.is_none() && g.n < 2 {
+            return Err(keys.err(
+                &["policy", "rloo", "rollouts_per_prompt"],
+                format!("defaults to generate.n = {}: rloo needs at least 2 rollouts per prompt", g.n),
+            ));
+        }
         if let Some(m) = p.eval_samples.filter(|m| !m.is_multiple_of(g.n)) {
             return Err(keys.err(
                 &["policy", "eval_samples"],
@@ -691,6 +783,7 @@ fn configs(spec: &Spec, keys: Locator<'_>, arms: &[Arm]) -> Result<Vec<ConfigPla
     let several_rules = spec.setting == Setting::Active && spec.active.rule.0.len() > 1;
     let several_policies = spec.deploy.policy.0.len() > 1;
     let several_sources = spec.policy.as_ref().is_some_and(|p| p.rloo.reward.0.len() > 1 || p.ppo.reward.0.len() > 1);
+    let several_lives = spec.policy.as_ref().is_some_and(|p| p.adapter.0.len() > 1);
     let bounds = Bounds {
         theta_norm_feature_norm_dim: (spec.env.kind == EnvKind::Synthetic).then_some((
             spec.env.theta_norm,
@@ -732,6 +825,9 @@ fn configs(spec: &Spec, keys: Locator<'_>, arms: &[Arm]) -> Result<Vec<ConfigPla
                 }
                 if let (Some(a @ (ArmPlan::Rloo { .. } | ArmPlan::Ppo { .. })), true) = (policy, several_sources) {
                     label = format!("{label} ({} reward)", a.reward());
+                }
+                if let (Some(l), true) = (policy.as_ref().and_then(|a| a.learning()), several_lives) {
+                    label = format!("{label} [{}]", l.adapter);
                 }
                 configs.push(ConfigPlan {
                     config_id: configs.len(),

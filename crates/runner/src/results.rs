@@ -152,6 +152,12 @@ fn reward_source(c: &ConfigPlan) -> String {
     c.arm.as_ref().map(|a| a.reward().to_string()).unwrap_or_default()
 }
 
+/// deploy with a learning policy in the run: a learning cell's adapter life
+/// (policy.adapter; "" for arms that do not learn).
+fn adapter_life(c: &ConfigPlan) -> String {
+    c.arm.as_ref().and_then(|a| a.learning()).map(|l| l.adapter.to_string()).unwrap_or_default()
+}
+
 /// The key columns of a per-cell table: cell_id, config_id, estimator, label, strategy, seed.
 fn keyed<R>(t: Table, rows: &[(&CellOutcome<'_>, &R)]) -> Table {
     t.str("cell_id", rows.iter().map(|(c, _)| c.cell_id.to_string()))
@@ -206,6 +212,7 @@ pub fn write_tables(
     let t = if world.online.is_some() {
         t.str("policy", cells.iter().map(|c| policy_arm(c.config)))
             .str("reward", cells.iter().map(|c| reward_source(c.config)))
+            .str("adapter", cells.iter().map(|c| adapter_life(c.config)))
     } else {
         t
     };
@@ -223,6 +230,7 @@ pub fn write_tables(
     let t = if world.online.is_some() {
         t.str("policy", rows.iter().map(|(c, _)| policy_arm(c.config)))
             .str("reward", rows.iter().map(|(c, _)| reward_source(c.config)))
+            .str("adapter", rows.iter().map(|(c, _)| adapter_life(c.config)))
     } else {
         t
     };
@@ -255,6 +263,7 @@ pub fn write_tables(
         let t = keyed(Table::default(), &rows)
             .str("policy", rows.iter().map(|(c, _)| policy_arm(c.config)))
             .str("reward", rows.iter().map(|(c, _)| reward_source(c.config)))
+            .str("adapter", rows.iter().map(|(c, _)| adapter_life(c.config)))
             .cols(POLICY, &rows, |(_, m)| m)
             .str("policy_digest", rows.iter().map(|(_, r)| r.policy_digest.clone()));
         schemas.push(("policy.parquet".to_string(), t.write(&dir.join("policy.parquet"))?));
@@ -262,6 +271,7 @@ pub fn write_tables(
         let t = keyed(Table::default(), &rows)
             .str("policy", rows.iter().map(|(c, _)| policy_arm(c.config)))
             .str("reward", rows.iter().map(|(c, _)| reward_source(c.config)))
+            .str("adapter", rows.iter().map(|(c, _)| adapter_life(c.config)))
             .cols(POLICY_UPDATES, &rows, |(_, m)| m)
             .str("rollout_digest", rows.iter().map(|(_, r)| r.rollout_digest.clone()))
             .str("updated_digest", rows.iter().map(|(_, r)| r.updated_digest.clone()));

@@ -180,6 +180,8 @@ pub struct PolicyTiming {
     pub phi_s: f64,
     pub estimator_s: f64,
     pub policy_s: f64,
+    /// ppo: the critic's share, apart from policy_s (0 for other arms).
+    pub critic_s: f64,
     pub eval_s: f64,
 }
 
@@ -328,6 +330,7 @@ pub const POLICY_TIMINGS: &[Col<PolicyTiming>] = &[
     Col::F64("phi_s", |r| r.phi_s),
     Col::F64("estimator_s", |r| r.estimator_s),
     Col::F64("policy_s", |r| r.policy_s),
+    Col::F64("critic_s", |r| r.critic_s),
     Col::F64("eval_s", |r| r.eval_s),
 ];
 

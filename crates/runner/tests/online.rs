@@ -230,11 +230,16 @@ fn lr_zero_leaves_the_learning_policies_at_the_base_policy() {
 
 /// run.toml killed (SIGKILL) in the 17th estimator update into `b/`, then resumed: its directory.
 fn killed_and_resumed(p: &Path) -> PathBuf {
+    killed_at_and_resumed(p, "update:17")
+}
+
+/// run.toml killed (SIGKILL) at `failpoint` into `b/`, then resumed: its directory.
+fn killed_at_and_resumed(p: &Path, failpoint: &str) -> PathBuf {
     use std::os::unix::process::ExitStatusExt;
     let out = Command::new(env!("CARGO_BIN_EXE_onepass"))
         .current_dir(p)
         .args(["run", "run.toml", "--out", "b", "--threads", "1"])
-        .env("ONEPASS_FAILPOINT", "update:17")
+        .env("ONEPASS_FAILPOINT", failpoint)
         .output()
         .unwrap();
     assert_eq!(out.status.signal(), Some(9), "{}", String::from_utf8_lossy(&out.stderr));
@@ -387,4 +392,125 @@ fn ppo_moves_the_policy_with_a_critic_per_chunk() {
     for ((a, _, _), v) in curves(&still) {
         assert!(v.iter().all(|x| x.1 == v[0].1 && x.2 == 0.0), "{a} moved with lr = 0: {v:?}");
     }
+}
+
+/// The authors' loop's pieces (issue 29) in one run: ppo on 1 fresh rollout per prompt of the
+/// first prompt of each chunk (`rollouts = "fresh"`, `prompts_per_update = 1`), dpo on two
+/// fresh samples labelled by the oracle after a warm start on a committed preference file, both
+/// with a persistent and a fresh-per-chunk adapter (a sweep: one cell each, named in the label
+/// and the `adapter` column). Checked: every update's step count is that of its rollouts'
+/// size (ppo 1 sequence, epochs 2 → 2 steps; dpo 1 pair; warm start 4 pairs in mini-batches of
+/// 4, 2 epochs → 2 steps); ppo's first chunk generates its fresh rollouts (the policy has not
+/// moved, so its chunk samples come from the bank: only rollouts are generated); the warm
+/// start's mean DPO loss falls below log 2 (its first step is at log 2: the implicit reward
+/// moved toward the chosen responses), and is log 2 with lr = 0 (negative control);
+/// fresh-per-chunk saves chunk-00 … chunk-03 adapters; a run killed in the fresh-per-chunk dpo
+/// cell's second chunk (its warm start and first chunk merged, in its checkpoint) resumes to
+/// the bytes of an uninterrupted run.
+#[test]
+fn authors_rollouts_fresh_two_dpo_and_a_warm_start() {
+    let tmp = setup(0.05);
+    let p = tmp.path();
+    let warm = util::root().join("crates/runner/tests/fixtures/warm-prefs.jsonl");
+    let text = spec(0.05)
+        .replace("policy = [\"best-of-n\", \"rloo\", \"dpo\"]", "policy = [\"ppo\", \"dpo\"]")
+        .replace("strategies = [\"random-pair\", \"best-quantile\"]", "strategies = [\"random-pair\"]")
+        .replace("seeds = 2", "seeds = 1")
+        .replace("[deploy]", "[checkpoint]\nevery_steps = 1\n[deploy]")
+        .replace(
+            "save_adapter = \"every-chunk\"",
+            "save_adapter = \"every-chunk\"\nadapter = [\"persistent\", \"fresh-per-chunk\"]\nrollouts = \"fresh\"\nprompts_per_update = 1",
+        )
+        .replace(
+            "[[estimator]]",
+            &format!(
+                "[policy.ppo]\nrollouts_per_prompt = 1\ncritic_lr = 0.01\n[policy.dpo]\npairs = \"fresh-two\"\n\
+                 [policy.dpo.warm_start]\npath = \"{}\"\nrows = 4\nepochs = 2\n[[estimator]]",
+                warm.display()
+            ),
+        );
+    std::fs::write(p.join("run.toml"), &text).unwrap();
+    let dir = run(p, "a", "1");
+    // cells in order ppo, ppo fresh, dpo, dpo fresh; one estimator update per chunk
+    let resumed = killed_at_and_resumed(p, "update:11");
+    for f in ["policy.parquet", "policy_updates.parquet", "metrics.parquet", "cells.parquet"] {
+        assert!(
+            std::fs::read(dir.join(f)).unwrap() == std::fs::read(resumed.join(f)).unwrap(),
+            "{f} differs after resume"
+        );
+    }
+    let cells = table(&dir.join("cells.parquet"));
+    let (labels, lives) = (strs(&cells, "label"), strs(&cells, "adapter"));
+    assert_eq!(labels.len(), 4, "2 arms × 2 adapter lives: {labels:?}");
+    for (l, a) in labels.iter().zip(&lives) {
+        assert!(l.ends_with(&format!("[{a}]")), "{l} names its adapter life {a}");
+    }
+    let t = table(&dir.join("policy_updates.parquet"));
+    let (arm, chunk, steps) = (strs(&t, "policy"), u64s(&t, "chunk"), u64s(&t, "update_steps"));
+    let (pairs, dropped, loss) = (u64s(&t, "pairs"), u64s(&t, "dropped_pairs"), f64s(&t, "update_loss"));
+    let mut warm_rows = 0;
+    for i in 0..arm.len() {
+        match (arm[i].as_str(), chunk[i]) {
+            ("ppo", 0) => panic!("ppo has no warm start"),
+            ("ppo", _) => assert_eq!(steps[i], 2, "ppo chunk {}: 1 rollout, 2 epochs", chunk[i]),
+            ("dpo", 0) => {
+                warm_rows += 1;
+                assert_eq!((pairs[i], steps[i]), (4, 2), "the warm start's pairs and steps");
+                assert!(loss[i] < std::f64::consts::LN_2 - 1e-4, "warm start loss {} ≥ log 2", loss[i]);
+            }
+            ("dpo", _) => {
+                assert_eq!(pairs[i] + dropped[i], 1, "dpo chunk {}: one fresh pair", chunk[i]);
+                assert_eq!(steps[i], 2 * pairs[i], "dpo chunk {}: a step per epoch when the pair counts", chunk[i]);
+            }
+            (a, _) => panic!("unexpected arm {a}"),
+        }
+    }
+    assert_eq!(warm_rows, 2, "one warm start per dpo cell");
+    let tt = table(&dir.join("policy_timings.parquet"));
+    let (tarm, tchunk, gen, critic) =
+        (strs(&tt, "policy"), u64s(&tt, "chunk"), f64s(&tt, "generation_s"), f64s(&tt, "critic_s"));
+    for i in 0..tarm.len() {
+        if tarm[i] == "ppo" && tchunk[i] == 1 {
+            assert!(gen[i] > 0.0, "ppo's first chunk generated its fresh rollouts");
+        }
+        assert_eq!(tarm[i] == "ppo" && tchunk[i] > 0, critic[i] > 0.0, "{} chunk {}: critic time", tarm[i], tchunk[i]);
+    }
+    let mut saved: Vec<String> = walk(&dir.join("adapters"))
+        .into_iter()
+        .filter(|f| f.ends_with("adapter_model.safetensors"))
+        .map(|f| {
+            f.strip_prefix(dir.join("adapters"))
+                .unwrap()
+                .parent()
+                .unwrap()
+                .file_name()
+                .unwrap()
+                .to_string_lossy()
+                .into_owned()
+        })
+        .collect();
+    saved.sort();
+    assert!(saved.iter().filter(|d| *d == "chunk-00").count() == 2, "each dpo cell saves its warm start: {saved:?}");
+    assert_eq!(saved.iter().filter(|d| *d == "chunk-03").count(), 4, "every cell's last chunk: {saved:?}");
+    // negative control: lr = 0, the warm start's loss stays log 2
+    std::fs::write(p.join("run.toml"), text.replace("lr = 0.05", "lr = 0.0")).unwrap();
+    let still = run(p, "c", "2");
+    let t = table(&still.join("policy_updates.parquet"));
+    let (arm, chunk, loss) = (strs(&t, "policy"), u64s(&t, "chunk"), f64s(&t, "update_loss"));
+    for i in (0..arm.len()).filter(|&i| arm[i] == "dpo" && chunk[i] == 0) {
+        assert!((loss[i] - std::f64::consts::LN_2).abs() < 1e-6, "lr = 0: warm start loss {}", loss[i]);
+    }
+}
+
+fn walk(d: &Path) -> Vec<PathBuf> {
+    let mut out = Vec::new();
+    for e in std::fs::read_dir(d).unwrap() {
+        let p = e.unwrap().path();
+        if p.is_dir() {
+            out.extend(walk(&p));
+        } else {
+            out.push(p);
+        }
+    }
+    out
 }

@@ -115,10 +115,20 @@ pub(super) fn deploy_chunked(
         None => None,
     };
     // the policy before any update (a resumed cell has this row already)
-    if let (Some(pc), true) = (&pc, pr.policy_rows.is_empty()) {
+    // then a dpo warm start, before the first chunk
+    if let (Some(pc), true) = (&mut pc, pr.policy_rows.is_empty()) {
         let t0 = Instant::now();
         pr.policy_rows.push(pc.evaluate(0, l.theta(), d)?);
-        pr.policy_times.push(PolicyTiming { chunk: 0, eval_s: t0.elapsed().as_secs_f64(), ..Default::default() });
+        let mut time = PolicyTiming { chunk: 0, eval_s: t0.elapsed().as_secs_f64(), ..Default::default() };
+        let (digest, t1) = (pc.digest()?, Instant::now());
+        if let Some(up) = pc.warm_start()? {
+            time.policy_s = t1.elapsed().as_secs_f64();
+            pr.policy_updates.push(PolicyCell::update_row(0, digest, pc.digest()?, &[], l.theta(), d, &up));
+            if let Some(a) = pc.adapter(0, chunks as u64)? {
+                pr.adapters.push(a);
+            }
+        }
+        pr.policy_times.push(time);
     }
     drive(chunks as u64, &mut pr, l, ctx, |t, last, pr, l| {
         let c = (t - 1) as usize;
@@ -206,9 +216,11 @@ pub(super) fn deploy_chunked(
         row.oracle_ties = Some(pr.oracle_ties);
         pr.rows.push(row);
         if let Some(pc) = &mut pc {
-            let t1 = Instant::now();
-            let up = pc.update(t, xs, &samples, &contexts, &labelled, l.theta(), d)?;
-            time.policy_s = t1.elapsed().as_secs_f64();
+            let (t1, rollout_s) = (Instant::now(), time.generation_s + time.phi_s);
+            let up = pc.update(t, xs, &samples, &contexts, &labelled, l.theta(), d, g, &mut time)?;
+            // the policy's own time: less fresh rollouts' generation and φ, less the critic
+            time.critic_s = up.as_ref().and_then(|u| u.critic).map_or(0.0, |c| c.seconds);
+            time.policy_s = t1.elapsed().as_secs_f64() - (time.generation_s + time.phi_s - rollout_s) - time.critic_s;
             if let Some(up) = &up {
                 let row = PolicyCell::update_row(t, rollout_digest, pc.digest()?, &contexts, l.theta(), d, up);
                 pr.policy_updates.push(row);

@@ -11,9 +11,10 @@
 //! fixed) are evaluated on the base policy's samples of those streams, so every arm of a seed
 //! is measured on the same prompts and streams.
 
-use super::arms::{self, Arm, Chunk, Labelled, Update};
-use crate::plan::ArmPlan;
+use super::arms::{self, Arm, Chunk, Labelled, Rollouts, Update};
+use crate::plan::{ArmPlan, Learning};
 use crate::rows::{AdapterFiles, PolicyRow, PolicyTiming, UpdateRow};
+use crate::spec::policy::RolloutSource;
 use crate::spec::{AdapterLife, KlReference, LrRestart, SaveAdapter, Spec};
 use crate::world::env::{argmax, dot, per_chunk_seed, seed_of, Component, Context, Env};
 use crate::world::generated::{conversation, Generated};
@@ -52,6 +53,15 @@ pub(super) struct PolicyCell<'a> {
     seed: usize,
     /// The adapters' stream (their first draw; fresh adapters derive theirs per chunk).
     policy_seed: u64,
+    /// A learning arm's adapter life and rollouts, and the fresh rollouts' stream (the seed
+    /// index's: every arm of a seed draws its fresh rollouts with the same numbers).
+    learning: Option<Learning>,
+    rollout_seed: u64,
+    /// dpo with `[policy.dpo.warm_start]`: the warm start's update (its epochs, mini-batch
+    /// stream and a window of its own).
+    warm: Option<policy::train::DpoConfig>,
+    /// A fresh-per-chunk adapter's PEFT files, kept at its merge for `save_adapter`.
+    merged_adapter: Option<(Vec<u8>, String)>,
 }
 
 impl<'a> PolicyCell<'a> {
@@ -70,24 +80,47 @@ impl<'a> PolicyCell<'a> {
         }
         let ps = &online.spec;
         // the schedule's window: each update's steps, or the run's (Σ over the chunks of the
-        // steps of an update that sees every prompt's items)
+        // steps of an update that sees its items on every prompt it updates on)
         let (prompts, chunks) = (online.prompt_ids.len(), spec.deploy.chunks.max(1));
-        let window = |per_prompt: usize| match ps.lr_restart {
+        let learning = plan.learning().cloned();
+        let cap = learning.as_ref().filter(|l| l.rollouts.per_prompt > 0).and_then(|l| l.rollouts.prompts);
+        let window = match ps.lr_restart {
             LrRestart::Chunk => LrWindow::Update,
             LrRestart::Run => LrWindow::Run {
                 total: (0..chunks)
                     .map(|c| {
-                        let r = super::deploy::chunk_range(c, prompts, chunks);
-                        policy::train::update_steps(r.len() * per_prompt, ps.minibatch, ps.epochs)
+                        let r = super::deploy::chunk_range(c, prompts, chunks).len();
+                        let p = cap.map_or(r, |cap| r.min(cap));
+                        policy::train::update_steps(p * plan.items_per_prompt(), ps.minibatch, ps.epochs)
                     })
                     .sum(),
             },
         };
-        let arm = arms::build(plan, spec.master_seed, seed, &window, online);
+        let arm = arms::build(plan, spec.master_seed, seed, window, online);
         let learns = arm.learns();
         let policy_seed = seed_of(spec.master_seed, seed, Component::Policy);
-        let mut cell =
-            PolicyCell { online, arm, learner: None, moved: false, base_model, seed: seed as usize, policy_seed };
+        let warm = match plan {
+            ArmPlan::Dpo { update, warm_start: Some(w), .. } => Some(policy::train::DpoConfig {
+                epochs: w.epochs,
+                seed: per_chunk_seed(b"onepass-warm-start", policy_seed, 0),
+                lr_window: LrWindow::Update,
+                ..update.clone()
+            }),
+            _ => None,
+        };
+        let mut cell = PolicyCell {
+            online,
+            arm,
+            learner: None,
+            moved: false,
+            base_model,
+            seed: seed as usize,
+            policy_seed,
+            learning,
+            rollout_seed: seed_of(spec.master_seed, seed, Component::Rollouts),
+            warm,
+            merged_adapter: None,
+        };
         if learns {
             let lora = online.spec.lora(policy_seed);
             let mut m = PolicyModel::new(online.base.clone(), online.cfg.clone(), &lora, online.max_len, DType::F32)?;
@@ -189,10 +222,99 @@ impl<'a> PolicyCell<'a> {
         self.arm.deploy(truth, est)
     }
 
-    /// The policy step after θ's update on chunk `chunk` (the arm's [`Arm::update`]), then the
-    /// adapter's life cycle for the next chunk: a fresh-per-chunk adapter is merged and
-    /// redrawn (with a fresh Adam), a chunk-start KL reference moves to the updated policy.
-    /// None when the policy does not learn.
+    /// The arm's rollouts on chunk `chunk` (`plan::RolloutPlan`): the first k of each of the
+    /// first P prompts' samples, or k fresh samples of those prompts from the current policy
+    /// (their generation and φ timed into `time`). Empty for an arm without rollouts.
+    #[allow(clippy::too_many_arguments)]
+    fn rollouts(
+        &self,
+        chunk: u64,
+        xs: &[usize],
+        samples: &[Vec<Sample>],
+        contexts: &[Context],
+        d: usize,
+        g: &Generated,
+        time: &mut PolicyTiming,
+    ) -> Result<Rollouts> {
+        let Some(plan) = self.learning.as_ref().map(|l| l.rollouts).filter(|r| r.per_prompt > 0) else {
+            return Ok(Rollouts::default());
+        };
+        let (k, p) = (plan.per_prompt, plan.prompts.map_or(xs.len(), |p| p.min(xs.len())));
+        let at: Vec<usize> = (0..p).collect();
+        match plan.source {
+            RolloutSource::Samples => {
+                if let Some(i) = at.iter().position(|&i| samples[i].len() < k) {
+                    return Err(anyhow!(
+                        "{k} rollouts per prompt, but prompt {i} of the chunk has {}",
+                        samples[i].len()
+                    ));
+                }
+                let samples = at.iter().map(|&i| samples[i][..k].to_vec()).collect();
+                let contexts = at
+                    .iter()
+                    .map(|&i| Context {
+                        phi: contexts[i].phi[..k * d].to_vec(),
+                        reward: contexts[i].reward.as_ref().map(|r| r[..k].to_vec()),
+                    })
+                    .collect();
+                Ok(Rollouts { at, samples, contexts })
+            }
+            RolloutSource::Fresh => {
+                let t0 = Instant::now();
+                let prompts: Vec<Vec<features::Message>> = xs[..p].iter().map(|&x| g.prompts[x].clone()).collect();
+                let seed = per_chunk_seed(b"onepass-rollouts", self.rollout_seed, chunk);
+                let opts = features::generate::SampleOptions { n: k, seed, ..self.online.opts.clone() };
+                let (samples, _) = self.sample(&prompts, &opts, None, false)?;
+                time.generation_s += t0.elapsed().as_secs_f64();
+                let t1 = Instant::now();
+                let refs: Vec<&[features::Message]> = prompts.iter().map(|p| p.as_slice()).collect();
+                let contexts = self.contexts(&refs, &samples)?;
+                time.phi_s += t1.elapsed().as_secs_f64();
+                Ok(Rollouts { at, samples, contexts })
+            }
+        }
+    }
+
+    /// dpo with a warm start: DPO on `[policy.dpo.warm_start]`'s pairs before the first chunk,
+    /// with an Adam of its own; then the adapter's life cycle as after a chunk (a
+    /// fresh-per-chunk adapter is merged, a chunk-start reference moves) and a fresh Adam for
+    /// the chunks. None without a warm start.
+    pub(super) fn warm_start(&mut self) -> Result<Option<Update>> {
+        let (Some(cfg), Some((m, _))) = (&self.warm, &self.learner) else { return Ok(None) };
+        let w = &self.online.warm_start;
+        let prefs: Vec<policy::train::Preference> = w
+            .iter()
+            .map(|p| policy::train::Preference { prompt: &p.prompt, chosen: &p.chosen, rejected: &p.rejected })
+            .collect();
+        let mut adam = m.adam(self.online.spec.adam())?;
+        let stats = policy::train::dpo_update(m, &mut adam, &prefs, cfg)?;
+        self.moved |= stats.steps > 0;
+        self.after_update(0)?;
+        Ok(Some(Update { stats, pairs: prefs.len() as u64, dropped: 0, critic: None }))
+    }
+
+    /// The adapter's life cycle after the update of chunk `chunk` (0: the warm start): a
+    /// fresh-per-chunk adapter is merged (its PEFT files kept when saved) and redrawn, with a
+    /// fresh Adam; a chunk-start KL reference moves to the updated policy.
+    fn after_update(&mut self, chunk: u64) -> Result<()> {
+        let Some((m, adam)) = &mut self.learner else { return Ok(()) };
+        let ps = &self.online.spec;
+        if self.learning.as_ref().is_some_and(|l| l.adapter == AdapterLife::FreshPerChunk) {
+            if ps.save_adapter != SaveAdapter::None {
+                self.merged_adapter = Some(policy::peft::encode(m, &self.base_model)?);
+            }
+            m.merge_and_reset(per_chunk_seed(b"onepass-fresh-adapter", self.policy_seed, chunk))?;
+            *adam = m.adam(ps.adam())?;
+        }
+        if ps.kl_reference == KlReference::ChunkStart {
+            m.reference_here()?;
+        }
+        Ok(())
+    }
+
+    /// The policy step after θ's update on chunk `chunk` (the arm's [`Arm::update`] on its
+    /// rollouts, their generation and φ timed into `time`), then the adapter's life cycle for
+    /// the next chunk ([`PolicyCell::after_update`]). None when the policy does not learn.
     #[allow(clippy::too_many_arguments)]
     pub(super) fn update(
         &mut self,
@@ -203,19 +325,19 @@ impl<'a> PolicyCell<'a> {
         pairs: &[Labelled],
         theta: &[f64],
         d: usize,
+        g: &Generated,
+        time: &mut PolicyTiming,
     ) -> Result<Option<Update>> {
+        if self.learner.is_none() {
+            return Ok(None);
+        }
+        let rollouts = self.rollouts(chunk, xs, samples, contexts, d, g, time)?;
         let Some((m, adam)) = &mut self.learner else { return Ok(None) };
         let prompts = xs.iter().map(|&x| self.online.prompt_ids[x].as_slice()).collect();
-        let up = self.arm.update(m, adam, &Chunk { index: chunk, prompts, samples, contexts, pairs, theta, d })?;
+        let c = Chunk { index: chunk, prompts, samples, pairs, rollouts: &rollouts, theta, d };
+        let up = self.arm.update(m, adam, &c)?;
         self.moved |= up.stats.steps > 0;
-        let ps = &self.online.spec;
-        if ps.adapter == AdapterLife::FreshPerChunk {
-            m.merge_and_reset(per_chunk_seed(b"onepass-fresh-adapter", self.policy_seed, chunk))?;
-            *adam = m.adam(ps.adam())?;
-        }
-        if ps.kl_reference == KlReference::ChunkStart {
-            m.reference_here()?;
-        }
+        self.after_update(chunk)?;
         Ok(Some(up))
     }
 
@@ -241,8 +363,9 @@ impl<'a> PolicyCell<'a> {
             chunk,
             rollout_digest,
             updated_digest,
-            rollout_oracle_reward: oracle / n.max(1) as f64,
-            rollout_learned_reward: learned / n.max(1) as f64,
+            // NaN: an update without the chunk's samples (a warm start)
+            rollout_oracle_reward: if n == 0 { f64::NAN } else { oracle / n as f64 },
+            rollout_learned_reward: if n == 0 { f64::NAN } else { learned / n as f64 },
             update_reward: s.reward,
             update_loss: s.loss,
             update_grad_norm: s.grad_norm,
@@ -321,8 +444,10 @@ impl<'a> PolicyCell<'a> {
         Ok(row)
     }
 
-    /// The adapters after chunk `chunk` (of `chunks`) when policy.save_adapter asks for them;
-    /// `dir` relative to the cell's adapter directory.
+    /// The adapters after chunk `chunk` (of `chunks`; 0: after a warm start) when
+    /// policy.save_adapter asks for them; `dir` relative to the cell's adapter directory. A
+    /// fresh-per-chunk policy saves each chunk's adapter as it was merged: the policy after
+    /// chunk t is the base with chunk-00 (a warm start), chunk-01, …, chunk-t merged in order.
     pub(super) fn adapter(&self, chunk: u64, chunks: u64) -> Result<Option<AdapterFiles>> {
         let Some((m, _)) = &self.learner else { return Ok(None) };
         let dir = match self.online.spec.save_adapter {
@@ -331,7 +456,11 @@ impl<'a> PolicyCell<'a> {
             SaveAdapter::Last => String::new(),
             SaveAdapter::EveryChunk => format!("chunk-{chunk:02}"),
         };
-        let (safetensors, config) = policy::peft::encode(m, &self.base_model)?;
+        // a fresh-per-chunk adapter was merged and redrawn after the update: its files were kept
+        let (safetensors, config) = match &self.merged_adapter {
+            Some(files) => files.clone(),
+            None => policy::peft::encode(m, &self.base_model)?,
+        };
         Ok(Some(AdapterFiles { dir, safetensors, config }))
     }
 }

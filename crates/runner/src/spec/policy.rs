@@ -73,6 +73,62 @@ pub enum AdapterLife {
     FreshPerChunk,
 }
 
+impl std::fmt::Display for AdapterLife {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            AdapterLife::Persistent => "persistent",
+            AdapterLife::FreshPerChunk => "fresh-per-chunk",
+        })
+    }
+}
+
+/// Where a learning arm's rollouts (the sequences its update scores) come from.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum RolloutSource {
+    /// The first `rollouts_per_prompt` of the chunk's n samples — the ones the reward model's
+    /// pairs were picked from (draws of the same policy).
+    Samples,
+    /// `rollouts_per_prompt` new samples per prompt from the policy, on a stream of their own
+    /// (per seed and chunk; the same for every arm of a seed): the authors' PPO generates its
+    /// rollouts apart from the reward model's samples. φ and the oracle score them.
+    Fresh,
+}
+
+/// The pairs the dpo arm learns from.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum DpoPairs {
+    /// The pair the deploy strategy picked among a prompt's n samples, with its label.
+    Strategy,
+    /// The authors' DPO arm: the first two of each prompt's rollouts (`[policy] rollouts`),
+    /// chosen = the oracle's higher reward (their argmax labels); equal rewards or identical
+    /// responses are dropped and counted.
+    FreshTwo,
+}
+
+/// `[policy.dpo.warm_start]`: DPO on the first `rows` pairs of a preference dataset before the
+/// first chunk (the authors' DPO arm: 1,000 UltraFeedback train_prefs pairs), read as `[data]`
+/// reads (`path`, `format`, `keys`). Prompts are templated by the policy; each response is
+/// tokenised and cut to generate.max_new_tokens (an end-of-turn token closes the ones not cut).
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct WarmStart {
+    pub path: String,
+    #[serde(default = "d_format")]
+    pub format: super::Format,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub keys: Option<super::data::Keys>,
+    pub rows: usize,
+    /// Passes over the pairs (mini-batches of `[policy] minibatch`).
+    #[serde(default = "d_epochs")]
+    pub epochs: usize,
+}
+
+fn d_format() -> super::Format {
+    super::Format::Auto
+}
+
 /// The policy the KL penalty (and the evaluation's KL) is measured against.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "kebab-case")]
@@ -145,8 +201,9 @@ pub struct PolicySpec {
     pub lr_restart: LrRestart,
     /// "persistent" (one adapter over the run) or "fresh-per-chunk" (merged after each chunk,
     /// a fresh one for the next: the authors'); the KL reference "initial" or "chunk-start".
+    /// A list sweeps: one cell per life (e.g. ["persistent", "fresh-per-chunk"]).
     #[serde(default = "d_adapter")]
-    pub adapter: AdapterLife,
+    pub adapter: Sweep<AdapterLife>,
     #[serde(default = "d_kl_reference")]
     pub kl_reference: KlReference,
     /// Passes over a chunk's samples (pairs, for dpo), in mini-batches of `minibatch`
@@ -156,6 +213,14 @@ pub struct PolicySpec {
     pub epochs: usize,
     #[serde(default = "d_minibatch")]
     pub minibatch: usize,
+    /// The rollouts a learning arm's update sees (rloo and ppo: `rollouts_per_prompt` of their
+    /// tables per prompt; dpo with pairs = "fresh-two": 2): from the chunk's samples or fresh
+    /// (see [`RolloutSource`]), on the first `prompts_per_update` of the chunk's prompts
+    /// (default: all; the authors' PPO: 16 of a chunk's 20).
+    #[serde(default = "d_rollouts")]
+    pub rollouts: RolloutSource,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub prompts_per_update: Option<usize>,
     /// The KL estimator of the evaluation's KL to the reference (and of rloo's penalty).
     #[serde(default = "d_kl")]
     pub kl_estimator: KlEstimator,
@@ -223,6 +288,9 @@ pub struct PpoSpec {
     pub critic_head: CriticHead,
     #[serde(default = "d_true")]
     pub normalize_advantages: bool,
+    /// Rollouts per prompt (default generate.n; the authors' PPO: 1).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub rollouts_per_prompt: Option<usize>,
 }
 
 impl Default for PpoSpec {
@@ -252,6 +320,9 @@ pub struct RlooSpec {
     pub clip: f64,
     #[serde(default = "d_true")]
     pub normalize_advantages: bool,
+    /// Rollouts per prompt, ≥ 2 (the leave-one-out baseline; default generate.n).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub rollouts_per_prompt: Option<usize>,
 }
 
 impl Default for RlooSpec {
@@ -260,12 +331,16 @@ impl Default for RlooSpec {
     }
 }
 
-/// `[policy.dpo]`: β of the DPO loss.
+/// `[policy.dpo]`: β of the DPO loss, the pairs it learns from, and a warm start.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct DpoSpec {
     #[serde(default = "d_dpo_beta")]
     pub beta: f64,
+    #[serde(default = "d_dpo_pairs")]
+    pub pairs: DpoPairs,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub warm_start: Option<WarmStart>,
 }
 
 impl Default for DpoSpec {
@@ -303,16 +378,18 @@ impl Targets {
     }
 }
 
-/// A reward-source sweep: at least one, none twice.
-fn sources(s: &Sweep<RewardSource>) -> Result<(), String> {
+/// A sweep of named choices (reward sources, adapter lives): at least one, none twice.
+fn sources<T: PartialEq + std::fmt::Display>(s: &Sweep<T>, names: &str) -> Result<(), String> {
     if s.0.is_empty() {
-        return Err("an empty list: expected at least one of learned, oracle, null".into());
+        return Err(format!("an empty list: expected at least one of {names}"));
     }
     if let Some(i) = (1..s.0.len()).find(|&i| s.0[..i].contains(&s.0[i])) {
         return Err(format!("`{}` is listed twice (entry {i})", s.0[i]));
     }
     Ok(())
 }
+
+const REWARDS: &str = "learned, oracle, null";
 
 fn positive(v: f64) -> Result<(), String> {
     if v.is_finite() && v > 0.0 {
@@ -342,19 +419,34 @@ impl PolicySpec {
         self.check_shared().map_err(|(k, m)| (vec![k], m))?;
         let r = &self.rloo;
         let at = |k: &'static str| move |m: String| (vec!["rloo", k], m);
-        sources(&r.reward).map_err(at("reward"))?;
+        sources(&r.reward, REWARDS).map_err(at("reward"))?;
         positive(r.reward_clip).map_err(at("reward_clip"))?;
         nonnegative(r.kl_coef).map_err(at("kl_coef"))?;
         nonnegative(r.clip).map_err(at("clip"))?;
+        if r.rollouts_per_prompt.is_some_and(|k| k < 2) {
+            return Err(at("rollouts_per_prompt")("expected at least 2 (the leave-one-out baseline)".into()));
+        }
         positive(self.dpo.beta).map_err(|m| (vec!["dpo", "beta"], m))?;
+        if let Some(w) = &self.dpo.warm_start {
+            let at = |k: &'static str| move |m: String| (vec!["dpo", "warm_start", k], m);
+            if w.rows == 0 {
+                return Err(at("rows")("expected at least 1".into()));
+            }
+            if w.epochs == 0 {
+                return Err(at("epochs")("expected at least 1".into()));
+            }
+        }
         let p = &self.ppo;
         let at = |k: &'static str| move |m: String| (vec!["ppo", k], m);
-        sources(&p.reward).map_err(at("reward"))?;
+        sources(&p.reward, REWARDS).map_err(at("reward"))?;
         positive(p.reward_clip).map_err(at("reward_clip"))?;
         nonnegative(p.kl_coef).map_err(at("kl_coef"))?;
         nonnegative(p.clip).map_err(at("clip"))?;
         nonnegative(p.value_clip).map_err(at("value_clip"))?;
         nonnegative(p.critic_lr).map_err(at("critic_lr"))?;
+        if p.rollouts_per_prompt == Some(0) {
+            return Err(at("rollouts_per_prompt")("expected at least 1".into()));
+        }
         for (k, v) in [("gamma", p.gamma), ("lambda", p.lambda)] {
             if !(v.is_finite() && (0.0..=1.0).contains(&v)) {
                 return Err(at(k)(format!("{v}: expected 0 ≤ {k} ≤ 1")));
@@ -393,10 +485,14 @@ impl PolicySpec {
             return Err(("eval_samples", "expected at least 1".into()));
         }
         one("eval_every_chunks", self.eval_every_chunks)?;
-        if self.adapter == AdapterLife::FreshPerChunk && self.save_adapter != SaveAdapter::None {
+        if self.prompts_per_update == Some(0) {
+            return Err(("prompts_per_update", "expected at least 1".into()));
+        }
+        sources(&self.adapter, "persistent, fresh-per-chunk").map_err(|m| ("adapter", m))?;
+        if self.adapter.0.contains(&AdapterLife::FreshPerChunk) && self.save_adapter == SaveAdapter::Last {
             return Err((
                 "save_adapter",
-                "with adapter = \"fresh-per-chunk\" the policy is merged weights, not one adapter: expected \"none\""
+                "\"last\" with adapter = \"fresh-per-chunk\": that policy is the base with every chunk's adapter merged in order, not one adapter: expected \"every-chunk\" or \"none\""
                     .into(),
             ));
         }
@@ -497,8 +593,14 @@ fn d_lambda() -> f64 {
 fn d_critic_head() -> CriticHead {
     CriticHead::Theta
 }
-fn d_adapter() -> AdapterLife {
-    AdapterLife::Persistent
+fn d_adapter() -> Sweep<AdapterLife> {
+    Sweep::one(AdapterLife::Persistent)
+}
+fn d_rollouts() -> RolloutSource {
+    RolloutSource::Samples
+}
+fn d_dpo_pairs() -> DpoPairs {
+    DpoPairs::Strategy
 }
 fn d_kl_reference() -> KlReference {
     KlReference::Initial

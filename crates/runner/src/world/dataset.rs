@@ -95,16 +95,16 @@ fn file_blake3(p: &std::path::Path) -> Result<String> {
     Ok(h.finalize().to_hex().to_string())
 }
 
-/// The files a `path` names (local file or pattern, or hub dataset files).
+/// The files a `path` names (local file or pattern, or hub dataset files); errors name `key`
+/// (its full path in the spec, e.g. `data.path`).
 pub fn resolve_files(key: &str, raw: &str) -> Result<Vec<PathBuf>> {
-    let s = expand_env(raw).map_err(|m| anyhow!("data.{key}: {m}"))?;
+    let s = expand_env(raw).map_err(|m| anyhow!("{key}: {m}"))?;
     match s.strip_prefix("hf:datasets/") {
         Some(rest) => {
-            let spec = features::hub::HubDataset::parse(rest).map_err(|e| anyhow!("data.{key}: {e}"))?;
-            features::hub::dataset_files(&spec, &features::hub::HubEnv::from_env())
-                .map_err(|e| anyhow!("data.{key}: {e}"))
+            let spec = features::hub::HubDataset::parse(rest).map_err(|e| anyhow!("{key}: {e}"))?;
+            features::hub::dataset_files(&spec, &features::hub::HubEnv::from_env()).map_err(|e| anyhow!("{key}: {e}"))
         }
-        None => expand_glob(std::path::Path::new(&s)).map_err(|e| anyhow!("data.{key}: {e:#}")),
+        None => expand_glob(std::path::Path::new(&s)).map_err(|e| anyhow!("{key}: {e:#}")),
     }
 }
 
@@ -144,7 +144,7 @@ fn overlap(train: &[Pair], eval: &[Pair]) -> usize {
 
 /// Reads, selects, splits and extracts: the pairs every cell of the run shares.
 pub fn load(d: &DataSpec, progress: Mode) -> Result<(PairData, DataReport)> {
-    let files = resolve_files("path", &d.path)?;
+    let files = resolve_files("data.path", &d.path)?;
     let path = files[0].clone();
     let opts = ReadOptions {
         format: Some(d.format),
@@ -175,7 +175,7 @@ pub fn load(d: &DataSpec, progress: Mode) -> Result<(PairData, DataReport)> {
     };
     let (train, eval, eval_file) = match &d.eval_path {
         Some(e) => {
-            let ef = resolve_files("eval_path", e)?;
+            let ef = resolve_files("data.eval_path", e)?;
             let r = read_dataset(&ef, &ReadOptions { limit: d.eval_rows, ..opts.clone() })?;
             skipped += r.skipped;
             skipped_examples.extend(r.skipped_examples);

@@ -33,6 +33,9 @@ pub enum Component {
     NullReward = 9,
     /// A PPO critic's adapters (a fresh draw per chunk from this stream and the chunk).
     Critic = 10,
+    /// Fresh rollouts of a learning arm (`policy.rollouts = "fresh"`; per chunk; shared by the
+    /// arms of a seed: common random numbers).
+    Rollouts = 11,
 }
 
 /// A stream's seed for one chunk: blake3 of (`tag`, `seed`, `chunk`), first 8 bytes (a fresh

@@ -202,7 +202,7 @@ fn reward_spread(r: &[f64], k: usize) -> (f64, f64) {
 /// Generates (or reads from the cache), computes φ and scores every response; the last
 /// `holdout` prompts read (after the first `rows`) are kept aside, not generated for.
 pub fn build(g: &GenerateSpec, f: &FeatureSpec, o: &OracleSpec, holdout: usize, progress: Mode) -> Result<Generated> {
-    let files = resolve_files("prompts", &g.prompts).map_err(|e| anyhow!("{e:#}").context("generate.prompts"))?;
+    let files = resolve_files("data.prompts", &g.prompts).map_err(|e| anyhow!("{e:#}").context("generate.prompts"))?;
     let mut prompts = super::datasets::read_prompts(&files, &g.prompt_key, g.rows.map(|r| r + holdout))?;
     if let Some(r) = g.rows {
         if prompts.len() < r + holdout {

@@ -41,8 +41,65 @@ pub struct Online {
     /// generator with the seed's streams: every policy's evaluation before its first update,
     /// and the evaluation of the arms whose policy does not learn.
     pub eval_base: Vec<Vec<Vec<Sample>>>,
+    /// `[policy.dpo.warm_start]`'s pairs, tokenised for the policy (empty without one).
+    pub warm_start: Vec<WarmPair>,
     phi: Mutex<Phi>,
     oracle: Oracle,
+}
+
+/// A preference pair as the policy scores it: the templated prompt, the chosen and rejected
+/// responses' ids (see `Backbone::response_ids`).
+#[derive(Clone, Debug)]
+pub struct WarmPair {
+    pub prompt: Vec<u32>,
+    pub chosen: Vec<u32>,
+    pub rejected: Vec<u32>,
+}
+
+/// The first `w.rows` pairs of the warm start's dataset, tokenised by `policy`: each side's last
+/// message is its response, the messages before it (the chosen side's) the prompt. A prompt
+/// over `max_prompt_tokens` is an error naming its row.
+fn warm_pairs(
+    w: &crate::spec::policy::WarmStart,
+    policy: &Backbone,
+    max_prompt_tokens: usize,
+    max_new_tokens: usize,
+) -> Result<Vec<WarmPair>> {
+    use super::datasets::{read_dataset, ReadOptions};
+    let key = "policy.dpo.warm_start";
+    let files = super::dataset::resolve_files(&format!("{key}.path"), &w.path)?;
+    let o = ReadOptions {
+        format: Some(w.format),
+        keys: w.keys.clone().unwrap_or_default(),
+        limit: Some(w.rows),
+        skip_malformed: false,
+    };
+    let pairs = read_dataset(&files, &o).with_context(|| format!("{key}.path"))?.pairs;
+    if pairs.len() < w.rows {
+        return Err(anyhow!("{key}.rows = {}, but {} holds only {} pairs", w.rows, w.path, pairs.len()));
+    }
+    pairs
+        .iter()
+        .map(|p| {
+            let row = |m: String| anyhow!("{key}: row {}: {m}", p.row);
+            let (Some((c, prompt)), Some((r, _))) = (p.chosen.split_last(), p.rejected.split_last()) else {
+                return Err(row("an empty conversation".into()));
+            };
+            let prompt_ids = policy.prompt_ids(prompt).map_err(|e| row(e.to_string()))?;
+            if prompt_ids.len() > max_prompt_tokens {
+                return Err(row(format!(
+                    "the prompt is {} tokens after the chat template, over generate.max_prompt_tokens = {max_prompt_tokens}",
+                    prompt_ids.len()
+                )));
+            }
+            let ids = |m: &Message| policy.response_ids(&m.content, max_new_tokens).map(|r| r.0);
+            Ok(WarmPair {
+                prompt: prompt_ids,
+                chosen: ids(c).map_err(|e| row(format!("chosen: {e}")))?,
+                rejected: ids(r).map_err(|e| row(format!("rejected: {e}")))?,
+            })
+        })
+        .collect()
 }
 
 /// The oracle of new responses: a function of the learner's φ, or a reward model with its own
@@ -122,6 +179,10 @@ impl Online {
         let eval_opts: Vec<SampleOptions> =
             eval_seeds.iter().map(|&seed| SampleOptions { n: m, seed, ..opts.clone() }).collect();
         let phi = Phi::load(PhiRun::new(&f.phi(), Mode::Quiet).context("features")?)?;
+        let warm_start = match &p.dpo.warm_start {
+            Some(w) => warm_pairs(w, &policy, g.max_prompt_tokens, g.max_new_tokens)?,
+            None => Vec::new(),
+        };
         let mut o = Online {
             spec: p.clone(),
             base,
@@ -136,6 +197,7 @@ impl Online {
             eval_prompts: bank.eval_prompts.clone(),
             eval_ids,
             eval_base: Vec::new(),
+            warm_start,
             phi: Mutex::new(phi),
             oracle,
         };

@@ -43,14 +43,24 @@ pub(in crate::settings) struct Update {
     pub(in crate::settings) critic: Option<CriticStats>,
 }
 
+/// A learning arm's rollouts on a chunk (`plan::RolloutPlan`): for the prompts that have them,
+/// their index in the chunk, the samples and their contexts (φ and the oracle's rewards).
+#[derive(Default)]
+pub(in crate::settings) struct Rollouts {
+    pub(in crate::settings) at: Vec<usize>,
+    pub(in crate::settings) samples: Vec<Vec<Sample>>,
+    pub(in crate::settings) contexts: Vec<Context>,
+}
+
 /// What a PPO update's critic saw: its mean loss and ‖g‖, the mean value and return over the
-/// update's tokens (before it).
+/// update's tokens (before it), and its wall seconds.
 #[derive(Clone, Copy, Debug, Default)]
 pub(in crate::settings) struct CriticStats {
     pub(in crate::settings) loss: f64,
     pub(in crate::settings) grad_norm: f64,
     pub(in crate::settings) value_mean: f64,
     pub(in crate::settings) return_mean: f64,
+    pub(in crate::settings) seconds: f64,
 }
 
 /// A chunk as a learning arm's update sees it, after θ's update on the chunk.
@@ -59,10 +69,11 @@ pub(in crate::settings) struct Chunk<'a> {
     pub(in crate::settings) index: u64,
     /// The templated prompt ids of the chunk's prompts, in chunk order.
     pub(in crate::settings) prompts: Vec<&'a [u32]>,
-    /// Each prompt's n samples and their contexts (φ and the oracle's rewards).
+    /// Each prompt's n samples (the strategy's pairs index them).
     pub(in crate::settings) samples: &'a [Vec<Sample>],
-    pub(in crate::settings) contexts: &'a [Context],
     pub(in crate::settings) pairs: &'a [Labelled],
+    /// The arm's rollouts (empty for dpo on the strategy's pairs).
+    pub(in crate::settings) rollouts: &'a Rollouts,
     /// θ_t after its update on the chunk, and d.
     pub(in crate::settings) theta: &'a [f64],
     pub(in crate::settings) d: usize,
@@ -83,31 +94,31 @@ pub(in crate::settings) trait Arm: Send + Sync {
 }
 
 /// The arm of a cell's plan; `master` and `seed` name the cell's streams (mini-batch order, the
-/// null reward's direction, a critic's adapters); `window(items per prompt)` is the
-/// learning-rate schedule's window of an arm whose update sees that many sequences (pairs) per
-/// prompt (rloo, ppo: n; dpo: 1); `online` the frozen models (a critic's backbone).
+/// null reward's direction, a critic's adapters); `window` is its learning-rate schedule's
+/// window; `online` the frozen models (a critic's backbone).
 pub(in crate::settings) fn build(
     plan: &ArmPlan,
     master: u64,
     seed: u32,
-    window: &dyn Fn(usize) -> LrWindow,
+    window: LrWindow,
     online: &crate::world::online::Online,
 ) -> Box<dyn Arm> {
     let policy_seed = seed_of(master, seed, Component::Policy);
     match plan {
         ArmPlan::BestOfN => Box::new(best_of_n::BestOfN),
         ArmPlan::Fixed => Box::new(fixed::Fixed),
-        ArmPlan::Rloo { reward, update, n } => Box::new(rloo::Rloo {
+        ArmPlan::Rloo { reward, update, .. } => Box::new(rloo::Rloo {
             reward: *reward,
-            update: policy::train::RlooConfig { seed: policy_seed, lr_window: window(*n), ..update.clone() },
+            update: policy::train::RlooConfig { seed: policy_seed, lr_window: window, ..update.clone() },
             null_seed: seed_of(master, seed, Component::NullReward),
         }),
-        ArmPlan::Dpo { update } => Box::new(dpo::Dpo {
-            update: policy::train::DpoConfig { seed: policy_seed, lr_window: window(1), ..update.clone() },
+        ArmPlan::Dpo { update, pairs, .. } => Box::new(dpo::Dpo {
+            update: policy::train::DpoConfig { seed: policy_seed, lr_window: window, ..update.clone() },
+            pairs: *pairs,
         }),
-        ArmPlan::Ppo { reward, update, n, critic } => Box::new(ppo::Ppo {
+        ArmPlan::Ppo { reward, update, critic, .. } => Box::new(ppo::Ppo {
             reward: *reward,
-            update: policy::train::PpoConfig { seed: policy_seed, lr_window: window(*n), ..update.clone() },
+            update: policy::train::PpoConfig { seed: policy_seed, lr_window: window, ..update.clone() },
             null_seed: seed_of(master, seed, Component::NullReward),
             critic: critic.clone(),
             critic_seed: seed_of(master, seed, Component::Critic),
@@ -140,13 +151,18 @@ fn null_theta(seed: u64, theta: &[f64]) -> Vec<f64> {
     u.iter().map(|x| x / nu * nt).collect()
 }
 
-/// Every sample of the chunk as a rollout (k consecutive per prompt) with the reward its source
-/// names: φᵀθ_t (learned), the oracle's, or φᵀθ̃ (null, θ̃ from `null_seed`); and k.
+/// The chunk's rollouts (k consecutive per prompt) with the reward its source names: φᵀθ_t
+/// (learned), the oracle's, or φᵀθ̃ (null, θ̃ from `null_seed`); and k.
 fn rewarded<'a>(c: &Chunk<'a>, source: RewardSource, null_seed: u64) -> Result<(Vec<Rollout<'a>>, Vec<f64>, usize)> {
     let null = if source == RewardSource::Null { null_theta(null_seed, c.theta) } else { Vec::new() };
-    let k = c.samples.first().map_or(0, Vec::len);
+    let r = c.rollouts;
+    let k = r.samples.first().map_or(0, Vec::len);
+    if k == 0 || r.samples.iter().any(|ss| ss.len() != k) {
+        anyhow::bail!("a chunk's rollouts: expected the same number ≥ 1 per prompt");
+    }
     let (mut rollouts, mut rewards) = (Vec::new(), Vec::new());
-    for ((p, ss), ctx) in c.prompts.iter().zip(c.samples).zip(c.contexts) {
+    for ((&at, ss), ctx) in r.at.iter().zip(&r.samples).zip(&r.contexts) {
+        let p = c.prompts[at];
         for (j, s) in ss.iter().enumerate() {
             rollouts.push(Rollout { prompt: p, response: &s.ids });
             let phi = &ctx.phi[j * c.d..(j + 1) * c.d];

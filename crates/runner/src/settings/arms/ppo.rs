@@ -1,10 +1,13 @@
 //! PPO with a critic (`policy::train::ppo_update`; OpenRLHF's `PPOTrainer`, the loop the
-//! authors ran) on the chunk's n samples per prompt, driven by the reward its source names (as
-//! rloo's). The critic starts every chunk as the authors' loop starts it — from the reward
-//! model of that chunk: a value head v = θ_t (`critic_head = "theta"`; or 0) on the policy's
-//! backbone, final-norm hidden states, with fresh adapters (rank, α and targets of
-//! `[policy]`, A drawn from the cell's critic stream and the chunk) and a fresh Adam at
-//! `critic_lr`. So it carries no state from chunk to chunk, and a checkpoint needs none.
+//! authors ran) on the arm's rollouts, driven by the reward its source names (as rloo's). The
+//! critic starts every chunk as the authors' loop starts it — from the reward model of that
+//! chunk, normalised as the rewards are (OpenRLHF's critic loaded with `normalize_reward`
+//! returns (r − μ)/σ): V_t = (h_tᵀθ_t − μ)/σ with μ, σ the learned rewards' mean and sd over
+//! the update's rollouts (`critic_head = "theta"`; μ = 0, σ = 1 without normalisation; or
+//! V = 0 with "zero"), h the policy backbone's final-norm hidden states, with fresh adapters
+//! (rank, α and targets of `[policy]`, A drawn from the cell's critic stream and the chunk) and
+//! a fresh Adam at `critic_lr`. So it carries no state from chunk to chunk, and a checkpoint
+//! needs none.
 
 use super::{mean, rewarded, Arm, Chunk, CriticStats, Update};
 use crate::plan::CriticPlan;
@@ -42,8 +45,9 @@ pub(super) struct Ppo {
 }
 
 impl Ppo {
-    /// The critic of chunk `chunk`: fresh adapters from (critic stream, chunk), v = θ_t or 0.
-    fn critic(&self, chunk: u64, theta: &[f64]) -> Result<Critic> {
+    /// The critic of chunk `chunk`: fresh adapters from (critic stream, chunk), v = θ_t/σ with
+    /// offset −μ/σ (`moments` (μ, σ) of the learned reward; none: all equal, θ as is) or 0.
+    fn critic(&self, chunk: u64, theta: &[f64], moments: Option<(f64, f64)>) -> Result<Critic> {
         let b = &self.backbone;
         let seed = crate::world::env::per_chunk_seed(b"onepass-critic", self.critic_seed, chunk);
         let lora = policy::LoraConfig { seed, dropout: 0.0, ..b.lora.clone() };
@@ -56,7 +60,11 @@ impl Ppo {
                     b.cfg.hidden
                 ))
             }
-            CriticHead::Theta => theta.to_vec(),
+            CriticHead::Theta => {
+                let (mu, sd) = moments.unwrap_or((0.0, 1.0));
+                let v: Vec<f64> = theta.iter().map(|t| t / sd).collect();
+                return Ok(Critic::with_offset(m, &v, -mu / sd)?);
+            }
             CriticHead::Zero => vec![0.0; b.cfg.hidden],
         };
         Ok(Critic::new(m, &head)?)
@@ -74,7 +82,14 @@ impl Arm for Ppo {
 
     fn update(&self, m: &PolicyModel, adam: &mut Adam, c: &Chunk<'_>) -> Result<Update> {
         let (rollouts, rewards, k) = rewarded(c, self.reward, self.null_seed)?;
-        let critic = self.critic(c.index, c.theta)?;
+        // the learned reward's moments over these rollouts, whatever drives the update: the
+        // critic starts as the learned reward model, normalised as the update normalises
+        let learned = if self.reward == RewardSource::Learned {
+            rewards.clone()
+        } else {
+            rewarded(c, RewardSource::Learned, self.null_seed)?.1
+        };
+        let critic = self.critic(c.index, c.theta, self.update.reward_norm.moments(&learned))?;
         let mut copt = critic.adam(policy::adam::AdamConfig { lr: self.critic.lr, ..adam.cfg })?;
         let st = ppo_update(m, adam, &critic, &mut copt, &rollouts, &rewards, k, &self.update)?;
         Ok(Update {
@@ -86,6 +101,7 @@ impl Arm for Ppo {
                 grad_norm: st.critic_grad_norm,
                 value_mean: st.value_mean,
                 return_mean: st.return_mean,
+                seconds: st.critic_seconds,
             }),
         })
     }
