@@ -148,6 +148,11 @@ fn overrides(preset: &toml::Table, fx: &Fixture) -> Vec<String> {
             s.push("policy.eval_prompts=2".into());
             s.push("policy.minibatch=2".into());
         }
+        let warm = preset.get("policy").and_then(|p| p.get("dpo")).and_then(|d| d.get("warm_start"));
+        if warm.is_some() {
+            s.push(format!("policy.dpo.warm_start.path={}", p(&fx.train)));
+            s.push("policy.dpo.warm_start.rows=8".into());
+        }
     }
     s
 }

@@ -290,7 +290,7 @@ impl<'a> PolicyCell<'a> {
         let stats = policy::train::dpo_update(m, &mut adam, &prefs, cfg)?;
         self.moved |= stats.steps > 0;
         self.after_update(0)?;
-        Ok(Some(Update { stats, pairs: prefs.len() as u64, dropped: 0, critic: None }))
+        Ok(Some(Update { stats, pairs: prefs.len() as u64, dropped: self.online.warm_dropped, critic: None }))
     }
 
     /// The adapter's life cycle after the update of chunk `chunk` (0: the warm start): a

@@ -41,8 +41,10 @@ pub struct Online {
     /// generator with the seed's streams: every policy's evaluation before its first update,
     /// and the evaluation of the arms whose policy does not learn.
     pub eval_base: Vec<Vec<Vec<Sample>>>,
-    /// `[policy.dpo.warm_start]`'s pairs, tokenised for the policy (empty without one).
+    /// `[policy.dpo.warm_start]`'s pairs, tokenised for the policy (empty without one), and the
+    /// count of its rows dropped for a prompt over generate.max_prompt_tokens.
     pub warm_start: Vec<WarmPair>,
+    pub warm_dropped: u64,
     phi: Mutex<Phi>,
     oracle: Oracle,
 }
@@ -57,14 +59,15 @@ pub struct WarmPair {
 }
 
 /// The first `w.rows` pairs of the warm start's dataset, tokenised by `policy`: each side's last
-/// message is its response, the messages before it (the chosen side's) the prompt. A prompt
-/// over `max_prompt_tokens` is an error naming its row.
+/// message is its response, the messages before it (the chosen side's) the prompt. A pair whose
+/// prompt is over `max_prompt_tokens` is dropped and counted (the policy cannot score it; the
+/// count is the warm start's dropped_pairs in policy_updates.parquet).
 fn warm_pairs(
     w: &crate::spec::policy::WarmStart,
     policy: &Backbone,
     max_prompt_tokens: usize,
     max_new_tokens: usize,
-) -> Result<Vec<WarmPair>> {
+) -> Result<(Vec<WarmPair>, u64)> {
     use super::datasets::{read_dataset, ReadOptions};
     let key = "policy.dpo.warm_start";
     let files = super::dataset::resolve_files(&format!("{key}.path"), &w.path)?;
@@ -78,28 +81,31 @@ fn warm_pairs(
     if pairs.len() < w.rows {
         return Err(anyhow!("{key}.rows = {}, but {} holds only {} pairs", w.rows, w.path, pairs.len()));
     }
-    pairs
-        .iter()
-        .map(|p| {
-            let row = |m: String| anyhow!("{key}: row {}: {m}", p.row);
-            let (Some((c, prompt)), Some((r, _))) = (p.chosen.split_last(), p.rejected.split_last()) else {
-                return Err(row("an empty conversation".into()));
-            };
-            let prompt_ids = policy.prompt_ids(prompt).map_err(|e| row(e.to_string()))?;
-            if prompt_ids.len() > max_prompt_tokens {
-                return Err(row(format!(
-                    "the prompt is {} tokens after the chat template, over generate.max_prompt_tokens = {max_prompt_tokens}",
-                    prompt_ids.len()
-                )));
-            }
-            let ids = |m: &Message| policy.response_ids(&m.content, max_new_tokens).map(|r| r.0);
-            Ok(WarmPair {
-                prompt: prompt_ids,
-                chosen: ids(c).map_err(|e| row(format!("chosen: {e}")))?,
-                rejected: ids(r).map_err(|e| row(format!("rejected: {e}")))?,
-            })
-        })
-        .collect()
+    let (mut out, mut dropped) = (Vec::with_capacity(pairs.len()), 0);
+    for p in &pairs {
+        let row = |m: String| anyhow!("{key}: row {}: {m}", p.row);
+        let (Some((c, prompt)), Some((r, _))) = (p.chosen.split_last(), p.rejected.split_last()) else {
+            return Err(row("an empty conversation".into()));
+        };
+        let prompt_ids = policy.prompt_ids(prompt).map_err(|e| row(e.to_string()))?;
+        if prompt_ids.len() > max_prompt_tokens {
+            dropped += 1;
+            continue;
+        }
+        let ids = |m: &Message| policy.response_ids(&m.content, max_new_tokens).map(|r| r.0);
+        out.push(WarmPair {
+            prompt: prompt_ids,
+            chosen: ids(c).map_err(|e| row(format!("chosen: {e}")))?,
+            rejected: ids(r).map_err(|e| row(format!("rejected: {e}")))?,
+        });
+    }
+    if out.is_empty() {
+        return Err(anyhow!(
+            "{key}: every one of its {} pairs has a prompt over generate.max_prompt_tokens = {max_prompt_tokens}",
+            pairs.len()
+        ));
+    }
+    Ok((out, dropped))
 }
 
 /// The oracle of new responses: a function of the learner's φ, or a reward model with its own
@@ -179,9 +185,9 @@ impl Online {
         let eval_opts: Vec<SampleOptions> =
             eval_seeds.iter().map(|&seed| SampleOptions { n: m, seed, ..opts.clone() }).collect();
         let phi = Phi::load(PhiRun::new(&f.phi(), Mode::Quiet).context("features")?)?;
-        let warm_start = match &p.dpo.warm_start {
+        let (warm_start, warm_dropped) = match &p.dpo.warm_start {
             Some(w) => warm_pairs(w, &policy, g.max_prompt_tokens, g.max_new_tokens)?,
-            None => Vec::new(),
+            None => (Vec::new(), 0),
         };
         let mut o = Online {
             spec: p.clone(),
@@ -198,6 +204,7 @@ impl Online {
             eval_ids,
             eval_base: Vec::new(),
             warm_start,
+            warm_dropped,
             phi: Mutex::new(phi),
             oracle,
         };
