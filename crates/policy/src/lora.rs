@@ -44,6 +44,18 @@ impl Target {
         }
     }
 
+    /// (in, out) features of the module in a block of `cfg` (the adapter's A is r × in, B out × r).
+    pub fn dims(&self, cfg: &features::model::Config) -> (usize, usize) {
+        let (h, q, kv, i) = (cfg.hidden, cfg.heads * cfg.head_dim, cfg.kv_heads * cfg.head_dim, cfg.intermediate);
+        match self {
+            Target::QProj => (h, q),
+            Target::KProj | Target::VProj => (h, kv),
+            Target::OProj => (q, h),
+            Target::GateProj | Target::UpProj => (h, i),
+            Target::DownProj => (i, h),
+        }
+    }
+
     /// The module's path inside a block, as Hugging Face names it.
     pub fn path(&self) -> &'static str {
         match self {

@@ -4,7 +4,10 @@
 //! mle and sgd-replay keep the whole history), the curvature tracker (𝓗⁻¹ and 𝓗, two packed
 //! matrices) when the cell uses one, the authors' V tracker, the synthetic bandit's contexts and
 //! evaluation pairs, an active pool — times the cells that run at once. Shared data (pairs read
-//! once) is already allocated when the second check runs, so `MemAvailable` accounts for it.
+//! once) is already allocated when the second check runs, so `MemAvailable` accounts for it. A
+//! learning policy's cell adds its adapters (with their gradient and Adam's two moments), the
+//! f32 copies of the adapted weights its generator merges, the KV cache of a generation batch,
+//! a gradient pass's activations and logits, and a ppo critic's adapters ([`PolicyShape`]).
 
 use crate::plan::{ConfigPlan, CurvatureChoice, Plan};
 use crate::spec::{ActiveRule, EnvKind, ScoreNorm, Setting, Spec};
@@ -27,6 +30,64 @@ pub struct Estimate {
     /// cells that run at once (threads, at most the cells)
     pub parallel: usize,
     pub total: u64,
+}
+
+/// What sizes a learning policy's memory, known once the world has loaded the policy: its
+/// architecture, the longest sequence it scores (templated prompt + new tokens), samples per
+/// prompt and prompts per generation batch.
+#[derive(Clone, Debug)]
+pub struct PolicyShape {
+    pub cfg: features::model::Config,
+    pub seq_len: usize,
+    pub n: usize,
+    pub batch_prompts: usize,
+}
+
+/// The terms of a learning cell's policy (see the module's doc): f32 throughout (the policy
+/// trains and generates in f32).
+fn policy_terms(spec: &Spec, c: &ConfigPlan, p: &PolicyShape) -> Vec<Term> {
+    let Some(ps) = spec.policy.as_ref() else { return Vec::new() };
+    let Some(arm) = c.arm.as_ref().filter(|a| a.learning().is_some()) else { return Vec::new() };
+    let cfg = &p.cfg;
+    let (l, r) = (cfg.layers as u64, ps.rank as u64);
+    let targets = ps.targets.resolve().unwrap_or_default();
+    let mul = |xs: &[u64]| xs.iter().fold(1u64, |a, &b| a.saturating_mul(b));
+    // A (r × in) and B (out × r) per target and layer
+    let adapter: u64 = targets.iter().map(|t| t.dims(cfg)).map(|(i, o)| mul(&[r, (i + o) as u64, l, 4])).sum();
+    let merged: u64 = targets.iter().map(|t| t.dims(cfg)).map(|(i, o)| mul(&[i as u64, o as u64, l, 4])).sum();
+    let critics = u64::from(matches!(arm, crate::plan::ArmPlan::Ppo { .. }));
+    let mut t = vec![
+        Term {
+            key: "policy.rank",
+            what: format!(
+                "the adapters (rank {r} on {} modules × {l} layers; value, gradient, Adam's two moments{})",
+                targets.len(),
+                if critics > 0 { "; and the critic's" } else { "" }
+            ),
+            bytes: mul(&[adapter, 4, 1 + critics]),
+        },
+        Term { key: "generate.policy", what: "the generator's f32 merge of the adapted weights".into(), bytes: merged },
+    ];
+    let (len, kv) = (p.seq_len as u64, (cfg.kv_heads * cfg.head_dim) as u64);
+    t.push(Term {
+        key: "generate.batch_prompts",
+        what: format!(
+            "the KV cache of a generation batch ({} prompts × n = {}, {len} positions)",
+            p.batch_prompts, p.n
+        ),
+        bytes: mul(&[p.batch_prompts as u64, p.n as u64, len, l, 2, kv, 4]),
+    });
+    // sequences per gradient pass: dpo's mini-batch counts pairs
+    let seqs = ps.minibatch as u64 * if matches!(arm, crate::plan::ArmPlan::Dpo { .. }) { 2 } else { 1 };
+    let tokens = seqs.saturating_mul(len);
+    let (h, i, heads, v) = (cfg.hidden as u64, cfg.intermediate as u64, cfg.heads as u64, cfg.vocab as u64);
+    let per_layer = mul(&[tokens, 10 * h + 3 * i, 4]).saturating_add(mul(&[seqs, heads, len, len, 4, 2]));
+    t.push(Term {
+        key: "policy.minibatch",
+        what: format!("a gradient pass's activations and logits ({seqs} sequences × {len} tokens)"),
+        bytes: mul(&[per_layer, l]).saturating_add(mul(&[tokens, v, 4, 3])),
+    });
+    t
 }
 
 /// d(d+1)/2 f64: a packed symmetric matrix.
@@ -53,7 +114,7 @@ fn dim_key(spec: &Spec) -> &'static str {
     }
 }
 
-fn cell_terms(spec: &Spec, c: &ConfigPlan) -> Vec<Term> {
+fn cell_terms(spec: &Spec, c: &ConfigPlan, policy: Option<&PolicyShape>) -> Vec<Term> {
     let d = spec.env.dim as u64;
     let dk = dim_key(spec);
     let f32s = |n: u64| n.saturating_mul(d).saturating_mul(4);
@@ -126,16 +187,20 @@ fn cell_terms(spec: &Spec, c: &ConfigPlan) -> Vec<Term> {
             }
         }
     }
+    if let Some(p) = policy {
+        t.extend(policy_terms(spec, c, p));
+    }
     t.sort_by_key(|x| std::cmp::Reverse(x.bytes));
     t
 }
 
-/// The estimate for a plan whose `spec` has its final env.dim, `threads` workers.
-pub fn estimate(spec: &Spec, plan: &Plan, threads: usize) -> Estimate {
+/// The estimate for a plan whose `spec` has its final env.dim, `threads` workers; `policy` the
+/// learning policy's shape when the run has one (its world is loaded).
+pub fn estimate(spec: &Spec, plan: &Plan, threads: usize, policy: Option<&PolicyShape>) -> Estimate {
     let mut cell = Vec::new();
     let mut per_cell = 0;
     for c in &plan.configs {
-        let t = cell_terms(spec, c);
+        let t = cell_terms(spec, c, policy);
         let sum: u64 = t.iter().map(|x| x.bytes).fold(0, u64::saturating_add);
         if sum > per_cell {
             (per_cell, cell) = (sum, t);

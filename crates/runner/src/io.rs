@@ -30,6 +30,33 @@ impl std::fmt::Display for Interrupted {
 
 impl std::error::Error for Interrupted {}
 
+/// A write into the run directory failed (a full disk, an I/O error, a read-only file system).
+/// Not a cell's failure: the run stops, keeps every checkpoint and finished cell, and stays
+/// resumable.
+#[derive(Debug)]
+pub struct StorageError {
+    pub path: PathBuf,
+    pub source: std::io::Error,
+}
+
+impl std::fmt::Display for StorageError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        // the cause follows through `source` (anyhow's chain prints it)
+        write!(f, "writing {}", self.path.display())
+    }
+}
+
+impl std::error::Error for StorageError {
+    fn source(&self) -> Option<&(dyn std::error::Error + 'static)> {
+        Some(&self.source)
+    }
+}
+
+/// Whether `e` (or an error it wraps) is a [`StorageError`].
+pub fn is_storage(e: &anyhow::Error) -> bool {
+    e.chain().any(|c| c.is::<StorageError>())
+}
+
 fn stop_flag() -> &'static Arc<AtomicBool> {
     static STOP: OnceLock<Arc<AtomicBool>> = OnceLock::new();
     STOP.get_or_init(|| Arc::new(AtomicBool::new(false)))
@@ -222,11 +249,14 @@ pub fn write_atomic_at(path: &Path, bytes: &[u8], point: &str) -> Result<()> {
         f.write_all(b)?;
         f.sync_all()
     };
-    if let Err(e) = write() {
+    if let Err(source) = write() {
         let _ = std::fs::remove_file(&tmp);
-        return Err(e).with_context(|| format!("writing {}", path.display()));
+        return Err(StorageError { path: path.to_path_buf(), source }.into());
     }
-    std::fs::rename(&tmp, path).with_context(|| format!("renaming {} to {}", tmp.display(), path.display()))?;
+    if let Err(source) = std::fs::rename(&tmp, path) {
+        let _ = std::fs::remove_file(&tmp);
+        return Err(StorageError { path: path.to_path_buf(), source }.into());
+    }
     Ok(())
 }
 

@@ -283,8 +283,9 @@ impl Locator<'_> {
             })
             .collect::<String>();
         let line = locate(self.text, &p);
-        // an error about a key a `--set` wrote cites that argument
-        let set = self.overrides.iter().find(|o| {
+        // an error about a key a `--set` wrote cites that argument: the last of its key, the
+        // one in force
+        let set = self.overrides.iter().rev().find(|o| {
             let segs: Vec<&str> = override_key(o).split('.').collect();
             !segs.is_empty() && (path.starts_with(&segs) || (segs.starts_with(path) && !path.is_empty()))
         });

@@ -46,9 +46,39 @@ pub struct RunOptions {
     pub max_memory: Option<u64>,
 }
 
+/// A word as a POSIX shell reads it back: as is when it holds only characters the shell leaves
+/// alone, else in single quotes (a quote inside written '\'').
+fn shell_word(w: &str) -> String {
+    let plain = !w.is_empty() && w.chars().all(|c| c.is_ascii_alphanumeric() || "_./=:,+-@%".contains(c));
+    if plain {
+        w.to_string()
+    } else {
+        format!("'{}'", w.replace('\'', "'\\''"))
+    }
+}
+
+/// The command that continues the run in `dir`: the spec and every `--set` of this one (a
+/// resume is refused without them), then `--resume`.
+fn resume_command(opts: &RunOptions, dir: &Path) -> String {
+    let mut words = vec!["onepass".to_string(), "run".into(), shell_word(&opts.spec.display().to_string())];
+    for o in &opts.overrides {
+        words.push("--set".into());
+        words.push(shell_word(o));
+    }
+    words.push("--resume".into());
+    words.push(shell_word(&dir.display().to_string()));
+    words.join(" ")
+}
+
 /// Refuses a run whose cells would take more memory than `opts.max_memory` or what the machine
 /// has available ([`budget`]), naming the key behind the largest term (exit 2).
-fn check_memory(opts: &RunOptions, plan: &Plan, spec: &spec::Spec, threads: usize) -> Result<()> {
+fn check_memory(
+    opts: &RunOptions,
+    plan: &Plan,
+    spec: &spec::Spec,
+    threads: usize,
+    policy: Option<&crate::budget::PolicyShape>,
+) -> Result<()> {
     let (limit, from) = match (opts.max_memory, crate::budget::available()) {
         (Some(m), _) => (m, "--max-memory allows".to_string()),
         (None, Some(a)) => {
@@ -58,7 +88,7 @@ fn check_memory(opts: &RunOptions, plan: &Plan, spec: &spec::Spec, threads: usiz
     };
     // threads = 0: one per core, as the pool starts them
     let threads = if threads == 0 { std::thread::available_parallelism().map_or(1, |n| n.get()) } else { threads };
-    let e = crate::budget::estimate(spec, plan, threads);
+    let e = crate::budget::estimate(spec, plan, threads, policy);
     crate::budget::check(&e, limit, &from).map_err(|(key, msg)| {
         let path: Vec<&str> = key.split('.').collect();
         anyhow::Error::new(plan.keys().err(&path, msg))
@@ -205,8 +235,10 @@ fn run_one<'p>(
         let msg = p.downcast_ref::<String>().cloned().or_else(|| p.downcast_ref::<&str>().map(|s| s.to_string()));
         Err(anyhow::anyhow!("the cell panicked: {}", msg.unwrap_or_default()))
     });
+    // a stop or a failed write into the run directory (a checkpoint on a full disk) is the
+    // run's, not the cell's: the cell keeps its last checkpoint and the run stays resumable
     let result = match result {
-        Err(e) if e.is::<io::Interrupted>() => return Err(e),
+        Err(e) if e.is::<io::Interrupted>() || io::is_storage(&e) => return Err(e),
         r => r.map_err(|e| format!("{e:#}")),
     };
     if let Err(e) = &result {
@@ -244,10 +276,11 @@ pub fn run(opts: &RunOptions) -> Result<RunSummary> {
     // the synthetic bandit's sizes are all in the spec: check before anything is allocated;
     // the data kinds learn d from the data, and are checked once it is read
     if plan.spec.env.kind == spec::EnvKind::Synthetic {
-        check_memory(opts, &plan, &plan.spec, threads)?;
+        check_memory(opts, &plan, &plan.spec, threads, None)?;
     }
     let world = world::build(&plan, opts.progress)?;
-    check_memory(opts, &plan, &world.spec, threads)?;
+    let shape = world.online.as_ref().map(|o| o.shape());
+    check_memory(opts, &plan, &world.spec, threads, shape.as_ref())?;
     let (data_scale, warning) = scale_meta(&plan, &world);
     if let Some(w) = warning {
         eprintln!("onepass: warning: {w}");
@@ -300,30 +333,39 @@ pub fn run(opts: &RunOptions) -> Result<RunSummary> {
     meter.finish();
     let mut interrupted = false;
     let mut ok = Vec::with_capacity(outcomes.len());
+    let mut storage = None;
     for o in outcomes {
         match o {
             Ok(o) => ok.push(o),
             Err(e) if e.is::<io::Interrupted>() => interrupted = true,
+            Err(e) if io::is_storage(&e) => storage = storage.or(Some(e)),
             Err(e) => return Err(e),
         }
     }
-    if interrupted {
-        eprintln!(
-            "onepass: interrupted; {} of {} cells finished, the others checkpointed. Continue with:\n  onepass run {} --resume {}",
+    if let Some(e) = storage {
+        return Err(e.context(format!(
+            "{} of {} cells finished, the others are checkpointed in {}/checkpoints: free the space, then `{}`",
             ok.len(),
             plan.cells.len(),
-            opts.spec.display(),
-            dir.display()
+            dir.display(),
+            resume_command(opts, &dir)
+        )));
+    }
+    if interrupted {
+        eprintln!(
+            "onepass: interrupted; {} of {} cells finished, the others checkpointed. Continue with:\n  {}",
+            ok.len(),
+            plan.cells.len(),
+            resume_command(opts, &dir)
         );
         return Ok(RunSummary { dir, failed: 0, cells: plan.cells.len(), interrupted: true });
     }
     let outcomes = ok;
     let schemas = results::write_tables(&dir, &plan, &world, &outcomes).with_context(|| {
         format!(
-            "the finished cells are kept in {}/checkpoints: fix this, then `onepass run {} --resume {}`",
+            "the finished cells are kept in {}/checkpoints: fix this, then `{}`",
             dir.display(),
-            opts.spec.display(),
-            dir.display()
+            resume_command(opts, &dir)
         )
     })?;
     io::write_atomic(&dir.join("schema.json"), results::schema_json(&schemas).as_bytes())?;

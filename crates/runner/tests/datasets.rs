@@ -247,6 +247,30 @@ fn winner_column_labels_map_to_chosen_and_rejected() {
     std::fs::write(&j, r#"{"q": "x", "response_a": "a", "response_b": "b", "winner": 1}"#).unwrap();
     let e = format!("{:#}", read_dataset(std::slice::from_ref(&j), &o).unwrap_err());
     assert!(e.contains("field `winner`: 1 is not a mapped label value"), "{e}");
+    // integers compare as integers (issue 34): 2^53 + 1 is not the mapped 2^53, which f64
+    // would round it to; 2^53 itself and the float 3.0 against the integer 3 match
+    let big = Keys {
+        label_a: vec![toml::Value::Integer(3)],
+        label_b: vec![toml::Value::Integer(9007199254740992)],
+        label_tie: vec![],
+        ..o.keys.clone()
+    };
+    let ob = ReadOptions { keys: big, ..o.clone() };
+    std::fs::write(&j, r#"{"q": "x", "response_a": "a", "response_b": "b", "winner": 9007199254740993}"#).unwrap();
+    let e = format!("{:#}", read_dataset(std::slice::from_ref(&j), &ob).unwrap_err());
+    assert!(e.contains("9007199254740993 is not a mapped label value"), "{e}");
+    std::fs::write(
+        &j,
+        "{\"q\": \"x\", \"response_a\": \"a\", \"response_b\": \"b\", \"winner\": 9007199254740992}\n\
+         {\"q\": \"y\", \"response_a\": \"c\", \"response_b\": \"d\", \"winner\": 3.0}",
+    )
+    .unwrap();
+    let r = read_dataset(std::slice::from_ref(&j), &ob).unwrap();
+    assert_eq!((last(&r.pairs[0], "c"), last(&r.pairs[1], "c")), ("b".into(), "c".into()));
+    // 1 and 1.0 would match the same values: an overlap, refused as a repeated string is
+    let overlap =
+        Keys { label_a: vec![toml::Value::Integer(1)], label_b: vec![toml::Value::Float(1.0)], ..o.keys.clone() };
+    assert!(overlap.label_form().unwrap_err().1.contains("mapped twice"), "1 and 1.0 overlap");
     // half a label form is refused
     let half = Keys { side_a: Some("response_a".into()), ..Keys::default() };
     assert!(half.label_form().unwrap_err().1.contains("set data.keys.label"));
@@ -566,4 +590,49 @@ fn label_and_strength_forms_run_passive_and_active() {
             assert!(util::f64s(&m, "eval_loss").iter().all(|v| v.is_finite()), "{setting} form {form}");
         }
     }
+}
+
+/// A jsonl file that starts with a UTF-8 byte-order mark reads as without one (it was "row 0:
+/// not JSON"); blank lines are no rows and keep the line numbers of the rows after them; a file
+/// of blank lines is an error saying it has no rows (it was "row 0: not JSON: EOF") — issue 34.
+#[test]
+fn a_bom_and_blank_lines_in_jsonl() {
+    let tmp = tempfile::tempdir().unwrap();
+    let j = tmp.path().join("hh.jsonl");
+    let row = |a: &str| {
+        serde_json::json!({"chosen": format!("\n\nHuman: q\n\nAssistant: {a}"), "rejected": "\n\nHuman: q\n\nAssistant: no"}).to_string()
+    };
+    std::fs::write(&j, format!("\u{feff}{}\n\n{}\n", row("yes"), row("sure"))).unwrap();
+    let pairs = read_pairs(&j, Format::HhRlhf, None).unwrap();
+    assert_eq!(pairs.len(), 2);
+    assert_eq!(pairs[0].chosen.last().unwrap().content, "yes");
+    // negative control: a BOM in the middle of the file is still not JSON
+    std::fs::write(&j, format!("{}\n\u{feff}{}\n", row("yes"), row("sure"))).unwrap();
+    let e = format!("{:#}", read_pairs(&j, Format::HhRlhf, None).unwrap_err());
+    assert!(e.contains("row 1") && e.contains("not JSON"), "{e}");
+    std::fs::write(&j, "\n  \n\n").unwrap();
+    let e = format!("{:#}", read_pairs(&j, Format::HhRlhf, None).unwrap_err());
+    assert!(e.contains("hh.jsonl: no rows"), "{e}");
+}
+
+/// A generic jsonl file whose data.keys names a score field its rows lack is refused, naming
+/// the field (a misspelt `score_chosen` was ignored over jsonl while parquet refused it —
+/// issue 34); with the right name the scores are read.
+#[test]
+fn a_named_score_field_is_required_in_jsonl_too() {
+    let tmp = tempfile::tempdir().unwrap();
+    let j = tmp.path().join("g.jsonl");
+    let conv = |a: &str| serde_json::json!([{"role": "user", "content": "q"}, {"role": "assistant", "content": a}]);
+    let line = serde_json::json!({"chosen": conv("a"), "rejected": conv("b"), "score_chosen": 5, "score_rejected": 1});
+    std::fs::write(&j, line.to_string()).unwrap();
+    let keys = |c: &str| Keys {
+        score_chosen: Some(c.into()),
+        score_rejected: Some("score_rejected".into()),
+        ..Keys::default()
+    };
+    let o = |c: &str| ReadOptions { format: Some(Format::Generic), keys: keys(c), ..Default::default() };
+    let e = format!("{:#}", read_dataset(std::slice::from_ref(&j), &o("score_chsen")).unwrap_err());
+    assert!(e.contains("field `score_chsen`: missing"), "{e}");
+    let r = read_dataset(std::slice::from_ref(&j), &o("score_chosen")).unwrap();
+    assert_eq!(r.pairs[0].scores, Some((5.0, 1.0)));
 }

@@ -514,3 +514,25 @@ fn walk(d: &Path) -> Vec<PathBuf> {
     }
     out
 }
+
+/// `onepass report` on a run with a learning policy whose policy.parquet is gone refuses, saying
+/// so (it exited 0 without the policy table); on a run without metrics.parquet it says the run is
+/// unfinished and how to continue it when checkpoints/ is there (issue 34).
+#[test]
+fn report_names_a_missing_policy_table_and_an_unfinished_run() {
+    let tmp = setup(0.05);
+    let p = tmp.path();
+    std::fs::write(p.join("run.toml"), spec(0.05).replace("seeds = 2", "seeds = 1")).unwrap();
+    let dir = run(p, "a", "2");
+    let ok = onepass(p, &["report", dir.to_str().unwrap()]);
+    assert_eq!(ok.code, 0, "{}", ok.stderr);
+    std::fs::remove_file(dir.join("policy.parquet")).unwrap();
+    let (code, _, err) = onepass(p, &["report", dir.to_str().unwrap()]).parts();
+    assert_ne!(code, 0);
+    assert!(err.contains("no policy.parquet, though its spec has a learning policy"), "{err}");
+    std::fs::remove_file(dir.join("metrics.parquet")).unwrap();
+    std::fs::create_dir_all(dir.join("checkpoints")).unwrap();
+    let (code, _, err) = onepass(p, &["report", dir.to_str().unwrap()]).parts();
+    assert_ne!(code, 0);
+    assert!(err.contains("no metrics.parquet: the run has not finished") && err.contains("--resume"), "{err}");
+}

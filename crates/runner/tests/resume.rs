@@ -562,3 +562,34 @@ fn forced_resume_restarts_cells_whose_config_changed() {
         serde_json::from_str(&std::fs::read_to_string(dir.join("meta.json")).unwrap()).unwrap();
     assert!(meta["forced"].as_str().is_some_and(|w| w.contains("spec differs")), "{meta}");
 }
+
+/// A full disk while writing a checkpoint (issue 34, defect 1) is the run's fault, not the
+/// cells': the run stops with one line naming the file, the cells that finished and the command
+/// that continues it (with its `--set` flags), keeps `checkpoints/` and writes no meta.json;
+/// the resume, with space again, gives the bytes of an uninterrupted run. Before the fix every
+/// cell was marked failed, the run finalised and `checkpoints/` deleted.
+#[test]
+fn a_full_disk_at_a_checkpoint_stops_the_run_resumably() {
+    let tmp = tempfile::tempdir().unwrap();
+    let tmp = tmp.path();
+    let spec = write(tmp, "passive.toml", PASSIVE);
+    let sets = ["--set", "seeds=1", "--set", "checkpoint.every_steps=3"];
+    let want = reference(tmp, &spec, &sets);
+    let mut args = vec!["run", "passive.toml", "--out", "full", "--threads", "1"];
+    args.extend_from_slice(&sets);
+    let mut c = cmd(tmp, &args);
+    c.env("ONEPASS_FAIL_WRITE", "checkpoint-write");
+    let r = output(c);
+    assert_eq!(r.code, Some(2), "{}", r.stderr);
+    let last = r.stderr.trim().lines().last().unwrap();
+    assert!(last.contains("No space left on device") && last.contains(".ckpt"), "{last}");
+    assert!(last.contains("--set seeds=1 --set checkpoint.every_steps=3 --resume"), "the resume command: {last}");
+    let dir = only_dir(&tmp.join("full"));
+    assert!(!dir.join("meta.json").exists(), "the run was finalised");
+    assert!(dir.join("checkpoints").is_dir(), "checkpoints/ was removed");
+    let mut args = vec!["run", "passive.toml", "--resume", dir.to_str().unwrap(), "--threads", "1"];
+    args.extend_from_slice(&sets);
+    let r = output(cmd(tmp, &args));
+    assert_eq!(r.code, Some(0), "resume: {}", r.stderr);
+    assert_same(&want, &dir, "resumed after a full disk at a checkpoint");
+}

@@ -747,9 +747,29 @@ fn safetensors_one(name: &str, n: usize, bytes: &[u8], metadata: &std::collectio
 pub fn report(run: &Path) -> Result<PathBuf> {
     // one writer: a running `onepass run` or another `report` of this directory holds the lock
     let _lock = if run.is_dir() { Some(crate::io::lock_dir(run)?) } else { None };
+    if run.is_dir() && !run.join("metrics.parquet").exists() {
+        let why = if run.join("checkpoints").is_dir() {
+            "the run has not finished (its cells are in checkpoints/): continue it with `onepass run <its spec, its --set flags> --resume DIR`, then report"
+        } else {
+            "the run never wrote its tables (or they were removed)"
+        };
+        bail!("{}: no metrics.parquet: {why}", run.display());
+    }
     let rows = read_metrics(run)?;
     if rows.is_empty() {
         bail!("{}: no metric rows (did every cell fail? see cells.parquet)", run.display());
+    }
+    // a run with a learning policy writes policy.parquet beside metrics.parquet: its absence
+    // is a lost file, not a run without a policy
+    let learns = std::fs::read_to_string(run.join("spec.resolved.toml"))
+        .ok()
+        .and_then(|t| toml::from_str::<crate::spec::Spec>(&t).ok())
+        .is_some_and(|s| s.policy.is_some() && s.deploy.policy.0.iter().any(|p| p.learns()));
+    if learns && !run.join("policy.parquet").exists() {
+        bail!(
+            "{}: no policy.parquet, though its spec has a learning policy (spec.resolved.toml's deploy.policy): the file was removed or the run's tables are incomplete",
+            run.display()
+        );
     }
     // written whole into report.tmp/, then renamed over report/: a failed report leaves the old
     // one (or none), never half of a new one

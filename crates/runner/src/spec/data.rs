@@ -393,11 +393,27 @@ impl Keys {
             ) {
                 return Err(("label_a", format!("{v}: label values are strings, numbers or booleans")));
             }
-            if all[..i].contains(v) {
+            if all[..i].iter().any(|w| same_label(w, v)) {
                 return Err(("label_a", format!("{v} is mapped twice (label_a, label_b, label_tie must not overlap)")));
             }
         }
         Ok(Some((a, b, label)))
+    }
+}
+
+/// Whether float `f` is exactly the integer `i` (no rounding either way).
+pub(crate) fn float_is_int(f: f64, i: i64) -> bool {
+    f.fract() == 0.0 && f == i as f64 && (f as i64) == i && f.abs() < 9.3e18
+}
+
+/// Two mapped label values that one data value would match: equal, or the same number as an
+/// integer and a float (1 and 1.0).
+fn same_label(a: &toml::Value, b: &toml::Value) -> bool {
+    match (a, b) {
+        (toml::Value::Integer(i), toml::Value::Float(f)) | (toml::Value::Float(f), toml::Value::Integer(i)) => {
+            float_is_int(*f, *i)
+        }
+        _ => a == b,
     }
 }
 

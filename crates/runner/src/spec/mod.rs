@@ -955,11 +955,14 @@ pub fn parse(text: &str, path: &Path, overrides: &[String]) -> Result<(Spec, Str
     })?;
     let spec: Spec = toml::from_str(&text).map_err(|e: toml::de::Error| {
         let line = e.span().map(|s| line_of(&text, s.start));
-        // name the key when the error sits on a `key = value` line (wrong types, bad values)
-        let key = line
-            .and_then(|l| text.lines().nth(l - 1))
+        // name the key when the error sits on a `key = value` line (wrong types, bad values),
+        // or the table when it sits on a `[table]` header (a table written twice)
+        let at = line.and_then(|l| text.lines().nth(l - 1)).map(str::trim);
+        let header = at.and_then(|l| l.strip_prefix('[')).and_then(|l| l.trim_start_matches('[').split(']').next());
+        let key = at
             .and_then(|l| l.split_once('='))
             .map(|(k, _)| k.trim())
+            .or(header.map(str::trim))
             .filter(|k| !k.is_empty() && k.chars().all(|c| c.is_ascii_alphanumeric() || "_-.\"".contains(c)))
             .unwrap_or("");
         let mut e = err(key, line, e.message().trim().to_string());
@@ -978,9 +981,10 @@ pub fn override_key(o: &str) -> &str {
     o.split_once('=').map_or(o, |(k, _)| k)
 }
 
-/// The `--set` argument whose value sits on line `line` of the overridden `text`.
+/// The `--set` argument whose value sits on line `line` of the overridden `text`: the last one
+/// of its key (the one in force).
 pub fn override_at<'a>(text: &str, overrides: &'a [String], line: usize) -> Option<&'a String> {
-    overrides.iter().find(|o| {
+    overrides.iter().rev().find(|o| {
         let key = override_key(o);
         let path: Vec<String> = key.split('.').map(String::from).collect();
         locate(text, &path) == Some(line)
@@ -999,6 +1003,15 @@ pub fn apply_overrides(text: &str, overrides: &[String]) -> Result<String, (Stri
         let (key, raw) = o.split_once('=').ok_or_else(|| (o.clone(), "--set expects key=value".to_string()))?;
         let value: toml_edit::Value = raw.parse().unwrap_or_else(|_| toml_edit::Value::from(raw));
         let segs: Vec<&str> = key.split('.').collect();
+        if let Some(bad) =
+            segs.iter().find(|s| s.is_empty() || !s.chars().all(|c| c.is_ascii_alphanumeric() || "_-".contains(c)))
+        {
+            let why = if bad.is_empty() { "an empty name".to_string() } else { format!("`{bad}`") };
+            return Err((
+                key.to_string(),
+                format!("{why} in the key: expected dotted names such as stream.samples or estimator.0.lr"),
+            ));
+        }
         set_in_table(doc.as_table_mut(), &segs, value).map_err(|m| (key.to_string(), m))?;
     }
     Ok(doc.to_string())
@@ -1007,6 +1020,16 @@ pub fn apply_overrides(text: &str, overrides: &[String]) -> Result<String, (Stri
 fn set_in_table(t: &mut toml_edit::Table, segs: &[&str], value: toml_edit::Value) -> Result<(), String> {
     let (seg, rest) = segs.split_first().ok_or("empty key")?;
     if rest.is_empty() {
+        // a table (or [[table]] list) is set key by key: replaced by a value it would vanish
+        if let Some(kind) = match t.get(seg) {
+            Some(toml_edit::Item::Table(_)) => Some("the table"),
+            Some(toml_edit::Item::ArrayOfTables(_)) => Some("the [[tables]]"),
+            _ => None,
+        } {
+            return Err(format!(
+                "cannot replace {kind} `{seg}` with a value: set its keys (e.g. {seg}.0.lr=… for [[tables]])"
+            ));
+        }
         t[seg] = toml_edit::Item::Value(value);
         return Ok(());
     }

@@ -56,13 +56,23 @@ impl Pair {
 }
 
 /// Whether a JSON value equals a mapped TOML label value (after JSON typing: a string only
-/// equals a string, a number a number of the same value, a boolean a boolean).
+/// equals a string, a number a number of the same value, a boolean a boolean). Integers compare
+/// exactly (2^53 + 1 is not 2^53, as it would be through f64); an integer equals a float only
+/// when the float is that integer exactly.
 fn label_is(v: &Value, t: &toml::Value) -> bool {
     match (v, t) {
         (Value::String(a), toml::Value::String(b)) => a == b,
         (Value::Bool(a), toml::Value::Boolean(b)) => a == b,
-        (Value::Number(a), toml::Value::Integer(b)) => a.as_f64() == Some(*b as f64),
-        (Value::Number(a), toml::Value::Float(b)) => a.as_f64() == Some(*b),
+        (Value::Number(a), toml::Value::Integer(b)) => match (a.as_i64(), a.as_u64(), a.as_f64()) {
+            (Some(x), _, _) => x == *b,
+            (None, Some(_), _) => false, // above i64::MAX: no TOML integer
+            (None, None, Some(f)) => crate::spec::data::float_is_int(f, *b),
+            _ => false,
+        },
+        (Value::Number(a), toml::Value::Float(b)) => match a.as_i64() {
+            Some(x) => crate::spec::data::float_is_int(*b, x),
+            None => a.as_u64().is_none() && a.as_f64() == Some(*b),
+        },
         _ => false,
     }
 }
@@ -339,10 +349,14 @@ fn to_pair(v: &Value, format: Format, k: &Keys, row: usize) -> Result<Pair, Stri
             Err((key, m)) => return Err(format!(": data.keys.{key}: {m}")),
         }
     };
+    // a score key the generic form names is required (as its parquet column is); UltraFeedback's
+    // are optional
+    let required = format == Format::Generic;
     let score = |key: &Option<String>| -> Result<Option<f64>, String> {
         match key {
             None => Ok(None),
             Some(key) => match v.get(key.as_str()) {
+                None if required => Err(format!(", field `{key}`: missing (data.keys names it)")),
                 None => Ok(None),
                 Some(x) => match x.as_f64() {
                     Some(s) if s.is_finite() => Ok(Some(s)),
@@ -425,12 +439,22 @@ fn jsonl_rows(path: &Path, visit: &mut Visit<'_>) -> Result<()> {
         std::io::Read::take(r, MAX_ROW_BYTES as u64 + 1).read_until(b'\n', buf)
     };
     let mut buf = Vec::new();
+    let mut rows = 0usize;
     for row in 0.. {
         buf.clear();
         let n = read(&mut r, &mut buf).with_context(|| format!("{}: reading row {row}", path.display()))?;
         if n == 0 {
             break;
         }
+        // a UTF-8 byte-order mark before the first row (as the spec reader skips one)
+        if row == 0 && buf.starts_with(b"\xef\xbb\xbf") {
+            buf.drain(..3);
+        }
+        // a blank line is no row (its number still counts, so rows keep their line's number)
+        if buf.iter().all(|b| b.is_ascii_whitespace()) {
+            continue;
+        }
+        rows += 1;
         let v = if buf.len() > MAX_ROW_BYTES && buf.last() != Some(&b'\n') {
             // skip the rest of the row without holding it
             let mut total = buf.len();
@@ -452,6 +476,9 @@ fn jsonl_rows(path: &Path, visit: &mut Visit<'_>) -> Result<()> {
         if !visit(row, v)? {
             break;
         }
+    }
+    if rows == 0 {
+        bail!("{}: no rows (the file is empty or holds only blank lines)", path.display());
     }
     Ok(())
 }

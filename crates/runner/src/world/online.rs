@@ -241,6 +241,20 @@ impl Online {
         Ok(self.policy.generate_on(&model, prompts, opts, self.batch_prompts, &mut |_| {})?)
     }
 
+    /// What sizes a learning cell's memory (`budget::PolicyShape`): the longest sequence any
+    /// update or evaluation scores is its longest templated prompt (training, held-out, warm
+    /// start) plus generate.max_new_tokens.
+    pub fn shape(&self) -> crate::budget::PolicyShape {
+        let prompts = self.prompt_ids.iter().chain(&self.eval_ids).chain(self.warm_start.iter().map(|w| &w.prompt));
+        let longest = prompts.map(Vec::len).max().unwrap_or(0);
+        crate::budget::PolicyShape {
+            cfg: self.cfg.clone(),
+            seq_len: longest + self.opts.max_new_tokens,
+            n: self.opts.n.max(self.eval_opts.first().map_or(0, |o| o.n)),
+            batch_prompts: self.batch_prompts,
+        }
+    }
+
     /// The base policy's training samples are the bank's only when the bank was generated in
     /// f32 (the learning arms' generator); otherwise a learning arm generates its own.
     pub fn bank_is_f32(&self) -> bool {
