@@ -117,6 +117,7 @@ fn open_run_dir(
     plan: &Plan,
     world: &World,
     id: &RunIdentity,
+    early: Option<io::DirLock>,
 ) -> Result<(PathBuf, io::DirLock, Option<String>)> {
     let Some(dir) = &opts.resume else {
         let dir = results::make_run_dir(&opts.out, &plan.name)?;
@@ -129,13 +130,11 @@ fn open_run_dir(
         return Ok((dir, lock, None));
     };
     let manifest = dir.join("resume.json");
-    let text = std::fs::read_to_string(&manifest).with_context(|| {
-        format!(
-            "--resume {}: no resume.json there (not a onepass run directory, or one made before resume existed)",
-            dir.display()
-        )
-    })?;
-    let lock = io::lock_dir(dir)?;
+    let text = read_manifest(dir)?;
+    let lock = match early {
+        Some(l) => l,
+        None => io::lock_dir(dir)?,
+    };
     let theirs: RunIdentity =
         serde_json::from_str(&text).with_context(|| format!("{}: not a run identity", manifest.display()))?;
     let forced = id.mismatch(&theirs);
@@ -163,6 +162,33 @@ fn open_run_dir(
         eprintln!("onepass: removed {n} half-written temporary file(s) of the killed run");
     }
     Ok((dir.clone(), lock, forced))
+}
+
+/// A run directory's resume.json, or an error saying it is not one.
+fn read_manifest(dir: &Path) -> Result<String> {
+    std::fs::read_to_string(dir.join("resume.json")).with_context(|| {
+        format!(
+            "--resume {}: no resume.json there (not a onepass run directory, or one made before resume existed)",
+            dir.display()
+        )
+    })
+}
+
+/// What can be refused about the run directory before any data is read or model loaded: a
+/// resumed directory that is not a run's or that another process holds (its lock is taken here
+/// and kept), an `--out` that cannot be written (a probe file is created and removed).
+fn claim_output(opts: &RunOptions) -> Result<Option<io::DirLock>> {
+    if let Some(dir) = &opts.resume {
+        read_manifest(dir)?;
+        return Ok(Some(io::lock_dir(dir)?));
+    }
+    let out = &opts.out;
+    std::fs::create_dir_all(out).with_context(|| format!("--out {}: cannot create it", out.display()))?;
+    let probe = out.join(format!(".onepass-probe-{}", std::process::id()));
+    std::fs::write(&probe, b"").with_context(|| format!("--out {}: cannot write there", out.display()))?;
+    std::fs::remove_file(&probe)
+        .with_context(|| format!("--out {}: cannot remove {}", out.display(), probe.display()))?;
+    Ok(None)
 }
 
 /// What a cell's checkpoint is of: "cell <id> (<digest of its config and seed>)", so that a
@@ -278,6 +304,7 @@ pub fn run(opts: &RunOptions) -> Result<RunSummary> {
     if plan.spec.env.kind == spec::EnvKind::Synthetic {
         check_memory(opts, &plan, &plan.spec, threads, None)?;
     }
+    let early = claim_output(opts)?;
     let world = world::build(&plan, opts.progress)?;
     let shape = world.online.as_ref().map(|o| o.shape());
     check_memory(opts, &plan, &world.spec, threads, shape.as_ref())?;
@@ -289,7 +316,7 @@ pub fn run(opts: &RunOptions) -> Result<RunSummary> {
     let id = RunIdentity::of(&plan, &world)?;
     let fingerprint = id.fingerprint();
     let shared = shared_digest(&world)?;
-    let (dir, _lock, forced) = open_run_dir(opts, &plan, &world, &id)?;
+    let (dir, _lock, forced) = open_run_dir(opts, &plan, &world, &id, early)?;
     if dir.join("meta.json").exists() {
         eprintln!("onepass: {} is complete (meta.json exists): nothing to resume", dir.display());
         let meta: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(dir.join("meta.json"))?)

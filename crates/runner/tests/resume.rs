@@ -593,3 +593,44 @@ fn a_full_disk_at_a_checkpoint_stops_the_run_resumably() {
     assert_eq!(r.code, Some(0), "resume: {}", r.stderr);
     assert_same(&want, &dir, "resumed after a full disk at a checkpoint");
 }
+
+/// The run directory is claimed before any data is read or model loaded (issue 34): a resume of
+/// a directory another process holds, and an `--out` that cannot be created, are refused with
+/// their own line before the missing data file is even looked at (they used to fail only after
+/// the world — models, generation, φ — was built).
+#[test]
+fn the_output_is_claimed_before_the_data_is_read() {
+    use std::os::unix::io::AsRawFd;
+    let tmp = tempfile::tempdir().unwrap();
+    let tmp = tmp.path();
+    let spec = "setting = \"passive\"\n[env]\nkind = \"dataset\"\n[data]\npath = \"missing.jsonl\"\nmodel = \"model.gguf\"\n[[estimator]]\nkind = \"sgd\"\n";
+    write(tmp, "d.toml", spec);
+    // negative control: with nothing in the way, the missing file is the error
+    let r = output(cmd(tmp, &["run", "d.toml", "--out", "free"]));
+    assert_eq!(r.code, Some(2));
+    assert!(r.stderr.contains("missing.jsonl"), "{}", r.stderr);
+    // a run directory whose lock this process holds
+    let held = tmp.join("held");
+    std::fs::create_dir_all(&held).unwrap();
+    std::fs::write(held.join("resume.json"), "{}").unwrap();
+    let f = std::fs::OpenOptions::new().create(true).truncate(false).write(true).open(held.join(".lock")).unwrap();
+    // SAFETY: flock(2) on a descriptor this test owns.
+    assert_eq!(unsafe { libc::flock(f.as_raw_fd(), libc::LOCK_EX | libc::LOCK_NB) }, 0);
+    let r = output(cmd(tmp, &["run", "d.toml", "--resume", "held"]));
+    assert_eq!(r.code, Some(2));
+    assert!(
+        r.stderr.contains("in use by another onepass process") && !r.stderr.contains("missing.jsonl"),
+        "{}",
+        r.stderr
+    );
+    drop(f);
+    // an --out below a regular file
+    std::fs::write(tmp.join("afile"), "x").unwrap();
+    let r = output(cmd(tmp, &["run", "d.toml", "--out", "afile/sub"]));
+    assert_eq!(r.code, Some(2));
+    assert!(
+        r.stderr.contains("--out afile/sub: cannot create it") && !r.stderr.contains("missing.jsonl"),
+        "{}",
+        r.stderr
+    );
+}
