@@ -636,3 +636,61 @@ fn a_named_score_field_is_required_in_jsonl_too() {
     let r = read_dataset(std::slice::from_ref(&j), &o("score_chosen")).unwrap();
     assert_eq!(r.pairs[0].scores, Some((5.0, 1.0)));
 }
+
+/// Parquet columns of the narrower number types (UInt8, UInt16, Float16, Decimal128) and
+/// dictionary-encoded strings are read as the numbers and strings they hold (they were refused
+/// as types onepass does not read); a NaN label is named as such, not as "missing or null" —
+/// issue 34.
+#[test]
+fn narrow_and_dictionary_parquet_columns_read() {
+    use arrow_array::types::Int32Type;
+    use arrow_array::{Decimal128Array, DictionaryArray, Float64Array, UInt16Array, UInt8Array};
+    let tmp = tempfile::tempdir().unwrap();
+    let p = tmp.path().join("arena.parquet");
+    let write = |winner: ArrayRef| {
+        let dict = |v: Vec<&str>| Arc::new(v.into_iter().collect::<DictionaryArray<Int32Type>>()) as ArrayRef;
+        let batch = RecordBatch::try_from_iter([
+            ("q", Arc::new(StringArray::from(vec!["2+2?", "Hi"])) as ArrayRef),
+            ("response_a", dict(vec!["4", "Go away."])),
+            ("response_b", dict(vec!["5", "Hello!"])),
+            ("winner", winner),
+        ])
+        .unwrap();
+        let mut w = ArrowWriter::try_new(std::fs::File::create(&p).unwrap(), batch.schema(), None).unwrap();
+        w.write(&batch).unwrap();
+        w.close().unwrap();
+    };
+    let keys = Keys {
+        prompt: Some("q".into()),
+        side_a: Some("response_a".into()),
+        side_b: Some("response_b".into()),
+        label: Some("winner".into()),
+        label_a: vec![toml::Value::Integer(0)],
+        label_b: vec![toml::Value::Integer(1)],
+        ..Keys::default()
+    };
+    let o = ReadOptions { format: Some(Format::Generic), keys, ..Default::default() };
+    let chosen = |r: &runner::world::datasets::ReadOut| -> Vec<String> {
+        r.pairs.iter().map(|p| p.chosen.last().unwrap().content.clone()).collect()
+    };
+    for (what, col) in [
+        ("UInt8", Arc::new(UInt8Array::from(vec![0u8, 1])) as ArrayRef),
+        ("UInt16", Arc::new(UInt16Array::from(vec![0u16, 1])) as ArrayRef),
+        (
+            "Decimal128",
+            Arc::new(Decimal128Array::from(vec![0i128, 1]).with_precision_and_scale(5, 0).unwrap()) as ArrayRef,
+        ),
+        (
+            "Float16",
+            Arc::new(arrow_array::Float16Array::from(vec![half::f16::from_f32(0.0), half::f16::from_f32(1.0)]))
+                as ArrayRef,
+        ),
+    ] {
+        write(col);
+        let r = read_dataset(std::slice::from_ref(&p), &o).unwrap_or_else(|e| panic!("{what}: {e:#}"));
+        assert_eq!(chosen(&r), vec!["4", "Hello!"], "{what}");
+    }
+    write(Arc::new(Float64Array::from(vec![0.0, f64::NAN])));
+    let e = format!("{:#}", read_dataset(std::slice::from_ref(&p), &o).unwrap_err());
+    assert!(e.contains("NaN") && !e.contains("missing or null"), "{e}");
+}

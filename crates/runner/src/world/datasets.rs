@@ -533,14 +533,40 @@ pub fn arrow_cell(col: &dyn Array, i: usize) -> Result<Value, String> {
     if col.is_null(i) {
         return Ok(Value::Null);
     }
-    let num = |x: f64| serde_json::Number::from_f64(x).map(Value::Number).unwrap_or(Value::Null);
+    let num = |x: f64| -> Result<Value, String> {
+        serde_json::Number::from_f64(x).map(Value::Number).ok_or_else(|| format!("is {x}, not a finite number"))
+    };
+    // a dictionary-encoded column: the cell is its key's entry of the dictionary
+    macro_rules! dict {
+        ($($k:ty),*) => {
+            match col.data_type() {
+                $(DataType::Dictionary(k, _) if **k == <$k as ArrowPrimitiveType>::DATA_TYPE => {
+                    let d = col.as_dictionary::<$k>();
+                    let key = d.key(i).ok_or("has a null dictionary key")?;
+                    return arrow_cell(d.values().as_ref(), key);
+                })*
+                _ => {}
+            }
+        };
+    }
+    dict!(Int8Type, Int16Type, Int32Type, Int64Type, UInt8Type, UInt16Type, UInt32Type, UInt64Type);
     Ok(match col.data_type() {
         DataType::Utf8 => Value::String(col.as_string::<i32>().value(i).to_string()),
         DataType::LargeUtf8 => Value::String(col.as_string::<i64>().value(i).to_string()),
         DataType::Utf8View => Value::String(col.as_string_view().value(i).to_string()),
         DataType::Boolean => Value::Bool(col.as_boolean().value(i)),
-        DataType::Float64 => num(col.as_primitive::<Float64Type>().value(i)),
-        DataType::Float32 => num(f64::from(col.as_primitive::<Float32Type>().value(i))),
+        DataType::Float64 => num(col.as_primitive::<Float64Type>().value(i))?,
+        DataType::Float32 => num(f64::from(col.as_primitive::<Float32Type>().value(i)))?,
+        DataType::Float16 => num(col.as_primitive::<Float16Type>().value(i).to_f64())?,
+        DataType::Decimal128(_, scale) => {
+            let v = col.as_primitive::<Decimal128Type>().value(i);
+            match (*scale, i64::try_from(v)) {
+                (0, Ok(x)) => Value::from(x),
+                _ => num(v as f64 / 10f64.powi(i32::from(*scale)))?,
+            }
+        }
+        DataType::UInt16 => Value::from(col.as_primitive::<UInt16Type>().value(i)),
+        DataType::UInt8 => Value::from(col.as_primitive::<UInt8Type>().value(i)),
         DataType::Int64 => Value::from(col.as_primitive::<Int64Type>().value(i)),
         DataType::Int32 => Value::from(col.as_primitive::<Int32Type>().value(i)),
         DataType::Int16 => Value::from(col.as_primitive::<Int16Type>().value(i)),
