@@ -352,7 +352,11 @@ pub fn run(opts: &RunOptions) -> Result<RunSummary> {
             .par_iter()
             .map(|cell| {
                 let r = run_one(&plan, &world, cell, &dir, (&fingerprint, &shared), opts.force);
-                meter.inc(1);
+                // a cell stopped (interrupt, failed write) is not done: the last line then says
+                // "stopped after", not "done"
+                if r.is_ok() {
+                    meter.inc(1);
+                }
                 r
             })
             .collect()

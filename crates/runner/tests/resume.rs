@@ -584,6 +584,9 @@ fn a_full_disk_at_a_checkpoint_stops_the_run_resumably() {
     let last = r.stderr.trim().lines().last().unwrap();
     assert!(last.contains("No space left on device") && last.contains(".ckpt"), "{last}");
     assert!(last.contains("--set seeds=1 --set checkpoint.every_steps=3 --resume"), "the resume command: {last}");
+    // the cells stage ends "stopped after", not "done": no cell finished
+    assert!(r.stderr.contains("running cells") && r.stderr.contains("stopped after"), "{}", r.stderr);
+    assert!(!r.stderr.contains("cells (100%)"), "{}", r.stderr);
     let dir = only_dir(&tmp.join("full"));
     assert!(!dir.join("meta.json").exists(), "the run was finalised");
     assert!(dir.join("checkpoints").is_dir(), "checkpoints/ was removed");

@@ -205,6 +205,14 @@ pub fn build(g: &GenerateSpec, f: &FeatureSpec, o: &OracleSpec, holdout: usize, 
     let files = resolve_files("data.prompts", &g.prompts).map_err(|e| anyhow!("{e:#}").context("generate.prompts"))?;
     let mut prompts = super::datasets::read_prompts(&files, &g.prompt_key, g.rows.map(|r| r + holdout))?;
     if let Some(r) = g.rows {
+        // the training rows fit, the held-out ones do not: policy.eval_prompts is at fault
+        if prompts.len() >= r && prompts.len() < r + holdout {
+            bail!(
+                "policy.eval_prompts: {holdout} held-out prompts after generate.rows = {r}, but the prompt files hold only {} prompts ({} after the training rows)",
+                prompts.len(),
+                prompts.len() - r
+            );
+        }
         if prompts.len() < r + holdout {
             bail!(
                 "generate.rows = {r}{}, but the prompt files hold only {} prompts",

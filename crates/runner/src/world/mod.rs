@@ -100,11 +100,12 @@ fn load_generated(spec: &mut Spec, keys: Locator<'_>, progress: Mode) -> Result<
     let o = spec.oracle.as_ref().ok_or_else(|| need("oracle"))?;
     let holdout = spec.policy.as_ref().map_or(0, |p| p.eval_prompts);
     let out = generated::build(g, f, o, holdout, progress).map_err(|e| {
-        // the error begins with the table it is about (the features or oracle stage), so that
-        // table's line or `--set` is cited; generation otherwise
+        // the error begins with the table it is about (the features or oracle stage, the
+        // policy's held-out prompts), so that table's line or `--set` is cited; generation
+        // otherwise
         let msg = format!("{e:#}");
         let head = msg.split(':').next().unwrap_or("");
-        let named = ["oracle", "features"].iter().any(|t| head == *t || head.starts_with(&format!("{t}.")))
+        let named = ["oracle", "features", "policy"].iter().any(|t| head == *t || head.starts_with(&format!("{t}.")))
             && head.chars().all(|c| c.is_ascii_lowercase() || c == '_' || c == '.');
         if !named {
             return keys.err(&["generate"], msg);
