@@ -694,3 +694,28 @@ fn narrow_and_dictionary_parquet_columns_read() {
     let e = format!("{:#}", read_dataset(std::slice::from_ref(&p), &o).unwrap_err());
     assert!(e.contains("NaN") && !e.contains("missing or null"), "{e}");
 }
+
+/// The ranked form averages a response's scores without overflow (issue 34): scores of 1e308
+/// and 1e308 average to 1e308, not to inf — which made two different responses a tie.
+#[test]
+fn huge_ranked_scores_do_not_overflow_into_a_tie() {
+    use runner::world::datasets::PairRule;
+    let tmp = tempfile::tempdir().unwrap();
+    let j = tmp.path().join("ranked.jsonl");
+    let resp = |t: &str, a: f64, b: f64| serde_json::json!({"response": t, "s": {"a": a, "b": b}});
+    let row = serde_json::json!({"prompt": "p", "completions": [resp("A", 1e308, 1e308), resp("B", 1e308, 9e307)]});
+    std::fs::write(&j, row.to_string()).unwrap();
+    let keys = Keys {
+        prompt: Some("prompt".into()),
+        responses: Some("completions".into()),
+        score: vec!["s.a".into(), "s.b".into()],
+        pairs: Some(PairRule::BestWorst),
+        ..Keys::default()
+    };
+    let o = ReadOptions { format: Some(Format::Generic), keys, ..Default::default() };
+    let r = read_dataset(std::slice::from_ref(&j), &o).unwrap();
+    assert_eq!(r.pairs.len(), 1);
+    let p = &r.pairs[0];
+    assert!(!p.tie, "1e308 vs 9.5e307 is no tie");
+    assert_eq!(p.chosen.last().unwrap().content, "A");
+}

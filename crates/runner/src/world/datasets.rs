@@ -225,15 +225,16 @@ fn ranked_pairs(v: &Value, k: &Keys, row: usize) -> Result<Vec<Pair>, String> {
                 .ok_or_else(|| format!(", field `{rkey}[{j}].{text_key}`: missing or not a string"))?
                 .to_string(),
         };
-        let mut sum = 0.0;
+        // the mean of the scores, each divided before summing: two scores of 1e308 average to
+        // 1e308, not to inf
+        let mut score = 0.0;
         for p in &k.score {
             let x = at_path(e, p)
                 .and_then(|x| x.as_f64().or_else(|| x.as_str().and_then(|s| s.trim().parse().ok())))
                 .filter(|x| x.is_finite())
                 .ok_or_else(|| format!(", field `{rkey}[{j}].{p}`: missing or not a number"))?;
-            sum += x;
+            score += x / k.score.len() as f64;
         }
-        let score = sum / k.score.len() as f64;
         items.push((text, if k.score_lower_is_better { -score } else { score }));
     }
     let n = items.len();
