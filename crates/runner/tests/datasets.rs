@@ -477,6 +477,9 @@ fn a_ranked_dataset_runs_passive_and_active() {
         let ranked = &meta["data"]["dataset"]["ranked"];
         assert_eq!((ranked["prompts"].as_u64(), ranked["pairs"].as_u64()), (Some(12), Some(36)), "{ranked}");
         assert_eq!(ranked["pairs_per_prompt"]["mean"].as_f64(), Some(3.0));
+        // rows are rows, pairs are pairs (issue 34: rows_read counted pairs)
+        let d = &meta["data"]["dataset"];
+        assert_eq!((d["rows_read"].as_u64(), d["pairs_read"].as_u64()), (Some(12), Some(36)), "{d}");
         assert_eq!(ranked["score_gap"]["min"].as_f64(), Some(2.0), "adjacent ranks differ by 2");
         // 20% of 36 pairs is 7: whole prompts are held out until 7 are reached → 3 prompts, 9
         // pairs (a split by pairs would hold out 7 and put some prompts on both sides)

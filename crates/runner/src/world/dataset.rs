@@ -24,13 +24,16 @@ pub struct DataReport {
     pub blake3: String,
     pub eval_path: Option<String>,
     pub eval_files: Vec<String>,
-    /// Pairs read from `files` (after skipping malformed rows).
+    /// Rows read from `files` (kept and skipped malformed ones), and the pairs they gave (one
+    /// per row, or what the ranked form's rule makes of a row).
     pub rows_read: usize,
+    pub pairs_read: usize,
     /// Malformed rows skipped (`data.malformed = "skip"`), over all files, and the first reasons.
     pub malformed_skipped: usize,
     pub malformed_examples: Vec<String>,
     /// Held-out pairs whose two conversations also occur in the training pairs.
     pub eval_in_train: usize,
+    /// Pairs selected (`data.rows` counts pairs).
     pub selected: usize,
     pub train_pairs: usize,
     pub eval_pairs: usize,
@@ -156,6 +159,7 @@ pub fn load(d: &DataSpec, progress: Mode) -> Result<(PairData, DataReport)> {
     let ranked = opts.keys.responses.is_some() && opts.format == Some(crate::spec::Format::Generic);
     let ranked_report = ranked.then(|| ranked_summary(&read.pairs));
     let (mut skipped, mut skipped_examples) = (read.skipped, read.skipped_examples);
+    let rows_in_files = read.rows_read;
     let all = read.pairs;
     let rows_read = all.len();
     let take = d.rows.unwrap_or(rows_read);
@@ -294,7 +298,8 @@ pub fn load(d: &DataSpec, progress: Mode) -> Result<(PairData, DataReport)> {
         blake3: digest,
         eval_path: eval_file.as_ref().map(|e| e[0].display().to_string()),
         eval_files: eval_file.iter().flatten().map(|f| f.display().to_string()).collect(),
-        rows_read,
+        rows_read: rows_in_files,
+        pairs_read: rows_read,
         malformed_skipped: skipped,
         malformed_examples: skipped_examples,
         eval_in_train,
