@@ -515,15 +515,20 @@ fn walk(d: &Path) -> Vec<PathBuf> {
     out
 }
 
-/// `onepass report` on a run with a learning policy whose policy.parquet is gone refuses, saying
-/// so (it exited 0 without the policy table); on a run without metrics.parquet it says the run is
-/// unfinished and how to continue it when checkpoints/ is there (issue 34).
+/// In a log, each learning cell says when a chunk is done; `onepass report` on a run with a
+/// learning policy whose policy.parquet is gone refuses, saying so (it exited 0 without the
+/// policy table); on a run without metrics.parquet it says the run is unfinished and how to
+/// continue it when checkpoints/ is there (issue 34).
 #[test]
 fn report_names_a_missing_policy_table_and_an_unfinished_run() {
     let tmp = setup(0.05);
     let p = tmp.path();
     std::fs::write(p.join("run.toml"), spec(0.05).replace("seeds = 2", "seeds = 1")).unwrap();
-    let dir = run(p, "a", "2");
+    let (code, stdout, err) = onepass(p, &["run", "run.toml", "--out", "a", "--threads", "2"]).parts();
+    assert_eq!(code, 0, "{err}");
+    let dir = p.join(stdout.lines().last().unwrap().trim());
+    // in a log each online cell says when a chunk is done (issue 34: minutes of silence)
+    assert!(err.contains("rloo (seed 0): chunk 3/3 done"), "{err}");
     let ok = onepass(p, &["report", dir.to_str().unwrap()]);
     assert_eq!(ok.code, 0, "{}", ok.stderr);
     std::fs::remove_file(dir.join("policy.parquet")).unwrap();

@@ -231,6 +231,13 @@ pub(super) fn deploy_chunked(
                 pr.policy_rows.push(pc.evaluate(t, l.theta(), d)?);
                 time.eval_s = t2.elapsed().as_secs_f64();
             }
+            // a long online cell says where it is in a log (bars show cells; --quiet nothing)
+            if pc.online.progress == crate::progress::Mode::Lines {
+                eprintln!(
+                    "onepass: cell {} (seed {seed}): chunk {t}/{chunks} done — generation {:.0} s, φ {:.0} s, policy {:.0} s, critic {:.0} s, evaluation {:.0} s",
+                    config.label, time.generation_s, time.phi_s, time.policy_s, time.critic_s, time.eval_s
+                );
+            }
             pr.policy_times.push(time);
             if let Some(a) = pc.adapter(t, chunks as u64)? {
                 pr.adapters.push(a);

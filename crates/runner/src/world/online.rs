@@ -45,6 +45,8 @@ pub struct Online {
     /// count of its rows dropped for a prompt over generate.max_prompt_tokens.
     pub warm_start: Vec<WarmPair>,
     pub warm_dropped: u64,
+    /// How the run reports progress: with plain lines, each cell says when a chunk is done.
+    pub progress: Mode,
     phi: Mutex<Phi>,
     oracle: Oracle,
 }
@@ -205,6 +207,7 @@ impl Online {
             eval_base: Vec::new(),
             warm_start,
             warm_dropped,
+            progress,
             phi: Mutex::new(phi),
             oracle,
         };
