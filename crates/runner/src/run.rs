@@ -176,18 +176,32 @@ fn read_manifest(dir: &Path) -> Result<String> {
 
 /// What can be refused about the run directory before any data is read or model loaded: a
 /// resumed directory that is not a run's or that another process holds (its lock is taken here
-/// and kept), an `--out` that cannot be written (a probe file is created and removed).
+/// and kept), an `--out` that cannot be written (checked without writing anything).
 fn claim_output(opts: &RunOptions) -> Result<Option<io::DirLock>> {
     if let Some(dir) = &opts.resume {
         read_manifest(dir)?;
         return Ok(Some(io::lock_dir(dir)?));
     }
+    // nothing is written before the data are checked: the nearest existing ancestor of --out
+    // must be a directory this process may write in (access(2), W_OK)
     let out = &opts.out;
-    std::fs::create_dir_all(out).with_context(|| format!("--out {}: cannot create it", out.display()))?;
-    let probe = out.join(format!(".onepass-probe-{}", std::process::id()));
-    std::fs::write(&probe, b"").with_context(|| format!("--out {}: cannot write there", out.display()))?;
-    std::fs::remove_file(&probe)
-        .with_context(|| format!("--out {}: cannot remove {}", out.display(), probe.display()))?;
+    let mut at = out.as_path();
+    while !at.exists() {
+        at = match at.parent() {
+            Some(p) if !p.as_os_str().is_empty() => p,
+            _ => Path::new("."),
+        };
+    }
+    if !at.is_dir() {
+        anyhow::bail!("--out {}: {} is not a directory", out.display(), at.display());
+    }
+    let c = std::ffi::CString::new(at.as_os_str().as_encoded_bytes())
+        .map_err(|_| anyhow::anyhow!("--out {}: a NUL byte in the path", out.display()))?;
+    // SAFETY: access(2) on a NUL-terminated path we own.
+    if unsafe { libc::access(c.as_ptr(), libc::W_OK) } != 0 {
+        let e = std::io::Error::last_os_error();
+        anyhow::bail!("--out {}: cannot write in {}: {e}", out.display(), at.display());
+    }
     Ok(None)
 }
 
