@@ -179,6 +179,14 @@ fn read_manifest(dir: &Path) -> Result<String> {
 /// and kept), an `--out` that cannot be written (checked without writing anything).
 fn claim_output(opts: &RunOptions) -> Result<Option<io::DirLock>> {
     if let Some(dir) = &opts.resume {
+        // a run directory has its lock before its resume.json: where the lock file exists, the
+        // lock goes first (a run still starting up is "in use", not "no resume.json"); no lock
+        // file is created in a directory that is not a run's
+        if dir.join(".lock").exists() {
+            let lock = io::lock_dir(dir)?;
+            read_manifest(dir)?;
+            return Ok(Some(lock));
+        }
         read_manifest(dir)?;
         return Ok(Some(io::lock_dir(dir)?));
     }
