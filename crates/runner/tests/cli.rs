@@ -918,3 +918,26 @@ fn every_setting_draws_readable_figures() {
     assert!(texts.contains(&"omd-exact") && texts.contains(&"mle"), "panel captions");
     assert_eq!(texts.iter().filter(|t| **t == "best-two").count(), 1, "one legend entry per strategy");
 }
+
+/// The justfile's `reproduce-*` recipes run the binary where cargo puts it: with
+/// `CARGO_TARGET_DIR` set (shared machines) that is not ./target (issue 34: every recipe failed
+/// with "No such file or directory"). The recipe's own line is run with the variable set and must
+/// name `$CARGO_TARGET_DIR/release/onepass`; no recipe names `target/release/onepass` itself.
+#[test]
+fn the_justfile_finds_the_binary_under_cargo_target_dir() {
+    let root = util::root();
+    let just = std::fs::read_to_string(root.join("justfile")).unwrap();
+    assert!(!just.contains("target/release/onepass"), "a recipe names ./target's binary");
+    let line = just.lines().map(str::trim).find(|l| l.starts_with("bin=")).expect("the recipe's bin= line");
+    let dir = tempfile::tempdir().unwrap();
+    let out = std::process::Command::new("bash")
+        .arg("-c")
+        .arg(format!("{line}\nprintf '%s' \"$bin\""))
+        .current_dir(&root)
+        .env("CARGO_TARGET_DIR", dir.path())
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let bin = String::from_utf8_lossy(&out.stdout).into_owned();
+    assert_eq!(std::path::Path::new(&bin), dir.path().join("release/onepass"), "{bin}");
+}
