@@ -147,15 +147,13 @@ impl Backbone {
     /// Token ids of a written response (e.g. a preference dataset's) as the policy would have
     /// sampled it: the text's tokens, cut to `max_new_tokens`, closed by the chat format's
     /// end-of-turn token (`<|im_end|>`, `<|eot_id|>`, else the tokenizer's EOS) when not cut.
-    /// Returns the ids and whether they were cut.
-    pub fn response_ids(&self, text: &str, max_new_tokens: usize) -> Result<(Vec<u32>, bool), Error> {
+    pub fn response_ids(&self, text: &str, max_new_tokens: usize) -> Result<Vec<u32>, Error> {
         let mut ids = self.tok.encode(text)?;
         let end = ["<|im_end|>", "<|eot_id|>"]
             .iter()
             .find_map(|s| self.tok.inner.token_to_id(s))
             .or_else(|| self.tok.eos.as_ref().map(|e| e.1));
-        let cut = ids.len() + usize::from(end.is_some()) > max_new_tokens;
-        if cut {
+        if ids.len() + usize::from(end.is_some()) > max_new_tokens {
             ids.truncate(max_new_tokens);
         } else if let Some(e) = end {
             ids.push(e);
@@ -163,7 +161,7 @@ impl Backbone {
         if ids.is_empty() {
             return Err(Error::Input("the response tokenizes to nothing".into()));
         }
-        Ok((ids, cut))
+        Ok(ids)
     }
 
     /// Token ids that end a response: the tokenizer's EOS and the end-of-turn tokens of the

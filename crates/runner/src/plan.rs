@@ -688,7 +688,8 @@ fn check_policy(spec: &mut Spec, keys: Locator<'_>) -> Result<(), SpecError> {
                 return Err(keys.err(&["generate", key], format!("{v}: a policy that learns samples {why}")));
             }
         }
-        let ppo = spec.deploy.policy.0.contains(&crate::spec::DeployPolicy::Ppo);
+        let has = |a| spec.deploy.policy.0.contains(&a);
+        let ppo = has(crate::spec::DeployPolicy::Ppo);
         let same_model = spec.features.as_ref().is_some_and(|f| f.model == g.policy);
         if ppo && p.ppo.critic_head == crate::spec::CriticHead::Theta && !same_model {
             return Err(keys.err(
@@ -696,7 +697,6 @@ fn check_policy(spec: &mut Spec, keys: Locator<'_>) -> Result<(), SpecError> {
                 "\"theta\": the critic runs on the policy's backbone, θ is over features.model's φ, and they differ: expected \"zero\" (or features.model = generate.policy)".into(),
             ));
         }
-        let has = |a| spec.deploy.policy.0.contains(&a);
         if p.dpo.warm_start.is_some() && !has(crate::spec::DeployPolicy::Dpo) {
             return Err(
                 keys.err(&["policy", "dpo", "warm_start"], "applies only when deploy.policy includes \"dpo\"".into())
@@ -704,8 +704,7 @@ fn check_policy(spec: &mut Spec, keys: Locator<'_>) -> Result<(), SpecError> {
         }
         // rollouts from the chunk's samples are the first k of its n
         let samples = p.rollouts == crate::spec::policy::RolloutSource::Samples;
-        let dpo_two = spec.deploy.policy.0.contains(&crate::spec::DeployPolicy::Dpo)
-            && p.dpo.pairs == crate::spec::policy::DpoPairs::FreshTwo;
+        let dpo_two = has(crate::spec::DeployPolicy::Dpo) && p.dpo.pairs == crate::spec::policy::DpoPairs::FreshTwo;
         for (key, k) in [
             (["policy", "rloo", "rollouts_per_prompt"], p.rloo.rollouts_per_prompt),
             (["policy", "ppo", "rollouts_per_prompt"], p.ppo.rollouts_per_prompt),
@@ -718,8 +717,7 @@ fn check_policy(spec: &mut Spec, keys: Locator<'_>) -> Result<(), SpecError> {
                 ));
             }
         }
-        let rloo = spec.deploy.policy.0.contains(&crate::spec::DeployPolicy::Rloo);
-        if rloo && p.rloo.rollouts_per_prompt.is_none() && g.n < 2 {
+        if has(crate::spec::DeployPolicy::Rloo) && p.rloo.rollouts_per_prompt.is_none() && g.n < 2 {
             return Err(keys.err(
                 &["policy", "rloo", "rollouts_per_prompt"],
                 format!("defaults to generate.n = {}: rloo needs at least 2 rollouts per prompt", g.n),

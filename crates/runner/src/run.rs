@@ -108,16 +108,16 @@ struct DoneCell {
     wall_s: f64,
 }
 
-/// The run directory: a fresh one, or `--resume`'s after checking it is this run.
-/// The directory comes locked (one writer per run directory): a resumed one before anything in
-/// it is touched.
+/// The run directory: a fresh one, or `--resume`'s (claimed by [`claim_output`]: locked, its
+/// resume.json read) after checking it is this run. The directory comes locked (one writer per
+/// run directory): a resumed one before anything in it is touched.
 /// Third: why the run's identity differs when `--force` resumed it anyway (meta.json records it).
 fn open_run_dir(
     opts: &RunOptions,
     plan: &Plan,
     world: &World,
     id: &RunIdentity,
-    early: Option<io::DirLock>,
+    claimed: Option<Claimed>,
 ) -> Result<(PathBuf, io::DirLock, Option<String>)> {
     let Some(dir) = &opts.resume else {
         let dir = results::make_run_dir(&opts.out, &plan.name)?;
@@ -129,12 +129,9 @@ fn open_run_dir(
             .with_context(|| format!("creating {}/checkpoints", dir.display()))?;
         return Ok((dir, lock, None));
     };
+    let Claimed { lock, manifest: text } =
+        claimed.ok_or_else(|| anyhow::anyhow!("--resume {}: not claimed before the world was built", dir.display()))?;
     let manifest = dir.join("resume.json");
-    let text = read_manifest(dir)?;
-    let lock = match early {
-        Some(l) => l,
-        None => io::lock_dir(dir)?,
-    };
     let theirs: RunIdentity =
         serde_json::from_str(&text).with_context(|| format!("{}: not a run identity", manifest.display()))?;
     let forced = id.mismatch(&theirs);
@@ -174,21 +171,25 @@ fn read_manifest(dir: &Path) -> Result<String> {
     })
 }
 
+/// A resumed run directory, claimed: its lock (kept for the run) and its resume.json.
+struct Claimed {
+    lock: io::DirLock,
+    manifest: String,
+}
+
 /// What can be refused about the run directory before any data is read or model loaded: a
-/// resumed directory that is not a run's or that another process holds (its lock is taken here
-/// and kept), an `--out` that cannot be written (checked without writing anything).
-fn claim_output(opts: &RunOptions) -> Result<Option<io::DirLock>> {
+/// resumed directory that is not a run's or that another process holds (claimed here: locked,
+/// its resume.json read), an `--out` that cannot be written (checked without writing anything).
+fn claim_output(opts: &RunOptions) -> Result<Option<Claimed>> {
     if let Some(dir) = &opts.resume {
-        // a run directory has its lock before its resume.json: where the lock file exists, the
-        // lock goes first (a run still starting up is "in use", not "no resume.json"); no lock
-        // file is created in a directory that is not a run's
-        if dir.join(".lock").exists() {
-            let lock = io::lock_dir(dir)?;
+        // a run directory has its lock before its resume.json, so where the lock file exists
+        // the lock goes first (a run still starting up is "in use", not "no resume.json"); no
+        // lock file is created in a directory that is not a run's
+        if !dir.join(".lock").exists() {
             read_manifest(dir)?;
-            return Ok(Some(lock));
         }
-        read_manifest(dir)?;
-        return Ok(Some(io::lock_dir(dir)?));
+        let lock = io::lock_dir(dir)?;
+        return Ok(Some(Claimed { lock, manifest: read_manifest(dir)? }));
     }
     // nothing is written before the data are checked: the nearest existing ancestor of --out
     // must be a directory this process may write in (access(2), W_OK)
@@ -326,7 +327,7 @@ pub fn run(opts: &RunOptions) -> Result<RunSummary> {
     if plan.spec.env.kind == spec::EnvKind::Synthetic {
         check_memory(opts, &plan, &plan.spec, threads, None)?;
     }
-    let early = claim_output(opts)?;
+    let claimed = claim_output(opts)?;
     let world = world::build(&plan, opts.progress)?;
     let shape = world.online.as_ref().map(|o| o.shape());
     check_memory(opts, &plan, &world.spec, threads, shape.as_ref())?;
@@ -338,7 +339,7 @@ pub fn run(opts: &RunOptions) -> Result<RunSummary> {
     let id = RunIdentity::of(&plan, &world)?;
     let fingerprint = id.fingerprint();
     let shared = shared_digest(&world)?;
-    let (dir, _lock, forced) = open_run_dir(opts, &plan, &world, &id, early)?;
+    let (dir, _lock, forced) = open_run_dir(opts, &plan, &world, &id, claimed)?;
     if dir.join("meta.json").exists() {
         eprintln!("onepass: {} is complete (meta.json exists): nothing to resume", dir.display());
         let meta: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(dir.join("meta.json"))?)

@@ -2,7 +2,6 @@
 //! (zstd-compressed, as the hub's files are) and HH-RLHF jsonl.gz.
 
 use arrow_array::{ArrayRef, RecordBatch, StringArray};
-use parquet::arrow::ArrowWriter;
 use runner::world::datasets::{expand_glob, read_dataset, read_pairs, Format, Keys, ReadOptions};
 use std::sync::Arc;
 
@@ -122,9 +121,7 @@ fn mixture2_shards_generic_jsonl_and_malformed_rows() {
         .unwrap();
         // written in reverse name order: the reader sorts by name
         let p = tmp.path().join(format!("train-0000{}-of-00002-h{}.parquet", shard, 9 - shard));
-        let mut w = ArrowWriter::try_new(std::fs::File::create(&p).unwrap(), batch.schema(), None).unwrap();
-        w.write(&batch).unwrap();
-        w.close().unwrap();
+        util::write_parquet(&p, &batch);
         written.push(p);
     }
     let files = expand_glob(&tmp.path().join("train-*.parquet")).unwrap();
@@ -422,9 +419,7 @@ fn ranked_completions_make_pairs_by_rule() {
         ("completions", std::sync::Arc::new(lb.finish()) as ArrayRef),
     ])
     .unwrap();
-    let mut w = ArrowWriter::try_new(std::fs::File::create(&pq).unwrap(), batch.schema(), None).unwrap();
-    w.write(&batch).unwrap();
-    w.close().unwrap();
+    util::write_parquet(&pq, &batch);
     let k = Keys {
         prompt: Some("prompt".into()),
         responses: Some("completions".into()),
@@ -659,9 +654,7 @@ fn narrow_and_dictionary_parquet_columns_read() {
             ("winner", winner),
         ])
         .unwrap();
-        let mut w = ArrowWriter::try_new(std::fs::File::create(&p).unwrap(), batch.schema(), None).unwrap();
-        w.write(&batch).unwrap();
-        w.close().unwrap();
+        util::write_parquet(&p, &batch);
     };
     let keys = Keys {
         prompt: Some("q".into()),

@@ -401,9 +401,10 @@ impl Keys {
     }
 }
 
-/// Whether float `f` is exactly the integer `i` (no rounding either way).
+/// Whether float `f` is exactly the integer `i` (no rounding either way: i as f64 may round, and
+/// f as i64 truncates and saturates, so both must give the other back).
 pub(crate) fn float_is_int(f: f64, i: i64) -> bool {
-    f.fract() == 0.0 && f == i as f64 && (f as i64) == i && f.abs() < 9.3e18
+    f == i as f64 && f as i64 == i
 }
 
 /// Two mapped label values that one data value would match: equal, or the same number as an

@@ -94,7 +94,7 @@ fn warm_pairs(
             dropped += 1;
             continue;
         }
-        let ids = |m: &Message| policy.response_ids(&m.content, max_new_tokens).map(|r| r.0);
+        let ids = |m: &Message| policy.response_ids(&m.content, max_new_tokens);
         out.push(WarmPair {
             prompt: prompt_ids,
             chosen: ids(c).map_err(|e| row(format!("chosen: {e}")))?,

@@ -202,6 +202,13 @@ pub fn write_uf_scored(
     w.close().unwrap();
 }
 
+/// One record batch as a parquet file (uncompressed).
+pub fn write_parquet(path: &Path, batch: &RecordBatch) {
+    let mut w = ArrowWriter::try_new(std::fs::File::create(path).unwrap(), batch.schema(), None).unwrap();
+    w.write(batch).unwrap();
+    w.close().unwrap();
+}
+
 /// A .npy of int64 as numpy writes it (header padded to a multiple of 64 bytes).
 pub fn npy_i64(v: &[i64]) -> Vec<u8> {
     let mut h = format!("{{'descr': '<i8', 'fortran_order': False, 'shape': ({},), }}", v.len());

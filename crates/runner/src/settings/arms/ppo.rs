@@ -46,8 +46,9 @@ pub(super) struct Ppo {
 
 impl Ppo {
     /// The critic of chunk `chunk`: fresh adapters from (critic stream, chunk), v = θ_t/σ with
-    /// offset −μ/σ (`moments` (μ, σ) of the learned reward; none: all equal, θ as is) or 0.
-    fn critic(&self, chunk: u64, theta: &[f64], moments: Option<(f64, f64)>) -> Result<Critic> {
+    /// offset −μ/σ (μ, σ: the moments of the learned reward `learned` over the update's
+    /// rollouts, as the update normalises; all equal: θ as is) or 0.
+    fn critic(&self, chunk: u64, theta: &[f64], learned: impl FnOnce() -> Result<Vec<f64>>) -> Result<Critic> {
         let b = &self.backbone;
         let seed = crate::world::env::per_chunk_seed(b"onepass-critic", self.critic_seed, chunk);
         let lora = policy::LoraConfig { seed, dropout: 0.0, ..b.lora.clone() };
@@ -61,7 +62,7 @@ impl Ppo {
                 ))
             }
             CriticHead::Theta => {
-                let (mu, sd) = moments.unwrap_or((0.0, 1.0));
+                let (mu, sd) = self.update.reward_norm.moments(&learned()?).unwrap_or((0.0, 1.0));
                 let v: Vec<f64> = theta.iter().map(|t| t / sd).collect();
                 return Ok(Critic::with_offset(m, &v, -mu / sd)?);
             }
@@ -82,14 +83,12 @@ impl Arm for Ppo {
 
     fn update(&self, m: &PolicyModel, adam: &mut Adam, c: &Chunk<'_>) -> Result<Update> {
         let (rollouts, rewards, k) = rewarded(c, self.reward, self.null_seed)?;
-        // the learned reward's moments over these rollouts, whatever drives the update: the
-        // critic starts as the learned reward model, normalised as the update normalises
-        let learned = if self.reward == RewardSource::Learned {
-            rewards.clone()
-        } else {
-            rewarded(c, RewardSource::Learned, self.null_seed)?.1
+        // the critic starts as the learned reward model whatever drives the update
+        let learned = || match self.reward {
+            RewardSource::Learned => Ok(rewards.clone()),
+            _ => Ok(rewarded(c, RewardSource::Learned, self.null_seed)?.1),
         };
-        let critic = self.critic(c.index, c.theta, self.update.reward_norm.moments(&learned))?;
+        let critic = self.critic(c.index, c.theta, learned)?;
         let mut copt = critic.adam(policy::adam::AdamConfig { lr: self.critic.lr, ..adam.cfg })?;
         let st = ppo_update(m, adam, &critic, &mut copt, &rollouts, &rewards, k, &self.update)?;
         Ok(Update {
