@@ -313,8 +313,10 @@ pub fn is_zero(t: &Tensor) -> Result<bool> {
 /// head that is a third of a training step. With the fused kernels (the CPU) the product is
 /// computed outside the graph and [`crate::ops::routed`] gives it the gradient of x alone;
 /// composed (other devices), the plain matmul (W is no variable: its gradient is never read).
+/// A W that is a variable (a full-parameter policy) takes the plain matmul, which gives W its
+/// gradient xᵀg.
 pub fn frozen_matmul(x: &Tensor, w: &Tensor, k: Kernels) -> Result<Tensor> {
-    if k == Kernels::Composed || !x.track_op() {
+    if k == Kernels::Composed || !x.track_op() || w.is_variable() {
         return x.matmul(&w.t()?);
     }
     let y = x.detach().matmul(&w.t()?)?;

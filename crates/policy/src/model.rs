@@ -70,6 +70,52 @@ pub struct PolicyModel {
     life: Vec<LifeEvent>,
     /// blake3 chain over the merged adapters (None before the first merge): part of the digest.
     history: Option<[u8; 32]>,
+    /// Full-parameter training ([`PolicyModel::new_full`]): every weight a variable, the
+    /// reference pass a frozen copy. None for adapters.
+    full: Option<Full>,
+}
+
+/// A policy whose every weight learns (issue 29: the authors' DPO arm is full-parameter). The
+/// model's weights are [`Var`]s, so candle's autograd gives each its gradient (the frozen
+/// matmul and the fused RMSNorm pass the weight's gradient when the weight is a variable); the
+/// reference pass (`Pass::adapters` false) runs `reference`, a model of frozen weights — the
+/// initial ones until [`PolicyModel::reference_here`] copies the current ones.
+struct Full {
+    /// Every weight the forward pass reads, by Hugging Face name, in name order.
+    vars: Vec<(String, Var)>,
+    reference: Box<PolicyModel>,
+}
+
+/// The Hugging Face names of the weights the decoder of `cfg` reads (the LM head only when
+/// `tensors` has its own), in name order.
+fn weight_names(cfg: &Config, tensors: &HashMap<String, Tensor>) -> Vec<String> {
+    let mut out = vec!["model.embed_tokens.weight".to_string(), "model.norm.weight".to_string()];
+    if tensors.contains_key("lm_head.weight") {
+        out.push("lm_head.weight".into());
+    }
+    for i in 0..cfg.layers {
+        let p = format!("model.layers.{i}");
+        out.push(format!("{p}.input_layernorm.weight"));
+        out.push(format!("{p}.post_attention_layernorm.weight"));
+        for t in Target::ALL {
+            out.push(format!("{p}.{}.weight", t.path()));
+            let bias = match t {
+                Target::QProj | Target::KProj | Target::VProj => cfg.qkv_bias,
+                Target::OProj => cfg.o_bias,
+                _ => false,
+            };
+            if bias {
+                out.push(format!("{p}.{}.bias", t.path()));
+            }
+        }
+    }
+    out.sort();
+    out
+}
+
+/// The adapter config of a model without adapters (a full-parameter policy and its reference).
+fn no_adapters() -> LoraConfig {
+    LoraConfig { rank: 1, alpha: 1.0, targets: Vec::new(), seed: 0, dropout: 0.0 }
 }
 
 /// An event of the adapters' life cycle besides training, with the adapter values (in
@@ -156,7 +202,45 @@ impl PolicyModel {
             kernels,
             life: Vec::new(),
             history: None,
+            full: None,
         })
+    }
+
+    /// A policy that trains every weight (full-parameter; issue 29's DPO as the authors ran
+    /// it): the embeddings, every linear layer's weight and bias, the RMSNorm weights and the
+    /// LM head (tied to the embeddings when `tensors` has no `lm_head.weight`) become variables
+    /// — copies of `tensors`, which stay as the reference policy. No adapters; training holds
+    /// the weights, their gradients and Adam's two moments (4 copies of the model) besides the
+    /// reference: for tiny models on the CPU.
+    pub fn new_full(
+        tensors: HashMap<String, Tensor>,
+        cfg: Config,
+        max_len: usize,
+        dtype: DType,
+    ) -> std::result::Result<PolicyModel, features::Error> {
+        let reference = PolicyModel::new(tensors.clone(), cfg.clone(), &no_adapters(), max_len, dtype)?;
+        let mut vars = Vec::new();
+        let mut trainable = tensors.clone();
+        for name in weight_names(&cfg, &tensors) {
+            // a copy in the compute dtype (Var::from_tensor copies a tensor that is no variable)
+            let v = Var::from_tensor(&get_as(&tensors, &name, dtype)?)?;
+            trainable.insert(name.clone(), v.as_tensor().clone());
+            vars.push((name, v));
+        }
+        let mut m = PolicyModel::new(trainable, cfg, &no_adapters(), max_len, dtype)?;
+        m.base = tensors;
+        m.full = Some(Full { vars, reference: Box::new(reference) });
+        Ok(m)
+    }
+
+    /// Whether every weight trains ([`PolicyModel::new_full`]) rather than adapters.
+    pub fn is_full(&self) -> bool {
+        self.full.is_some()
+    }
+
+    /// The frozen reference model of a full-parameter policy for a pass without adapters.
+    fn full_reference(&self, pass: Pass<'_>) -> Option<&PolicyModel> {
+        self.full.as_ref().filter(|_| !pass.adapters).map(|f| f.reference.as_ref())
     }
 
     pub fn config(&self) -> &Config {
@@ -188,6 +272,9 @@ impl PolicyModel {
             return Err(features::Error::Input(format!("fused kernels on {:?}: they are CPU-only", self.device)));
         }
         self.kernels = k;
+        if let Some(f) = &mut self.full {
+            f.reference.set_kernels(k)?;
+        }
         Ok(())
     }
 
@@ -210,6 +297,9 @@ impl PolicyModel {
 
     /// [`PolicyModel::hidden`] for any [`Pass`] (a training pass with dropout).
     pub fn hidden_pass(&self, ids: &Tensor, pass: Pass<'_>) -> Result<Tensor> {
+        if let Some(r) = self.full_reference(pass) {
+            return r.hidden_pass(ids, Pass::BASE);
+        }
         let t = ids.dim(1)?;
         self.check_len(t)?;
         let mut x = self.embed(ids)?;
@@ -302,6 +392,9 @@ impl PolicyModel {
     }
 
     fn logprobs_pass(&self, batch: &crate::batch::SeqBatch, pass: Pass<'_>) -> Result<Tensor> {
+        if let Some(r) = self.full_reference(pass) {
+            return r.logprobs_pass(batch, Pass::BASE);
+        }
         let rows = self.response_rows(batch, pass)?;
         let logits = frozen_matmul(&rows, &self.lm_head, self.kernels)?;
         let lp = crate::ops::log_softmax_last(&logits, self.kernels)?;
@@ -312,6 +405,9 @@ impl PolicyModel {
     /// after row: what the LM head reads for log π, and what a value head reads for V (the
     /// state before each response token, as OpenRLHF's critic takes it).
     pub fn response_rows(&self, batch: &crate::batch::SeqBatch, pass: Pass<'_>) -> Result<Tensor> {
+        if let Some(r) = self.full_reference(pass) {
+            return r.response_rows(batch, Pass::BASE);
+        }
         match &batch.layout {
             crate::batch::Layout::Padded { ids, at } => {
                 let h = self.hidden_pass(ids, pass)?;
@@ -379,14 +475,28 @@ impl PolicyModel {
         out
     }
 
-    /// Every trainable variable (A then B of each adapter, in [`PolicyModel::adapters`] order).
+    /// Every trainable variable (A then B of each adapter, in [`PolicyModel::adapters`] order;
+    /// a full-parameter policy's weights in name order).
     pub fn vars(&self) -> Vec<&Var> {
+        if let Some(f) = &self.full {
+            return f.vars.iter().map(|(_, v)| v).collect();
+        }
         self.adapters().into_iter().flat_map(|(_, a)| [&a.a, &a.b]).collect()
     }
 
     /// Whether the policy is its reference: every B exactly 0 (LoRA's start), so the adapted
     /// pass adds exact zeros to every frozen product.
     pub fn at_reference(&self) -> Result<bool> {
+        if let Some(f) = &self.full {
+            // every weight equal to the reference's, bit for bit
+            for (name, v) in &f.vars {
+                let r = &f.reference.base[name];
+                if !is_zero(&(v.as_tensor() - r.to_dtype(v.dtype())?)?)? {
+                    return Ok(false);
+                }
+            }
+            return Ok(true);
+        }
         for blk in &self.blocks {
             for (_, lin) in blk.linears() {
                 if !matches!(lin.reference, Reference::Frozen) {
@@ -425,7 +535,13 @@ impl PolicyModel {
     /// starts again — A drawn from `seed` as at construction, B = 0. The reference pass keeps
     /// computing the policy it computed (the pre-merge weights are kept where it needs them);
     /// [`PolicyModel::reference_here`] moves it. The digest then covers the merged adapters too.
+    ///
+    /// A full-parameter policy has no adapter: its weights go on as they are (the caller's
+    /// fresh optimiser is the whole of a fresh start) and nothing is recorded.
     pub fn merge_and_reset(&mut self, seed: u64) -> Result<()> {
+        if self.full.is_some() {
+            return Ok(());
+        }
         let vars = self.var_values()?;
         let mut h = blake3::Hasher::new();
         h.update(&self.history.unwrap_or([0; 32]));
@@ -453,8 +569,26 @@ impl PolicyModel {
 
     /// The reference pass becomes the current policy (the KL reference of a chunk's start): each
     /// adapted layer's W, with a frozen copy of its adapter when B ≠ 0.
+    ///
+    /// A full-parameter policy's reference becomes a frozen copy of its weights; only the last
+    /// such event is kept (the earlier references are gone), so a checkpoint holds one copy.
     pub fn reference_here(&mut self) -> Result<()> {
         let vars = self.var_values()?;
+        if let Some(f) = &mut self.full {
+            let mut w = f.reference.base.clone();
+            for (name, v) in &f.vars {
+                // a copy outside the graph: later steps must not move the reference
+                w.insert(name.clone(), v.as_tensor().copy()?.detach());
+            }
+            let max_len = self.cos.dim(0)?;
+            let mut r = PolicyModel::new(w, self.cfg.clone(), &no_adapters(), max_len, self.embed.dtype())
+                .map_err(|e| candle_core::Error::Msg(e.to_string()))?;
+            r.kernels = self.kernels;
+            f.reference = Box::new(r);
+            self.life.retain(|e| !matches!(e, LifeEvent::Reference { .. }));
+            self.life.push(LifeEvent::Reference { vars });
+            return Ok(());
+        }
         for blk in self.blocks.iter_mut() {
             for (_, lin) in blk.linears_mut() {
                 if lin.adapter.is_some() {
@@ -491,6 +625,9 @@ impl PolicyModel {
 
     /// The names of [`PolicyModel::vars`], PEFT's (`model.layers.0.self_attn.q_proj.lora_A`).
     pub fn var_names(&self) -> Vec<String> {
+        if let Some(f) = &self.full {
+            return f.vars.iter().map(|(n, _)| n.clone()).collect();
+        }
         self.adapters().into_iter().flat_map(|(n, _)| [format!("{n}.lora_A"), format!("{n}.lora_B")]).collect()
     }
 
@@ -522,8 +659,17 @@ impl PolicyModel {
     /// loads to generate with the current policy. Never merged in bf16/f16: at the learning
     /// rates of RLHF, (α/r)BA is far below half an ulp of W in bf16 and the merge would round the
     /// update away (the sampler would stay the base policy while the trainer moved).
+    ///
+    /// A full-parameter policy's weights are its variables, copied (in f32, or f64).
     pub fn merged_weights(&self) -> Result<HashMap<String, Tensor>> {
         let mut out = self.base.clone();
+        if let Some(f) = &self.full {
+            for (name, v) in &f.vars {
+                let dt = if v.dtype() == DType::F64 { DType::F64 } else { DType::F32 };
+                out.insert(name.clone(), v.as_tensor().to_dtype(dt)?.copy()?.detach());
+            }
+            return Ok(out);
+        }
         for (name, ad) in self.adapters() {
             let key = format!("{name}.weight");
             let delta = ad.delta()?;
@@ -537,8 +683,16 @@ impl PolicyModel {
     /// How far generation weights are from the trained policy: over every adapted layer,
     /// ‖W_gen − (W + (α/r)BA)‖_F / ‖(α/r)BA‖_F, the target computed in f64 (0 when the update
     /// is exact to f64, e.g. adapters at zero; ~1 when a merge rounded the update away).
+    ///
+    /// Full-parameter: ‖W_gen − W‖_F / ‖W − W₀‖_F over every weight, W₀ the initial weights.
     pub fn merge_error(&self, weights: &HashMap<String, Tensor>) -> Result<f64> {
         let (mut err, mut size) = (0f64, 0f64);
+        for (name, v) in self.full.iter().flat_map(|f| &f.vars) {
+            let Some(gen) = weights.get(name) else { candle_core::bail!("merge_error: `{name}` is missing") };
+            let want = v.as_tensor().to_dtype(DType::F64)?;
+            err += (gen.to_dtype(DType::F64)? - &want)?.sqr()?.sum_all()?.to_scalar::<f64>()?;
+            size += (want - self.base[name].to_dtype(DType::F64)?)?.sqr()?.sum_all()?.to_scalar::<f64>()?;
+        }
         for (name, ad) in self.adapters() {
             let key = format!("{name}.weight");
             let Some(gen) = weights.get(&key) else { candle_core::bail!("merge_error: `{key}` is missing") };

@@ -93,7 +93,12 @@ pub fn routed(
 }
 
 /// RMSNorm y = w ⊙ x·r, r = (mean x² + ε)^{-½}; ∂L/∂x = r (w ⊙ g) − x r³ ⟨w ⊙ g, x⟩ / d.
+/// Fused with a w that is a variable (a full-parameter policy): x·r fused with unit weight,
+/// then ⊙ w in the graph, so w gets its gradient Σ g ⊙ x·r.
 pub fn rms_norm(x: &Tensor, w: &Tensor, eps: f64, k: Kernels) -> Result<Tensor> {
+    if k == Kernels::Fused && w.is_variable() {
+        return rms_norm(x, &w.detach().ones_like()?, eps, k)?.broadcast_mul(w);
+    }
     if k == Kernels::Composed {
         let r = (x.sqr()?.mean_keepdim(D::Minus1)? + eps)?.sqrt()?;
         return x.broadcast_div(&r)?.broadcast_mul(w);

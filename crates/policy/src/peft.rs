@@ -45,7 +45,13 @@ fn needs_permute(m: &PolicyModel, name: &str) -> bool {
 
 /// The two files of PEFT's layout as bytes: `adapter_model.safetensors` and
 /// `adapter_config.json` (B's q/k rows in Hugging Face's order).
+/// A full-parameter policy has no adapter: an error.
 pub fn encode(m: &PolicyModel, base_model: &str) -> std::result::Result<(Vec<u8>, String), features::Error> {
+    if m.is_full() {
+        return Err(features::Error::Input(
+            "a full-parameter policy has no LoRA adapter to save in PEFT's layout".into(),
+        ));
+    }
     let mut tensors: Vec<(String, Tensor)> = Vec::new();
     for (name, ad) in m.adapters() {
         let mut b = ad.b.as_tensor().to_device(&Device::Cpu)?;

@@ -34,13 +34,14 @@ pub struct Estimate {
 
 /// What sizes a learning policy's memory, known once the world has loaded the policy: its
 /// architecture, the longest sequence it scores (templated prompt + new tokens), samples per
-/// prompt and prompts per generation batch.
+/// prompt, prompts per generation batch, and the number of its weights.
 #[derive(Clone, Debug)]
 pub struct PolicyShape {
     pub cfg: features::model::Config,
     pub seq_len: usize,
     pub n: usize,
     pub batch_prompts: usize,
+    pub weights: u64,
 }
 
 /// The terms of a learning cell's policy (see the module's doc): f32 throughout (the policy
@@ -56,18 +57,40 @@ fn policy_terms(spec: &Spec, c: &ConfigPlan, p: &PolicyShape) -> Vec<Term> {
     let adapter: u64 = targets.iter().map(|t| t.dims(cfg)).map(|(i, o)| mul(&[r, (i + o) as u64, l, 4])).sum();
     let merged: u64 = targets.iter().map(|t| t.dims(cfg)).map(|(i, o)| mul(&[i as u64, o as u64, l, 4])).sum();
     let critics = u64::from(matches!(arm, crate::plan::ArmPlan::Ppo { .. }));
-    let mut t = vec![
-        Term {
-            key: "policy.rank",
-            what: format!(
-                "the adapters (rank {r} on {} modules × {l} layers; value, gradient, Adam's two moments{})",
-                targets.len(),
-                if critics > 0 { "; and the critic's" } else { "" }
-            ),
-            bytes: mul(&[adapter, 4, 1 + critics]),
-        },
-        Term { key: "generate.policy", what: "the generator's f32 merge of the adapted weights".into(), bytes: merged },
-    ];
+    let mut t = if arm.full_parameters() {
+        let w = p.weights;
+        vec![
+            Term {
+                key: "policy.dpo.parameters",
+                what: format!(
+                    "every weight trains ({w} weights, f32: value, gradient, Adam's two moments, the moved reference)"
+                ),
+                bytes: mul(&[w, 4, 5]),
+            },
+            Term {
+                key: "generate.policy",
+                what: "the generator's f32 copy of the weights".into(),
+                bytes: mul(&[w, 4]),
+            },
+        ]
+    } else {
+        vec![
+            Term {
+                key: "policy.rank",
+                what: format!(
+                    "the adapters (rank {r} on {} modules × {l} layers; value, gradient, Adam's two moments{})",
+                    targets.len(),
+                    if critics > 0 { "; and the critic's" } else { "" }
+                ),
+                bytes: mul(&[adapter, 4, 1 + critics]),
+            },
+            Term {
+                key: "generate.policy",
+                what: "the generator's f32 merge of the adapted weights".into(),
+                bytes: merged,
+            },
+        ]
+    };
     let (len, kv) = (p.seq_len as u64, (cfg.kv_heads * cfg.head_dim) as u64);
     t.push(Term {
         key: "generate.batch_prompts",

@@ -49,11 +49,12 @@ pub enum ArmPlan {
         update: ::policy::train::RlooConfig,
         learning: Learning,
     },
-    /// `pairs`: the strategy's or two fresh rollouts; `warm_start`: DPO on a dataset's pairs
-    /// before the first chunk.
+    /// `pairs`: the strategy's or two fresh rollouts; `parameters`: adapters or every weight;
+    /// `warm_start`: DPO on a dataset's pairs before the first chunk.
     Dpo {
         update: ::policy::train::DpoConfig,
         pairs: crate::spec::policy::DpoPairs,
+        parameters: crate::spec::policy::DpoParameters,
         warm_start: Option<Box<crate::spec::policy::WarmStart>>,
         learning: Learning,
     },
@@ -120,6 +121,7 @@ impl ArmPlan {
                     out.push(ArmPlan::Dpo {
                         update: ps.dpo_update(),
                         pairs: ps.dpo.pairs,
+                        parameters: ps.dpo.parameters,
                         warm_start: ps.dpo.warm_start.clone().map(Box::new),
                         learning,
                     });
@@ -164,6 +166,12 @@ impl ArmPlan {
             }
             ArmPlan::BestOfN | ArmPlan::Fixed => None,
         }
+    }
+
+    /// Whether it trains every weight of the policy (dpo with parameters = "full") rather than
+    /// adapters.
+    pub fn full_parameters(&self) -> bool {
+        matches!(self, ArmPlan::Dpo { parameters: crate::spec::policy::DpoParameters::Full, .. })
     }
 
     /// The items (sequences, or pairs for dpo) its update sees per prompt: the schedule's
@@ -695,6 +703,17 @@ fn check_policy(spec: &mut Spec, keys: Locator<'_>) -> Result<(), SpecError> {
             return Err(keys.err(
                 &["policy", "ppo", "critic_head"],
                 "\"theta\": the critic runs on the policy's backbone, θ is over features.model's φ, and they differ: expected \"zero\" (or features.model = generate.policy)".into(),
+            ));
+        }
+        let full = p.dpo.parameters == crate::spec::policy::DpoParameters::Full;
+        // save_adapter saves the LoRA cells' adapters; a full-parameter cell has none, so a run
+        // whose only learning arm is full-parameter dpo would save nothing it was asked to
+        let lora_arm = has(crate::spec::DeployPolicy::Rloo) || has(crate::spec::DeployPolicy::Ppo);
+        if full && has(crate::spec::DeployPolicy::Dpo) && !lora_arm && p.save_adapter != crate::spec::SaveAdapter::None
+        {
+            return Err(keys.err(
+                &["policy", "dpo", "parameters"],
+                "\"full\" trains every weight: there is no LoRA adapter to save; expected policy.save_adapter = \"none\" (or parameters = \"lora\")".into(),
             ));
         }
         if p.dpo.warm_start.is_some() && !has(crate::spec::DeployPolicy::Dpo) {

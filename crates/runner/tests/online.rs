@@ -541,3 +541,47 @@ fn report_names_a_missing_policy_table_and_an_unfinished_run() {
     assert_ne!(code, 0);
     assert!(err.contains("no metrics.parquet: the run has not finished") && err.contains("--resume"), "{err}");
 }
+
+/// Full-parameter DPO (issue 29: the authors' DPO arm trains every weight): with the reference
+/// at the chunk's start, the policy moves (a new digest every update, KL > 0 or other held-out
+/// samples); a run killed in a dpo cell's second chunk (its weights, Adam state and reference in
+/// the checkpoint) resumes to the bytes of an uninterrupted run; LoRA dpo is another policy
+/// (negative control); asking to save an adapter of it is refused on the key.
+#[test]
+fn full_parameter_dpo_moves_and_resumes_to_the_same_bytes() {
+    let tmp = setup(0.002);
+    let p = tmp.path();
+    let text = spec(0.002)
+        .replace("policy = [\"best-of-n\", \"rloo\", \"dpo\"]", "policy = [\"dpo\"]")
+        .replace("save_adapter = \"every-chunk\"", "save_adapter = \"none\"\nkl_reference = \"chunk-start\"")
+        .replace("[[estimator]]", "[policy.dpo]\nparameters = \"full\"\n[[estimator]]")
+        .replace("[deploy]", "[checkpoint]\nevery_steps = 1\n[deploy]");
+    std::fs::write(p.join("run.toml"), &text).unwrap();
+    let want = run(p, "a", "1");
+    let t = table(&want.join("policy_updates.parquet"));
+    let (before, after, steps) = (strs(&t, "rollout_digest"), strs(&t, "updated_digest"), u64s(&t, "update_steps"));
+    for i in 0..before.len() {
+        assert!(steps[i] == 0 || before[i] != after[i], "row {i}: an update with steps kept the digest");
+    }
+    assert!(steps.iter().any(|&s| s > 0), "no dpo update took a step");
+    let moved = curves(&want).values().any(|v| v.iter().any(|x| x.2 > 0.0 || x.1 != v[0].1));
+    assert!(moved, "full-parameter dpo never moved the policy");
+    let dir = killed_at_and_resumed(p, "update:5");
+    for f in ["policy.parquet", "policy_updates.parquet", "metrics.parquet", "cells.parquet"] {
+        assert!(
+            std::fs::read(want.join(f)).unwrap() == std::fs::read(dir.join(f)).unwrap(),
+            "{f} differs after resume"
+        );
+    }
+    std::fs::write(p.join("run.toml"), text.replace("parameters = \"full\"", "parameters = \"lora\"")).unwrap();
+    let lora = run(p, "c", "1");
+    assert!(
+        std::fs::read(want.join("policy.parquet")).unwrap() != std::fs::read(lora.join("policy.parquet")).unwrap(),
+        "full-parameter and LoRA dpo gave the same policy rows"
+    );
+    std::fs::write(p.join("run.toml"), text.replace("save_adapter = \"none\"", "save_adapter = \"every-chunk\""))
+        .unwrap();
+    let (code, _, err) = onepass(p, &["run", "run.toml", "--out", "d", "--dry-run"]).parts();
+    assert_ne!(code, 0);
+    assert!(err.contains("policy.dpo.parameters") && err.contains("save_adapter"), "{err}");
+}

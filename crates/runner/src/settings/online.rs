@@ -1,6 +1,7 @@
 //! A deployed policy that learns between chunks (paper §6: "…construct new preference pairs,
 //! which are then used to update the reward model and the policy model"). Each cell owns its
-//! policy: LoRA adapters on the frozen policy model and their Adam state. Per chunk the policy
+//! policy: LoRA adapters on the frozen policy model (or, for dpo with parameters = "full",
+//! every weight) and their Adam state. Per chunk the policy
 //! samples n responses to the chunk's prompts (the bank's responses while it has not moved and
 //! the bank is the f32 generator's), φ and the oracle score them, the chunk loop labels pairs
 //! and updates θ, then [`PolicyCell::update`] takes the policy step: RLOO on the reward its
@@ -122,8 +123,12 @@ impl<'a> PolicyCell<'a> {
             merged_adapter: None,
         };
         if learns {
-            let lora = online.spec.lora(policy_seed);
-            let mut m = PolicyModel::new(online.base.clone(), online.cfg.clone(), &lora, online.max_len, DType::F32)?;
+            let (base, cfg) = (online.base.clone(), online.cfg.clone());
+            let mut m = if plan.full_parameters() {
+                PolicyModel::new_full(base, cfg, online.max_len, DType::F32)?
+            } else {
+                PolicyModel::new(base, cfg, &online.spec.lora(policy_seed), online.max_len, DType::F32)?
+            };
             if let Some(st) = state {
                 // merges and reference moves first, each with the adapter values it saw
                 m.replay(&st.life)?;
@@ -300,7 +305,7 @@ impl<'a> PolicyCell<'a> {
         let Some((m, adam)) = &mut self.learner else { return Ok(()) };
         let ps = &self.online.spec;
         if self.learning.as_ref().is_some_and(|l| l.adapter == AdapterLife::FreshPerChunk) {
-            if ps.save_adapter != SaveAdapter::None {
+            if ps.save_adapter != SaveAdapter::None && !m.is_full() {
                 self.merged_adapter = Some(policy::peft::encode(m, &self.base_model)?);
             }
             m.merge_and_reset(per_chunk_seed(b"onepass-fresh-adapter", self.policy_seed, chunk))?;
@@ -450,6 +455,11 @@ impl<'a> PolicyCell<'a> {
     /// chunk t is the base with chunk-00 (a warm start), chunk-01, …, chunk-t merged in order.
     pub(super) fn adapter(&self, chunk: u64, chunks: u64) -> Result<Option<AdapterFiles>> {
         let Some((m, _)) = &self.learner else { return Ok(None) };
+        if m.is_full() {
+            // save_adapter is the LoRA cells': a full-parameter policy has no adapter (the plan
+            // refuses a run whose only learning arm is one)
+            return Ok(None);
+        }
         let dir = match self.online.spec.save_adapter {
             SaveAdapter::None => return Ok(None),
             SaveAdapter::Last if chunk < chunks => return Ok(None),

@@ -107,6 +107,18 @@ pub enum DpoPairs {
     FreshTwo,
 }
 
+/// What the dpo arm trains.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum DpoParameters {
+    /// LoRA adapters (`[policy]` rank, alpha, targets, dropout).
+    Lora,
+    /// Every weight of the policy (the authors' DPO arm): embeddings, norms, every linear
+    /// layer's weight and bias, the LM head. Training holds the weights, their gradients and
+    /// Adam's two moments besides the frozen reference: ~5 copies of the model in f32.
+    Full,
+}
+
 /// `[policy.dpo.warm_start]`: DPO on the first `rows` pairs of a preference dataset before the
 /// first chunk (the authors' DPO arm: 1,000 UltraFeedback train_prefs pairs), read as `[data]`
 /// reads (`path`, `format`, `keys`). Prompts are templated by the policy; each response is
@@ -339,6 +351,8 @@ pub struct DpoSpec {
     pub beta: f64,
     #[serde(default = "d_dpo_pairs")]
     pub pairs: DpoPairs,
+    #[serde(default = "d_dpo_parameters")]
+    pub parameters: DpoParameters,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub warm_start: Option<WarmStart>,
 }
@@ -598,6 +612,9 @@ fn d_adapter() -> Sweep<AdapterLife> {
 }
 fn d_rollouts() -> RolloutSource {
     RolloutSource::Samples
+}
+fn d_dpo_parameters() -> DpoParameters {
+    DpoParameters::Lora
 }
 fn d_dpo_pairs() -> DpoPairs {
     DpoPairs::Strategy

@@ -255,6 +255,7 @@ impl Online {
             seq_len: longest + self.opts.max_new_tokens,
             n: self.opts.n.max(self.eval_opts.first().map_or(0, |o| o.n)),
             batch_prompts: self.batch_prompts,
+            weights: self.base.values().map(|t| t.elem_count() as u64).sum(),
         }
     }
 
