@@ -138,7 +138,8 @@ impl Adam {
 
     /// One step on `vars` with their gradients in `grads`. A variable without a gradient is an
     /// error naming it: the graph was cut between it and the loss (a zero would be a silent
-    /// non-update).
+    /// non-update). A non-finite gradient norm, or a step that leaves a variable non-finite, is
+    /// an error too (a diverged policy must not go on sampling).
     pub fn step(&mut self, vars: &[&Var], grads: &GradStore) -> Result<StepInfo> {
         if vars.len() != self.m.len() {
             candle_core::bail!("Adam::step on {} variables: the optimiser holds {}", vars.len(), self.m.len());
@@ -160,6 +161,14 @@ impl Adam {
             sq += g.sqr()?.sum_all()?.to_dtype(DType::F64)?.to_scalar::<f64>()?;
         }
         let norm = sq.sqrt();
+        if !norm.is_finite() {
+            // NaN or ∞ in the loss or the policy: a step would spread it into every weight and
+            // the run would go on sampling from a broken policy
+            candle_core::bail!(
+                "Adam step {}: the gradient's global norm is {norm}: the loss diverged; no step was taken",
+                self.t + 1
+            );
+        }
         let factor = match self.cfg.clip {
             Some(c) if norm > c => c / norm,
             _ => 1.0,
@@ -177,7 +186,18 @@ impl Adam {
             let mhat = (&self.m[i] / bc1)?;
             let vhat = (&self.v[i] / bc2)?;
             let upd = (mhat / (vhat.sqrt()? + self.cfg.eps)?)?;
-            var.set(&(var.as_tensor() - (upd * lr)?)?)?;
+            let next = (var.as_tensor() - (upd * lr)?)?;
+            // a sum is NaN or ∞ when any element is (or when finite weights near f32's limit
+            // overflow it: a policy that is broken too)
+            let total = next.sum_all()?.to_dtype(DType::F64)?.to_scalar::<f64>()?;
+            if !total.is_finite() {
+                candle_core::bail!(
+                    "Adam step {}: {} is no longer finite (a step of learning rate {lr} overflowed it)",
+                    self.t,
+                    self.names[i]
+                );
+            }
+            var.set(&next)?;
         }
         Ok(StepInfo { grad_norm: norm, clip_factor: factor, lr })
     }

@@ -81,3 +81,31 @@ fn adam_steps_with_the_scheduled_rate_per_update_or_over_the_run() {
     let g = x.as_tensor().sqr().unwrap().sum_all().unwrap().backward().unwrap();
     assert_eq!(opt.step(&[&x], &g).unwrap().lr, 0.0123, "constant: lr itself");
 }
+
+/// A diverged update is an error, not a step: a NaN gradient (a NaN loss) is refused before any
+/// variable moves, and a step that overflows a variable names it. Negative control: the same
+/// step on a finite gradient at a sane rate is taken.
+#[test]
+fn adam_refuses_a_nan_gradient_and_an_overflowing_step() {
+    use candle_core::{Device, Tensor, Var};
+    use policy::adam::{Adam, AdamConfig};
+    let x = Var::from_tensor(&Tensor::new(&[1.0f32, 2.0], &Device::Cpu).unwrap()).unwrap();
+    let step = |lr: f64, scale: f64| {
+        let mut opt = Adam::new(AdamConfig { lr, clip: None, ..Default::default() }, &[&x])
+            .unwrap()
+            .with_names(vec!["w".into()])
+            .unwrap();
+        let loss = (x.as_tensor() * scale).unwrap().sum_all().unwrap();
+        opt.step(&[&x], &loss.backward().unwrap()).map(|_| ()).map_err(|e| e.to_string())
+    };
+    let e = step(0.1, f64::NAN).unwrap_err();
+    assert!(e.contains("global norm is NaN") && e.contains("no step was taken"), "{e}");
+    assert_eq!(x.as_tensor().to_vec1::<f32>().unwrap(), [1.0, 2.0], "a refused step moved the variable");
+    let e = step(1e300, 1.0).unwrap_err();
+    assert!(e.contains("w is no longer finite"), "{e}");
+    let x2 = Var::from_tensor(&Tensor::new(&[1.0f32, 2.0], &Device::Cpu).unwrap()).unwrap();
+    let mut opt = Adam::new(AdamConfig { lr: 0.1, clip: None, ..Default::default() }, &[&x2]).unwrap();
+    let loss = x2.as_tensor().sum_all().unwrap();
+    opt.step(&[&x2], &loss.backward().unwrap()).unwrap();
+    assert!(x2.as_tensor().to_vec1::<f32>().unwrap()[0] < 1.0, "the sane step was taken");
+}

@@ -585,3 +585,31 @@ fn full_parameter_dpo_moves_and_resumes_to_the_same_bytes() {
     assert_ne!(code, 0);
     assert!(err.contains("policy.dpo.parameters") && err.contains("save_adapter"), "{err}");
 }
+
+/// A policy that diverges mid-run (lr = 1e30: the first step throws the weights to ~1e30, the
+/// next loss is NaN) fails its cell with a line naming the chunk and the diverged step — it
+/// does not go on sampling from a broken policy and writing NaN rows as results; the cells
+/// that do not learn finish, and the run exits non-zero. Negative control: a sane lr fails
+/// nothing.
+#[test]
+fn a_policy_that_diverges_fails_its_cell_on_one_line() {
+    let tmp = setup(0.05);
+    let p = tmp.path();
+    std::fs::write(p.join("run.toml"), spec(0.05).replace("lr = 0.05", "lr = 1e30")).unwrap();
+    let (code, _, err) = onepass(p, &["run", "run.toml", "--out", "a", "--threads", "2"]).parts();
+    assert_ne!(code, 0, "a diverged policy exited 0");
+    let dir = std::fs::read_dir(p.join("a")).unwrap().next().unwrap().unwrap().path();
+    let cells = table(&dir.join("cells.parquet"));
+    let (status, arm, msg) = (strs(&cells, "status"), strs(&cells, "policy"), strs(&cells, "err"));
+    for i in 0..status.len() {
+        let learns = arm[i] != "best-of-n";
+        assert_eq!(status[i] == "failed", learns, "{}: {} ({})", arm[i], status[i], msg[i]);
+        if learns {
+            assert!(msg[i].contains("policy update") && msg[i].contains("Adam step"), "{}", msg[i]);
+        }
+    }
+    assert!(err.contains("failed: chunk 1's policy update: Adam step"), "{err}");
+    let tmp = setup(0.05);
+    let (code, _, err) = onepass(tmp.path(), &["run", "run.toml", "--out", "a", "--threads", "2"]).parts();
+    assert_eq!(code, 0, "{err}");
+}

@@ -292,7 +292,8 @@ impl<'a> PolicyCell<'a> {
             .map(|p| policy::train::Preference { prompt: &p.prompt, chosen: &p.chosen, rejected: &p.rejected })
             .collect();
         let mut adam = m.adam(self.online.spec.adam())?;
-        let stats = policy::train::dpo_update(m, &mut adam, &prefs, cfg)?;
+        let stats = policy::train::dpo_update(m, &mut adam, &prefs, cfg)
+            .map_err(|e| anyhow!("the warm start's policy update: {e}"))?;
         self.moved |= stats.steps > 0;
         self.after_update(0)?;
         Ok(Some(Update { stats, pairs: prefs.len() as u64, dropped: self.online.warm_dropped, critic: None }))
@@ -340,7 +341,7 @@ impl<'a> PolicyCell<'a> {
         let Some((m, adam)) = &mut self.learner else { return Ok(None) };
         let prompts = xs.iter().map(|&x| self.online.prompt_ids[x].as_slice()).collect();
         let c = Chunk { index: chunk, prompts, samples, pairs, rollouts: &rollouts, theta, d };
-        let up = self.arm.update(m, adam, &c)?;
+        let up = self.arm.update(m, adam, &c).map_err(|e| anyhow!("chunk {chunk}'s policy update: {e}"))?;
         self.moved |= up.stats.steps > 0;
         self.after_update(chunk)?;
         Ok(Some(up))
