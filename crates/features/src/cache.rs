@@ -54,12 +54,24 @@ fn io(p: &Path, e: impl std::fmt::Display) -> Error {
     Error::Io(format!("{}: {e}", p.display()))
 }
 
+/// Writes `bytes` to a temporary name, then renames it to `path`. A failure is
+/// [`Error::Storage`] (the temporary file removed). A test hook, as the runner's:
+/// `ONEPASS_FAIL_WRITE=feature-cache` makes every shard write fail as a full disk does.
 fn write_atomic(path: &Path, bytes: &[u8]) -> Result<(), Error> {
     let mut tmp = path.as_os_str().to_owned();
     tmp.push(format!(".{}.tmp", std::process::id()));
     let tmp = PathBuf::from(tmp);
-    std::fs::write(&tmp, bytes).map_err(|e| io(&tmp, e))?;
-    std::fs::rename(&tmp, path).map_err(|e| io(path, e))
+    let write = || -> std::io::Result<()> {
+        if std::env::var("ONEPASS_FAIL_WRITE").is_ok_and(|p| p == "feature-cache") {
+            return Err(std::io::Error::from_raw_os_error(28)); // ENOSPC
+        }
+        std::fs::write(&tmp, bytes)?;
+        std::fs::rename(&tmp, path)
+    };
+    write().map_err(|cause| {
+        let _ = std::fs::remove_file(&tmp);
+        Error::Storage { path: path.to_path_buf(), cause }
+    })
 }
 
 impl FeatureCache {

@@ -41,6 +41,11 @@ pub use template::Message;
 pub enum Error {
     #[error("{0}")]
     Io(String),
+    /// A write that failed (a full disk, an I/O error, a read-only file system): the caller's
+    /// storage failed, not its input. (`cause` is no error `source`: the message carries it
+    /// once, however the error is printed.)
+    #[error("writing {}: {cause}", path.display())]
+    Storage { path: std::path::PathBuf, cause: std::io::Error },
     /// Not the expected file format (a truncated or non-GGUF file, bad JSON, …).
     #[error("{0}")]
     Format(String),

@@ -584,7 +584,7 @@ impl PolicyModel {
             let mut r = PolicyModel::new(w, self.cfg.clone(), &no_adapters(), max_len, self.embed.dtype())
                 .map_err(|e| candle_core::Error::Msg(e.to_string()))?;
             r.kernels = self.kernels;
-            f.reference = Box::new(r);
+            *f.reference = r;
             self.life.retain(|e| !matches!(e, LifeEvent::Reference { .. }));
             self.life.push(LifeEvent::Reference { vars });
             return Ok(());

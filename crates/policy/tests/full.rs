@@ -216,7 +216,7 @@ fn full_parameter_dpo_raises_the_margin_and_lr_zero_does_not_move() {
         let mut opt = Adam::new(AdamConfig { lr, ..Default::default() }, &m.vars()).unwrap();
         let cfg = DpoConfig { beta: 0.5, epochs: 1, minibatch: 3, lr_window: LrWindow::Update, seed: 3 };
         let first = dpo_update(&m, &mut opt, &pairs, &cfg).unwrap();
-        let mut last = first.clone();
+        let mut last = first;
         for _ in 0..15 {
             last = dpo_update(&m, &mut opt, &pairs, &cfg).unwrap();
         }

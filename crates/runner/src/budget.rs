@@ -7,7 +7,9 @@
 //! once) is already allocated when the second check runs, so `MemAvailable` accounts for it. A
 //! learning policy's cell adds its adapters (with their gradient and Adam's two moments), the
 //! f32 copies of the adapted weights its generator merges, the KV cache of a generation batch,
-//! a gradient pass's activations and logits, and a ppo critic's adapters ([`PolicyShape`]).
+//! a gradient pass's activations and logits, and a ppo critic's adapters ([`PolicyShape`]); a
+//! full-parameter dpo cell, every weight with its gradient, Adam's moments, the reference, the
+//! generator's copy and a checkpoint's copies of them.
 
 use crate::plan::{ConfigPlan, CurvatureChoice, Plan};
 use crate::spec::{ActiveRule, EnvKind, ScoreNorm, Setting, Spec};
@@ -71,6 +73,12 @@ fn policy_terms(spec: &Spec, c: &ConfigPlan, p: &PolicyShape) -> Vec<Term> {
                 key: "generate.policy",
                 what: "the generator's f32 copy of the weights".into(),
                 bytes: mul(&[w, 4]),
+            },
+            // a checkpoint copies the weights and Adam's moments out as vectors, then encodes them
+            Term {
+                key: "policy.dpo.parameters",
+                what: "a checkpoint of every weight and Adam's two moments (copied, then encoded)".into(),
+                bytes: mul(&[w, 4, 3, 2]),
             },
         ]
     } else {

@@ -52,9 +52,11 @@ impl std::error::Error for StorageError {
     }
 }
 
-/// Whether `e` (or an error it wraps) is a [`StorageError`].
+/// Whether `e` (or an error it wraps) is a [`StorageError`], or a cache write of `features`
+/// that failed ([`features::Error::Storage`]: φ of a learning policy's new responses is
+/// cached mid-run).
 pub fn is_storage(e: &anyhow::Error) -> bool {
-    e.chain().any(|c| c.is::<StorageError>())
+    e.chain().any(|c| c.is::<StorageError>() || matches!(c.downcast_ref(), Some(features::Error::Storage { .. })))
 }
 
 fn stop_flag() -> &'static Arc<AtomicBool> {

@@ -287,9 +287,11 @@ pub fn write_tables(
         for c in cells {
             for a in c.result.iter().flat_map(|r| &r.adapters) {
                 let at = dir.join("adapters").join(c.cell_id).join(&a.dir);
-                std::fs::create_dir_all(&at).with_context(|| format!("creating {}", at.display()))?;
-                write_atomic(&at.join("adapter_model.safetensors"), &a.safetensors)?;
-                write_atomic(&at.join("adapter_config.json"), a.config.as_bytes())?;
+                // a directory that cannot be made is the disk's failure, as a write's is: the
+                // run stays resumable
+                std::fs::create_dir_all(&at).map_err(|source| crate::io::StorageError { path: at.clone(), source })?;
+                write_atomic_at(&at.join("adapter_model.safetensors"), &a.safetensors, "adapter-write")?;
+                write_atomic_at(&at.join("adapter_config.json"), a.config.as_bytes(), "adapter-write")?;
             }
         }
     }

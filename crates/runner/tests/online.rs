@@ -11,7 +11,7 @@ use std::path::{Path, PathBuf};
 use std::process::Command;
 
 mod util;
-use util::{f64s, onepass, strs, table, u32s, u64s};
+use util::{command, f64s, finish, onepass, strs, table, u32s, u64s};
 
 fn spec(lr: f64) -> String {
     format!(
@@ -611,5 +611,143 @@ fn a_policy_that_diverges_fails_its_cell_on_one_line() {
     assert!(err.contains("failed: chunk 1's policy update: Adam step"), "{err}");
     let tmp = setup(0.05);
     let (code, _, err) = onepass(tmp.path(), &["run", "run.toml", "--out", "a", "--threads", "2"]).parts();
+    assert_eq!(code, 0, "{err}");
+}
+
+/// The run directory `onepass run run.toml --out out` made under `p` (its only entry).
+fn only_run(p: &Path, out: &str) -> PathBuf {
+    let mut dirs: Vec<PathBuf> = std::fs::read_dir(p.join(out)).unwrap().map(|e| e.unwrap().path()).collect();
+    assert_eq!(dirs.len(), 1, "{dirs:?}");
+    dirs.pop().unwrap()
+}
+
+/// `run.toml` under `p` with `ONEPASS_FAIL_WRITE=point` into `out/`: it stops with exit 2 and
+/// one line naming the resume command and the full disk; resumed without the fault, it gives
+/// the bytes of `want` (an uninterrupted run of the same spec).
+fn full_disk_then_resume(p: &Path, point: &str, want: &Path, files: &[&str]) {
+    let (code, _, err) = finish(
+        command()
+            .current_dir(p)
+            .args(["run", "run.toml", "--out", "f", "--threads", "1"])
+            .env("ONEPASS_FAIL_WRITE", point),
+    )
+    .parts();
+    assert_eq!(code, 2, "{point}: {err}");
+    let last = err.trim_end().lines().last().unwrap();
+    assert!(last.contains("--resume") && last.contains("No space left on device"), "{point}: {last}");
+    let dir = only_run(p, "f");
+    assert!(!dir.join("meta.json").exists(), "{point}: a run stopped by the disk was finalised");
+    let (code, _, err) = onepass(p, &["run", "run.toml", "--resume", dir.to_str().unwrap()]).parts();
+    assert_eq!(code, 0, "{point}: resume: {err}");
+    for f in files {
+        assert!(std::fs::read(want.join(f)).unwrap() == std::fs::read(dir.join(f)).unwrap(), "{point}: {f} differs");
+    }
+    std::fs::remove_dir_all(p.join("f")).unwrap();
+}
+
+/// Faults during the online loop's stages (issue 34): a full disk while a learning cell caches
+/// φ of its policy's new responses (the bank's φ is cached by an earlier run, so the fault
+/// lands mid-cell), and while the adapters are written at the end, stop the run resumably —
+/// not a cell's failure — and the resumed run has the bytes of an uninterrupted one.
+#[test]
+fn a_full_disk_in_the_online_loop_stops_the_run_resumably() {
+    let tmp = setup(0.05);
+    let p = tmp.path();
+    run(p, "warm", "1"); // caches the bank's φ (and lr 0.05's new responses)
+    std::fs::write(p.join("run.toml"), spec(0.04)).unwrap();
+    let want = {
+        // the uninterrupted run in a cache of its own: its new responses' φ must be missing
+        // from the shared cache when the faulty run reaches them
+        let q = tempfile::tempdir().unwrap();
+        for f in ["prompts.jsonl", "run.toml"] {
+            std::fs::copy(p.join(f), q.path().join(f)).unwrap();
+        }
+        let d = run(q.path(), "a", "1");
+        let keep = p.join("want");
+        util::copy_dir(&d, &keep);
+        keep
+    };
+    let files = ["policy.parquet", "policy_updates.parquet", "metrics.parquet", "cells.parquet"];
+    full_disk_then_resume(p, "feature-cache", &want, &files);
+    let adapter = "adapters/c0005/chunk-03/adapter_model.safetensors";
+    full_disk_then_resume(p, "adapter-write", &want, &[&files[..], &[adapter]].concat());
+}
+
+/// An oracle file replaced under a run (between a kill and the resume) changes the oracle's
+/// rewards of the bank: the resume is refused on one line naming `oracle.path`, not resumed
+/// into a run that mixes two oracles. Negative control: the original file back, it resumes.
+#[test]
+fn an_oracle_file_replaced_under_a_run_refuses_the_resume_naming_it() {
+    let tmp = setup(0.05);
+    let p = tmp.path();
+    let d = 32;
+    let head = |scale: f32| {
+        let w: Vec<f32> = (0..d).map(|i| scale * (((i * 7919) % 13) as f32 / 13.0 - 0.5)).collect();
+        let bytes: Vec<u8> = w.iter().flat_map(|x| x.to_le_bytes()).collect();
+        let view = safetensors::tensor::TensorView::new(safetensors::Dtype::F32, vec![1, d], &bytes).unwrap();
+        safetensors::serialize_to_file([("score.weight", view)], None, &p.join("h.safetensors")).unwrap();
+    };
+    head(1.0);
+    let text = spec(0.05)
+        .replace("kind = \"linear\"\nseed = 3", "kind = \"head\"\npath = \"h.safetensors\"")
+        .replace("[deploy]", "[checkpoint]\nevery_steps = 1\n[deploy]");
+    std::fs::write(p.join("run.toml"), text).unwrap();
+    use std::os::unix::process::ExitStatusExt;
+    let out = command()
+        .current_dir(p)
+        .args(["run", "run.toml", "--out", "b", "--threads", "1"])
+        .env("ONEPASS_FAILPOINT", "update:17")
+        .output()
+        .unwrap();
+    assert_eq!(out.status.signal(), Some(9), "{}", String::from_utf8_lossy(&out.stderr));
+    let dir = only_run(p, "b");
+    head(2.0);
+    let (code, _, err) = onepass(p, &["run", "run.toml", "--resume", dir.to_str().unwrap()]).parts();
+    assert_eq!(code, 2, "{err}");
+    let last = err.trim_end().lines().last().unwrap();
+    assert!(last.contains("refused") && last.contains("oracle.path = h.safetensors"), "{last}");
+    head(1.0);
+    let (code, _, err) = onepass(p, &["run", "run.toml", "--resume", dir.to_str().unwrap()]).parts();
+    assert_eq!(code, 0, "{err}");
+}
+
+/// Files read into a run and edited under it (between a kill and the resume) refuse the
+/// resume on one line naming their key — the warm start's preference file (read at the start:
+/// resumed cells would otherwise learn from another warm start than the finished ones) and the
+/// prompts file; each restored, the run resumes.
+#[test]
+fn a_warm_start_or_prompts_file_edited_under_a_run_refuses_the_resume() {
+    let tmp = setup(0.05);
+    let p = tmp.path();
+    let warm = util::root().join("crates/runner/tests/fixtures/warm-prefs.jsonl");
+    std::fs::copy(&warm, p.join("warm.jsonl")).unwrap();
+    let text = spec(0.05)
+        .replace("policy = [\"best-of-n\", \"rloo\", \"dpo\"]", "policy = [\"dpo\"]")
+        .replace("[[estimator]]", "[policy.dpo.warm_start]\npath = \"warm.jsonl\"\nrows = 4\n[[estimator]]")
+        .replace("[deploy]", "[checkpoint]\nevery_steps = 1\n[deploy]");
+    std::fs::write(p.join("run.toml"), text).unwrap();
+    use std::os::unix::process::ExitStatusExt;
+    let out = command()
+        .current_dir(p)
+        .args(["run", "run.toml", "--out", "b", "--threads", "1"])
+        .env("ONEPASS_FAILPOINT", "update:5")
+        .output()
+        .unwrap();
+    assert_eq!(out.status.signal(), Some(9), "{}", String::from_utf8_lossy(&out.stderr));
+    let dir = only_run(p, "b");
+    let resume = || onepass(p, &["run", "run.toml", "--resume", dir.to_str().unwrap()]).parts();
+    for (file, edit) in [
+        ("warm.jsonl", "policy.dpo.warm_start.path = warm.jsonl"),
+        ("prompts.jsonl", "generate.prompts = prompts.jsonl"),
+    ] {
+        let orig = std::fs::read_to_string(p.join(file)).unwrap();
+        std::fs::write(p.join(file), orig.replace("Say hi.", "Say hello.")).unwrap();
+        let (code, _, err) = resume();
+        assert_eq!(code, 2, "{file}: {err}");
+        let last = err.trim_end().lines().last().unwrap();
+        assert!(last.contains("refused") && last.contains(edit), "{file}: {last}");
+        std::fs::write(p.join(file), orig).unwrap();
+    }
+    let (code, _, err) = resume();
     assert_eq!(code, 0, "{err}");
 }
