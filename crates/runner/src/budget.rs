@@ -44,6 +44,19 @@ pub struct PolicyShape {
     pub n: usize,
     pub batch_prompts: usize,
     pub weights: u64,
+    /// The policy lives on an accelerator (generate.device = "cuda"): its terms are the
+    /// device's memory, not the host's ([`Memory`]).
+    pub on_device: bool,
+    /// The accelerator's free memory when it could be asked (bytes).
+    pub device_free: Option<u64>,
+}
+
+/// Which memory an estimate counts: the host's (the estimator, the data, a CPU policy) or the
+/// accelerator's (a policy with generate.device = "cuda").
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Memory {
+    Host,
+    Device,
 }
 
 /// The terms of a learning cell's policy (see the module's doc): f32 throughout (the policy
@@ -145,7 +158,8 @@ fn dim_key(spec: &Spec) -> &'static str {
     }
 }
 
-fn cell_terms(spec: &Spec, c: &ConfigPlan, policy: Option<&PolicyShape>) -> Vec<Term> {
+/// The host terms of a cell of `c` besides a learning policy's.
+fn cell_terms(spec: &Spec, c: &ConfigPlan) -> Vec<Term> {
     let d = spec.env.dim as u64;
     let dk = dim_key(spec);
     let f32s = |n: u64| n.saturating_mul(d).saturating_mul(4);
@@ -218,20 +232,22 @@ fn cell_terms(spec: &Spec, c: &ConfigPlan, policy: Option<&PolicyShape>) -> Vec<
             }
         }
     }
-    if let Some(p) = policy {
-        t.extend(policy_terms(spec, c, p));
-    }
     t.sort_by_key(|x| std::cmp::Reverse(x.bytes));
     t
 }
 
-/// The estimate for a plan whose `spec` has its final env.dim, `threads` workers; `policy` the
-/// learning policy's shape when the run has one (its world is loaded).
-pub fn estimate(spec: &Spec, plan: &Plan, threads: usize, policy: Option<&PolicyShape>) -> Estimate {
+/// The estimate of `on`'s memory for a plan whose `spec` has its final env.dim, `threads`
+/// workers; `policy` the learning policy's shape when the run has one (its world is loaded):
+/// its terms count on the host, or on the device when it lives there.
+pub fn estimate(spec: &Spec, plan: &Plan, threads: usize, policy: Option<&PolicyShape>, on: Memory) -> Estimate {
     let mut cell = Vec::new();
     let mut per_cell = 0;
     for c in &plan.configs {
-        let t = cell_terms(spec, c, policy);
+        let mut t = if on == Memory::Host { cell_terms(spec, c) } else { Vec::new() };
+        if let Some(p) = policy.filter(|p| p.on_device == (on == Memory::Device)) {
+            t.extend(policy_terms(spec, c, p));
+            t.sort_by_key(|x| std::cmp::Reverse(x.bytes));
+        }
         let sum: u64 = t.iter().map(|x| x.bytes).fold(0, u64::saturating_add);
         if sum > per_cell {
             (per_cell, cell) = (sum, t);
@@ -312,6 +328,54 @@ mod tests {
         assert_eq!(parse_size("1.5g"), Ok(3 << 29));
         assert_eq!(parse_size("4096"), Ok(4096));
         assert!(parse_size("lots").is_err() && parse_size("-1G").is_err() && parse_size("0").is_err());
+    }
+
+    /// A learning policy's terms count where the policy lives: on the host for a CPU policy, on
+    /// the device (and not on the host) for a GPU one — the host estimate of a GPU run is the
+    /// estimator's alone, and the device's is exactly what the CPU run added to the host's.
+    #[test]
+    fn a_policy_on_the_gpu_counts_in_device_memory_not_the_hosts() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("spec.toml");
+        let text = "setting = \"deploy\"\n[env]\nkind = \"generated\"\n[generate]\nprompts = \"p.jsonl\"\n\
+                    rows = 4\npolicy = \"m.gguf\"\nn = 2\nmax_new_tokens = 4\n[features]\nmodel = \"m.gguf\"\n\
+                    [oracle]\nkind = \"linear\"\n[deploy]\nchunks = 2\nstrategies = [\"random-pair\"]\n\
+                    policy = [\"best-of-n\", \"dpo\"]\n[policy.dpo]\nparameters = \"full\"\n[policy]\n\
+                    save_adapter = \"none\"\n[[estimator]]\nkind = \"sgd\"\n";
+        std::fs::write(&path, text).unwrap();
+        let plan = crate::load_plan(&path, &[]).unwrap();
+        let cfg = features::model::Config {
+            family: features::model::Family::Llama,
+            hidden: 64,
+            intermediate: 128,
+            layers: 2,
+            heads: 4,
+            kv_heads: 2,
+            head_dim: 16,
+            eps: 1e-5,
+            rope_theta: 1e4,
+            vocab: 100,
+            qkv_bias: false,
+            o_bias: false,
+            rope_interleaved: false,
+            rope_factors: None,
+        };
+        let shape = |on_device| PolicyShape {
+            cfg: cfg.clone(),
+            seq_len: 64,
+            n: 2,
+            batch_prompts: 2,
+            weights: 1 << 20,
+            on_device,
+            device_free: None,
+        };
+        let (cpu, gpu) = (shape(false), shape(true));
+        let at = |p: &PolicyShape, on| estimate(&plan.spec, &plan, 1, Some(p), on).per_cell;
+        let none = estimate(&plan.spec, &plan, 1, None, Memory::Host).per_cell;
+        assert_eq!(at(&gpu, Memory::Host), none, "a GPU policy adds nothing to host memory");
+        assert_eq!(at(&cpu, Memory::Device), 0, "a CPU policy takes no device memory");
+        assert!(at(&gpu, Memory::Device) >= 20 << 20, "full-parameter: 5 f32 copies of 1 Mi weights at least");
+        assert_eq!(at(&cpu, Memory::Host), none + at(&gpu, Memory::Device), "the same terms, counted elsewhere");
     }
 
     #[test]

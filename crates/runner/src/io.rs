@@ -7,8 +7,9 @@
 //!
 //! Failpoints (tests): `ONEPASS_FAILPOINT=<name>:<n>` sends SIGKILL to the process at the n-th
 //! time the named point is reached (names: `update`, `checkpoint-write`, `parquet-write`,
-//! `cell-end`, `meta-written`); `ONEPASS_FAIL_WRITE=<name>` makes the writes at that point fail with ENOSPC
-//! (a full disk).
+//! `adapter-write`, `cell-end`, `meta-written`, and the online loop's `policy-update` — a warm
+//! start's or a chunk's — and `evaluate`); `ONEPASS_FAIL_WRITE=<name>` makes the writes at that
+//! point fail with ENOSPC (a full disk; `feature-cache` for `features`' cache shards).
 
 use anyhow::{anyhow, bail, Context, Result};
 use serde::{de::DeserializeOwned, Serialize};

@@ -52,6 +52,10 @@ enum Cmd {
         /// available); a run whose estimate is larger is refused before it allocates.
         #[arg(long, value_name = "SIZE")]
         max_memory: Option<String>,
+        /// The GPU memory a learning policy on one (generate.device = "cuda") may take (default:
+        /// the device's free memory); the policy's terms are counted there, not in host memory.
+        #[arg(long, value_name = "SIZE")]
+        max_gpu_memory: Option<String>,
     },
     /// Write <run-dir>/report/: report.md (final metrics, mean ± std over seeds) and figures.
     Report { run: PathBuf },
@@ -267,10 +271,14 @@ fn main() -> ExitCode {
             }
             ExitCode::SUCCESS
         }
-        Cmd::Run { spec, overrides, out, threads, dry_run, resume, force, max_memory } => {
+        Cmd::Run { spec, overrides, out, threads, dry_run, resume, force, max_memory, max_gpu_memory } => {
             let max_memory = match max_memory.as_deref().map(runner::budget::parse_size).transpose() {
                 Ok(m) => m,
                 Err(e) => return bad_input(&format!("--max-memory {e}")),
+            };
+            let max_gpu_memory = match max_gpu_memory.as_deref().map(runner::budget::parse_size).transpose() {
+                Ok(m) => m,
+                Err(e) => return bad_input(&format!("--max-gpu-memory {e}")),
             };
             if dry_run {
                 return match runner::load_plan(&spec, &overrides) {
@@ -293,6 +301,7 @@ fn main() -> ExitCode {
                 force,
                 progress,
                 max_memory,
+                max_gpu_memory,
             }) {
                 Ok(s) => {
                     println!("{}", s.dir.display());

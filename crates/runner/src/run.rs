@@ -44,6 +44,8 @@ pub struct RunOptions {
     pub progress: crate::progress::Mode,
     /// The memory the cells may take (default: the machine's MemAvailable).
     pub max_memory: Option<u64>,
+    /// The accelerator memory a policy on it may take (default: the device's free memory).
+    pub max_gpu_memory: Option<u64>,
 }
 
 /// A word as a POSIX shell reads it back: as is when it holds only characters the shell leaves
@@ -71,7 +73,8 @@ fn resume_command(opts: &RunOptions, dir: &Path) -> String {
 }
 
 /// Refuses a run whose cells would take more memory than `opts.max_memory` or what the machine
-/// has available ([`budget`]), naming the key behind the largest term (exit 2).
+/// has available ([`budget`]), naming the key behind the largest term (exit 2); a policy on a
+/// GPU, more than `opts.max_gpu_memory` or the device's free memory.
 fn check_memory(
     opts: &RunOptions,
     plan: &Plan,
@@ -88,11 +91,21 @@ fn check_memory(
     };
     // threads = 0: one per core, as the pool starts them
     let threads = if threads == 0 { std::thread::available_parallelism().map_or(1, |n| n.get()) } else { threads };
-    let e = crate::budget::estimate(spec, plan, threads, policy);
-    crate::budget::check(&e, limit, &from).map_err(|(key, msg)| {
+    let refuse = |(key, msg): (&str, String)| {
         let path: Vec<&str> = key.split('.').collect();
         anyhow::Error::new(plan.keys().err(&path, msg))
-    })
+    };
+    let e = crate::budget::estimate(spec, plan, threads, policy, crate::budget::Memory::Host);
+    crate::budget::check(&e, limit, &from).map_err(refuse)?;
+    // a policy on an accelerator: its terms against the device's memory, not the host's
+    let Some(p) = policy.filter(|p| p.on_device) else { return Ok(()) };
+    let (limit, from) = match (opts.max_gpu_memory, p.device_free) {
+        (Some(m), _) => (m, "--max-gpu-memory allows".to_string()),
+        (None, Some(f)) => (f, "free on the GPU (--max-gpu-memory sets another budget)".to_string()),
+        (None, None) => return Ok(()),
+    };
+    let e = crate::budget::estimate(spec, plan, threads, policy, crate::budget::Memory::Device);
+    crate::budget::check(&e, limit, &from).map_err(refuse)
 }
 
 /// Parses and validates a spec (errors are [`spec::SpecError`]); reads nothing else.

@@ -751,3 +751,48 @@ fn a_warm_start_or_prompts_file_edited_under_a_run_refuses_the_resume() {
     let (code, _, err) = resume();
     assert_eq!(code, 0, "{err}");
 }
+
+/// A kill (SIGKILL) in each stage of the online loop — a warm start's policy update, a chunk's
+/// policy update, a held-out evaluation, an adapter half-written at the end — resumes to the
+/// bytes of an uninterrupted run (tables and the saved adapters).
+#[test]
+fn a_kill_in_each_stage_of_the_online_loop_resumes_to_the_same_bytes() {
+    use std::os::unix::process::ExitStatusExt;
+    let tmp = setup(0.05);
+    let p = tmp.path();
+    let warm = util::root().join("crates/runner/tests/fixtures/warm-prefs.jsonl");
+    std::fs::copy(&warm, p.join("warm.jsonl")).unwrap();
+    let text = spec(0.05)
+        .replace("policy = [\"best-of-n\", \"rloo\", \"dpo\"]", "policy = [\"rloo\", \"dpo\"]")
+        .replace("[[estimator]]", "[policy.dpo.warm_start]\npath = \"warm.jsonl\"\nrows = 4\n[[estimator]]")
+        .replace("[deploy]", "[checkpoint]\nevery_steps = 1\n[deploy]");
+    std::fs::write(p.join("run.toml"), text).unwrap();
+    let want = run(p, "a", "1");
+    let adapters: Vec<PathBuf> = walk(&want.join("adapters"));
+    assert!(!adapters.is_empty(), "the run saves adapters");
+    // cells (threads 1) in order: random-pair rloo seeds 0, 1 (3 updates each), then dpo seed 0:
+    // the 7th policy update is its warm start, the 9th its second chunk's
+    for (i, point) in ["policy-update:7", "policy-update:9", "evaluate:6", "adapter-write:3"].iter().enumerate() {
+        let out = format!("k{i}");
+        let o = command()
+            .current_dir(p)
+            .args(["run", "run.toml", "--out", &out, "--threads", "1"])
+            .env("ONEPASS_FAILPOINT", point)
+            .output()
+            .unwrap();
+        assert_eq!(o.status.signal(), Some(9), "{point}: {}", String::from_utf8_lossy(&o.stderr));
+        let dir = only_run(p, &out);
+        let (code, _, err) = onepass(p, &["run", "run.toml", "--resume", dir.to_str().unwrap()]).parts();
+        assert_eq!(code, 0, "{point}: {err}");
+        for f in ["policy.parquet", "policy_updates.parquet", "metrics.parquet", "cells.parquet"] {
+            assert!(
+                std::fs::read(want.join(f)).unwrap() == std::fs::read(dir.join(f)).unwrap(),
+                "{point}: {f} differs"
+            );
+        }
+        for a in &adapters {
+            let rel = a.strip_prefix(&want).unwrap();
+            assert!(std::fs::read(a).unwrap() == std::fs::read(dir.join(rel)).unwrap(), "{point}: {rel:?} differs");
+        }
+    }
+}

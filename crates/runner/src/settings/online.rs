@@ -286,6 +286,7 @@ impl<'a> PolicyCell<'a> {
     /// the chunks. None without a warm start.
     pub(super) fn warm_start(&mut self) -> Result<Option<Update>> {
         let (Some(cfg), Some((m, _))) = (&self.warm, &self.learner) else { return Ok(None) };
+        crate::io::failpoint("policy-update");
         let w = &self.online.warm_start;
         let prefs: Vec<policy::train::Preference> = w
             .iter()
@@ -337,6 +338,7 @@ impl<'a> PolicyCell<'a> {
         if self.learner.is_none() {
             return Ok(None);
         }
+        crate::io::failpoint("policy-update");
         let rollouts = self.rollouts(chunk, xs, samples, contexts, d, g, time)?;
         let Some((m, adam)) = &mut self.learner else { return Ok(None) };
         let prompts = xs.iter().map(|&x| self.online.prompt_ids[x].as_slice()).collect();
@@ -392,6 +394,7 @@ impl<'a> PolicyCell<'a> {
     /// best-of-n under θ of its samples, their learned reward, KL to the reference and entropy
     /// (learning policies), the adapters' digest and the generating weights' merge error.
     pub(super) fn evaluate(&self, chunk: u64, theta: &[f64], d: usize) -> Result<PolicyRow> {
+        crate::io::failpoint("evaluate");
         let o = self.online;
         let (samples, merge_error) =
             self.sample(&o.eval_prompts, &o.eval_opts[self.seed], Some(&o.eval_base[self.seed]), true)?;

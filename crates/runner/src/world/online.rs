@@ -256,6 +256,8 @@ impl Online {
             n: self.opts.n.max(self.eval_opts.first().map_or(0, |o| o.n)),
             batch_prompts: self.batch_prompts,
             weights: self.base.values().map(|t| t.elem_count() as u64).sum(),
+            on_device: !self.policy.model.device().is_cpu(),
+            device_free: features::model::device_memory(self.policy.model.device()).map(|(free, _)| free),
         }
     }
 
