@@ -1017,6 +1017,17 @@ pub fn mean_rows(h: &Tensor, spans: &[(usize, usize)]) -> Result<Tensor, Error> 
     Ok(w.matmul(&h.contiguous()?)?.squeeze(1)?)
 }
 
+/// The free and total memory of `dev` in bytes: a CUDA device's, asked of its driver; None for
+/// the CPU, other devices, or a build without the `cuda` feature.
+pub fn device_memory(dev: &Device) -> Option<(u64, u64)> {
+    #[cfg(feature = "cuda")]
+    if let Device::Cuda(d) = dev {
+        return d.cuda_stream().context().mem_get_info().ok().map(|(free, total)| (free as u64, total as u64));
+    }
+    let _ = dev;
+    None
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -1055,15 +1066,4 @@ mod tests {
             }
         }
     }
-}
-
-/// The free and total memory of `dev` in bytes: a CUDA device's, asked of its driver; None for
-/// the CPU, other devices, or a build without the `cuda` feature.
-pub fn device_memory(dev: &Device) -> Option<(u64, u64)> {
-    #[cfg(feature = "cuda")]
-    if let Device::Cuda(d) = dev {
-        return d.cuda_stream().context().mem_get_info().ok().map(|(free, total)| (free as u64, total as u64));
-    }
-    let _ = dev;
-    None
 }
