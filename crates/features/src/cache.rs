@@ -113,7 +113,14 @@ impl FeatureCache {
         let f = std::fs::File::open(p).map_err(|e| io(p, e))?;
         // SAFETY: shards are written once under a temporary name and renamed; never modified.
         let map = unsafe { Mmap::map(&f) }.map_err(|e| io(p, e))?;
-        let bad = |m: String| Error::Format(format!("{}: {m}", p.display()));
+        // a shard is written whole or not at all: one that does not read was damaged after
+        // (disk, copy): its rows can be computed again
+        let bad = |m: String| {
+            Error::Format(format!(
+                "{}: {m} (a damaged cache shard: delete it and its rows are computed again)",
+                p.display()
+            ))
+        };
         let st = SafeTensors::deserialize(&map).map_err(|e| bad(format!("not a readable safetensors shard: {e}")))?;
         let phi = st.tensor("phi").map_err(|e| bad(format!("{e}")))?;
         let keys = st.tensor("keys").map_err(|e| bad(format!("{e}")))?;

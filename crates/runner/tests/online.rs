@@ -796,3 +796,27 @@ fn a_kill_in_each_stage_of_the_online_loop_resumes_to_the_same_bytes() {
         }
     }
 }
+
+/// A feature-cache shard damaged between runs (truncated after it was written) is named on one
+/// line with what to do; deleted, its rows are computed again and the run has the same bytes.
+#[test]
+fn a_damaged_feature_cache_shard_is_named_and_recomputed_once_deleted() {
+    let tmp = setup(0.05);
+    let p = tmp.path();
+    let want = run(p, "a", "1");
+    let shard = walk(&p.join("cache/phi"))
+        .into_iter()
+        .find(|f| f.extension().is_some_and(|x| x == "safetensors"))
+        .expect("a φ shard");
+    std::fs::write(&shard, b"short").unwrap();
+    let (code, _, err) = onepass(p, &["run", "run.toml", "--out", "b", "--threads", "1"]).parts();
+    assert_eq!(code, 2, "{err}");
+    let last = err.trim_end().lines().last().unwrap();
+    let name = shard.file_name().unwrap().to_string_lossy();
+    assert!(last.contains(name.as_ref()) && last.contains("delete it"), "{last}");
+    std::fs::remove_file(&shard).unwrap();
+    let again = run(p, "c", "1");
+    for f in ["policy.parquet", "metrics.parquet", "rounds.parquet"] {
+        assert!(std::fs::read(want.join(f)).unwrap() == std::fs::read(again.join(f)).unwrap(), "{f} differs");
+    }
+}
