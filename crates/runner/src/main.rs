@@ -56,6 +56,26 @@ enum Cmd {
         /// the device's free memory); the policy's terms are counted there, not in host memory.
         #[arg(long, value_name = "SIZE")]
         max_gpu_memory: Option<String>,
+        /// Run only slice i of N of the run's cells (cells k with k mod N = i), e.g. one task of
+        /// a SLURM array: `--cells $SLURM_ARRAY_TASK_ID/$SLURM_ARRAY_TASK_COUNT`. The slice's
+        /// directory keeps its cells' results; `onepass merge` assembles the run from the slices.
+        #[arg(long, value_name = "i/N")]
+        cells: Option<String>,
+    },
+    /// Assemble a run from the slice directories of `onepass run --cells i/N` (the same spec and
+    /// --set): the run's tables, meta.json and report are those of a run in one process.
+    Merge {
+        /// The spec the slices ran.
+        spec: PathBuf,
+        /// The slice directories (every cell of the run finished in exactly one of them).
+        #[arg(required = true)]
+        slices: Vec<PathBuf>,
+        /// The slices' --set overrides, in the same order.
+        #[arg(long = "set", value_name = "KEY=VALUE")]
+        overrides: Vec<String>,
+        /// Where the run directory goes.
+        #[arg(long, default_value = "results")]
+        out: PathBuf,
     },
     /// Write <run-dir>/report/: report.md (final metrics, mean ± std over seeds) and figures.
     Report { run: PathBuf },
@@ -271,7 +291,24 @@ fn main() -> ExitCode {
             }
             ExitCode::SUCCESS
         }
-        Cmd::Run { spec, overrides, out, threads, dry_run, resume, force, max_memory, max_gpu_memory } => {
+        Cmd::Merge { spec, slices, overrides, out } => finish_run(runner::RunOptions {
+            spec,
+            overrides,
+            out,
+            threads: None,
+            resume: None,
+            force: false,
+            progress,
+            max_memory: None,
+            max_gpu_memory: None,
+            slice: None,
+            merge: slices,
+        }),
+        Cmd::Run { spec, overrides, out, threads, dry_run, resume, force, max_memory, max_gpu_memory, cells } => {
+            let slice = match cells.as_deref().map(features::ShardSpec::parse).transpose() {
+                Ok(s) => s,
+                Err(e) => return bad_input(&format!("--cells {}", e.to_string().replace("shard ", ""))),
+            };
             let max_memory = match max_memory.as_deref().map(runner::budget::parse_size).transpose() {
                 Ok(m) => m,
                 Err(e) => return bad_input(&format!("--max-memory {e}")),
@@ -292,7 +329,7 @@ fn main() -> ExitCode {
                     Err(e) => bad_input(&e.to_string()),
                 };
             }
-            match runner::run(&runner::RunOptions {
+            finish_run(runner::RunOptions {
                 spec,
                 overrides,
                 out,
@@ -302,20 +339,28 @@ fn main() -> ExitCode {
                 progress,
                 max_memory,
                 max_gpu_memory,
-            }) {
-                Ok(s) => {
-                    println!("{}", s.dir.display());
-                    if s.interrupted {
-                        ExitCode::from(130)
-                    } else if s.failed > 0 {
-                        eprintln!("onepass: {} of {} cells failed (see cells.parquet)", s.failed, s.cells);
-                        ExitCode::from(1)
-                    } else {
-                        ExitCode::SUCCESS
-                    }
-                }
-                Err(e) => bad_input(&format!("{e:#}")),
+                slice,
+                merge: Vec::new(),
+            })
+        }
+    }
+}
+
+/// Runs (or merges) and prints the run directory; the exit code says how it ended.
+fn finish_run(opts: runner::RunOptions) -> ExitCode {
+    match runner::run(&opts) {
+        Ok(s) => {
+            println!("{}", s.dir.display());
+            if s.interrupted {
+                ExitCode::from(130)
+            } else if s.failed > 0 {
+                let table = if opts.slice.is_some() { "the merged run's cells.parquet" } else { "cells.parquet" };
+                eprintln!("onepass: {} of {} cells failed (see {table})", s.failed, s.cells);
+                ExitCode::from(1)
+            } else {
+                ExitCode::SUCCESS
             }
         }
+        Err(e) => bad_input(&format!("{e:#}")),
     }
 }

@@ -46,6 +46,18 @@ pub struct RunOptions {
     pub max_memory: Option<u64>,
     /// The accelerator memory a policy on it may take (default: the device's free memory).
     pub max_gpu_memory: Option<u64>,
+    /// `--cells i/N`: only the plan's cells k with k mod N = i, into a slice directory that
+    /// keeps their results (no tables) for `onepass merge` — one task of a SLURM array.
+    pub slice: Option<features::ShardSpec>,
+    /// `onepass merge`: the slice directories whose finished cells make this run.
+    pub merge: Vec<PathBuf>,
+}
+
+/// A slice directory's `slice.json`: which slice of the run's cells it holds.
+#[derive(Serialize, Deserialize, PartialEq)]
+struct SliceFile {
+    index: usize,
+    count: usize,
 }
 
 /// A word as a POSIX shell reads it back: as is when it holds only characters the shell leaves
@@ -67,9 +79,72 @@ fn resume_command(opts: &RunOptions, dir: &Path) -> String {
         words.push("--set".into());
         words.push(shell_word(o));
     }
+    if let Some(sl) = opts.slice {
+        words.push("--cells".into());
+        words.push(format!("{}/{}", sl.index, sl.count));
+    }
     words.push("--resume".into());
     words.push(shell_word(&dir.display().to_string()));
     words.join(" ")
+}
+
+/// The cells a process runs: the plan's, or with `--cells i/N` those at positions k with
+/// k mod N = i (round robin: every slice gets configs and seeds alike).
+fn my_cells(plan: &Plan, slice: Option<features::ShardSpec>) -> Vec<&CellPlan> {
+    let s = slice.unwrap_or(features::ShardSpec::ALL);
+    plan.cells.iter().enumerate().filter(|(k, _)| k % s.count == s.index).map(|(_, c)| c).collect()
+}
+
+/// `onepass merge`: where each of the plan's cells finished — its `.done` file in one of
+/// `slices`, slice directories of this very run (the same identity: spec, `--set`, revision,
+/// data), each locked while it is read (a slice still running is refused). Every cell must be
+/// in exactly one slice.
+fn gather_slices(
+    slices: &[PathBuf],
+    plan: &Plan,
+    id: &RunIdentity,
+) -> Result<(Vec<io::DirLock>, std::collections::BTreeMap<String, PathBuf>)> {
+    let mut locks = Vec::new();
+    let mut done: std::collections::BTreeMap<String, PathBuf> = Default::default();
+    for s in slices {
+        let text = std::fs::read_to_string(s.join("resume.json"))
+            .with_context(|| format!("merge: {}: no resume.json there (not a run or slice directory)", s.display()))?;
+        let theirs: RunIdentity = serde_json::from_str(&text)
+            .with_context(|| format!("merge: {}/resume.json: not a run identity", s.display()))?;
+        if let Some(why) = id.mismatch(&theirs) {
+            anyhow::bail!("merge: {}: not a slice of this run: {why}", s.display());
+        }
+        if s.join("meta.json").exists() {
+            anyhow::bail!("merge: {}: a complete run, not a slice (its tables are written already)", s.display());
+        }
+        locks.push(io::lock_dir(s)?);
+        let ck = s.join("checkpoints");
+        let entries = std::fs::read_dir(&ck).with_context(|| format!("merge: reading {}", ck.display()))?;
+        for e in entries {
+            let p = e.with_context(|| format!("merge: reading {}", ck.display()))?.path();
+            let (Some(stem), Some("done")) =
+                (p.file_stem().and_then(|x| x.to_str()), p.extension().and_then(|x| x.to_str()))
+            else {
+                continue;
+            };
+            if let Some(first) = done.insert(stem.to_string(), p.clone()) {
+                anyhow::bail!("merge: cell {stem} finished in two slices, {} and {}", first.display(), p.display());
+            }
+        }
+    }
+    if let Some(extra) = done.keys().find(|c| !plan.cells.iter().any(|p| &p.cell_id == *c)) {
+        anyhow::bail!("merge: cell {extra} of {} is no cell of this run", done[extra].display());
+    }
+    let missing: Vec<&str> = plan.cells.iter().map(|c| c.cell_id.as_str()).filter(|c| !done.contains_key(*c)).collect();
+    if !missing.is_empty() {
+        anyhow::bail!(
+            "merge: {} of the run's {} cells are finished in no slice given (first: {}): run or --resume the slices that hold them, then merge again",
+            missing.len(),
+            plan.cells.len(),
+            missing[0]
+        );
+    }
+    Ok((locks, done))
 }
 
 /// Refuses a run whose cells would take more memory than `opts.max_memory` or what the machine
@@ -133,15 +208,41 @@ fn open_run_dir(
     claimed: Option<Claimed>,
 ) -> Result<(PathBuf, io::DirLock, Option<String>)> {
     let Some(dir) = &opts.resume else {
-        let dir = results::make_run_dir(&opts.out, &plan.name)?;
+        // a slice's directory says which slice it is
+        let name = match opts.slice {
+            Some(sl) => format!("{}-cells-{}-of-{}", plan.name, sl.index, sl.count),
+            None => plan.name.clone(),
+        };
+        let dir = results::make_run_dir(&opts.out, &name)?;
         let lock = io::lock_dir(&dir)?;
         let resolved = toml::to_string(&plan.resolved(&world.spec)).context("serialising the resolved spec")?;
         io::write_atomic(&dir.join("spec.resolved.toml"), resolved.as_bytes())?;
         io::write_atomic(&dir.join("resume.json"), serde_json::to_string_pretty(id)?.as_bytes())?;
+        if let Some(sl) = opts.slice {
+            let f = SliceFile { index: sl.index, count: sl.count };
+            io::write_atomic(&dir.join("slice.json"), serde_json::to_string(&f)?.as_bytes())?;
+        }
         std::fs::create_dir(dir.join("checkpoints"))
             .with_context(|| format!("creating {}/checkpoints", dir.display()))?;
         return Ok((dir, lock, None));
     };
+    // a slice resumes as the slice it is, a whole run as a whole run
+    let theirs_slice: Option<SliceFile> = match std::fs::read_to_string(dir.join("slice.json")) {
+        Ok(t) => Some(serde_json::from_str(&t).with_context(|| format!("{}/slice.json: not a slice", dir.display()))?),
+        Err(_) => None,
+    };
+    let ours = opts.slice.map(|s| SliceFile { index: s.index, count: s.count });
+    if theirs_slice != ours {
+        let show = |s: &Option<SliceFile>| {
+            s.as_ref().map_or("the whole run".to_string(), |s| format!("--cells {}/{}", s.index, s.count))
+        };
+        anyhow::bail!(
+            "--resume {}: refused: that directory holds {}, this invocation asks for {}",
+            dir.display(),
+            show(&theirs_slice),
+            show(&ours)
+        );
+    }
     let Claimed { lock, manifest: text } =
         claimed.ok_or_else(|| anyhow::anyhow!("--resume {}: not claimed before the world was built", dir.display()))?;
     let manifest = dir.join("resume.json");
@@ -352,7 +453,16 @@ pub fn run(opts: &RunOptions) -> Result<RunSummary> {
     let id = RunIdentity::of(&plan, &world)?;
     let fingerprint = id.fingerprint();
     let shared = shared_digest(&world)?;
+    // a merge checks its slices before it makes its directory
+    let (_slice_locks, merged) =
+        if opts.merge.is_empty() { (Vec::new(), Default::default()) } else { gather_slices(&opts.merge, &plan, &id)? };
     let (dir, _lock, forced) = open_run_dir(opts, &plan, &world, &id, claimed)?;
+    for (cell, from) in &merged {
+        let to = dir.join("checkpoints").join(format!("{cell}.done"));
+        let bytes = std::fs::read(from).with_context(|| format!("merge: reading {}", from.display()))?;
+        io::write_atomic(&to, &bytes)?;
+    }
+    let mine = my_cells(&plan, opts.slice);
     if dir.join("meta.json").exists() {
         eprintln!("onepass: {} is complete (meta.json exists): nothing to resume", dir.display());
         let meta: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(dir.join("meta.json"))?)
@@ -363,7 +473,7 @@ pub fn run(opts: &RunOptions) -> Result<RunSummary> {
         return Ok(RunSummary { dir, failed, cells: plan.cells.len(), interrupted: false });
     }
     // every checkpoint left by a killed run is checked before any cell starts
-    for cell in &plan.cells {
+    for cell in &mine {
         let what = cell_what(&shared, &plan.configs[cell.config], cell);
         for ext in ["done", "ckpt"] {
             let p = dir.join("checkpoints").join(format!("{}.{ext}", cell.cell_id));
@@ -374,18 +484,19 @@ pub fn run(opts: &RunOptions) -> Result<RunSummary> {
     }
     io::install_signal_handlers()?;
     let pool = rayon::ThreadPoolBuilder::new().num_threads(threads).build().context("starting the worker threads")?;
+    let slice_note =
+        opts.slice.map_or(String::new(), |s| format!(", slice {}/{}: {} of them", s.index, s.count, mine.len()));
     eprintln!(
-        "onepass: {} cells ({} configs × {} seeds) → {}{}",
+        "onepass: {} cells ({} configs × {} seeds{slice_note}) → {}{}",
         plan.cells.len(),
         plan.configs.len(),
         plan.spec.seeds,
         dir.display(),
         if opts.resume.is_some() { " (resumed)" } else { "" }
     );
-    let meter = Meter::new(opts.progress, "running cells", "cells", plan.cells.len() as u64);
+    let meter = Meter::new(opts.progress, "running cells", "cells", mine.len() as u64);
     let outcomes: Vec<Result<results::CellOutcome<'_>>> = pool.install(|| {
-        plan.cells
-            .par_iter()
+        mine.par_iter()
             .map(|cell| {
                 let r = run_one(&plan, &world, cell, &dir, (&fingerprint, &shared), opts.force);
                 // a cell stopped (interrupt, failed write) is not done: the last line then says
@@ -413,7 +524,7 @@ pub fn run(opts: &RunOptions) -> Result<RunSummary> {
         return Err(e.context(format!(
             "{} of {} cells finished, the others are checkpointed in {}/checkpoints: free the space, then `{}`",
             ok.len(),
-            plan.cells.len(),
+            mine.len(),
             dir.display(),
             resume_command(opts, &dir)
         )));
@@ -422,12 +533,25 @@ pub fn run(opts: &RunOptions) -> Result<RunSummary> {
         eprintln!(
             "onepass: interrupted; {} of {} cells finished, the others checkpointed. Continue with:\n  {}",
             ok.len(),
-            plan.cells.len(),
+            mine.len(),
             resume_command(opts, &dir)
         );
-        return Ok(RunSummary { dir, failed: 0, cells: plan.cells.len(), interrupted: true });
+        return Ok(RunSummary { dir, failed: 0, cells: mine.len(), interrupted: true });
     }
     let outcomes = ok;
+    if let Some(sl) = opts.slice {
+        // a slice keeps its cells' results in checkpoints/ for the merge: no tables of its own
+        let failed = outcomes.iter().filter(|o| o.result.is_err()).count();
+        eprintln!(
+            "onepass: slice {}/{}: {} cells finished ({failed} failed) in {}; when every slice is done: onepass merge {} SLICE_DIR…",
+            sl.index,
+            sl.count,
+            outcomes.len(),
+            dir.display(),
+            shell_word(&opts.spec.display().to_string())
+        );
+        return Ok(RunSummary { dir, failed, cells: outcomes.len(), interrupted: false });
+    }
     let schemas = results::write_tables(&dir, &plan, &world, &outcomes).with_context(|| {
         format!(
             "the finished cells are kept in {}/checkpoints: fix this, then `{}`",
@@ -445,6 +569,7 @@ pub fn run(opts: &RunOptions) -> Result<RunSummary> {
         overrides: &opts.overrides,
         resumed: opts.resume.is_some(),
         forced,
+        merged_from: opts.merge.iter().map(|p| p.display().to_string()).collect(),
         master_seed: world.spec.master_seed,
         seeds: world.spec.seeds,
         setting: world.spec.setting.as_str(),
@@ -501,6 +626,9 @@ struct Meta<'a> {
     /// `--resume --force` over a difference of spec, code or data: which (cells whose config
     /// changed were started again).
     forced: Option<String>,
+    /// `onepass merge`: the slice directories the run's cells came from.
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    merged_from: Vec<String>,
     master_seed: u64,
     seeds: u32,
     setting: &'static str,

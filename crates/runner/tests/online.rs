@@ -820,3 +820,33 @@ fn a_damaged_feature_cache_shard_is_named_and_recomputed_once_deleted() {
         assert!(std::fs::read(want.join(f)).unwrap() == std::fs::read(again.join(f)).unwrap(), "{f} differs");
     }
 }
+
+/// The online loop over a SLURM array (issue 32): three slices of the run's cells (`--cells
+/// i/3`) merged by `onepass merge` give the one-process run's tables, θ and adapters, byte for
+/// byte.
+#[test]
+fn three_slices_of_an_online_run_merge_to_its_bytes() {
+    let tmp = setup(0.05);
+    let p = tmp.path();
+    let one = run(p, "one", "2");
+    let mut parts = Vec::new();
+    for i in 0..3 {
+        let cells = format!("{i}/3");
+        let (code, stdout, err) =
+            onepass(p, &["run", "run.toml", "--out", "s", "--threads", "1", "--cells", &cells]).parts();
+        assert_eq!(code, 0, "{err}");
+        parts.push(stdout.trim().lines().last().unwrap().to_string());
+    }
+    let mut args = vec!["merge", "run.toml"];
+    args.extend(parts.iter().map(String::as_str));
+    args.extend(["--out", "m"]);
+    let (code, stdout, err) = onepass(p, &args).parts();
+    assert_eq!(code, 0, "{err}");
+    let merged = p.join(stdout.trim().lines().last().unwrap());
+    let (a, b) = (util::result_files(&one), util::result_files(&merged));
+    assert!(a.iter().any(|(n, _)| n.starts_with("adapters")), "the run saves adapters");
+    assert_eq!(a.iter().map(|f| &f.0).collect::<Vec<_>>(), b.iter().map(|f| &f.0).collect::<Vec<_>>());
+    for ((name, x), (_, y)) in a.iter().zip(&b) {
+        assert!(x == y, "{name:?} differs between the merged run and the one-process run");
+    }
+}
