@@ -19,3 +19,8 @@ if [[ -z "$py" ]]; then
     py=.venv-bench/bin/python
 fi
 [[ -e "$model" ]] || { echo "$bench: $model not found (run just fetch-models)" >&2; exit 2; }
+# Every figure names the CPU it was measured on (and the cap, when ONEPASS_CPU=avx2 measures the
+# AVX2 path on an AVX-512 machine; candle's f32 gemm dispatches on its own and is not capped, and
+# PyTorch is capped with ATEN_CPU_CAPABILITY=avx2).
+cargo build --release -p runner --quiet
+echo "$bench: cpu: $(target/release/onepass cpu)${ATEN_CPU_CAPABILITY:+; PyTorch capped at $ATEN_CPU_CAPABILITY}" >&2

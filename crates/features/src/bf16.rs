@@ -442,7 +442,8 @@ pub enum Kernel {
 
 impl Kernel {
     /// The fastest kernel this CPU has, decided once per process; `ONEPASS_BF16_KERNEL=portable`
-    /// forces the portable one (how a test compares the two on one machine).
+    /// forces the portable one (how a test compares the two on one machine), `ONEPASS_CPU=avx2`
+    /// caps it at the AVX2 + FMA build ([`crate::cpu`]).
     pub fn detect() -> Kernel {
         static CHOICE: std::sync::OnceLock<Kernel> = std::sync::OnceLock::new();
         *CHOICE.get_or_init(Kernel::probe)
@@ -455,10 +456,12 @@ impl Kernel {
         #[cfg(target_arch = "x86_64")]
         {
             use std::arch::is_x86_feature_detected as has;
-            if has!("avx512f") && has!("avx512bf16") {
+            // ONEPASS_CPU=avx2: an AVX-512 machine measures the kernel an AVX2-only CPU runs
+            let avx512 = !crate::cpu::capped_at_avx2();
+            if avx512 && has!("avx512f") && has!("avx512bf16") {
                 return Kernel::Avx512Bf16;
             }
-            if has!("avx512f") {
+            if avx512 && has!("avx512f") {
                 return Kernel::Avx512;
             }
             if has!("avx2") && has!("fma") {

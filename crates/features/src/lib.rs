@@ -20,6 +20,7 @@ pub const VERSION: &str = env!("CARGO_PKG_VERSION");
 
 pub mod bf16;
 pub mod cache;
+pub mod cpu;
 pub mod extract;
 pub mod generate;
 pub mod gguf;

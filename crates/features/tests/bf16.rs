@@ -80,26 +80,35 @@ fn print_bf16_hidden_state_bits() {
     let h = m.hidden_states(&ids(2, 70), m.cfg.layers).unwrap();
     let bits: Vec<u32> = h.flatten_all().unwrap().to_vec1::<f32>().unwrap().iter().map(|x| x.to_bits()).collect();
     println!("\nBITS {}", serde_json::to_string(&bits).unwrap());
+    println!("KERNEL {:?}", features::bf16::Kernel::detect());
 }
 
+/// The native kernel, the portable one (`ONEPASS_BF16_KERNEL=portable`) and the one an AVX2-only
+/// CPU runs (`ONEPASS_CPU=avx2`, which must take effect: no AVX-512 kernel) give the same bits.
 #[test]
 fn portable_and_native_kernels_give_the_same_model_bits() {
-    let run = |portable: bool| -> String {
+    let run = |env: Option<(&str, &str)>| -> (String, String) {
         let mut cmd = std::process::Command::new(std::env::current_exe().unwrap());
         cmd.args(["--exact", "print_bf16_hidden_state_bits", "--ignored", "--nocapture", "--test-threads", "1"]);
-        if portable {
-            cmd.env("ONEPASS_BF16_KERNEL", "portable");
-        } else {
-            cmd.env_remove("ONEPASS_BF16_KERNEL");
+        cmd.env_remove("ONEPASS_BF16_KERNEL").env_remove("ONEPASS_CPU");
+        if let Some((k, v)) = env {
+            cmd.env(k, v);
         }
         let out = cmd.output().unwrap();
         assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
         let s = String::from_utf8(out.stdout).unwrap();
-        s.lines().find_map(|l| l.split_once("BITS ").map(|x| x.1)).expect("the child printed its bits").to_string()
+        let field = |tag: &str| {
+            s.lines().find_map(|l| l.split_once(tag).map(|x| x.1.to_string())).expect("the child printed it")
+        };
+        (field("BITS "), field("KERNEL "))
     };
-    let (native, portable) = (run(false), run(true));
+    let (native, kernel) = run(None);
+    let (portable, _) = run(Some(("ONEPASS_BF16_KERNEL", "portable")));
+    let (capped, capped_kernel) = run(Some(("ONEPASS_CPU", "avx2")));
     assert!(native.len() > 100);
-    assert_eq!(native, portable, "kernel {:?} and the portable kernel disagree", features::bf16::Kernel::detect());
+    assert_eq!(native, portable, "kernel {kernel} and the portable kernel disagree");
+    assert_eq!(native, capped, "kernel {kernel} and the AVX2-capped kernel {capped_kernel} disagree");
+    assert!(!capped_kernel.starts_with("Avx512"), "ONEPASS_CPU=avx2 left the kernel at {capped_kernel}");
 }
 
 /// φ's pruned pass (the last block's output projection and MLP on the read rows only) gives the

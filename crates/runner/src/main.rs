@@ -86,6 +86,9 @@ enum Cmd {
     },
     /// List the estimator names a spec may use.
     Estimators,
+    /// Print the CPU's model, the vector features onepass's kernels choose between and the bf16
+    /// kernel in use (`ONEPASS_CPU=avx2` caps onepass's kernels at AVX2 + FMA).
+    Cpu,
     /// Reward features φ(x, a) from a frozen LLM.
     Features {
         #[command(subcommand)]
@@ -285,6 +288,10 @@ fn main() -> ExitCode {
             Ok(()) => ExitCode::SUCCESS,
             Err(e) => bad_input(&format!("{e:#}")),
         },
+        Cmd::Cpu => {
+            println!("{}", features::cpu::summary());
+            ExitCode::SUCCESS
+        }
         Cmd::Estimators => {
             for k in estimators::Kind::ALL {
                 println!("{k}");

@@ -1,0 +1,57 @@
+//! The CPU a run measures on: its model and the vector features onepass's kernels use, and the
+//! `ONEPASS_CPU=avx2` override that caps onepass's own kernels at AVX2 + FMA, so that an AVX-512
+//! machine can measure the path an AVX2-only CPU takes (issue 35). What it cannot cap: candle's
+//! f32 matmul (the `gemm` crate dispatches on the CPU's features itself) and PyTorch's (set
+//! `ATEN_CPU_CAPABILITY=avx2` for the peer).
+
+/// `ONEPASS_CPU=avx2` is set: onepass's kernels use nothing above AVX2 + FMA.
+pub fn capped_at_avx2() -> bool {
+    std::env::var("ONEPASS_CPU").is_ok_and(|v| v.eq_ignore_ascii_case("avx2"))
+}
+
+/// The CPU's model name (`/proc/cpuinfo`), or the architecture where that cannot be read.
+pub fn model() -> String {
+    std::fs::read_to_string("/proc/cpuinfo")
+        .ok()
+        .and_then(|t| {
+            t.lines()
+                .find(|l| l.starts_with("model name"))
+                .and_then(|l| l.split_once(':'))
+                .map(|(_, v)| v.trim().to_string())
+        })
+        .unwrap_or_else(|| std::env::consts::ARCH.to_string())
+}
+
+/// The vector features the kernels choose between, as the CPU reports them (before the cap).
+pub fn features() -> Vec<&'static str> {
+    let mut out = Vec::new();
+    #[cfg(target_arch = "x86_64")]
+    {
+        use std::arch::is_x86_feature_detected as has;
+        for (name, on) in [
+            ("avx2", has!("avx2")),
+            ("fma", has!("fma")),
+            ("avx512f", has!("avx512f")),
+            ("avx512bf16", has!("avx512bf16")),
+        ] {
+            if on {
+                out.push(name);
+            }
+        }
+    }
+    out
+}
+
+/// One line for a benchmark or a log: model, features, and the cap when one is set, e.g.
+/// `Intel(R) Xeon(R) Processor; avx2 fma avx512f avx512bf16; bf16 kernel Avx512Bf16`.
+pub fn summary() -> String {
+    let cap = if capped_at_avx2() { " (onepass capped at AVX2: ONEPASS_CPU=avx2)" } else { "" };
+    format!("{}; {}; bf16 kernel {:?}{cap}", model(), features().join(" "), crate::bf16::Kernel::detect())
+}
+
+/// Whether bf16 products run without bf16 instructions here (no AVX-512 BF16, or capped): the
+/// packed bf16 kernel then widens every weight in software, far slower than the f32 path (11x
+/// measured on an AVX2-only EPYC: 40 against 439 tok/s, `just bench-features`).
+pub fn bf16_is_slow() -> bool {
+    crate::bf16::Kernel::detect() != crate::bf16::Kernel::Avx512Bf16
+}
