@@ -434,7 +434,7 @@ pub enum Kernel {
     Avx512Bf16,
     /// The portable kernel, compiled for AVX-512F.
     Avx512,
-    /// The portable kernel, compiled for AVX2 + FMA.
+    /// The AVX2 + FMA kernel: weights widened in registers ([`tile_avx2`]).
     Avx2,
     /// The portable kernel, compiled for the baseline target.
     Portable,
@@ -543,10 +543,70 @@ unsafe fn tile_avx512<const R: usize>(t: &Tile) {
     tile_generic::<R>(t)
 }
 
+/// The AVX2 + FMA tile (CPUs without bf16 instructions): each panel's 16 weight pairs are
+/// widened in registers — the odd element is the word with its low half cleared, the even one
+/// the word shifted left by 16 — once per step for up to four rows, and multiplied-added into
+/// 2 × 8-lane accumulators per row. A product of two bf16 values is exact in f32, so
+/// round(acc + x·w) by FMA is the portable kernel's multiply-then-add: the same bits (the test
+/// checks every kernel against the defining sequence). The register budget (16 ymm) is 8
+/// accumulators, 4 widened weights and 2 broadcast activations.
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2,fma")]
 unsafe fn tile_avx2<const R: usize>(t: &Tile) {
-    tile_generic::<R>(t)
+    let panels = t.cols.div_ceil(LANES);
+    for j in 0..panels {
+        let lanes = (t.cols - j * LANES).min(LANES);
+        let mut r0 = 0;
+        while r0 < R {
+            match R - r0 {
+                1 => avx2_rows::<1>(t, j, r0, lanes),
+                2 => avx2_rows::<2>(t, j, r0, lanes),
+                3 => avx2_rows::<3>(t, j, r0, lanes),
+                _ => avx2_rows::<4>(t, j, r0, lanes),
+            }
+            r0 += 4;
+        }
+    }
+}
+
+/// Rows r0..r0 + G of panel `j` (its first `lanes` outputs stored) of [`tile_avx2`].
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma")]
+#[inline]
+unsafe fn avx2_rows<const G: usize>(t: &Tile, j: usize, r0: usize, lanes: usize) {
+    use std::arch::x86_64::*;
+    let hi = _mm256_set1_epi32(0xffff_0000u32 as i32);
+    let mut acc = [[_mm256_setzero_ps(); 2]; G];
+    let at = |r: usize| t.c.add((r0 + r) * t.ldc + j * LANES);
+    if !t.first {
+        for (r, a) in acc.iter_mut().enumerate() {
+            let mut buf = [0f32; LANES];
+            std::ptr::copy_nonoverlapping(at(r), buf.as_mut_ptr(), lanes);
+            *a = [_mm256_loadu_ps(buf.as_ptr()), _mm256_loadu_ps(buf.as_ptr().add(8))];
+        }
+    }
+    let (a, b) = (t.a.as_ptr(), t.b.as_ptr().add(j * t.ldb));
+    for p in 0..t.kc {
+        let w0 = _mm256_loadu_si256(b.add(p * LANES) as *const __m256i);
+        let w1 = _mm256_loadu_si256(b.add(p * LANES + 8) as *const __m256i);
+        let (h0, l0) = (_mm256_castsi256_ps(_mm256_and_si256(w0, hi)), _mm256_castsi256_ps(_mm256_slli_epi32(w0, 16)));
+        let (h1, l1) = (_mm256_castsi256_ps(_mm256_and_si256(w1, hi)), _mm256_castsi256_ps(_mm256_slli_epi32(w1, 16)));
+        for (r, v) in acc.iter_mut().enumerate() {
+            let x = *a.add(p * MR + r0 + r);
+            let (xh, xl) = (_mm256_set1_ps(f32::from_bits(x & 0xffff_0000)), _mm256_set1_ps(f32::from_bits(x << 16)));
+            // the odd product, then the even one (the defining order)
+            v[0] = _mm256_fmadd_ps(xh, h0, v[0]);
+            v[1] = _mm256_fmadd_ps(xh, h1, v[1]);
+            v[0] = _mm256_fmadd_ps(xl, l0, v[0]);
+            v[1] = _mm256_fmadd_ps(xl, l1, v[1]);
+        }
+    }
+    for (r, v) in acc.iter().enumerate() {
+        let mut buf = [0f32; LANES];
+        _mm256_storeu_ps(buf.as_mut_ptr(), v[0]);
+        _mm256_storeu_ps(buf.as_mut_ptr().add(8), v[1]);
+        std::ptr::copy_nonoverlapping(buf.as_ptr(), at(r), lanes);
+    }
 }
 
 /// The `VDPBF16PS` tile: R × 3 accumulators of 16 outputs, each step broadcasting one packed

@@ -50,8 +50,8 @@ pub fn summary() -> String {
 }
 
 /// Whether bf16 products run without bf16 instructions here (no AVX-512 BF16, or capped): the
-/// packed bf16 kernel then widens every weight in software, far slower than the f32 path (11x
-/// measured on an AVX2-only EPYC: 40 against 439 tok/s, `just bench-features`).
+/// packed bf16 kernel then widens every weight in software (the AVX2 + FMA kernel), slower than
+/// the f32 path (before that kernel, 11x on an AVX2-only EPYC: 40 against 439 tok/s).
 pub fn bf16_is_slow() -> bool {
     crate::bf16::Kernel::detect() != crate::bf16::Kernel::Avx512Bf16
 }
