@@ -41,5 +41,5 @@ print(u[u.chunk>0].groupby("arm")[cols].mean().round(4).to_string())
 t=pd.read_parquet(f"{run}/policy_timings.parquet")
 c=pd.read_parquet(f"{run}/cells.parquet")[["cell_id","policy"]+[x for x in ["reward","adapter"] if x in pd.read_parquet(f"{run}/cells.parquet")]]
 t=t.drop(columns=["policy"]).merge(c,on="cell_id"); t["arm"]=arm(t)
-cols=[x for x in ["generation_s","phi_s","estimator_s","policy_s","critic_s","eval_s"] if x in t]
+cols=[x for x in ["generation_s","phi_s","estimator_s","policy_s","critic_s","eval_s","eval_generation_s","eval_phi_s","eval_score_s"] if x in t]
 print(t.groupby("arm")[cols].sum().round(0).to_string())

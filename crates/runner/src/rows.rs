@@ -183,6 +183,30 @@ pub struct PolicyTiming {
     /// ppo: the critic's share, apart from policy_s (0 for other arms).
     pub critic_s: f64,
     pub eval_s: f64,
+    /// eval_s's parts: sampling the held-out prompts (the generator's load of the current
+    /// weights included), φ and the oracle of those samples, and the policy's log-probabilities
+    /// and KL (the rest of eval_s is the rewards' arithmetic).
+    #[serde(default)]
+    pub eval_generation_s: f64,
+    #[serde(default)]
+    pub eval_phi_s: f64,
+    #[serde(default)]
+    pub eval_score_s: f64,
+}
+
+impl PolicyTiming {
+    /// An evaluation's parts into eval_generation_s, eval_phi_s, eval_score_s.
+    pub fn record_eval(&mut self, e: EvalTimes) {
+        (self.eval_generation_s, self.eval_phi_s, self.eval_score_s) = (e.generation_s, e.phi_s, e.score_s);
+    }
+}
+
+/// Where an evaluation's time went ([`PolicyTiming`]'s eval_* parts).
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
+pub struct EvalTimes {
+    pub generation_s: f64,
+    pub phi_s: f64,
+    pub score_s: f64,
 }
 
 /// An adapter in PEFT's layout: its directory under `adapters/`, the safetensors bytes and
@@ -332,6 +356,9 @@ pub const POLICY_TIMINGS: &[Col<PolicyTiming>] = &[
     Col::F64("policy_s", |r| r.policy_s),
     Col::F64("critic_s", |r| r.critic_s),
     Col::F64("eval_s", |r| r.eval_s),
+    Col::F64("eval_generation_s", |r| r.eval_generation_s),
+    Col::F64("eval_phi_s", |r| r.eval_phi_s),
+    Col::F64("eval_score_s", |r| r.eval_score_s),
 ];
 
 /// steps.parquet: one row per update (stream.record_steps).

@@ -879,3 +879,25 @@ fn bf16_on_a_cpu_without_bf16_instructions_warns_naming_the_key() {
     );
     assert!(!go("f32").contains("bf16"), "an f32 run warned about bf16");
 }
+
+/// policy_timings.parquet splits an evaluation (issue 31: where its time goes): sampling, φ and
+/// the oracle, the policy's log-probabilities and KL — parts of eval_s, the score part taken by
+/// learning arms only, the sampling part only once a policy has moved (before, its samples are
+/// the base's, already drawn).
+#[test]
+fn an_evaluation_says_where_its_time_went() {
+    let tmp = setup(0.05);
+    let dir = run(tmp.path(), "a", "2");
+    let t = table(&dir.join("policy_timings.parquet"));
+    let (arm, chunk) = (strs(&t, "policy"), u64s(&t, "chunk"));
+    let (all, gen, phi, score) =
+        (f64s(&t, "eval_s"), f64s(&t, "eval_generation_s"), f64s(&t, "eval_phi_s"), f64s(&t, "eval_score_s"));
+    for i in 0..all.len() {
+        assert!(gen[i] + phi[i] + score[i] <= all[i] + 1e-9, "row {i}: the parts exceed eval_s");
+        let learns = arm[i] != "best-of-n";
+        assert_eq!(score[i] > 0.0, learns && all[i] > 0.0, "row {i} ({}): score part {}", arm[i], score[i]);
+        if learns && chunk[i] > 0 && all[i] > 0.0 {
+            assert!(gen[i] > 0.0, "row {i}: a moved policy's evaluation samples");
+        }
+    }
+}

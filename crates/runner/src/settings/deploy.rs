@@ -118,8 +118,10 @@ pub(super) fn deploy_chunked(
     // then a dpo warm start, before the first chunk
     if let (Some(pc), true) = (&mut pc, pr.policy_rows.is_empty()) {
         let t0 = Instant::now();
-        pr.policy_rows.push(pc.evaluate(0, l.theta(), d)?);
+        let (row, e) = pc.evaluate(0, l.theta(), d)?;
+        pr.policy_rows.push(row);
         let mut time = PolicyTiming { chunk: 0, eval_s: t0.elapsed().as_secs_f64(), ..Default::default() };
+        time.record_eval(e);
         let (digest, t1) = (pc.digest()?, Instant::now());
         if let Some(up) = pc.warm_start()? {
             time.policy_s = t1.elapsed().as_secs_f64();
@@ -228,8 +230,10 @@ pub(super) fn deploy_chunked(
             let every = pc.online.spec.eval_every_chunks as u64;
             if t % every == 0 || last {
                 let t2 = Instant::now();
-                pr.policy_rows.push(pc.evaluate(t, l.theta(), d)?);
+                let (row, e) = pc.evaluate(t, l.theta(), d)?;
+                pr.policy_rows.push(row);
                 time.eval_s = t2.elapsed().as_secs_f64();
+                time.record_eval(e);
             }
             // a long online cell says where it is in a log (bars show cells; --quiet nothing)
             if pc.online.progress == crate::progress::Mode::Lines {

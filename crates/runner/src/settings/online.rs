@@ -14,7 +14,7 @@
 
 use super::arms::{self, Arm, Chunk, Labelled, Rollouts, Update};
 use crate::plan::{ArmPlan, Learning};
-use crate::rows::{AdapterFiles, PolicyRow, PolicyTiming, UpdateRow};
+use crate::rows::{AdapterFiles, EvalTimes, PolicyRow, PolicyTiming, UpdateRow};
 use crate::spec::policy::RolloutSource;
 use crate::spec::{AdapterLife, KlReference, LrRestart, SaveAdapter, Spec};
 use crate::world::env::{argmax, dot, per_chunk_seed, seed_of, Component, Context, Env};
@@ -393,13 +393,18 @@ impl<'a> PolicyCell<'a> {
     /// what the arm deploys (its samples; best-of-n's best of each n under θ), of its samples,
     /// best-of-n under θ of its samples, their learned reward, KL to the reference and entropy
     /// (learning policies), the adapters' digest and the generating weights' merge error.
-    pub(super) fn evaluate(&self, chunk: u64, theta: &[f64], d: usize) -> Result<PolicyRow> {
+    pub(super) fn evaluate(&self, chunk: u64, theta: &[f64], d: usize) -> Result<(PolicyRow, EvalTimes)> {
         crate::io::failpoint("evaluate");
         let o = self.online;
+        let mut times = EvalTimes::default();
+        let t0 = Instant::now();
         let (samples, merge_error) =
             self.sample(&o.eval_prompts, &o.eval_opts[self.seed], Some(&o.eval_base[self.seed]), true)?;
+        times.generation_s = t0.elapsed().as_secs_f64();
+        let t1 = Instant::now();
         let refs: Vec<&[features::Message]> = o.eval_prompts.iter().map(|p| p.as_slice()).collect();
         let contexts = self.contexts(&refs, &samples)?;
+        times.phi_s = t1.elapsed().as_secs_f64();
         let n = o.opts.n;
         let (mut oracle, mut learned, mut bon, mut deployed) = (0.0, 0.0, 0.0, 0.0);
         let (mut count, mut groups) = (0usize, 0usize);
@@ -433,6 +438,7 @@ impl<'a> PolicyCell<'a> {
             ..Default::default()
         };
         if let Some((m, _)) = &self.learner {
+            let t2 = Instant::now();
             let rollouts: Vec<Rollout> = samples
                 .iter()
                 .zip(&o.eval_ids)
@@ -449,8 +455,9 @@ impl<'a> PolicyCell<'a> {
             };
             row.kl = kl;
             row.entropy = Some(-lp / tokens as f64);
+            times.score_s = t2.elapsed().as_secs_f64();
         }
-        Ok(row)
+        Ok((row, times))
     }
 
     /// The adapters after chunk `chunk` (of `chunks`; 0: after a warm start) when
