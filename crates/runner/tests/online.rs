@@ -853,23 +853,25 @@ fn three_slices_of_an_online_run_merge_to_its_bytes() {
 
 /// bf16 on a CPU without bf16 instructions is announced, never a silent slowdown (issue 35):
 /// with onepass capped at AVX2 (`ONEPASS_CPU=avx2`, what an AVX2-only CPU runs) a bf16 feature
-/// model warns once, naming the key and the CPU; the same run in f32 does not (negative control).
+/// model warns once, naming the key and the CPU; the same run in f32 does not (negative control),
+/// nor a bf16 generator (decoding gains from half the weight bytes even there).
 #[test]
 fn bf16_on_a_cpu_without_bf16_instructions_warns_naming_the_key() {
     let tmp = setup(0.05);
     let p = tmp.path();
-    let go = |dtype: &str| {
-        let set = format!("features.dtype=\"{dtype}\"");
+    let go = |key: &str, dtype: &str| {
+        let set = format!("{key}.dtype=\"{dtype}\"");
+        let out = format!("{key}-{dtype}");
         let r = finish(
             command()
                 .current_dir(p)
-                .args(["run", "run.toml", "--out", dtype, "--threads", "2", "--set", &set])
+                .args(["run", "run.toml", "--out", &out, "--threads", "2", "--set", &set])
                 .env("ONEPASS_CPU", "avx2"),
         );
         assert_eq!(r.code, 0, "{}", r.stderr);
         r.stderr
     };
-    let err = go("bf16");
+    let err = go("features", "bf16");
     let warnings: Vec<&str> = err.lines().filter(|l| l.contains("warning")).collect();
     assert_eq!(warnings.len(), 1, "{err}");
     assert!(
@@ -877,7 +879,8 @@ fn bf16_on_a_cpu_without_bf16_instructions_warns_naming_the_key() {
         "{}",
         warnings[0]
     );
-    assert!(!go("f32").contains("bf16"), "an f32 run warned about bf16");
+    assert!(!go("features", "f32").contains("bf16"), "an f32 run warned about bf16");
+    assert!(!go("generate", "bf16").contains("warning"), "a bf16 generator warned");
 }
 
 /// policy_timings.parquet splits an evaluation (issue 31: where its time goes): sampling, φ and
