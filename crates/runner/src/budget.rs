@@ -61,8 +61,7 @@ pub enum Memory {
 
 /// The terms of a learning cell's policy (see the module's doc): f32 throughout (the policy
 /// trains and generates in f32).
-fn policy_terms(spec: &Spec, c: &ConfigPlan, p: &PolicyShape) -> Vec<Term> {
-    let Some(ps) = spec.policy.as_ref() else { return Vec::new() };
+fn policy_terms(ps: &crate::spec::PolicySpec, c: &ConfigPlan, p: &PolicyShape) -> Vec<Term> {
     let Some(arm) = c.arm.as_ref().filter(|a| a.learning().is_some()) else { return Vec::new() };
     let cfg = &p.cfg;
     let (l, r) = (cfg.layers as u64, ps.rank as u64);
@@ -244,8 +243,8 @@ pub fn estimate(spec: &Spec, plan: &Plan, threads: usize, policy: Option<&Policy
     let mut per_cell = 0;
     for c in &plan.configs {
         let mut t = if on == Memory::Host { cell_terms(spec, c) } else { Vec::new() };
-        if let Some(p) = policy.filter(|p| p.on_device == (on == Memory::Device)) {
-            t.extend(policy_terms(spec, c, p));
+        if let (Some(p), Some(ps)) = (policy.filter(|p| p.on_device == (on == Memory::Device)), plan.policy.as_ref()) {
+            t.extend(policy_terms(ps, c, p));
             t.sort_by_key(|x| std::cmp::Reverse(x.bytes));
         }
         let sum: u64 = t.iter().map(|x| x.bytes).fold(0, u64::saturating_add);

@@ -264,6 +264,9 @@ pub struct Plan {
     /// The `--set key=value` arguments applied to the file.
     pub overrides: Vec<String>,
     pub spec: Spec,
+    /// `[policy]` with its defaults when an arm learns (None otherwise): the table the learning
+    /// cells read and the resolved spec shows, resolved here so the parsed spec stays as written.
+    pub policy: Option<PolicySpec>,
     pub configs: Vec<ConfigPlan>,
     pub cells: Vec<CellPlan>,
 }
@@ -327,6 +330,7 @@ impl Plan {
     pub fn resolved(&self, spec: &Spec) -> Spec {
         let mut s = spec.clone();
         s.name = Some(self.name.clone());
+        s.policy = self.policy.clone();
         s.estimators = self
             .configs
             .iter()
@@ -380,13 +384,13 @@ pub fn theory_beta(d: usize, t: u64, delta: f64) -> f64 {
 }
 
 /// Validates `spec` (read from `file`, whose text after the `overrides` is `text`) into a plan.
-pub fn build(mut spec: Spec, file: &Path, text: &str, overrides: &[String]) -> Result<Plan, SpecError> {
+pub fn build(spec: Spec, file: &Path, text: &str, overrides: &[String]) -> Result<Plan, SpecError> {
     let keys = Locator { file, text, overrides };
     let name = run_name(&spec, file, keys)?;
     check_env_kind(&spec, keys)?;
     check_ranges(&spec, keys)?;
     check_setting(&spec, keys)?;
-    check_policy(&mut spec, keys)?;
+    let policy = check_policy(&spec, keys)?;
     let arms = arms(&spec, keys)?;
     let mut configs = configs(&spec, keys, &arms)?;
     disambiguate_labels(&mut configs);
@@ -413,6 +417,7 @@ pub fn build(mut spec: Spec, file: &Path, text: &str, overrides: &[String]) -> R
         text: text.to_string(),
         overrides: overrides.to_vec(),
         spec,
+        policy,
         configs,
         cells,
     })
@@ -665,9 +670,9 @@ fn check_active(spec: &Spec, keys: Locator<'_>) -> Result<(), SpecError> {
 }
 
 /// `[policy]` and the learning arms of `deploy.policy`: both or neither; they need deployment
-/// on generated responses and an oracle over the learner's φ. The resolved spec shows the
-/// table with its defaults when an arm learns.
-fn check_policy(spec: &mut Spec, keys: Locator<'_>) -> Result<(), SpecError> {
+/// on generated responses and an oracle over the learner's φ. Returns the table with its
+/// defaults when an arm learns (what the resolved spec shows), None when none does.
+fn check_policy(spec: &Spec, keys: Locator<'_>) -> Result<Option<PolicySpec>, SpecError> {
     let learns = spec.deploy.policy.0.iter().any(|p| p.learns());
     if !learns {
         if spec.policy.is_some() {
@@ -675,7 +680,7 @@ fn check_policy(spec: &mut Spec, keys: Locator<'_>) -> Result<(), SpecError> {
                 keys.err(&["policy"], "applies only when deploy.policy includes \"rloo\", \"dpo\" or \"ppo\"".into())
             );
         }
-        return Ok(());
+        return Ok(None);
     }
     if spec.setting != Setting::Deploy || spec.env.kind != EnvKind::Generated {
         return Err(keys.err(
@@ -683,7 +688,8 @@ fn check_policy(spec: &mut Spec, keys: Locator<'_>) -> Result<(), SpecError> {
             "a policy that learns needs setting = \"deploy\" and env.kind = \"generated\"".into(),
         ));
     }
-    let p = spec.policy.get_or_insert_with(PolicySpec::default);
+    let resolved = spec.policy.clone().unwrap_or_default();
+    let p = &resolved;
     p.check().map_err(|(k, m)| keys.err(&[&["policy"], k.as_slice()].concat(), m))?;
     if let Some(g) = &spec.generate {
         // the update's log-probabilities are those of the untransformed policy: samples drawn
@@ -749,7 +755,7 @@ fn check_policy(spec: &mut Spec, keys: Locator<'_>) -> Result<(), SpecError> {
             ));
         }
     }
-    Ok(())
+    Ok(Some(resolved))
 }
 
 /// A deploy strategy, an active rule, a deployed policy and the reward its update reads (each

@@ -913,8 +913,7 @@ impl RunIdentity {
                     });
                 }
             }
-            let path =
-                world.spec.policy.as_ref().and_then(|p| p.dpo.warm_start.as_ref()).map_or("", |w| w.path.as_str());
+            let path = plan.policy.as_ref().and_then(|p| p.dpo.warm_start.as_ref()).map_or("", |w| w.path.as_str());
             data.push((
                 format!("the warm start's pairs (policy.dpo.warm_start.path = {path})"),
                 h.finalize().to_hex().to_string(),

@@ -98,8 +98,9 @@ pub fn build(plan: &Plan, progress: Mode) -> Result<World, SpecError> {
             data = Some(Arc::new(d));
         }
         EnvKind::Generated => {
-            let g = load_generated(&mut spec, keys, progress)?;
-            if let (Some(p), Some(gs), Some(f), Some(o)) = (&spec.policy, &spec.generate, &spec.features, &spec.oracle)
+            let holdout = plan.policy.as_ref().map_or(0, |p| p.eval_prompts);
+            let g = load_generated(&mut spec, keys, holdout, progress)?;
+            if let (Some(p), Some(gs), Some(f), Some(o)) = (&plan.policy, &spec.generate, &spec.features, &spec.oracle)
             {
                 // the held-out sampling streams of each seed index
                 let eval_seeds: Vec<u64> =
@@ -135,12 +136,17 @@ fn data_scale(spec: &Spec, data: Option<&PairData>, generated: Option<&generated
 
 /// Generates (or reads from the caches) the responses of a `kind = "generated"` environment and
 /// fills env.dim, env.arms, env.contexts and, for deploy, stream.samples from them.
-fn load_generated(spec: &mut Spec, keys: Locator<'_>, progress: Mode) -> Result<generated::Generated, SpecError> {
+/// `holdout` prompts after the bank's are held out for a learning policy's evaluation.
+fn load_generated(
+    spec: &mut Spec,
+    keys: Locator<'_>,
+    holdout: usize,
+    progress: Mode,
+) -> Result<generated::Generated, SpecError> {
     let need = |k: &str| keys.err(&[k], "required when env.kind = \"generated\"".into());
     let g = spec.generate.as_ref().ok_or_else(|| need("generate"))?;
     let f = spec.features.as_ref().ok_or_else(|| need("features"))?;
     let o = spec.oracle.as_ref().ok_or_else(|| need("oracle"))?;
-    let holdout = spec.policy.as_ref().map_or(0, |p| p.eval_prompts);
     let out = generated::build(g, f, o, holdout, progress).map_err(|e| {
         // the error begins with the table it is about (the features or oracle stage, the
         // policy's held-out prompts), so that table's line or `--set` is cited; generation
