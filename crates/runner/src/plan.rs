@@ -20,6 +20,9 @@ pub struct ConfigPlan {
     /// Every hyper-parameter (typed as TOML writes it), in the order of the kind's table;
     /// `swept` names the ones the spec varied.
     pub hparams: Vec<(String, toml::Value)>,
+    /// λ = "auto": the estimator takes the data's λ ([`ConfigPlan::cfg_for`]); `cfg`'s λ is the
+    /// placeholder validation ran with.
+    pub lambda_auto: bool,
     pub swept: Vec<String>,
     /// Deploy: the pair-selection strategy. A ucb width of "theory" is resolved by the cell,
     /// which knows d and T (they may come from the data).
@@ -193,7 +196,7 @@ impl ConfigPlan {
 
     /// λ = "auto" of this config resolved from the data (`spec.data_scale`, filled by the world).
     pub fn auto_lambda(&self, spec: &Spec) -> Option<f64> {
-        (self.hparam("lambda").as_deref() == Some("auto")).then(|| spec.data_scale.unwrap_or_default().auto_lambda())
+        self.lambda_auto.then(|| spec.data_scale.unwrap_or_default().auto_lambda())
     }
 
     /// The estimator's config with λ = "auto" resolved: what a cell builds.
@@ -829,6 +832,7 @@ fn configs(spec: &Spec, keys: Locator<'_>, arms: &[Arm]) -> Result<Vec<ConfigPla
                 _ => at("kind", e.to_string()),
             })?;
             let hparams = es.hparams();
+            let lambda_auto = es.lambda_auto();
             let show = |k: &String| hparams.iter().find(|(kk, _)| kk == k).map(|(_, v)| estimator::show(v));
             let sweep_label: Vec<String> =
                 combo.swept.iter().map(|k| format!("{k}={}", show(k).unwrap_or_default())).collect();
@@ -859,6 +863,7 @@ fn configs(spec: &Spec, keys: Locator<'_>, arms: &[Arm]) -> Result<Vec<ConfigPla
                     cfg,
                     init,
                     hparams: hparams.clone(),
+                    lambda_auto,
                     swept: combo.swept.clone(),
                     strategy: *strategy,
                     rule: *rule,
@@ -899,5 +904,27 @@ fn disambiguate_labels(configs: &mut [ConfigPlan]) {
                 None => format!("{} {}", c.label, extra.join(" ")),
             };
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// λ = "auto" is a typed flag resolved once from the data's scale (never the λ string
+    /// compared again): the cell's omd-exact takes the data's median ‖z‖²; a number stays that
+    /// number (negative control), and so does "theory"'s λ.
+    #[test]
+    fn lambda_auto_takes_the_datas_scale_and_a_number_stays() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("spec.toml");
+        let text = "setting = \"passive\"\n[env]\ndim = 4\n[stream]\nsamples = 100\n\
+                    [[estimator]]\nkind = \"omd-exact\"\nlambda = [\"auto\", 2.0]\n";
+        std::fs::write(&path, text).unwrap();
+        let plan = crate::load_plan(&path, &[]).unwrap();
+        let mut spec = plan.spec.clone();
+        spec.data_scale = Some(DataScale { pairs: 10, median_z_sq: 7.5, p90_z_sq: 9.0, max_z_sq: 12.0 });
+        let lambdas: Vec<(bool, Option<f64>)> = plan.configs.iter().map(|c| (c.lambda_auto, c.lambda(&spec))).collect();
+        assert_eq!(lambdas, [(true, Some(7.5)), (false, Some(2.0))]);
     }
 }

@@ -339,6 +339,12 @@ impl EstimatorSpec {
     }
 
     /// Every hyper-parameter, in the order of its table struct (after [`EstimatorSpec::resolve`]).
+    /// λ = "auto" (omd-exact): the cell's estimator takes the data's λ, not the resolved
+    /// config's placeholder (after [`EstimatorSpec::resolve`], which "theory" may have replaced).
+    pub fn lambda_auto(&self) -> bool {
+        matches!(self, EstimatorSpec::OmdExact(s) if matches!(s.lambda, super::OrAuto::Auto))
+    }
+
     pub fn hparams(&self) -> Vec<(String, toml::Value)> {
         let v = toml::Value::try_from(self).expect("estimator tables serialise");
         let t = v.as_table().expect("a table").clone();
