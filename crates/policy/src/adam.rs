@@ -138,8 +138,9 @@ impl Adam {
 
     /// One step on `vars` with their gradients in `grads`. A variable without a gradient is an
     /// error naming it: the graph was cut between it and the loss (a zero would be a silent
-    /// non-update). A non-finite gradient norm, or a step that leaves a variable non-finite, is
-    /// an error too (a diverged policy must not go on sampling).
+    /// non-update). A non-finite gradient norm is an error before any variable moves; a step
+    /// that leaves a variable non-finite is an error after it (a diverged policy must not go on
+    /// sampling).
     pub fn step(&mut self, vars: &[&Var], grads: &GradStore) -> Result<StepInfo> {
         if vars.len() != self.m.len() {
             candle_core::bail!("Adam::step on {} variables: the optimiser holds {}", vars.len(), self.m.len());
@@ -178,6 +179,9 @@ impl Adam {
         let (b1, b2) = (self.cfg.beta1, self.cfg.beta2);
         let bc1 = 1.0 - b1.powi(self.t as i32);
         let bc2 = 1.0 - b2.powi(self.t as i32);
+        // each variable's sum after the step, read back once at the end (one device sync per
+        // step, not one per variable): NaN or ∞ when any element is
+        let mut totals = Vec::with_capacity(vars.len());
         for (i, (var, g)) in vars.iter().zip(gs).enumerate() {
             // detached: a gradient that depends on a variable would chain every step's graph into m and v
             let g = (g.detach() * factor)?;
@@ -186,18 +190,18 @@ impl Adam {
             let mhat = (&self.m[i] / bc1)?;
             let vhat = (&self.v[i] / bc2)?;
             let upd = (mhat / (vhat.sqrt()? + self.cfg.eps)?)?;
-            let next = (var.as_tensor() - (upd * lr)?)?;
-            // a sum is NaN or ∞ when any element is (or when finite weights near f32's limit
-            // overflow it: a policy that is broken too)
-            let total = next.sum_all()?.to_dtype(DType::F64)?.to_scalar::<f64>()?;
-            if !total.is_finite() {
-                candle_core::bail!(
-                    "Adam step {}: {} is no longer finite (a step of learning rate {lr} overflowed it)",
-                    self.t,
-                    self.names[i]
-                );
-            }
-            var.set(&next)?;
+            var.set(&(var.as_tensor() - (upd * lr)?)?)?;
+            totals.push(var.as_tensor().sum_all()?.to_dtype(DType::F32)?);
+        }
+        // a sum is also ∞ when finite weights near f32's limit overflow it: a broken policy too.
+        // The step is taken by then; the error ends the update (the caller fails the cell).
+        let totals: Vec<f32> = Tensor::stack(&totals, 0)?.to_vec1()?;
+        if let Some(i) = totals.iter().position(|t| !t.is_finite()) {
+            candle_core::bail!(
+                "Adam step {}: {} is no longer finite (a step of learning rate {lr} overflowed it)",
+                self.t,
+                self.names[i]
+            );
         }
         Ok(StepInfo { grad_norm: norm, clip_factor: factor, lr })
     }

@@ -8,7 +8,6 @@
 
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
-use std::process::Command;
 
 mod util;
 use util::{command, f64s, finish, onepass, strs, table, u32s, u64s};
@@ -235,18 +234,33 @@ fn killed_and_resumed(p: &Path) -> PathBuf {
 
 /// run.toml killed (SIGKILL) at `failpoint` into `b/`, then resumed: its directory.
 fn killed_at_and_resumed(p: &Path, failpoint: &str) -> PathBuf {
-    use std::os::unix::process::ExitStatusExt;
-    let out = Command::new(env!("CARGO_BIN_EXE_onepass"))
-        .current_dir(p)
-        .args(["run", "run.toml", "--out", "b", "--threads", "1"])
-        .env("ONEPASS_FAILPOINT", failpoint)
-        .output()
-        .unwrap();
-    assert_eq!(out.status.signal(), Some(9), "{}", String::from_utf8_lossy(&out.stderr));
-    let dir = std::fs::read_dir(p.join("b")).unwrap().next().unwrap().unwrap().path();
+    let dir = killed_at(p, failpoint, "b");
     let (code, _, stderr) = onepass(p, &["run", "run.toml", "--resume", dir.to_str().unwrap()]).parts();
     assert_eq!(code, 0, "{stderr}");
     dir
+}
+
+/// run.toml killed (SIGKILL) at `failpoint` into `out/`: its run directory.
+fn killed_at(p: &Path, failpoint: &str, out: &str) -> PathBuf {
+    use std::os::unix::process::ExitStatusExt;
+    let o = command()
+        .current_dir(p)
+        .args(["run", "run.toml", "--out", out, "--threads", "1"])
+        .env("ONEPASS_FAILPOINT", failpoint)
+        .output()
+        .unwrap();
+    assert_eq!(o.status.signal(), Some(9), "{failpoint}: {}", String::from_utf8_lossy(&o.stderr));
+    only_run(p, out)
+}
+
+/// The spec of `setup` with `policies` deployed, a dpo warm start on the committed 6-pair file
+/// (copied into `p` as warm.jsonl, 4 rows) and a checkpoint every step.
+fn with_warm_start(p: &Path, policies: &str) -> String {
+    std::fs::copy(util::root().join("crates/runner/tests/fixtures/warm-prefs.jsonl"), p.join("warm.jsonl")).unwrap();
+    spec(0.05)
+        .replace("policy = [\"best-of-n\", \"rloo\", \"dpo\"]", &format!("policy = {policies}"))
+        .replace("[[estimator]]", "[policy.dpo.warm_start]\npath = \"warm.jsonl\"\nrows = 4\n[[estimator]]")
+        .replace("[deploy]", "[checkpoint]\nevery_steps = 1\n[deploy]")
 }
 
 /// A run killed (SIGKILL) in the 17th estimator update (a dpo cell's second chunk: its first
@@ -692,15 +706,7 @@ fn an_oracle_file_replaced_under_a_run_refuses_the_resume_naming_it() {
         .replace("kind = \"linear\"\nseed = 3", "kind = \"head\"\npath = \"h.safetensors\"")
         .replace("[deploy]", "[checkpoint]\nevery_steps = 1\n[deploy]");
     std::fs::write(p.join("run.toml"), text).unwrap();
-    use std::os::unix::process::ExitStatusExt;
-    let out = command()
-        .current_dir(p)
-        .args(["run", "run.toml", "--out", "b", "--threads", "1"])
-        .env("ONEPASS_FAILPOINT", "update:17")
-        .output()
-        .unwrap();
-    assert_eq!(out.status.signal(), Some(9), "{}", String::from_utf8_lossy(&out.stderr));
-    let dir = only_run(p, "b");
+    let dir = killed_at(p, "update:17", "b");
     head(2.0);
     let (code, _, err) = onepass(p, &["run", "run.toml", "--resume", dir.to_str().unwrap()]).parts();
     assert_eq!(code, 2, "{err}");
@@ -719,22 +725,8 @@ fn an_oracle_file_replaced_under_a_run_refuses_the_resume_naming_it() {
 fn a_warm_start_or_prompts_file_edited_under_a_run_refuses_the_resume() {
     let tmp = setup(0.05);
     let p = tmp.path();
-    let warm = util::root().join("crates/runner/tests/fixtures/warm-prefs.jsonl");
-    std::fs::copy(&warm, p.join("warm.jsonl")).unwrap();
-    let text = spec(0.05)
-        .replace("policy = [\"best-of-n\", \"rloo\", \"dpo\"]", "policy = [\"dpo\"]")
-        .replace("[[estimator]]", "[policy.dpo.warm_start]\npath = \"warm.jsonl\"\nrows = 4\n[[estimator]]")
-        .replace("[deploy]", "[checkpoint]\nevery_steps = 1\n[deploy]");
-    std::fs::write(p.join("run.toml"), text).unwrap();
-    use std::os::unix::process::ExitStatusExt;
-    let out = command()
-        .current_dir(p)
-        .args(["run", "run.toml", "--out", "b", "--threads", "1"])
-        .env("ONEPASS_FAILPOINT", "update:5")
-        .output()
-        .unwrap();
-    assert_eq!(out.status.signal(), Some(9), "{}", String::from_utf8_lossy(&out.stderr));
-    let dir = only_run(p, "b");
+    std::fs::write(p.join("run.toml"), with_warm_start(p, "[\"dpo\"]")).unwrap();
+    let dir = killed_at(p, "update:5", "b");
     let resume = || onepass(p, &["run", "run.toml", "--resume", dir.to_str().unwrap()]).parts();
     for (file, edit) in [
         ("warm.jsonl", "policy.dpo.warm_start.path = warm.jsonl"),
@@ -757,31 +749,16 @@ fn a_warm_start_or_prompts_file_edited_under_a_run_refuses_the_resume() {
 /// bytes of an uninterrupted run (tables and the saved adapters).
 #[test]
 fn a_kill_in_each_stage_of_the_online_loop_resumes_to_the_same_bytes() {
-    use std::os::unix::process::ExitStatusExt;
     let tmp = setup(0.05);
     let p = tmp.path();
-    let warm = util::root().join("crates/runner/tests/fixtures/warm-prefs.jsonl");
-    std::fs::copy(&warm, p.join("warm.jsonl")).unwrap();
-    let text = spec(0.05)
-        .replace("policy = [\"best-of-n\", \"rloo\", \"dpo\"]", "policy = [\"rloo\", \"dpo\"]")
-        .replace("[[estimator]]", "[policy.dpo.warm_start]\npath = \"warm.jsonl\"\nrows = 4\n[[estimator]]")
-        .replace("[deploy]", "[checkpoint]\nevery_steps = 1\n[deploy]");
-    std::fs::write(p.join("run.toml"), text).unwrap();
+    std::fs::write(p.join("run.toml"), with_warm_start(p, "[\"rloo\", \"dpo\"]")).unwrap();
     let want = run(p, "a", "1");
     let adapters: Vec<PathBuf> = walk(&want.join("adapters"));
     assert!(!adapters.is_empty(), "the run saves adapters");
     // cells (threads 1) in order: random-pair rloo seeds 0, 1 (3 updates each), then dpo seed 0:
     // the 7th policy update is its warm start, the 9th its second chunk's
     for (i, point) in ["policy-update:7", "policy-update:9", "evaluate:6", "adapter-write:3"].iter().enumerate() {
-        let out = format!("k{i}");
-        let o = command()
-            .current_dir(p)
-            .args(["run", "run.toml", "--out", &out, "--threads", "1"])
-            .env("ONEPASS_FAILPOINT", point)
-            .output()
-            .unwrap();
-        assert_eq!(o.status.signal(), Some(9), "{point}: {}", String::from_utf8_lossy(&o.stderr));
-        let dir = only_run(p, &out);
+        let dir = killed_at(p, point, &format!("k{i}"));
         let (code, _, err) = onepass(p, &["run", "run.toml", "--resume", dir.to_str().unwrap()]).parts();
         assert_eq!(code, 0, "{point}: {err}");
         for f in ["policy.parquet", "policy_updates.parquet", "metrics.parquet", "cells.parquet"] {

@@ -10,6 +10,8 @@ use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
 use std::time::Duration;
 
+mod util;
+
 const BIN: &str = env!("CARGO_BIN_EXE_onepass");
 
 /// Every estimator kind on the synthetic bandit, steps recorded.
@@ -85,28 +87,6 @@ kind = "omd-exact"
 kind = "sgd-replay"
 lr = 0.5
 replay_every = 10
-"#;
-
-const DEPLOY: &str = r#"
-setting = "deploy"
-seeds = 2
-[env]
-dim = 5
-contexts = 12
-arms = 6
-eval_pairs = 100
-[stream]
-samples = 120
-batch_size = 2
-eval_every = 40
-[deploy]
-strategies = ["ucb", "best-quantile", "random-pair"]
-[checkpoint]
-every_steps = 5
-[[estimator]]
-kind = "omd-exact"
-[[estimator]]
-kind = "mle"
 "#;
 
 fn write(dir: &Path, name: &str, text: &str) -> PathBuf {
@@ -232,7 +212,7 @@ fn killed_at_failpoints_then_resumed_gives_the_same_bytes() {
     }
     for (name, text, fps) in [
         ("active.toml", ACTIVE, ["update:150", "cell-end:3"]),
-        ("deploy.toml", DEPLOY, ["update:200", "checkpoint-write:9"]),
+        ("deploy.toml", util::SYNTHETIC_DEPLOY, ["update:200", "checkpoint-write:9"]),
     ] {
         let spec = write(tmp, name, text);
         let want = reference(tmp, &spec, &[]);

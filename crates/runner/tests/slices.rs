@@ -9,31 +9,6 @@ use std::path::{Path, PathBuf};
 mod util;
 use util::{command, finish, onepass, result_files};
 
-const SPEC: &str = r#"
-setting = "deploy"
-seeds = 2
-[env]
-dim = 5
-contexts = 12
-arms = 6
-eval_pairs = 100
-[stream]
-samples = 120
-batch_size = 2
-eval_every = 40
-[deploy]
-strategies = ["ucb", "best-quantile", "random-pair"]
-[checkpoint]
-every_steps = 5
-[[estimator]]
-kind = "omd-exact"
-[[estimator]]
-kind = "sgd"
-lr = 0.5
-[[estimator]]
-kind = "mle"
-"#;
-
 /// Runs the three slices of `run.toml` under `p` into `out/`; their directories.
 fn slices(p: &Path, out: &str, sets: &[&str]) -> Vec<PathBuf> {
     (0..3)
@@ -65,7 +40,7 @@ fn merge(p: &Path, slices: &[PathBuf], out: &str) -> (i32, String) {
 fn three_slices_merge_to_the_bytes_of_one_process() {
     let tmp = tempfile::tempdir().unwrap();
     let p = tmp.path();
-    std::fs::write(p.join("run.toml"), SPEC).unwrap();
+    std::fs::write(p.join("run.toml"), util::SYNTHETIC_DEPLOY).unwrap();
     let (code, stdout, err) = onepass(p, &["run", "run.toml", "--out", "one", "--threads", "2"]).parts();
     assert_eq!(code, 0, "{err}");
     let one = p.join(stdout.trim().lines().last().unwrap());
@@ -91,7 +66,7 @@ fn three_slices_merge_to_the_bytes_of_one_process() {
 fn slices_are_refused_where_they_would_mix_and_resume_as_themselves() {
     let tmp = tempfile::tempdir().unwrap();
     let p = tmp.path();
-    std::fs::write(p.join("run.toml"), SPEC).unwrap();
+    std::fs::write(p.join("run.toml"), util::SYNTHETIC_DEPLOY).unwrap();
     let parts = slices(p, "s", &[]);
     let (code, err) = merge(p, &parts[..2], "m");
     assert_eq!(code, 2, "{err}");

@@ -244,3 +244,27 @@ pub fn result_files(dir: &Path) -> Vec<(PathBuf, Vec<u8>)> {
     out.sort();
     out
 }
+
+/// Deployment on the synthetic bandit: omd-exact and mle × ucb, best-quantile and random-pair ×
+/// 2 seeds (12 cells), checkpointed every 5 steps (resume.rs, slices.rs).
+pub const SYNTHETIC_DEPLOY: &str = r#"
+setting = "deploy"
+seeds = 2
+[env]
+dim = 5
+contexts = 12
+arms = 6
+eval_pairs = 100
+[stream]
+samples = 120
+batch_size = 2
+eval_every = 40
+[deploy]
+strategies = ["ucb", "best-quantile", "random-pair"]
+[checkpoint]
+every_steps = 5
+[[estimator]]
+kind = "omd-exact"
+[[estimator]]
+kind = "mle"
+"#;
