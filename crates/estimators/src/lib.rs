@@ -36,6 +36,7 @@ pub mod linalg;
 pub mod logistic;
 mod mle;
 mod omd_exact;
+pub mod rule;
 
 pub use config::*;
 pub use curvature::{Curvature, CurvatureKind, HessianPoint};
@@ -43,6 +44,7 @@ pub use first_order::FirstOrder;
 pub use logistic::BatchStats;
 pub use mle::Mle;
 pub use omd_exact::{OmdExact, Projection};
+pub use rule::{DampedSolve, Rule, RuleStep};
 
 use rand::SeedableRng;
 use rand_chacha::ChaCha20Rng;

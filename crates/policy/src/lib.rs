@@ -21,6 +21,8 @@
 //! - [`train`]: one policy update on a chunk — [`train::rloo_update`], [`train::dpo_update`],
 //!   [`train::ppo_update`] (actor and critic) —
 //!   and [`train::score`] (log-probabilities and KL to the reference, no gradients).
+//! - [`reward`]: a reward model whose features learn, r = θᵀh_ψ (issue 30), and its one-pass
+//!   updates over (ψ, θ) with the head-only estimators' rules, HVPs by differences of gradients.
 //! - [`peft`]: adapters saved and read in PEFT's layout (`adapter_model.safetensors`,
 //!   `adapter_config.json`).
 
@@ -35,6 +37,7 @@ pub mod loss;
 pub mod model;
 pub mod ops;
 pub mod peft;
+pub mod reward;
 pub mod train;
 
 pub use lora::{Dropout, LoraConfig, Pass, Target};
