@@ -60,6 +60,11 @@ impl CgScratch {
     pub fn new(d: usize) -> Self {
         CgScratch { r: vec![0.0; d], p: vec![0.0; d], ap: vec![0.0; d] }
     }
+
+    /// Bytes held (three vectors of the problem's dimension once a solve has run).
+    pub fn bytes(&self) -> usize {
+        (self.r.len() + self.p.len() + self.ap.len()) * std::mem::size_of::<f32>()
+    }
 }
 
 /// Runs CG from v₀ = 0 and writes v_K into `x`; returns the number of products A·p taken.

@@ -273,6 +273,9 @@ pub struct RmStep {
     pub damping: f64,
     /// Hessian–vector products taken (each two gradients).
     pub hvps: u32,
+    /// Whether the damped Hessian curved down along the gradient, so the direction was the
+    /// gradient (Newton–CG's fallback; never for a linear head, whose H_B + λI is positive).
+    pub negative_curvature: bool,
 }
 
 /// The one-pass update of a reward model's (ψ, θ) (issue 30): each step the batch's gradient
@@ -320,9 +323,10 @@ impl OnePass {
         self.rule.steps()
     }
 
-    /// Bytes of the update's state besides the model (the rule's).
+    /// Bytes of the update's state besides the model: the rule's (direction, Adam's moments)
+    /// and CG's work vectors.
     pub fn state_bytes(&self) -> usize {
-        self.rule.state_bytes()
+        self.rule.state_bytes() + self.cg.bytes()
     }
 
     /// One step on `pairs` (paper Alg. 5 over (ψ, θ) for omd-hvp-cg). Errors: no pairs, a
@@ -348,7 +352,7 @@ impl OnePass {
         let old = rm.flat()?;
         let mut w = old.clone();
         let mut failed: Option<candle_core::Error> = None;
-        let mut hvps = 0u32;
+        let (mut hvps, mut downhill) = (0u32, 0u32);
         let (eps, cg_scratch) = (self.hvp.eps, &mut self.cg);
         let mut solve = |lambda: f32, opts: &CgOptions, g: &[f32], dir: &mut [f32]| -> u32 {
             let apply = |p: &[f32], out: &mut [f32]| {
@@ -370,7 +374,16 @@ impl OnePass {
                     }
                 }
             };
-            cg::solve(apply, g, opts, dir, cg_scratch)
+            let it = cg::solve(apply, g, opts, dir, cg_scratch);
+            // The batch loss of a network is not convex: H_B + λI can curve down along g
+            // itself, where CG stops at its first product with v = 0. Newton–CG then takes
+            // the steepest-descent direction (Nocedal & Wright, Numerical Optimization,
+            // Alg. 7.1); past the first product it keeps the iterate, as CG does.
+            if it == 1 && dir.iter().all(|&x| x == 0.0) && g.iter().any(|&x| x != 0.0) {
+                dir.copy_from_slice(g);
+                downhill += 1;
+            }
+            it
         };
         let st = self.rule.step(&mut w, &g, &mut solve);
         if let Some(e) = failed {
@@ -396,6 +409,7 @@ impl OnePass {
             clip_factor: st.clip_factor,
             damping: st.damping,
             hvps,
+            negative_curvature: downhill > 0,
         })
     }
 }
