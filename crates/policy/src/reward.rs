@@ -183,7 +183,7 @@ impl RewardModel {
         if norm == 0.0 {
             return v.iter().map(|t| t.zeros_like()).collect();
         }
-        if !norm.is_finite() || !(eps > 0.0) {
+        if !norm.is_finite() || !eps.is_finite() || eps <= 0.0 {
             candle_core::bail!("an HVP along a direction of norm {norm} with step {eps}: expected finite and positive");
         }
         let h = eps / norm;
