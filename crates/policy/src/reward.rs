@@ -37,10 +37,9 @@ pub struct RewardModel {
 
 /// What one forward and backward pass over a batch gave.
 pub struct Gradient {
-    /// The batch-mean Bradley–Terry loss.
-    pub loss: f64,
-    /// The fraction of pairs the model orders as their labels do (ties count ½).
-    pub accuracy: f64,
+    /// The batch's loss, accuracy (ties count ½) and κ, as the head-only estimators report
+    /// them ([`estimators::BatchStats`], from the same margins).
+    pub stats: estimators::BatchStats,
     /// ∂loss/∂ each trainable variable, in [`RewardModel::vars`] order.
     pub grads: Vec<Tensor>,
 }
@@ -129,7 +128,10 @@ impl RewardModel {
         if pairs.is_empty() {
             candle_core::bail!("reward model loss: no pairs");
         }
-        let m = self.margins(pairs)?;
+        Self::loss_of(&self.margins(pairs)?, pairs)
+    }
+
+    fn loss_of(m: &Tensor, pairs: &[RmPair<'_>]) -> Result<Tensor> {
         let y: Vec<f32> = pairs.iter().map(|p| p.y).collect();
         let y = Tensor::from_vec(y, pairs.len(), m.device())?.to_dtype(m.dtype())?;
         // softplus(m) = max(m, 0) + log(1 + e^{−|m|}), stable for large |m|
@@ -140,7 +142,11 @@ impl RewardModel {
     /// The loss, the accuracy and the gradient of every trainable variable on `pairs`. A
     /// variable the loss does not reach is an error naming it, never a zero gradient.
     pub fn gradient(&self, pairs: &[RmPair<'_>]) -> Result<Gradient> {
-        let loss = self.loss(pairs)?;
+        if pairs.is_empty() {
+            candle_core::bail!("reward model gradient: no pairs");
+        }
+        let m = self.margins(pairs)?;
+        let loss = Self::loss_of(&m, pairs)?;
         let store = loss.backward()?;
         let names = self.var_names();
         let grads = self
@@ -155,11 +161,13 @@ impl RewardModel {
                 })
             })
             .collect::<Result<Vec<_>>>()?;
-        let m: Vec<f64> = self.margins(pairs)?.to_dtype(DType::F64)?.to_vec1()?;
-        let accuracy =
-            m.iter().zip(pairs).map(|(&m, p)| estimators::logistic::accuracy_credit(m, f64::from(p.y))).sum::<f64>()
-                / pairs.len() as f64;
-        Ok(Gradient { loss: loss.to_dtype(DType::F64)?.to_scalar()?, accuracy, grads })
+        let m: Vec<f64> = m.to_dtype(DType::F64)?.to_vec1()?;
+        let y: Vec<f32> = pairs.iter().map(|p| p.y).collect();
+        let (mut coef, mut curv) = (vec![0.0; m.len()], vec![0.0; m.len()]);
+        let mut stats = estimators::BatchStats::compute(&m, &y, &mut coef, &mut curv);
+        // the graph's own loss (what was differentiated), not the f64 recomputation
+        stats.loss = loss.to_dtype(DType::F64)?.to_scalar()?;
+        Ok(Gradient { stats, grads })
     }
 
     /// H·v, H the Hessian of the batch loss on `pairs` over the trainable variables, by central
@@ -261,11 +269,10 @@ impl Default for HvpConfig {
     }
 }
 
-/// What one [`OnePass::step`] did (before the update: loss and accuracy at the step's start).
+/// What one [`OnePass::step`] did (loss, accuracy and κ at the step's start).
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub struct RmStep {
-    pub loss: f64,
-    pub accuracy: f64,
+    pub before: estimators::BatchStats,
     pub grad_norm: f64,
     pub step_norm: f64,
     pub clip_factor: f64,
@@ -402,8 +409,7 @@ impl OnePass {
         }
         rm.set_flat(&w)?;
         Ok(RmStep {
-            loss: g0.loss,
-            accuracy: g0.accuracy,
+            before: g0.stats,
             grad_norm,
             step_norm,
             clip_factor: st.clip_factor,

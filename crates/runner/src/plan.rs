@@ -396,6 +396,7 @@ pub fn build(spec: Spec, file: &Path, text: &str, overrides: &[String]) -> Resul
     let policy = check_policy(&spec, keys)?;
     let arms = arms(&spec, keys)?;
     let mut configs = configs(&spec, keys, &arms)?;
+    check_reward(&spec, keys, &configs)?;
     disambiguate_labels(&mut configs);
     if spec.curvature.source == CurvatureSource::Estimator {
         if let Some(c) = configs.iter().find(|c| !c.kind.keeps_curvature()) {
@@ -616,6 +617,47 @@ fn check_setting(spec: &Spec, keys: Locator<'_>) -> Result<(), SpecError> {
                 return Err(keys.err(&["deploy", "delta"], "expected 0 < δ < 1".into()));
             }
         }
+    }
+    Ok(())
+}
+
+/// `[reward]`: its values, and where a reward model whose features learn runs — passive on a
+/// preference dataset, φ the final-norm state at the last token (what h_ψ is), one head per
+/// cell, with an estimator whose state does not grow with t (one pass over (ψ, θ)).
+fn check_reward(spec: &Spec, keys: Locator<'_>, configs: &[ConfigPlan]) -> Result<(), SpecError> {
+    let Some(r) = &spec.reward else { return Ok(()) };
+    r.check().map_err(|(k, m)| keys.err(&["reward", k], m))?;
+    if r.update == RewardUpdate::Head {
+        return Ok(());
+    }
+    let update = |m: String| keys.err(&["reward", "update"], format!("\"{}\": {m}", r.update));
+    if spec.setting != Setting::Passive {
+        return Err(update(format!(
+            "a reward model whose features learn runs in the passive setting (setting = \"{}\" learns θ on cached φ: use update = \"head\")",
+            spec.setting.as_str()
+        )));
+    }
+    if spec.env.kind != EnvKind::Dataset {
+        return Err(update("needs env.kind = \"dataset\" (the pairs' texts, to recompute their features)".into()));
+    }
+    if let Some(d) = &spec.data {
+        if d.pool != features::Pool::Last {
+            return Err(keys.err(&["data", "pool"], format!("\"mean\": [reward] update = \"{}\" reads the last token's state (\"last\")", r.update)));
+        }
+        if d.layer != -1 {
+            return Err(keys.err(&["data", "layer"], format!("{}: [reward] update = \"{}\" reads the final-norm state (layer = -1)", d.layer, r.update)));
+        }
+    }
+    if spec.stream.ranks > 1 {
+        return Err(keys.err(&["stream", "ranks"], format!("{}: [reward] update = \"{}\" trains one reward model per cell (ranks = 1)", spec.stream.ranks, r.update)));
+    }
+    use estimators::Kind as K;
+    if let Some(c) = configs.iter().find(|c| matches!(c.kind, K::OmdExact | K::Mle | K::SgdReplay)) {
+        let i = c.estimator_index;
+        return Err(keys.err(
+            &["estimator", &i.to_string(), "kind"],
+            format!("{}: with [reward] update = \"{}\" the estimator updates every parameter one batch at a time; its state would grow with t or be d×d: use sgd, adam, adam-reference, omd-hvp-cg, omd-hvp-cg+adam or omd-reference", c.kind, r.update),
+        ));
     }
     Ok(())
 }

@@ -9,6 +9,7 @@ mod deploy;
 mod learner;
 mod online;
 mod passive;
+mod passive_rm;
 pub mod pessimism;
 mod state;
 
@@ -101,6 +102,10 @@ pub fn run_cell_with(world: &World, config: &ConfigPlan, seed: u32, ctx: &mut Ce
     let mut out = match (spec.setting, &src) {
         (Setting::Passive, Source::Pairs(_)) if spec.stream.ranks > 1 => {
             passive::passive_ranks(spec, config, &src, &mut learner, learners, seed, ctx, resumed)?
+        }
+        (Setting::Passive, Source::Pairs(p)) if world.reward.is_some() => {
+            let base = world.reward.as_deref().expect("checked");
+            passive_rm::passive_features(spec, config, p, base, &mut learner, seed, ctx, resumed)?
         }
         (Setting::Passive, _) => passive::passive(spec, &src, &mut learner, seed, ctx, resumed)?,
         (Setting::Active, _) => active::active(spec, config, &src, &mut learner, seed, ctx, resumed)?,

@@ -16,7 +16,7 @@ use rand::seq::SliceRandom;
 use rand::Rng;
 
 /// The training rows of a features file in stream order.
-fn file_order(spec: &Spec, p: &PairData, data: &mut rand_chacha::ChaCha20Rng) -> Vec<usize> {
+pub(super) fn file_order(spec: &Spec, p: &PairData, data: &mut rand_chacha::ChaCha20Rng) -> Vec<usize> {
     if let Some(o) = &p.order {
         return o.clone();
     }

@@ -64,6 +64,10 @@ pub struct Progress {
     pub(super) policy_times: Vec<PolicyTiming>,
     pub(super) policy_state: Option<super::online::PolicyState>,
     pub(super) adapters: Vec<AdapterFiles>,
+    /// `[reward] update = "lora" | "full"`: the reward model's parameters and update state
+    /// (filled when a checkpoint is written).
+    #[serde(default)]
+    pub(super) reward_state: Option<super::passive_rm::RmState>,
 }
 
 impl Progress {
@@ -91,6 +95,7 @@ impl Progress {
             policy_times: Vec::new(),
             policy_state: None,
             adapters: Vec::new(),
+            reward_state: None,
         }
     }
 }
@@ -146,6 +151,12 @@ impl CellCtx {
     /// No checkpoints, a fresh start.
     pub fn none() -> Self {
         CellCtx { saver: CellSaver::disabled(), resume: None }
+    }
+
+    /// A checkpoint now (the caller asked [`CellSaver::due`]).
+    pub(super) fn save(&mut self, learners: &[&Learner], progress: &Progress) -> Result<()> {
+        let wall_s = self.saver.wall_s();
+        self.saver.save(&StateRef { learners, progress, wall_s })
     }
 
     /// After each loop unit: a checkpoint when one is due.

@@ -10,10 +10,12 @@ pub mod estimator;
 pub mod generate;
 pub mod phi;
 pub mod policy;
+pub mod reward;
 
 pub use data::{DataSpec, Format, Keys};
 pub use generate::{FeatureSpec, GenerateSpec, LabelRule, OracleKind, OracleSpec};
 pub use phi::{DType, Device, PhiSpec};
+pub use reward::{RewardSpec, RewardUpdate};
 pub use policy::{AdapterLife, CriticHead, KlReference, LrRestart, PolicySpec, RewardSource, SaveAdapter};
 
 use serde::{de, Deserialize, Deserializer, Serialize, Serializer};
@@ -367,6 +369,9 @@ pub struct Spec {
     /// deploy.policy with "rloo" or "dpo": how the policy learns between chunks.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub policy: Option<PolicySpec>,
+    /// What of the reward model learns (absent: θ on frozen φ, "head").
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub reward: Option<RewardSpec>,
     /// Filled by the world from the data (not a key): the scale λ = "auto" resolves from.
     #[serde(skip)]
     pub data_scale: Option<DataScale>,

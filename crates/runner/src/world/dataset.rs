@@ -5,7 +5,7 @@
 
 use super::datasets::{expand_glob, read_dataset, Pair, ReadOptions};
 use super::extract::{extract_pairs, PhiRun};
-use super::pairs::{PairData, Pairs};
+use super::pairs::{PairData, PairIds, Pairs};
 use crate::progress::Mode;
 use crate::spec::data::{expand_env, Degenerate, Malformed, ScoreTies, Select};
 use crate::spec::DataSpec;
@@ -146,7 +146,9 @@ fn overlap(train: &[Pair], eval: &[Pair]) -> usize {
 }
 
 /// Reads, selects, splits and extracts: the pairs every cell of the run shares.
-pub fn load(d: &DataSpec, progress: Mode) -> Result<(PairData, DataReport)> {
+/// `keep_ids`: keep each pair's token ids ([`PairData::ids`]) for a reward model whose features
+/// learn.
+pub fn load(d: &DataSpec, progress: Mode, keep_ids: bool) -> Result<(PairData, DataReport)> {
     let files = resolve_files("data.path", &d.path)?;
     let path = files[0].clone();
     let opts = ReadOptions {
@@ -253,7 +255,7 @@ pub fn load(d: &DataSpec, progress: Mode) -> Result<(PairData, DataReport)> {
     } else {
         (train, eval)
     };
-    let run = PhiRun::new(&d.phi(), progress)?;
+    let run = PhiRun { keep_ids, ..PhiRun::new(&d.phi(), progress)? };
     // one extraction over both splits, so they share a batch plan and a progress bar
     let n_train = train.len();
     let both: Vec<Pair> = train.into_iter().chain(eval).collect();
@@ -277,6 +279,10 @@ pub fn load(d: &DataSpec, progress: Mode) -> Result<(PairData, DataReport)> {
         }
         Pairs { d: dim, z, y, digest: String::new() }
     };
+    let ids = |range: std::ops::Range<usize>| -> Vec<(Vec<u32>, Vec<u32>)> {
+        range.filter(|&i| !(drop && ex.degenerate[i])).map(|i| (ex.ids[2 * i].clone(), ex.ids[2 * i + 1].clone())).collect()
+    };
+    let ids = keep_ids.then(|| PairIds { train: ids(0..n_train), eval: ids(n_train..both.len()) });
     let kept_tokens = |range: std::ops::Range<usize>| -> usize {
         range.filter(|&i| !(drop && ex.degenerate[i])).map(|i| ex.lengths[2 * i] + ex.lengths[2 * i + 1]).sum()
     };
@@ -335,6 +341,7 @@ pub fn load(d: &DataSpec, progress: Mode) -> Result<(PairData, DataReport)> {
         train_origin: (0..n_train).filter(|&i| !(drop && ex.degenerate[i])).collect(),
         train_total: n_train,
         order: None,
+        ids,
     };
     Ok((data, report))
 }

@@ -36,6 +36,8 @@ pub enum Component {
     /// Fresh rollouts of a learning arm (`policy.rollouts = "fresh"`; per chunk; shared by the
     /// arms of a seed: common random numbers).
     Rollouts = 11,
+    /// A reward model's initial adapters (`[reward] update = "lora"`: LoRA's A).
+    RewardModel = 12,
 }
 
 /// A stream's seed for one chunk: blake3 of (`tag`, `seed`, `chunk`), first 8 bytes (a fresh

@@ -86,6 +86,9 @@ pub struct PhiRun {
     pub device: Device,
     pub progress: Mode,
     pub shard: ShardSpec,
+    /// Keep every sequence's token ids ([`Extracted::ids`]): a reward model whose features
+    /// learn recomputes them (`[reward] update`).
+    pub keep_ids: bool,
 }
 
 impl PhiRun {
@@ -100,6 +103,7 @@ impl PhiRun {
             device: device(phi.device)?,
             progress,
             shard: ShardSpec::ALL,
+            keep_ids: false,
         })
     }
 }
@@ -116,6 +120,8 @@ pub struct Extracted {
     pub source: String,
     /// Token count of every sequence (chosen, rejected, …), computed or read from the cache.
     pub lengths: Vec<usize>,
+    /// The token ids of every sequence (chosen, rejected, …) when [`PhiRun::keep_ids`]; else empty.
+    pub ids: Vec<Vec<u32>>,
 }
 
 /// φ of both sides of every pair, through the feature cache. `origin` names the data in errors.
@@ -134,6 +140,9 @@ pub fn extract_pairs(pairs: &[Pair], origin: &str, o: &PhiRun) -> Result<Extract
         .collect();
     let (mut ex, items) = extract_conversations(&convs, origin, o)?;
     ex.degenerate = items.chunks_exact(2).map(|p| p[0].ids == p[1].ids).collect();
+    if o.keep_ids {
+        ex.ids = items.into_iter().map(|p| p.ids).collect();
+    }
     ex.summary.pairs = pairs.len();
     ex.summary.degenerate_pairs = ex.degenerate.iter().filter(|&&d| d).count();
     Ok(ex)
@@ -195,6 +204,7 @@ pub fn extract_conversations(
         weights_blake3: backbone.weights_digest.clone(),
         source: backbone.source,
         lengths,
+        ids: Vec::new(),
     };
     Ok((ex, items))
 }

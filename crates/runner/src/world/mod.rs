@@ -17,6 +17,7 @@ pub mod extract;
 pub mod generated;
 pub mod online;
 pub mod pairs;
+pub mod reward;
 
 use crate::plan::{Locator, Plan};
 use crate::progress::Mode;
@@ -37,6 +38,9 @@ pub struct World {
     /// deploy.policy with an arm that learns: the policy's frozen weights, the feature model
     /// and the oracle every cell's policy uses.
     pub online: Option<Arc<online::Online>>,
+    /// `[reward] update = "lora" | "full"`: the feature model's weights every cell's reward
+    /// model starts from.
+    pub reward: Option<Arc<reward::RewardBase>>,
 }
 
 /// The warning for models asked to compute φ or rewards in bf16 on a CPU whose bf16 products
@@ -85,15 +89,21 @@ pub fn build(plan: &Plan, progress: Mode) -> Result<World, SpecError> {
     if let Some(w) = slow_bf16_warning(&spec, features::cpu::bf16_is_slow()) {
         eprintln!("onepass: warning: {w}");
     }
-    let (mut data, mut generated, mut online) = (None, None, None);
+    let (mut data, mut generated, mut online, mut reward) = (None, None, None, None);
+    let learns_features = spec.reward.as_ref().is_some_and(|r| r.update != crate::spec::RewardUpdate::Head);
     match spec.env.kind {
         EnvKind::Synthetic => {}
         EnvKind::Features | EnvKind::Dataset => {
             let d = if spec.env.kind == EnvKind::Features {
                 load_features(&spec, keys)?
             } else {
-                load_dataset(&spec, keys, progress)?
+                load_dataset(&spec, keys, progress, learns_features)?
             };
+            if learns_features {
+                let d = spec.data.as_ref().expect("the plan requires [data] for [reward] update");
+                let base = reward::RewardBase::load(d).map_err(|e| keys.err(&["reward", "update"], format!("{e:#}")))?;
+                reward = Some(Arc::new(base));
+            }
             spec.env.dim = d.d;
             data = Some(Arc::new(d));
         }
@@ -113,7 +123,7 @@ pub fn build(plan: &Plan, progress: Mode) -> Result<World, SpecError> {
         }
     }
     spec.data_scale = Some(data_scale(&spec, data.as_deref(), generated.as_deref()));
-    Ok(World { spec, data, generated, online })
+    Ok(World { spec, data, generated, online, reward })
 }
 
 /// ‖z‖² of the first pairs ([`DataScale`]): the training pairs in file order; for the bandits,
@@ -233,6 +243,7 @@ fn load_features(spec: &Spec, keys: Locator<'_>) -> Result<PairData, SpecError> 
         train_origin: Vec::new(),
         train_total,
         order: None,
+        ids: None,
     };
     check_pairs(spec, keys, &mut data)?;
     Ok(data)
@@ -274,9 +285,9 @@ fn check_pairs(spec: &Spec, keys: Locator<'_>, data: &mut PairData) -> Result<()
 }
 
 /// kind = "dataset": the `[data]` table read, split and run through the feature model.
-fn load_dataset(spec: &Spec, keys: Locator<'_>, progress: Mode) -> Result<PairData, SpecError> {
+fn load_dataset(spec: &Spec, keys: Locator<'_>, progress: Mode, keep_ids: bool) -> Result<PairData, SpecError> {
     let d = spec.data.as_ref().ok_or_else(|| keys.err(&["data"], "required when env.kind = \"dataset\"".into()))?;
-    let (mut data, report) = dataset::load(d, progress).map_err(|e| keys.err(&["data"], format!("{e:#}")))?;
+    let (mut data, report) = dataset::load(d, progress, keep_ids).map_err(|e| keys.err(&["data"], format!("{e:#}")))?;
     if keys.written(&["env", "dim"]) && spec.env.dim != data.d {
         return Err(keys.err(&["env", "dim"], format!("{}, but the model gives {} features", spec.env.dim, data.d)));
     }

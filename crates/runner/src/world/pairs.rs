@@ -49,6 +49,16 @@ pub struct PairData {
     /// `env.order = "indices"`: the training rows in stream order (read from `env.order_path`,
     /// dropped rows left out).
     pub order: Option<Vec<usize>>,
+    /// kind = "dataset" with a reward model whose features learn: the token ids of each
+    /// pair's two sides, row for row with `train` and `eval`.
+    pub ids: Option<PairIds>,
+}
+
+/// The chat-templated token ids of pairs' (chosen, rejected) sides.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct PairIds {
+    pub train: Vec<(Vec<u32>, Vec<u32>)>,
+    pub eval: Vec<(Vec<u32>, Vec<u32>)>,
 }
 
 fn bad(path: &Path, message: String) -> SpecError {

@@ -1,0 +1,201 @@
+//! Passive data collection (paper Alg. 2) with a reward model whose features learn (issue 30,
+//! `[reward] update = "lora" | "full"`): the stream of training pairs in the order `passive`
+//! reads them (so the stream hash is the head-only cells'), each batch one
+//! [`policy::reward::OnePass`] step over (ψ, θ) on the pairs' token ids; every evaluation point
+//! scores the held-out pairs with the current r_{ψ,θ}. θ starts where the head-only estimator's
+//! does (the config's `init`), ψ at the feature model (LoRA's B = 0) — so the first features
+//! are φ.
+
+use super::learner::Learner;
+use super::passive::file_order;
+use super::state::{CellCtx, Progress};
+use crate::plan::ConfigPlan;
+use crate::rows::{Bucket, CellResult, MetricRow};
+use crate::spec::{RewardUpdate, Spec};
+use crate::world::env::{seed_of, Component};
+use crate::world::pairs::PairData;
+use crate::world::reward::RewardBase;
+use anyhow::{anyhow, Context, Result};
+use estimators::logistic::{accuracy_credit, log_loss};
+use policy::reward::{HvpConfig, OnePass, RewardModel, RmPair};
+use policy::PolicyModel;
+use serde::{Deserialize, Serialize};
+use std::time::Instant;
+
+/// What a checkpoint keeps of the reward model besides the stream: the update's state, every
+/// trainable parameter, and the running sums of the metric rows.
+#[derive(Serialize, Deserialize)]
+pub(super) struct RmState {
+    update: OnePass,
+    /// ψ then θ, flattened ([`RewardModel::flat`]).
+    params: Vec<f32>,
+    steps: u64,
+    samples: u64,
+    prev_samples: u64,
+    win_loss: f64,
+    win_correct: f64,
+    win_n: f64,
+    win_kappa: f64,
+    win_kref: f64,
+    win_batches: f64,
+    grad_evals: u64,
+    hvp_evals: u64,
+    /// Steps whose direction fell back to the gradient (negative curvature along g).
+    negative_curvature: u64,
+    step_s: f64,
+    bucket_step_s: f64,
+}
+
+/// The reward model of a cell: the feature model with fresh adapters (drawn from the cell's
+/// seed) or a trainable copy of every weight, and θ₀.
+fn reward_model(spec: &Spec, base: &RewardBase, theta0: &[f64], seed: u32) -> Result<RewardModel> {
+    let r = spec.reward.as_ref().expect("the plan routes only [reward] cells here");
+    let dtype = candle_core::DType::F32;
+    let model = match r.update {
+        RewardUpdate::Lora => {
+            let lora = r.lora(seed_of(spec.master_seed, seed, Component::RewardModel));
+            PolicyModel::new(base.base.clone(), base.cfg.clone(), &lora, base.max_len, dtype)?
+        }
+        RewardUpdate::Full => PolicyModel::new_full(base.base.clone(), base.cfg.clone(), base.max_len, dtype)?,
+        RewardUpdate::Head => return Err(anyhow!("reward.update = \"head\" learns on cached φ")),
+    };
+    Ok(RewardModel::new(model, theta0, true)?)
+}
+
+/// Held-out loss, accuracy (ties ½) and exact ties of r_{ψ,θ}, `batch` sequences per pass.
+fn evaluate(rm: &RewardModel, pairs: &[(Vec<u32>, Vec<u32>)], y: &[f32], batch: usize) -> Result<(f64, f64, u64)> {
+    let (mut loss, mut right, mut ties) = (0.0, 0.0, 0u64);
+    for (part, ys) in pairs.chunks((batch / 2).max(1)).zip(y.chunks((batch / 2).max(1))) {
+        let ps: Vec<RmPair> = part.iter().zip(ys).map(|((a, b), &y)| RmPair { a, b, y }).collect();
+        let m: Vec<f64> = rm.margins(&ps)?.to_dtype(candle_core::DType::F64)?.to_vec1()?;
+        for (&m, &y) in m.iter().zip(ys) {
+            loss += log_loss(m, f64::from(y));
+            right += accuracy_credit(m, f64::from(y));
+            ties += u64::from(m == 0.0);
+        }
+    }
+    let n = y.len() as f64;
+    Ok((loss / n, right / n, ties))
+}
+
+#[allow(clippy::too_many_arguments)]
+pub(super) fn passive_features(
+    spec: &Spec,
+    config: &ConfigPlan,
+    p: &PairData,
+    base: &RewardBase,
+    l: &mut Learner,
+    seed: u32,
+    ctx: &mut CellCtx,
+    resumed: Option<Progress>,
+) -> Result<CellResult> {
+    let ids = p.ids.as_ref().ok_or_else(|| anyhow!("[reward] update: the world kept no token ids"))?;
+    let r = spec.reward.as_ref().expect("routed here by [reward]");
+    let b = spec.stream.batch_size;
+    let steps = spec.stream.samples / b as u64;
+    let mut fresh = Progress::fresh(spec, seed);
+    let order = file_order(spec, p, &mut fresh.data);
+    let mut pr = resumed.unwrap_or(fresh);
+    let rm = reward_model(spec, base, l.theta(), seed)?;
+    let mut st = match pr.reward_state.take() {
+        Some(s) => {
+            rm.set_flat(&s.params).context("the checkpoint's reward model")?;
+            s
+        }
+        None => RmState {
+            update: OnePass::new(
+                &config.cfg_for(spec),
+                &rm,
+                Some(steps),
+                HvpConfig { eps: r.hvp_eps },
+                r.backbone_lr_scale,
+            )?,
+            params: Vec::new(),
+            steps: 0,
+            samples: 0,
+            prev_samples: 0,
+            win_loss: 0.0,
+            win_correct: 0.0,
+            win_n: 0.0,
+            win_kappa: 0.0,
+            win_kref: 0.0,
+            win_batches: 0.0,
+            grad_evals: 0,
+            hvp_evals: 0,
+            negative_curvature: 0,
+            step_s: 0.0,
+            bucket_step_s: 0.0,
+        },
+    };
+    let mut bucket_start = Instant::now();
+    for t in pr.done + 1..=steps {
+        let rows = order
+            .get(pr.position as usize..pr.position as usize + b)
+            .ok_or_else(|| anyhow!("the training pairs ran out at step {t}"))?;
+        pr.position += b as u64;
+        let y: Vec<f32> = rows.iter().map(|&i| p.train.y[i]).collect();
+        // the head-only cells' stream hash: the same pairs in the same order
+        for &i in rows {
+            pr.hash.f32s(p.train.row(i));
+        }
+        pr.hash.f32s(&y);
+        let pairs: Vec<RmPair> = rows.iter().zip(&y).map(|(&i, &y)| RmPair { a: &ids.train[i].0, b: &ids.train[i].1, y }).collect();
+        let t0 = Instant::now();
+        let s = st.update.step(&rm, &pairs).with_context(|| format!("reward model step {t}"))?;
+        st.step_s += t0.elapsed().as_secs_f64();
+        crate::io::failpoint("update");
+        let n = b as f64;
+        st.steps = t;
+        st.prev_samples = st.samples;
+        st.samples += b as u64;
+        st.win_loss += s.before.loss * n;
+        st.win_correct += s.before.accuracy * n;
+        st.win_n += n;
+        st.win_kappa = st.win_kappa.max(s.before.kappa);
+        st.win_kref += s.before.kappa_reference;
+        st.win_batches += 1.0;
+        st.grad_evals += b as u64;
+        st.hvp_evals += u64::from(s.hvps) * b as u64;
+        st.negative_curvature += u64::from(s.negative_curvature);
+        if t == steps || st.samples / spec.stream.eval_every > st.prev_samples / spec.stream.eval_every {
+            let wall = bucket_start.elapsed().as_secs_f64();
+            let est = st.step_s - st.bucket_step_s;
+            l.buckets.push(Bucket { step: t, samples_seen: st.samples, estimator_s: est, other_s: wall - est });
+            let (eval_loss, eval_accuracy, eval_ties) = evaluate(&rm, &ids.eval, &p.eval.y, r.eval_batch)?;
+            pr.rows.push(MetricRow {
+                step: t,
+                samples_seen: st.samples,
+                train_loss: st.win_loss / st.win_n.max(1.0),
+                train_accuracy: st.win_correct / st.win_n.max(1.0),
+                eval_loss,
+                eval_accuracy,
+                eval_ties,
+                kappa: st.win_kappa,
+                kappa_reference: st.win_kref / st.win_batches.max(1.0),
+                grad_evals: st.grad_evals,
+                hvp_evals: st.hvp_evals,
+                negative_quad_forms: st.negative_curvature,
+                converged: true,
+                ..Default::default()
+            });
+            (st.win_loss, st.win_correct, st.win_n, st.win_kappa, st.win_kref, st.win_batches) =
+                (0.0, 0.0, 0.0, 0.0, 0.0, 0.0);
+            st.bucket_step_s = st.step_s;
+            bucket_start = Instant::now();
+        }
+        pr.done = t;
+        let due = ctx.saver.due();
+        if due {
+            st.params = rm.flat()?;
+            pr.reward_state = Some(st);
+            ctx.save(&[&*l], &pr)?;
+            st = pr.reward_state.take().expect("just put");
+            st.params = Vec::new();
+        }
+    }
+    l.theta = rm.head_values()?;
+    l.steps = st.steps;
+    l.samples = st.samples;
+    l.est_s = st.step_s;
+    Ok(CellResult { rows: pr.rows, stream_hash: pr.hash.0, ..Default::default() })
+}

@@ -1,0 +1,123 @@
+//! `[reward]`: what of the reward model learns (issue 30, the paper's appendix "Full update of
+//! reward model"). "head" — the default, and every run before this table — learns θ on
+//! frozen φ (the `[[estimator]]` tables on cached features); "lora" and "full" learn θ and the
+//! feature model's adapters or all its weights, one pass over the data with the same
+//! estimator tables' rules (`policy::reward`).
+
+use super::policy::Targets;
+use serde::{Deserialize, Serialize};
+
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum RewardUpdate {
+    /// θ on frozen φ (cached features).
+    #[default]
+    Head,
+    /// θ and LoRA adapters on the feature model.
+    Lora,
+    /// θ and every weight of the feature model.
+    Full,
+}
+
+impl std::fmt::Display for RewardUpdate {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            RewardUpdate::Head => "head",
+            RewardUpdate::Lora => "lora",
+            RewardUpdate::Full => "full",
+        })
+    }
+}
+
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct RewardSpec {
+    #[serde(default)]
+    pub update: RewardUpdate,
+    /// LoRA rank r and α of update = "lora" (as `[policy]`'s).
+    #[serde(default = "d_rank")]
+    pub rank: usize,
+    #[serde(default = "d_alpha")]
+    pub alpha: f64,
+    #[serde(default = "d_targets")]
+    pub targets: Targets,
+    /// The backbone's step relative to θ's: ψ ← ψ + s·(the rule's step of ψ). 1: the rule over
+    /// all parameters as it is (the authors'); 0: the backbone fixed (the head-only estimator,
+    /// computed through the trainable path).
+    #[serde(default = "d_one")]
+    pub backbone_lr_scale: f64,
+    /// ε of the Hessian–vector products by central differences of gradients (omd-hvp-cg,
+    /// omd-reference): how far the parameters move along the direction.
+    #[serde(default = "d_eps")]
+    pub hvp_eps: f64,
+    /// Sequences per forward pass when the held-out pairs are scored.
+    #[serde(default = "d_eval_batch")]
+    pub eval_batch: usize,
+}
+
+impl Default for RewardSpec {
+    fn default() -> Self {
+        RewardSpec {
+            update: RewardUpdate::Head,
+            rank: d_rank(),
+            alpha: d_alpha(),
+            targets: d_targets(),
+            backbone_lr_scale: d_one(),
+            hvp_eps: d_eps(),
+            eval_batch: d_eval_batch(),
+        }
+    }
+}
+
+impl RewardSpec {
+    /// The key and message of the first bad value, if any.
+    pub fn check(&self) -> Result<(), (&'static str, String)> {
+        if self.rank == 0 {
+            return Err(("rank", "0: expected at least 1".into()));
+        }
+        if !(self.alpha.is_finite() && self.alpha > 0.0) {
+            return Err(("alpha", format!("{}: expected a finite number > 0", self.alpha)));
+        }
+        self.targets.resolve().map_err(|m| ("targets", m))?;
+        if !(self.backbone_lr_scale.is_finite() && self.backbone_lr_scale >= 0.0) {
+            return Err(("backbone_lr_scale", format!("{}: expected a finite number ≥ 0", self.backbone_lr_scale)));
+        }
+        if !(self.hvp_eps.is_finite() && self.hvp_eps > 0.0) {
+            return Err(("hvp_eps", format!("{}: expected a finite number > 0", self.hvp_eps)));
+        }
+        if self.eval_batch == 0 {
+            return Err(("eval_batch", "0: expected at least 1".into()));
+        }
+        Ok(())
+    }
+
+    /// The adapters of update = "lora", their initial draw from `seed`.
+    pub fn lora(&self, seed: u64) -> policy::LoraConfig {
+        policy::LoraConfig {
+            rank: self.rank,
+            alpha: self.alpha,
+            targets: self.targets.resolve().expect("checked by the plan"),
+            seed,
+            dropout: 0.0,
+        }
+    }
+}
+
+fn d_rank() -> usize {
+    8
+}
+fn d_alpha() -> f64 {
+    16.0
+}
+fn d_targets() -> Targets {
+    Targets::All("all-linear".into())
+}
+fn d_one() -> f64 {
+    1.0
+}
+fn d_eps() -> f64 {
+    policy::reward::HvpConfig::default().eps
+}
+fn d_eval_batch() -> usize {
+    16
+}

@@ -1,0 +1,153 @@
+//! `[reward] update = "lora" | "full"` (issue 30) through `onepass run`, on the tiny random
+//! Llama GGUF and a planted preference dataset: every rule runs, the backbone fixed (step scale
+//! 0) reproduces the head-only run's θ and stream, a learning backbone does not (a negative
+//! control), a run killed mid-cell resumes to the same bytes, and the plan refuses what a
+//! learning feature map cannot do, naming the key.
+mod util;
+
+use std::path::Path;
+use util::*;
+
+/// 48 pairs: the chosen answer says "yes", the rejected one "no" (a token the features can learn).
+fn setup(p: &Path) {
+    let lines: Vec<String> = (0..48)
+        .map(|i| {
+            let (c, r) = if i % 2 == 0 { ("yes", "no") } else { ("yes indeed", "no way") };
+            serde_json::json!({
+                "prompt": format!("Question {i}: is {i} a number?"),
+                "chosen": format!("{c}, {i}."),
+                "rejected": format!("{r}, {i}."),
+            })
+            .to_string()
+        })
+        .collect();
+    std::fs::write(p.join("pairs.jsonl"), lines.join("\n")).unwrap();
+}
+
+fn spec(update: &str, extra: &str, estimators: &str) -> String {
+    format!(
+        "setting = \"passive\"\nseeds = 1\n[env]\nkind = \"dataset\"\n[stream]\nsamples = 32\nbatch_size = 4\neval_every = 16\n[data]\npath = \"pairs.jsonl\"\nformat = \"generic\"\nmodel = \"{}\"\nmax_len = 48\neval_fraction = 0.25\n[data.keys]\nprompt = \"prompt\"\nchosen = \"chosen\"\nrejected = \"rejected\"\n[reward]\nupdate = \"{update}\"\nrank = 2\nalpha = 4.0\n{extra}\n{estimators}",
+        tiny_gguf().display()
+    )
+}
+
+const RULES: &str = "[[estimator]]\nkind = \"sgd\"\nlr = 0.05\n[[estimator]]\nkind = \"adam\"\nlr = 0.01\n[[estimator]]\nkind = \"omd-hvp-cg\"\nlr = 0.05\n[[estimator]]\nkind = \"omd-reference\"\nlr = 0.05\n";
+
+fn run(p: &Path, text: &str, out: &str) -> std::path::PathBuf {
+    std::fs::write(p.join("run.toml"), text).unwrap();
+    let r = onepass(p, &["run", "run.toml", "--out", out, "--threads", "1"]);
+    let (code, _, stderr) = r.parts();
+    assert_eq!(code, 0, "{stderr}");
+    only_run(p, out)
+}
+
+fn only_run(p: &Path, out: &str) -> std::path::PathBuf {
+    let mut dirs: Vec<_> = std::fs::read_dir(p.join(out)).unwrap().map(|e| e.unwrap().path()).collect();
+    assert_eq!(dirs.len(), 1, "{dirs:?}");
+    dirs.pop().unwrap()
+}
+
+/// θ of the run's first cell (theta/c0000.npy: a v1 header, then little-endian f64).
+fn theta(dir: &Path) -> Vec<f64> {
+    let b = std::fs::read(dir.join("theta/c0000.npy")).unwrap();
+    let header = u16::from_le_bytes([b[8], b[9]]) as usize;
+    b[10 + header..].chunks_exact(8).map(|c| f64::from_le_bytes(c.try_into().unwrap())).collect()
+}
+
+#[test]
+fn every_rule_learns_the_features_through_a_run() {
+    let tmp = tempfile::tempdir().unwrap();
+    let p = tmp.path();
+    setup(p);
+    for update in ["lora", "full"] {
+        let dir = run(p, &spec(update, "", RULES), update);
+        let m = table(&dir.join("metrics.parquet"));
+        let labels = strs(&m, "label");
+        let hvp = u64s(&m, "hvp_evals");
+        let steps = u64s(&m, "step");
+        for (i, l) in labels.iter().enumerate() {
+            assert!(steps[i] == 4 || steps[i] == 8, "{update} {l}: evaluation points at 16 and 32 samples");
+            let omd = l.starts_with("omd");
+            assert_eq!(hvp[i] > 0, omd, "{update} {l}: HVPs only for the CG rules ({})", hvp[i]);
+        }
+        assert_eq!(labels.len(), 8, "{update}: 4 rules × 2 evaluation points");
+        let resolved = std::fs::read_to_string(dir.join("spec.resolved.toml")).unwrap();
+        assert!(resolved.contains(&format!("update = \"{update}\"")), "{resolved}");
+    }
+}
+
+/// The backbone fixed (`backbone_lr_scale = 0`, sgd without clipping, so ψ's gradient counts
+/// nowhere) gives the head-only run's θ: the same stream (hash), the same updates on features
+/// recomputed through the trainable decoder instead of read from the φ cache (agreement to
+/// f32 rounding of φ). A learning backbone gives another θ.
+#[test]
+fn a_fixed_backbone_is_the_head_only_run() {
+    let tmp = tempfile::tempdir().unwrap();
+    let p = tmp.path();
+    setup(p);
+    let sgd = "[[estimator]]\nkind = \"sgd\"\nlr = 0.05\nclip = \"none\"\n";
+    let head = run(p, &spec("head", "", sgd), "head");
+    let fixed = run(p, &spec("lora", "backbone_lr_scale = 0.0", sgd), "fixed");
+    let moving = run(p, &spec("lora", "", sgd), "moving");
+    let (h, f, m) = (theta(&head), theta(&fixed), theta(&moving));
+    assert_eq!(h.len(), 32, "d = 32");
+    let diff = |a: &[f64], b: &[f64]| a.iter().zip(b).map(|(x, y)| (x - y).abs()).fold(0.0, f64::max);
+    let scale = h.iter().map(|x| x.abs()).fold(0.0, f64::max);
+    eprintln!("|θ| {scale:.3e}; fixed − head {:.3e}; moving − head {:.3e}", diff(&f, &h), diff(&m, &h));
+    assert!(scale > 1e-3, "the head moved: {scale}");
+    assert!(diff(&f, &h) < 1e-4 * scale.max(1.0), "fixed backbone vs head: {:e}", diff(&f, &h));
+    assert!(diff(&m, &h) > 1e-3 * scale, "a learning backbone changes θ: {:e}", diff(&m, &h));
+    let hash = |d: &Path| strs(&table(&d.join("cells.parquet")), "stream_hash");
+    assert_eq!(hash(&head), hash(&fixed), "the same stream of pairs");
+}
+
+/// Killed (SIGKILL) in the 5th reward-model step with a checkpoint after every step, resumed:
+/// the tables are the uninterrupted run's, byte for byte.
+#[test]
+fn a_killed_reward_model_run_resumes_to_the_same_bytes() {
+    use std::os::unix::process::ExitStatusExt;
+    let tmp = tempfile::tempdir().unwrap();
+    let p = tmp.path();
+    setup(p);
+    let rules = "[[estimator]]\nkind = \"omd-hvp-cg+adam\"\n[checkpoint]\nevery_steps = 1\n";
+    let whole = run(p, &spec("lora", "", rules), "whole");
+    std::fs::write(p.join("run.toml"), spec("lora", "", rules)).unwrap();
+    let o = command()
+        .current_dir(p)
+        .args(["run", "run.toml", "--out", "killed", "--threads", "1"])
+        .env("ONEPASS_FAILPOINT", "update:5")
+        .output()
+        .unwrap();
+    assert_eq!(o.status.signal(), Some(9), "{}", String::from_utf8_lossy(&o.stderr));
+    let dir = only_run(p, "killed");
+    let (code, _, stderr) = onepass(p, &["run", "run.toml", "--resume", dir.to_str().unwrap()]).parts();
+    assert_eq!(code, 0, "{stderr}");
+    for f in ["metrics.parquet", "theta/c0000.npy"] {
+        assert_eq!(digest(&whole.join(f)), digest(&dir.join(f)), "{f}");
+    }
+}
+
+#[test]
+fn the_plan_refuses_what_a_learning_feature_map_cannot_do() {
+    let tmp = tempfile::tempdir().unwrap();
+    let p = tmp.path();
+    setup(p);
+    let cases = [
+        (spec("lora", "", "[[estimator]]\nkind = \"omd-exact\"\n"), "estimator[0].kind", "omd-exact"),
+        (spec("lora", "", "[[estimator]]\nkind = \"mle\"\n"), "estimator[0].kind", "d×d"),
+        (spec("lora", "hvp_eps = 0.0", RULES), "reward.hvp_eps", "expected a finite number > 0"),
+        (spec("lora", "", RULES).replace("rank = 2", "rank = 0"), "reward.rank", "expected at least 1"),
+        (spec("full", "targets = [\"w_proj\"]", RULES), "reward.targets", "w_proj"),
+        (spec("lora", "", RULES).replace("setting = \"passive\"", "setting = \"active\""), "reward.update", "passive setting"),
+        (spec("lora", "", RULES).replace("[data.keys]", "pool = \"mean\"\n[data.keys]"), "data.pool", "last"),
+        (spec("lora", "", RULES).replace("batch_size = 4", "batch_size = 4\nranks = 2"), "stream.ranks", "ranks = 1"),
+        (spec("lora", "", RULES).replace("update = \"lora\"", "update = \"all\""), "`update`", "unknown variant `all`"),
+    ];
+    for (text, key, says) in cases {
+        std::fs::write(p.join("bad.toml"), &text).unwrap();
+        let (code, _, stderr) = onepass(p, &["run", "bad.toml", "--dry-run"]).parts();
+        assert_ne!(code, 0, "{key}: accepted");
+        assert!(stderr.contains(key) && stderr.contains(says), "{key} / {says}: {stderr}");
+        assert_eq!(stderr.trim().lines().count(), 1, "one line: {stderr}");
+    }
+}
