@@ -52,6 +52,13 @@ bench-features batch="8" len="256" reps="3": fetch-models
 bench-train batch="8" len="256" reps="3": fetch-models
     scripts/bench_train.sh {{batch}} {{len}} {{reps}}
 
+# One step of a reward model whose features learn (issue 30: LoRA r 8 on every linear layer, a
+# head on the last token's state; 8 pairs x 256 tokens) for sgd and for omd (paper Alg. 5, K = 3
+# HVPs) in onepass against PyTorch + PEFT (double-backward HVPs, as the authors' code) on the same
+# ids and threads: median s/step, per-round range, the ratio. Python as for bench-train.
+bench-rm-step pairs="8" len="256" reps="2": fetch-models
+    scripts/bench_rm_step.sh {{pairs}} {{len}} {{reps}}
+
 # Generation throughput: onepass's sampling loop vs transformers' generate() in f32 and bf16 on the
 # same GGUF, templated prompts, shape (16 prompts × 8 samples, 8 prompts per call, T = 1, ≤ 64 new
 # tokens: the deploy mini's) and threads; alternating rounds, medians, ratios. Python as for

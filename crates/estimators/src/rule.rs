@@ -38,7 +38,11 @@ pub struct Rule {
     bf16: bool,
     planned_steps: Option<u64>,
     steps: u64,
-    /// The direction of the last step (scratch of the step geometry afterwards).
+    /// The number of parameters.
+    d: usize,
+    /// The direction of the last step (scratch of the step geometry afterwards): recomputed
+    /// every step, so a checkpoint leaves it out.
+    #[serde(skip)]
     pub(crate) dir: Vec<f32>,
 }
 
@@ -135,7 +139,7 @@ impl Rule {
                 })
             }
         };
-        Ok(Rule { kind: cfg.kind(), direction, opt, bf16, planned_steps, steps: 0, dir: vec![0.0; d] })
+        Ok(Rule { kind: cfg.kind(), direction, opt, bf16, planned_steps, steps: 0, d, dir: vec![0.0; d] })
     }
 
     pub fn kind(&self) -> Kind {
@@ -144,7 +148,7 @@ impl Rule {
 
     /// The number of parameters.
     pub fn dim(&self) -> usize {
-        self.dir.len()
+        self.d
     }
 
     /// Steps taken.
@@ -180,7 +184,7 @@ impl Rule {
             Optimizer::Adam { m, v, .. } => (m.len() + v.len()) * f,
             Optimizer::Sgd { .. } => 0,
         };
-        self.dir.len() * f + moments
+        self.d * f + moments
     }
 
     /// One update of `theta` from the batch gradient `g`: the direction (g itself; paper Alg.
@@ -188,8 +192,10 @@ impl Rule {
     /// the authors' d = λ0·g + (1 − λ0)·CG_K(H_B + λ0·I, g) with β ≡ 1 while c_t < 1), then
     /// θ ← θ − lr·clip(d) or an Adam step on d, then bf16 rounding when asked.
     pub fn step(&mut self, theta: &mut [f32], g: &[f32], solve: &mut impl DampedSolve) -> RuleStep {
-        let d = self.dir.len();
+        let d = self.d;
         assert!(theta.len() == d && g.len() == d, "a rule of {d} parameters given {} and {}", theta.len(), g.len());
+        // a rule read back from a checkpoint has no direction buffer yet
+        self.dir.resize(d, 0.0);
         self.steps += 1;
         let mut damping = f64::NAN;
         let mut inner_iters = 0;

@@ -47,6 +47,63 @@ fn needs_permute(m: &PolicyModel, name: &str) -> bool {
 /// `adapter_config.json` (B's q/k rows in Hugging Face's order).
 /// A full-parameter policy has no adapter: an error.
 pub fn encode(m: &PolicyModel, base_model: &str) -> std::result::Result<(Vec<u8>, String), features::Error> {
+    encode_with(m, base_model, None)
+}
+
+/// A reward model r = θᵀh_ψ (issue 30) in PEFT's layout for transformers'
+/// `*ForSequenceClassification` with `num_labels = 1`: ψ's adapters as [`encode`] writes them,
+/// and θ as the classification head `score` (`base_model.model.score.weight`, (1, d); PEFT's
+/// `modules_to_save`), task_type SEQ_CLS. transformers scores a sequence at its last
+/// non-padding token with the final-norm state: θᵀh.
+pub fn encode_reward(
+    rm: &crate::reward::RewardModel,
+    base_model: &str,
+) -> std::result::Result<(Vec<u8>, String), features::Error> {
+    let d = rm.head.as_tensor().elem_count();
+    let score = rm.head.as_tensor().to_device(&Device::Cpu)?.to_dtype(candle_core::DType::F32)?.reshape((1, d))?;
+    encode_with(&rm.model, base_model, Some(score))
+}
+
+/// Writes a reward model's `dir/adapter_model.safetensors` and `dir/adapter_config.json`
+/// ([`encode_reward`]).
+pub fn save_reward(
+    rm: &crate::reward::RewardModel,
+    dir: &Path,
+    base_model: &str,
+) -> std::result::Result<(), features::Error> {
+    let io = |e: std::io::Error| features::Error::Io(format!("{}: {e}", dir.display()));
+    std::fs::create_dir_all(dir).map_err(io)?;
+    let (st, cfg) = encode_reward(rm, base_model)?;
+    std::fs::write(dir.join("adapter_model.safetensors"), st).map_err(io)?;
+    std::fs::write(dir.join("adapter_config.json"), cfg).map_err(io)
+}
+
+/// Reads a reward model saved by [`save_reward`] (or by PEFT for a sequence classifier with one
+/// label) into `rm`: the adapters, then θ from `score.weight`.
+pub fn load_reward(rm: &crate::reward::RewardModel, dir: &Path) -> std::result::Result<(), features::Error> {
+    load(&rm.model, dir)?;
+    let st = dir.join("adapter_model.safetensors");
+    let t = candle_core::safetensors::load(&st, rm.model.device())
+        .map_err(|e| features::Error::Weights(format!("{}: {e}", st.display())))?;
+    let key = format!("{PREFIX}score.weight");
+    let x = t.get(&key).ok_or_else(|| features::Error::Weights(format!("{}: no `{key}`", st.display())))?;
+    let d = rm.head.as_tensor().elem_count();
+    if x.dims() != [1, d] {
+        return Err(features::Error::Weights(format!(
+            "{}: `{key}` has shape {:?}, expected [1, {d}] (one label)",
+            st.display(),
+            x.dims()
+        )));
+    }
+    rm.head.set(&x.reshape(d)?.to_dtype(rm.head.dtype())?)?;
+    Ok(())
+}
+
+fn encode_with(
+    m: &PolicyModel,
+    base_model: &str,
+    score: Option<Tensor>,
+) -> std::result::Result<(Vec<u8>, String), features::Error> {
     if m.is_full() {
         return Err(features::Error::Input(
             "a full-parameter policy has no LoRA adapter to save in PEFT's layout".into(),
@@ -61,6 +118,11 @@ pub fn encode(m: &PolicyModel, base_model: &str) -> std::result::Result<(Vec<u8>
         tensors.push((format!("{PREFIX}{name}.lora_A.weight"), ad.a.as_tensor().to_device(&Device::Cpu)?));
         tensors.push((format!("{PREFIX}{name}.lora_B.weight"), b));
     }
+    let task = if score.is_some() { "SEQ_CLS" } else { "CAUSAL_LM" };
+    let modules_to_save = score.as_ref().map(|_| vec!["score"]);
+    if let Some(s) = score {
+        tensors.push((format!("{PREFIX}score.weight"), s));
+    }
     tensors.sort_by(|x, y| x.0.cmp(&y.0));
     let st = safetensors::serialize(tensors, None).map_err(|e| features::Error::Format(format!("safetensors: {e}")))?;
     let l = m.lora();
@@ -68,7 +130,7 @@ pub fn encode(m: &PolicyModel, base_model: &str) -> std::result::Result<(Vec<u8>
     targets.sort();
     let cfg = serde_json::json!({
         "peft_type": "LORA",
-        "task_type": "CAUSAL_LM",
+        "task_type": task,
         "base_model_name_or_path": base_model,
         "r": l.rank,
         "lora_alpha": l.alpha,
@@ -80,7 +142,7 @@ pub fn encode(m: &PolicyModel, base_model: &str) -> std::result::Result<(Vec<u8>
         "init_lora_weights": true,
         "use_rslora": false,
         "use_dora": false,
-        "modules_to_save": null,
+        "modules_to_save": modules_to_save,
         "layers_to_transform": null,
         "revision": null,
     });

@@ -341,3 +341,54 @@ fn a_checkpoint_continues_bit_for_bit() {
     }
     assert!(third.flat().unwrap() != a, "a fresh optimiser state gives other parameters");
 }
+
+/// A reward model saved by PEFT as a one-label sequence classifier
+/// (fixtures/make_rm_peft_fixture.py: LoRA on every linear layer, the head `score` in
+/// modules_to_save) reads into onepass's r = θᵀh_ψ and gives transformers' scores (relative
+/// error < 1e-4; before reading, other scores: a negative control); onepass writes it back as
+/// the same tensors under the same keys, task SEQ_CLS with `score` to save.
+#[test]
+fn a_reward_model_round_trips_through_peft_as_a_sequence_classifier() {
+    let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/peft-tiny-llama-rm");
+    let exp: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(dir.join("expected.json")).unwrap()).unwrap();
+    let cases: Vec<(Vec<u32>, f64)> = exp["cases"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|c| {
+            let ids = c["ids"].as_array().unwrap().iter().map(|x| x.as_u64().unwrap() as u32).collect();
+            (ids, c["score"].as_f64().unwrap())
+        })
+        .collect();
+    let rm = RewardModel::new(tiny_llama(DType::F32, false), &[0.1; 32], true).unwrap();
+    let scores = |rm: &RewardModel| -> Vec<f64> {
+        cases
+            .iter()
+            .map(|(ids, _)| rm.rewards(&[ids]).unwrap().to_dtype(DType::F64).unwrap().to_vec1::<f64>().unwrap()[0])
+            .collect()
+    };
+    let want: Vec<f64> = cases.iter().map(|c| c.1).collect();
+    let scale = want.iter().fold(0.0f64, |m, x| m.max(x.abs()));
+    let err = |got: &[f64]| got.iter().zip(&want).map(|(a, b)| (a - b).abs() / scale).fold(0.0, f64::max);
+    assert!(err(&scores(&rm)) > 1e-2, "negative control: the fresh model scores otherwise");
+    policy::peft::load_reward(&rm, &dir).unwrap();
+    let got = scores(&rm);
+    assert!(err(&got) < 1e-4, "scores {got:?} vs transformers {want:?}");
+    // written back: PEFT's tensors under PEFT's keys
+    let (st, cfg) = policy::peft::encode_reward(&rm, "base").unwrap();
+    let mine = safetensors::SafeTensors::deserialize(&st).unwrap();
+    let file = std::fs::read(dir.join("adapter_model.safetensors")).unwrap();
+    let theirs = safetensors::SafeTensors::deserialize(&file).unwrap();
+    let mut a: Vec<String> = mine.names().into_iter().map(String::from).collect();
+    let mut b: Vec<String> = theirs.names().into_iter().map(String::from).collect();
+    a.sort();
+    b.sort();
+    assert_eq!(a, b, "the same keys");
+    for k in &a {
+        assert_eq!(mine.tensor(k).unwrap().data(), theirs.tensor(k).unwrap().data(), "{k}");
+    }
+    let cfg: serde_json::Value = serde_json::from_str(&cfg).unwrap();
+    assert_eq!(cfg["task_type"], "SEQ_CLS");
+    assert_eq!(cfg["modules_to_save"], serde_json::json!(["score"]));
+}

@@ -51,6 +51,62 @@ pub struct PolicyShape {
     pub device_free: Option<u64>,
 }
 
+/// What sizes a reward model whose features learn (`[reward] update = "lora" | "full"`): its
+/// architecture, its number of weights and the longest pair sequence it reads.
+#[derive(Clone, Debug)]
+pub struct RewardShape {
+    pub cfg: features::model::Config,
+    pub weights: u64,
+    pub seq_len: usize,
+}
+
+/// The terms of a cell whose reward model learns its features (`policy::reward`): the
+/// trainable parameters with their gradient and the optimiser's moments, the one-pass update's
+/// flat vectors (parameters before and after, gradient, direction, CG's three, an HVP's saved
+/// parameters and two gradients: 10 copies), and a gradient pass's activations over the batch's
+/// 2B sequences (no logits: only the last token's state reaches the head).
+fn reward_terms(spec: &Spec, r: &RewardShape) -> Vec<Term> {
+    let Some(rs) = spec.reward.as_ref().filter(|x| x.update != crate::spec::RewardUpdate::Head) else {
+        return Vec::new();
+    };
+    let cfg = &r.cfg;
+    let mul = |xs: &[u64]| xs.iter().fold(1u64, |a, &b| a.saturating_mul(b));
+    let l = cfg.layers as u64;
+    let params = match rs.update {
+        crate::spec::RewardUpdate::Full => r.weights,
+        _ => {
+            let targets = rs.targets.resolve().unwrap_or_default();
+            targets.iter().map(|t| t.dims(cfg)).map(|(i, o)| mul(&[rs.rank as u64, (i + o) as u64, l])).sum()
+        }
+    } + cfg.hidden as u64;
+    let mut t = vec![
+        Term {
+            key: "reward.update",
+            what: format!(
+                "{params} trainable parameters (\"{}\"; f32: value, gradient, Adam's two moments)",
+                rs.update
+            ),
+            bytes: mul(&[params, 4, 4]),
+        },
+        Term {
+            key: "reward.update",
+            what: "the one-pass update's flat vectors over the parameters (10 copies)".into(),
+            bytes: mul(&[params, 4, 10]),
+        },
+    ];
+    let seqs = 2 * spec.stream.batch_size.max(spec.reward.as_ref().map_or(0, |x| x.eval_batch / 2)) as u64;
+    let len = r.seq_len as u64;
+    let tokens = seqs.saturating_mul(len);
+    let (h, i, heads) = (cfg.hidden as u64, cfg.intermediate as u64, cfg.heads as u64);
+    let per_layer = mul(&[tokens, 10 * h + 3 * i, 4]).saturating_add(mul(&[seqs, heads, len, len, 4, 2]));
+    t.push(Term {
+        key: "stream.batch_size",
+        what: format!("a gradient pass's activations ({seqs} sequences × {len} tokens)"),
+        bytes: mul(&[per_layer, l]),
+    });
+    t
+}
+
 /// Which memory an estimate counts: the host's (the estimator, the data, a CPU policy) or the
 /// accelerator's (a policy with generate.device = "cuda").
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -238,11 +294,23 @@ fn cell_terms(spec: &Spec, c: &ConfigPlan) -> Vec<Term> {
 /// The estimate of `on`'s memory for a plan whose `spec` has its final env.dim, `threads`
 /// workers; `policy` the learning policy's shape when the run has one (its world is loaded):
 /// its terms count on the host, or on the device when it lives there.
-pub fn estimate(spec: &Spec, plan: &Plan, threads: usize, policy: Option<&PolicyShape>, on: Memory) -> Estimate {
+/// `reward`: a reward model whose features learn, when the run has one (counted on the host).
+pub fn estimate(
+    spec: &Spec,
+    plan: &Plan,
+    threads: usize,
+    policy: Option<&PolicyShape>,
+    reward: Option<&RewardShape>,
+    on: Memory,
+) -> Estimate {
     let mut cell = Vec::new();
     let mut per_cell = 0;
     for c in &plan.configs {
         let mut t = if on == Memory::Host { cell_terms(spec, c) } else { Vec::new() };
+        if let Some(r) = reward.filter(|_| on == Memory::Host) {
+            t.extend(reward_terms(spec, r));
+            t.sort_by_key(|x| std::cmp::Reverse(x.bytes));
+        }
         if let (Some(p), Some(ps)) = (policy.filter(|p| p.on_device == (on == Memory::Device)), plan.policy.as_ref()) {
             t.extend(policy_terms(ps, c, p));
             t.sort_by_key(|x| std::cmp::Reverse(x.bytes));
@@ -369,8 +437,8 @@ mod tests {
             device_free: None,
         };
         let (cpu, gpu) = (shape(false), shape(true));
-        let at = |p: &PolicyShape, on| estimate(&plan.spec, &plan, 1, Some(p), on).per_cell;
-        let none = estimate(&plan.spec, &plan, 1, None, Memory::Host).per_cell;
+        let at = |p: &PolicyShape, on| estimate(&plan.spec, &plan, 1, Some(p), None, on).per_cell;
+        let none = estimate(&plan.spec, &plan, 1, None, None, Memory::Host).per_cell;
         assert_eq!(at(&gpu, Memory::Host), none, "a GPU policy adds nothing to host memory");
         assert_eq!(at(&cpu, Memory::Device), 0, "a CPU policy takes no device memory");
         assert!(at(&gpu, Memory::Device) >= 20 << 20, "full-parameter: 5 f32 copies of 1 Mi weights at least");

@@ -642,14 +642,26 @@ fn check_reward(spec: &Spec, keys: Locator<'_>, configs: &[ConfigPlan]) -> Resul
     }
     if let Some(d) = &spec.data {
         if d.pool != features::Pool::Last {
-            return Err(keys.err(&["data", "pool"], format!("\"mean\": [reward] update = \"{}\" reads the last token's state (\"last\")", r.update)));
+            return Err(keys.err(
+                &["data", "pool"],
+                format!("\"mean\": [reward] update = \"{}\" reads the last token's state (\"last\")", r.update),
+            ));
         }
         if d.layer != -1 {
-            return Err(keys.err(&["data", "layer"], format!("{}: [reward] update = \"{}\" reads the final-norm state (layer = -1)", d.layer, r.update)));
+            return Err(keys.err(
+                &["data", "layer"],
+                format!("{}: [reward] update = \"{}\" reads the final-norm state (layer = -1)", d.layer, r.update),
+            ));
         }
     }
     if spec.stream.ranks > 1 {
-        return Err(keys.err(&["stream", "ranks"], format!("{}: [reward] update = \"{}\" trains one reward model per cell (ranks = 1)", spec.stream.ranks, r.update)));
+        return Err(keys.err(
+            &["stream", "ranks"],
+            format!(
+                "{}: [reward] update = \"{}\" trains one reward model per cell (ranks = 1)",
+                spec.stream.ranks, r.update
+            ),
+        ));
     }
     use estimators::Kind as K;
     if let Some(c) = configs.iter().find(|c| matches!(c.kind, K::OmdExact | K::Mle | K::SgdReplay)) {

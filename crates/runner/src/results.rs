@@ -284,15 +284,16 @@ pub fn write_tables(
             .u32("seed", rows.iter().map(|(c, _)| c.seed))
             .cols(POLICY_TIMINGS, &rows, |(_, m)| m);
         schemas.push(("policy_timings.parquet".to_string(), t.write(&dir.join("policy_timings.parquet"))?));
-        for c in cells {
-            for a in c.result.iter().flat_map(|r| &r.adapters) {
-                let at = dir.join("adapters").join(c.cell_id).join(&a.dir);
-                // a directory that cannot be made is the disk's failure, as a write's is: the
-                // run stays resumable
-                std::fs::create_dir_all(&at).map_err(|source| crate::io::StorageError { path: at.clone(), source })?;
-                write_atomic_at(&at.join("adapter_model.safetensors"), &a.safetensors, "adapter-write")?;
-                write_atomic_at(&at.join("adapter_config.json"), a.config.as_bytes(), "adapter-write")?;
-            }
+    }
+    // a learning policy's adapters, and a reward model's whose features learn (LoRA + score head)
+    for c in cells {
+        for a in c.result.iter().flat_map(|r| &r.adapters) {
+            let at = dir.join("adapters").join(c.cell_id).join(&a.dir);
+            // a directory that cannot be made is the disk's failure, as a write's is: the run
+            // stays resumable
+            std::fs::create_dir_all(&at).map_err(|source| crate::io::StorageError { path: at.clone(), source })?;
+            write_atomic_at(&at.join("adapter_model.safetensors"), &a.safetensors, "adapter-write")?;
+            write_atomic_at(&at.join("adapter_config.json"), a.config.as_bytes(), "adapter-write")?;
         }
     }
     if let Some(g) = &world.generated {

@@ -156,6 +156,7 @@ fn check_memory(
     spec: &spec::Spec,
     threads: usize,
     policy: Option<&crate::budget::PolicyShape>,
+    reward: Option<&crate::budget::RewardShape>,
 ) -> Result<()> {
     let (limit, from) = match (opts.max_memory, crate::budget::available()) {
         (Some(m), _) => (m, "--max-memory allows".to_string()),
@@ -170,7 +171,7 @@ fn check_memory(
         let path: Vec<&str> = key.split('.').collect();
         anyhow::Error::new(plan.keys().err(&path, msg))
     };
-    let e = crate::budget::estimate(spec, plan, threads, policy, crate::budget::Memory::Host);
+    let e = crate::budget::estimate(spec, plan, threads, policy, reward, crate::budget::Memory::Host);
     crate::budget::check(&e, limit, &from).map_err(refuse)?;
     // a policy on an accelerator: its terms against the device's memory, not the host's
     let Some(p) = policy.filter(|p| p.on_device) else { return Ok(()) };
@@ -179,7 +180,7 @@ fn check_memory(
         (None, Some(f)) => (f, "free on the GPU (--max-gpu-memory sets another budget)".to_string()),
         (None, None) => return Ok(()),
     };
-    let e = crate::budget::estimate(spec, plan, threads, policy, crate::budget::Memory::Device);
+    let e = crate::budget::estimate(spec, plan, threads, policy, reward, crate::budget::Memory::Device);
     crate::budget::check(&e, limit, &from).map_err(refuse)
 }
 
@@ -439,12 +440,13 @@ pub fn run(opts: &RunOptions) -> Result<RunSummary> {
     // the synthetic bandit's sizes are all in the spec: check before anything is allocated;
     // the data kinds learn d from the data, and are checked once it is read
     if plan.spec.env.kind == spec::EnvKind::Synthetic {
-        check_memory(opts, &plan, &plan.spec, threads, None)?;
+        check_memory(opts, &plan, &plan.spec, threads, None, None)?;
     }
     let claimed = claim_output(opts)?;
     let world = world::build(&plan, opts.progress)?;
     let shape = world.online.as_ref().map(|o| o.shape());
-    check_memory(opts, &plan, &world.spec, threads, shape.as_ref())?;
+    let reward = world.reward_shape();
+    check_memory(opts, &plan, &world.spec, threads, shape.as_ref(), reward.as_ref())?;
     let (data_scale, warning) = scale_meta(&plan, &world);
     if let Some(w) = warning {
         eprintln!("onepass: warning: {w}");

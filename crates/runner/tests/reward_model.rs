@@ -73,6 +73,17 @@ fn every_rule_learns_the_features_through_a_run() {
         assert_eq!(labels.len(), 8, "{update}: 4 rules × 2 evaluation points");
         let resolved = std::fs::read_to_string(dir.join("spec.resolved.toml")).unwrap();
         assert!(resolved.contains(&format!("update = \"{update}\"")), "{resolved}");
+        // LoRA cells export ψ and θ as a PEFT sequence classifier; a full update writes none
+        let st = dir.join("adapters/c0000/adapter_model.safetensors");
+        assert_eq!(st.exists(), update == "lora", "{update}: {}", st.display());
+        if update == "lora" {
+            let bytes = std::fs::read(&st).unwrap();
+            let t = safetensors::SafeTensors::deserialize(&bytes).unwrap();
+            let score = t.tensor("base_model.model.score.weight").unwrap();
+            assert_eq!(score.shape(), [1, 32]);
+            let cfg = std::fs::read_to_string(dir.join("adapters/c0000/adapter_config.json")).unwrap();
+            assert!(cfg.contains("SEQ_CLS"), "{cfg}");
+        }
     }
 }
 
@@ -138,7 +149,11 @@ fn the_plan_refuses_what_a_learning_feature_map_cannot_do() {
         (spec("lora", "hvp_eps = 0.0", RULES), "reward.hvp_eps", "expected a finite number > 0"),
         (spec("lora", "", RULES).replace("rank = 2", "rank = 0"), "reward.rank", "expected at least 1"),
         (spec("full", "targets = [\"w_proj\"]", RULES), "reward.targets", "w_proj"),
-        (spec("lora", "", RULES).replace("setting = \"passive\"", "setting = \"active\""), "reward.update", "passive setting"),
+        (
+            spec("lora", "", RULES).replace("setting = \"passive\"", "setting = \"active\""),
+            "reward.update",
+            "passive setting",
+        ),
         (spec("lora", "", RULES).replace("[data.keys]", "pool = \"mean\"\n[data.keys]"), "data.pool", "last"),
         (spec("lora", "", RULES).replace("batch_size = 4", "batch_size = 4\nranks = 2"), "stream.ranks", "ranks = 1"),
         (spec("lora", "", RULES).replace("update = \"lora\"", "update = \"all\""), "`update`", "unknown variant `all`"),

@@ -10,7 +10,7 @@ use super::learner::Learner;
 use super::passive::file_order;
 use super::state::{CellCtx, Progress};
 use crate::plan::ConfigPlan;
-use crate::rows::{Bucket, CellResult, MetricRow};
+use crate::rows::{AdapterFiles, Bucket, CellResult, MetricRow};
 use crate::spec::{RewardUpdate, Spec};
 use crate::world::env::{seed_of, Component};
 use crate::world::pairs::PairData;
@@ -62,17 +62,41 @@ fn reward_model(spec: &Spec, base: &RewardBase, theta0: &[f64], seed: u32) -> Re
     Ok(RewardModel::new(model, theta0, true)?)
 }
 
-/// Held-out loss, accuracy (ties ½) and exact ties of r_{ψ,θ}, `batch` sequences per pass.
-fn evaluate(rm: &RewardModel, pairs: &[(Vec<u32>, Vec<u32>)], y: &[f32], batch: usize) -> Result<(f64, f64, u64)> {
-    let (mut loss, mut right, mut ties) = (0.0, 0.0, 0u64);
-    for (part, ys) in pairs.chunks((batch / 2).max(1)).zip(y.chunks((batch / 2).max(1))) {
-        let ps: Vec<RmPair> = part.iter().zip(ys).map(|((a, b), &y)| RmPair { a, b, y }).collect();
-        let m: Vec<f64> = rm.margins(&ps)?.to_dtype(candle_core::DType::F64)?.to_vec1()?;
-        for (&m, &y) in m.iter().zip(ys) {
-            loss += log_loss(m, f64::from(y));
-            right += accuracy_credit(m, f64::from(y));
-            ties += u64::from(m == 0.0);
+/// Held-out loss, accuracy (ties ½) and exact ties of r_{ψ,θ}, `batch` sequences per pass. The
+/// features are computed on `features`' fused inference path over the current weights (the
+/// adapters merged, [`PolicyModel::merged_weights`]): no graph, the kernels φ is extracted
+/// with — the same h as the trainable path to f32 rounding.
+fn evaluate(
+    rm: &RewardModel,
+    base: &RewardBase,
+    pairs: &[(Vec<u32>, Vec<u32>)],
+    y: &[f32],
+    batch: usize,
+) -> Result<(f64, f64, u64)> {
+    let w = rm.model.merged_weights()?;
+    let vb = candle_nn::VarBuilder::from_tensors(w, candle_core::DType::F32, &base.device);
+    let model = features::model::Model::load_with(vb, base.cfg.clone(), base.max_len, None)?;
+    let theta = rm.head_values()?;
+    let layer = base.cfg.layers;
+    let mut r = Vec::with_capacity(2 * pairs.len());
+    let seqs: Vec<&Vec<u32>> = pairs.iter().flat_map(|(a, b)| [a, b]).collect();
+    for part in seqs.chunks(batch.max(1)) {
+        let t = part.iter().map(|s| s.len()).max().unwrap_or(1);
+        let mut ids = vec![0u32; part.len() * t];
+        for (i, s) in part.iter().enumerate() {
+            ids[i * t..i * t + s.len()].copy_from_slice(s);
         }
+        let ids = candle_core::Tensor::from_vec(ids, (part.len(), t), &base.device)?;
+        let last: Vec<usize> = part.iter().map(|s| s.len() - 1).collect();
+        let h: Vec<Vec<f32>> = model.hidden_at(&ids, layer, &last)?.to_dtype(candle_core::DType::F32)?.to_vec2()?;
+        r.extend(h.iter().map(|h| h.iter().zip(&theta).map(|(a, b)| f64::from(*a) * b).sum::<f64>()));
+    }
+    let (mut loss, mut right, mut ties) = (0.0, 0.0, 0u64);
+    for (i, &y) in y.iter().enumerate() {
+        let m = r[2 * i] - r[2 * i + 1];
+        loss += log_loss(m, f64::from(y));
+        right += accuracy_credit(m, f64::from(y));
+        ties += u64::from(m == 0.0);
     }
     let n = y.len() as f64;
     Ok((loss / n, right / n, ties))
@@ -139,7 +163,8 @@ pub(super) fn passive_features(
             pr.hash.f32s(p.train.row(i));
         }
         pr.hash.f32s(&y);
-        let pairs: Vec<RmPair> = rows.iter().zip(&y).map(|(&i, &y)| RmPair { a: &ids.train[i].0, b: &ids.train[i].1, y }).collect();
+        let pairs: Vec<RmPair> =
+            rows.iter().zip(&y).map(|(&i, &y)| RmPair { a: &ids.train[i].0, b: &ids.train[i].1, y }).collect();
         let t0 = Instant::now();
         let s = st.update.step(&rm, &pairs).with_context(|| format!("reward model step {t}"))?;
         st.step_s += t0.elapsed().as_secs_f64();
@@ -161,7 +186,7 @@ pub(super) fn passive_features(
             let wall = bucket_start.elapsed().as_secs_f64();
             let est = st.step_s - st.bucket_step_s;
             l.buckets.push(Bucket { step: t, samples_seen: st.samples, estimator_s: est, other_s: wall - est });
-            let (eval_loss, eval_accuracy, eval_ties) = evaluate(&rm, &ids.eval, &p.eval.y, r.eval_batch)?;
+            let (eval_loss, eval_accuracy, eval_ties) = evaluate(&rm, base, &ids.eval, &p.eval.y, r.eval_batch)?;
             pr.rows.push(MetricRow {
                 step: t,
                 samples_seen: st.samples,
@@ -197,5 +222,14 @@ pub(super) fn passive_features(
     l.steps = st.steps;
     l.samples = st.samples;
     l.est_s = st.step_s;
-    Ok(CellResult { rows: pr.rows, stream_hash: pr.hash.0, ..Default::default() })
+    // LoRA: the adapters and θ as a PEFT sequence classifier (`adapters/<cell>/`); a full
+    // update's weights are the whole model, not written here
+    let adapters = match r.update {
+        RewardUpdate::Lora => {
+            let (safetensors, config) = policy::peft::encode_reward(&rm, &base.source)?;
+            vec![AdapterFiles { dir: String::new(), safetensors, config }]
+        }
+        _ => Vec::new(),
+    };
+    Ok(CellResult { rows: pr.rows, stream_hash: pr.hash.0, adapters, ..Default::default() })
 }

@@ -15,8 +15,8 @@ pub mod reward;
 pub use data::{DataSpec, Format, Keys};
 pub use generate::{FeatureSpec, GenerateSpec, LabelRule, OracleKind, OracleSpec};
 pub use phi::{DType, Device, PhiSpec};
-pub use reward::{RewardSpec, RewardUpdate};
 pub use policy::{AdapterLife, CriticHead, KlReference, LrRestart, PolicySpec, RewardSource, SaveAdapter};
+pub use reward::{RewardSpec, RewardUpdate};
 
 use serde::{de, Deserialize, Deserializer, Serialize, Serializer};
 use std::fmt;

@@ -280,7 +280,10 @@ pub fn load(d: &DataSpec, progress: Mode, keep_ids: bool) -> Result<(PairData, D
         Pairs { d: dim, z, y, digest: String::new() }
     };
     let ids = |range: std::ops::Range<usize>| -> Vec<(Vec<u32>, Vec<u32>)> {
-        range.filter(|&i| !(drop && ex.degenerate[i])).map(|i| (ex.ids[2 * i].clone(), ex.ids[2 * i + 1].clone())).collect()
+        range
+            .filter(|&i| !(drop && ex.degenerate[i]))
+            .map(|i| (ex.ids[2 * i].clone(), ex.ids[2 * i + 1].clone()))
+            .collect()
     };
     let ids = keep_ids.then(|| PairIds { train: ids(0..n_train), eval: ids(n_train..both.len()) });
     let kept_tokens = |range: std::ops::Range<usize>| -> usize {

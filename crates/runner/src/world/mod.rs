@@ -101,7 +101,8 @@ pub fn build(plan: &Plan, progress: Mode) -> Result<World, SpecError> {
             };
             if learns_features {
                 let d = spec.data.as_ref().expect("the plan requires [data] for [reward] update");
-                let base = reward::RewardBase::load(d).map_err(|e| keys.err(&["reward", "update"], format!("{e:#}")))?;
+                let base =
+                    reward::RewardBase::load(d).map_err(|e| keys.err(&["reward", "update"], format!("{e:#}")))?;
                 reward = Some(Arc::new(base));
             }
             spec.env.dim = d.d;
@@ -124,6 +125,21 @@ pub fn build(plan: &Plan, progress: Mode) -> Result<World, SpecError> {
     }
     spec.data_scale = Some(data_scale(&spec, data.as_deref(), generated.as_deref()));
     Ok(World { spec, data, generated, online, reward })
+}
+
+impl World {
+    /// What sizes a reward model whose features learn (`budget::RewardShape`): the feature
+    /// model and the longest pair sequence.
+    pub fn reward_shape(&self) -> Option<crate::budget::RewardShape> {
+        let r = self.reward.as_ref()?;
+        let ids = self.data.as_ref()?.ids.as_ref()?;
+        let longest = ids.train.iter().chain(&ids.eval).map(|(a, b)| a.len().max(b.len())).max().unwrap_or(0);
+        Some(crate::budget::RewardShape {
+            cfg: r.cfg.clone(),
+            weights: r.base.values().map(|t| t.elem_count() as u64).sum(),
+            seq_len: longest,
+        })
+    }
 }
 
 /// ‖z‖² of the first pairs ([`DataScale`]): the training pairs in file order; for the bandits,

@@ -17,6 +17,8 @@ pub struct RewardBase {
     pub device: Device,
     /// blake3 of the weight files (the same model φ was computed with).
     pub weights_digest: String,
+    /// The model as the spec names it (an exported adapter's `base_model_name_or_path`).
+    pub source: String,
 }
 
 impl std::fmt::Debug for RewardBase {
@@ -39,6 +41,7 @@ impl RewardBase {
             max_len: d.max_len,
             device,
             weights_digest: backbone.weights_digest,
+            source: model,
         })
     }
 }

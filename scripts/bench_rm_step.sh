@@ -1,0 +1,27 @@
+#!/usr/bin/env bash
+# `just bench-rm-step`: one step of a reward model whose features learn (issue 30; LoRA r 8 on
+# every linear layer, a linear head on the last token's final-norm state) in onepass (candle)
+# against PyTorch + transformers + PEFT on the same model file, token ids and thread count, for
+# sgd and for omd (paper Alg. 5, K = 3 HVPs: onepass by central differences of gradients,
+# PyTorch by double backward as the authors' rm_trainer_hvp.py). Rounds alternate the engines;
+# the table reports median seconds per step over rounds and PyTorch's time over onepass's.
+#
+# Environment: as bench-train (ONEPASS_BENCH_MODEL, _THREADS, _ROUNDS, _PYTHON).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+bench=bench-rm-step
+source scripts/bench_env.sh "$@"
+cargo build --release -p policy --example rm_step --quiet
+out=$(mktemp -d)
+trap 'rm -rf "$out"' EXIT
+bin=target/release/examples/rm_step
+for r in $(seq 1 "$rounds"); do
+    for rule in sgd omd; do
+        echo "bench-rm-step: round $r/$rounds, $rule" >&2
+        RAYON_NUM_THREADS=$threads $bin "$model" "$rule" "$batch" "$len" "$reps" "$out/ids.json" 2>/dev/null |
+            tail -n 1 >"$out/candle-$rule-$r.json"
+        "$py" scripts/bench_rm_step_torch.py --model "$model" --ids "$out/ids.json" --rule "$rule" \
+            --threads "$threads" --reps "$reps" 2>/dev/null >"$out/torch-$rule-$r.json"
+    done
+done
+python3 scripts/bench_rm_step_report.py "$out"/candle-*.json "$out"/torch-*.json
