@@ -20,8 +20,12 @@ for r in $(seq 1 "$rounds"); do
         echo "bench-rm-step: round $r/$rounds, $rule" >&2
         RAYON_NUM_THREADS=$threads $bin "$model" "$rule" "$batch" "$len" "$reps" "$out/ids.json" 2>/dev/null |
             tail -n 1 >"$out/candle-$rule-$r.json"
-        "$py" scripts/bench_rm_step_torch.py --model "$model" --ids "$out/ids.json" --rule "$rule" \
-            --threads "$threads" --reps "$reps" 2>/dev/null >"$out/torch-$rule-$r.json"
+        # PyTorch's double backward can exhaust the machine (killed: the table says so)
+        if ! "$py" scripts/bench_rm_step_torch.py --model "$model" --ids "$out/ids.json" --rule "$rule" \
+            --threads "$threads" --reps "$reps" 2>"$out/torch-$rule-$r.err" >"$out/torch-$rule-$r.json"; then
+            echo "{\"engine\": \"torch\", \"rule\": \"$rule\", \"failed\": \"$(tail -n 1 "$out/torch-$rule-$r.err" | tr -d '"\\' | cut -c1-160)\"}" >"$out/torch-$rule-$r.json"
+            echo "bench-rm-step: PyTorch $rule failed (exit $?; killed for memory?)" >&2
+        fi
     done
 done
 python3 scripts/bench_rm_step_report.py "$out"/candle-*.json "$out"/torch-*.json

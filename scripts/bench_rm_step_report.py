@@ -10,8 +10,12 @@ from collections import defaultdict
 
 def main(paths):
     runs = defaultdict(list)
+    failed = []
     for p in paths:
         r = json.load(open(p))
+        if "failed" in r:
+            failed.append(r)
+            continue
         runs[(r["engine"], r["rule"])].append(r)
     first = next(iter(runs.values()))[0]
     print(f"model {first['model']}, {first['pairs']} pairs x 2 x {first['len']} tokens, "
@@ -23,6 +27,8 @@ def main(paths):
         med[(eng, rule)] = statistics.median(s)
         rss = max(r["peak_rss_mb"] or 0 for r in rs)
         print(f"{eng:<7} {rule:<5} {len(rs):>6} {med[(eng, rule)]:>14.2f} {min(s):>7.2f} {max(s):>7.2f} {rs[-1]['hvps']:>5} {rss:>12.0f} {rs[-1]['loss']:>8.4f}")
+    for r in failed:
+        print(f"{r['engine']} {r['rule']}: failed in a round ({r['failed'] or 'killed: out of memory?'})")
     for rule in ("sgd", "omd"):
         c, t = runs.get(("candle", rule)), runs.get(("torch", rule))
         if not (c and t):

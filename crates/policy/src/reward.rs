@@ -33,6 +33,8 @@ pub struct RewardModel {
     /// Whether ψ trains. With false only θ is a parameter of the updates: h is then the base
     /// model's φ and the updates are the head-only estimators' (the equivalence issue 30 tests).
     train_backbone: bool,
+    /// Pairs per forward and backward pass ([`RewardModel::set_pairs_per_pass`]).
+    pairs_per_pass: usize,
 }
 
 /// What one forward and backward pass over a batch gave.
@@ -52,7 +54,7 @@ impl RewardModel {
             candle_core::bail!("a reward head of {} weights for a model of hidden size {d}", theta.len());
         }
         let t = Tensor::from_vec(theta.to_vec(), d, model.device())?.to_dtype(model.var_dtype())?;
-        Ok(RewardModel { model, head: Var::from_tensor(&t)?, train_backbone })
+        Ok(RewardModel { model, head: Var::from_tensor(&t)?, train_backbone, pairs_per_pass: usize::MAX })
     }
 
     pub fn trains_backbone(&self) -> bool {
@@ -140,34 +142,54 @@ impl RewardModel {
     }
 
     /// The loss, the accuracy and the gradient of every trainable variable on `pairs`. A
-    /// variable the loss does not reach is an error naming it, never a zero gradient.
+    /// variable the loss does not reach is an error naming it, never a zero gradient. The
+    /// backward passes take [`RewardModel::set_pairs_per_pass`] pairs at a time (a pass's
+    /// activations are most of a step's memory): the batch-mean loss is the sum over passes of
+    /// each pass's mean weighted by its share of the pairs, and so is its gradient.
     pub fn gradient(&self, pairs: &[RmPair<'_>]) -> Result<Gradient> {
         if pairs.is_empty() {
             candle_core::bail!("reward model gradient: no pairs");
         }
-        let m = self.margins(pairs)?;
-        let loss = Self::loss_of(&m, pairs)?;
-        let store = loss.backward()?;
         let names = self.var_names();
-        let grads = self
-            .vars()
-            .iter()
-            .zip(&names)
-            .map(|(v, name)| {
-                store.get(v.as_tensor()).map(|g| g.detach()).ok_or_else(|| {
-                    candle_core::Error::Msg(format!(
-                        "reward model: {name} received no gradient (the computation graph does not reach it)"
-                    ))
+        let vars = self.vars();
+        let n = pairs.len();
+        let (mut grads, mut margins, mut loss): (Option<Vec<Tensor>>, Vec<f64>, f64) =
+            (None, Vec::with_capacity(n), 0.0);
+        for part in pairs.chunks(self.pairs_per_pass.max(1)) {
+            let share = part.len() as f64 / n as f64;
+            let m = self.margins(part)?;
+            let l = Self::loss_of(&m, part)?;
+            let store = (&l * share)?.backward()?;
+            let gs = vars
+                .iter()
+                .zip(&names)
+                .map(|(v, name)| {
+                    store.get(v.as_tensor()).map(|g| g.detach()).ok_or_else(|| {
+                        candle_core::Error::Msg(format!(
+                            "reward model: {name} received no gradient (the computation graph does not reach it)"
+                        ))
+                    })
                 })
-            })
-            .collect::<Result<Vec<_>>>()?;
-        let m: Vec<f64> = m.to_dtype(DType::F64)?.to_vec1()?;
+                .collect::<Result<Vec<_>>>()?;
+            grads = Some(match grads {
+                None => gs,
+                Some(acc) => acc.iter().zip(&gs).map(|(a, g)| a + g).collect::<Result<Vec<_>>>()?,
+            });
+            loss += share * l.to_dtype(DType::F64)?.to_scalar::<f64>()?;
+            margins.extend(m.to_dtype(DType::F64)?.to_vec1::<f64>()?);
+        }
         let y: Vec<f32> = pairs.iter().map(|p| p.y).collect();
-        let (mut coef, mut curv) = (vec![0.0; m.len()], vec![0.0; m.len()]);
-        let mut stats = estimators::BatchStats::compute(&m, &y, &mut coef, &mut curv);
+        let (mut coef, mut curv) = (vec![0.0; n], vec![0.0; n]);
+        let mut stats = estimators::BatchStats::compute(&margins, &y, &mut coef, &mut curv);
         // the graph's own loss (what was differentiated), not the f64 recomputation
-        stats.loss = loss.to_dtype(DType::F64)?.to_scalar()?;
-        Ok(Gradient { stats, grads })
+        stats.loss = loss;
+        Ok(Gradient { stats, grads: grads.expect("at least one pass") })
+    }
+
+    /// Pairs per forward and backward pass of [`RewardModel::gradient`] (and so of each HVP):
+    /// the same gradient to rounding, a fraction of the memory. Default: the whole batch.
+    pub fn set_pairs_per_pass(&mut self, n: usize) {
+        self.pairs_per_pass = n.max(1);
     }
 
     /// H·v, H the Hessian of the batch loss on `pairs` over the trainable variables, by central

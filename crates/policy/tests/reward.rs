@@ -392,3 +392,29 @@ fn a_reward_model_round_trips_through_peft_as_a_sequence_classifier() {
     assert_eq!(cfg["task_type"], "SEQ_CLS");
     assert_eq!(cfg["modules_to_save"], serde_json::json!(["score"]));
 }
+
+/// The gradient in passes of 1, 2 or 3 pairs is the one-pass gradient (relative 1e-6: f32
+/// sums in another order), and so is the loss; a pass that drops the share weighting would be
+/// off by the number of passes (a negative control on the accumulation).
+#[test]
+fn a_gradient_in_passes_is_the_whole_batchs() {
+    let data = planted(6, 33);
+    let pairs: Vec<RmPair> = data.iter().map(|(a, b, y)| RmPair { a, b, y: *y }).collect();
+    let (m, _, _) = tiny(4);
+    randomize(&m, 17);
+    let mut rm = RewardModel::new(m, &[0.2; 16], true).unwrap();
+    let whole = rm.gradient(&pairs).unwrap();
+    let w = flat64(&whole.grads);
+    for k in [1, 2, 3] {
+        rm.set_pairs_per_pass(k);
+        let g = rm.gradient(&pairs).unwrap();
+        let e = rel(&flat64(&g.grads), &w);
+        assert!(e < 1e-6, "{k} pairs per pass: gradient relative error {e:e}");
+        assert!((g.stats.loss - whole.stats.loss).abs() < 1e-6, "{k}: loss");
+        assert_eq!(g.stats.accuracy, whole.stats.accuracy);
+        if k == 2 {
+            let unweighted: Vec<f64> = w.iter().map(|x| x * 3.0).collect();
+            assert!(rel(&flat64(&g.grads), &unweighted) > 0.5, "the share weighting matters");
+        }
+    }
+}

@@ -59,7 +59,9 @@ fn reward_model(spec: &Spec, base: &RewardBase, theta0: &[f64], seed: u32) -> Re
         RewardUpdate::Full => PolicyModel::new_full(base.base.clone(), base.cfg.clone(), base.max_len, dtype)?,
         RewardUpdate::Head => return Err(anyhow!("reward.update = \"head\" learns on cached φ")),
     };
-    Ok(RewardModel::new(model, theta0, true)?)
+    let mut rm = RewardModel::new(model, theta0, true)?;
+    rm.set_pairs_per_pass(r.pairs_per_pass);
+    Ok(rm)
 }
 
 /// Held-out loss, accuracy (ties ½) and exact ties of r_{ψ,θ}, `batch` sequences per pass. The
