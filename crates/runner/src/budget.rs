@@ -392,6 +392,58 @@ pub fn check(e: &Estimate, budget: u64, budget_from: &str) -> Result<(), (&'stat
 mod tests {
     use super::*;
 
+    /// A reward model whose features learn (issue 30): a full update counts every weight 14
+    /// times (value, gradient, two moments, the update's ten flat copies) and LoRA only its
+    /// adapters; the activations scale with `pairs_per_pass`, not the batch; a head-only run
+    /// counts none of it (negative control).
+    #[test]
+    fn a_learning_reward_model_counts_its_parameters_and_one_pass() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("spec.toml");
+        let spec = |update: &str, ppp: usize| {
+            format!(
+                "setting = \"passive\"\n[env]\nkind = \"dataset\"\n[data]\npath = \"p.jsonl\"\nmodel = \"m.gguf\"\n\
+                 [stream]\nbatch_size = 8\n[reward]\nupdate = \"{update}\"\npairs_per_pass = {ppp}\n[[estimator]]\nkind = \"sgd\"\n"
+            )
+        };
+        let cfg = features::model::Config {
+            family: features::model::Family::Llama,
+            hidden: 64,
+            intermediate: 128,
+            layers: 2,
+            heads: 4,
+            kv_heads: 2,
+            head_dim: 16,
+            eps: 1e-5,
+            rope_theta: 1e4,
+            vocab: 100,
+            qkv_bias: false,
+            o_bias: false,
+            rope_interleaved: false,
+            rope_factors: None,
+        };
+        let shape = RewardShape { cfg, weights: 1 << 20, seq_len: 64 };
+        let at = |update: &str, ppp: usize| -> Estimate {
+            std::fs::write(&path, spec(update, ppp)).unwrap();
+            let plan = crate::load_plan(&path, &[]).unwrap();
+            estimate(&plan.spec, &plan, 1, None, Some(&shape), Memory::Host)
+        };
+        let term = |e: &Estimate, key: &str| e.cell.iter().filter(|t| t.key == key).map(|t| t.bytes).sum::<u64>();
+        let full = at("full", 2);
+        assert_eq!(term(&full, "reward.update"), ((1u64 << 20) + 64) * 4 * 14, "{:?}", full.cell);
+        let lora = at("lora", 2);
+        assert!(term(&lora, "reward.update") < term(&full, "reward.update") / 10, "{:?}", lora.cell);
+        let (a1, a4) = (term(&at("lora", 1), "reward.pairs_per_pass"), term(&at("lora", 4), "reward.pairs_per_pass"));
+        assert!(a4 > 3 * a1 && a1 > 0, "activations scale with the pairs per pass: {a1} {a4}");
+        assert_eq!(
+            term(&at("lora", 8), "reward.pairs_per_pass"),
+            term(&at("lora", 40), "reward.pairs_per_pass"),
+            "capped by the batch"
+        );
+        let head = at("head", 2);
+        assert!(head.cell.iter().all(|t| !t.key.starts_with("reward.")), "{:?}", head.cell);
+    }
+
     #[test]
     fn sizes_parse_as_people_write_them() {
         assert_eq!(parse_size("8G"), Ok(8 << 30));
