@@ -1,8 +1,9 @@
 //! Seconds of one reward-model step whose features learn (issue 30) on a GGUF model:
 //! `cargo run --release -p policy --example rm_step -- MODEL.gguf RULE [PAIRS] [LEN] [REPS] [IDS_OUT]`,
-//! RULE `sgd` (one forward and backward pass over the 2·PAIRS sequences, clip 1, lr 1e-3) or
+//! RULE `sgd` (one forward and backward pass over the 2·PAIRS sequences, clip 1, lr 1e-3),
 //! `omd` (paper Alg. 5: the gradient, then K = 3 conjugate-gradient steps on the damped batch
-//! Hessian with HVPs by central differences of gradients — two more passes each — lr 1e-3).
+//! Hessian with HVPs by central differences of gradients — two more passes each — lr 1e-3) or
+//! `omd-forward` (the same with forward differences: one more pass each).
 //! The reward model is r = θᵀh_ψ, ψ LoRA r = 8, α = 16 on every linear layer, θ = 1/(d+1)·1.
 //! Each side of a pair has LEN random tokens (ChaCha8, seed 0), label 1. One untimed warm-up
 //! step, then REPS timed ones; the last line is a JSON record for `just bench-rm-step`
@@ -10,7 +11,7 @@
 
 use candle_core::{DType, Device};
 use estimators::{EstimatorConfig, HvpCgConfig, SgdConfig};
-use policy::reward::{HvpConfig, OnePass, RewardModel, RmPair};
+use policy::reward::{HvpConfig, HvpScheme, OnePass, RewardModel, RmPair};
 use policy::{LoraConfig, PolicyModel, Target};
 use rand::{Rng, SeedableRng};
 
@@ -28,10 +29,12 @@ fn main() {
     let rm = RewardModel::new(m, &vec![1.0 / (d as f64 + 1.0); d], true).unwrap();
     let cfg = match rule.as_str() {
         "sgd" => EstimatorConfig::Sgd(SgdConfig { lr: 1e-3, clip: Some(1.0) }),
-        "omd" => EstimatorConfig::OmdHvpCg(HvpCgConfig { lr: 1e-3, cg_tol: 0.0, ..Default::default() }),
-        r => panic!("rule {r}: expected sgd or omd"),
+        "omd" | "omd-forward" => EstimatorConfig::OmdHvpCg(HvpCgConfig { lr: 1e-3, cg_tol: 0.0, ..Default::default() }),
+        r => panic!("rule {r}: expected sgd, omd or omd-forward"),
     };
-    let mut up = OnePass::new(&cfg, &rm, Some(100), HvpConfig::default(), 1.0).unwrap();
+    let scheme = if rule == "omd-forward" { HvpScheme::Forward } else { HvpScheme::Central };
+    let hvp = HvpConfig { eps: scheme.default_eps(), scheme };
+    let mut up = OnePass::new(&cfg, &rm, Some(100), hvp, 1.0).unwrap();
     let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(0);
     let ids: Vec<u32> = (0..2 * pairs * len).map(|_| rng.random_range(0..vocab as u32)).collect();
     if let Some(out) = args.get(6) {

@@ -131,6 +131,18 @@ fn loss_gradient_and_hvps_by_differences_equal_pytorchs_exact_ones() {
             let rm32 = fixture_model(&fx, full, DType::F32);
             let v32: Vec<Tensor> = v.iter().map(|t| t.to_dtype(DType::F32).unwrap()).collect();
             let at = |eps: f64| rel(&flat64(&rm32.hvp(&pairs, &v32, eps).unwrap()), &exact);
+            // forward differences from the step's own gradient: one pass, error O(ε)
+            let (g64, g32) = (rm.gradient(&pairs).unwrap().grads, rm32.gradient(&pairs).unwrap().grads);
+            let fwd64 = rel(&flat64(&rm.hvp_with(&pairs, &v, 1e-7, Some(&g64)).unwrap()), &exact);
+            let fwd = |eps: f64| rel(&flat64(&rm32.hvp_with(&pairs, &v32, eps, Some(&g32)).unwrap()), &exact);
+            let (f_default, f_far) = (fwd(policy::reward::HvpScheme::Forward.default_eps()), fwd(3e-2));
+            eprintln!("{case} v{k}: forward HVP error {fwd64:.2e} (f64, ε = 1e-7), {f_default:.2e} (f32, ε = 3e-4), {f_far:.2e} (f32, ε = 3e-2)");
+            // measured 4e-7–1.2e-6 (f64); 1.4e-3–4.6e-3 (f32)
+            assert!(fwd64 < 3e-6, "{case} v{k}: forward f64 HVP error {fwd64:e}");
+            assert!(
+                f_default < 1e-2 && f_far > 3.0 * f_default,
+                "{case} v{k}: forward f32 {f_default:e}, far {f_far:e}"
+            );
             let (default, tiny, huge) = (at(HvpConfig::default().eps), at(1e-5), at(0.3));
             eprintln!("{case} v{k}: f32 HVP error {default:.2e} at ε = 3e-3, {tiny:.2e} at 1e-5, {huge:.2e} at 0.3");
             // measured 5.4e-4, 1.3e-4 (lora), 9.9e-5 (full)

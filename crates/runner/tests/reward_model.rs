@@ -91,6 +91,27 @@ fn every_rule_learns_the_features_through_a_run() {
 /// nowhere) gives the head-only run's θ: the same stream (hash), the same updates on features
 /// recomputed through the trainable decoder instead of read from the φ cache (agreement to
 /// f32 rounding of φ). A learning backbone gives another θ.
+/// `hvp = "forward"`: the CG rules run on one-pass products; the products differ from central
+/// ones, so omd-hvp-cg's θ does too (sgd's, which takes none, does not).
+#[test]
+fn forward_differences_are_a_named_choice() {
+    let tmp = tempfile::tempdir().unwrap();
+    let p = tmp.path();
+    setup(p);
+    let rules = "[[estimator]]\nkind = \"sgd\"\nlr = 0.05\n[[estimator]]\nkind = \"omd-hvp-cg\"\nlr = 0.05\n";
+    let central = run(p, &spec("lora", "", rules), "central");
+    let forward = run(p, &spec("lora", "hvp = \"forward\"", rules), "forward");
+    let th = |d: &Path, cell: &str| -> Vec<f64> {
+        let b = std::fs::read(d.join(format!("theta/{cell}.npy"))).unwrap();
+        let header = u16::from_le_bytes([b[8], b[9]]) as usize;
+        b[10 + header..].chunks_exact(8).map(|c| f64::from_le_bytes(c.try_into().unwrap())).collect()
+    };
+    assert_eq!(th(&central, "c0000"), th(&forward, "c0000"), "sgd takes no HVP");
+    assert_ne!(th(&central, "c0001"), th(&forward, "c0001"), "omd-hvp-cg's products differ");
+    let hvp = u64s(&table(&forward.join("metrics.parquet")), "hvp_evals");
+    assert!(hvp.iter().any(|&h| h > 0), "{hvp:?}");
+}
+
 #[test]
 fn a_fixed_backbone_is_the_head_only_run() {
     let tmp = tempfile::tempdir().unwrap();
@@ -157,6 +178,7 @@ fn the_plan_refuses_what_a_learning_feature_map_cannot_do() {
         (spec("lora", "", RULES).replace("[data.keys]", "pool = \"mean\"\n[data.keys]"), "data.pool", "last"),
         (spec("lora", "", RULES).replace("batch_size = 4", "batch_size = 4\nranks = 2"), "stream.ranks", "ranks = 1"),
         (spec("lora", "", RULES).replace("update = \"lora\"", "update = \"all\""), "`update`", "unknown variant `all`"),
+        (spec("lora", "hvp = \"backward\"", RULES), "`hvp`", "unknown variant `backward`"),
     ];
     for (text, key, says) in cases {
         std::fs::write(p.join("bad.toml"), &text).unwrap();

@@ -17,7 +17,7 @@ use crate::world::pairs::PairData;
 use crate::world::reward::RewardBase;
 use anyhow::{anyhow, Context, Result};
 use estimators::logistic::{accuracy_credit, log_loss};
-use policy::reward::{HvpConfig, OnePass, RewardModel, RmPair};
+use policy::reward::{OnePass, RewardModel, RmPair};
 use policy::PolicyModel;
 use serde::{Deserialize, Serialize};
 use std::time::Instant;
@@ -129,13 +129,7 @@ pub(super) fn passive_features(
             s
         }
         None => RmState {
-            update: OnePass::new(
-                &config.cfg_for(spec),
-                &rm,
-                Some(steps),
-                HvpConfig { eps: r.hvp_eps },
-                r.backbone_lr_scale,
-            )?,
+            update: OnePass::new(&config.cfg_for(spec), &rm, Some(steps), r.hvp_config(), r.backbone_lr_scale)?,
             params: Vec::new(),
             steps: 0,
             samples: 0,

@@ -29,6 +29,30 @@ impl std::fmt::Display for RewardUpdate {
     }
 }
 
+/// The difference quotient of the HVPs (`policy::reward::HvpScheme`).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum HvpScheme {
+    #[default]
+    Central,
+    Forward,
+}
+
+impl HvpScheme {
+    pub fn default_eps(&self) -> f64 {
+        policy::reward::HvpScheme::from(*self).default_eps()
+    }
+}
+
+impl From<HvpScheme> for policy::reward::HvpScheme {
+    fn from(s: HvpScheme) -> Self {
+        match s {
+            HvpScheme::Central => policy::reward::HvpScheme::Central,
+            HvpScheme::Forward => policy::reward::HvpScheme::Forward,
+        }
+    }
+}
+
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct RewardSpec {
@@ -46,10 +70,15 @@ pub struct RewardSpec {
     /// computed through the trainable path).
     #[serde(default = "d_one")]
     pub backbone_lr_scale: f64,
-    /// ε of the Hessian–vector products by central differences of gradients (omd-hvp-cg,
-    /// omd-reference): how far the parameters move along the direction.
-    #[serde(default = "d_eps")]
-    pub hvp_eps: f64,
+    /// The Hessian–vector products of omd-hvp-cg and omd-reference, by differences of
+    /// gradients: "central" (two passes each, error O(ε²)) or "forward" (one pass from the
+    /// step's own gradient, error O(ε)).
+    #[serde(default)]
+    pub hvp: HvpScheme,
+    /// ε: how far the parameters move along the direction (absent: the scheme's f32 balance of
+    /// truncation and rounding, 3e-3 central, 3e-4 forward).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub hvp_eps: Option<f64>,
     /// Sequences per forward pass when the held-out pairs are scored.
     #[serde(default = "d_eval_batch")]
     pub eval_batch: usize,
@@ -68,7 +97,8 @@ impl Default for RewardSpec {
             alpha: d_alpha(),
             targets: d_targets(),
             backbone_lr_scale: d_one(),
-            hvp_eps: d_eps(),
+            hvp: HvpScheme::Central,
+            hvp_eps: None,
             eval_batch: d_eval_batch(),
             pairs_per_pass: d_pairs_per_pass(),
         }
@@ -88,8 +118,8 @@ impl RewardSpec {
         if !(self.backbone_lr_scale.is_finite() && self.backbone_lr_scale >= 0.0) {
             return Err(("backbone_lr_scale", format!("{}: expected a finite number ≥ 0", self.backbone_lr_scale)));
         }
-        if !(self.hvp_eps.is_finite() && self.hvp_eps > 0.0) {
-            return Err(("hvp_eps", format!("{}: expected a finite number > 0", self.hvp_eps)));
+        if let Some(e) = self.hvp_eps.filter(|e| !(e.is_finite() && *e > 0.0)) {
+            return Err(("hvp_eps", format!("{e}: expected a finite number > 0")));
         }
         if self.eval_batch == 0 {
             return Err(("eval_batch", "0: expected at least 1".into()));
@@ -98,6 +128,11 @@ impl RewardSpec {
             return Err(("pairs_per_pass", "0: expected at least 1".into()));
         }
         Ok(())
+    }
+
+    /// How the update takes Hessian–vector products.
+    pub fn hvp_config(&self) -> policy::reward::HvpConfig {
+        policy::reward::HvpConfig { eps: self.hvp_eps.unwrap_or(self.hvp.default_eps()), scheme: self.hvp.into() }
     }
 
     /// The adapters of update = "lora", their initial draw from `seed`.
@@ -123,9 +158,6 @@ fn d_targets() -> Targets {
 }
 fn d_one() -> f64 {
     1.0
-}
-fn d_eps() -> f64 {
-    policy::reward::HvpConfig::default().eps
 }
 fn d_eval_batch() -> usize {
     16
