@@ -198,7 +198,7 @@ impl RewardModel {
     /// along v: the even terms of the expansion cancel) plus the gradients' rounding amplified
     /// by 1/ε. On the tiny test Llama against PyTorch's exact double-backward HVPs
     /// (`tests/reward.rs`): relative error 6e-11–5e-9 in f64 at ε = 1e-5; in f32 1e-4–5e-4 at
-    /// ε = 3e-3, the balance of the two (1e-2–4e-2 at ε = 1e-4, 2e-2–1 at ε = 0.3). Costs two
+    /// ε = 3e-3, the balance of the two (3e-3–4e-2 at ε = 1e-4, 2e-2–1.1 at ε = 0.3). Costs two
     /// forward and backward passes; the variables are restored bit for bit.
     pub fn hvp(&self, pairs: &[RmPair<'_>], v: &[Tensor], eps: f64) -> Result<Vec<Tensor>> {
         self.hvp_with(pairs, v, eps, None)
@@ -293,8 +293,9 @@ pub fn unflatten(x: &[f32], like: &[&Var]) -> Result<Vec<Tensor>> {
         .collect()
 }
 
-/// The difference quotient of [`RewardModel::hvp_with`].
+/// The difference quotient of [`RewardModel::hvp_with`] (`"central"`, `"forward"`).
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+#[serde(rename_all = "kebab-case")]
 pub enum HvpScheme {
     /// (g(w + hv) − g(w − hv)) / 2h: two passes per product, error O(ε²).
     #[default]

@@ -392,21 +392,9 @@ pub fn check(e: &Estimate, budget: u64, budget_from: &str) -> Result<(), (&'stat
 mod tests {
     use super::*;
 
-    /// A reward model whose features learn (issue 30): a full update counts every weight 14
-    /// times (value, gradient, two moments, the update's ten flat copies) and LoRA only its
-    /// adapters; the activations scale with `pairs_per_pass`, not the batch; a head-only run
-    /// counts none of it (negative control).
-    #[test]
-    fn a_learning_reward_model_counts_its_parameters_and_one_pass() {
-        let dir = tempfile::tempdir().unwrap();
-        let path = dir.path().join("spec.toml");
-        let spec = |update: &str, ppp: usize| {
-            format!(
-                "setting = \"passive\"\n[env]\nkind = \"dataset\"\n[data]\npath = \"p.jsonl\"\nmodel = \"m.gguf\"\n\
-                 [stream]\nbatch_size = 8\n[reward]\nupdate = \"{update}\"\npairs_per_pass = {ppp}\n[[estimator]]\nkind = \"sgd\"\n"
-            )
-        };
-        let cfg = features::model::Config {
+    /// A small decoder's shape for the memory terms.
+    fn tiny_cfg() -> features::model::Config {
+        features::model::Config {
             family: features::model::Family::Llama,
             hidden: 64,
             intermediate: 128,
@@ -421,7 +409,24 @@ mod tests {
             o_bias: false,
             rope_interleaved: false,
             rope_factors: None,
+        }
+    }
+
+    /// A reward model whose features learn (issue 30): a full update counts every weight 14
+    /// times (value, gradient, two moments, the update's ten flat copies) and LoRA only its
+    /// adapters; the activations scale with `pairs_per_pass`, not the batch; a head-only run
+    /// counts none of it (negative control).
+    #[test]
+    fn a_learning_reward_model_counts_its_parameters_and_one_pass() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("spec.toml");
+        let spec = |update: &str, ppp: usize| {
+            format!(
+                "setting = \"passive\"\n[env]\nkind = \"dataset\"\n[data]\npath = \"p.jsonl\"\nmodel = \"m.gguf\"\n\
+                 [stream]\nbatch_size = 8\n[reward]\nupdate = \"{update}\"\npairs_per_pass = {ppp}\n[[estimator]]\nkind = \"sgd\"\n"
+            )
         };
+        let cfg = tiny_cfg();
         let shape = RewardShape { cfg, weights: 1 << 20, seq_len: 64 };
         let at = |update: &str, ppp: usize| -> Estimate {
             std::fs::write(&path, spec(update, ppp)).unwrap();
@@ -467,22 +472,7 @@ mod tests {
                     save_adapter = \"none\"\n[[estimator]]\nkind = \"sgd\"\n";
         std::fs::write(&path, text).unwrap();
         let plan = crate::load_plan(&path, &[]).unwrap();
-        let cfg = features::model::Config {
-            family: features::model::Family::Llama,
-            hidden: 64,
-            intermediate: 128,
-            layers: 2,
-            heads: 4,
-            kv_heads: 2,
-            head_dim: 16,
-            eps: 1e-5,
-            rope_theta: 1e4,
-            vocab: 100,
-            qkv_bias: false,
-            o_bias: false,
-            rope_interleaved: false,
-            rope_factors: None,
-        };
+        let cfg = tiny_cfg();
         let shape = |on_device| PolicyShape {
             cfg: cfg.clone(),
             seq_len: 64,

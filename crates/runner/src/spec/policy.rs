@@ -640,10 +640,10 @@ fn d_min_lr_ratio() -> f64 {
 fn d_restart() -> LrRestart {
     LrRestart::Chunk
 }
-fn d_rank() -> usize {
+pub(super) fn d_rank() -> usize {
     8
 }
-fn d_alpha() -> f64 {
+pub(super) fn d_alpha() -> f64 {
     16.0
 }
 fn d_targets() -> Targets {

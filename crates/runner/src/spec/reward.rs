@@ -4,7 +4,8 @@
 //! feature model's adapters or all its weights, one pass over the data with the same
 //! estimator tables' rules (`policy::reward`).
 
-use super::policy::Targets;
+use super::policy::{d_alpha, d_rank, Targets};
+use policy::reward::HvpScheme;
 use serde::{Deserialize, Serialize};
 
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
@@ -26,30 +27,6 @@ impl std::fmt::Display for RewardUpdate {
             RewardUpdate::Lora => "lora",
             RewardUpdate::Full => "full",
         })
-    }
-}
-
-/// The difference quotient of the HVPs (`policy::reward::HvpScheme`).
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(rename_all = "kebab-case")]
-pub enum HvpScheme {
-    #[default]
-    Central,
-    Forward,
-}
-
-impl HvpScheme {
-    pub fn default_eps(&self) -> f64 {
-        policy::reward::HvpScheme::from(*self).default_eps()
-    }
-}
-
-impl From<HvpScheme> for policy::reward::HvpScheme {
-    fn from(s: HvpScheme) -> Self {
-        match s {
-            HvpScheme::Central => policy::reward::HvpScheme::Central,
-            HvpScheme::Forward => policy::reward::HvpScheme::Forward,
-        }
     }
 }
 
@@ -132,7 +109,7 @@ impl RewardSpec {
 
     /// How the update takes Hessian–vector products.
     pub fn hvp_config(&self) -> policy::reward::HvpConfig {
-        policy::reward::HvpConfig { eps: self.hvp_eps.unwrap_or(self.hvp.default_eps()), scheme: self.hvp.into() }
+        policy::reward::HvpConfig { eps: self.hvp_eps.unwrap_or(self.hvp.default_eps()), scheme: self.hvp }
     }
 
     /// The adapters of update = "lora", their initial draw from `seed`.
@@ -147,12 +124,6 @@ impl RewardSpec {
     }
 }
 
-fn d_rank() -> usize {
-    8
-}
-fn d_alpha() -> f64 {
-    16.0
-}
 fn d_targets() -> Targets {
     Targets::All("all-linear".into())
 }
