@@ -26,9 +26,13 @@ for r in $(seq 1 "$rounds"); do
         RAYON_NUM_THREADS=$threads $bin features bench --model "$model" --batch "$batch" --len "$len" --reps "$reps" \
             --dtype $dt ${ONEPASS_BENCH_TRACE:+--trace "$ONEPASS_BENCH_TRACE.$dt"} >"$out/candle-$dt-$r.json"
     done
+    # onepass's f32 with candle's own matmul (the `gemm` crate) instead of the packed kernels:
+    # what the packed path gained, in the same run
+    ONEPASS_F32_KERNEL=candle RAYON_NUM_THREADS=$threads $bin features bench --model "$model" --batch "$batch" \
+        --len "$len" --reps "$reps" --dtype f32 | sed 's/"engine":"candle"/"engine":"candle-gemm"/' >"$out/gemm-f32-$r.json"
     for dt in float32 bfloat16; do
         "$py" scripts/bench_features_torch.py --model "$model" --ids "$ids" --dtype $dt --threads "$threads" \
             --reps "$reps" 2>/dev/null >"$out/torch-$dt-$r.json"
     done
 done
-python3 scripts/bench_features_report.py "$out"/candle-*.json "$out"/torch-*.json
+python3 scripts/bench_features_report.py "$out"/candle-*.json "$out"/gemm-*.json "$out"/torch-*.json

@@ -26,11 +26,15 @@ trap 'rm -rf "$out"' EXIT
 bin=target/release/examples/generate_bench
 for r in $(seq 1 "$rounds"); do
     echo "bench-generate: round $r/$rounds" >&2
-    for dt in f32 bf16; do
+    for dt in $dtypes; do
         RAYON_NUM_THREADS=$threads $bin "$model" datasets/prompts/prompts.jsonl "$prompts_n" "$n" "$max_new" \
             "$batch_prompts" "$out/ids.json" $dt 2>/dev/null | tail -n 1 >"$out/candle-$dt-$r.json"
     done
-    for dt in float32 bfloat16; do
+    # onepass's f32 with candle's own matmul instead of the packed kernels (what they gained)
+    ONEPASS_F32_KERNEL=candle RAYON_NUM_THREADS=$threads $bin "$model" datasets/prompts/prompts.jsonl "$prompts_n" "$n" \
+        "$max_new" "$batch_prompts" "$out/ids.json" f32 2>/dev/null | tail -n 1 |
+        sed 's/"engine": *"candle"/"engine":"candle-gemm"/' >"$out/gemm-f32-$r.json"
+    for dt in $torch_dtypes; do
         "$py" scripts/bench_generate_torch.py --model "$model" --ids "$out/ids.json" --dtype $dt \
             --threads "$threads" 2>/dev/null >"$out/torch-$dt-$r.json"
     done
@@ -39,4 +43,4 @@ for r in $(seq 1 "$rounds"); do
             2>/dev/null >"$out/llamacpp-$r.json"
     fi
 done
-python3 scripts/bench_features_report.py "$out"/candle-*.json "$out"/torch-*.json $(ls "$out"/llamacpp-*.json 2>/dev/null)
+python3 scripts/bench_features_report.py "$out"/candle-*.json "$out"/gemm-*.json "$out"/torch-*.json $(ls "$out"/llamacpp-*.json 2>/dev/null)

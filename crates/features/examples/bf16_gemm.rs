@@ -1,10 +1,12 @@
-//! The bf16 product against candle's f32 matmul (the `gemm` crate) on the shapes of a SmolLM2
-//! forward pass: `cargo run --release -p features --example bf16_gemm [rows] [reps]`.
-//! Prints GFLOP/s of each and the ratio, measured in the same run, and — on a CPU with AVX-512
+//! The packed products (f32 and bf16) against candle's f32 matmul (the `gemm` crate) on the
+//! shapes of a SmolLM2 forward pass: `cargo run --release -p features --example bf16_gemm [rows]
+//! [reps]`. Prints GFLOP/s of each and the ratios to candle, measured in the same run, and — on a CPU with AVX-512
 //! BF16 — the instruction's peak: `VDPBF16PS` on registers alone, one core, times the threads.
 
 use candle_core::{Device, Tensor};
 use features::bf16::{Bf16Matrix, Kernel};
+use features::f32mm::F32Matrix;
+use features::packed::PackedMatrix;
 use std::time::Instant;
 
 fn main() -> anyhow::Result<()> {
@@ -12,20 +14,35 @@ fn main() -> anyhow::Result<()> {
     let m = args.first().copied().unwrap_or(2048);
     let reps = args.get(1).copied().unwrap_or(5);
     let threads = rayon::current_num_threads();
-    println!("kernel {:?}, {threads} threads, {m} rows", Kernel::detect());
+    println!("cpu: {}", features::cpu::summary());
+    println!(
+        "bf16 kernel {:?}, f32 kernel {:?}, {threads} threads, {m} rows",
+        Kernel::detect(),
+        features::f32mm::Kernel::detect()
+    );
+    if let Some(per_core) = fma_peak() {
+        println!(
+            "AVX2 FMA peak (f32): {per_core:.1} GFLOP/s per core, {:.1} for {threads} threads",
+            per_core * threads as f64
+        );
+    }
     if let Some(per_core) = dpbf16_peak() {
         println!(
             "VDPBF16PS peak: {per_core:.1} GFLOP/s per core, {:.1} for {threads} threads",
             per_core * threads as f64
         );
     }
-    println!("{:>14} {:>12} {:>12} {:>7}", "n × k", "f32 GFLOP/s", "bf16 GFLOP/s", "ratio");
+    println!(
+        "{:>14} {:>12} {:>12} {:>7} {:>12} {:>7}",
+        "n × k", "candle f32", "packed f32", "ratio", "packed bf16", "ratio"
+    );
     for (n, k) in [(960, 576), (576, 576), (3072, 576), (576, 1536), (49152, 576)] {
         let x: Vec<f32> = (0..m * k).map(|i| ((i * 7919 % 1000) as f32 / 500.0) - 1.0).collect();
         let w: Vec<f32> = (0..n * k).map(|i| ((i * 104729 % 1000) as f32 / 5000.0) - 0.1).collect();
         let xt = Tensor::from_vec(x.clone(), (m, k), &Device::Cpu)?;
         let wt = Tensor::from_vec(w.clone(), (n, k), &Device::Cpu)?;
         let mat = Bf16Matrix::from_f32(&w, n, k);
+        let mat32 = F32Matrix::from_f32(&w, n, k);
         let flop = 2.0 * (m * n * k) as f64;
         let time = |f: &dyn Fn()| {
             f();
@@ -40,13 +57,18 @@ fn main() -> anyhow::Result<()> {
         let f32_s = time(&|| {
             std::hint::black_box(xt.matmul(&wt.t().unwrap()).unwrap());
         });
+        let p32_s = time(&|| {
+            std::hint::black_box(mat32.matmul_t(&x, m));
+        });
         let bf_s = time(&|| {
             std::hint::black_box(mat.matmul_t(&x, m));
         });
         println!(
-            "{:>14} {:>12.1} {:>12.1} {:>6.2}x",
+            "{:>14} {:>12.1} {:>12.1} {:>6.2}x {:>12.1} {:>6.2}x",
             format!("{n} × {k}"),
             flop / f32_s / 1e9,
+            flop / p32_s / 1e9,
+            f32_s / p32_s,
             flop / bf_s / 1e9,
             f32_s / bf_s
         );
@@ -84,4 +106,39 @@ unsafe fn dpbf16_loop(iters: usize) -> f32 {
         }
     }
     acc.iter().fold(0.0, |s, v| s + _mm512_reduce_add_ps(*v))
+}
+
+/// GFLOP/s of 256-bit f32 FMAs on one core with 12 independent accumulators and no memory
+/// traffic (each instruction: 8 lanes × 2 flops): the f32 kernels' ceiling on an AVX2 CPU.
+fn fma_peak() -> Option<f64> {
+    #[cfg(target_arch = "x86_64")]
+    {
+        use std::arch::is_x86_feature_detected as has;
+        if has!("avx2") && has!("fma") {
+            let iters = 50_000_000;
+            let t = Instant::now();
+            // SAFETY: the CPU has the features (checked just above).
+            std::hint::black_box(unsafe { fma_loop(iters) });
+            return Some((12 * iters * 16) as f64 / t.elapsed().as_secs_f64() / 1e9);
+        }
+    }
+    None
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma")]
+unsafe fn fma_loop(iters: usize) -> f32 {
+    use std::arch::x86_64::*;
+    let mut acc = [_mm256_setzero_ps(); 12];
+    let a = _mm256_set1_ps(1.0);
+    let b = std::hint::black_box(_mm256_set1_ps(1e-7));
+    for _ in 0..iters {
+        for v in acc.iter_mut() {
+            *v = _mm256_fmadd_ps(a, b, *v);
+        }
+    }
+    let mut out = [0f32; 8];
+    let s = acc.iter().fold(_mm256_setzero_ps(), |s, v| _mm256_add_ps(s, *v));
+    _mm256_storeu_ps(out.as_mut_ptr(), s);
+    out.iter().sum()
 }

@@ -18,7 +18,7 @@
 //! the instruction and kept by the portable kernel; activations and weights of a language model
 //! never get there.)
 
-use crate::ops::OutPtr;
+use crate::packed::Rows;
 use rayon::prelude::*;
 
 /// f32 → bf16 bits, rounding to nearest even (as PyTorch, `half` and `VCVTNE2PS2BF16` do);
@@ -136,118 +136,21 @@ impl Bf16Matrix {
         }
         w
     }
+}
 
-    /// y = x Wᵀ for x (m, k) row-major f32: (m, n) f32. x is rounded to bf16 first.
-    pub fn matmul_t(&self, x: &[f32], m: usize) -> Vec<f32> {
-        assert_eq!(x.len(), m * self.k, "x has {} values, expected {m} × {}", x.len(), self.k);
-        self.product(Rows::Plain(x), m, None)
+impl crate::packed::Blocked for Bf16Matrix {
+    type Input = Vec<u32>;
+    const GROUP: usize = LANES * NB;
+    const MC: usize = MC;
+    fn n(&self) -> usize {
+        self.n
     }
-
-    /// y = (silu(g) ⊙ u) Wᵀ for gu = [g | u] (m, 2k) row-major f32: SwiGLU's down projection,
-    /// silu(g)·u formed row by row while the product's input is packed (the bits of
-    /// [`crate::ops::silu_mul`] followed by [`Bf16Matrix::matmul_t`], without writing and
-    /// re-reading the (m, k) activation).
-    pub fn matmul_t_swiglu(&self, gu: &[f32], m: usize) -> Vec<f32> {
-        assert_eq!(gu.len(), m * 2 * self.k, "gu has {} values, expected {m} × 2·{}", gu.len(), self.k);
-        self.product(Rows::SiluMul(gu), m, None)
+    fn k(&self) -> usize {
+        self.k
     }
-
-    /// y = x Wᵀ as [`Bf16Matrix::matmul_t`], then `done(rows, y[rows])` on each block of
-    /// finished rows, which it may read or rewrite: with enough rows each task owns whole rows
-    /// and runs `done` while its block is still in cache (how the q/k/v product lays out and
-    /// rotates its heads without a separate pass over y).
-    pub fn matmul_t_then(&self, x: &[f32], m: usize, done: RowsDone) -> Vec<f32> {
-        assert_eq!(x.len(), m * self.k, "x has {} values, expected {m} × {}", x.len(), self.k);
-        self.product(Rows::Plain(x), m, Some(done))
-    }
-
-    /// The residual sublayer's end: y = x Wᵀ (`swiglu`: of silu(g)·u for x = [g | u], as
-    /// [`Bf16Matrix::matmul_t_swiglu`]), then s = r + y and RMSNorm(s) with weight `norm` —
-    /// returned as one (2, m, n) buffer [s; RMSNorm(s)], the bits of the product followed by
-    /// [`crate::ops::add_rms_norm`]. With enough rows each task owns whole rows and normalises
-    /// its block while it is still in cache, rather than writing y out for a separate pass.
-    pub fn matmul_t_add_rms(&self, x: &[f32], swiglu: bool, m: usize, r: &[f32], norm: &[f32], eps: f32) -> Vec<f32> {
-        let k = if swiglu { 2 * self.k } else { self.k };
-        assert_eq!(x.len(), m * k, "x has {} values, expected {m} × {k}", x.len());
-        assert_eq!(r.len(), m * self.n, "the residual has {} values, expected {m} × {}", r.len(), self.n);
-        assert_eq!(norm.len(), self.n, "the norm has {} weights, expected {}", norm.len(), self.n);
-        let n = self.n;
-        let x = if swiglu { Rows::SiluMul(x) } else { Rows::Plain(x) };
-        let fill = |both: &mut [std::mem::MaybeUninit<f32>]| {
-            let (y, normed) = both.split_at_mut(m * n);
-            let normed = OutPtr(normed.as_mut_ptr() as *mut f32);
-            let done = |rows: std::ops::Range<usize>, s: &mut [f32]| {
-                // SAFETY: rows of the normalised half are written by the one call that owns them.
-                let d = unsafe {
-                    std::slice::from_raw_parts_mut(
-                        normed.at(rows.start * n) as *mut std::mem::MaybeUninit<f32>,
-                        s.len(),
-                    )
-                };
-                crate::ops::add_rms_rows_in_place(&r[rows.start * n..rows.end * n], s, norm, eps, d);
-            };
-            self.product_into(x, m, y, Some(&done))
-        };
-        // SAFETY (of `overwritten`): product_into writes the first half and the epilogue, called
-        // on every block of rows, the second.
-        unsafe { crate::ops::overwritten(2 * m * n, fill) }
-    }
-
-    fn product(&self, x: Rows, m: usize, done: Option<RowsDone>) -> Vec<f32> {
-        // SAFETY (of `overwritten`): product_into writes every output.
-        unsafe { crate::ops::overwritten(m * self.n, |y| self.product_into(x, m, y, done)) }
-    }
-
-    /// The product into `y` (m × n, written in full), then `done` (if any) on each block of
-    /// finished rows.
-    fn product_into(&self, x: Rows, m: usize, y: &mut [std::mem::MaybeUninit<f32>], done: Option<RowsDone>) {
-        let n = self.n;
-        if m == 0 || n == 0 {
-            return;
-        }
-        if self.k == 0 {
-            y.iter_mut().for_each(|v| _ = v.write(0.0));
-            if let Some(done) = done {
-                // SAFETY: written just above.
-                done(0..m, unsafe { crate::ops::assume_written_mut(y) });
-            }
-            return;
-        }
-        let xs = pack_rows(x, m, self.k);
-        let kernel = Kernel::detect();
-        let groups = self.n.div_ceil(LANES * NB);
-        let row_blocks = m.div_ceil(MC);
-        // Enough tasks for the pool with few rows (decoding), bigger column blocks with many;
-        // with an epilogue and many rows, whole rows per task.
-        let whole_rows = done.is_some() && row_blocks >= 8;
-        let groups_per_task = if whole_rows {
-            groups
-        } else if row_blocks >= 8 {
-            4
-        } else {
-            1
-        };
-        let col_tasks = groups.div_ceil(groups_per_task);
-        let out = OutPtr(y.as_mut_ptr() as *mut f32);
-        // Each task's rows × groups region of y is written by that task only; every output is
-        // stored by exactly one tile before anything reads it (k > 0, so each tile runs its first
-        // block).
-        (0..row_blocks * col_tasks).into_par_iter().for_each(|task| {
-            let (rb, ct) = (task / col_tasks, task % col_tasks);
-            let rows = rb * MC..((rb + 1) * MC).min(m);
-            let groups = ct * groups_per_task..((ct + 1) * groups_per_task).min(groups);
-            // SAFETY: see above.
-            unsafe { self.block(kernel, &xs, rows.clone(), groups, out.at(0)) };
-            if let (true, Some(done)) = (whole_rows, done) {
-                // SAFETY: this task wrote these whole rows just above and owns them.
-                done(rows.clone(), unsafe { std::slice::from_raw_parts_mut(out.at(rows.start * n), rows.len() * n) });
-            }
-        });
-        if let (false, Some(done)) = (whole_rows, done) {
-            // SAFETY: every output was written above.
-            let y = unsafe { crate::ops::assume_written_mut(y) };
-            y.par_chunks_mut(MC * n).enumerate().for_each(|(rb, s)| done(rb * MC..rb * MC + s.len() / n, s));
-        }
+    /// x rounded to bf16 and packed ([`pack_rows`]).
+    fn pack_input(&self, x: Rows, m: usize) -> Vec<u32> {
+        pack_rows(x, m, self.k)
     }
 
     /// Rows `rows` (starting at a multiple of MR) × column groups `groups` (48 outputs each,
@@ -255,14 +158,8 @@ impl Bf16Matrix {
     ///
     /// # Safety
     /// `y` holds m × n values and this region of it is written by this call only.
-    unsafe fn block(
-        &self,
-        kernel: Kernel,
-        xs: &[u32],
-        rows: std::ops::Range<usize>,
-        groups: std::ops::Range<usize>,
-        y: *mut f32,
-    ) {
+    unsafe fn block(&self, xs: &Vec<u32>, rows: std::ops::Range<usize>, groups: std::ops::Range<usize>, y: *mut f32) {
+        let kernel = Kernel::detect();
         let (pairs, n) = (self.pairs, self.n);
         // Equal blocks of at most KC pairs (288 pairs: 3 × 96, not 128 + 128 + 32: a short
         // block pays the accumulators' loads and stores for little work).
@@ -288,17 +185,6 @@ impl Bf16Matrix {
             }
         }
     }
-}
-
-/// A product's epilogue: called with a block of rows and their finished outputs (rows × n,
-/// row-major), which it may rewrite in place.
-pub type RowsDone<'a> = &'a (dyn Fn(std::ops::Range<usize>, &mut [f32]) + Sync);
-
-/// A product's input rows: x (m, k) as it is, or [g | u] (m, 2k) whose row is silu(g)·u.
-#[derive(Clone, Copy)]
-enum Rows<'a> {
-    Plain(&'a [f32]),
-    SiluMul(&'a [f32]),
 }
 
 /// x (m, k) rounded to bf16 and packed for the kernel: tiles of MR rows; within a tile, for each
@@ -670,6 +556,7 @@ unsafe fn tile_dpbf16<const R: usize>(t: &Tile) {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::packed::PackedMatrix;
     use rand::{Rng, SeedableRng};
 
     fn random(n: usize, seed: u64, scale: f32) -> Vec<f32> {

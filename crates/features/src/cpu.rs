@@ -43,10 +43,21 @@ pub fn features() -> Vec<&'static str> {
 }
 
 /// One line for a benchmark or a log: model, features, and the cap when one is set, e.g.
-/// `Intel(R) Xeon(R) Processor; avx2 fma avx512f avx512bf16; bf16 kernel Avx512Bf16`.
+/// `Intel(R) Xeon(R) Processor; avx2 fma avx512f avx512bf16; bf16 kernel Avx512Bf16; f32 kernel
+/// Avx512` (`f32 kernel candle` when `ONEPASS_F32_KERNEL=candle` hands f32 products to candle).
 pub fn summary() -> String {
     let cap = if capped_at_avx2() { " (onepass capped at AVX2: ONEPASS_CPU=avx2)" } else { "" };
-    format!("{}; {}; bf16 kernel {:?}{cap}", model(), features().join(" "), crate::bf16::Kernel::detect())
+    let f32k = if crate::model::f32_uses_candle() {
+        "candle".to_string()
+    } else {
+        format!("{:?}", crate::f32mm::Kernel::detect())
+    };
+    format!(
+        "{}; {}; bf16 kernel {:?}; f32 kernel {f32k}{cap}",
+        model(),
+        features().join(" "),
+        crate::bf16::Kernel::detect()
+    )
 }
 
 /// Whether bf16 products run without bf16 instructions here (no AVX-512 BF16, or capped): the

@@ -441,6 +441,11 @@ impl Backbone {
         if self.model.dtype() == DType::BF16 && self.model.device().is_cpu() {
             parts.push(("bf16_cpu", "v2: bf16 weights and products, f32 activations"));
         }
+        // f32 on the CPU moved from candle's matmul to packed kernels with one FMA sequence per
+        // output (`crate::f32mm`): φ rounds differently, so it is not mixed with φ cached before
+        if self.model.f32_packed() {
+            parts.push(("f32_cpu", "v2: packed products, one FMA sequence per output on every CPU"));
+        }
         let describe = serde_json::json!({
             "source": self.source, "weights_blake3": self.weights_digest, "tokenizer_blake3": self.tok.digest,
             "options": opts, "dtype": dtype, "dim": self.dim(),

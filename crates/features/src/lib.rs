@@ -22,12 +22,14 @@ pub mod bf16;
 pub mod cache;
 pub mod cpu;
 pub mod extract;
+pub mod f32mm;
 pub mod generate;
 pub mod gguf;
 pub mod head;
 pub mod hub;
 pub mod model;
 pub mod ops;
+pub mod packed;
 pub mod template;
 pub mod tokenizer;
 

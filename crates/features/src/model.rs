@@ -182,50 +182,62 @@ fn llama3_factors(s: &RopeScaling, head_dim: usize, theta: f64) -> Result<Vec<f6
         .collect())
 }
 
-/// How a layer's weights are kept: candle tensors of the model's dtype, or — a bf16 model on the
-/// CPU — packed for the bf16 product of [`crate::bf16`], with f32 activations around it.
+/// How a layer's weights are kept: candle tensors of the model's dtype, or — a bf16 or f32 model
+/// on the CPU — packed for the products of [`crate::bf16`] and [`crate::f32mm`], with f32
+/// activations around them.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 enum Store {
     Dense,
     Bf16Cpu,
+    F32Cpu,
+}
+
+/// Whether f32 products on the CPU go through candle's matmul instead of [`crate::f32mm`]
+/// (`ONEPASS_F32_KERNEL=candle`: how a benchmark measures both in one run).
+pub fn f32_uses_candle() -> bool {
+    std::env::var("ONEPASS_F32_KERNEL").as_deref() == Ok("candle")
 }
 
 impl Store {
     /// bf16 on the CPU takes the packed path (candle 0.11 has no bf16 CPU gemm: it would widen
-    /// both sides to f32 on every product); every other device and dtype stays dense.
+    /// both sides to f32 on every product), f32 on the CPU too (weights packed once, fused
+    /// epilogues); every other device and dtype stays dense.
     fn of(vb: &VarBuilder) -> Store {
-        if vb.dtype() == DType::BF16 && vb.device().is_cpu() {
-            Store::Bf16Cpu
-        } else {
-            Store::Dense
+        match (vb.dtype(), vb.device().is_cpu()) {
+            (DType::BF16, true) => Store::Bf16Cpu,
+            (DType::F32, true) if !f32_uses_candle() => Store::F32Cpu,
+            _ => Store::Dense,
         }
     }
 
     /// A weight that is not a matrix product's (norms, embeddings, biases) as the activations
-    /// will use it: unchanged when dense; its bf16 values widened to f32 when packed.
+    /// will use it: unchanged when dense or f32; its bf16 values widened to f32 when packed.
     fn plain(self, t: Tensor) -> candle_core::Result<Tensor> {
         match self {
-            Store::Dense => Ok(t),
+            Store::Dense | Store::F32Cpu => Ok(t),
             Store::Bf16Cpu => t.to_dtype(DType::F32),
         }
     }
 }
 
+/// A weight packed for one of the CPU products.
+pub type Packed = std::sync::Arc<dyn crate::packed::PackedMatrix>;
+
 enum Weight {
     Dense(Tensor),
-    Bf16(std::sync::Arc<crate::bf16::Bf16Matrix>),
+    Packed(Packed),
 }
 
-/// The packed bf16 product as a candle op: (rows, in) f32 → (rows, out) f32; with `swiglu`,
+/// The packed product as a candle op: (rows, in) f32 → (rows, out) f32; with `swiglu`,
 /// (rows, 2·in) = [gate | up] → (rows, out), the product of silu(gate)·up.
-struct Bf16Linear {
-    w: std::sync::Arc<crate::bf16::Bf16Matrix>,
+struct PackedLinear {
+    w: Packed,
     swiglu: bool,
 }
 
-impl candle_core::CustomOp1 for Bf16Linear {
+impl candle_core::CustomOp1 for PackedLinear {
     fn name(&self) -> &'static str {
-        "onepass-bf16-linear"
+        "onepass-packed-linear"
     }
 
     fn cpu_fwd(
@@ -235,15 +247,18 @@ impl candle_core::CustomOp1 for Bf16Linear {
     ) -> candle_core::Result<(candle_core::CpuStorage, candle_core::Shape)> {
         let candle_core::CpuStorage::F32(x) = storage else {
             use candle_core::backend::BackendStorage;
-            candle_core::bail!("bf16 linear: expected f32 activations, got {:?}", storage.dtype());
+            candle_core::bail!("packed linear: expected f32 activations, got {:?}", storage.dtype());
         };
         let Some((o1, o2)) = layout.contiguous_offsets() else {
-            candle_core::bail!("bf16 linear: expected a contiguous input");
+            candle_core::bail!("packed linear: expected a contiguous input");
         };
         let (rows, inp) = layout.shape().dims2()?;
         let k = self.w.k();
         if inp != if self.swiglu { 2 * k } else { k } {
-            candle_core::bail!("bf16 linear: input of {inp} features, the weight takes {k} (swiglu: {})", self.swiglu);
+            candle_core::bail!(
+                "packed linear: input of {inp} features, the weight takes {k} (swiglu: {})",
+                self.swiglu
+            );
         }
         let x = &x[o1..o2];
         let y = if self.swiglu { self.w.matmul_t_swiglu(x, rows) } else { self.w.matmul_t(x, rows) };
@@ -251,17 +266,55 @@ impl candle_core::CustomOp1 for Bf16Linear {
     }
 }
 
-/// [`Bf16Linear`] ending a residual sublayer: (x, residual r, norm weight) → (2, rows, out) =
-/// [r + y; RMSNorm(r + y)] (see [`crate::bf16::Bf16Matrix::matmul_t_add_rms`]).
-struct Bf16LinearAddNorm {
-    w: std::sync::Arc<crate::bf16::Bf16Matrix>,
+/// y = x Wᵀ through a packed weight (the CPU's f32 or bf16 product), x (rows, in) f32: a candle
+/// op without a backward pass (a caller that trains routes the input's gradient itself, e.g. by
+/// [`matmul_nn`]).
+pub fn packed_matmul_t(x: &Tensor, w: &Packed) -> candle_core::Result<Tensor> {
+    x.contiguous()?.apply_op1_no_bwd(&PackedLinear { w: w.clone(), swiglu: false })
+}
+
+/// g W for g (rows, n) f32 and a row-major W (n, k) f32 read in place
+/// ([`crate::f32mm::matmul_nn`]): the input's gradient of a frozen layer x Wᵀ.
+pub fn matmul_nn(g: &Tensor, w: &Tensor) -> candle_core::Result<Tensor> {
+    g.contiguous()?.apply_op2_no_bwd(&w.contiguous()?, &MatmulNn)
+}
+
+struct MatmulNn;
+
+impl candle_core::CustomOp2 for MatmulNn {
+    fn name(&self) -> &'static str {
+        "onepass-matmul-nn"
+    }
+
+    fn cpu_fwd(
+        &self,
+        sg: &candle_core::CpuStorage,
+        lg: &candle_core::Layout,
+        sw: &candle_core::CpuStorage,
+        lw: &candle_core::Layout,
+    ) -> candle_core::Result<(candle_core::CpuStorage, candle_core::Shape)> {
+        use crate::ops::contiguous_f32;
+        let (g, w) = (contiguous_f32(sg, lg, "g W: g")?, contiguous_f32(sw, lw, "g W: W")?);
+        let ((rows, n), (wn, k)) = (lg.shape().dims2()?, lw.shape().dims2()?);
+        if n != wn {
+            candle_core::bail!("g W: g {:?} against W {:?}", lg.shape(), lw.shape());
+        }
+        let y = crate::f32mm::matmul_nn(g, rows, w, n, k);
+        Ok((candle_core::CpuStorage::F32(y), candle_core::Shape::from((rows, k))))
+    }
+}
+
+/// [`PackedLinear`] ending a residual sublayer: (x, residual r, norm weight) → (2, rows, out) =
+/// [r + y; RMSNorm(r + y)] (see [`crate::packed::PackedMatrix::matmul_t_add_rms`]).
+struct PackedLinearAddNorm {
+    w: Packed,
     swiglu: bool,
     eps: f32,
 }
 
-impl candle_core::CustomOp3 for Bf16LinearAddNorm {
+impl candle_core::CustomOp3 for PackedLinearAddNorm {
     fn name(&self) -> &'static str {
-        "onepass-bf16-linear-add-rms-norm"
+        "onepass-packed-linear-add-rms-norm"
     }
 
     fn cpu_fwd(
@@ -275,15 +328,15 @@ impl candle_core::CustomOp3 for Bf16LinearAddNorm {
     ) -> candle_core::Result<(candle_core::CpuStorage, candle_core::Shape)> {
         use crate::ops::contiguous_f32;
         let (x, r, w) = (
-            contiguous_f32(sx, lx, "bf16 linear + norm: x")?,
-            contiguous_f32(sr, lr, "bf16 linear + norm: residual")?,
-            contiguous_f32(sw, lw, "bf16 linear + norm: norm")?,
+            contiguous_f32(sx, lx, "packed linear + norm: x")?,
+            contiguous_f32(sr, lr, "packed linear + norm: residual")?,
+            contiguous_f32(sw, lw, "packed linear + norm: norm")?,
         );
         let (rows, inp) = lx.shape().dims2()?;
         let (k, n) = (self.w.k(), self.w.n());
         if inp != if self.swiglu { 2 * k } else { k } || lr.shape().dims2()? != (rows, n) || w.len() != n {
             candle_core::bail!(
-                "bf16 linear + norm: x {:?}, residual {:?} and norm {:?} do not fit a {n} × {k} weight (swiglu: {})",
+                "packed linear + norm: x {:?}, residual {:?} and norm {:?} do not fit a {n} × {k} weight (swiglu: {})",
                 lx.shape(),
                 lr.shape(),
                 lw.shape(),
@@ -298,17 +351,17 @@ impl candle_core::CustomOp3 for Bf16LinearAddNorm {
 /// The q/k/v product with RoPE and the attention layout as its epilogue: (rows = b·t, in) f32
 /// and the cos, sin tables → the packed (b, heads + 2·kv, t, d) tensor of [`crate::ops::qkv_rope`]
 /// (offset 0), bit for bit, without a separate pass over the product's output.
-struct Bf16QkvRope {
-    w: std::sync::Arc<crate::bf16::Bf16Matrix>,
+struct PackedQkvRope {
+    w: Packed,
     /// (b, t, heads, d): heads = q + k + v heads.
     dims: (usize, usize, usize, usize),
     rotated: usize,
     interleaved: bool,
 }
 
-impl candle_core::CustomOp3 for Bf16QkvRope {
+impl candle_core::CustomOp3 for PackedQkvRope {
     fn name(&self) -> &'static str {
-        "onepass-bf16-qkv-rope"
+        "onepass-packed-qkv-rope"
     }
 
     fn cpu_fwd(
@@ -322,15 +375,15 @@ impl candle_core::CustomOp3 for Bf16QkvRope {
     ) -> candle_core::Result<(candle_core::CpuStorage, candle_core::Shape)> {
         use crate::ops::contiguous_f32;
         let (x, cos, sin) = (
-            contiguous_f32(sx, lx, "bf16 qkv + rope: qkv input")?,
-            contiguous_f32(sc, lc, "bf16 qkv + rope: cos")?,
-            contiguous_f32(ss, ls, "bf16 qkv + rope: sin")?,
+            contiguous_f32(sx, lx, "packed qkv + rope: qkv input")?,
+            contiguous_f32(sc, lc, "packed qkv + rope: cos")?,
+            contiguous_f32(ss, ls, "packed qkv + rope: sin")?,
         );
         let (b, t, heads, d) = self.dims;
         let (rows, half) = lc.shape().dims2()?;
         if lx.shape().dims2()? != (b * t, self.w.k()) || self.w.n() != heads * d || half * 2 != d || t > rows {
             candle_core::bail!(
-                "bf16 qkv + rope: input {:?}, tables {:?} against {:?} and a {} × {} weight",
+                "packed qkv + rope: input {:?}, tables {:?} against {:?} and a {} × {} weight",
                 lx.shape(),
                 lc.shape(),
                 self.dims,
@@ -376,7 +429,11 @@ impl Lin {
                     .iter()
                     .map(|v| v.to_bits())
                     .collect();
-                Weight::Bf16(std::sync::Arc::new(crate::bf16::Bf16Matrix::from_bits(&bits, out, inp)))
+                Weight::Packed(std::sync::Arc::new(crate::bf16::Bf16Matrix::from_bits(&bits, out, inp)))
+            }
+            Store::F32Cpu => {
+                let w = w.to_dtype(DType::F32)?.flatten_all()?.to_vec1::<f32>()?;
+                Weight::Packed(std::sync::Arc::new(crate::f32mm::F32Matrix::from_f32(&w, out, inp)))
             }
         };
         let b = b.map(|b| store.plain(b)).transpose()?;
@@ -410,7 +467,7 @@ impl Lin {
     /// path silu·up is formed while the product packs its input.
     fn forward_swiglu(&self, gu: &Tensor) -> candle_core::Result<Tensor> {
         match &self.w {
-            Weight::Bf16(_) => self.forward_of(gu, true),
+            Weight::Packed(_) => self.forward_of(gu, true),
             Weight::Dense(_) => {
                 let a = {
                     let _s = tracing::trace_span!("silu_mul").entered();
@@ -430,11 +487,11 @@ impl Lin {
         r: &Tensor,
         norm: &RmsNorm,
     ) -> candle_core::Result<(Tensor, Tensor)> {
-        if let (Weight::Bf16(w), None) = (&self.w, &self.b) {
+        if let (Weight::Packed(w), None) = (&self.w, &self.b) {
             let dims = x.dims();
             let rows = x.elem_count() / dims[dims.len() - 1].max(1);
             let x = x.reshape((rows, dims[dims.len() - 1]))?.contiguous()?;
-            let op = Bf16LinearAddNorm { w: w.clone(), swiglu, eps: norm.eps };
+            let op = PackedLinearAddNorm { w: w.clone(), swiglu, eps: norm.eps };
             let both = x.apply_op3_no_bwd(&r.reshape((rows, self.out))?.contiguous()?, &norm.w, &op)?;
             let mut out = dims.to_vec();
             *out.last_mut().expect("rank ≥ 1") = self.out;
@@ -451,7 +508,7 @@ impl Lin {
         let x = x.reshape((rows, inp))?;
         let y = match &self.w {
             Weight::Dense(w) => x.matmul(&w.t()?)?,
-            Weight::Bf16(w) => x.contiguous()?.apply_op1_no_bwd(&Bf16Linear { w: w.clone(), swiglu })?,
+            Weight::Packed(w) => x.contiguous()?.apply_op1_no_bwd(&PackedLinear { w: w.clone(), swiglu })?,
         };
         let y = match &self.b {
             Some(b) => y.broadcast_add(b)?,
@@ -532,11 +589,11 @@ impl Attention {
         let (b, t, _) = x.dims3()?;
         let (h, kv, hd) = (self.heads, self.kv_heads, self.head_dim);
         let scale = 1.0 / (hd as f64).sqrt();
-        if let (Weight::Bf16(w), None) = (&self.qkv.w, &self.qkv.b) {
+        if let (Weight::Packed(w), None) = (&self.qkv.w, &self.qkv.b) {
             // The bf16 CPU path: RoPE and the heads' layout in the product's epilogue.
             let packed = {
                 let _s = tracing::trace_span!("qkv").entered();
-                let op = Bf16QkvRope {
+                let op = PackedQkvRope {
                     w: w.clone(),
                     dims: (b, t, h + 2 * kv, hd),
                     rotated: h + kv,
@@ -715,7 +772,7 @@ impl Block {
             let w = y.dim(2)?;
             y.reshape((b * t, w))?.index_select(idx, 0)?.reshape((b, 1, w))
         };
-        let packed = |l: &Lin| matches!(l.w, Weight::Bf16(_));
+        let packed = |l: &Lin| matches!(l.w, Weight::Packed(_));
         if ![&self.attn.o, &self.mlp.gate_up, &self.mlp.down].into_iter().all(packed) {
             let (x, h) = self.forward(x, h, rope, next)?;
             return Ok((pick(&x)?, pick(&h)?));
@@ -813,6 +870,8 @@ pub struct Model {
     /// The activations' dtype: the weights' except on the bf16 CPU path, where it is f32.
     act: DType,
     device: Device,
+    /// f32 weights packed for [`crate::f32mm`] (f32 on the CPU unless `ONEPASS_F32_KERNEL=candle`).
+    f32_packed: bool,
 }
 
 /// Which hidden state to return: Hugging Face's `hidden_states[layer]` (0: the embeddings,
@@ -862,7 +921,8 @@ impl Model {
         let (device, dtype) = (vb.device().clone(), vb.dtype());
         let act = if store == Store::Bf16Cpu { DType::F32 } else { dtype };
         let rope = Rope::new(&cfg, max_len.max(1), &device, act).map_err(ctx("rope tables".into()))?;
-        Ok(Model { cfg, embed, lm_head, blocks, norm, rope, dtype, act, device })
+        let f32_packed = store == Store::F32Cpu;
+        Ok(Model { cfg, embed, lm_head, blocks, norm, rope, dtype, act, device, f32_packed })
     }
 
     pub fn device(&self) -> &Device {
@@ -871,6 +931,11 @@ impl Model {
     /// The weights' dtype.
     pub fn dtype(&self) -> DType {
         self.dtype
+    }
+    /// Whether the f32 products run on [`crate::f32mm`]'s packed kernels (the CPU's f32 path)
+    /// rather than candle's matmul: the two round differently, so φ's cache key says which.
+    pub fn f32_packed(&self) -> bool {
+        self.f32_packed
     }
     /// The activations' dtype (f32 on the bf16 CPU path).
     pub fn activation_dtype(&self) -> DType {
@@ -1051,9 +1116,9 @@ mod tests {
         for (b, t) in [(2, 7), (5, 230)] {
             let x = Tensor::randn(0f32, 1.0, (b * t, k), &dev).unwrap();
             for interleaved in [false, true] {
-                let op = Bf16QkvRope { w: mat.clone(), dims: (b, t, heads, d), rotated: h + kv, interleaved };
+                let op = PackedQkvRope { w: mat.clone(), dims: (b, t, heads, d), rotated: h + kv, interleaved };
                 let got = x.apply_op3_no_bwd(&cos, &sin, &op).unwrap();
-                let plain = x.apply_op1_no_bwd(&Bf16Linear { w: mat.clone(), swiglu: false }).unwrap();
+                let plain = x.apply_op1_no_bwd(&PackedLinear { w: mat.clone(), swiglu: false }).unwrap();
                 let plain = plain.reshape((b, t, heads, d)).unwrap();
                 let want = crate::ops::qkv_rope(&plain, &cos, &sin, h + kv, 0, interleaved).unwrap();
                 let bits = |t: &Tensor| -> Vec<u32> {

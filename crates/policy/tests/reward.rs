@@ -137,10 +137,12 @@ fn loss_gradient_and_hvps_by_differences_equal_pytorchs_exact_ones() {
             let fwd = |eps: f64| rel(&flat64(&rm32.hvp_with(&pairs, &v32, eps, Some(&g32)).unwrap()), &exact);
             let (f_default, f_far) = (fwd(policy::reward::HvpScheme::Forward.default_eps()), fwd(3e-2));
             eprintln!("{case} v{k}: forward HVP error {fwd64:.2e} (f64, ε = 1e-7), {f_default:.2e} (f32, ε = 3e-4), {f_far:.2e} (f32, ε = 3e-2)");
-            // measured 4e-7–1.2e-6 (f64); 1.4e-3–4.6e-3 (f32)
+            // measured 4e-7–1.2e-6 (f64); f32 1.4e-3–4.6e-3 on a Zen 4 (AVX-512), 4.7e-3–1.7e-2
+            // on a Zen 3 (AVX2): the products round differently, and the difference quotient
+            // divides their rounding by ε
             assert!(fwd64 < 3e-6, "{case} v{k}: forward f64 HVP error {fwd64:e}");
             assert!(
-                f_default < 1e-2 && f_far > 3.0 * f_default,
+                f_default < 3e-2 && f_far > 3.0 * f_default,
                 "{case} v{k}: forward f32 {f_default:e}, far {f_far:e}"
             );
             let (default, tiny, huge) = (at(HvpConfig::default().eps), at(1e-5), at(0.3));
@@ -258,8 +260,11 @@ fn accuracy(rm: &RewardModel, data: &[(Vec<u32>, Vec<u32>, f32)]) -> f64 {
 /// One pass over 480 planted pairs (60 steps of 8) from θ₀ small and a fresh LoRA (B = 0, so h
 /// starts as the base model's φ): held-out accuracy on 300 pairs from chance to ≥ 0.85 with
 /// each rule (measured 0.96–0.99; the head alone on the base model's φ reaches 0.74–0.78, not
-/// asserted). The paper's Alg. 5 over (ψ, θ) needs the smaller step: its λ_t starts near 0, so
-/// early Newton steps are long along directions of little curvature (lr 0.2 ends near 0.6).
+/// asserted). The paper's Alg. 5 over (ψ, θ) needs a floor under its damping: λ_t starts near 0
+/// (floor 1e-6 by default), so early Newton steps are long along directions of little curvature
+/// and where a run ends depends on the rounding of its first HVPs — with the default floor, lr
+/// 0.1 ended at 0.96 on a Zen 4 (AVX-512) and at 0.63 on a Zen 3 (AVX2), lr 0.01–0.05 at
+/// 0.69–0.86 there. With λ_min = 0.1 it ended at 0.90 (lr 0.1) and 0.97 (lr 0.3) on the Zen 3.
 #[test]
 fn a_tiny_reward_model_learns_a_planted_preference() {
     let (train, test) = (planted(480, 7), planted(300, 8));
@@ -267,7 +272,10 @@ fn a_tiny_reward_model_learns_a_planted_preference() {
     for (name, cfg) in [
         ("sgd", EstimatorConfig::Sgd(estimators::SgdConfig { lr: 0.5, clip: Some(1.0) })),
         ("adam", EstimatorConfig::Adam(estimators::AdamConfig { lr: 1e-2, ..Default::default() })),
-        ("omd-hvp-cg", EstimatorConfig::OmdHvpCg(estimators::HvpCgConfig { lr: 0.1, ..Default::default() })),
+        (
+            "omd-hvp-cg",
+            EstimatorConfig::OmdHvpCg(estimators::HvpCgConfig { lr: 0.3, lambda_min: 0.1, ..Default::default() }),
+        ),
         (
             "omd-reference",
             EstimatorConfig::OmdReference(estimators::OmdReferenceConfig { lr: 0.3, ..Default::default() }),

@@ -278,11 +278,18 @@ fn killed_at_random_times_in_a_loop_then_resumed() {
     let tmp = tmp.path();
     let spec = write(tmp, "p.toml", &PASSIVE.replace("every_steps = 7", "every_steps = 2"));
     let want = reference(tmp, &spec, &[]);
-    // how long the run takes as the loop runs it (2 threads)
-    let t0 = std::time::Instant::now();
-    let r = output(cmd(tmp, &["run", spec.to_str().unwrap(), "--out", "timing", "--threads", "2"]));
-    assert_eq!(r.code, Some(0), "{}", r.stderr);
-    let full = t0.elapsed().as_secs_f64().max(0.02);
+    // how long the run takes as the loop runs it (2 threads): the faster of two runs, so that a
+    // load spike during the timing does not put every kill after the run's end
+    let full = (0..2)
+        .map(|i| {
+            let t0 = std::time::Instant::now();
+            let out = format!("timing{i}");
+            let r = output(cmd(tmp, &["run", spec.to_str().unwrap(), "--out", &out, "--threads", "2"]));
+            assert_eq!(r.code, Some(0), "{}", r.stderr);
+            t0.elapsed().as_secs_f64()
+        })
+        .fold(f64::MAX, f64::min)
+        .max(0.02);
     let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(7);
     for round in 0..3 {
         let out = format!("r{round}");

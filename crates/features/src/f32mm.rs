@@ -1,0 +1,625 @@
+//! The f32 matrix product of the CPU path: y = x Wᵀ with W packed once at load and multiplied by
+//! register-blocked AVX-512 or AVX2 + FMA kernels, with the fusions of [`crate::packed`] (RoPE
+//! after q/k/v, residual + RMSNorm after the output and down projections, silu(gate)·up before
+//! down).
+//!
+//! Why not candle's matmul (the `gemm` crate): it packs the weight on every call and leaves each
+//! product's output for a separate pass of the op that follows; on an AVX2-only CPU it ran φ at
+//! 0.76x PyTorch f32 (issue 35). Here the weight is packed once and the epilogues run on blocks
+//! still in cache.
+//!
+//! **One result on every CPU.** Each output is one accumulator that starts at 0 and adds
+//! xᵢ·wᵢ for i ascending by fused multiply-add (one rounding per step). AVX-512, AVX2 + FMA and
+//! the portable kernel (`f32::mul_add`) run that same sequence, and blocking over the inner
+//! dimension reloads the partial sums and continues it, so neither the CPU kind, the tiling nor
+//! the thread count changes a bit (tested against the sequence written out in scalar code).
+
+use crate::packed::Rows;
+use rayon::prelude::*;
+
+/// Output columns per packed panel: one 512-bit register, two 256-bit ones.
+const LANES: usize = 16;
+/// Panels per column group (48 outputs).
+const NB: usize = 3;
+/// Rows per register tile: AVX2 holds 6 rows × 2 registers = 12 accumulators, 2 weight
+/// registers and a broadcast in its 16; AVX-512 6 × 3 = 18 of its 32.
+const MR: usize = 6;
+/// Inputs per cache block: a panel of 256 inputs is 16 KiB, inside L1 while the tile's rows run
+/// over it (on a 2-core Zen 3, 256 measured ahead of 64 and 128, level with 512; noisy).
+const KC: usize = 256;
+/// Rows per task (a multiple of MR): a task's block of activations (120 × 128 inputs, 60 KiB)
+/// stays in L2.
+const MC: usize = 120;
+const _: () = assert!(MC.is_multiple_of(MR));
+
+/// A weight matrix W (n outputs × k inputs, PyTorch's `Linear` layout) in f32, packed for the
+/// kernels: panels of 16 outputs; within a panel, for each input i, the 16 outputs' w[o, i].
+/// Missing outputs of the last panel are zeros.
+pub struct F32Matrix {
+    n: usize,
+    k: usize,
+    data: Vec<f32>,
+}
+
+impl F32Matrix {
+    /// Packs W given row-major (n, k). Large matrices (weights, once at load) are packed on the
+    /// pool.
+    pub fn from_f32(w: &[f32], n: usize, k: usize) -> F32Matrix {
+        assert_eq!(w.len(), n * k, "a {n} × {k} matrix needs {} values", n * k);
+        let panels = n.div_ceil(LANES);
+        let mut data = vec![0f32; panels * k * LANES];
+        let fill = |panel: usize, dst: &mut [f32]| {
+            let lanes = LANES.min(n - panel * LANES);
+            for lane in 0..lanes {
+                let row = &w[(panel * LANES + lane) * k..][..k];
+                for (i, v) in row.iter().enumerate() {
+                    dst[i * LANES + lane] = *v;
+                }
+            }
+        };
+        let chunk = (k * LANES).max(1);
+        if n * k >= 1 << 18 {
+            data.par_chunks_mut(chunk).enumerate().for_each(|(panel, dst)| fill(panel, dst));
+        } else {
+            data.chunks_mut(chunk).enumerate().for_each(|(panel, dst)| fill(panel, dst));
+        }
+        F32Matrix { n, k, data }
+    }
+
+    /// Outputs (rows of W).
+    pub fn n(&self) -> usize {
+        self.n
+    }
+    /// Inputs (columns of W).
+    pub fn k(&self) -> usize {
+        self.k
+    }
+}
+
+impl crate::packed::Blocked for F32Matrix {
+    type Input = Vec<f32>;
+    const GROUP: usize = LANES * NB;
+    const MC: usize = MC;
+    fn n(&self) -> usize {
+        self.n
+    }
+    fn k(&self) -> usize {
+        self.k
+    }
+
+    /// x packed by [`pack_tiles`].
+    fn pack_input(&self, x: Rows, m: usize) -> Vec<f32> {
+        pack_tiles(x, m, self.k)
+    }
+
+    /// Rows `rows` (starting at a multiple of MR) × column groups `groups` (48 outputs each,
+    /// the last clipped to n) of y = x Wᵀ (row stride n), x packed by `pack_input`.
+    ///
+    /// # Safety
+    /// `y` holds m × n values and this region of it is written by this call only.
+    unsafe fn block(&self, xs: &Vec<f32>, rows: std::ops::Range<usize>, groups: std::ops::Range<usize>, y: *mut f32) {
+        self.block_with(Kernel::detect(), xs, rows, groups, y)
+    }
+}
+
+impl F32Matrix {
+    /// [`crate::packed::Blocked::block`] with a given kernel.
+    ///
+    /// # Safety
+    /// As `block`; the CPU has the kernel's features.
+    unsafe fn block_with(
+        &self,
+        kernel: Kernel,
+        xs: &[f32],
+        rows: std::ops::Range<usize>,
+        groups: std::ops::Range<usize>,
+        y: *mut f32,
+    ) {
+        let (k, n) = (self.k, self.n);
+        // Equal blocks of at most KC inputs (a short last block pays the accumulators' loads
+        // and stores for little work).
+        let step = k.div_ceil(k.div_ceil(KC));
+        for i0 in (0..k).step_by(step) {
+            let kc = step.min(k - i0);
+            for g in groups.clone() {
+                let c0 = g * LANES * NB;
+                let b = &self.data[((c0 / LANES) * k + i0) * LANES..];
+                for r in rows.clone().step_by(MR) {
+                    let t = Tile {
+                        a: &xs[r * k + i0 * MR..],
+                        b,
+                        ldb: k * LANES,
+                        bstep: LANES,
+                        kc,
+                        c: y.add(r * n + c0),
+                        ldc: n,
+                        cols: (n - c0).min(LANES * NB),
+                        first: i0 == 0,
+                    };
+                    kernel.run(MR.min(rows.end - r), &t);
+                }
+            }
+        }
+    }
+}
+
+/// y = g W for g (m, n) and W (n, k) row-major, W read in place (no packed copy): the
+/// backward pass of a frozen layer y = x Wᵀ, ∂L/∂x = (∂L/∂y) W. Each output is the same
+/// sequence as [`F32Matrix`]'s: from 0, over W's rows in order, one FMA each — on every kernel
+/// and thread count.
+pub fn matmul_nn(g: &[f32], m: usize, w: &[f32], n: usize, k: usize) -> Vec<f32> {
+    matmul_nn_with(Kernel::detect(), g, m, w, n, k)
+}
+
+/// [`matmul_nn`] with one given kernel (tests).
+pub fn matmul_nn_with(kernel: Kernel, g: &[f32], m: usize, w: &[f32], n: usize, k: usize) -> Vec<f32> {
+    assert!(Kernel::available().contains(&kernel), "this CPU cannot run the {kernel:?} kernel");
+    assert_eq!(g.len(), m * n, "g has {} values, expected {m} × {n}", g.len());
+    assert_eq!(w.len(), n * k, "W has {} values, expected {n} × {k}", w.len());
+    let mat = InPlace { w, inputs: n, outs: k, kernel };
+    // SAFETY (of `overwritten`): product_into writes every output.
+    unsafe { crate::ops::overwritten(m * k, |y| crate::packed::product_into(&mat, Rows::Plain(g), m, y, None)) }
+}
+
+/// A row-major W (n, k) as the right factor of g W: outputs are W's k columns, inputs its n rows.
+/// A panel of 16 columns at input p is W's row p from the panel's first column, so the kernels
+/// read it in place (`bstep` = k); the last k mod 16 columns are summed in scalar code, in the
+/// same order.
+struct InPlace<'a> {
+    w: &'a [f32],
+    /// W's rows: the product's inputs.
+    inputs: usize,
+    /// W's columns: the product's outputs.
+    outs: usize,
+    kernel: Kernel,
+}
+
+impl crate::packed::Blocked for InPlace<'_> {
+    type Input = Vec<f32>;
+    const GROUP: usize = LANES * NB;
+    const MC: usize = MC;
+    fn n(&self) -> usize {
+        self.outs
+    }
+    fn k(&self) -> usize {
+        self.inputs
+    }
+    fn pack_input(&self, x: Rows, m: usize) -> Vec<f32> {
+        pack_tiles(x, m, self.inputs)
+    }
+
+    unsafe fn block(&self, xs: &Vec<f32>, rows: std::ops::Range<usize>, groups: std::ops::Range<usize>, y: *mut f32) {
+        let (inputs, outs) = (self.inputs, self.outs);
+        let full = outs / LANES * LANES;
+        let step = inputs.div_ceil(inputs.div_ceil(KC));
+        for i0 in (0..inputs).step_by(step) {
+            let kc = step.min(inputs - i0);
+            for g in groups.clone() {
+                let c0 = g * LANES * NB;
+                if c0 >= full {
+                    continue;
+                }
+                for r in rows.clone().step_by(MR) {
+                    let t = Tile {
+                        a: &xs[r * inputs + i0 * MR..],
+                        b: &self.w[i0 * outs + c0..],
+                        ldb: LANES,
+                        bstep: outs,
+                        kc,
+                        c: y.add(r * outs + c0),
+                        ldc: outs,
+                        cols: (full - c0).min(LANES * NB),
+                        first: i0 == 0,
+                    };
+                    self.kernel.run(MR.min(rows.end - r), &t);
+                }
+            }
+        }
+        // the columns past the last full panel, in the group that holds them
+        for g in groups {
+            let cols = (g * LANES * NB).max(full)..((g + 1) * LANES * NB).min(outs);
+            for r in rows.clone() {
+                let a = &xs[(r / MR) * MR * inputs + r % MR..];
+                for c in cols.clone() {
+                    let v = (0..inputs).fold(0f32, |acc, i| a[i * MR].mul_add(self.w[i * outs + c], acc));
+                    *y.add(r * outs + c) = v;
+                }
+            }
+        }
+    }
+}
+
+/// x (m, k) packed in tiles of MR rows: within a tile, for each input i, the MR rows'
+/// x[r, i], so that a step of the kernel reads its broadcasts from one place. Rows past m are
+/// zeros.
+fn pack_tiles(x: Rows, m: usize, k: usize) -> Vec<f32> {
+    let fill = |row: &mut Vec<f32>, tile: usize, dst: &mut [std::mem::MaybeUninit<f32>]| {
+        let rows = MR.min(m - tile * MR);
+        row.resize(k, 0.0);
+        for r in 0..MR {
+            if r < rows {
+                x.row_into(tile * MR + r, k, row);
+                for (i, v) in row.iter().enumerate() {
+                    dst[i * MR + r].write(*v);
+                }
+            } else {
+                (0..k).for_each(|i| _ = dst[i * MR + r].write(0.0));
+            }
+        }
+    };
+    let len = m.div_ceil(MR) * MR * k;
+    // SAFETY (of `overwritten`): the tiles cover xs and `fill` writes each tile in full.
+    unsafe {
+        crate::ops::overwritten(len, |xs| {
+            if m * k >= 1 << 16 {
+                xs.par_chunks_mut(MR * k).enumerate().for_each_init(Vec::new, |row, (t, dst)| fill(row, t, dst));
+            } else {
+                let mut row = Vec::new();
+                xs.chunks_mut(MR * k).enumerate().for_each(|(t, dst)| fill(&mut row, t, dst));
+            }
+        })
+    }
+}
+
+/// One register tile: `rows` (≤ MR) rows of packed activations from `a` (MR values per input),
+/// `kc` inputs of up to NB panels from `b` (panel stride `ldb` values; a panel's 16 weights of
+/// input p at `p · bstep`: 16 when packed, W's row stride when read in place), accumulated into
+/// the `cols` (≤ 48) outputs at `c` (row stride `ldc`); `first`: start from 0 rather than from c.
+struct Tile<'a> {
+    a: &'a [f32],
+    b: &'a [f32],
+    ldb: usize,
+    bstep: usize,
+    kc: usize,
+    c: *mut f32,
+    ldc: usize,
+    cols: usize,
+    first: bool,
+}
+
+/// Which f32 kernel this CPU runs.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Kernel {
+    /// AVX-512F: 6 rows × 48 outputs per tile.
+    Avx512,
+    /// AVX2 + FMA: 6 rows × 16 outputs, three times per tile.
+    Avx2,
+    /// `f32::mul_add` in scalar code the compiler may vectorise.
+    Portable,
+}
+
+impl Kernel {
+    /// The fastest kernel this CPU has, decided once per process; `ONEPASS_F32_KERNEL=portable`
+    /// forces the portable one (how a test compares them on one machine), `ONEPASS_CPU=avx2`
+    /// caps it at AVX2 + FMA ([`crate::cpu`]).
+    pub fn detect() -> Kernel {
+        static CHOICE: std::sync::OnceLock<Kernel> = std::sync::OnceLock::new();
+        *CHOICE.get_or_init(Kernel::probe)
+    }
+
+    fn probe() -> Kernel {
+        if std::env::var("ONEPASS_F32_KERNEL").as_deref() == Ok("portable") {
+            return Kernel::Portable;
+        }
+        #[cfg(target_arch = "x86_64")]
+        {
+            use std::arch::is_x86_feature_detected as has;
+            if !crate::cpu::capped_at_avx2() && has!("avx512f") {
+                return Kernel::Avx512;
+            }
+            if has!("avx2") && has!("fma") {
+                return Kernel::Avx2;
+            }
+        }
+        Kernel::Portable
+    }
+
+    /// The kernels this CPU can run (the tests compare each with the defining sequence).
+    pub fn available() -> Vec<Kernel> {
+        let mut all = vec![Kernel::Portable];
+        #[cfg(target_arch = "x86_64")]
+        {
+            use std::arch::is_x86_feature_detected as has;
+            if has!("avx2") && has!("fma") {
+                all.push(Kernel::Avx2);
+            }
+            if has!("avx512f") {
+                all.push(Kernel::Avx512);
+            }
+        }
+        all
+    }
+
+    /// # Safety
+    /// `t` describes valid memory (see [`Tile`]), rows ≤ MR, the CPU has this kernel's features.
+    unsafe fn run(self, rows: usize, t: &Tile) {
+        macro_rules! dispatch {
+            ($f:ident) => {
+                match rows.min(MR) {
+                    1 => $f::<1>(t),
+                    2 => $f::<2>(t),
+                    3 => $f::<3>(t),
+                    4 => $f::<4>(t),
+                    5 => $f::<5>(t),
+                    _ => $f::<6>(t),
+                }
+            };
+        }
+        match self {
+            #[cfg(target_arch = "x86_64")]
+            Kernel::Avx512 => dispatch!(tile_avx512),
+            #[cfg(target_arch = "x86_64")]
+            Kernel::Avx2 => dispatch!(tile_avx2),
+            _ => dispatch!(tile_portable),
+        }
+    }
+}
+
+/// The portable tile: per output, acc = x·w + acc by `mul_add`; the 16 lanes of a panel are
+/// independent, so the compiler may vectorise over them.
+unsafe fn tile_portable<const R: usize>(t: &Tile) {
+    let panels = t.cols.div_ceil(LANES);
+    let mut acc = [[[0f32; LANES]; NB]; R];
+    if !t.first {
+        for (r, row) in acc.iter_mut().enumerate() {
+            for c in 0..t.cols {
+                row[c / LANES][c % LANES] = *t.c.add(r * t.ldc + c);
+            }
+        }
+    }
+    for p in 0..t.kc {
+        for (j, _) in (0..panels).zip(0..NB) {
+            let w = &t.b[j * t.ldb + p * t.bstep..][..LANES];
+            for (r, row) in acc.iter_mut().enumerate() {
+                let a = t.a[p * MR + r];
+                for (o, &wv) in row[j].iter_mut().zip(w) {
+                    *o = a.mul_add(wv, *o);
+                }
+            }
+        }
+    }
+    for (r, row) in acc.iter().enumerate() {
+        for c in 0..t.cols {
+            *t.c.add(r * t.ldc + c) = row[c / LANES][c % LANES];
+        }
+    }
+}
+
+/// The AVX2 + FMA tile: for each of the group's panels, R rows × 2 × 8-lane accumulators, each
+/// step loading the panel's 16 weights once and broadcasting one activation per row.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma")]
+unsafe fn tile_avx2<const R: usize>(t: &Tile) {
+    use std::arch::x86_64::*;
+    let panels = t.cols.div_ceil(LANES);
+    for j in 0..panels {
+        let lanes = (t.cols - j * LANES).min(LANES);
+        let at = |r: usize| t.c.add(r * t.ldc + j * LANES);
+        let mut acc = [[_mm256_setzero_ps(); 2]; R];
+        if !t.first {
+            for (r, v) in acc.iter_mut().enumerate() {
+                if lanes == LANES {
+                    *v = [_mm256_loadu_ps(at(r)), _mm256_loadu_ps(at(r).add(8))];
+                } else {
+                    let mut buf = [0f32; LANES];
+                    std::ptr::copy_nonoverlapping(at(r), buf.as_mut_ptr(), lanes);
+                    *v = [_mm256_loadu_ps(buf.as_ptr()), _mm256_loadu_ps(buf.as_ptr().add(8))];
+                }
+            }
+        }
+        let (a, b) = (t.a.as_ptr(), t.b.as_ptr().add(j * t.ldb));
+        for p in 0..t.kc {
+            let w0 = _mm256_loadu_ps(b.add(p * t.bstep));
+            let w1 = _mm256_loadu_ps(b.add(p * t.bstep + 8));
+            for (r, v) in acc.iter_mut().enumerate() {
+                let x = _mm256_broadcast_ss(&*a.add(p * MR + r));
+                v[0] = _mm256_fmadd_ps(x, w0, v[0]);
+                v[1] = _mm256_fmadd_ps(x, w1, v[1]);
+            }
+        }
+        for (r, v) in acc.iter().enumerate() {
+            if lanes == LANES {
+                _mm256_storeu_ps(at(r), v[0]);
+                _mm256_storeu_ps(at(r).add(8), v[1]);
+            } else {
+                let mut buf = [0f32; LANES];
+                _mm256_storeu_ps(buf.as_mut_ptr(), v[0]);
+                _mm256_storeu_ps(buf.as_mut_ptr().add(8), v[1]);
+                std::ptr::copy_nonoverlapping(buf.as_ptr(), at(r), lanes);
+            }
+        }
+    }
+}
+
+/// The AVX-512 tile: R rows × 3 accumulators of 16 outputs, each step loading three panels'
+/// weights and broadcasting one activation per row.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f")]
+unsafe fn tile_avx512<const R: usize>(t: &Tile) {
+    use std::arch::x86_64::*;
+    let panels = t.cols.div_ceil(LANES);
+    let last = t.cols - (panels - 1) * LANES;
+    let mask = |j: usize| -> __mmask16 {
+        if j + 1 < panels || (j + 1 == panels && last == LANES) {
+            0xffff
+        } else if j + 1 == panels {
+            ((1u32 << last) - 1) as __mmask16
+        } else {
+            0
+        }
+    };
+    let mut acc = [[_mm512_setzero_ps(); NB]; R];
+    if !t.first {
+        for (r, row) in acc.iter_mut().enumerate() {
+            for (j, v) in row.iter_mut().enumerate() {
+                *v = _mm512_maskz_loadu_ps(mask(j), t.c.add(r * t.ldc + j * LANES));
+            }
+        }
+    }
+    let (a, b) = (t.a.as_ptr(), t.b.as_ptr());
+    // A full tile loads every panel unconditionally, so the loop has one shape; a short one loads
+    // zeros for the panels past its columns.
+    let full = panels == NB;
+    for p in 0..t.kc {
+        let w: [__m512; NB] = std::array::from_fn(|j| {
+            if full || j < panels {
+                _mm512_loadu_ps(b.add(j * t.ldb + p * t.bstep))
+            } else {
+                _mm512_setzero_ps()
+            }
+        });
+        for (r, row) in acc.iter_mut().enumerate() {
+            let x = _mm512_set1_ps(*a.add(p * MR + r));
+            for (v, wj) in row.iter_mut().zip(w) {
+                *v = _mm512_fmadd_ps(x, wj, *v);
+            }
+        }
+    }
+    for (r, row) in acc.iter().enumerate() {
+        for (j, v) in row.iter().enumerate() {
+            let m = mask(j);
+            if m != 0 {
+                _mm512_mask_storeu_ps(t.c.add(r * t.ldc + j * LANES), m, *v);
+            }
+        }
+    }
+}
+
+/// The product with one given kernel, whatever [`Kernel::detect`] chose, on the calling thread
+/// (tests; a kernel the CPU lacks is refused).
+pub fn matmul_t_with(w: &F32Matrix, kernel: Kernel, x: &[f32], m: usize) -> Vec<f32> {
+    use crate::packed::Blocked;
+    assert!(Kernel::available().contains(&kernel), "this CPU cannot run the {kernel:?} kernel");
+    assert_eq!(x.len(), m * w.k, "x has {} values, expected {m} × {}", x.len(), w.k);
+    let mut y = vec![0f32; m * w.n];
+    if w.k > 0 {
+        let xs = w.pack_input(Rows::Plain(x), m);
+        // SAFETY: y holds m × n values, all written by this one call; the CPU has the kernel
+        // (asserted above).
+        unsafe { w.block_with(kernel, &xs, 0..m, 0..w.n.div_ceil(LANES * NB), y.as_mut_ptr()) };
+    }
+    y
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::packed::PackedMatrix;
+    use rand::{Rng, SeedableRng};
+
+    fn random(n: usize, seed: u64, scale: f32) -> Vec<f32> {
+        let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(seed);
+        (0..n).map(|_| (rng.random::<f32>() * 2.0 - 1.0) * scale).collect()
+    }
+
+    /// The defining sequence, written independently of the kernels: per output, from 0, over
+    /// the inputs in order, one fused multiply-add each.
+    fn reference(x: &[f32], w: &[f32], m: usize, n: usize, k: usize) -> Vec<f32> {
+        let mut y = vec![0f32; m * n];
+        for i in 0..m {
+            for o in 0..n {
+                y[i * n + o] = (0..k).fold(0f32, |acc, j| x[i * k + j].mul_add(w[o * k + j], acc));
+            }
+        }
+        y
+    }
+
+    fn bits(v: &[f32]) -> Vec<u32> {
+        v.iter().map(|x| x.to_bits()).collect()
+    }
+
+    /// Every kernel this CPU has, and the threaded product, give the defining sequence bit for
+    /// bit: shapes with partial row tiles, partial panels and groups, several inner blocks
+    /// (k > KC, not a multiple of it), and decoding's few rows. Negative control: a sum in
+    /// another order (plain multiply then add) differs somewhere.
+    #[test]
+    fn kernels_give_the_defining_sequence_bit_for_bit() {
+        let kernels = Kernel::available();
+        for (m, n, k) in [(1, 5, 3), (7, 16, 128), (13, 100, 300), (6, 48, 129), (25, 97, 576), (130, 200, 40)] {
+            let x = random(m * k, 1 + k as u64, 2.0);
+            let w = random(n * k, 2 + n as u64, 0.3);
+            let want = reference(&x, &w, m, n, k);
+            let mat = F32Matrix::from_f32(&w, n, k);
+            for &kern in &kernels {
+                assert_eq!(bits(&matmul_t_with(&mat, kern, &x, m)), bits(&want), "{kern:?} at {m} × {n} × {k}");
+            }
+            assert_eq!(bits(&mat.matmul_t(&x, m)), bits(&want), "threaded at {m} × {n} × {k}");
+            if k >= 100 {
+                let plain: Vec<f32> = (0..m * n)
+                    .map(|e| (0..k).fold(0f32, |acc, j| acc + x[(e / n) * k + j] * w[(e % n) * k + j]))
+                    .collect();
+                assert_ne!(bits(&plain), bits(&want), "the control sums like the kernels at {m} × {n} × {k}");
+            }
+        }
+        assert!(kernels.contains(&Kernel::detect()));
+    }
+
+    /// g W with W read in place is the defining sequence over W's rows, bit for bit, on every
+    /// kernel and threaded, with columns past the last full panel; and it is the packed
+    /// product by Wᵀ (the same sums).
+    #[test]
+    fn in_place_product_gives_the_defining_sequence() {
+        for (m, n, k) in [(1, 3, 5), (7, 300, 16), (13, 129, 100), (40, 576, 50), (130, 64, 48)] {
+            let g = random(m * n, 20 + n as u64, 1.5);
+            let w = random(n * k, 21 + k as u64, 0.3);
+            let wt: Vec<f32> = (0..k * n).map(|e| w[(e % n) * k + e / n]).collect();
+            let want = reference(&g, &wt, m, k, n);
+            for kern in Kernel::available() {
+                assert_eq!(bits(&matmul_nn_with(kern, &g, m, &w, n, k)), bits(&want), "{kern:?} at {m} × {n} × {k}");
+            }
+            assert_eq!(bits(&matmul_nn(&g, m, &w, n, k)), bits(&want), "threaded at {m} × {n} × {k}");
+            let packed = F32Matrix::from_f32(&wt, k, n).matmul_t(&g, m);
+            assert_eq!(bits(&packed), bits(&want), "packed Wᵀ at {m} × {n} × {k}");
+        }
+    }
+
+    /// The product agrees with candle's matmul (another summation order) to f32 precision, and
+    /// not with another weight (negative control).
+    #[test]
+    fn product_is_close_to_candles_matmul() {
+        use candle_core::{Device, Tensor};
+        let (m, n, k) = (37, 70, 257);
+        let (x, w) = (random(m * k, 5, 1.0), random(n * k, 6, 0.1));
+        let mat = F32Matrix::from_f32(&w, n, k);
+        let got = mat.matmul_t(&x, m);
+        let xt = Tensor::from_vec(x.clone(), (m, k), &Device::Cpu).unwrap();
+        let wt = Tensor::from_vec(w.clone(), (n, k), &Device::Cpu).unwrap();
+        let want = xt.matmul(&wt.t().unwrap()).unwrap().flatten_all().unwrap().to_vec1::<f32>().unwrap();
+        let err = got.iter().zip(&want).map(|(a, b)| (a - b).abs()).fold(0f32, f32::max);
+        assert!(err < 1e-5, "max |Δ| {err}");
+        let other = F32Matrix::from_f32(&random(n * k, 7, 0.1), n, k).matmul_t(&x, m);
+        let far = other.iter().zip(&want).map(|(a, b)| (a - b).abs()).fold(0f32, f32::max);
+        assert!(far > 0.1, "another weight gave max |Δ| {far}");
+    }
+
+    /// The fused forms are their parts in sequence, bit for bit: SwiGLU's product is silu·up
+    /// then the product; the residual epilogue is the product then add + RMSNorm; with few rows
+    /// (the epilogue after the product) and many (whole-row tasks).
+    #[test]
+    fn fused_forms_are_their_parts() {
+        use candle_core::{Device, Tensor};
+        let (n, k) = (64, 96);
+        let w = random(n * k, 9, 0.2);
+        let mat = F32Matrix::from_f32(&w, n, k);
+        let norm = random(n, 10, 1.0);
+        for m in [5, 1000] {
+            let gu = random(m * 2 * k, 11, 3.0);
+            let gut = Tensor::from_vec(gu.clone(), (m, 2 * k), &Device::Cpu).unwrap();
+            let a = crate::ops::silu_mul(&gut).unwrap().flatten_all().unwrap().to_vec1::<f32>().unwrap();
+            let want = mat.matmul_t(&a, m);
+            assert_eq!(bits(&mat.matmul_t_swiglu(&gu, m)), bits(&want), "swiglu at {m} rows");
+            let r = random(m * n, 12, 1.0);
+            let both = mat.matmul_t_add_rms(&a, false, m, &r, &norm, 1e-5);
+            let rt = Tensor::from_vec(r.clone(), (m, n), &Device::Cpu).unwrap();
+            let yt = Tensor::from_vec(want.clone(), (m, n), &Device::Cpu).unwrap();
+            let nt = Tensor::from_vec(norm.clone(), n, &Device::Cpu).unwrap();
+            let (s, h) = crate::ops::add_rms_norm(&rt, &yt, &nt, 1e-5).unwrap();
+            let s = s.flatten_all().unwrap().to_vec1::<f32>().unwrap();
+            let h = h.flatten_all().unwrap().to_vec1::<f32>().unwrap();
+            assert_eq!(bits(&both[..m * n]), bits(&s), "residual sum at {m} rows");
+            assert_eq!(bits(&both[m * n..]), bits(&h), "norm at {m} rows");
+            let fused = mat.matmul_t_add_rms(&gu, true, m, &r, &norm, 1e-5);
+            assert_eq!(bits(&fused), bits(&both), "swiglu + norm at {m} rows");
+        }
+    }
+}
