@@ -41,7 +41,9 @@ bench-quick:
 # Feature-model throughput: candle (onepass) vs PyTorch f32 and bf16 on identical token ids,
 # batch and threads (default 8 x 256, 3 passes, 3 alternating rounds); prints tok/s, peak RSS and
 # the ratios. Set ONEPASS_BENCH_PYTHON to a python with torch + transformers + gguf + accelerate,
-# or let it create .venv-bench from PyPI.
+# or let it create .venv-bench from PyPI. Also times onepass f32 on candle's gemm
+# (ONEPASS_F32_KERNEL=candle); ONEPASS_BENCH_DTYPES=f32 / ONEPASS_BENCH_TORCH_DTYPES=f32 leave bf16
+# out (PyTorch bf16 takes minutes per pass on an AVX2-only CPU).
 bench-features batch="8" len="256" reps="3": fetch-models
     scripts/bench_features.sh {{batch}} {{len}} {{reps}}
 

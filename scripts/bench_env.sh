@@ -8,10 +8,11 @@ reps=${3:-3}
 model=${ONEPASS_BENCH_MODEL:-models/SmolLM2-135M-Instruct.Q4_1.gguf}
 threads=${ONEPASS_BENCH_THREADS:-$(nproc)}
 rounds=${ONEPASS_BENCH_ROUNDS:-3}
-# ONEPASS_BENCH_DTYPES="f32": leave bf16 out on both sides (on a CPU without bf16 instructions
-# PyTorch bf16 takes minutes per pass, and f32 is the peer that matters there)
+# ONEPASS_BENCH_DTYPES="f32": leave bf16 out (bench-features, bench-generate); on a CPU without
+# bf16 instructions PyTorch bf16 takes minutes per pass and f32 is the peer that matters, so
+# ONEPASS_BENCH_TORCH_DTYPES="f32" keeps onepass's bf16 row and leaves PyTorch's out
 dtypes=${ONEPASS_BENCH_DTYPES:-f32 bf16}
-torch_dtypes=$(echo "$dtypes" | sed 's/f32/float32/; s/bf16/bfloat16/')
+torch_dtypes=$(echo "${ONEPASS_BENCH_TORCH_DTYPES:-$dtypes}" | sed 's/f32/float32/; s/bf16/bfloat16/')
 py=${ONEPASS_BENCH_PYTHON:-}
 if [[ -z "$py" ]]; then
     if [[ ! -x .venv-bench/bin/python ]]; then

@@ -22,7 +22,7 @@ bin=target/release/onepass
 RAYON_NUM_THREADS=$threads $bin features bench --model "$model" --batch "$batch" --len "$len" --reps 1 --warmup 0 --ids-out "$ids" >/dev/null
 for r in $(seq 1 "$rounds"); do
     echo "bench-features: round $r/$rounds" >&2
-    for dt in f32 bf16; do
+    for dt in $dtypes; do
         RAYON_NUM_THREADS=$threads $bin features bench --model "$model" --batch "$batch" --len "$len" --reps "$reps" \
             --dtype $dt ${ONEPASS_BENCH_TRACE:+--trace "$ONEPASS_BENCH_TRACE.$dt"} >"$out/candle-$dt-$r.json"
     done
@@ -30,7 +30,7 @@ for r in $(seq 1 "$rounds"); do
     # what the packed path gained, in the same run
     ONEPASS_F32_KERNEL=candle RAYON_NUM_THREADS=$threads $bin features bench --model "$model" --batch "$batch" \
         --len "$len" --reps "$reps" --dtype f32 | sed 's/"engine":"candle"/"engine":"candle-gemm"/' >"$out/gemm-f32-$r.json"
-    for dt in float32 bfloat16; do
+    for dt in $torch_dtypes; do
         "$py" scripts/bench_features_torch.py --model "$model" --ids "$ids" --dtype $dt --threads "$threads" \
             --reps "$reps" 2>/dev/null >"$out/torch-$dt-$r.json"
     done

@@ -221,7 +221,7 @@ impl Store {
 }
 
 /// A weight packed for one of the CPU products.
-pub type Packed = std::sync::Arc<dyn crate::packed::PackedMatrix>;
+type Packed = std::sync::Arc<dyn crate::packed::PackedMatrix>;
 
 enum Weight {
     Dense(Tensor),
@@ -264,13 +264,6 @@ impl candle_core::CustomOp1 for PackedLinear {
         let y = if self.swiglu { self.w.matmul_t_swiglu(x, rows) } else { self.w.matmul_t(x, rows) };
         Ok((candle_core::CpuStorage::F32(y), candle_core::Shape::from((rows, self.w.n()))))
     }
-}
-
-/// y = x Wᵀ through a packed weight (the CPU's f32 or bf16 product), x (rows, in) f32: a candle
-/// op without a backward pass (a caller that trains routes the input's gradient itself, e.g. by
-/// [`matmul_nn`]).
-pub fn packed_matmul_t(x: &Tensor, w: &Packed) -> candle_core::Result<Tensor> {
-    x.contiguous()?.apply_op1_no_bwd(&PackedLinear { w: w.clone(), swiglu: false })
 }
 
 /// g W for g (rows, n) f32 and a row-major W (n, k) f32 read in place

@@ -219,30 +219,6 @@ pub struct Linear {
     pub bias: Option<Tensor>,
     pub adapter: Option<Adapter>,
     pub reference: Reference,
-    /// W packed for the CPU's f32 product, made on first use (`Linear::merge` drops it).
-    pub packed: PackedWeight,
-}
-
-/// A frozen f32 W packed once for `features::f32mm`'s product (what [`frozen_matmul`] runs on
-/// the CPU), made on first use: a copy as large as W, which saves packing W on every product.
-#[derive(Default)]
-pub struct PackedWeight(std::sync::OnceLock<features::model::Packed>);
-
-impl PackedWeight {
-    /// Whether W has been packed (a product ran on the packed kernels).
-    pub fn is_packed(&self) -> bool {
-        self.0.get().is_some()
-    }
-
-    fn get(&self, w: &Tensor) -> Result<&features::model::Packed> {
-        if let Some(p) = self.0.get() {
-            return Ok(p);
-        }
-        let (n, k) = w.dims2()?;
-        let v = w.flatten_all()?.to_vec1::<f32>()?;
-        let p: features::model::Packed = std::sync::Arc::new(features::f32mm::F32Matrix::from_f32(&v, n, k));
-        Ok(self.0.get_or_init(|| p))
-    }
 }
 
 impl Linear {
@@ -254,12 +230,11 @@ impl Linear {
         let inp = *dims.last().expect("rank ≥ 1");
         let rows = x.elem_count() / inp.max(1);
         let x2 = x.reshape((rows, inp))?;
-        // the reference's own weight (after merges) is used by reference passes alone: unpacked
-        let (w, packed) = match (&self.reference, pass.adapters) {
-            (Reference::Weight(w0), false) => (w0, None),
-            _ => (&self.w, Some(&self.packed)),
+        let w = match (&self.reference, pass.adapters) {
+            (Reference::Weight(w0), false) => w0,
+            _ => &self.w,
         };
-        let mut y = frozen_matmul(&x2, w, packed, k)?;
+        let mut y = frozen_matmul(&x2, w, k)?;
         if let Some(b) = &self.bias {
             y = y.broadcast_add(b)?;
         }
@@ -310,7 +285,6 @@ impl Linear {
         }
         // detached: W stays frozen (no path from it back to the adapter's variables)
         self.w = (&self.w + ad.delta()?.detach().to_dtype(self.w.dtype())?)?.detach();
-        self.packed = PackedWeight::default();
         Ok(())
     }
 
@@ -342,24 +316,19 @@ pub fn is_zero(t: &Tensor) -> Result<bool> {
 /// A W that is a variable (a full-parameter policy) takes the plain matmul, which gives W its
 /// gradient xᵀg.
 ///
-/// On the CPU in f32 (unless `ONEPASS_F32_KERNEL=candle`) both products run on
-/// `features::f32mm`'s kernels: x Wᵀ on `packed` (W packed once; without it, candle's matmul)
-/// and g W on W in place — the products the inference path runs, one FMA sequence per output.
-pub fn frozen_matmul(x: &Tensor, w: &Tensor, packed: Option<&PackedWeight>, k: Kernels) -> Result<Tensor> {
-    if k == Kernels::Composed || w.is_variable() || (!x.track_op() && packed.is_none()) {
+/// In f32 on the CPU (unless `ONEPASS_F32_KERNEL=candle`) the backward's g W runs on
+/// `features::f32mm`'s kernel with W read in place (no copy). The forward stays candle's matmul:
+/// a packed copy of every frozen weight (+0.9 GB peak for SmolLM2-135M's step) was measured no
+/// faster within this VM's noise (issue 35's note).
+pub fn frozen_matmul(x: &Tensor, w: &Tensor, k: Kernels) -> Result<Tensor> {
+    if k == Kernels::Composed || !x.track_op() || w.is_variable() {
         return x.matmul(&w.t()?);
     }
+    let y = x.detach().matmul(&w.t()?)?;
     let own = x.dtype() == DType::F32
         && w.dtype() == DType::F32
         && x.device().is_cpu()
         && !features::model::f32_uses_candle();
-    let y = match (own, packed) {
-        (true, Some(p)) => features::model::packed_matmul_t(&x.detach(), p.get(w)?)?,
-        _ => x.detach().matmul(&w.t()?)?,
-    };
-    if !x.track_op() {
-        return Ok(y);
-    }
     let w = w.clone();
     crate::ops::routed(
         x,

@@ -58,8 +58,6 @@ pub struct PolicyModel {
     base: HashMap<String, Tensor>,
     embed: Tensor,
     lm_head: Tensor,
-    /// The LM head packed for the CPU's f32 product ([`crate::lora::frozen_matmul`]).
-    lm_head_packed: crate::lora::PackedWeight,
     blocks: Vec<Block>,
     norm: Tensor,
     cos: Tensor,
@@ -172,7 +170,7 @@ impl PolicyModel {
                 } else {
                     None
                 };
-                Ok(Linear { w, bias, adapter, reference: Reference::Frozen, packed: Default::default() })
+                Ok(Linear { w, bias, adapter, reference: Reference::Frozen })
             };
             blocks.push(Block {
                 q: lin(Target::QProj, cfg.qkv_bias)?,
@@ -196,7 +194,6 @@ impl PolicyModel {
             base: tensors,
             embed,
             lm_head,
-            lm_head_packed: Default::default(),
             blocks,
             norm,
             cos,
@@ -285,8 +282,11 @@ impl PolicyModel {
     pub fn forward(&self, ids: &Tensor) -> Result<Tensor> {
         let (b, t) = ids.dims2()?;
         let h = self.hidden(ids, true)?;
-        frozen_matmul(&h.reshape((b * t, self.cfg.hidden))?, &self.lm_head, Some(&self.lm_head_packed), self.kernels)?
-            .reshape((b, t, self.cfg.vocab))
+        frozen_matmul(&h.reshape((b * t, self.cfg.hidden))?, &self.lm_head, self.kernels)?.reshape((
+            b,
+            t,
+            self.cfg.vocab,
+        ))
     }
 
     /// Final-norm hidden states (b, t, hidden) of right-padded ids (b, t); with `adapters`
@@ -396,7 +396,7 @@ impl PolicyModel {
             return r.logprobs_pass(batch, Pass::BASE);
         }
         let rows = self.response_rows(batch, pass)?;
-        let logits = frozen_matmul(&rows, &self.lm_head, Some(&self.lm_head_packed), self.kernels)?;
+        let logits = frozen_matmul(&rows, &self.lm_head, self.kernels)?;
         let lp = crate::ops::log_softmax_last(&logits, self.kernels)?;
         lp.gather(&batch.targets.reshape((batch.targets.dim(0)?, 1))?, 1)?.squeeze(1)
     }
