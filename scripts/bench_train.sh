@@ -17,10 +17,7 @@ bin=target/release/examples/train_step
 for r in $(seq 1 "$rounds"); do
     echo "bench-train: round $r/$rounds" >&2
     RAYON_NUM_THREADS=$threads $bin "$model" "$batch" "$len" "$reps" "$out/ids.json" 2>/dev/null | tail -n 1 >"$out/candle-f32-$r.json"
-    # onepass's step with candle's own matmul for the frozen products (what the packed kernels gained)
-    ONEPASS_F32_KERNEL=candle RAYON_NUM_THREADS=$threads $bin "$model" "$batch" "$len" "$reps" "$out/ids.json" 2>/dev/null |
-        tail -n 1 | sed 's/"engine": *"candle"/"engine":"candle-gemm"/' >"$out/gemm-f32-$r.json"
     "$py" scripts/bench_train_torch.py --model "$model" --ids "$out/ids.json" --threads "$threads" \
         --reps "$reps" 2>/dev/null >"$out/torch-f32-$r.json"
 done
-python3 scripts/bench_features_report.py "$out"/candle-*.json "$out"/gemm-*.json "$out"/torch-*.json
+python3 scripts/bench_features_report.py "$out"/candle-*.json "$out"/torch-*.json

@@ -266,37 +266,6 @@ impl candle_core::CustomOp1 for PackedLinear {
     }
 }
 
-/// g W for g (rows, n) f32 and a row-major W (n, k) f32 read in place
-/// ([`crate::f32mm::matmul_nn`]): the input's gradient of a frozen layer x Wᵀ.
-pub fn matmul_nn(g: &Tensor, w: &Tensor) -> candle_core::Result<Tensor> {
-    g.contiguous()?.apply_op2_no_bwd(&w.contiguous()?, &MatmulNn)
-}
-
-struct MatmulNn;
-
-impl candle_core::CustomOp2 for MatmulNn {
-    fn name(&self) -> &'static str {
-        "onepass-matmul-nn"
-    }
-
-    fn cpu_fwd(
-        &self,
-        sg: &candle_core::CpuStorage,
-        lg: &candle_core::Layout,
-        sw: &candle_core::CpuStorage,
-        lw: &candle_core::Layout,
-    ) -> candle_core::Result<(candle_core::CpuStorage, candle_core::Shape)> {
-        use crate::ops::contiguous_f32;
-        let (g, w) = (contiguous_f32(sg, lg, "g W: g")?, contiguous_f32(sw, lw, "g W: W")?);
-        let ((rows, n), (wn, k)) = (lg.shape().dims2()?, lw.shape().dims2()?);
-        if n != wn {
-            candle_core::bail!("g W: g {:?} against W {:?}", lg.shape(), lw.shape());
-        }
-        let y = crate::f32mm::matmul_nn(g, rows, w, n, k);
-        Ok((candle_core::CpuStorage::F32(y), candle_core::Shape::from((rows, k))))
-    }
-}
-
 /// [`PackedLinear`] ending a residual sublayer: (x, residual r, norm weight) → (2, rows, out) =
 /// [r + y; RMSNorm(r + y)] (see [`crate::packed::PackedMatrix::matmul_t_add_rms`]).
 struct PackedLinearAddNorm {

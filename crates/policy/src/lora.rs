@@ -3,7 +3,7 @@
 //! Kaiming-uniform (bound 1/√in) and B at zero, so the adapted model starts as the base model.
 
 use crate::ops::Kernels;
-use candle_core::{DType, Device, Result, Tensor, Var};
+use candle_core::{Device, Result, Tensor, Var};
 use rand::{Rng, SeedableRng};
 
 /// A linear layer of a decoder block that can carry an adapter (PEFT's `target_modules` names).
@@ -315,33 +315,13 @@ pub fn is_zero(t: &Tensor) -> Result<bool> {
 /// composed (other devices), the plain matmul (W is no variable: its gradient is never read).
 /// A W that is a variable (a full-parameter policy) takes the plain matmul, which gives W its
 /// gradient xᵀg.
-///
-/// In f32 on the CPU (unless `ONEPASS_F32_KERNEL=candle`) the backward's g W runs on
-/// `features::f32mm`'s kernel with W read in place (no copy). The forward stays candle's matmul:
-/// a packed copy of every frozen weight (+0.9 GB peak for SmolLM2-135M's step) was measured no
-/// faster within this VM's noise (issue 35's note).
 pub fn frozen_matmul(x: &Tensor, w: &Tensor, k: Kernels) -> Result<Tensor> {
     if k == Kernels::Composed || !x.track_op() || w.is_variable() {
         return x.matmul(&w.t()?);
     }
     let y = x.detach().matmul(&w.t()?)?;
-    let own = x.dtype() == DType::F32
-        && w.dtype() == DType::F32
-        && x.device().is_cpu()
-        && !features::model::f32_uses_candle();
     let w = w.clone();
-    crate::ops::routed(
-        x,
-        y,
-        "frozen-matmul",
-        move |_, _, g| {
-            if own {
-                features::model::matmul_nn(g, &w)
-            } else {
-                g.matmul(&w)
-            }
-        },
-    )
+    crate::ops::routed(x, y, "frozen-matmul", move |_, _, g| g.matmul(&w))
 }
 
 /// The generator of the adapters' initial draws.

@@ -184,41 +184,6 @@ fn frozen_matmul_routes_the_gradient_to_x_alone() {
     assert!(g1.get(&w).is_none(), "no gradient for the frozen weight");
 }
 
-/// In f32 on the CPU the frozen matmul's backward g W runs on `features::f32mm` with W in place:
-/// x's gradient is that kernel's product bit for bit (unless `ONEPASS_F32_KERNEL=candle`) and the
-/// f64 product's within f32 rounding; W gets no gradient. Negative control: another W's
-/// gradient is far.
-#[test]
-fn frozen_matmul_backward_on_the_f32_kernel() {
-    let (m, k, n) = (37, 70, 300);
-    let xs: Vec<f64> = (0..m * k).map(|i| ((i * 37 % 101) as f64) / 50.0 - 1.0).collect();
-    let ws: Vec<f64> = (0..n * k).map(|i| ((i as f64) * 0.7).sin() * 0.2).collect();
-    let cs: Vec<f64> = (0..m * n).map(|i| ((i as f64) * 0.3).cos()).collect();
-    let t64 = |v: &[f64], s: (usize, usize)| Tensor::from_vec(v.to_vec(), s, &Device::Cpu).unwrap();
-    let t32 = |v: &[f64], s: (usize, usize)| t64(v, s).to_dtype(DType::F32).unwrap();
-    let x = candle_core::Var::from_tensor(&t32(&xs, (m, k))).unwrap();
-    let (w, c) = (t32(&ws, (n, k)), t32(&cs, (m, n)));
-    let y = policy::lora::frozen_matmul(x.as_tensor(), &w, policy::ops::Kernels::Fused).unwrap();
-    let grads = (&y * &c).unwrap().sum_all().unwrap().backward().unwrap();
-    assert!(grads.get(&w).is_none(), "no gradient for the frozen weight");
-    let gx = grads.get(x.as_tensor()).unwrap();
-    let flat = |t: &Tensor| t.flatten_all().unwrap().to_vec1::<f32>().unwrap();
-    let kernel = features::f32mm::matmul_nn(&flat(&c), m, &flat(&w), n, k);
-    let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
-    if !features::model::f32_uses_candle() {
-        assert_eq!(bits(&flat(gx)), bits(&kernel), "the kernel's bits");
-    }
-    let maxdiff = |a: &Tensor, b: &Tensor| -> f64 {
-        let a: Vec<f64> = a.to_dtype(DType::F64).unwrap().flatten_all().unwrap().to_vec1().unwrap();
-        let b: Vec<f64> = b.flatten_all().unwrap().to_vec1().unwrap();
-        a.iter().zip(&b).map(|(p, q)| (p - q).abs()).fold(0.0, f64::max)
-    };
-    let (w64, c64) = (t64(&ws, (n, k)), t64(&cs, (m, n)));
-    assert!(maxdiff(gx, &c64.matmul(&w64).unwrap()) < 1e-4, "gradient: {}", maxdiff(gx, &c64.matmul(&w64).unwrap()));
-    let other = t64(&ws.iter().map(|v| -v).collect::<Vec<_>>(), (n, k));
-    assert!(maxdiff(gx, &c64.matmul(&other).unwrap()) > 0.1, "the control is as close");
-}
-
 /// Log-probabilities of a batch and every adapter's gradient of a weighted sum of them.
 fn values_and_gradients(m: &PolicyModel, b: &policy::batch::SeqBatch) -> (Vec<f64>, Vec<Vec<f64>>) {
     let lp = m.logprobs_at(b, true).unwrap();
