@@ -129,7 +129,6 @@ impl F32Matrix {
                         a: &xs[r * k + i0 * MR..],
                         b,
                         ldb: k * LANES,
-                        bstep: LANES,
                         kc,
                         c: y.add(r * n + c0),
                         ldc: n,
@@ -137,94 +136,6 @@ impl F32Matrix {
                         first: i0 == 0,
                     };
                     kernel.run(MR.min(rows.end - r), &t);
-                }
-            }
-        }
-    }
-}
-
-/// y = g W for g (m, n) and W (n, k) row-major, W read in place (no packed copy): the
-/// backward pass of a frozen layer y = x Wᵀ, ∂L/∂x = (∂L/∂y) W. Each output is the same
-/// sequence as [`F32Matrix`]'s: from 0, over W's rows in order, one FMA each — on every kernel
-/// and thread count. Not used by training yet: in the LoRA step it measured no faster than
-/// candle's matmul (0.96x, rounds 0.95–1.04x, on an AVX2 Zen 3) and its packed copy of g (the
-/// LM head's: rows × vocabulary) raised the peak by 0.2 GB (issue 35's note).
-pub fn matmul_nn(g: &[f32], m: usize, w: &[f32], n: usize, k: usize) -> Vec<f32> {
-    matmul_nn_with(Kernel::detect(), g, m, w, n, k)
-}
-
-/// [`matmul_nn`] with one given kernel (tests).
-pub fn matmul_nn_with(kernel: Kernel, g: &[f32], m: usize, w: &[f32], n: usize, k: usize) -> Vec<f32> {
-    assert!(Kernel::available().contains(&kernel), "this CPU cannot run the {kernel:?} kernel");
-    assert_eq!(g.len(), m * n, "g has {} values, expected {m} × {n}", g.len());
-    assert_eq!(w.len(), n * k, "W has {} values, expected {n} × {k}", w.len());
-    let mat = InPlace { w, inputs: n, outs: k, kernel };
-    // SAFETY (of `overwritten`): product_into writes every output.
-    unsafe { crate::ops::overwritten(m * k, |y| crate::packed::product_into(&mat, Rows::Plain(g), m, y, None)) }
-}
-
-/// A row-major W (n, k) as the right factor of g W: outputs are W's k columns, inputs its n rows.
-/// A panel of 16 columns at input p is W's row p from the panel's first column, so the kernels
-/// read it in place (`bstep` = k); the last k mod 16 columns are summed in scalar code, in the
-/// same order.
-struct InPlace<'a> {
-    w: &'a [f32],
-    /// W's rows: the product's inputs.
-    inputs: usize,
-    /// W's columns: the product's outputs.
-    outs: usize,
-    kernel: Kernel,
-}
-
-impl crate::packed::Blocked for InPlace<'_> {
-    type Input = Vec<f32>;
-    const GROUP: usize = LANES * NB;
-    const MC: usize = MC;
-    fn n(&self) -> usize {
-        self.outs
-    }
-    fn k(&self) -> usize {
-        self.inputs
-    }
-    fn pack_input(&self, x: Rows, m: usize) -> Vec<f32> {
-        pack_tiles(x, m, self.inputs)
-    }
-
-    unsafe fn block(&self, xs: &Vec<f32>, rows: std::ops::Range<usize>, groups: std::ops::Range<usize>, y: *mut f32) {
-        let (inputs, outs) = (self.inputs, self.outs);
-        let full = outs / LANES * LANES;
-        let step = inputs.div_ceil(inputs.div_ceil(KC));
-        for i0 in (0..inputs).step_by(step) {
-            let kc = step.min(inputs - i0);
-            for g in groups.clone() {
-                let c0 = g * LANES * NB;
-                if c0 >= full {
-                    continue;
-                }
-                for r in rows.clone().step_by(MR) {
-                    let t = Tile {
-                        a: &xs[r * inputs + i0 * MR..],
-                        b: &self.w[i0 * outs + c0..],
-                        ldb: LANES,
-                        bstep: outs,
-                        kc,
-                        c: y.add(r * outs + c0),
-                        ldc: outs,
-                        cols: (full - c0).min(LANES * NB),
-                        first: i0 == 0,
-                    };
-                    self.kernel.run(MR.min(rows.end - r), &t);
-                }
-            }
-        }
-        // the columns past the last full panel, in the group that holds them
-        for g in groups {
-            let cols = (g * LANES * NB).max(full)..((g + 1) * LANES * NB).min(outs);
-            for r in rows.clone() {
-                let a = &xs[(r / MR) * MR * inputs + r % MR..];
-                for c in cols.clone() {
-                    let v = (0..inputs).fold(0f32, |acc, i| a[i * MR].mul_add(self.w[i * outs + c], acc));
-                    *y.add(r * outs + c) = v;
                 }
             }
         }
@@ -264,14 +175,12 @@ fn pack_tiles(x: Rows, m: usize, k: usize) -> Vec<f32> {
 }
 
 /// One register tile: `rows` (≤ MR) rows of packed activations from `a` (MR values per input),
-/// `kc` inputs of up to NB panels from `b` (panel stride `ldb` values; a panel's 16 weights of
-/// input p at `p · bstep`: 16 when packed, W's row stride when read in place), accumulated into
-/// the `cols` (≤ 48) outputs at `c` (row stride `ldc`); `first`: start from 0 rather than from c.
+/// `kc` inputs of up to NB panels from `b` (panel stride `ldb` values), accumulated into the
+/// `cols` (≤ 48) outputs at `c` (row stride `ldc`); `first`: start from 0 rather than from c.
 struct Tile<'a> {
     a: &'a [f32],
     b: &'a [f32],
     ldb: usize,
-    bstep: usize,
     kc: usize,
     c: *mut f32,
     ldc: usize,
@@ -371,7 +280,7 @@ unsafe fn tile_portable<const R: usize>(t: &Tile) {
     }
     for p in 0..t.kc {
         for (j, _) in (0..panels).zip(0..NB) {
-            let w = &t.b[j * t.ldb + p * t.bstep..][..LANES];
+            let w = &t.b[j * t.ldb + p * LANES..][..LANES];
             for (r, row) in acc.iter_mut().enumerate() {
                 let a = t.a[p * MR + r];
                 for (o, &wv) in row[j].iter_mut().zip(w) {
@@ -411,8 +320,8 @@ unsafe fn tile_avx2<const R: usize>(t: &Tile) {
         }
         let (a, b) = (t.a.as_ptr(), t.b.as_ptr().add(j * t.ldb));
         for p in 0..t.kc {
-            let w0 = _mm256_loadu_ps(b.add(p * t.bstep));
-            let w1 = _mm256_loadu_ps(b.add(p * t.bstep + 8));
+            let w0 = _mm256_loadu_ps(b.add(p * LANES));
+            let w1 = _mm256_loadu_ps(b.add(p * LANES + 8));
             for (r, v) in acc.iter_mut().enumerate() {
                 let x = _mm256_broadcast_ss(&*a.add(p * MR + r));
                 v[0] = _mm256_fmadd_ps(x, w0, v[0]);
@@ -465,7 +374,7 @@ unsafe fn tile_avx512<const R: usize>(t: &Tile) {
     for p in 0..t.kc {
         let w: [__m512; NB] = std::array::from_fn(|j| {
             if full || j < panels {
-                _mm512_loadu_ps(b.add(j * t.ldb + p * t.bstep))
+                _mm512_loadu_ps(b.add(j * t.ldb + p * LANES))
             } else {
                 _mm512_setzero_ps()
             }
@@ -554,25 +463,6 @@ mod tests {
             }
         }
         assert!(kernels.contains(&Kernel::detect()));
-    }
-
-    /// g W with W read in place is the defining sequence over W's rows, bit for bit, on every
-    /// kernel and threaded, with columns past the last full panel; and it is the packed
-    /// product by Wᵀ (the same sums).
-    #[test]
-    fn in_place_product_gives_the_defining_sequence() {
-        for (m, n, k) in [(1, 3, 5), (7, 300, 16), (13, 129, 100), (40, 576, 50), (130, 64, 48)] {
-            let g = random(m * n, 20 + n as u64, 1.5);
-            let w = random(n * k, 21 + k as u64, 0.3);
-            let wt: Vec<f32> = (0..k * n).map(|e| w[(e % n) * k + e / n]).collect();
-            let want = reference(&g, &wt, m, k, n);
-            for kern in Kernel::available() {
-                assert_eq!(bits(&matmul_nn_with(kern, &g, m, &w, n, k)), bits(&want), "{kern:?} at {m} × {n} × {k}");
-            }
-            assert_eq!(bits(&matmul_nn(&g, m, &w, n, k)), bits(&want), "threaded at {m} × {n} × {k}");
-            let packed = F32Matrix::from_f32(&wt, k, n).matmul_t(&g, m);
-            assert_eq!(bits(&packed), bits(&want), "packed Wᵀ at {m} × {n} × {k}");
-        }
     }
 
     /// The product agrees with candle's matmul (another summation order) to f32 precision, and
