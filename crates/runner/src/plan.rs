@@ -622,8 +622,9 @@ fn check_setting(spec: &Spec, keys: Locator<'_>) -> Result<(), SpecError> {
 }
 
 /// `[reward]`: its values, and where a reward model whose features learn runs — passive on a
-/// preference dataset, φ the final-norm state at the last token (what h_ψ is), one head per
-/// cell, with an estimator whose state does not grow with t (one pass over (ψ, θ)).
+/// preference dataset, or deploy on generated responses (chunked) — φ the final-norm state at
+/// the last token (what h_ψ is), one head per cell, with an estimator whose state does not grow
+/// with t (one pass over (ψ, θ)).
 fn check_reward(spec: &Spec, keys: Locator<'_>, configs: &[ConfigPlan]) -> Result<(), SpecError> {
     let Some(r) = &spec.reward else { return Ok(()) };
     r.check().map_err(|(k, m)| keys.err(&["reward", k], m))?;
@@ -631,28 +632,43 @@ fn check_reward(spec: &Spec, keys: Locator<'_>, configs: &[ConfigPlan]) -> Resul
         return Ok(());
     }
     let update = |m: String| keys.err(&["reward", "update"], format!("\"{}\": {m}", r.update));
-    if spec.setting != Setting::Passive {
-        return Err(update(format!(
-            "a reward model whose features learn runs in the passive setting (setting = \"{}\" learns θ on cached φ: use update = \"head\")",
-            spec.setting.as_str()
-        )));
-    }
-    if spec.env.kind != EnvKind::Dataset {
-        return Err(update("needs env.kind = \"dataset\" (the pairs' texts, to recompute their features)".into()));
-    }
-    if let Some(d) = &spec.data {
-        if d.pool != features::Pool::Last {
-            return Err(keys.err(
-                &["data", "pool"],
-                format!("\"mean\": [reward] update = \"{}\" reads the last token's state (\"last\")", r.update),
-            ));
+    let (pool, layer, table) = match (spec.setting, spec.env.kind) {
+        (Setting::Passive, EnvKind::Dataset) => {
+            spec.data.as_ref().map_or((features::Pool::Last, -1, "data"), |d| (d.pool, d.layer, "data"))
         }
-        if d.layer != -1 {
-            return Err(keys.err(
-                &["data", "layer"],
-                format!("{}: [reward] update = \"{}\" reads the final-norm state (layer = -1)", d.layer, r.update),
-            ));
+        (Setting::Passive, _) => {
+            return Err(update("needs env.kind = \"dataset\" (the pairs' texts, to recompute their features)".into()))
         }
+        (Setting::Deploy, EnvKind::Generated) => {
+            if spec.deploy.reset_each_chunk {
+                return Err(keys.err(
+                    &["deploy", "reset_each_chunk"],
+                    format!("true: [reward] update = \"{}\" keeps one reward model through the chunks (false)", r.update),
+                ));
+            }
+            spec.features.as_ref().map_or((features::Pool::Last, -1, "features"), |f| (f.pool, f.layer, "features"))
+        }
+        (Setting::Deploy, _) => {
+            return Err(update("in deploy needs env.kind = \"generated\" (the responses' texts, to recompute their features)".into()))
+        }
+        (s, _) => {
+            return Err(update(format!(
+                "a reward model whose features learn runs in the passive and deploy settings (setting = \"{}\" learns θ on cached φ: use update = \"head\")",
+                s.as_str()
+            )))
+        }
+    };
+    if pool != features::Pool::Last {
+        return Err(keys.err(
+            &[table, "pool"],
+            format!("\"mean\": [reward] update = \"{}\" reads the last token's state (\"last\")", r.update),
+        ));
+    }
+    if layer != -1 {
+        return Err(keys.err(
+            &[table, "layer"],
+            format!("{layer}: [reward] update = \"{}\" reads the final-norm state (layer = -1)", r.update),
+        ));
     }
     if spec.stream.ranks > 1 {
         return Err(keys.err(

@@ -2,7 +2,9 @@
 //! Llama GGUF and a planted preference dataset: every rule runs, the backbone fixed (step scale
 //! 0) reproduces the head-only run's θ and stream, a learning backbone does not (a negative
 //! control), a run killed mid-cell resumes to the same bytes, and the plan refuses what a
-//! learning feature map cannot do, naming the key.
+//! learning feature map cannot do, naming the key. In deploy on generated responses the same:
+//! a fixed backbone is the head-only run (θ, picks), a learning one is not, a learning policy
+//! learns from r_ψ,θ, and a killed run resumes to the 2-thread run's bytes.
 mod util;
 
 use std::path::Path;
@@ -173,12 +175,190 @@ fn the_plan_refuses_what_a_learning_feature_map_cannot_do() {
         (
             spec("lora", "", RULES).replace("setting = \"passive\"", "setting = \"active\""),
             "reward.update",
-            "passive setting",
+            "passive and deploy settings",
         ),
         (spec("lora", "", RULES).replace("[data.keys]", "pool = \"mean\"\n[data.keys]"), "data.pool", "last"),
         (spec("lora", "", RULES).replace("batch_size = 4", "batch_size = 4\nranks = 2"), "stream.ranks", "ranks = 1"),
         (spec("lora", "", RULES).replace("update = \"lora\"", "update = \"all\""), "`update`", "unknown variant `all`"),
         (spec("lora", "hvp = \"backward\"", RULES), "`hvp`", "unknown variant `backward`"),
+    ];
+    for (text, key, says) in cases {
+        std::fs::write(p.join("bad.toml"), &text).unwrap();
+        let (code, _, stderr) = onepass(p, &["run", "bad.toml", "--dry-run"]).parts();
+        assert_ne!(code, 0, "{key}: accepted");
+        assert!(stderr.contains(key) && stderr.contains(says), "{key} / {says}: {stderr}");
+        assert_eq!(stderr.trim().lines().count(), 1, "one line: {stderr}");
+    }
+}
+
+/// A deploy run on the tiny model's generated responses (`policy`: the `[policy]` lines, or
+/// none for the bank's responses), with `[reward] update` and `extra` lines in `[reward]`.
+fn deploy_spec(update: &str, extra: &str, policy: &str) -> String {
+    format!(
+        r#"setting = "deploy"
+seeds = 1
+[env]
+kind = "generated"
+eval_pairs = 50
+[generate]
+prompts = "prompts.jsonl"
+rows = 6
+policy = "{g}"
+n = 3
+max_new_tokens = 5
+batch_prompts = 2
+cache = "cache/gen"
+[features]
+model = "{g}"
+max_len = 64
+cache = "cache/phi"
+[oracle]
+kind = "linear"
+seed = 3
+[stream]
+batch_size = 2
+[curvature]
+lambda = 1.0
+[deploy]
+chunks = 3
+strategies = ["random-pair", "ucb"]
+{policy}
+[reward]
+update = "{update}"
+rank = 2
+alpha = 4.0
+{extra}
+[[estimator]]
+kind = "sgd"
+lr = 0.1
+clip = "none"
+"#,
+        g = tiny_gguf().display()
+    )
+}
+
+const DEPLOY_POLICY: &str = "policy = [\"best-of-n\", \"rloo\"]\n[policy]\nrank = 2\nalpha = 4.0\ntargets = \"all-linear\"\nlr = 0.05\nminibatch = 4\neval_prompts = 3\nsave_adapter = \"last\"";
+
+fn deploy_setup(p: &Path) {
+    let prompts: String = ["Say hi.", "Count to three.", "Name a colour.", "Why is the sky blue?", "A joke, please.", "Tell me a fact.", "What is rain?", "Spell cat.", "Pick a number."]
+        .iter()
+        .map(|q| format!("{}\n", serde_json::json!({ "prompt": q })))
+        .collect();
+    std::fs::write(p.join("prompts.jsonl"), prompts).unwrap();
+}
+
+fn npy(dir: &Path, cell: &str) -> Vec<f64> {
+    let b = std::fs::read(dir.join(format!("theta/{cell}.npy"))).unwrap();
+    let header = u16::from_le_bytes([b[8], b[9]]) as usize;
+    b[10 + header..].chunks_exact(8).map(|c| f64::from_le_bytes(c.try_into().unwrap())).collect()
+}
+
+/// Deploy with the backbone's step scale 0 is the head-only deploy run: the same pairs picked
+/// (random-pair and ucb, whose bonus reads the head's curvature over h_ψ = φ) and θ within f32
+/// rounding of φ's; a learning backbone moves θ away (the negative control).
+#[test]
+fn deploy_with_a_fixed_backbone_is_the_head_only_run() {
+    let tmp = tempfile::tempdir().unwrap();
+    let p = tmp.path();
+    deploy_setup(p);
+    let head = run(p, &deploy_spec("head", "", ""), "head");
+    let fixed = run(p, &deploy_spec("lora", "backbone_lr_scale = 0.0", ""), "fixed");
+    let moving = run(p, &deploy_spec("lora", "backbone_lr_scale = 5.0", ""), "moving");
+    let diff = |a: &[f64], b: &[f64]| a.iter().zip(b).map(|(x, y)| (x - y).abs()).fold(0.0, f64::max);
+    for cell in ["c0000", "c0001"] {
+        let (h, f, m) = (npy(&head, cell), npy(&fixed, cell), npy(&moving, cell));
+        let scale = h.iter().map(|x| x.abs()).fold(0.0, f64::max);
+        eprintln!("{cell}: |θ| {scale:.3e}; fixed − head {:.3e}; moving − head {:.3e}", diff(&f, &h), diff(&m, &h));
+        assert!(scale > 1e-3, "{cell}: the head moved: {scale}");
+        assert!(diff(&f, &h) < 1e-5 * scale.max(1.0), "{cell}: fixed backbone vs head {:e}", diff(&f, &h));
+        assert!(diff(&m, &h) > 1e-3 * scale, "{cell}: a learning backbone changes θ: {:e}", diff(&m, &h));
+    }
+    let picks = |d: &Path| {
+        let t = table(&d.join("rounds.parquet"));
+        (u32s(&t, "first"), u32s(&t, "second"))
+    };
+    assert_eq!(picks(&head), picks(&fixed), "the same pairs picked");
+    let ev = |d: &Path| f64s(&table(&d.join("metrics.parquet")), "eval_loss");
+    let (eh, ef) = (ev(&head), ev(&fixed));
+    assert!(eh.iter().zip(&ef).all(|(a, b)| (a - b).abs() < 1e-6), "held-out loss: {eh:?} vs {ef:?}");
+    assert_ne!(ev(&head), ev(&moving), "a learning backbone's held-out pairs are scored under h_ψ");
+    let grads = u64s(&table(&fixed.join("metrics.parquet")), "grad_evals");
+    assert_eq!(grads.last(), Some(&6), "one gradient per labelled pair: {grads:?}");
+}
+
+/// A learning policy on a reward model whose features learn: it trains on r_ψ,θ (its rollouts'
+/// learned reward is θᵀh_ψ, not θᵀφ), the reward model's adapter is written beside the
+/// policy's, and a run killed in its fifth reward-model step resumes (1 thread) to the bytes of
+/// the uninterrupted 2-thread run.
+#[test]
+fn deploy_with_a_learning_policy_resumes_to_the_same_bytes() {
+    use std::os::unix::process::ExitStatusExt;
+    let tmp = tempfile::tempdir().unwrap();
+    let p = tmp.path();
+    deploy_setup(p);
+    let text = deploy_spec("lora", "backbone_lr_scale = 5.0", DEPLOY_POLICY).replace("[[estimator]]", "[checkpoint]\nevery_steps = 1\n[[estimator]]");
+    std::fs::write(p.join("run.toml"), &text).unwrap();
+    let (code, stdout, stderr) = onepass(p, &["run", "run.toml", "--out", "whole", "--threads", "2"]).parts();
+    assert_eq!(code, 0, "{stderr}");
+    let whole = p.join(stdout.lines().last().unwrap().trim());
+    let o = command()
+        .current_dir(p)
+        .args(["run", "run.toml", "--out", "killed", "--threads", "1"])
+        .env("ONEPASS_FAILPOINT", "update:5")
+        .output()
+        .unwrap();
+    assert_eq!(o.status.signal(), Some(9), "{}", String::from_utf8_lossy(&o.stderr));
+    let dir = only_run(p, "killed");
+    let (code, _, stderr) = onepass(p, &["run", "run.toml", "--resume", dir.to_str().unwrap()]).parts();
+    assert_eq!(code, 0, "{stderr}");
+    for f in ["metrics.parquet", "rounds.parquet", "policy.parquet", "policy_updates.parquet", "theta/c0001.npy"] {
+        assert_eq!(digest(&whole.join(f)), digest(&dir.join(f)), "{f}");
+    }
+    // rloo's cells (c0001, c0003) write the policy's adapter and the reward model's; every
+    // cell writes the reward model's
+    for cell in ["c0000", "c0001", "c0002", "c0003"] {
+        let rm = whole.join(format!("adapters/{cell}/reward-model/adapter_model.safetensors"));
+        assert!(rm.exists(), "{}", rm.display());
+        assert_eq!(digest(&rm), digest(&dir.join(format!("adapters/{cell}/reward-model/adapter_model.safetensors"))));
+    }
+    assert!(whole.join("adapters/c0001/adapter_model.safetensors").exists());
+    // the policy's reward is the reward model's. θ₀ = 0 gives ψ no gradient in the first step,
+    // so the first update (θ only) and the policy's first step are the same with the backbone
+    // fixed or learning, and chunk 2's rollouts are the same samples in both (equal oracle
+    // reward) under the same θ₂: their learned rewards differ only through h_ψ₂. With the
+    // backbone fixed (h_ψ = φ to f32 rounding) they are the head-only run's.
+    let learned = |text: String, out: &str| {
+        std::fs::write(p.join(format!("{out}.toml")), text).unwrap();
+        let (code, stdout, stderr) = onepass(p, &["run", &format!("{out}.toml"), "--out", out]).parts();
+        assert_eq!(code, 0, "{stderr}");
+        let u = table(&p.join(stdout.lines().last().unwrap().trim()).join("policy_updates.parquet"));
+        let cell = strs(&u, "cell_id");
+        let first = cell.iter().position(|c| c == "c0001").unwrap();
+        (f64s(&u, "rollout_learned_reward")[first + 1], f64s(&u, "rollout_oracle_reward")[first + 1])
+    };
+    let (lh, oh) = learned(deploy_spec("head", "", DEPLOY_POLICY), "head");
+    let (lf, of) = learned(deploy_spec("lora", "backbone_lr_scale = 0.0", DEPLOY_POLICY), "fixed");
+    let (lm, om) = learned(text, "again");
+    eprintln!("chunk 2: learned reward head {lh:.6e}, fixed {lf:.6e}, learning {lm:.6e}; oracle {oh}, {of}, {om}");
+    assert_eq!((oh, of), (om, om), "chunk 2's rollouts are the same samples in every run");
+    assert!((lh - lf).abs() <= 1e-4 * lh.abs(), "fixed backbone: {lf} vs head {lh}");
+    assert!((lm - lf).abs() > 0.05 * lf.abs(), "learning backbone: {lm} vs fixed {lf}");
+}
+
+#[test]
+fn deploy_refuses_what_a_learning_feature_map_cannot_do() {
+    let tmp = tempfile::tempdir().unwrap();
+    let p = tmp.path();
+    deploy_setup(p);
+    let cases = [
+        (deploy_spec("lora", "", "reset_each_chunk = true"), "deploy.reset_each_chunk", "keeps one reward model"),
+        (deploy_spec("lora", "", "").replace("cache = \"cache/phi\"", "cache = \"cache/phi\"\npool = \"mean\""), "features.pool", "last"),
+        (deploy_spec("lora", "", "").replace("cache = \"cache/phi\"", "cache = \"cache/phi\"\nlayer = 1"), "features.layer", "layer = -1"),
+        (
+            deploy_spec("lora", "", "").replace("kind = \"sgd\"\nlr = 0.1\nclip = \"none\"", "kind = \"mle\""),
+            "estimator[0].kind",
+            "d×d",
+        ),
     ];
     for (text, key, says) in cases {
         std::fs::write(p.join("bad.toml"), &text).unwrap();

@@ -4,6 +4,7 @@
 
 use super::arms::Labelled;
 use super::choose;
+use super::deploy_rm::{ChunkPair, LearnedRm};
 use super::learner::Learner;
 use super::online::PolicyCell;
 use super::state::{drive, CellCtx, Progress};
@@ -13,6 +14,7 @@ use crate::spec::{Order, Spec};
 use crate::world::env::Env;
 use crate::world::generated::Generated;
 use crate::world::online::Online;
+use crate::world::reward::RewardBase;
 use anyhow::{anyhow, Result};
 use rand::seq::SliceRandom;
 use rand::Rng;
@@ -84,7 +86,9 @@ pub(super) fn chunk_range(c: usize, p: usize, chunks: usize) -> std::ops::Range<
 /// updates on the chunk's pairs in mini-batches of `stream.batch_size`. With `world.online`
 /// (a learning policy in the run) the cell's [`PolicyCell`] supplies the chunk's responses,
 /// updates after θ, and is evaluated on the held-out prompts before the first chunk and every
-/// `policy.eval_every_chunks` chunks.
+/// `policy.eval_every_chunks` chunks. With a reward model whose features learn (`reward`,
+/// [`LearnedRm`]) the responses' φ is its current h_ψ, and each mini-batch is one step over
+/// (ψ, θ) instead of the estimator's update on cached φ.
 #[allow(clippy::too_many_arguments)]
 pub(super) fn deploy_chunked(
     spec: &Spec,
@@ -92,6 +96,7 @@ pub(super) fn deploy_chunked(
     env: &Env,
     g: &Generated,
     online: Option<&Online>,
+    reward: Option<&RewardBase>,
     l: &mut Learner,
     seed: u32,
     ctx: &mut CellCtx,
@@ -107,6 +112,13 @@ pub(super) fn deploy_chunked(
     }
     let chunks = spec.deploy.chunks.max(1);
     let mut pr = resumed.unwrap_or(fresh);
+    let mut lrm = match reward {
+        Some(base) => {
+            let steps = (0..chunks).map(|c| chunk_range(c, p, chunks).len().div_ceil(b) as u64).sum();
+            Some(LearnedRm::start(spec, config, base, l, seed, &mut pr, steps, env)?)
+        }
+        None => None,
+    };
     let mut pc = match online {
         Some(o) => {
             let arm = config.arm.as_ref().ok_or_else(|| anyhow!("deploy cell without a policy arm"))?;
@@ -118,7 +130,7 @@ pub(super) fn deploy_chunked(
     // then a dpo warm start, before the first chunk
     if let (Some(pc), true) = (&mut pc, pr.policy_rows.is_empty()) {
         let t0 = Instant::now();
-        let (row, e) = pc.evaluate(0, l.theta(), d)?;
+        let (row, e) = pc.evaluate(0, l.theta(), d, lrm.as_ref().map(|m| m.features()))?;
         pr.policy_rows.push(row);
         let mut time = PolicyTiming { chunk: 0, eval_s: t0.elapsed().as_secs_f64(), ..Default::default() };
         time.record_eval(e);
@@ -145,16 +157,27 @@ pub(super) fn deploy_chunked(
             Some(pc) => pc.digest()?,
             None => String::new(),
         };
-        let (contexts, samples) = match &pc {
+        let (mut contexts, samples) = match &pc {
             Some(pc) => pc.respond(g, env, xs, &mut time)?,
             None => (Vec::new(), Vec::new()),
         };
+        // a reward model whose features learn: every response's φ is its h_ψ now
+        let mut ids = Vec::new();
+        if let Some(m) = &lrm {
+            let t0 = Instant::now();
+            if contexts.is_empty() {
+                contexts = xs.iter().map(|&x| env.contexts[x].clone()).collect();
+            }
+            ids = m.response_ids(online, g, xs, &samples)?;
+            m.relabel(&mut contexts, &ids)?;
+            time.phi_s += t0.elapsed().as_secs_f64();
+        }
         let (mut z, mut y) = (Vec::new(), Vec::new());
         let mut labelled = Vec::new();
         let Progress { labels, select, hash: h, regret, reward_sum, ties, oracle_ties, rounds, .. } = &mut *pr;
         let (mut pair_sum, mut pol_sum, mut tau_sum) = (0.0, 0.0, 0.0);
         for (i, &x) in xs.iter().enumerate() {
-            let ctx = if pc.is_some() { &contexts[i] } else { &env.contexts[x] };
+            let ctx = if contexts.is_empty() { &env.contexts[x] } else { &contexts[i] };
             let (est, pair) = choose(env, ctx, &strategy, l, select);
             let truth: Vec<f64> = (0..k).map(|a| env.reward(ctx, a)).collect();
             *ties += u64::from(pair.ties);
@@ -199,14 +222,39 @@ pub(super) fn deploy_chunked(
             });
         }
         let t0 = Instant::now();
-        for (zb, yb) in z.chunks(b * env.d).zip(y.chunks(b)) {
-            l.update(zb, yb)?;
+        match &mut lrm {
+            Some(m) => {
+                let st = pr.reward_state.as_mut().ok_or_else(|| anyhow!("a reward model without its update's state"))?;
+                let pairs: Vec<ChunkPair> = labelled
+                    .iter()
+                    .map(|p| ChunkPair { at: p.at, first: p.first, second: p.second, label: p.label })
+                    .collect();
+                for (pb, zb) in pairs.chunks(b).zip(z.chunks(b * env.d)) {
+                    m.step(st, pb, &ids, zb, l)?;
+                }
+                m.refresh(st)?;
+            }
+            None => {
+                for (zb, yb) in z.chunks(b * env.d).zip(y.chunks(b)) {
+                    l.update(zb, yb)?;
+                }
+            }
         }
         time.estimator_s = t0.elapsed().as_secs_f64();
         pr.seen += (hi - lo) as u64;
         let n = (hi - lo) as f64;
         pr.cum_pair += pair_sum / n;
-        let mut row = l.row_at((&env.eval_z, &env.eval_y), Some(env));
+        let mut row = match (&lrm, &pr.reward_state) {
+            // held-out pairs under the current h_ψ; θ* and the greedy policy's SubOpt are in φ's
+            // space, not h_ψ's: not reported
+            (Some(m), Some(st)) => {
+                let ez = m.eval_z(env)?;
+                let mut row = l.row_at((&ez, &env.eval_y), None);
+                (row.grad_evals, row.hvp_evals, row.negative_quad_forms) = st.counters();
+                row
+            }
+            _ => l.row_at((&env.eval_z, &env.eval_y), Some(env)),
+        };
         row.regret = Some(pr.regret);
         row.mean_reward = Some(pr.reward_sum / pr.seen as f64);
         row.ties = pr.ties;
@@ -219,7 +267,14 @@ pub(super) fn deploy_chunked(
         pr.rows.push(row);
         if let Some(pc) = &mut pc {
             let (t1, rollout_s) = (Instant::now(), time.generation_s + time.phi_s);
-            let up = pc.update(t, xs, &samples, &contexts, &labelled, l.theta(), d, g, &mut time)?;
+            let learned = lrm.as_ref().map(|m| m.features());
+            if let (Some(m), true) = (&lrm, pc.learns()) {
+                // the policy learns from the reward model as the chunk's steps left it
+                let t2 = Instant::now();
+                m.relabel(&mut contexts, &ids)?;
+                time.phi_s += t2.elapsed().as_secs_f64();
+            }
+            let up = pc.update(t, xs, &samples, &contexts, &labelled, l.theta(), d, g, learned, &mut time)?;
             // the policy's own time: less fresh rollouts' generation and φ, less the critic
             time.critic_s = up.as_ref().and_then(|u| u.critic).map_or(0.0, |c| c.seconds);
             time.policy_s = t1.elapsed().as_secs_f64() - (time.generation_s + time.phi_s - rollout_s) - time.critic_s;
@@ -230,7 +285,7 @@ pub(super) fn deploy_chunked(
             let every = pc.online.spec.eval_every_chunks as u64;
             if t % every == 0 || last {
                 let t2 = Instant::now();
-                let (row, e) = pc.evaluate(t, l.theta(), d)?;
+                let (row, e) = pc.evaluate(t, l.theta(), d, learned)?;
                 pr.policy_rows.push(row);
                 time.eval_s = t2.elapsed().as_secs_f64();
                 time.record_eval(e);
@@ -250,6 +305,10 @@ pub(super) fn deploy_chunked(
         }
         Ok(())
     })?;
+    // the reward model's adapter and head (LoRA) beside the policy's adapters
+    if let Some(a) = lrm.as_ref().map(|m| m.adapter()).transpose()?.flatten() {
+        pr.adapters.push(a);
+    }
     Ok(CellResult {
         rows: pr.rows,
         rounds: pr.rounds,

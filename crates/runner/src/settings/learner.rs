@@ -187,8 +187,41 @@ impl Learner {
         self.est_s += t0.elapsed().as_secs_f64();
         crate::io::failpoint("update");
         self.est.theta_into(&mut self.next);
+        self.advance(&batch, &rep.before);
+        self.converged &= rep.converged;
+        if self.record_steps {
+            self.step_rows.push(StepRow { step: self.steps, samples_seen: self.samples, report: rep });
+        }
+        Ok(())
+    }
+
+    /// A head updated outside the estimator — a reward model whose features learn (issue 30)
+    /// steps (ψ, θ) itself: θ_{t+1} = `next`, the batch's statistics before the step, its
+    /// seconds. The tracker's 𝓗 takes the batch's z as they were when the pairs were chosen
+    /// (the features of that moment: one pass, no history recomputed).
+    pub(super) fn record_external(
+        &mut self,
+        z: &[f32],
+        y: &[f32],
+        next: &[f64],
+        before: &estimators::BatchStats,
+        seconds: f64,
+    ) -> Result<()> {
+        let batch = Batch::new(z, y, self.d)?;
+        if next.len() != self.d {
+            return Err(anyhow::anyhow!("a head of {} weights for a learner of dimension {}", next.len(), self.d));
+        }
+        self.next.copy_from_slice(next);
+        self.est_s += seconds;
+        self.advance(&batch, before);
+        Ok(())
+    }
+
+    /// θ_t → θ_{t+1} (in `next`): the tracker sees the batch, the averaged iterate and the
+    /// counters move on, the training window takes the batch's pre-update statistics.
+    fn advance(&mut self, batch: &Batch<'_>, before: &estimators::BatchStats) {
         if let Some(c) = &mut self.curv {
-            c.observe(&batch, &self.theta, &self.next);
+            c.observe(batch, &self.theta, &self.next);
         }
         std::mem::swap(&mut self.theta, &mut self.next);
         for (s, t) in self.theta_sum.iter_mut().zip(&self.theta) {
@@ -199,17 +232,12 @@ impl Learner {
         let n = batch.len() as f64;
         self.prev_samples = self.samples;
         self.samples += batch.len() as u64;
-        self.win_loss += rep.before.loss * n;
-        self.win_correct += rep.before.accuracy * n;
+        self.win_loss += before.loss * n;
+        self.win_correct += before.accuracy * n;
         self.win_n += n;
-        self.win_kappa = self.win_kappa.max(rep.before.kappa);
-        self.win_kref += rep.before.kappa_reference;
+        self.win_kappa = self.win_kappa.max(before.kappa);
+        self.win_kref += before.kappa_reference;
         self.win_batches += 1.0;
-        self.converged &= rep.converged;
-        if self.record_steps {
-            self.step_rows.push(StepRow { step: self.steps, samples_seen: self.samples, report: rep });
-        }
-        Ok(())
     }
 
     pub(super) fn averaged(&self) -> Vec<f64> {

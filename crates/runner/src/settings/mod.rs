@@ -6,6 +6,7 @@
 mod active;
 mod arms;
 mod deploy;
+mod deploy_rm;
 mod learner;
 mod online;
 mod passive;
@@ -111,8 +112,8 @@ pub fn run_cell_with(world: &World, config: &ConfigPlan, seed: u32, ctx: &mut Ce
         (Setting::Active, _) => active::active(spec, config, &src, &mut learner, seed, ctx, resumed)?,
         (Setting::Deploy, Source::Synthetic(env)) if world.generated.is_some() => {
             let g = world.generated.as_deref().expect("checked");
-            let online = world.online.as_deref();
-            deploy::deploy_chunked(spec, config, env, g, online, &mut learner, seed, ctx, resumed)?
+            let (online, reward) = (world.online.as_deref(), world.reward.as_deref());
+            deploy::deploy_chunked(spec, config, env, g, online, reward, &mut learner, seed, ctx, resumed)?
         }
         (Setting::Deploy, Source::Synthetic(env)) => {
             deploy::deploy(spec, config, env, &mut learner, seed, ctx, resumed)?

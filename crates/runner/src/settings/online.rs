@@ -13,6 +13,7 @@
 //! is measured on the same prompts and streams.
 
 use super::arms::{self, Arm, Chunk, Labelled, Rollouts, Update};
+use super::passive_rm::CurrentFeatures;
 use crate::plan::{ArmPlan, Learning};
 use crate::rows::{AdapterFiles, EvalTimes, PolicyRow, PolicyTiming, UpdateRow};
 use crate::spec::policy::RolloutSource;
@@ -150,6 +151,11 @@ impl<'a> PolicyCell<'a> {
         Ok(Some(PolicyState { vars: m.var_values()?, adam: adam.state()?, moved: self.moved, life: m.life().to_vec() }))
     }
 
+    /// Whether the policy learns (it has adapters or weights of its own).
+    pub(super) fn learns(&self) -> bool {
+        self.learner.is_some()
+    }
+
     /// The digest of the adapters ("base" for a policy that does not learn).
     pub(super) fn digest(&self) -> Result<String> {
         match &self.learner {
@@ -180,11 +186,21 @@ impl<'a> PolicyCell<'a> {
         }
     }
 
-    /// φ of every sample of every prompt, and the oracle's rewards, as contexts.
-    fn contexts(&self, prompts: &[&[features::Message]], samples: &[Vec<Sample>]) -> Result<Vec<Context>> {
+    /// φ of every sample of every prompt, and the oracle's rewards, as contexts. With a reward
+    /// model whose features learn (`learned`), φ is its current h_ψ (the oracle keeps its own).
+    fn contexts(
+        &self,
+        prompts: &[&[features::Message]],
+        samples: &[Vec<Sample>],
+        learned: Option<&CurrentFeatures>,
+    ) -> Result<Vec<Context>> {
         let convs: Vec<Vec<features::Message>> =
             prompts.iter().zip(samples).flat_map(|(p, ss)| ss.iter().map(move |s| conversation(p, &s.text))).collect();
-        let (phi, rewards) = self.online.score(&convs)?;
+        let (mut phi, rewards) = self.online.score(&convs)?;
+        if let Some(h) = learned {
+            let ids = self.online.feature_ids(&convs)?;
+            phi = h.of_seqs(&ids.iter().map(|s| s.as_slice()).collect::<Vec<_>>())?;
+        }
         let (mut it, mut r) = (phi.into_iter(), rewards.into_iter());
         Ok(samples
             .iter()
@@ -217,7 +233,7 @@ impl<'a> PolicyCell<'a> {
         time.generation_s += t0.elapsed().as_secs_f64();
         let t1 = Instant::now();
         let refs: Vec<&[features::Message]> = prompts.iter().map(|p| p.as_slice()).collect();
-        let contexts = self.contexts(&refs, &samples)?;
+        let contexts = self.contexts(&refs, &samples, None)?;
         time.phi_s += t1.elapsed().as_secs_f64();
         Ok((contexts, samples))
     }
@@ -239,6 +255,7 @@ impl<'a> PolicyCell<'a> {
         contexts: &[Context],
         d: usize,
         g: &Generated,
+        learned: Option<&CurrentFeatures>,
         time: &mut PolicyTiming,
     ) -> Result<Rollouts> {
         let Some(plan) = self.learning.as_ref().map(|l| l.rollouts).filter(|r| r.per_prompt > 0) else {
@@ -273,7 +290,7 @@ impl<'a> PolicyCell<'a> {
                 time.generation_s += t0.elapsed().as_secs_f64();
                 let t1 = Instant::now();
                 let refs: Vec<&[features::Message]> = prompts.iter().map(|p| p.as_slice()).collect();
-                let contexts = self.contexts(&refs, &samples)?;
+                let contexts = self.contexts(&refs, &samples, learned)?;
                 time.phi_s += t1.elapsed().as_secs_f64();
                 Ok(Rollouts { at, samples, contexts })
             }
@@ -333,13 +350,14 @@ impl<'a> PolicyCell<'a> {
         theta: &[f64],
         d: usize,
         g: &Generated,
+        learned: Option<&CurrentFeatures>,
         time: &mut PolicyTiming,
     ) -> Result<Option<Update>> {
         if self.learner.is_none() {
             return Ok(None);
         }
         crate::io::failpoint("policy-update");
-        let rollouts = self.rollouts(chunk, xs, samples, contexts, d, g, time)?;
+        let rollouts = self.rollouts(chunk, xs, samples, contexts, d, g, learned, time)?;
         let Some((m, adam)) = &mut self.learner else { return Ok(None) };
         let prompts = xs.iter().map(|&x| self.online.prompt_ids[x].as_slice()).collect();
         let c = Chunk { index: chunk, prompts, samples, pairs, rollouts: &rollouts, theta, d };
@@ -392,8 +410,15 @@ impl<'a> PolicyCell<'a> {
     /// The policy on the held-out prompts under θ, with the seed's streams: the oracle reward of
     /// what the arm deploys (its samples; best-of-n's best of each n under θ), of its samples,
     /// best-of-n under θ of its samples, their learned reward, KL to the reference and entropy
-    /// (learning policies), the adapters' digest and the generating weights' merge error.
-    pub(super) fn evaluate(&self, chunk: u64, theta: &[f64], d: usize) -> Result<(PolicyRow, EvalTimes)> {
+    /// (learning policies), the adapters' digest and the generating weights' merge error. The
+    /// learned reward is θᵀh_ψ of the current reward model when its features learn (`learned`).
+    pub(super) fn evaluate(
+        &self,
+        chunk: u64,
+        theta: &[f64],
+        d: usize,
+        learned: Option<&CurrentFeatures>,
+    ) -> Result<(PolicyRow, EvalTimes)> {
         crate::io::failpoint("evaluate");
         let o = self.online;
         let mut times = EvalTimes::default();
@@ -403,7 +428,7 @@ impl<'a> PolicyCell<'a> {
         times.generation_s = t0.elapsed().as_secs_f64();
         let t1 = Instant::now();
         let refs: Vec<&[features::Message]> = o.eval_prompts.iter().map(|p| p.as_slice()).collect();
-        let contexts = self.contexts(&refs, &samples)?;
+        let contexts = self.contexts(&refs, &samples, learned)?;
         times.phi_s = t1.elapsed().as_secs_f64();
         let n = o.opts.n;
         let (mut oracle, mut learned, mut bon, mut deployed) = (0.0, 0.0, 0.0, 0.0);

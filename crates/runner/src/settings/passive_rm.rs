@@ -28,7 +28,7 @@ use std::time::Instant;
 pub(super) struct RmState {
     update: OnePass,
     /// ψ then θ, flattened ([`RewardModel::flat`]).
-    params: Vec<f32>,
+    pub(super) params: Vec<f32>,
     steps: u64,
     samples: u64,
     prev_samples: u64,
@@ -46,9 +46,56 @@ pub(super) struct RmState {
     bucket_step_s: f64,
 }
 
+impl RmState {
+    /// The state before the first step.
+    pub(super) fn new(update: OnePass) -> RmState {
+        RmState {
+            update,
+            params: Vec::new(),
+            steps: 0,
+            samples: 0,
+            prev_samples: 0,
+            win_loss: 0.0,
+            win_correct: 0.0,
+            win_n: 0.0,
+            win_kappa: 0.0,
+            win_kref: 0.0,
+            win_batches: 0.0,
+            grad_evals: 0,
+            hvp_evals: 0,
+            negative_curvature: 0,
+            step_s: 0.0,
+            bucket_step_s: 0.0,
+        }
+    }
+
+    /// One step of the update on `pairs`, counted (steps, samples, gradient and HVP
+    /// evaluations per sample, fallbacks to the gradient, seconds).
+    pub(super) fn step(&mut self, rm: &RewardModel, pairs: &[RmPair<'_>]) -> Result<policy::reward::RmStep> {
+        let t0 = Instant::now();
+        let s = self.update.step(rm, pairs).with_context(|| format!("reward model step {}", self.steps + 1))?;
+        self.step_s += t0.elapsed().as_secs_f64();
+        crate::io::failpoint("update");
+        let b = pairs.len() as u64;
+        self.steps += 1;
+        self.prev_samples = self.samples;
+        self.samples += b;
+        self.grad_evals += b;
+        self.hvp_evals += u64::from(s.hvps) * b;
+        self.negative_curvature += u64::from(s.negative_curvature);
+        Ok(s)
+    }
+
+    /// The counters a metric row reports of the update: (gradient and HVP evaluations per
+    /// sample, steps whose direction fell back to the gradient).
+    pub(super) fn counters(&self) -> (u64, u64, u64) {
+        (self.grad_evals, self.hvp_evals, self.negative_curvature)
+    }
+}
+
 /// The reward model of a cell: the feature model with fresh adapters (drawn from the cell's
 /// seed) or a trainable copy of every weight, and θ₀.
-fn reward_model(spec: &Spec, base: &RewardBase, theta0: &[f64], seed: u32) -> Result<RewardModel> {
+pub(super) fn reward_model(spec: &Spec, base: &RewardBase, theta0: &[f64], seed: u32) -> Result<RewardModel> {
     let r = spec.reward.as_ref().expect("the plan routes only [reward] cells here");
     let dtype = candle_core::DType::F32;
     let model = match r.update {
@@ -64,10 +111,53 @@ fn reward_model(spec: &Spec, base: &RewardBase, theta0: &[f64], seed: u32) -> Re
     Ok(rm)
 }
 
-/// Held-out loss, accuracy (ties ½) and exact ties of r_{ψ,θ}, `batch` sequences per pass. The
-/// features are computed on `features`' fused inference path over the current weights (the
-/// adapters merged, [`PolicyModel::merged_weights`]): no graph, the kernels φ is extracted
-/// with — the same h as the trainable path to f32 rounding.
+/// h_ψ at the current weights: the feature model rebuilt on `features`' fused inference path
+/// over the reward model's weights (the adapters merged, [`PolicyModel::merged_weights`]) — no
+/// graph, the kernels φ is extracted with, the same h as the trainable path to f32 rounding.
+pub(super) struct CurrentFeatures {
+    model: features::model::Model,
+    layer: usize,
+    /// Sequences per forward pass.
+    batch: usize,
+    device: candle_core::Device,
+}
+
+impl CurrentFeatures {
+    pub(super) fn of(rm: &RewardModel, base: &RewardBase, batch: usize) -> Result<CurrentFeatures> {
+        let w = rm.model.merged_weights()?;
+        let vb = candle_nn::VarBuilder::from_tensors(w, candle_core::DType::F32, &base.device);
+        let model = features::model::Model::load_with(vb, base.cfg.clone(), base.max_len, None)?;
+        Ok(CurrentFeatures { model, layer: base.cfg.layers, batch: batch.max(1), device: base.device.clone() })
+    }
+
+    /// Sequences per forward pass.
+    pub(super) fn batch(&self) -> usize {
+        self.batch
+    }
+
+    /// h of each sequence: the final-norm state at its last token, `batch` sequences per pass.
+    pub(super) fn of_seqs(&self, seqs: &[&[u32]]) -> Result<Vec<Vec<f32>>> {
+        let mut out = Vec::with_capacity(seqs.len());
+        for part in seqs.chunks(self.batch) {
+            if part.iter().any(|s| s.is_empty()) {
+                return Err(anyhow!("reward model features: an empty sequence"));
+            }
+            let t = part.iter().map(|s| s.len()).max().unwrap_or(1);
+            let mut ids = vec![0u32; part.len() * t];
+            for (i, s) in part.iter().enumerate() {
+                ids[i * t..i * t + s.len()].copy_from_slice(s);
+            }
+            let ids = candle_core::Tensor::from_vec(ids, (part.len(), t), &self.device)?;
+            let last: Vec<usize> = part.iter().map(|s| s.len() - 1).collect();
+            let h = self.model.hidden_at(&ids, self.layer, &last)?.to_dtype(candle_core::DType::F32)?;
+            out.extend(h.to_vec2::<f32>()?);
+        }
+        Ok(out)
+    }
+}
+
+/// Held-out loss, accuracy (ties ½) and exact ties of r_{ψ,θ}, `batch` sequences per pass, on
+/// [`CurrentFeatures`].
 fn evaluate(
     rm: &RewardModel,
     base: &RewardBase,
@@ -75,24 +165,10 @@ fn evaluate(
     y: &[f32],
     batch: usize,
 ) -> Result<(f64, f64, u64)> {
-    let w = rm.model.merged_weights()?;
-    let vb = candle_nn::VarBuilder::from_tensors(w, candle_core::DType::F32, &base.device);
-    let model = features::model::Model::load_with(vb, base.cfg.clone(), base.max_len, None)?;
+    let h = CurrentFeatures::of(rm, base, batch)?;
     let theta = rm.head_values()?;
-    let layer = base.cfg.layers;
-    let mut r = Vec::with_capacity(2 * pairs.len());
-    let seqs: Vec<&Vec<u32>> = pairs.iter().flat_map(|(a, b)| [a, b]).collect();
-    for part in seqs.chunks(batch.max(1)) {
-        let t = part.iter().map(|s| s.len()).max().unwrap_or(1);
-        let mut ids = vec![0u32; part.len() * t];
-        for (i, s) in part.iter().enumerate() {
-            ids[i * t..i * t + s.len()].copy_from_slice(s);
-        }
-        let ids = candle_core::Tensor::from_vec(ids, (part.len(), t), &base.device)?;
-        let last: Vec<usize> = part.iter().map(|s| s.len() - 1).collect();
-        let h: Vec<Vec<f32>> = model.hidden_at(&ids, layer, &last)?.to_dtype(candle_core::DType::F32)?.to_vec2()?;
-        r.extend(h.iter().map(|h| h.iter().zip(&theta).map(|(a, b)| f64::from(*a) * b).sum::<f64>()));
-    }
+    let seqs: Vec<&[u32]> = pairs.iter().flat_map(|(a, b)| [a.as_slice(), b.as_slice()]).collect();
+    let r: Vec<f64> = h.of_seqs(&seqs)?.iter().map(|h| super::super::world::env::dot(h, &theta)).collect();
     let (mut loss, mut right, mut ties) = (0.0, 0.0, 0u64);
     for (i, &y) in y.iter().enumerate() {
         let m = r[2 * i] - r[2 * i + 1];
@@ -128,24 +204,7 @@ pub(super) fn passive_features(
             rm.set_flat(&s.params).context("the checkpoint's reward model")?;
             s
         }
-        None => RmState {
-            update: OnePass::new(&config.cfg_for(spec), &rm, Some(steps), r.hvp_config(), r.backbone_lr_scale)?,
-            params: Vec::new(),
-            steps: 0,
-            samples: 0,
-            prev_samples: 0,
-            win_loss: 0.0,
-            win_correct: 0.0,
-            win_n: 0.0,
-            win_kappa: 0.0,
-            win_kref: 0.0,
-            win_batches: 0.0,
-            grad_evals: 0,
-            hvp_evals: 0,
-            negative_curvature: 0,
-            step_s: 0.0,
-            bucket_step_s: 0.0,
-        },
+        None => RmState::new(OnePass::new(&config.cfg_for(spec), &rm, Some(steps), r.hvp_config(), r.backbone_lr_scale)?),
     };
     let mut bucket_start = Instant::now();
     for t in pr.done + 1..=steps {
@@ -161,23 +220,14 @@ pub(super) fn passive_features(
         pr.hash.f32s(&y);
         let pairs: Vec<RmPair> =
             rows.iter().zip(&y).map(|(&i, &y)| RmPair { a: &ids.train[i].0, b: &ids.train[i].1, y }).collect();
-        let t0 = Instant::now();
-        let s = st.update.step(&rm, &pairs).with_context(|| format!("reward model step {t}"))?;
-        st.step_s += t0.elapsed().as_secs_f64();
-        crate::io::failpoint("update");
+        let s = st.step(&rm, &pairs)?;
         let n = b as f64;
-        st.steps = t;
-        st.prev_samples = st.samples;
-        st.samples += b as u64;
         st.win_loss += s.before.loss * n;
         st.win_correct += s.before.accuracy * n;
         st.win_n += n;
         st.win_kappa = st.win_kappa.max(s.before.kappa);
         st.win_kref += s.before.kappa_reference;
         st.win_batches += 1.0;
-        st.grad_evals += b as u64;
-        st.hvp_evals += u64::from(s.hvps) * b as u64;
-        st.negative_curvature += u64::from(s.negative_curvature);
         if t == steps || st.samples / spec.stream.eval_every > st.prev_samples / spec.stream.eval_every {
             let wall = bucket_start.elapsed().as_secs_f64();
             let est = st.step_s - st.bucket_step_s;

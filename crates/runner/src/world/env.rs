@@ -101,6 +101,9 @@ pub struct Env {
     /// Held-out pairs: z rows and labels.
     pub eval_z: Vec<f32>,
     pub eval_y: Vec<f32>,
+    /// Where each held-out pair comes from in a finite context set: (context, a, b) — a reward
+    /// model whose features learn recomputes their z (empty with fresh contexts).
+    pub eval_at: Vec<(usize, usize, usize)>,
     /// E_x max_a r(x,a) over `contexts`.
     pub optimal_value: f64,
 }
@@ -139,6 +142,7 @@ impl Env {
             labels: LabelRule::BradleyTerry,
             eval_z: Vec::new(),
             eval_y: Vec::new(),
+            eval_at: Vec::new(),
             optimal_value: 0.0,
         };
         env.finish(spec.eval_pairs, master, seed)
@@ -158,6 +162,7 @@ impl Env {
             labels: bank.labels,
             eval_z: Vec::new(),
             eval_y: Vec::new(),
+            eval_at: Vec::new(),
             optimal_value: 0.0,
         };
         env.finish(eval_pairs, master, seed)
@@ -173,8 +178,11 @@ impl Env {
             / env.contexts.len() as f64;
         let mut erng = stream(master, seed, Component::Eval);
         for _ in 0..eval_pairs {
-            let c = self.draw_context(&mut erng);
+            let (c, at) = self.draw_indexed(&mut erng);
             let (a, b) = two_arms(&mut erng, k);
+            if let Some(i) = at {
+                self.eval_at.push((i, a, b));
+            }
             let z = self.diff(&c, a, b);
             let y = self.label(&c, a, b, &z, erng.random());
             self.eval_z.extend(z);
@@ -185,10 +193,16 @@ impl Env {
 
     /// A context from ρ: uniform over the set, or fresh.
     pub fn draw_context(&self, rng: &mut ChaCha20Rng) -> Context {
+        self.draw_indexed(rng).0
+    }
+
+    /// [`Env::draw_context`] with the context's index in the finite set (None when fresh).
+    fn draw_indexed(&self, rng: &mut ChaCha20Rng) -> (Context, Option<usize>) {
         if self.fresh {
-            features(rng, self.d, self.k, self.dist, self.l)
+            (features(rng, self.d, self.k, self.dist, self.l), None)
         } else {
-            self.contexts[rng.random_range(0..self.contexts.len())].clone()
+            let i = rng.random_range(0..self.contexts.len());
+            (self.contexts[i].clone(), Some(i))
         }
     }
 

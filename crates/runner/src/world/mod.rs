@@ -106,8 +106,8 @@ pub fn build(plan: &Plan, progress: Mode) -> Result<World, SpecError> {
             };
             if learns_features {
                 let d = spec.data.as_ref().expect("the plan requires [data] for [reward] update");
-                let base =
-                    reward::RewardBase::load(d).map_err(|e| keys.err(&["reward", "update"], format!("{e:#}")))?;
+                let base = reward::RewardBase::load(&d.phi(), None)
+                    .map_err(|e| keys.err(&["reward", "update"], format!("{e:#}")))?;
                 reward = Some(Arc::new(base));
             }
             spec.env.dim = d.d;
@@ -125,6 +125,12 @@ pub fn build(plan: &Plan, progress: Mode) -> Result<World, SpecError> {
                     .map_err(|e| keys.err(&["policy"], format!("{e:#}")))?;
                 online = Some(Arc::new(o));
             }
+            if learns_features {
+                let f = spec.features.as_ref().expect("the plan requires [features] for [reward] update");
+                let base = reward::RewardBase::load(&f.phi(), Some((&g.prompts, &g.samples)))
+                    .map_err(|e| keys.err(&["reward", "update"], format!("{e:#}")))?;
+                reward = Some(Arc::new(base));
+            }
             generated = Some(Arc::new(g));
         }
     }
@@ -137,8 +143,12 @@ impl World {
     /// model and the longest pair sequence.
     pub fn reward_shape(&self) -> Option<crate::budget::RewardShape> {
         let r = self.reward.as_ref()?;
-        let ids = self.data.as_ref()?.ids.as_ref()?;
-        let longest = ids.train.iter().chain(&ids.eval).map(|(a, b)| a.len().max(b.len())).max().unwrap_or(0);
+        // the pairs' longest sequence; on generated responses (fresh ones to come) the
+        // feature model's max_len
+        let longest = match self.data.as_ref().and_then(|d| d.ids.as_ref()) {
+            Some(ids) => ids.train.iter().chain(&ids.eval).map(|(a, b)| a.len().max(b.len())).max().unwrap_or(0),
+            None => r.max_len,
+        };
         Some(crate::budget::RewardShape {
             cfg: r.cfg.clone(),
             weights: r.base.values().map(|t| t.elem_count() as u64).sum(),

@@ -278,6 +278,23 @@ impl Online {
     }
 }
 
+impl Online {
+    /// The token ids of (prompt, response) conversations as the learner's feature model reads
+    /// them (template, EOS rule, truncation of `[features]`): what a reward model whose features
+    /// learn runs on (`[reward] update`).
+    pub fn feature_ids(&self, convs: &[Vec<Message>]) -> Result<Vec<Vec<u32>>> {
+        let phi = lock(&self.phi)?;
+        convs
+            .iter()
+            .enumerate()
+            .map(|(i, c)| {
+                let item = phi.backbone.prepare(c, &phi.run.phi);
+                Ok(item.map_err(|e| anyhow!("generated response {i}: {e}"))?.ids)
+            })
+            .collect()
+    }
+}
+
 fn lock<T>(m: &Mutex<T>) -> Result<std::sync::MutexGuard<'_, T>> {
     m.lock().map_err(|_| anyhow!("a feature model's lock is poisoned"))
 }

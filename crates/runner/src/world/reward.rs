@@ -1,11 +1,13 @@
 //! `[reward] update = "lora" | "full"`: the feature model's weights, read once, that every
 //! cell's reward model starts from (its adapters or a copy of every weight on top).
 
-use crate::spec::DataSpec;
+use super::generated::conversation;
+use crate::spec::PhiSpec;
 use anyhow::{anyhow, Context, Result};
 use candle_core::{Device, Tensor};
+use features::generate::Sample;
 use features::model::Config;
-use features::{Backbone, Source};
+use features::{Backbone, Message, Source};
 use std::collections::HashMap;
 
 /// The weights of the feature model (`[data] model`) as f32 tensors under Hugging Face names.
@@ -19,6 +21,9 @@ pub struct RewardBase {
     pub weights_digest: String,
     /// The model as the spec names it (an exported adapter's `base_model_name_or_path`).
     pub source: String,
+    /// Deployment on generated responses: the token ids of each bank conversation (prompt i,
+    /// sample j), templated and truncated as φ's (`Backbone::prepare`); empty in passive.
+    pub bank_ids: Vec<Vec<Vec<u32>>>,
 }
 
 impl std::fmt::Debug for RewardBase {
@@ -28,20 +33,35 @@ impl std::fmt::Debug for RewardBase {
 }
 
 impl RewardBase {
-    pub fn load(d: &DataSpec) -> Result<RewardBase> {
-        let model = crate::spec::data::expand_env(&d.model).map_err(|m| anyhow!("model: {m}"))?;
-        let source = Source::parse(&model)?;
-        let device = super::extract::device(d.device)?;
+    /// The feature model of `phi` (`[data]` in passive, `[features]` in deploy) as f32 weights;
+    /// with a bank of generated responses, the token ids of its conversations.
+    pub fn load(phi: &PhiSpec, bank: Option<(&[Vec<Message>], &[Vec<Sample>])>) -> Result<RewardBase> {
+        let run = super::extract::PhiRun::new(phi, crate::progress::Mode::Quiet)?;
+        let source = Source::parse(&run.model)?;
+        let device = super::extract::device(phi.device)?;
         // the backbone is built (and dropped) to read the weights as training takes them: f32
-        let (backbone, base, _tied) = Backbone::load_base(&source, &device, candle_core::DType::F32, d.max_len)
-            .with_context(|| format!("loading the reward model's weights from {model}"))?;
+        let (backbone, base, _tied) = Backbone::load_base(&source, &device, candle_core::DType::F32, phi.max_len)
+            .with_context(|| format!("loading the reward model's weights from {}", run.model))?;
+        let mut bank_ids = Vec::new();
+        for (i, (p, ss)) in bank.into_iter().flat_map(|(ps, ss)| ps.iter().zip(ss)).enumerate() {
+            let ids: Result<Vec<Vec<u32>>> = ss
+                .iter()
+                .enumerate()
+                .map(|(j, s)| {
+                    let item = backbone.prepare(&conversation(p, &s.text), &run.phi);
+                    Ok(item.map_err(|e| anyhow!("prompt {i}, response {j}: {e}"))?.ids)
+                })
+                .collect();
+            bank_ids.push(ids?);
+        }
         Ok(RewardBase {
             base,
             cfg: backbone.model.cfg.clone(),
-            max_len: d.max_len,
+            max_len: phi.max_len,
             device,
             weights_digest: backbone.weights_digest,
-            source: model,
+            source: run.model,
+            bank_ids,
         })
     }
 }
