@@ -240,10 +240,20 @@ clip = "none"
 const DEPLOY_POLICY: &str = "policy = [\"best-of-n\", \"rloo\"]\n[policy]\nrank = 2\nalpha = 4.0\ntargets = \"all-linear\"\nlr = 0.05\nminibatch = 4\neval_prompts = 3\nsave_adapter = \"last\"";
 
 fn deploy_setup(p: &Path) {
-    let prompts: String = ["Say hi.", "Count to three.", "Name a colour.", "Why is the sky blue?", "A joke, please.", "Tell me a fact.", "What is rain?", "Spell cat.", "Pick a number."]
-        .iter()
-        .map(|q| format!("{}\n", serde_json::json!({ "prompt": q })))
-        .collect();
+    let prompts: String = [
+        "Say hi.",
+        "Count to three.",
+        "Name a colour.",
+        "Why is the sky blue?",
+        "A joke, please.",
+        "Tell me a fact.",
+        "What is rain?",
+        "Spell cat.",
+        "Pick a number.",
+    ]
+    .iter()
+    .map(|q| format!("{}\n", serde_json::json!({ "prompt": q })))
+    .collect();
     std::fs::write(p.join("prompts.jsonl"), prompts).unwrap();
 }
 
@@ -296,7 +306,8 @@ fn deploy_with_a_learning_policy_resumes_to_the_same_bytes() {
     let tmp = tempfile::tempdir().unwrap();
     let p = tmp.path();
     deploy_setup(p);
-    let text = deploy_spec("lora", "backbone_lr_scale = 5.0", DEPLOY_POLICY).replace("[[estimator]]", "[checkpoint]\nevery_steps = 1\n[[estimator]]");
+    let text = deploy_spec("lora", "backbone_lr_scale = 5.0", DEPLOY_POLICY)
+        .replace("[[estimator]]", "[checkpoint]\nevery_steps = 1\n[[estimator]]");
     std::fs::write(p.join("run.toml"), &text).unwrap();
     let (code, stdout, stderr) = onepass(p, &["run", "run.toml", "--out", "whole", "--threads", "2"]).parts();
     assert_eq!(code, 0, "{stderr}");
@@ -352,8 +363,16 @@ fn deploy_refuses_what_a_learning_feature_map_cannot_do() {
     deploy_setup(p);
     let cases = [
         (deploy_spec("lora", "", "reset_each_chunk = true"), "deploy.reset_each_chunk", "keeps one reward model"),
-        (deploy_spec("lora", "", "").replace("cache = \"cache/phi\"", "cache = \"cache/phi\"\npool = \"mean\""), "features.pool", "last"),
-        (deploy_spec("lora", "", "").replace("cache = \"cache/phi\"", "cache = \"cache/phi\"\nlayer = 1"), "features.layer", "layer = -1"),
+        (
+            deploy_spec("lora", "", "").replace("cache = \"cache/phi\"", "cache = \"cache/phi\"\npool = \"mean\""),
+            "features.pool",
+            "last",
+        ),
+        (
+            deploy_spec("lora", "", "").replace("cache = \"cache/phi\"", "cache = \"cache/phi\"\nlayer = 1"),
+            "features.layer",
+            "layer = -1",
+        ),
         (
             deploy_spec("lora", "", "").replace("kind = \"sgd\"\nlr = 0.1\nclip = \"none\"", "kind = \"mle\""),
             "estimator[0].kind",

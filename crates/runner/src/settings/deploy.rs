@@ -113,10 +113,7 @@ pub(super) fn deploy_chunked(
     let chunks = spec.deploy.chunks.max(1);
     let mut pr = resumed.unwrap_or(fresh);
     let mut lrm = match reward {
-        Some(base) => {
-            let steps = (0..chunks).map(|c| chunk_range(c, p, chunks).len().div_ceil(b) as u64).sum();
-            Some(LearnedRm::start(spec, config, base, l, seed, &mut pr, steps, env)?)
-        }
+        Some(base) => Some(LearnedRm::start(spec, config, base, l, seed, &mut pr, env)?),
         None => None,
     };
     let mut pc = match online {
@@ -224,7 +221,8 @@ pub(super) fn deploy_chunked(
         let t0 = Instant::now();
         match &mut lrm {
             Some(m) => {
-                let st = pr.reward_state.as_mut().ok_or_else(|| anyhow!("a reward model without its update's state"))?;
+                let st =
+                    pr.reward_state.as_mut().ok_or_else(|| anyhow!("a reward model without its update's state"))?;
                 let pairs: Vec<ChunkPair> = labelled
                     .iter()
                     .map(|p| ChunkPair { at: p.at, first: p.first, second: p.second, label: p.label })

@@ -42,7 +42,7 @@ pub(super) struct ChunkPair {
 impl<'a> LearnedRm<'a> {
     /// The cell's reward model: ψ fresh (LoRA's A from the cell's seed; B = 0, so h starts at
     /// φ) and θ₀ = the learner's, or both from the checkpoint; the update's state is put in
-    /// `pr` when the cell starts. `steps` is the run's number of updates (Alg. 5's schedule).
+    /// `pr` when the cell starts.
     pub(super) fn start(
         spec: &Spec,
         config: &ConfigPlan,
@@ -50,7 +50,6 @@ impl<'a> LearnedRm<'a> {
         l: &Learner,
         seed: u32,
         pr: &mut Progress,
-        steps: u64,
         env: &Env,
     ) -> Result<LearnedRm<'a>> {
         let r = spec.reward.as_ref().expect("routed here by [reward]");
@@ -62,11 +61,16 @@ impl<'a> LearnedRm<'a> {
                 env.k
             ));
         }
+        // the run's number of updates (Alg. 5's damping schedule): a step per mini-batch of
+        // each chunk's pairs, one pair per prompt
+        let (p, chunks, b) = (env.contexts.len(), spec.deploy.chunks.max(1), spec.stream.batch_size);
+        let steps = (0..chunks).map(|c| super::deploy::chunk_range(c, p, chunks).len().div_ceil(b) as u64).sum();
         let rm = reward_model(spec, base, l.theta(), seed)?;
         match &pr.reward_state {
             Some(st) => rm.set_flat(&st.params).context("the checkpoint's reward model")?,
             None => {
-                let update = OnePass::new(&config.cfg_for(spec), &rm, Some(steps), r.hvp_config(), r.backbone_lr_scale)?;
+                let update =
+                    OnePass::new(&config.cfg_for(spec), &rm, Some(steps), r.hvp_config(), r.backbone_lr_scale)?;
                 pr.reward_state = Some(RmState::new(update));
             }
         }
@@ -110,7 +114,12 @@ impl<'a> LearnedRm<'a> {
             let h: Vec<Vec<f32>> = rows.by_ref().take(ids.len()).collect();
             let phi = h.concat();
             if phi.len() != c.phi.len() {
-                return Err(anyhow!("h_ψ of {} responses has {} values where φ had {}", ids.len(), phi.len(), c.phi.len()));
+                return Err(anyhow!(
+                    "h_ψ of {} responses has {} values where φ had {}",
+                    ids.len(),
+                    phi.len(),
+                    c.phi.len()
+                ));
             }
             c.phi = phi;
         }
@@ -127,10 +136,8 @@ impl<'a> LearnedRm<'a> {
         z: &[f32],
         l: &mut Learner,
     ) -> Result<()> {
-        let rp: Vec<RmPair> = pairs
-            .iter()
-            .map(|p| RmPair { a: &ids[p.at][p.first], b: &ids[p.at][p.second], y: p.label })
-            .collect();
+        let rp: Vec<RmPair> =
+            pairs.iter().map(|p| RmPair { a: &ids[p.at][p.first], b: &ids[p.at][p.second], y: p.label }).collect();
         let t0 = Instant::now();
         let s = st.step(&self.rm, &rp)?;
         let y: Vec<f32> = pairs.iter().map(|p| p.label).collect();

@@ -127,7 +127,7 @@ pub fn build(plan: &Plan, progress: Mode) -> Result<World, SpecError> {
             }
             if learns_features {
                 let f = spec.features.as_ref().expect("the plan requires [features] for [reward] update");
-                let base = reward::RewardBase::load(&f.phi(), Some((&g.prompts, &g.samples)))
+                let base = reward::RewardBase::load(&f.phi(), Some(&g))
                     .map_err(|e| keys.err(&["reward", "update"], format!("{e:#}")))?;
                 reward = Some(Arc::new(base));
             }

@@ -1,13 +1,12 @@
 //! `[reward] update = "lora" | "full"`: the feature model's weights, read once, that every
 //! cell's reward model starts from (its adapters or a copy of every weight on top).
 
-use super::generated::conversation;
+use super::generated::{conversation, Generated};
 use crate::spec::PhiSpec;
 use anyhow::{anyhow, Context, Result};
 use candle_core::{Device, Tensor};
-use features::generate::Sample;
 use features::model::Config;
-use features::{Backbone, Message, Source};
+use features::{Backbone, Source};
 use std::collections::HashMap;
 
 /// The weights of the feature model (`[data] model`) as f32 tensors under Hugging Face names.
@@ -35,7 +34,7 @@ impl std::fmt::Debug for RewardBase {
 impl RewardBase {
     /// The feature model of `phi` (`[data]` in passive, `[features]` in deploy) as f32 weights;
     /// with a bank of generated responses, the token ids of its conversations.
-    pub fn load(phi: &PhiSpec, bank: Option<(&[Vec<Message>], &[Vec<Sample>])>) -> Result<RewardBase> {
+    pub fn load(phi: &PhiSpec, bank: Option<&Generated>) -> Result<RewardBase> {
         let run = super::extract::PhiRun::new(phi, crate::progress::Mode::Quiet)?;
         let source = Source::parse(&run.model)?;
         let device = super::extract::device(phi.device)?;
@@ -43,7 +42,7 @@ impl RewardBase {
         let (backbone, base, _tied) = Backbone::load_base(&source, &device, candle_core::DType::F32, phi.max_len)
             .with_context(|| format!("loading the reward model's weights from {}", run.model))?;
         let mut bank_ids = Vec::new();
-        for (i, (p, ss)) in bank.into_iter().flat_map(|(ps, ss)| ps.iter().zip(ss)).enumerate() {
+        for (i, (p, ss)) in bank.into_iter().flat_map(|g| g.prompts.iter().zip(&g.samples)).enumerate() {
             let ids: Result<Vec<Vec<u32>>> = ss
                 .iter()
                 .enumerate()
