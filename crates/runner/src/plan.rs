@@ -387,6 +387,35 @@ pub fn theory_beta(d: usize, t: u64, delta: f64) -> f64 {
 }
 
 /// Validates `spec` (read from `file`, whose text after the `overrides` is `text`) into a plan.
+/// What the data says that a spec need not (the world's report, `world::build`): the features'
+/// dimension, a bank's responses per prompt and prompts, a deployment's pairs, the data's scale.
+#[derive(Clone, Debug, PartialEq)]
+pub struct DataFacts {
+    /// d (the spec's env.dim for the synthetic bandit).
+    pub dim: usize,
+    /// Generated responses: (responses per prompt, prompts).
+    pub bank: Option<(usize, usize)>,
+    /// Deploy on generated responses: one labelled pair per prompt.
+    pub samples: Option<u64>,
+    pub data_scale: DataScale,
+}
+
+/// The spec the cells run and `spec.resolved.toml` records: `spec` as written, completed with
+/// `facts` — env.dim, env.arms and env.contexts, stream.samples, data_scale. The one place a
+/// spec gains values after parsing (the world reads the spec and reports; it never edits it).
+pub fn resolve(spec: &Spec, facts: &DataFacts) -> Spec {
+    let mut s = spec.clone();
+    s.env.dim = facts.dim;
+    if let Some((arms, contexts)) = facts.bank {
+        (s.env.arms, s.env.contexts) = (arms, contexts);
+    }
+    if let Some(n) = facts.samples {
+        s.stream.samples = n;
+    }
+    s.data_scale = Some(facts.data_scale);
+    s
+}
+
 pub fn build(spec: Spec, file: &Path, text: &str, overrides: &[String]) -> Result<Plan, SpecError> {
     let keys = Locator { file, text, overrides };
     let name = run_name(&spec, file, keys)?;

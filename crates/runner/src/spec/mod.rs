@@ -108,12 +108,64 @@ impl<'de, T: Deserialize<'de>> Deserialize<'de> for Sweep<T> {
     }
 }
 
-/// A number, or the word "none" (no clipping, no projection).
-#[derive(Clone, Copy, Debug, PartialEq)]
-pub enum OrNone {
-    None,
-    Value(f64),
+/// A hyper-parameter that is a number or one word: the enum `$name` with the word's variant
+/// and `Value(f64)`, written back as the number or the word, read from either (integers too);
+/// anything else is "`x`: expected a number or "word"".
+macro_rules! number_or_word {
+    ($(#[$doc:meta])* $name:ident, $word:ident, $text:literal) => {
+        $(#[$doc])*
+        #[derive(Clone, Copy, Debug, PartialEq)]
+        pub enum $name {
+            $word,
+            Value(f64),
+        }
+
+        impl Serialize for $name {
+            fn serialize<S: Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+                match self {
+                    $name::$word => s.serialize_str($text),
+                    $name::Value(v) => s.serialize_f64(*v),
+                }
+            }
+        }
+
+        impl<'de> Deserialize<'de> for $name {
+            fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+                struct V;
+                impl de::Visitor<'_> for V {
+                    type Value = $name;
+                    fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+                        write!(f, "a number or \"{}\"", $text)
+                    }
+                    fn visit_f64<E: de::Error>(self, v: f64) -> Result<$name, E> {
+                        Ok($name::Value(v))
+                    }
+                    fn visit_i64<E: de::Error>(self, v: i64) -> Result<$name, E> {
+                        Ok($name::Value(v as f64))
+                    }
+                    fn visit_u64<E: de::Error>(self, v: u64) -> Result<$name, E> {
+                        Ok($name::Value(v as f64))
+                    }
+                    fn visit_str<E: de::Error>(self, v: &str) -> Result<$name, E> {
+                        if v == $text {
+                            Ok($name::$word)
+                        } else {
+                            Err(E::custom(format!("`{v}`: expected a number or \"{}\"", $text)))
+                        }
+                    }
+                }
+                d.deserialize_any(V)
+            }
+        }
+    };
 }
+
+number_or_word!(
+    /// A number, or the word "none" (no clipping, no projection).
+    OrNone,
+    None,
+    "none"
+);
 
 impl OrNone {
     pub fn get(&self) -> Option<f64> {
@@ -130,51 +182,13 @@ impl From<Option<f64>> for OrNone {
     }
 }
 
-impl Serialize for OrNone {
-    fn serialize<S: Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
-        match self {
-            OrNone::None => s.serialize_str("none"),
-            OrNone::Value(v) => s.serialize_f64(*v),
-        }
-    }
-}
-
-impl<'de> Deserialize<'de> for OrNone {
-    fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
-        struct V;
-        impl de::Visitor<'_> for V {
-            type Value = OrNone;
-            fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-                f.write_str("a number or \"none\"")
-            }
-            fn visit_f64<E: de::Error>(self, v: f64) -> Result<OrNone, E> {
-                Ok(OrNone::Value(v))
-            }
-            fn visit_i64<E: de::Error>(self, v: i64) -> Result<OrNone, E> {
-                Ok(OrNone::Value(v as f64))
-            }
-            fn visit_u64<E: de::Error>(self, v: u64) -> Result<OrNone, E> {
-                Ok(OrNone::Value(v as f64))
-            }
-            fn visit_str<E: de::Error>(self, v: &str) -> Result<OrNone, E> {
-                if v == "none" {
-                    Ok(OrNone::None)
-                } else {
-                    Err(E::invalid_value(de::Unexpected::Str(v), &self))
-                }
-            }
-        }
-        d.deserialize_any(V)
-    }
-}
-
-/// A number, or the word "auto": resolved from the data once it is read (λ = "auto": the median
-/// ‖z‖² of the first pairs, [`DataScale`]).
-#[derive(Clone, Copy, Debug, PartialEq)]
-pub enum OrAuto {
+number_or_word!(
+    /// A number, or the word "auto": resolved from the data once it is read (λ = "auto": the
+    /// median ‖z‖² of the first pairs, [`DataScale`]).
+    OrAuto,
     Auto,
-    Value(f64),
-}
+    "auto"
+);
 
 impl OrAuto {
     /// The number, with "auto" resolved to `auto`.
@@ -186,43 +200,12 @@ impl OrAuto {
     }
 }
 
-impl Serialize for OrAuto {
-    fn serialize<S: Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
-        match self {
-            OrAuto::Auto => s.serialize_str("auto"),
-            OrAuto::Value(v) => s.serialize_f64(*v),
-        }
-    }
-}
-
-impl<'de> Deserialize<'de> for OrAuto {
-    fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
-        struct V;
-        impl de::Visitor<'_> for V {
-            type Value = OrAuto;
-            fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-                f.write_str("a number or \"auto\"")
-            }
-            fn visit_f64<E: de::Error>(self, v: f64) -> Result<OrAuto, E> {
-                Ok(OrAuto::Value(v))
-            }
-            fn visit_i64<E: de::Error>(self, v: i64) -> Result<OrAuto, E> {
-                Ok(OrAuto::Value(v as f64))
-            }
-            fn visit_u64<E: de::Error>(self, v: u64) -> Result<OrAuto, E> {
-                Ok(OrAuto::Value(v as f64))
-            }
-            fn visit_str<E: de::Error>(self, v: &str) -> Result<OrAuto, E> {
-                if v == "auto" {
-                    Ok(OrAuto::Auto)
-                } else {
-                    Err(E::invalid_value(de::Unexpected::Str(v), &self))
-                }
-            }
-        }
-        d.deserialize_any(V)
-    }
-}
+number_or_word!(
+    /// A confidence width β: a number, or "theory" (√d·log(T/δ), the order of Lemma 1).
+    Beta,
+    Theory,
+    "theory"
+);
 
 /// The scale of the data's differences z = φ(x, a) − φ(x, a′): ‖z‖² over the first
 /// [`DataScale::PAIRS`] training pairs in file order (bandits: arms 0 and 1 of the first
@@ -262,39 +245,6 @@ impl DataScale {
             1.0
         }
     }
-}
-
-/// A confidence width β: a number, or "theory" (√d·log(T/δ), the order of Lemma 1).
-#[derive(Clone, Copy, Debug, PartialEq)]
-pub enum Beta {
-    Theory,
-    Value(f64),
-}
-
-impl Serialize for Beta {
-    fn serialize<S: Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
-        match self {
-            Beta::Theory => s.serialize_str("theory"),
-            Beta::Value(v) => s.serialize_f64(*v),
-        }
-    }
-}
-
-impl<'de> Deserialize<'de> for Beta {
-    fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
-        match OrWord::deserialize(d)? {
-            OrWord::Num(v) => Ok(Beta::Value(v)),
-            OrWord::Word(w) if w == "theory" => Ok(Beta::Theory),
-            OrWord::Word(w) => Err(de::Error::custom(format!("`{w}`: expected a number or \"theory\""))),
-        }
-    }
-}
-
-#[derive(Deserialize)]
-#[serde(untagged)]
-enum OrWord {
-    Num(f64),
-    Word(String),
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
@@ -1051,5 +1001,37 @@ fn set_in_table(t: &mut toml_edit::Table, segs: &[&str], value: toml_edit::Value
             set_in_table(child, rest, value)
         }
         _ => Err(format!("`{seg}` is not a table")),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[derive(Debug, Deserialize, Serialize)]
+    struct T {
+        clip: OrNone,
+        lambda: OrAuto,
+        beta: Beta,
+    }
+
+    /// The words and the numbers read and write back; another word or type is refused naming
+    /// what was expected.
+    #[test]
+    fn a_number_or_its_word() {
+        let t: T = toml::from_str("clip = \"none\"\nlambda = 2\nbeta = 0.5").unwrap();
+        assert_eq!((t.clip, t.lambda, t.beta), (OrNone::None, OrAuto::Value(2.0), Beta::Value(0.5)));
+        let t: T = toml::from_str("clip = 1.5\nlambda = \"auto\"\nbeta = \"theory\"").unwrap();
+        assert_eq!((t.clip, t.lambda, t.beta), (OrNone::Value(1.5), OrAuto::Auto, Beta::Theory));
+        let back: T = toml::from_str(&toml::to_string(&t).unwrap()).unwrap();
+        assert_eq!((back.clip, back.lambda, back.beta), (t.clip, t.lambda, t.beta));
+        for (text, says) in [
+            ("clip = \"auto\"\nlambda = 1\nbeta = 1", "`auto`: expected a number or \"none\""),
+            ("clip = 1\nlambda = \"none\"\nbeta = 1", "`none`: expected a number or \"auto\""),
+            ("clip = 1\nlambda = 1\nbeta = true", "expected a number or \"theory\""),
+        ] {
+            let e = toml::from_str::<T>(text).unwrap_err().to_string();
+            assert!(e.contains(says), "{text}: {e}");
+        }
     }
 }

@@ -1,8 +1,9 @@
 //! The world of a run: the only stage that reads datasets, runs an LLM or builds a bank of
 //! generated responses, and the checks that need the data (dimensions agree, enough rows,
 //! chunks ≤ prompts), each error naming its spec key. It hands the cells what they draw pairs
-//! from ([`World`]) and the spec completed with what only the data can tell (d, the samples
-//! per prompt, the number of prompts).
+//! from ([`World`]) and reports what only the data can tell ([`DataFacts`]: d, the samples per
+//! prompt, the number of prompts); it never edits the spec — the plan completes the cells' copy
+//! with the facts ([`crate::plan::resolve`]).
 //!
 //! - [`env`]: the synthetic contextual dueling bandit (and the environment over a [`env::Bank`]);
 //! - [`datasets`], [`dataset`]: preference datasets → pairs → φ;
@@ -19,6 +20,7 @@ pub mod online;
 pub mod pairs;
 pub mod reward;
 
+pub use crate::plan::DataFacts;
 use crate::plan::{Locator, Plan};
 use crate::progress::Mode;
 use crate::spec::{DataScale, EnvKind, Order, Setting, Spec, SpecError};
@@ -28,9 +30,12 @@ use std::sync::Arc;
 /// What the cells of a run share.
 #[derive(Clone, Debug)]
 pub struct World {
-    /// The plan's spec with env.dim (every data kind), env.arms and env.contexts (generated)
-    /// and stream.samples (deploy on generated responses: one pair per prompt) from the data.
+    /// The plan's spec completed with [`World::facts`] ([`crate::plan::resolve`]): env.dim
+    /// (every data kind), env.arms and env.contexts (generated), stream.samples (deploy on
+    /// generated responses: one pair per prompt) and the data's scale.
     pub spec: Spec,
+    /// What the data says.
+    pub facts: DataFacts,
     /// kind = "features" or "dataset": the pairs, read once.
     pub data: Option<Arc<PairData>>,
     /// kind = "generated": the responses, their φ and rewards.
@@ -88,21 +93,24 @@ pub fn slow_bf16_warning(spec: &Spec, slow: bool) -> Option<String> {
 }
 
 /// Reads the data of `plan` (and runs its models); `progress` says how stages report on stderr.
+/// The spec is read, never changed: what the data says comes back as [`DataFacts`], and the
+/// plan completes the cells' spec with them ([`crate::plan::resolve`]).
 pub fn build(plan: &Plan, progress: Mode) -> Result<World, SpecError> {
     let keys = plan.keys();
-    let mut spec = plan.spec.clone();
-    if let Some(w) = slow_bf16_warning(&spec, features::cpu::bf16_is_slow()) {
+    let spec = &plan.spec;
+    if let Some(w) = slow_bf16_warning(spec, features::cpu::bf16_is_slow()) {
         eprintln!("onepass: warning: {w}");
     }
     let (mut data, mut generated, mut online, mut reward) = (None, None, None, None);
+    let (mut dim, mut bank, mut samples) = (spec.env.dim, None, None);
     let learns_features = spec.reward.as_ref().is_some_and(|r| r.update != crate::spec::RewardUpdate::Head);
     match spec.env.kind {
         EnvKind::Synthetic => {}
         EnvKind::Features | EnvKind::Dataset => {
             let d = if spec.env.kind == EnvKind::Features {
-                load_features(&spec, keys)?
+                load_features(spec, keys)?
             } else {
-                load_dataset(&spec, keys, progress, learns_features)?
+                load_dataset(spec, keys, progress, learns_features)?
             };
             if learns_features {
                 let d = spec.data.as_ref().expect("the plan requires [data] for [reward] update");
@@ -110,12 +118,17 @@ pub fn build(plan: &Plan, progress: Mode) -> Result<World, SpecError> {
                     .map_err(|e| keys.err(&["reward", "update"], format!("{e:#}")))?;
                 reward = Some(Arc::new(base));
             }
-            spec.env.dim = d.d;
+            dim = d.d;
             data = Some(Arc::new(d));
         }
         EnvKind::Generated => {
             let holdout = plan.policy.as_ref().map_or(0, |p| p.eval_prompts);
-            let g = load_generated(&mut spec, keys, holdout, progress)?;
+            let g = load_generated(spec, keys, holdout, progress)?;
+            (dim, bank) = (g.bank.d, Some((g.bank.k, g.bank.contexts.len())));
+            if spec.setting == Setting::Deploy {
+                // one labelled pair per prompt
+                samples = Some(g.bank.contexts.len() as u64);
+            }
             if let (Some(p), Some(gs), Some(f), Some(o)) = (&plan.policy, &spec.generate, &spec.features, &spec.oracle)
             {
                 // the held-out sampling streams of each seed index
@@ -134,8 +147,9 @@ pub fn build(plan: &Plan, progress: Mode) -> Result<World, SpecError> {
             generated = Some(Arc::new(g));
         }
     }
-    spec.data_scale = Some(data_scale(&spec, data.as_deref(), generated.as_deref()));
-    Ok(World { spec, data, generated, online, reward })
+    let data_scale = data_scale(spec, data.as_deref(), generated.as_deref());
+    let facts = DataFacts { dim, bank, samples, data_scale };
+    Ok(World { spec: crate::plan::resolve(spec, &facts), facts, data, generated, online, reward })
 }
 
 impl World {
@@ -176,10 +190,10 @@ fn data_scale(spec: &Spec, data: Option<&PairData>, generated: Option<&generated
 }
 
 /// Generates (or reads from the caches) the responses of a `kind = "generated"` environment and
-/// fills env.dim, env.arms, env.contexts and, for deploy, stream.samples from them.
+/// checks the spec's env.dim, deploy.chunks and stream.samples against them (d, the prompts).
 /// `holdout` prompts after the bank's are held out for a learning policy's evaluation.
 fn load_generated(
-    spec: &mut Spec,
+    spec: &Spec,
     keys: Locator<'_>,
     holdout: usize,
     progress: Mode,
@@ -207,9 +221,6 @@ fn load_generated(
             keys.err(&["env", "dim"], format!("{}, but the feature model gives {} features", spec.env.dim, out.bank.d))
         );
     }
-    spec.env.dim = out.bank.d;
-    spec.env.arms = out.bank.k;
-    spec.env.contexts = out.bank.contexts.len();
     if spec.setting == Setting::Deploy {
         let p = out.bank.contexts.len() as u64;
         if spec.deploy.chunks > p as usize {
@@ -223,7 +234,6 @@ fn load_generated(
                 format!("{}: a deployment run labels one pair per prompt, i.e. {p}; leave it out", spec.stream.samples),
             ));
         }
-        spec.stream.samples = p;
     }
     Ok(out)
 }
