@@ -9,13 +9,14 @@ use super::learner::Learner;
 use super::online::PolicyCell;
 use super::state::{drive, CellCtx, Progress};
 use crate::plan::{parametrize, theory_beta, ConfigPlan};
-use crate::rows::{CellResult, PolicyTiming, RoundRow};
+use crate::rows::{CellResult, MetricRow, PolicyTiming, RoundRow};
 use crate::spec::{Order, Spec};
-use crate::world::env::Env;
+use crate::world::env::{Context, Env};
 use crate::world::generated::Generated;
 use crate::world::online::Online;
 use crate::world::reward::RewardBase;
 use anyhow::{anyhow, Result};
+use features::generate::Sample;
 use rand::seq::SliceRandom;
 use rand::Rng;
 use selection::{kendall_tau_b, Strategy};
@@ -89,6 +90,10 @@ pub(super) fn chunk_range(c: usize, p: usize, chunks: usize) -> std::ops::Range<
 /// `policy.eval_every_chunks` chunks. With a reward model whose features learn (`reward`,
 /// [`LearnedRm`]) the responses' φ is its current h_ψ, and each mini-batch is one step over
 /// (ψ, θ) instead of the estimator's update on cached φ.
+///
+/// A chunk is five steps: its responses ([`responses`]), their labels ([`label_chunk`]), the
+/// reward's update ([`update_reward`]), the metric row ([`chunk_row`]), the policy's step
+/// ([`policy_step`]).
 #[allow(clippy::too_many_arguments)]
 pub(super) fn deploy_chunked(
     spec: &Spec,
@@ -103,7 +108,6 @@ pub(super) fn deploy_chunked(
     resumed: Option<Progress>,
 ) -> Result<CellResult> {
     let strategy = strategy_of(spec, config)?;
-    let (k, b, d) = (env.k, spec.stream.batch_size, env.d);
     let mut fresh = Progress::fresh(spec, seed);
     let p = env.contexts.len();
     let mut order: Vec<usize> = (0..p).collect();
@@ -123,183 +127,31 @@ pub(super) fn deploy_chunked(
         }
         None => None,
     };
-    // the policy before any update (a resumed cell has this row already)
-    // then a dpo warm start, before the first chunk
     if let (Some(pc), true) = (&mut pc, pr.policy_rows.is_empty()) {
-        let t0 = Instant::now();
-        let (row, e) = pc.evaluate(0, l.theta(), d, lrm.as_ref().map(|m| m.features()))?;
-        pr.policy_rows.push(row);
-        let mut time = PolicyTiming { chunk: 0, eval_s: t0.elapsed().as_secs_f64(), ..Default::default() };
-        time.record_eval(e);
-        let (digest, t1) = (pc.digest()?, Instant::now());
-        if let Some(up) = pc.warm_start()? {
-            time.policy_s = t1.elapsed().as_secs_f64();
-            pr.policy_updates.push(PolicyCell::update_row(0, digest, pc.digest()?, &[], l.theta(), d, &up));
-            if let Some(a) = pc.adapter(0, chunks as u64)? {
-                pr.adapters.push(a);
-            }
-        }
-        pr.policy_times.push(time);
+        before_first_chunk(pc, lrm.as_ref(), l, &mut pr, env.d, chunks)?;
     }
     drive(chunks as u64, &mut pr, l, ctx, |t, last, pr, l| {
         let c = (t - 1) as usize;
-        let r = chunk_range(c, p, chunks);
-        let (lo, hi) = (r.start, r.end);
         if c > 0 && spec.deploy.reset_each_chunk {
             l.reset_estimator(spec, config, seed)?;
         }
         let mut time = PolicyTiming { chunk: t, ..Default::default() };
-        let xs = &order[lo..hi];
+        let xs = &order[chunk_range(c, p, chunks)];
         let rollout_digest = match &pc {
             Some(pc) => pc.digest()?,
             None => String::new(),
         };
-        let (mut contexts, samples) = match &pc {
-            Some(pc) => pc.respond(g, env, xs, &mut time)?,
-            None => (Vec::new(), Vec::new()),
-        };
-        // a reward model whose features learn: every response's φ is its h_ψ now
-        let mut ids = Vec::new();
-        if let Some(m) = &lrm {
-            let t0 = Instant::now();
-            if contexts.is_empty() {
-                contexts = xs.iter().map(|&x| env.contexts[x].clone()).collect();
-            }
-            ids = m.response_ids(online, g, xs, &samples)?;
-            m.relabel(&mut contexts, &ids)?;
-            time.phi_s += t0.elapsed().as_secs_f64();
-        }
-        let (mut z, mut y) = (Vec::new(), Vec::new());
-        let mut labelled = Vec::new();
-        let Progress { labels, select, hash: h, regret, reward_sum, ties, oracle_ties, rounds, .. } = &mut *pr;
-        let (mut pair_sum, mut pol_sum, mut tau_sum) = (0.0, 0.0, 0.0);
-        for (i, &x) in xs.iter().enumerate() {
-            let ctx = if contexts.is_empty() { &env.contexts[x] } else { &contexts[i] };
-            let (est, pair) = choose(env, ctx, &strategy, l, select);
-            let truth: Vec<f64> = (0..k).map(|a| env.reward(ctx, a)).collect();
-            *ties += u64::from(pair.ties);
-            let zi = env.diff(ctx, pair.first, pair.second);
-            let u: f64 = labels.random();
-            h.bytes(&(x as u64).to_le_bytes());
-            h.bytes(&u.to_le_bytes());
-            let label = env.label(ctx, pair.first, pair.second, &zi, u);
-            let tie = truth[pair.first] == truth[pair.second];
-            let coin = tie && env.labels == crate::spec::LabelRule::Argmax;
-            labelled.push(Labelled { at: i, first: pair.first, second: pair.second, label, tie: coin });
-            *oracle_ties += u64::from(tie);
-            y.push(label);
-            z.extend(zi);
-            let best = truth.iter().copied().fold(f64::NEG_INFINITY, f64::max);
-            let (ra, rb) = (truth[pair.first], truth[pair.second]);
-            *regret += best - 0.5 * (ra + rb);
-            *reward_sum += 0.5 * (ra + rb);
-            pair_sum += ra + rb;
-            // what the arm deploys: best-of-n its pick under θ; a fixed or learning policy its
-            // samples (their mean oracle reward; policy_pick 0 in rounds.parquet). Without a
-            // policy arm in the run (no learning arm), best-of-n.
-            let (pick, deployed) = match &pc {
-                Some(pc) => pc.deploy(&truth, &est),
-                None => super::arms::best_of_n(&truth, &est),
-            };
-            pol_sum += deployed;
-            let tau = kendall_tau_b(&est, &truth);
-            tau_sum += tau;
-            rounds.push(RoundRow {
-                chunk: c as u64 + 1,
-                prompt: x as u64,
-                first: pair.first as u32,
-                second: pair.second as u32,
-                reward_first: ra,
-                reward_second: rb,
-                label,
-                policy_pick: pick as u32,
-                policy_reward: deployed,
-                best_reward: best,
-                kendall_tau: tau,
-            });
-        }
+        let mut chunk = responses(pc.as_ref(), lrm.as_ref(), env, g, online, xs, &mut time)?;
+        let labels = label_chunk(env, &strategy, l, pr, pc.as_ref(), &chunk, xs, t);
         let t0 = Instant::now();
-        match &mut lrm {
-            Some(m) => {
-                let st =
-                    pr.reward_state.as_mut().ok_or_else(|| anyhow!("a reward model without its update's state"))?;
-                let pairs: Vec<ChunkPair> = labelled
-                    .iter()
-                    .map(|p| ChunkPair { at: p.at, first: p.first, second: p.second, label: p.label })
-                    .collect();
-                for (pb, zb) in pairs.chunks(b).zip(z.chunks(b * env.d)) {
-                    m.step(st, pb, &ids, zb, l)?;
-                }
-                m.refresh(st)?;
-            }
-            None => {
-                for (zb, yb) in z.chunks(b * env.d).zip(y.chunks(b)) {
-                    l.update(zb, yb)?;
-                }
-            }
-        }
+        update_reward(lrm.as_mut(), l, pr, &labels, &chunk.ids, spec.stream.batch_size, env.d)?;
         time.estimator_s = t0.elapsed().as_secs_f64();
-        pr.seen += (hi - lo) as u64;
-        let n = (hi - lo) as f64;
-        pr.cum_pair += pair_sum / n;
-        let mut row = match (&lrm, &pr.reward_state) {
-            // held-out pairs under the current h_ψ; θ* and the greedy policy's SubOpt are in φ's
-            // space, not h_ψ's: not reported
-            (Some(m), Some(st)) => {
-                let ez = m.eval_z(env)?;
-                let mut row = l.row_at((&ez, &env.eval_y), None);
-                (row.grad_evals, row.hvp_evals, row.negative_quad_forms) = st.counters();
-                row
-            }
-            _ => l.row_at((&env.eval_z, &env.eval_y), Some(env)),
-        };
-        row.regret = Some(pr.regret);
-        row.mean_reward = Some(pr.reward_sum / pr.seen as f64);
-        row.ties = pr.ties;
-        row.chunk = Some(c as u64 + 1);
-        row.pair_reward = Some(pair_sum / n);
-        row.cum_pair_reward = Some(pr.cum_pair);
-        row.policy_reward = Some(pol_sum / n);
-        row.kendall_tau = Some(tau_sum / n);
-        row.oracle_ties = Some(pr.oracle_ties);
+        let row = chunk_row(l, lrm.as_ref(), pr, env, &labels, t, xs.len())?;
         pr.rows.push(row);
         if let Some(pc) = &mut pc {
-            let (t1, rollout_s) = (Instant::now(), time.generation_s + time.phi_s);
-            let learned = lrm.as_ref().map(|m| m.features());
-            if let (Some(m), true) = (&lrm, pc.learns()) {
-                // the policy learns from the reward model as the chunk's steps left it
-                let t2 = Instant::now();
-                m.relabel(&mut contexts, &ids)?;
-                time.phi_s += t2.elapsed().as_secs_f64();
-            }
-            let up = pc.update(t, xs, &samples, &contexts, &labelled, l.theta(), d, g, learned, &mut time)?;
-            // the policy's own time: less fresh rollouts' generation and φ, less the critic
-            time.critic_s = up.as_ref().and_then(|u| u.critic).map_or(0.0, |c| c.seconds);
-            time.policy_s = t1.elapsed().as_secs_f64() - (time.generation_s + time.phi_s - rollout_s) - time.critic_s;
-            if let Some(up) = &up {
-                let row = PolicyCell::update_row(t, rollout_digest, pc.digest()?, &contexts, l.theta(), d, up);
-                pr.policy_updates.push(row);
-            }
-            let every = pc.online.spec.eval_every_chunks as u64;
-            if t % every == 0 || last {
-                let t2 = Instant::now();
-                let (row, e) = pc.evaluate(t, l.theta(), d, learned)?;
-                pr.policy_rows.push(row);
-                time.eval_s = t2.elapsed().as_secs_f64();
-                time.record_eval(e);
-            }
-            // a long online cell says where it is in a log (bars show cells; --quiet nothing)
-            if pc.online.progress == crate::progress::Mode::Lines {
-                eprintln!(
-                    "onepass: cell {} (seed {seed}): chunk {t}/{chunks} done — generation {:.0} s, φ {:.0} s, policy {:.0} s, critic {:.0} s, evaluation {:.0} s",
-                    config.label, time.generation_s, time.phi_s, time.policy_s, time.critic_s, time.eval_s
-                );
-            }
-            pr.policy_times.push(time);
-            if let Some(a) = pc.adapter(t, chunks as u64)? {
-                pr.adapters.push(a);
-            }
-            pr.policy_state = pc.state()?;
+            let step =
+                PolicyStep { chunk: t, last, chunks: chunks as u64, xs, rollout_digest, label: &config.label, seed };
+            policy_step(pc, lrm.as_ref(), l, pr, &mut chunk, &labels, step, g, env.d, time)?;
         }
         Ok(())
     })?;
@@ -317,4 +169,297 @@ pub(super) fn deploy_chunked(
         adapters: pr.adapters,
         ..Default::default()
     })
+}
+
+/// Before the first chunk: the policy's evaluation (the base policy on the seed's held-out
+/// streams; a resumed cell has this row already), then a dpo warm start.
+fn before_first_chunk(
+    pc: &mut PolicyCell<'_>,
+    lrm: Option<&LearnedRm<'_>>,
+    l: &Learner,
+    pr: &mut Progress,
+    d: usize,
+    chunks: usize,
+) -> Result<()> {
+    let t0 = Instant::now();
+    let (row, e) = pc.evaluate(0, l.theta(), d, lrm.map(|m| m.features()))?;
+    pr.policy_rows.push(row);
+    let mut time = PolicyTiming { chunk: 0, eval_s: t0.elapsed().as_secs_f64(), ..Default::default() };
+    time.record_eval(e);
+    let (digest, t1) = (pc.digest()?, Instant::now());
+    if let Some(up) = pc.warm_start()? {
+        time.policy_s = t1.elapsed().as_secs_f64();
+        pr.policy_updates.push(PolicyCell::update_row(0, digest, pc.digest()?, &[], l.theta(), d, &up));
+        if let Some(a) = pc.adapter(0, chunks as u64)? {
+            pr.adapters.push(a);
+        }
+    }
+    pr.policy_times.push(time);
+    Ok(())
+}
+
+/// A chunk's responses: each prompt's context (φ or, with a reward model whose features learn,
+/// h_ψ of its n responses; empty when the bank's contexts serve as they are), a learning
+/// policy's samples, and the responses' token ids for the reward model.
+struct ChunkResponses {
+    contexts: Vec<Context>,
+    samples: Vec<Vec<Sample>>,
+    ids: Vec<Vec<Vec<u32>>>,
+}
+
+impl ChunkResponses {
+    fn context<'a>(&'a self, env: &'a Env, i: usize, x: usize) -> &'a Context {
+        if self.contexts.is_empty() {
+            &env.contexts[x]
+        } else {
+            &self.contexts[i]
+        }
+    }
+}
+
+/// The chunk's responses (step 1): the policy's (a learning one samples; others the bank's),
+/// scored by the current h_ψ when the reward model's features learn.
+fn responses(
+    pc: Option<&PolicyCell<'_>>,
+    lrm: Option<&LearnedRm<'_>>,
+    env: &Env,
+    g: &Generated,
+    online: Option<&Online>,
+    xs: &[usize],
+    time: &mut PolicyTiming,
+) -> Result<ChunkResponses> {
+    let (mut contexts, samples) = match pc {
+        Some(pc) => pc.respond(g, env, xs, time)?,
+        None => (Vec::new(), Vec::new()),
+    };
+    let mut ids = Vec::new();
+    if let Some(m) = lrm {
+        let t0 = Instant::now();
+        if contexts.is_empty() {
+            contexts = xs.iter().map(|&x| env.contexts[x].clone()).collect();
+        }
+        ids = m.response_ids(online, g, xs, &samples)?;
+        m.relabel(&mut contexts, &ids)?;
+        time.phi_s += t0.elapsed().as_secs_f64();
+    }
+    Ok(ChunkResponses { contexts, samples, ids })
+}
+
+/// What a chunk labelled: the pairs (and their z, y for the update), and the sums its metric
+/// row reports.
+struct ChunkLabels {
+    labelled: Vec<Labelled>,
+    z: Vec<f32>,
+    y: Vec<f32>,
+    pair_sum: f64,
+    deployed_sum: f64,
+    tau_sum: f64,
+}
+
+/// Step 2: per prompt of the chunk, θ ranks its responses, the strategy picks a pair, the
+/// oracle labels it; the regret, the stream hash and rounds.parquet's row move on.
+#[allow(clippy::too_many_arguments)]
+fn label_chunk(
+    env: &Env,
+    strategy: &Strategy,
+    l: &mut Learner,
+    pr: &mut Progress,
+    pc: Option<&PolicyCell<'_>>,
+    chunk: &ChunkResponses,
+    xs: &[usize],
+    t: u64,
+) -> ChunkLabels {
+    let k = env.k;
+    let mut out = ChunkLabels {
+        labelled: Vec::new(),
+        z: Vec::new(),
+        y: Vec::new(),
+        pair_sum: 0.0,
+        deployed_sum: 0.0,
+        tau_sum: 0.0,
+    };
+    let Progress { labels, select, hash: h, regret, reward_sum, ties, oracle_ties, rounds, .. } = pr;
+    for (i, &x) in xs.iter().enumerate() {
+        let ctx = chunk.context(env, i, x);
+        let (est, pair) = choose(env, ctx, strategy, l, select);
+        let truth: Vec<f64> = (0..k).map(|a| env.reward(ctx, a)).collect();
+        *ties += u64::from(pair.ties);
+        let zi = env.diff(ctx, pair.first, pair.second);
+        let u: f64 = labels.random();
+        h.bytes(&(x as u64).to_le_bytes());
+        h.bytes(&u.to_le_bytes());
+        let label = env.label(ctx, pair.first, pair.second, &zi, u);
+        let tie = truth[pair.first] == truth[pair.second];
+        let coin = tie && env.labels == crate::spec::LabelRule::Argmax;
+        out.labelled.push(Labelled { at: i, first: pair.first, second: pair.second, label, tie: coin });
+        *oracle_ties += u64::from(tie);
+        out.y.push(label);
+        out.z.extend(zi);
+        let best = truth.iter().copied().fold(f64::NEG_INFINITY, f64::max);
+        let (ra, rb) = (truth[pair.first], truth[pair.second]);
+        *regret += best - 0.5 * (ra + rb);
+        *reward_sum += 0.5 * (ra + rb);
+        out.pair_sum += ra + rb;
+        // what the arm deploys: best-of-n its pick under θ; a fixed or learning policy its
+        // samples (their mean oracle reward; policy_pick 0 in rounds.parquet). Without a
+        // policy arm in the run (no learning arm), best-of-n.
+        let (pick, deployed) = match pc {
+            Some(pc) => pc.deploy(&truth, &est),
+            None => super::arms::best_of_n(&truth, &est),
+        };
+        out.deployed_sum += deployed;
+        let tau = kendall_tau_b(&est, &truth);
+        out.tau_sum += tau;
+        rounds.push(RoundRow {
+            chunk: t,
+            prompt: x as u64,
+            first: pair.first as u32,
+            second: pair.second as u32,
+            reward_first: ra,
+            reward_second: rb,
+            label,
+            policy_pick: pick as u32,
+            policy_reward: deployed,
+            best_reward: best,
+            kendall_tau: tau,
+        });
+    }
+    out
+}
+
+/// Step 3: the estimator's updates on the chunk's pairs in mini-batches of `b`, or, with a
+/// reward model whose features learn, one step over (ψ, θ) per mini-batch and h_ψ recomputed.
+fn update_reward(
+    lrm: Option<&mut LearnedRm<'_>>,
+    l: &mut Learner,
+    pr: &mut Progress,
+    labels: &ChunkLabels,
+    ids: &[Vec<Vec<u32>>],
+    b: usize,
+    d: usize,
+) -> Result<()> {
+    match lrm {
+        Some(m) => {
+            let st = pr.reward_state.as_mut().ok_or_else(|| anyhow!("a reward model without its update's state"))?;
+            let pairs: Vec<ChunkPair> = labels
+                .labelled
+                .iter()
+                .map(|p| ChunkPair { at: p.at, first: p.first, second: p.second, label: p.label })
+                .collect();
+            for (pb, zb) in pairs.chunks(b).zip(labels.z.chunks(b * d)) {
+                m.step(st, pb, ids, zb, l)?;
+            }
+            m.refresh(st)
+        }
+        None => {
+            for (zb, yb) in labels.z.chunks(b * d).zip(labels.y.chunks(b)) {
+                l.update(zb, yb)?;
+            }
+            Ok(())
+        }
+    }
+}
+
+/// Step 4: the chunk's metric row. The held-out pairs are scored under θ and φ, or under the
+/// current h_ψ (θ-error and SubOpt are then left out: θ* lives in φ's space, not h_ψ's).
+fn chunk_row(
+    l: &mut Learner,
+    lrm: Option<&LearnedRm<'_>>,
+    pr: &mut Progress,
+    env: &Env,
+    labels: &ChunkLabels,
+    t: u64,
+    prompts: usize,
+) -> Result<MetricRow> {
+    pr.seen += prompts as u64;
+    let n = prompts as f64;
+    pr.cum_pair += labels.pair_sum / n;
+    let mut row = match (lrm, &pr.reward_state) {
+        (Some(m), Some(st)) => {
+            let ez = m.eval_z(env)?;
+            let mut row = l.row_at((&ez, &env.eval_y), None);
+            (row.grad_evals, row.hvp_evals, row.negative_quad_forms) = st.counters();
+            row
+        }
+        _ => l.row_at((&env.eval_z, &env.eval_y), Some(env)),
+    };
+    row.regret = Some(pr.regret);
+    row.mean_reward = Some(pr.reward_sum / pr.seen as f64);
+    row.ties = pr.ties;
+    row.chunk = Some(t);
+    row.pair_reward = Some(labels.pair_sum / n);
+    row.cum_pair_reward = Some(pr.cum_pair);
+    row.policy_reward = Some(labels.deployed_sum / n);
+    row.kendall_tau = Some(labels.tau_sum / n);
+    row.oracle_ties = Some(pr.oracle_ties);
+    Ok(row)
+}
+
+/// Where the policy's step of a chunk is.
+struct PolicyStep<'a> {
+    chunk: u64,
+    last: bool,
+    chunks: u64,
+    xs: &'a [usize],
+    /// The digest of the policy that produced the chunk's samples.
+    rollout_digest: String,
+    label: &'a str,
+    seed: u32,
+}
+
+/// Step 5: the policy's update after θ's (on the reward as the chunk's steps left it), its
+/// evaluation every `policy.eval_every_chunks` chunks and at the last, the chunk's timings,
+/// adapters and checkpoint state.
+#[allow(clippy::too_many_arguments)]
+fn policy_step(
+    pc: &mut PolicyCell<'_>,
+    lrm: Option<&LearnedRm<'_>>,
+    l: &Learner,
+    pr: &mut Progress,
+    chunk: &mut ChunkResponses,
+    labels: &ChunkLabels,
+    s: PolicyStep<'_>,
+    g: &Generated,
+    d: usize,
+    mut time: PolicyTiming,
+) -> Result<()> {
+    let t = s.chunk;
+    let (t1, rollout_s) = (Instant::now(), time.generation_s + time.phi_s);
+    let learned = lrm.map(|m| m.features());
+    if let (Some(m), true) = (lrm, pc.learns()) {
+        // the policy learns from the reward model as the chunk's steps left it
+        let t2 = Instant::now();
+        m.relabel(&mut chunk.contexts, &chunk.ids)?;
+        time.phi_s += t2.elapsed().as_secs_f64();
+    }
+    let (samples, contexts) = (&chunk.samples, &chunk.contexts);
+    let up = pc.update(t, s.xs, samples, contexts, &labels.labelled, l.theta(), d, g, learned, &mut time)?;
+    // the policy's own time: less fresh rollouts' generation and φ, less the critic
+    time.critic_s = up.as_ref().and_then(|u| u.critic).map_or(0.0, |c| c.seconds);
+    time.policy_s = t1.elapsed().as_secs_f64() - (time.generation_s + time.phi_s - rollout_s) - time.critic_s;
+    if let Some(up) = &up {
+        let row = PolicyCell::update_row(t, s.rollout_digest, pc.digest()?, contexts, l.theta(), d, up);
+        pr.policy_updates.push(row);
+    }
+    let every = pc.online.spec.eval_every_chunks as u64;
+    if t.is_multiple_of(every) || s.last {
+        let t2 = Instant::now();
+        let (row, e) = pc.evaluate(t, l.theta(), d, learned)?;
+        pr.policy_rows.push(row);
+        time.eval_s = t2.elapsed().as_secs_f64();
+        time.record_eval(e);
+    }
+    // a long online cell says where it is in a log (bars show cells; --quiet nothing)
+    if pc.online.progress == crate::progress::Mode::Lines {
+        eprintln!(
+            "onepass: cell {} (seed {}): chunk {t}/{} done — generation {:.0} s, φ {:.0} s, policy {:.0} s, critic {:.0} s, evaluation {:.0} s",
+            s.label, s.seed, s.chunks, time.generation_s, time.phi_s, time.policy_s, time.critic_s, time.eval_s
+        );
+    }
+    pr.policy_times.push(time);
+    if let Some(a) = pc.adapter(t, s.chunks)? {
+        pr.adapters.push(a);
+    }
+    pr.policy_state = pc.state()?;
+    Ok(())
 }

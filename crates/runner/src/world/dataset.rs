@@ -147,31 +147,75 @@ fn overlap(train: &[Pair], eval: &[Pair]) -> usize {
 
 /// Reads, selects, splits and extracts: the pairs every cell of the run shares.
 /// `keep_ids`: keep each pair's token ids ([`PairData::ids`]) for a reward model whose features
-/// learn.
+/// learn. Four steps: [`read_selected`], [`split`], [`extract_pairs`] (φ through the cache) and
+/// [`assemble`] (z, y, ids and the report).
 pub fn load(d: &DataSpec, progress: Mode, keep_ids: bool) -> Result<(PairData, DataReport)> {
     let files = resolve_files("data.path", &d.path)?;
-    let path = files[0].clone();
     let opts = ReadOptions {
         format: Some(d.format),
         keys: d.keys.clone().unwrap_or_default(),
         limit: None,
         skip_malformed: d.malformed == Malformed::Skip,
     };
-    let read = read_dataset(&files, &opts)?;
     let ranked = opts.keys.responses.is_some() && opts.format == Some(crate::spec::Format::Generic);
-    let ranked_report = ranked.then(|| ranked_summary(&read.pairs));
-    let (mut skipped, mut skipped_examples) = (read.skipped, read.skipped_examples);
-    let rows_in_files = read.rows_read;
+    let read = read_selected(d, &files, &opts, ranked)?;
+    let sp = split(d, &opts, ranked, read.selected)?;
+    let score_ties = sp.train.iter().chain(&sp.eval).filter(|p| p.score_tie()).count();
+    let eval_in_train = overlap(&sp.train, &sp.eval);
+    let (train, eval): (Vec<Pair>, Vec<Pair>) = if d.score_ties == ScoreTies::Drop {
+        let keep = |v: Vec<Pair>| v.into_iter().filter(|p| !p.score_tie()).collect();
+        (keep(sp.train), keep(sp.eval))
+    } else {
+        (sp.train, sp.eval)
+    };
+    let run = PhiRun { keep_ids, ..PhiRun::new(&d.phi(), progress)? };
+    // one extraction over both splits, so they share a batch plan and a progress bar
+    let n_train = train.len();
+    let both: Vec<Pair> = train.into_iter().chain(eval).collect();
+    let origin = match &sp.eval_file {
+        Some(e) => format!("{} + {}", display_files(&files), display_files(e)),
+        None => display_files(&files),
+    };
+    let ex = extract_pairs(&both, &origin, &run)?;
+    let counts = Counts {
+        rows_read: read.rows_in_files,
+        pairs_read: read.pairs_read,
+        selected: read.take,
+        malformed_skipped: read.skipped + sp.skipped,
+        malformed_examples: read.skipped_examples.into_iter().chain(sp.skipped_examples).collect(),
+        eval_in_train,
+        score_ties,
+        ranked: read.ranked,
+    };
+    assemble(d, &files, sp.eval_file, &origin, &both, n_train, &ex, keep_ids, counts)
+}
+
+/// What [`read_selected`] read: the selected pairs and the counts the report keeps.
+struct Read {
+    selected: Vec<Pair>,
+    rows_in_files: usize,
+    pairs_read: usize,
+    take: usize,
+    skipped: usize,
+    skipped_examples: Vec<String>,
+    ranked: Option<serde_json::Value>,
+}
+
+/// Step 1: the pairs of `files`, then `data.rows` of them — the first, or a random subset in
+/// file order (`select_seed`).
+fn read_selected(d: &DataSpec, files: &[PathBuf], opts: &ReadOptions, ranked: bool) -> Result<Read> {
+    let read = read_dataset(files, opts)?;
+    let ranked = ranked.then(|| ranked_summary(&read.pairs));
     let all = read.pairs;
-    let rows_read = all.len();
-    let take = d.rows.unwrap_or(rows_read);
-    if take > rows_read {
-        return Err(anyhow!("data.rows = {take}, but {} holds only {rows_read} pairs", display_files(&files)));
+    let pairs_read = all.len();
+    let take = d.rows.unwrap_or(pairs_read);
+    if take > pairs_read {
+        return Err(anyhow!("data.rows = {take}, but {} holds only {pairs_read} pairs", display_files(files)));
     }
-    let mut selected: Vec<Pair> = match d.select {
+    let selected: Vec<Pair> = match d.select {
         Select::First => all.into_iter().take(take).collect(),
         Select::Random => {
-            let mut idx: Vec<usize> = (0..rows_read).collect();
+            let mut idx: Vec<usize> = (0..pairs_read).collect();
             idx.shuffle(&mut rand_chacha::ChaCha8Rng::seed_from_u64(d.select_seed));
             let mut keep: Vec<usize> = idx.into_iter().take(take).collect();
             keep.sort_unstable();
@@ -179,100 +223,139 @@ pub fn load(d: &DataSpec, progress: Mode, keep_ids: bool) -> Result<(PairData, D
             keep.into_iter().map(|i| all[i].take().expect("distinct")).collect()
         }
     };
-    let (train, eval, eval_file) = match &d.eval_path {
-        Some(e) => {
-            let ef = resolve_files("data.eval_path", e)?;
-            let r = read_dataset(&ef, &ReadOptions { limit: d.eval_rows, ..opts.clone() })?;
-            skipped += r.skipped;
-            skipped_examples.extend(r.skipped_examples);
-            let mut ev = r.pairs;
-            if let Some(n) = d.eval_rows {
-                if ev.len() < n {
-                    return Err(anyhow!(
-                        "data.eval_rows = {n}, but {} holds only {} pairs",
-                        display_files(&ef),
-                        ev.len()
-                    ));
-                }
+    Ok(Read {
+        selected,
+        rows_in_files: read.rows_read,
+        pairs_read,
+        take,
+        skipped: read.skipped,
+        skipped_examples: read.skipped_examples,
+        ranked,
+    })
+}
+
+/// The train/held-out split, and what the held-out file's reading skipped.
+struct Split {
+    train: Vec<Pair>,
+    eval: Vec<Pair>,
+    eval_file: Option<Vec<PathBuf>>,
+    skipped: usize,
+    skipped_examples: Vec<String>,
+}
+
+/// Step 2: the held-out pairs — `data.eval_path`'s first `eval_rows`, or `eval_fraction` of the
+/// selected ones drawn with `split_seed` (the ranked form: whole prompts, so no held-out prompt
+/// was trained on).
+fn split(d: &DataSpec, opts: &ReadOptions, ranked: bool, mut selected: Vec<Pair>) -> Result<Split> {
+    if let Some(e) = &d.eval_path {
+        let ef = resolve_files("data.eval_path", e)?;
+        let r = read_dataset(&ef, &ReadOptions { limit: d.eval_rows, ..opts.clone() })?;
+        let mut ev = r.pairs;
+        if let Some(n) = d.eval_rows {
+            if ev.len() < n {
+                return Err(anyhow!("data.eval_rows = {n}, but {} holds only {} pairs", display_files(&ef), ev.len()));
             }
-            ev.truncate(d.eval_rows.unwrap_or(ev.len()));
-            (std::mem::take(&mut selected), ev, Some(ef))
         }
-        None => {
-            let n_eval = ((selected.len() as f64) * d.eval_fraction).round() as usize;
-            if n_eval == 0 || n_eval >= selected.len() {
-                return Err(anyhow!(
-                    "data.eval_fraction = {} of {} pairs leaves an empty side of the split",
-                    d.eval_fraction,
-                    selected.len()
-                ));
-            }
-            let mut is_eval = vec![false; selected.len()];
-            if ranked {
-                // the ranked form makes several pairs of one prompt: a prompt's pairs go to the
-                // same side, so no held-out prompt was trained on
-                let mut per_row: std::collections::HashMap<usize, usize> = std::collections::HashMap::new();
-                for p in &selected {
-                    *per_row.entry(p.row).or_default() += 1;
-                }
-                let mut rows: Vec<usize> = selected.iter().map(|p| p.row).collect();
-                rows.dedup();
-                rows.shuffle(&mut rand_chacha::ChaCha8Rng::seed_from_u64(d.split_seed));
-                let mut held = std::collections::HashSet::new();
-                let mut count = 0;
-                for r in rows {
-                    if count >= n_eval {
-                        break;
-                    }
-                    held.insert(r);
-                    count += per_row[&r];
-                }
-                for (e, p) in is_eval.iter_mut().zip(&selected) {
-                    *e = held.contains(&p.row);
-                }
-            } else {
-                let mut idx: Vec<usize> = (0..selected.len()).collect();
-                idx.shuffle(&mut rand_chacha::ChaCha8Rng::seed_from_u64(d.split_seed));
-                for &i in &idx[..n_eval] {
-                    is_eval[i] = true;
-                }
-            }
-            let (mut tr, mut ev) = (Vec::new(), Vec::new());
-            for (p, e) in selected.into_iter().zip(is_eval) {
-                if e {
-                    ev.push(p)
-                } else {
-                    tr.push(p)
-                }
-            }
-            (tr, ev, None)
-        }
-    };
-    let score_ties = train.iter().chain(&eval).filter(|p| p.score_tie()).count();
-    let eval_in_train = overlap(&train, &eval);
-    let (train, eval): (Vec<Pair>, Vec<Pair>) = if d.score_ties == ScoreTies::Drop {
-        (train.into_iter().filter(|p| !p.score_tie()).collect(), eval.into_iter().filter(|p| !p.score_tie()).collect())
+        ev.truncate(d.eval_rows.unwrap_or(ev.len()));
+        let train = std::mem::take(&mut selected);
+        return Ok(Split {
+            train,
+            eval: ev,
+            eval_file: Some(ef),
+            skipped: r.skipped,
+            skipped_examples: r.skipped_examples,
+        });
+    }
+    let n_eval = ((selected.len() as f64) * d.eval_fraction).round() as usize;
+    if n_eval == 0 || n_eval >= selected.len() {
+        return Err(anyhow!(
+            "data.eval_fraction = {} of {} pairs leaves an empty side of the split",
+            d.eval_fraction,
+            selected.len()
+        ));
+    }
+    let is_eval = if ranked {
+        held_out_prompts(&selected, n_eval, d.split_seed)
     } else {
-        (train, eval)
+        held_out_pairs(selected.len(), n_eval, d.split_seed)
     };
-    let run = PhiRun { keep_ids, ..PhiRun::new(&d.phi(), progress)? };
-    // one extraction over both splits, so they share a batch plan and a progress bar
-    let n_train = train.len();
-    let both: Vec<Pair> = train.into_iter().chain(eval).collect();
-    let origin = match &eval_file {
-        Some(e) => format!("{} + {}", display_files(&files), display_files(e)),
-        None => display_files(&files),
-    };
-    let ex = extract_pairs(&both, &origin, &run)?;
+    let (mut tr, mut ev) = (Vec::new(), Vec::new());
+    for (p, e) in selected.into_iter().zip(is_eval) {
+        if e {
+            ev.push(p)
+        } else {
+            tr.push(p)
+        }
+    }
+    Ok(Split { train: tr, eval: ev, eval_file: None, skipped: 0, skipped_examples: Vec::new() })
+}
+
+/// `n_eval` of `n` pairs held out, drawn with `seed`.
+fn held_out_pairs(n: usize, n_eval: usize, seed: u64) -> Vec<bool> {
+    let mut is_eval = vec![false; n];
+    let mut idx: Vec<usize> = (0..n).collect();
+    idx.shuffle(&mut rand_chacha::ChaCha8Rng::seed_from_u64(seed));
+    for &i in &idx[..n_eval] {
+        is_eval[i] = true;
+    }
+    is_eval
+}
+
+/// The ranked form makes several pairs of one prompt: whole prompts (rows) are held out, drawn
+/// with `seed`, until at least `n_eval` pairs are.
+fn held_out_prompts(selected: &[Pair], n_eval: usize, seed: u64) -> Vec<bool> {
+    let mut per_row: std::collections::HashMap<usize, usize> = std::collections::HashMap::new();
+    for p in selected {
+        *per_row.entry(p.row).or_default() += 1;
+    }
+    let mut rows: Vec<usize> = selected.iter().map(|p| p.row).collect();
+    rows.dedup();
+    rows.shuffle(&mut rand_chacha::ChaCha8Rng::seed_from_u64(seed));
+    let mut held = std::collections::HashSet::new();
+    let mut count = 0;
+    for r in rows {
+        if count >= n_eval {
+            break;
+        }
+        held.insert(r);
+        count += per_row[&r];
+    }
+    selected.iter().map(|p| held.contains(&p.row)).collect()
+}
+
+/// The counts of reading and splitting that the report keeps.
+struct Counts {
+    rows_read: usize,
+    pairs_read: usize,
+    selected: usize,
+    malformed_skipped: usize,
+    malformed_examples: Vec<String>,
+    eval_in_train: usize,
+    score_ties: usize,
+    ranked: Option<serde_json::Value>,
+}
+
+/// Step 4: z = φ(chosen) − φ(rejected) and y of each split (degenerate pairs dropped when
+/// `data.degenerate` says so), the token ids when kept, and the report.
+#[allow(clippy::too_many_arguments)]
+fn assemble(
+    d: &DataSpec,
+    files: &[PathBuf],
+    eval_file: Option<Vec<PathBuf>>,
+    origin: &str,
+    both: &[Pair],
+    n_train: usize,
+    ex: &super::extract::Extracted,
+    keep_ids: bool,
+    c: Counts,
+) -> Result<(PairData, DataReport)> {
     let dim = ex.summary.dim;
     let drop = d.degenerate == Degenerate::Drop;
+    let kept = |range: std::ops::Range<usize>| range.filter(move |&i| !(drop && ex.degenerate[i]));
     let build = |range: std::ops::Range<usize>| -> Pairs {
         let mut z = Vec::new();
         let mut y = Vec::new();
-        for i in range {
-            if drop && ex.degenerate[i] {
-                continue;
-            }
+        for i in kept(range) {
             let (c, r) = (ex.phi[2 * i].as_ref().expect("all rows"), ex.phi[2 * i + 1].as_ref().expect("all rows"));
             z.extend(c.iter().zip(r).map(|(a, b)| a - b));
             y.push(both[i].y());
@@ -280,17 +363,14 @@ pub fn load(d: &DataSpec, progress: Mode, keep_ids: bool) -> Result<(PairData, D
         Pairs { d: dim, z, y, digest: String::new() }
     };
     let ids = |range: std::ops::Range<usize>| -> Vec<(Vec<u32>, Vec<u32>)> {
-        range
-            .filter(|&i| !(drop && ex.degenerate[i]))
-            .map(|i| (ex.ids[2 * i].clone(), ex.ids[2 * i + 1].clone()))
-            .collect()
+        kept(range).map(|i| (ex.ids[2 * i].clone(), ex.ids[2 * i + 1].clone())).collect()
     };
     let ids = keep_ids.then(|| PairIds { train: ids(0..n_train), eval: ids(n_train..both.len()) });
     let kept_tokens = |range: std::ops::Range<usize>| -> usize {
-        range.filter(|&i| !(drop && ex.degenerate[i])).map(|i| ex.lengths[2 * i] + ex.lengths[2 * i + 1]).sum()
+        kept(range).map(|i| ex.lengths[2 * i] + ex.lengths[2 * i + 1]).sum()
     };
     let (train_tokens, eval_tokens) = (kept_tokens(0..n_train), kept_tokens(n_train..both.len()));
-    let digest = files_blake3(&files)?;
+    let digest = files_blake3(files)?;
     let mut tr = build(0..n_train);
     let mut ev = build(n_train..both.len());
     tr.digest = digest.clone();
@@ -301,24 +381,25 @@ pub fn load(d: &DataSpec, progress: Mode, keep_ids: bool) -> Result<(PairData, D
     if tr.is_empty() || ev.is_empty() {
         return Err(anyhow!("{origin}: after dropping degenerate pairs, a side of the split is empty"));
     }
+    let path = files[0].clone();
     let report = DataReport {
         path: path.display().to_string(),
         files: files.iter().map(|f| f.display().to_string()).collect(),
         blake3: digest,
         eval_path: eval_file.as_ref().map(|e| e[0].display().to_string()),
         eval_files: eval_file.iter().flatten().map(|f| f.display().to_string()).collect(),
-        rows_read: rows_in_files,
-        pairs_read: rows_read,
-        malformed_skipped: skipped,
-        malformed_examples: skipped_examples,
-        eval_in_train,
-        selected: take,
+        rows_read: c.rows_read,
+        pairs_read: c.pairs_read,
+        malformed_skipped: c.malformed_skipped,
+        malformed_examples: c.malformed_examples,
+        eval_in_train: c.eval_in_train,
+        selected: c.selected,
         train_pairs: tr.len(),
         eval_pairs: ev.len(),
         degenerate_train: ex.degenerate[..n_train].iter().filter(|&&x| x).count(),
         degenerate_eval: ex.degenerate[n_train..].iter().filter(|&&x| x).count(),
         degenerate_dropped: drop,
-        score_ties,
+        score_ties: c.score_ties,
         score_ties_dropped: d.score_ties == ScoreTies::Drop,
         truncated_sequences: ex.summary.truncated_sequences,
         response_cut_sequences: ex.summary.response_cut_sequences,
@@ -332,7 +413,7 @@ pub fn load(d: &DataSpec, progress: Mode, keep_ids: bool) -> Result<(PairData, D
         eval_tokens,
         extraction_s: ex.summary.forward_s,
         dim,
-        ranked: ranked_report,
+        ranked: c.ranked,
     };
     let data = PairData {
         d: dim,
@@ -341,7 +422,7 @@ pub fn load(d: &DataSpec, progress: Mode, keep_ids: bool) -> Result<(PairData, D
         train_path: path,
         eval_path: eval_file.map(|e| e[0].clone()),
         report: None,
-        train_origin: (0..n_train).filter(|&i| !(drop && ex.degenerate[i])).collect(),
+        train_origin: kept(0..n_train).collect(),
         train_total: n_train,
         order: None,
         ids,
