@@ -325,13 +325,24 @@ fn one_or_many<'de, D: serde::Deserializer<'de>>(d: D) -> Result<Vec<String>, D:
     })
 }
 
-/// The label form's keys: (side_a, side_b, label).
-pub type LabelKeys<'a> = (&'a str, &'a str, &'a str);
+/// How a dataset's rows say which response is preferred, from `[data.keys]` checked once
+/// ([`Keys::label_form`]); the readers match it exhaustively.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum LabelForm<'a> {
+    /// Two sides, the first preferred (`chosen`, `rejected`).
+    ChosenRejected { chosen: &'a str, rejected: &'a str },
+    /// A winner column over two responses (`side_a`, `side_b`; `label`'s values mapped by
+    /// `label_a`, `label_b`, `label_tie`).
+    Winner { a: &'a str, b: &'a str, label: &'a str },
+    /// A preference strength over two responses (`side_a`, `side_b`, `strength`): a soft label.
+    Strength { a: &'a str, b: &'a str, strength: &'a str },
+    /// A prompt's scored responses (`responses`, `score`), made into pairs by `pairs`.
+    Ranked { responses: &'a str },
+}
 
 impl Keys {
-    /// The label form's settings, checked; None for the chosen/rejected form. Errors: (key,
-    /// message).
-    pub fn label_form(&self) -> Result<Option<LabelKeys<'_>>, (&'static str, String)> {
+    /// The label form, its settings checked. Errors: (key, message).
+    pub fn label_form(&self) -> Result<LabelForm<'_>, (&'static str, String)> {
         // both or neither
         if self.responses.is_some() == self.score.is_empty() {
             return Err((
@@ -350,13 +361,16 @@ impl Keys {
             return Err(("strength_scale", format!("{}: expected a number > 0", self.strength_scale)));
         }
         if let Some(st) = &self.strength {
+            if self.responses.is_some() {
+                return Err(("strength", "the ranked form and a strength exclude each other".into()));
+            }
             if self.label.is_some() {
                 return Err(("strength", "a strength replaces the label: set one of label and strength".into()));
             }
             let (Some(a), Some(b)) = (&self.side_a, &self.side_b) else {
                 return Err(("strength", "needs side_a and side_b (the keys of the two responses)".into()));
             };
-            return Ok(Some((a, b, st)));
+            return Ok(LabelForm::Strength { a, b, strength: st });
         }
         let Some(label) = &self.label else {
             for (k, set) in [
@@ -374,7 +388,10 @@ impl Keys {
                     ));
                 }
             }
-            return Ok(None);
+            return Ok(match &self.responses {
+                Some(r) => LabelForm::Ranked { responses: r },
+                None => LabelForm::ChosenRejected { chosen: &self.chosen, rejected: &self.rejected },
+            });
         };
         let (Some(a), Some(b)) = (&self.side_a, &self.side_b) else {
             return Err(("label", "the label form needs side_a and side_b (the keys of the two responses)".into()));
@@ -397,7 +414,7 @@ impl Keys {
                 return Err(("label_a", format!("{v} is mapped twice (label_a, label_b, label_tie must not overlap)")));
             }
         }
-        Ok(Some((a, b, label)))
+        Ok(LabelForm::Winner { a, b, label })
     }
 }
 

@@ -157,7 +157,8 @@ pub fn load(d: &DataSpec, progress: Mode, keep_ids: bool) -> Result<(PairData, D
         limit: None,
         skip_malformed: d.malformed == Malformed::Skip,
     };
-    let ranked = opts.keys.responses.is_some() && opts.format == Some(crate::spec::Format::Generic);
+    let ranked = opts.format == Some(crate::spec::Format::Generic)
+        && matches!(opts.keys.label_form(), Ok(super::datasets::LabelForm::Ranked { .. }));
     let read = read_selected(d, &files, &opts, ranked)?;
     let sp = split(d, &opts, ranked, read.selected)?;
     let score_ties = sp.train.iter().chain(&sp.eval).filter(|p| p.score_tie()).count();

@@ -12,7 +12,7 @@
 //! Errors name the file, the row and the field. A malformed row is an error, or, with
 //! `skip_malformed`, skipped and counted (the first few reasons are kept for the run's report).
 
-pub use crate::spec::data::PairRule;
+pub use crate::spec::data::{LabelForm, PairRule};
 pub use crate::spec::{Format, Keys};
 use anyhow::{anyhow, bail, Context, Result};
 use arrow_array::{Array, RecordBatch};
@@ -116,13 +116,14 @@ pub fn read_dataset(files: &[PathBuf], o: &ReadOptions) -> Result<ReadOut> {
             f => f,
         };
         let keys = keys_of(format, &o.keys);
+        let form = keys.label_form().map_err(|(k, m)| anyhow!("{name}: data.keys.{k}: {m}"))?;
         let mut visit = |row_in_file: usize, v: Result<Value, String>| -> Result<bool> {
             if o.limit.is_some_and(|l| out.pairs.len() >= l) {
                 return Ok(false);
             }
             let row = out.rows_read;
             out.rows_read += 1;
-            match v.and_then(|v| to_pairs(&v, format, &keys, row)) {
+            match v.and_then(|v| to_pairs(&v, format, &keys, form, row)) {
                 Ok(ps) => out.pairs.extend(ps),
                 Err(why) => {
                     let msg = format!("{name}: row {row_in_file}{why}");
@@ -138,7 +139,7 @@ pub fn read_dataset(files: &[PathBuf], o: &ReadOptions) -> Result<ReadOut> {
             Ok(true)
         };
         if name.ends_with(".parquet") {
-            parquet_rows(path, &columns_of(format, &keys), &mut visit)?;
+            parquet_rows(path, &columns_of(format, &keys, form), &mut visit)?;
         } else if is_jsonl(&name) {
             jsonl_rows(path, &mut visit)?;
         } else {
@@ -166,11 +167,13 @@ fn keys_of(format: Format, generic: &Keys) -> Keys {
 }
 
 /// The parquet columns a format needs: (name, required).
-fn columns_of(format: Format, k: &Keys) -> Vec<(String, bool)> {
-    let mut c = match (k.label_form(), &k.responses) {
-        (_, Some(r)) => vec![(r.clone(), true)],
-        (Ok(Some((a, b, l))), _) => vec![(a.to_string(), true), (b.to_string(), true), (l.to_string(), true)],
-        _ => vec![(k.chosen.clone(), true), (k.rejected.clone(), true)],
+fn columns_of(format: Format, k: &Keys, form: LabelForm<'_>) -> Vec<(String, bool)> {
+    let mut c: Vec<(String, bool)> = match form {
+        LabelForm::Ranked { responses } => vec![(responses.into(), true)],
+        LabelForm::Winner { a, b, label: l } | LabelForm::Strength { a, b, strength: l } => {
+            vec![(a.into(), true), (b.into(), true), (l.into(), true)]
+        }
+        LabelForm::ChosenRejected { chosen, rejected } => vec![(chosen.into(), true), (rejected.into(), true)],
     };
     if let Some(p) = &k.prompt {
         c.push((p.clone(), true));
@@ -189,19 +192,19 @@ fn at_path<'a>(v: &'a Value, dotted: &str) -> Option<&'a Value> {
 }
 
 /// A row's pairs: one, or with the ranked form those its rule makes.
-fn to_pairs(v: &Value, format: Format, k: &Keys, row: usize) -> Result<Vec<Pair>, String> {
-    if format == Format::Generic && k.responses.is_some() {
-        ranked_pairs(v, k, row)
-    } else {
-        Ok(vec![to_pair(v, format, k, row)?])
+fn to_pairs(v: &Value, format: Format, k: &Keys, form: LabelForm<'_>, row: usize) -> Result<Vec<Pair>, String> {
+    match form {
+        LabelForm::Ranked { responses } => ranked_pairs(v, k, responses, row),
+        LabelForm::ChosenRejected { .. } | LabelForm::Winner { .. } | LabelForm::Strength { .. } => {
+            Ok(vec![to_pair(v, format, k, form, row)?])
+        }
     }
 }
 
 /// The ranked form: a prompt and its scored responses → pairs by `k.pairs` (higher score chosen;
 /// equal scores make a tie, y = ½). Fewer than two responses make no pair.
-fn ranked_pairs(v: &Value, k: &Keys, row: usize) -> Result<Vec<Pair>, String> {
+fn ranked_pairs(v: &Value, k: &Keys, rkey: &str, row: usize) -> Result<Vec<Pair>, String> {
     use rand::{Rng, SeedableRng};
-    let rkey = k.responses.as_deref().unwrap_or_default();
     let Some(pkey) = &k.prompt else {
         return Err(": data.keys.prompt: the ranked form needs the prompt's key".into());
     };
@@ -270,7 +273,7 @@ fn ranked_pairs(v: &Value, k: &Keys, row: usize) -> Result<Vec<Pair>, String> {
 }
 
 /// Row errors are written as ", field `x`: what" or ": what" after "file: row N".
-fn to_pair(v: &Value, format: Format, k: &Keys, row: usize) -> Result<Pair, String> {
+fn to_pair(v: &Value, format: Format, k: &Keys, form: LabelForm<'_>, row: usize) -> Result<Pair, String> {
     let field = |key: &str| -> Result<&Value, String> {
         match v.get(key) {
             None | Some(Value::Null) => Err(format!(", field `{key}`: missing or null")),
@@ -308,8 +311,8 @@ fn to_pair(v: &Value, format: Format, k: &Keys, row: usize) -> Result<Pair, Stri
                 _ => Err(format!(", field `{key}`: does not end with an assistant message")),
             }
         };
-        match k.label_form() {
-            Ok(Some((a, b, key))) if k.strength.is_some() => {
+        match form {
+            LabelForm::Strength { a, b, strength: key } => {
                 let sv = field(key)?;
                 let st = sv
                     .as_f64()
@@ -330,7 +333,7 @@ fn to_pair(v: &Value, format: Format, k: &Keys, row: usize) -> Result<Pair, Stri
                     (sb, sa)
                 }
             }
-            Ok(Some((a, b, label))) => {
+            LabelForm::Winner { a, b, label } => {
                 let lv = field(label)?;
                 let (sa, sb) = (side(a)?, side(b)?);
                 if k.label_a.iter().any(|t| label_is(lv, t)) {
@@ -346,8 +349,8 @@ fn to_pair(v: &Value, format: Format, k: &Keys, row: usize) -> Result<Pair, Stri
                     ));
                 }
             }
-            Ok(None) => (side(&k.chosen)?, side(&k.rejected)?),
-            Err((key, m)) => return Err(format!(": data.keys.{key}: {m}")),
+            LabelForm::ChosenRejected { chosen, rejected } => (side(chosen)?, side(rejected)?),
+            LabelForm::Ranked { .. } => return Err(": the ranked form makes its pairs from the responses list".into()),
         }
     };
     // a score key the generic form names is required (as its parquet column is); UltraFeedback's
@@ -661,6 +664,11 @@ pub fn read_prompts(files: &[PathBuf], key: &str, limit: Option<usize>) -> Resul
 mod tests {
     use super::*;
 
+    /// [`to_pair`] with the keys' own label form.
+    fn pair_of(v: &Value, format: Format, k: &Keys, row: usize) -> Result<Pair, String> {
+        to_pair(v, format, k, k.label_form().unwrap(), row)
+    }
+
     #[test]
     fn globs() {
         use features::hub::glob_match;
@@ -677,23 +685,23 @@ mod tests {
     fn generic_rows() {
         let k = Keys { prompt: Some("q".into()), chosen: "good".into(), rejected: "bad".into(), ..Keys::default() };
         let v: Value = serde_json::json!({"q": "Hi?", "good": "Hello.", "bad": "Go away."});
-        let p = to_pair(&v, Format::Generic, &k, 3).unwrap();
+        let p = pair_of(&v, Format::Generic, &k, 3).unwrap();
         assert_eq!(p.chosen, vec![Message::new("user", "Hi?"), Message::new("assistant", "Hello.")]);
         assert_eq!(p.rejected[1].content, "Go away.");
         assert_eq!(p.row, 3);
         // the prompt as a message list (a system turn first)
         let v: Value = serde_json::json!({"q": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi?"}],
             "good": "Hello.", "bad": [{"role": "assistant", "content": "No."}]});
-        let p = to_pair(&v, Format::Generic, &k, 0).unwrap();
+        let p = pair_of(&v, Format::Generic, &k, 0).unwrap();
         assert_eq!(p.chosen.len(), 3);
         assert_eq!(p.rejected[2], Message::new("assistant", "No."));
         // a response string without a prompt key, a missing side, a user-final conversation
         let k2 = Keys::default();
-        let e = to_pair(&serde_json::json!({"chosen": "a", "rejected": "b"}), Format::Generic, &k2, 0).unwrap_err();
+        let e = pair_of(&serde_json::json!({"chosen": "a", "rejected": "b"}), Format::Generic, &k2, 0).unwrap_err();
         assert!(e.contains("`chosen`") && e.contains("data.keys.prompt"), "{e}");
-        let e = to_pair(&serde_json::json!({"q": "x", "good": "a"}), Format::Generic, &k, 0).unwrap_err();
+        let e = pair_of(&serde_json::json!({"q": "x", "good": "a"}), Format::Generic, &k, 0).unwrap_err();
         assert!(e.contains("`bad`: missing"), "{e}");
-        let e = to_pair(
+        let e = pair_of(
             &serde_json::json!({"chosen": [{"role": "user", "content": "x"}], "rejected": []}),
             Format::Mixture2,
             &k2,
