@@ -48,12 +48,12 @@ pub(super) fn active(
     let pool = pool_y.len();
     fresh.hash.f32s(&pool_z);
     fresh.hash.f32s(&pool_y);
-    fresh.used = vec![false; pool];
-    fresh.vtrack = Some(Curvature::new(CurvatureKind::Gram { v0: a.v0 }, d));
+    fresh.active.used = vec![false; pool];
+    fresh.active.vtrack = Some(Curvature::new(CurvatureKind::Gram { v0: a.v0 }, d));
     let row_of = |i: usize| &pool_z[i * d..(i + 1) * d];
     let mut pr = resumed.unwrap_or(fresh);
-    if pr.used.len() != pool {
-        return Err(anyhow!("the checkpoint's pool has {} pairs: expected {pool}", pr.used.len()));
+    if pr.active.used.len() != pool {
+        return Err(anyhow!("the checkpoint's pool has {} pairs: expected {pool}", pr.active.used.len()));
     }
     let (mut z, mut y) = (Vec::with_capacity(b * d), Vec::with_capacity(b));
     let rule = config.rule.unwrap_or(a.rule.0[0]);
@@ -62,7 +62,8 @@ pub(super) fn active(
         _ => None,
     };
     drive(steps, &mut pr, l, ctx, |s, last, pr, l| {
-        let Progress { data, labels, select, used, vtrack, ties, .. } = &mut *pr;
+        let Progress { data, labels, select, active: super::state::ActiveProgress { used, vtrack }, ties, .. } =
+            &mut *pr;
         if let Some(strategy) = &fresh_strategy {
             // a fresh prompt, its n responses ranked by the current θ, two of them sent to the
             // oracle (best-worst: the paper's practical rule, §5)

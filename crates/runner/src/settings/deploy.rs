@@ -7,7 +7,7 @@ use super::choose;
 use super::deploy_rm::{ChunkPair, LearnedRm};
 use super::learner::Learner;
 use super::online::PolicyCell;
-use super::state::{drive, CellCtx, Progress};
+use super::state::{drive, CellCtx, DeployProgress, Progress};
 use crate::plan::{parametrize, theory_beta, ConfigPlan};
 use crate::rows::{CellResult, MetricRow, PolicyTiming, RoundRow};
 use crate::spec::{Order, Spec};
@@ -46,7 +46,8 @@ pub(super) fn deploy(
     drive(steps, &mut pr, l, ctx, |_, last, pr, l| {
         z.clear();
         y.clear();
-        let Progress { data, labels, select, hash: h, regret, reward_sum, ties, seen: rounds, .. } = &mut *pr;
+        let Progress { data, labels, select, hash: h, ties, deploy, .. } = &mut *pr;
+        let DeployProgress { regret, reward_sum, seen: rounds, .. } = deploy;
         for _ in 0..b {
             let c = env.draw_context(data);
             let u: f64 = labels.random();
@@ -66,8 +67,8 @@ pub(super) fn deploy(
         l.update(&z, &y)?;
         if l.due(spec.stream.eval_every, last) {
             let mut row = l.row_at((&env.eval_z, &env.eval_y), Some(env));
-            row.regret = Some(pr.regret);
-            row.mean_reward = Some(pr.reward_sum / pr.seen as f64);
+            row.regret = Some(pr.deploy.regret);
+            row.mean_reward = Some(pr.deploy.reward_sum / pr.deploy.seen as f64);
             row.ties = pr.ties;
             pr.rows.push(row);
         }
@@ -123,11 +124,11 @@ pub(super) fn deploy_chunked(
     let mut pc = match online {
         Some(o) => {
             let arm = config.arm.as_ref().ok_or_else(|| anyhow!("deploy cell without a policy arm"))?;
-            Some(PolicyCell::new(o, arm, spec, seed, pr.policy_state.as_ref())?)
+            Some(PolicyCell::new(o, arm, spec, seed, pr.policy.state.as_ref())?)
         }
         None => None,
     };
-    if let (Some(pc), true) = (&mut pc, pr.policy_rows.is_empty()) {
+    if let (Some(pc), true) = (&mut pc, pr.policy.rows.is_empty()) {
         before_first_chunk(pc, lrm.as_ref(), l, &mut pr, env.d, chunks)?;
     }
     drive(chunks as u64, &mut pr, l, ctx, |t, last, pr, l| {
@@ -157,16 +158,16 @@ pub(super) fn deploy_chunked(
     })?;
     // the reward model's adapter and head (LoRA) beside the policy's adapters
     if let Some(a) = lrm.as_ref().map(|m| m.adapter()).transpose()?.flatten() {
-        pr.adapters.push(a);
+        pr.policy.adapters.push(a);
     }
     Ok(CellResult {
         rows: pr.rows,
-        rounds: pr.rounds,
+        rounds: pr.deploy.rounds,
         stream_hash: pr.hash.0,
-        policy: pr.policy_rows,
-        policy_updates: pr.policy_updates,
-        policy_times: pr.policy_times,
-        adapters: pr.adapters,
+        policy: pr.policy.rows,
+        policy_updates: pr.policy.updates,
+        policy_times: pr.policy.times,
+        adapters: pr.policy.adapters,
         ..Default::default()
     })
 }
@@ -183,18 +184,18 @@ fn before_first_chunk(
 ) -> Result<()> {
     let t0 = Instant::now();
     let (row, e) = pc.evaluate(0, l.theta(), d, lrm.map(|m| m.features()))?;
-    pr.policy_rows.push(row);
+    pr.policy.rows.push(row);
     let mut time = PolicyTiming { chunk: 0, eval_s: t0.elapsed().as_secs_f64(), ..Default::default() };
     time.record_eval(e);
     let (digest, t1) = (pc.digest()?, Instant::now());
     if let Some(up) = pc.warm_start()? {
         time.policy_s = t1.elapsed().as_secs_f64();
-        pr.policy_updates.push(PolicyCell::update_row(0, digest, pc.digest()?, &[], l.theta(), d, &up));
+        pr.policy.updates.push(PolicyCell::update_row(0, digest, pc.digest()?, &[], l.theta(), d, &up));
         if let Some(a) = pc.adapter(0, chunks as u64)? {
-            pr.adapters.push(a);
+            pr.policy.adapters.push(a);
         }
     }
-    pr.policy_times.push(time);
+    pr.policy.times.push(time);
     Ok(())
 }
 
@@ -278,7 +279,8 @@ fn label_chunk(
         deployed_sum: 0.0,
         tau_sum: 0.0,
     };
-    let Progress { labels, select, hash: h, regret, reward_sum, ties, oracle_ties, rounds, .. } = pr;
+    let Progress { labels, select, hash: h, ties, deploy, .. } = pr;
+    let DeployProgress { regret, reward_sum, oracle_ties, rounds, .. } = deploy;
     for (i, &x) in xs.iter().enumerate() {
         let ctx = chunk.context(env, i, x);
         let (est, pair) = choose(env, ctx, strategy, l, select);
@@ -371,9 +373,9 @@ fn chunk_row(
     t: u64,
     prompts: usize,
 ) -> Result<MetricRow> {
-    pr.seen += prompts as u64;
+    pr.deploy.seen += prompts as u64;
     let n = prompts as f64;
-    pr.cum_pair += labels.pair_sum / n;
+    pr.deploy.cum_pair += labels.pair_sum / n;
     let mut row = match (lrm, &pr.reward_state) {
         (Some(m), Some(st)) => {
             let ez = m.eval_z(env)?;
@@ -383,15 +385,15 @@ fn chunk_row(
         }
         _ => l.row_at((&env.eval_z, &env.eval_y), Some(env)),
     };
-    row.regret = Some(pr.regret);
-    row.mean_reward = Some(pr.reward_sum / pr.seen as f64);
+    row.regret = Some(pr.deploy.regret);
+    row.mean_reward = Some(pr.deploy.reward_sum / pr.deploy.seen as f64);
     row.ties = pr.ties;
     row.chunk = Some(t);
     row.pair_reward = Some(labels.pair_sum / n);
-    row.cum_pair_reward = Some(pr.cum_pair);
+    row.cum_pair_reward = Some(pr.deploy.cum_pair);
     row.policy_reward = Some(labels.deployed_sum / n);
     row.kendall_tau = Some(labels.tau_sum / n);
-    row.oracle_ties = Some(pr.oracle_ties);
+    row.oracle_ties = Some(pr.deploy.oracle_ties);
     Ok(row)
 }
 
@@ -439,13 +441,13 @@ fn policy_step(
     time.policy_s = t1.elapsed().as_secs_f64() - (time.generation_s + time.phi_s - rollout_s) - time.critic_s;
     if let Some(up) = &up {
         let row = PolicyCell::update_row(t, s.rollout_digest, pc.digest()?, contexts, l.theta(), d, up);
-        pr.policy_updates.push(row);
+        pr.policy.updates.push(row);
     }
     let every = pc.online.spec.eval_every_chunks as u64;
     if t.is_multiple_of(every) || s.last {
         let t2 = Instant::now();
         let (row, e) = pc.evaluate(t, l.theta(), d, learned)?;
-        pr.policy_rows.push(row);
+        pr.policy.rows.push(row);
         time.eval_s = t2.elapsed().as_secs_f64();
         time.record_eval(e);
     }
@@ -456,10 +458,10 @@ fn policy_step(
             s.label, s.seed, s.chunks, time.generation_s, time.phi_s, time.policy_s, time.critic_s, time.eval_s
         );
     }
-    pr.policy_times.push(time);
+    pr.policy.times.push(time);
     if let Some(a) = pc.adapter(t, s.chunks)? {
-        pr.adapters.push(a);
+        pr.policy.adapters.push(a);
     }
-    pr.policy_state = pc.state()?;
+    pr.policy.state = pc.state()?;
     Ok(())
 }

@@ -33,8 +33,9 @@ impl Hasher {
     }
 }
 
-/// Where a cell's loop stands: its random streams, the stream position, the rows and running
-/// sums so far. With the learners, everything a checkpoint holds.
+/// Where a cell's loop stands: its random streams, the stream position, the rows so far, and
+/// what each setting keeps besides ([`DeployProgress`], [`ActiveProgress`], [`PolicyProgress`],
+/// the reward model's state). With the learners, everything a checkpoint holds.
 #[derive(Serialize, Deserialize)]
 pub struct Progress {
     /// Loop units completed: updates (passive, active, deploy) or chunks (chunked deploy).
@@ -46,28 +47,44 @@ pub struct Progress {
     pub(super) select: ChaCha20Rng,
     pub(super) hash: Hasher,
     pub(super) rows: Vec<MetricRow>,
-    pub(super) rounds: Vec<RoundRow>,
+    /// Ties broken by a seeded draw so far (selection rules).
     pub(super) ties: u64,
+    pub(super) deploy: DeployProgress,
+    pub(super) active: ActiveProgress,
+    pub(super) policy: PolicyProgress,
+    /// `[reward] update = "lora" | "full"`: the reward model's parameters and update state.
+    #[serde(default)]
+    pub(super) reward_state: Option<super::passive_rm::RmState>,
+}
+
+/// Deployment's running sums: rounds.parquet's rows, the argmax oracle's ties, regret and the
+/// chosen pairs' rewards, prompts seen.
+#[derive(Default, Serialize, Deserialize)]
+pub(super) struct DeployProgress {
+    pub(super) rounds: Vec<RoundRow>,
     pub(super) oracle_ties: u64,
     pub(super) regret: f64,
     pub(super) reward_sum: f64,
     pub(super) cum_pair: f64,
     pub(super) seen: u64,
-    /// Active: pool rows already labelled, and the authors' V tracker.
+}
+
+/// Active collection: pool rows already labelled, and the authors' V tracker.
+#[derive(Default, Serialize, Deserialize)]
+pub(super) struct ActiveProgress {
     pub(super) used: Vec<bool>,
     pub(super) vtrack: Option<Curvature>,
-    /// Deploy with a learning policy in the run: its evaluations, timings, adapters and
-    /// optimizer state so far.
-    pub(super) policy_rows: Vec<PolicyRow>,
-    #[serde(default)]
-    pub(super) policy_updates: Vec<UpdateRow>,
-    pub(super) policy_times: Vec<PolicyTiming>,
-    pub(super) policy_state: Option<super::online::PolicyState>,
+}
+
+/// Deploy with a learning policy in the run: its evaluations, updates, timings, adapters and
+/// optimiser state so far.
+#[derive(Default, Serialize, Deserialize)]
+pub(super) struct PolicyProgress {
+    pub(super) rows: Vec<PolicyRow>,
+    pub(super) updates: Vec<UpdateRow>,
+    pub(super) times: Vec<PolicyTiming>,
+    pub(super) state: Option<super::online::PolicyState>,
     pub(super) adapters: Vec<AdapterFiles>,
-    /// `[reward] update = "lora" | "full"`: the reward model's parameters and update state
-    /// (filled when a checkpoint is written).
-    #[serde(default)]
-    pub(super) reward_state: Option<super::passive_rm::RmState>,
 }
 
 impl Progress {
@@ -81,20 +98,10 @@ impl Progress {
             select: stream(spec.master_seed, seed, Component::Select),
             hash: Hasher::new(),
             rows: Vec::new(),
-            rounds: Vec::new(),
             ties: 0,
-            oracle_ties: 0,
-            regret: 0.0,
-            reward_sum: 0.0,
-            cum_pair: 0.0,
-            seen: 0,
-            used: Vec::new(),
-            vtrack: None,
-            policy_rows: Vec::new(),
-            policy_updates: Vec::new(),
-            policy_times: Vec::new(),
-            policy_state: None,
-            adapters: Vec::new(),
+            deploy: DeployProgress::default(),
+            active: ActiveProgress::default(),
+            policy: PolicyProgress::default(),
             reward_state: None,
         }
     }
