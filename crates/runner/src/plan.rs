@@ -38,6 +38,9 @@ pub struct ConfigPlan {
     pub strategy_index: usize,
     /// e.g. `sgd lr=0.1` or `omd-exact / ucb`.
     pub label: String,
+    /// Passive: β of the pessimistic policy, "theory" resolved from d and T — None until the
+    /// config is resolved for its cells ([`ConfigPlan::for_cells`]).
+    pub pessimism_beta: Option<f64>,
 }
 
 /// A deployed policy resolved for its cells: which arm, and for a learning arm the reward it
@@ -197,6 +200,28 @@ impl ConfigPlan {
     /// λ = "auto" of this config resolved from the data (`spec.data_scale`, filled by the world).
     pub fn auto_lambda(&self, spec: &Spec) -> Option<f64> {
         self.lambda_auto.then(|| spec.data_scale.unwrap_or_default().auto_lambda())
+    }
+
+    /// This config resolved once for its cells against `spec`, the spec completed with the
+    /// data's facts ([`resolve`]): the estimator's λ = "auto" (the data's λ), a deploy
+    /// strategy's or an active fresh rule's q and β (a width of "theory": √d·log(T/δ) from d
+    /// and T), the pessimistic policy's β. The settings read these and call no resolver.
+    pub fn for_cells(&self, spec: &Spec) -> ConfigPlan {
+        let theory = |delta: f64| theory_beta(spec.env.dim, spec.stream.samples, delta);
+        let (d, a) = (&spec.deploy, &spec.active);
+        let mut c = self.clone();
+        c.cfg = self.cfg_for(spec);
+        if spec.setting == Setting::Deploy {
+            c.strategy = self.strategy.map(|s| parametrize(s, d.q, d.beta, theory(d.delta)));
+        }
+        if let Some(ActiveRule::Fresh(s)) = self.rule {
+            c.rule = Some(ActiveRule::Fresh(parametrize(s, a.q, a.beta, theory(a.delta))));
+        }
+        c.pessimism_beta = Some(match spec.passive.beta {
+            Beta::Theory => theory(spec.passive.delta),
+            Beta::Value(v) => v,
+        });
+        c
     }
 
     /// The estimator's config with λ = "auto" resolved: what a cell builds.
@@ -970,6 +995,7 @@ fn configs(spec: &Spec, keys: Locator<'_>, arms: &[Arm]) -> Result<Vec<ConfigPla
                     estimator_index,
                     strategy_index,
                     label,
+                    pessimism_beta: None,
                 });
             }
         }
@@ -1025,5 +1051,38 @@ mod tests {
         spec.data_scale = Some(DataScale { pairs: 10, median_z_sq: 7.5, p90_z_sq: 9.0, max_z_sq: 12.0 });
         let lambdas: Vec<(bool, Option<f64>)> = plan.configs.iter().map(|c| (c.lambda_auto, c.lambda(&spec))).collect();
         assert_eq!(lambdas, [(true, Some(7.5)), (false, Some(2.0))]);
+    }
+
+    /// The cells' configs are resolved once against the spec completed with the data's facts:
+    /// λ = "auto" in the estimator's config, ucb's β = "theory" from the facts' d and T (not the
+    /// spec's d: negative control), a number kept, the pessimistic policy's β.
+    #[test]
+    fn configs_are_resolved_for_their_cells_from_the_facts() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("spec.toml");
+        let text = "setting = \"deploy\"\n[env]\ndim = 4\n[stream]\nsamples = 100\n[deploy]\n\
+                    strategies = [\"ucb\"]\nbeta = \"theory\"\ndelta = 0.1\n\
+                    [[estimator]]\nkind = \"omd-exact\"\nlambda = \"auto\"\n";
+        std::fs::write(&path, text).unwrap();
+        let plan = crate::load_plan(&path, &[]).unwrap();
+        let facts = DataFacts {
+            dim: 9,
+            bank: None,
+            samples: Some(50),
+            data_scale: DataScale { pairs: 10, median_z_sq: 7.5, p90_z_sq: 9.0, max_z_sq: 12.0 },
+        };
+        let spec = resolve(&plan.spec, &facts);
+        let c = plan.configs[0].for_cells(&spec);
+        let EstimatorConfig::OmdExact(o) = c.cfg else { panic!("{:?}", c.cfg) };
+        assert_eq!(o.lambda, 7.5);
+        let want = 3.0 * (50f64 / 0.1).ln();
+        assert_eq!(c.strategy, Some(Strategy::Ucb { beta: want }));
+        assert_ne!(c.strategy, plan.configs[0].strategy, "resolution changed the strategy");
+        assert_ne!(want, theory_beta(4, 100, 0.1), "the facts' d and T, not the spec's");
+        let p = plan.configs[0].for_cells(&resolve(
+            &Spec { passive: PassiveSpec { beta: Beta::Value(1.5), ..spec.passive.clone() }, ..spec.clone() },
+            &facts,
+        ));
+        assert_eq!(p.pessimism_beta, Some(1.5));
     }
 }

@@ -393,7 +393,8 @@ fn run_one<'p>(
         }
     }
     let result = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
-        settings::run_cell_with(world, config, cell.seed, &mut ctx)
+        // the config resolved for its cells (the outcome names the plan's)
+        settings::run_cell_with(world, &world.configs[cell.config], cell.seed, &mut ctx)
     }))
     .unwrap_or_else(|p| {
         let msg = p.downcast_ref::<String>().cloned().or_else(|| p.downcast_ref::<&str>().map(|s| s.to_string()));

@@ -7,7 +7,6 @@ use super::learner::Learner;
 use super::state::{drive, CellCtx, Progress};
 use super::Source;
 use crate::plan::ConfigPlan;
-use crate::plan::{parametrize, theory_beta};
 use crate::rows::CellResult;
 use crate::spec::{ActiveRule, ScoreNorm, Spec};
 use crate::world::env::two_arms;
@@ -58,7 +57,8 @@ pub(super) fn active(
     let (mut z, mut y) = (Vec::with_capacity(b * d), Vec::with_capacity(b));
     let rule = config.rule.unwrap_or(a.rule.0[0]);
     let fresh_strategy = match rule {
-        ActiveRule::Fresh(s) => Some(fresh_rule(spec, s)),
+        // q and β resolved by the plan (ConfigPlan::for_cells)
+        ActiveRule::Fresh(s) => Some(s),
         _ => None,
     };
     drive(steps, &mut pr, l, ctx, |s, last, pr, l| {
@@ -132,11 +132,4 @@ pub(super) fn active(
         Ok(())
     })?;
     Ok(CellResult { rows: pr.rows, stream_hash: pr.hash.0, ..Default::default() })
-}
-
-/// A fresh-context rule's strategy with its parameters: q from `active.q`, a ucb width of
-/// "theory" from d and T.
-fn fresh_rule(spec: &Spec, s: selection::Strategy) -> selection::Strategy {
-    let a = &spec.active;
-    parametrize(s, a.q, a.beta, theory_beta(spec.env.dim, spec.stream.samples, a.delta))
 }

@@ -8,7 +8,7 @@ use super::deploy_rm::{ChunkPair, LearnedRm};
 use super::learner::Learner;
 use super::online::PolicyCell;
 use super::state::{drive, CellCtx, DeployProgress, Progress};
-use crate::plan::{parametrize, theory_beta, ConfigPlan};
+use crate::plan::ConfigPlan;
 use crate::rows::{CellResult, MetricRow, PolicyTiming, RoundRow};
 use crate::spec::{Order, Spec};
 use crate::world::env::{Context, Env};
@@ -22,11 +22,9 @@ use rand::Rng;
 use selection::{kendall_tau_b, Strategy};
 use std::time::Instant;
 
-/// The cell's strategy, with a ucb width of "theory" resolved from d and T.
-fn strategy_of(spec: &Spec, config: &ConfigPlan) -> Result<Strategy> {
-    let s = config.strategy.ok_or_else(|| anyhow!("deploy cell without a strategy"))?;
-    let d = &spec.deploy;
-    Ok(parametrize(s, d.q, d.beta, theory_beta(spec.env.dim, spec.stream.samples, d.delta)))
+/// The cell's strategy, its parameters resolved by the plan ([`ConfigPlan::for_cells`]).
+fn strategy_of(config: &ConfigPlan) -> Result<Strategy> {
+    config.strategy.ok_or_else(|| anyhow!("deploy cell without a strategy"))
 }
 
 pub(super) fn deploy(
@@ -38,7 +36,7 @@ pub(super) fn deploy(
     ctx: &mut CellCtx,
     resumed: Option<Progress>,
 ) -> Result<CellResult> {
-    let strategy = strategy_of(spec, config)?;
+    let strategy = strategy_of(config)?;
     let (b, d, k) = (spec.stream.batch_size, env.d, env.k);
     let steps = spec.stream.samples / b as u64;
     let mut pr = resumed.unwrap_or_else(|| Progress::fresh(spec, seed));
@@ -108,7 +106,7 @@ pub(super) fn deploy_chunked(
     ctx: &mut CellCtx,
     resumed: Option<Progress>,
 ) -> Result<CellResult> {
-    let strategy = strategy_of(spec, config)?;
+    let strategy = strategy_of(config)?;
     let mut fresh = Progress::fresh(spec, seed);
     let p = env.contexts.len();
     let mut order: Vec<usize> = (0..p).collect();

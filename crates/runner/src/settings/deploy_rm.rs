@@ -69,8 +69,7 @@ impl<'a> LearnedRm<'a> {
         match &pr.reward_state {
             Some(st) => rm.set_flat(&st.params).context("the checkpoint's reward model")?,
             None => {
-                let update =
-                    OnePass::new(&config.cfg_for(spec), &rm, Some(steps), r.hvp_config(), r.backbone_lr_scale)?;
+                let update = OnePass::new(&config.cfg, &rm, Some(steps), r.hvp_config(), r.backbone_lr_scale)?;
                 pr.reward_state = Some(RmState::new(update));
             }
         }

@@ -129,7 +129,8 @@ impl Learner {
             // per head: with R ranks each head makes 1/R of the updates
             planned_steps: Some(spec.stream.samples / (spec.stream.batch_size * spec.stream.ranks.max(1)) as u64),
         };
-        let est = estimators::build(&c.cfg_for(spec), &setup)?;
+        // the config is resolved for its cells (λ = "auto": ConfigPlan::for_cells)
+        let est = estimators::build(&c.cfg, &setup)?;
         let point = match spec.curvature.point {
             CurvaturePoint::LookAhead => HessianPoint::LookAhead,
             CurvaturePoint::Current => HessianPoint::Current,
@@ -333,7 +334,7 @@ mod tests {
 
     /// Feeds the same 64 labelled differences to a learner; returns it.
     fn fed(p: &crate::plan::Plan, config: usize) -> Learner {
-        let mut l = Learner::new(&p.spec, &p.configs[config], 0).unwrap();
+        let mut l = Learner::new(&p.spec, &p.configs[config].for_cells(&p.spec), 0).unwrap();
         let mut rng = rand_chacha::ChaCha20Rng::seed_from_u64(5);
         let b = p.spec.stream.batch_size;
         for _ in 0..64 / b {

@@ -108,7 +108,7 @@ pub fn run_cell_with(world: &World, config: &ConfigPlan, seed: u32, ctx: &mut Ce
             let base = world.reward.as_deref().expect("checked");
             passive_rm::passive_features(spec, config, p, base, &mut learner, seed, ctx, resumed)?
         }
-        (Setting::Passive, _) => passive::passive(spec, &src, &mut learner, seed, ctx, resumed)?,
+        (Setting::Passive, _) => passive::passive(spec, config, &src, &mut learner, seed, ctx, resumed)?,
         (Setting::Active, _) => active::active(spec, config, &src, &mut learner, seed, ctx, resumed)?,
         (Setting::Deploy, Source::Synthetic(env)) if world.generated.is_some() => {
             let g = world.generated.as_deref().expect("checked");

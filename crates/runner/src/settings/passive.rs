@@ -6,9 +6,9 @@ use super::learner::Learner;
 use super::pessimism::pessimistic;
 use super::state::{drive, CellCtx, Progress};
 use super::Source;
-use crate::plan::{theory_beta, ConfigPlan};
+use crate::plan::ConfigPlan;
 use crate::rows::{CellResult, MetricRow};
-use crate::spec::{Beta, Order, PessimismReference, Spec};
+use crate::spec::{Order, PessimismReference, Spec};
 use crate::world::env::two_arms;
 use crate::world::pairs::PairData;
 use anyhow::{anyhow, Result};
@@ -117,8 +117,10 @@ pub(super) fn passive_ranks(
     Ok(CellResult { rows, stream_hash: h.0, ..Default::default() })
 }
 
+#[allow(clippy::too_many_arguments)]
 pub(super) fn passive(
     spec: &Spec,
+    config: &ConfigPlan,
     src: &Source<'_>,
     l: &mut Learner,
     seed: u32,
@@ -167,10 +169,7 @@ pub(super) fn passive(
     let Some(env) = src.truth() else {
         return Ok(CellResult { rows, stream_hash: h.0, ..Default::default() });
     };
-    let beta = match spec.passive.beta {
-        Beta::Theory => theory_beta(d, spec.stream.samples, spec.passive.delta),
-        Beta::Value(v) => v,
-    };
+    let beta = config.pessimism_beta.ok_or_else(|| anyhow!("a passive cell's config was not resolved"))?;
     let theta = l.theta.clone();
     let how = spec.passive.pessimism;
     let pess = pessimistic(env, &theta, &mut |x| l.inv_norm_f64(x), beta, how, false);

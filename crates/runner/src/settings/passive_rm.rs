@@ -204,9 +204,7 @@ pub(super) fn passive_features(
             rm.set_flat(&s.params).context("the checkpoint's reward model")?;
             s
         }
-        None => {
-            RmState::new(OnePass::new(&config.cfg_for(spec), &rm, Some(steps), r.hvp_config(), r.backbone_lr_scale)?)
-        }
+        None => RmState::new(OnePass::new(&config.cfg, &rm, Some(steps), r.hvp_config(), r.backbone_lr_scale)?),
     };
     let mut bucket_start = Instant::now();
     for t in pr.done + 1..=steps {

@@ -36,6 +36,9 @@ pub struct World {
     pub spec: Spec,
     /// What the data says.
     pub facts: DataFacts,
+    /// The plan's configs resolved for their cells against `spec`
+    /// ([`crate::plan::ConfigPlan::for_cells`]): what the cells run.
+    pub configs: Vec<crate::plan::ConfigPlan>,
     /// kind = "features" or "dataset": the pairs, read once.
     pub data: Option<Arc<PairData>>,
     /// kind = "generated": the responses, their φ and rewards.
@@ -149,7 +152,9 @@ pub fn build(plan: &Plan, progress: Mode) -> Result<World, SpecError> {
     }
     let data_scale = data_scale(spec, data.as_deref(), generated.as_deref());
     let facts = DataFacts { dim, bank, samples, data_scale };
-    Ok(World { spec: crate::plan::resolve(spec, &facts), facts, data, generated, online, reward })
+    let spec = crate::plan::resolve(spec, &facts);
+    let configs = plan.configs.iter().map(|c| c.for_cells(&spec)).collect();
+    Ok(World { spec, facts, configs, data, generated, online, reward })
 }
 
 impl World {
