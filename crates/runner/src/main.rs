@@ -331,6 +331,10 @@ fn main() -> ExitCode {
                         for c in &plan.cells {
                             println!("# {} {} seed {}", c.cell_id, plan.configs[c.config].label, c.seed);
                         }
+                        match runner::run::dry_run_notes(&plan) {
+                            Ok(notes) => notes.iter().for_each(|n| println!("{n}")),
+                            Err(e) => return bad_input(&e.to_string()),
+                        }
                         ExitCode::SUCCESS
                     }
                     Err(e) => bad_input(&e.to_string()),

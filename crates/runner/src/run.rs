@@ -190,6 +190,86 @@ pub fn load_plan(path: &Path, overrides: &[String]) -> Result<Plan, spec::SpecEr
     plan::build(s, path, &text, overrides)
 }
 
+/// What `--dry-run` says after the spec and the cells, as `#` lines: what each config resolves
+/// to for its cells ([`plan::ConfigPlan::for_cells`]) — λ = "auto", a β of "theory" (ucb's, the
+/// pessimistic policy's) — when the
+/// environment is the synthetic bandit (its facts need no data: d and T are the spec's, the
+/// data's scale is drawn as the run draws it), else what waits for the data.
+pub fn dry_run_notes(plan: &Plan) -> Result<Vec<String>, spec::SpecError> {
+    use spec::{Beta, EnvKind, Setting};
+    let s = &plan.spec;
+    let theory = |beta: Beta| matches!(beta, Beta::Theory);
+    let ucb = |st: Option<selection::Strategy>| matches!(st, Some(selection::Strategy::Ucb { .. }));
+    let fresh_ucb =
+        |c: &plan::ConfigPlan| matches!(c.rule, Some(spec::ActiveRule::Fresh(selection::Strategy::Ucb { .. })));
+    // per config, which of its values wait for the data's facts
+    let pending = |c: &plan::ConfigPlan| {
+        let mut w = Vec::new();
+        if c.lambda_auto {
+            w.push("λ");
+        }
+        if (s.setting == Setting::Deploy && ucb(c.strategy) && theory(s.deploy.beta))
+            || (fresh_ucb(c) && theory(s.active.beta))
+        {
+            w.push("β");
+        }
+        w
+    };
+    let mut out = Vec::new();
+    if s.env.kind == EnvKind::Synthetic {
+        let world = world::build(plan, crate::progress::Mode::Quiet)?;
+        for (c, r) in plan.configs.iter().zip(&world.configs) {
+            let w = pending(c);
+            if w.is_empty() {
+                continue;
+            }
+            let mut parts = Vec::new();
+            if w.contains(&"λ") {
+                if let Some(l) = r.lambda(&world.spec) {
+                    parts.push(format!("λ = {l} (\"auto\": the median ‖z‖² of the first pairs)"));
+                }
+            }
+            let beta = match (r.strategy, r.rule) {
+                (Some(selection::Strategy::Ucb { beta }), _) if s.setting == Setting::Deploy => Some(beta),
+                (_, Some(spec::ActiveRule::Fresh(selection::Strategy::Ucb { beta }))) => Some(beta),
+                _ => None,
+            };
+            if let (true, Some(b)) = (w.contains(&"β"), beta) {
+                parts.push(format!(
+                    "ucb β = {b} (\"theory\": √d·log(T/δ), d = {}, T = {})",
+                    world.spec.env.dim, world.spec.stream.samples
+                ));
+            }
+            out.push(format!("# resolved: {}: {}", c.label, parts.join("; ")));
+        }
+        // the pessimistic policy (passive on the bandit, whose θ* it is scored against)
+        if let (Setting::Passive, true, Some(b)) =
+            (s.setting, theory(s.passive.beta), world.configs.first().and_then(|c| c.pessimism_beta))
+        {
+            out.push(format!(
+                "# resolved: pessimism β = {b} (\"theory\": √d·log(T/δ), d = {}, T = {})",
+                world.spec.env.dim, world.spec.stream.samples
+            ));
+        }
+        return Ok(out);
+    }
+    let mut facts = vec!["env.dim (the feature model's size)".to_string()];
+    if s.env.kind == EnvKind::Generated {
+        facts.push("env.arms and env.contexts (the bank's responses per prompt and prompts)".into());
+        if s.setting == Setting::Deploy {
+            facts.push("stream.samples (one pair per prompt)".into());
+        }
+    }
+    out.push(format!("# waits for the data: {}", facts.join(", ")));
+    for c in &plan.configs {
+        let w = pending(c);
+        if !w.is_empty() {
+            out.push(format!("# waits for the data: {}: {} (from the data's d, T and ‖z‖²)", c.label, w.join(", ")));
+        }
+    }
+    Ok(out)
+}
+
 /// A finished (or failed) cell as `checkpoints/<cell>.done` keeps it until the run's tables exist.
 #[derive(Serialize, Deserialize)]
 struct DoneCell {

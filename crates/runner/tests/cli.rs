@@ -941,3 +941,37 @@ fn the_justfile_finds_the_binary_under_cargo_target_dir() {
     let bin = String::from_utf8_lossy(&out.stdout).into_owned();
     assert_eq!(std::path::Path::new(&bin), dir.path().join("release/onepass"), "{bin}");
 }
+
+/// `--dry-run` says what each config resolves to for its cells on the synthetic bandit (ucb's
+/// β = "theory" = √d·log(T/δ), λ = "auto" a number) and, for data it has not read, what waits
+/// for the data; a numeric β prints no resolution (negative control).
+#[test]
+fn dry_run_names_what_it_resolves_and_what_waits_for_the_data() {
+    let tmp = tempfile::tempdir().unwrap();
+    let text = "setting = \"deploy\"\n[env]\ndim = 16\n[stream]\nsamples = 200\n[deploy]\nstrategies = [\"ucb\"]\nbeta = \"theory\"\ndelta = 0.1\n[[estimator]]\nkind = \"omd-exact\"\nlambda = \"auto\"\n";
+    let spec = write(tmp.path(), "syn.toml", text);
+    let r = onepass(tmp.path(), &["run", spec.to_str().unwrap(), "--dry-run"]);
+    assert_eq!(r.code, 0, "{}", r.stderr);
+    let line = r
+        .stdout
+        .lines()
+        .find(|l| l.starts_with("# resolved: omd-exact / ucb"))
+        .unwrap_or_else(|| panic!("{}", r.stdout));
+    let num = |after: &str| -> f64 {
+        let rest = &line[line.find(after).unwrap_or_else(|| panic!("{after}: {line}")) + after.len()..];
+        rest.split_whitespace().next().unwrap().parse().unwrap()
+    };
+    let want = 4.0 * (200f64 / 0.1).ln();
+    assert!((num("ucb β = ") - want).abs() < 1e-9 * want, "{line}");
+    let lambda = num("λ = ");
+    assert!(lambda.is_finite() && lambda > 0.0, "{line}");
+    let r = onepass(tmp.path(), &["run", spec.to_str().unwrap(), "--dry-run", "--set", "deploy.beta=2.0"]);
+    assert!(!r.stdout.contains("ucb β ="), "a number needs no resolution: {}", r.stdout);
+    // a dataset's dimension comes from its model: the dry run names it and reads nothing
+    let data = "setting = \"passive\"\n[env]\nkind = \"dataset\"\n[data]\npath = \"none.jsonl\"\nmodel = \"none.gguf\"\n[[estimator]]\nkind = \"omd-exact\"\nlambda = \"auto\"\n";
+    let spec = write(tmp.path(), "data.toml", data);
+    let r = onepass(tmp.path(), &["run", spec.to_str().unwrap(), "--dry-run"]);
+    assert_eq!(r.code, 0, "{}", r.stderr);
+    assert!(r.stdout.contains("# waits for the data: env.dim"), "{}", r.stdout);
+    assert!(r.stdout.contains("# waits for the data: omd-exact: λ"), "{}", r.stdout);
+}
