@@ -507,22 +507,7 @@ fn run_one<'p>(
 /// Runs every cell of a plan and writes the run directory (or continues `opts.resume`).
 pub fn run(opts: &RunOptions) -> Result<RunSummary> {
     let plan = load_plan(&opts.spec, &opts.overrides)?;
-    // what can be refused before any data is read or model run
-    if opts.resume.is_none() && opts.out.exists() && !opts.out.is_dir() {
-        anyhow::bail!("--out {}: not a directory (a file of that name is in the way)", opts.out.display());
-    }
-    let threads = opts.threads.unwrap_or(plan.spec.threads);
-    let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
-    if threads > 8 * cores {
-        anyhow::bail!(
-            "--threads {threads}: more than 8 threads per core of this machine; cells beyond the cores only wait, and starting that many threads takes the machine"
-        );
-    }
-    // the synthetic bandit's sizes are all in the spec: check before anything is allocated;
-    // the data kinds learn d from the data, and are checked once it is read
-    if plan.spec.env.kind == spec::EnvKind::Synthetic {
-        check_memory(opts, &plan, &plan.spec, threads, None, None)?;
-    }
+    let threads = preflight(opts, &plan)?;
     let claimed = claim_output(opts)?;
     let world = world::build(&plan, opts.progress)?;
     let shape = world.online.as_ref().map(|o| o.shape());
@@ -545,16 +530,10 @@ pub fn run(opts: &RunOptions) -> Result<RunSummary> {
         let bytes = std::fs::read(from).with_context(|| format!("merge: reading {}", from.display()))?;
         io::write_atomic(&to, &bytes)?;
     }
-    let mine = my_cells(&plan, opts.slice);
-    if dir.join("meta.json").exists() {
-        eprintln!("onepass: {} is complete (meta.json exists): nothing to resume", dir.display());
-        let meta: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(dir.join("meta.json"))?)
-            .with_context(|| format!("{}/meta.json: not JSON", dir.display()))?;
-        let failed = meta.get("failed_cells").and_then(|v| v.as_u64()).unwrap_or(0) as usize;
-        // a run killed between writing meta.json and removing checkpoints/ left them behind
-        remove_checkpoints(&dir)?;
-        return Ok(RunSummary { dir, failed, cells: plan.cells.len(), interrupted: false });
+    if let Some(done) = already_complete(&plan, &dir)? {
+        return Ok(done);
     }
+    let mine = my_cells(&plan, opts.slice);
     // every checkpoint left by a killed run is checked before any cell starts
     for cell in &mine {
         let what = cell_what(&shared, &plan.configs[cell.config], cell);
@@ -565,8 +544,103 @@ pub fn run(opts: &RunOptions) -> Result<RunSummary> {
             }
         }
     }
-    io::install_signal_handlers()?;
     let pool = rayon::ThreadPoolBuilder::new().num_threads(threads).build().context("starting the worker threads")?;
+    let outcomes = match run_cells(opts, &plan, &world, &mine, &dir, &pool, (&fingerprint, &shared))? {
+        Ran::All(o) => o,
+        Ran::Stopped(summary) => return Ok(summary),
+    };
+    if let Some(sl) = opts.slice {
+        // a slice keeps its cells' results in checkpoints/ for the merge: no tables of its own
+        let failed = outcomes.iter().filter(|o| o.result.is_err()).count();
+        eprintln!(
+            "onepass: slice {}/{}: {} cells finished ({failed} failed) in {}; when every slice is done: onepass merge {} SLICE_DIR…",
+            sl.index,
+            sl.count,
+            outcomes.len(),
+            dir.display(),
+            shell_word(&opts.spec.display().to_string())
+        );
+        return Ok(RunSummary { dir, failed, cells: outcomes.len(), interrupted: false });
+    }
+    let schemas = results::write_tables(&dir, &plan, &world, &outcomes).with_context(|| {
+        format!(
+            "the finished cells are kept in {}/checkpoints: fix this, then `{}`",
+            dir.display(),
+            resume_command(opts, &dir)
+        )
+    })?;
+    io::write_atomic(&dir.join("schema.json"), results::schema_json(&schemas).as_bytes())?;
+    let failed = outcomes.iter().filter(|o| o.result.is_err()).count();
+    let meta = Meta::of(
+        opts,
+        &plan,
+        &world,
+        Started { at: started, forced, data_scale, threads: pool.current_num_threads() },
+        failed,
+    );
+    io::write_atomic(&dir.join("meta.json"), serde_json::to_string_pretty(&meta)?.as_bytes())?;
+    // complete: what resume needed is now in the tables
+    io::failpoint("meta-written");
+    remove_checkpoints(&dir)?;
+    print_summary(&plan, &world, &outcomes);
+    Ok(RunSummary { dir, failed, cells: outcomes.len(), interrupted: false })
+}
+
+/// What can be refused before any data is read or model run: an `--out` that is a file, more
+/// threads than the machine can start, a synthetic bandit too large for memory (its sizes are
+/// all in the spec; the data kinds learn d from the data and are checked once it is read).
+/// Returns the threads to run with.
+fn preflight(opts: &RunOptions, plan: &Plan) -> Result<usize> {
+    if opts.resume.is_none() && opts.out.exists() && !opts.out.is_dir() {
+        anyhow::bail!("--out {}: not a directory (a file of that name is in the way)", opts.out.display());
+    }
+    let threads = opts.threads.unwrap_or(plan.spec.threads);
+    let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
+    if threads > 8 * cores {
+        anyhow::bail!(
+            "--threads {threads}: more than 8 threads per core of this machine; cells beyond the cores only wait, and starting that many threads takes the machine"
+        );
+    }
+    if plan.spec.env.kind == spec::EnvKind::Synthetic {
+        check_memory(opts, plan, &plan.spec, threads, None, None)?;
+    }
+    Ok(threads)
+}
+
+/// A run directory whose meta.json exists is complete: nothing to resume (checkpoints a kill
+/// between meta.json and their removal left behind are removed).
+fn already_complete(plan: &Plan, dir: &Path) -> Result<Option<RunSummary>> {
+    if !dir.join("meta.json").exists() {
+        return Ok(None);
+    }
+    eprintln!("onepass: {} is complete (meta.json exists): nothing to resume", dir.display());
+    let meta: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(dir.join("meta.json"))?)
+        .with_context(|| format!("{}/meta.json: not JSON", dir.display()))?;
+    let failed = meta.get("failed_cells").and_then(|v| v.as_u64()).unwrap_or(0) as usize;
+    remove_checkpoints(dir)?;
+    Ok(Some(RunSummary { dir: dir.to_path_buf(), failed, cells: plan.cells.len(), interrupted: false }))
+}
+
+/// How the cells of [`run_cells`] ended: all finished (failed cells included), or stopped by an
+/// interrupt (a summary to return: the others are checkpointed).
+enum Ran<'p> {
+    All(Vec<results::CellOutcome<'p>>),
+    Stopped(RunSummary),
+}
+
+/// Runs `mine` on `pool` with a progress meter. An interrupt stops the run with its resume
+/// command; a full disk is an error that says how many cells finished and how to resume.
+#[allow(clippy::too_many_arguments)]
+fn run_cells<'p>(
+    opts: &RunOptions,
+    plan: &'p Plan,
+    world: &World,
+    mine: &[&'p CellPlan],
+    dir: &Path,
+    pool: &rayon::ThreadPool,
+    keys: (&str, &str),
+) -> Result<Ran<'p>> {
+    io::install_signal_handlers()?;
     let slice_note =
         opts.slice.map_or(String::new(), |s| format!(", slice {}/{}: {} of them", s.index, s.count, mine.len()));
     eprintln!(
@@ -581,7 +655,7 @@ pub fn run(opts: &RunOptions) -> Result<RunSummary> {
     let outcomes: Vec<Result<results::CellOutcome<'_>>> = pool.install(|| {
         mine.par_iter()
             .map(|cell| {
-                let r = run_one(&plan, &world, cell, &dir, (&fingerprint, &shared), opts.force);
+                let r = run_one(plan, world, cell, dir, keys, opts.force);
                 // a cell stopped (interrupt, failed write) is not done: the last line then says
                 // "stopped after", not "done"
                 if r.is_ok() {
@@ -609,7 +683,7 @@ pub fn run(opts: &RunOptions) -> Result<RunSummary> {
             ok.len(),
             mine.len(),
             dir.display(),
-            resume_command(opts, &dir)
+            resume_command(opts, dir)
         )));
     }
     if interrupted {
@@ -617,74 +691,61 @@ pub fn run(opts: &RunOptions) -> Result<RunSummary> {
             "onepass: interrupted; {} of {} cells finished, the others checkpointed. Continue with:\n  {}",
             ok.len(),
             mine.len(),
-            resume_command(opts, &dir)
+            resume_command(opts, dir)
         );
-        return Ok(RunSummary { dir, failed: 0, cells: mine.len(), interrupted: true });
+        let dir = dir.to_path_buf();
+        return Ok(Ran::Stopped(RunSummary { dir, failed: 0, cells: mine.len(), interrupted: true }));
     }
-    let outcomes = ok;
-    if let Some(sl) = opts.slice {
-        // a slice keeps its cells' results in checkpoints/ for the merge: no tables of its own
-        let failed = outcomes.iter().filter(|o| o.result.is_err()).count();
-        eprintln!(
-            "onepass: slice {}/{}: {} cells finished ({failed} failed) in {}; when every slice is done: onepass merge {} SLICE_DIR…",
-            sl.index,
-            sl.count,
-            outcomes.len(),
-            dir.display(),
-            shell_word(&opts.spec.display().to_string())
-        );
-        return Ok(RunSummary { dir, failed, cells: outcomes.len(), interrupted: false });
+    Ok(Ran::All(ok))
+}
+
+/// What meta.json says of the run's start besides the plan and the world.
+struct Started {
+    at: String,
+    forced: Option<String>,
+    data_scale: serde_json::Value,
+    threads: usize,
+}
+
+impl<'a> Meta<'a> {
+    /// meta.json of a finished run with `failed` failed cells.
+    fn of(opts: &'a RunOptions, plan: &Plan, world: &'a World, st: Started, failed: usize) -> Meta<'a> {
+        Meta {
+            onepass_version: env!("CARGO_PKG_VERSION"),
+            git_revision: env!("ONEPASS_GIT_REV"),
+            git_dirty: env!("ONEPASS_GIT_DIRTY"),
+            spec_file: opts.spec.display().to_string(),
+            overrides: &opts.overrides,
+            resumed: opts.resume.is_some(),
+            forced: st.forced,
+            merged_from: opts.merge.iter().map(|p| p.display().to_string()).collect(),
+            master_seed: world.spec.master_seed,
+            seeds: world.spec.seeds,
+            setting: world.spec.setting.as_str(),
+            data: world.data.as_ref().map(|d| DataMeta {
+                path: d.train_path.display().to_string(),
+                blake3: d.train.digest.clone(),
+                train_rows: d.train.len(),
+                eval_path: d.eval_path.as_ref().map(|p| p.display().to_string()),
+                eval_blake3: d.eval_path.as_ref().map(|_| d.eval.digest.clone()),
+                eval_rows: d.eval.len(),
+                dim: d.d,
+                dataset: d.report.clone(),
+                backbone_cost: backbone_cost(plan, world),
+            }),
+            data_scale: st.data_scale,
+            generated: world.generated.as_ref().map(|g| &g.report),
+            cells: plan.cells.len(),
+            failed_cells: failed,
+            threads: st.threads,
+            host: std::fs::read_to_string("/etc/hostname").map(|s| s.trim().to_string()).unwrap_or_default(),
+            os: std::env::consts::OS,
+            arch: std::env::consts::ARCH,
+            crates: Meta::crates(),
+            started: st.at,
+            finished: humantime::format_rfc3339_seconds(std::time::SystemTime::now()).to_string(),
+        }
     }
-    let schemas = results::write_tables(&dir, &plan, &world, &outcomes).with_context(|| {
-        format!(
-            "the finished cells are kept in {}/checkpoints: fix this, then `{}`",
-            dir.display(),
-            resume_command(opts, &dir)
-        )
-    })?;
-    io::write_atomic(&dir.join("schema.json"), results::schema_json(&schemas).as_bytes())?;
-    let failed = outcomes.iter().filter(|o| o.result.is_err()).count();
-    let meta = Meta {
-        onepass_version: env!("CARGO_PKG_VERSION"),
-        git_revision: env!("ONEPASS_GIT_REV"),
-        git_dirty: env!("ONEPASS_GIT_DIRTY"),
-        spec_file: opts.spec.display().to_string(),
-        overrides: &opts.overrides,
-        resumed: opts.resume.is_some(),
-        forced,
-        merged_from: opts.merge.iter().map(|p| p.display().to_string()).collect(),
-        master_seed: world.spec.master_seed,
-        seeds: world.spec.seeds,
-        setting: world.spec.setting.as_str(),
-        data: world.data.as_ref().map(|d| DataMeta {
-            path: d.train_path.display().to_string(),
-            blake3: d.train.digest.clone(),
-            train_rows: d.train.len(),
-            eval_path: d.eval_path.as_ref().map(|p| p.display().to_string()),
-            eval_blake3: d.eval_path.as_ref().map(|_| d.eval.digest.clone()),
-            eval_rows: d.eval.len(),
-            dim: d.d,
-            dataset: d.report.clone(),
-            backbone_cost: backbone_cost(&plan, &world),
-        }),
-        data_scale,
-        generated: world.generated.as_ref().map(|g| &g.report),
-        cells: plan.cells.len(),
-        failed_cells: failed,
-        threads: pool.current_num_threads(),
-        host: std::fs::read_to_string("/etc/hostname").map(|s| s.trim().to_string()).unwrap_or_default(),
-        os: std::env::consts::OS,
-        arch: std::env::consts::ARCH,
-        crates: Meta::crates(),
-        started,
-        finished: humantime::format_rfc3339_seconds(std::time::SystemTime::now()).to_string(),
-    };
-    io::write_atomic(&dir.join("meta.json"), serde_json::to_string_pretty(&meta)?.as_bytes())?;
-    // complete: what resume needed is now in the tables
-    io::failpoint("meta-written");
-    remove_checkpoints(&dir)?;
-    print_summary(&plan, &world, &outcomes);
-    Ok(RunSummary { dir, failed, cells: outcomes.len(), interrupted: false })
 }
 
 /// Removes `checkpoints/` of a complete run (meta.json exists).
