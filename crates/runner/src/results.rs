@@ -184,9 +184,50 @@ pub fn write_tables(
     world: &World,
     cells: &[CellOutcome<'_>],
 ) -> Result<Vec<(String, Schema)>> {
-    let setting = world.spec.setting.as_str();
-    let mut schemas = Vec::new();
+    let mut out = Tables { dir, schemas: Vec::new() };
+    let chunked = world.generated.is_some() && world.spec.setting == crate::spec::Setting::Deploy;
+    out.put("cells.parquet", cells_table(world, cells))?;
+    out.put("metrics.parquet", metrics_table(world, cells, chunked))?;
+    if chunked {
+        deploy_tables(&mut out, plan, cells)?;
+    }
+    if world.online.is_some() {
+        policy_tables(&mut out, cells)?;
+    }
+    write_adapters(dir, cells)?;
+    if let Some(g) = &world.generated {
+        out.put("generations.parquet", generations_table(g))?;
+    }
+    if world.spec.stream.record_steps {
+        let rows: Vec<(&CellOutcome<'_>, &StepRow)> = rows_of(cells, |r| &r.steps);
+        out.put("steps.parquet", keyed(Table::default(), &rows).cols(STEPS, &rows, |(_, s)| s))?;
+    }
+    out.put("timings.parquet", timings_table(cells))?;
+    for c in cells {
+        if let Ok(r) = &c.result {
+            write_atomic(&dir.join("theta").join(format!("{}.npy", c.cell_id)), &npy_f64(&r.theta))?;
+        }
+    }
+    Ok(out.schemas)
+}
 
+/// The tables written so far, in order (schema.json lists them so).
+struct Tables<'a> {
+    dir: &'a Path,
+    schemas: Vec<(String, Schema)>,
+}
+
+impl Tables<'_> {
+    fn put(&mut self, name: &str, t: Table) -> Result<()> {
+        let schema = t.write(&self.dir.join(name))?;
+        self.schemas.push((name.to_string(), schema));
+        Ok(())
+    }
+}
+
+/// cells.parquet: one row per cell — its config, seed, curvature source, status, stream hash
+/// and, with a learning policy, the deployed arm.
+fn cells_table(world: &World, cells: &[CellOutcome<'_>]) -> Table {
     let t = Table::default()
         .str("cell_id", cells.iter().map(|c| c.cell_id.to_string()))
         .u32("config_id", cells.iter().map(|c| c.config.config_id as u32))
@@ -209,83 +250,91 @@ pub fn write_tables(
             cells.iter().map(|c| c.result.as_ref().ok().map(|r| format!("{:016x}", r.stream_hash))),
         );
     // runs with a learning policy: the deployed policy of each cell
-    let t = if world.online.is_some() {
+    if world.online.is_some() {
         t.str("policy", cells.iter().map(|c| policy_arm(c.config)))
             .str("reward", cells.iter().map(|c| reward_source(c.config)))
             .str("adapter", cells.iter().map(|c| adapter_life(c.config)))
     } else {
         t
-    };
-    schemas.push(("cells.parquet".to_string(), t.write(&dir.join("cells.parquet"))?));
+    }
+}
 
-    // metrics: one row per cell × evaluation point
+/// metrics.parquet: one row per cell × evaluation point (a chunked deployment's columns after).
+fn metrics_table(world: &World, cells: &[CellOutcome<'_>], chunked: bool) -> Table {
+    let setting = world.spec.setting.as_str();
     let rows: Vec<(&CellOutcome<'_>, &MetricRow)> = rows_of(cells, |r| &r.rows);
     let t = keyed(Table::default().str("setting", rows.iter().map(|_| setting.to_string())), &rows).cols(
         METRICS,
         &rows,
         |(_, m)| m,
     );
-    let chunked = world.generated.is_some() && setting == "deploy";
     let t = if chunked { t.cols(METRICS_CHUNKED, &rows, |(_, m)| m) } else { t };
-    let t = if world.online.is_some() {
+    if world.online.is_some() {
         t.str("policy", rows.iter().map(|(c, _)| policy_arm(c.config)))
             .str("reward", rows.iter().map(|(c, _)| reward_source(c.config)))
             .str("adapter", rows.iter().map(|(c, _)| adapter_life(c.config)))
     } else {
         t
-    };
-    schemas.push(("metrics.parquet".to_string(), t.write(&dir.join("metrics.parquet"))?));
+    }
+}
 
-    if chunked {
-        let rows: Vec<(&CellOutcome<'_>, &RoundRow)> = rows_of(cells, |r| &r.rounds);
-        let t = Table::default()
-            .str("cell_id", rows.iter().map(|(c, _)| c.cell_id.to_string()))
-            .u32("config_id", rows.iter().map(|(c, _)| c.config.config_id as u32))
-            .str("estimator", rows.iter().map(|(c, _)| c.config.kind.to_string()))
-            .opt_str("strategy", rows.iter().map(|(c, _)| strategy(c.config)))
-            .u32("seed", rows.iter().map(|(c, _)| c.seed))
-            .cols(ROUNDS, &rows, |(_, r)| r);
-        schemas.push(("rounds.parquet".to_string(), t.write(&dir.join("rounds.parquet"))?));
-        let w = win_rates(plan, cells);
-        let t = Table::default()
-            .u32("config_id", w.iter().map(|r| r.config_id as u32))
-            .str("label", w.iter().map(|r| plan.configs[r.config_id].label.clone()))
-            .str("estimator", w.iter().map(|r| plan.configs[r.config_id].kind.to_string()))
-            .opt_str("strategy", w.iter().map(|r| strategy(&plan.configs[r.config_id])))
-            .f64("chunk_win_rate", w.iter().map(|r| r.chunk_wins / r.chunks.max(1) as f64))
-            .f64("prompt_win_rate", w.iter().map(|r| r.prompt_wins / r.prompts.max(1) as f64))
-            .u64("chunks_compared", w.iter().map(|r| r.chunks))
-            .u64("prompts_compared", w.iter().map(|r| r.prompts));
-        schemas.push(("winrates.parquet".to_string(), t.write(&dir.join("winrates.parquet"))?));
-    }
-    if world.online.is_some() {
-        let rows: Vec<(&CellOutcome<'_>, &PolicyRow)> = rows_of(cells, |r| &r.policy);
-        let t = keyed(Table::default(), &rows)
-            .str("policy", rows.iter().map(|(c, _)| policy_arm(c.config)))
-            .str("reward", rows.iter().map(|(c, _)| reward_source(c.config)))
-            .str("adapter", rows.iter().map(|(c, _)| adapter_life(c.config)))
-            .cols(POLICY, &rows, |(_, m)| m)
-            .str("policy_digest", rows.iter().map(|(_, r)| r.policy_digest.clone()));
-        schemas.push(("policy.parquet".to_string(), t.write(&dir.join("policy.parquet"))?));
-        let rows: Vec<(&CellOutcome<'_>, &UpdateRow)> = rows_of(cells, |r| &r.policy_updates);
-        let t = keyed(Table::default(), &rows)
-            .str("policy", rows.iter().map(|(c, _)| policy_arm(c.config)))
-            .str("reward", rows.iter().map(|(c, _)| reward_source(c.config)))
-            .str("adapter", rows.iter().map(|(c, _)| adapter_life(c.config)))
-            .cols(POLICY_UPDATES, &rows, |(_, m)| m)
-            .str("rollout_digest", rows.iter().map(|(_, r)| r.rollout_digest.clone()))
-            .str("updated_digest", rows.iter().map(|(_, r)| r.updated_digest.clone()));
-        schemas.push(("policy_updates.parquet".to_string(), t.write(&dir.join("policy_updates.parquet"))?));
-        let rows: Vec<(&CellOutcome<'_>, &PolicyTiming)> = rows_of(cells, |r| &r.policy_times);
-        let t = Table::default()
-            .str("cell_id", rows.iter().map(|(c, _)| c.cell_id.to_string()))
-            .str("label", rows.iter().map(|(c, _)| c.config.label.clone()))
-            .str("policy", rows.iter().map(|(c, _)| policy_arm(c.config)))
-            .u32("seed", rows.iter().map(|(c, _)| c.seed))
-            .cols(POLICY_TIMINGS, &rows, |(_, m)| m);
-        schemas.push(("policy_timings.parquet".to_string(), t.write(&dir.join("policy_timings.parquet"))?));
-    }
-    // a learning policy's adapters, and a reward model's whose features learn (LoRA + score head)
+/// A chunked deployment's rounds.parquet (one row per prompt) and winrates.parquet.
+fn deploy_tables(out: &mut Tables<'_>, plan: &Plan, cells: &[CellOutcome<'_>]) -> Result<()> {
+    let rows: Vec<(&CellOutcome<'_>, &RoundRow)> = rows_of(cells, |r| &r.rounds);
+    let t = Table::default()
+        .str("cell_id", rows.iter().map(|(c, _)| c.cell_id.to_string()))
+        .u32("config_id", rows.iter().map(|(c, _)| c.config.config_id as u32))
+        .str("estimator", rows.iter().map(|(c, _)| c.config.kind.to_string()))
+        .opt_str("strategy", rows.iter().map(|(c, _)| strategy(c.config)))
+        .u32("seed", rows.iter().map(|(c, _)| c.seed))
+        .cols(ROUNDS, &rows, |(_, r)| r);
+    out.put("rounds.parquet", t)?;
+    let w = win_rates(plan, cells);
+    let t = Table::default()
+        .u32("config_id", w.iter().map(|r| r.config_id as u32))
+        .str("label", w.iter().map(|r| plan.configs[r.config_id].label.clone()))
+        .str("estimator", w.iter().map(|r| plan.configs[r.config_id].kind.to_string()))
+        .opt_str("strategy", w.iter().map(|r| strategy(&plan.configs[r.config_id])))
+        .f64("chunk_win_rate", w.iter().map(|r| r.chunk_wins / r.chunks.max(1) as f64))
+        .f64("prompt_win_rate", w.iter().map(|r| r.prompt_wins / r.prompts.max(1) as f64))
+        .u64("chunks_compared", w.iter().map(|r| r.chunks))
+        .u64("prompts_compared", w.iter().map(|r| r.prompts));
+    out.put("winrates.parquet", t)
+}
+
+/// A learning policy's policy.parquet (evaluations), policy_updates.parquet and
+/// policy_timings.parquet.
+fn policy_tables(out: &mut Tables<'_>, cells: &[CellOutcome<'_>]) -> Result<()> {
+    let rows: Vec<(&CellOutcome<'_>, &PolicyRow)> = rows_of(cells, |r| &r.policy);
+    let t = keyed(Table::default(), &rows)
+        .str("policy", rows.iter().map(|(c, _)| policy_arm(c.config)))
+        .str("reward", rows.iter().map(|(c, _)| reward_source(c.config)))
+        .str("adapter", rows.iter().map(|(c, _)| adapter_life(c.config)))
+        .cols(POLICY, &rows, |(_, m)| m)
+        .str("policy_digest", rows.iter().map(|(_, r)| r.policy_digest.clone()));
+    out.put("policy.parquet", t)?;
+    let rows: Vec<(&CellOutcome<'_>, &UpdateRow)> = rows_of(cells, |r| &r.policy_updates);
+    let t = keyed(Table::default(), &rows)
+        .str("policy", rows.iter().map(|(c, _)| policy_arm(c.config)))
+        .str("reward", rows.iter().map(|(c, _)| reward_source(c.config)))
+        .str("adapter", rows.iter().map(|(c, _)| adapter_life(c.config)))
+        .cols(POLICY_UPDATES, &rows, |(_, m)| m)
+        .str("rollout_digest", rows.iter().map(|(_, r)| r.rollout_digest.clone()))
+        .str("updated_digest", rows.iter().map(|(_, r)| r.updated_digest.clone()));
+    out.put("policy_updates.parquet", t)?;
+    let rows: Vec<(&CellOutcome<'_>, &PolicyTiming)> = rows_of(cells, |r| &r.policy_times);
+    let t = Table::default()
+        .str("cell_id", rows.iter().map(|(c, _)| c.cell_id.to_string()))
+        .str("label", rows.iter().map(|(c, _)| c.config.label.clone()))
+        .str("policy", rows.iter().map(|(c, _)| policy_arm(c.config)))
+        .u32("seed", rows.iter().map(|(c, _)| c.seed))
+        .cols(POLICY_TIMINGS, &rows, |(_, m)| m);
+    out.put("policy_timings.parquet", t)
+}
+
+/// A learning policy's adapters, and a reward model's whose features learn (LoRA + score head),
+/// under `adapters/<cell>/<dir>/`.
+fn write_adapters(dir: &Path, cells: &[CellOutcome<'_>]) -> Result<()> {
     for c in cells {
         for a in c.result.iter().flat_map(|r| &r.adapters) {
             let at = dir.join("adapters").join(c.cell_id).join(&a.dir);
@@ -296,54 +345,40 @@ pub fn write_tables(
             write_atomic_at(&at.join("adapter_config.json"), a.config.as_bytes(), "adapter-write")?;
         }
     }
-    if let Some(g) = &world.generated {
-        let rows: Vec<(usize, usize, &features::generate::Sample)> = g
-            .samples
-            .iter()
-            .enumerate()
-            .flat_map(|(i, ss)| ss.iter().enumerate().map(move |(j, s)| (i, j, s)))
-            .collect();
-        let prompt_text = |i: usize| g.prompts[i].last().map(|m| m.content.clone()).unwrap_or_default();
-        let reward = |i: usize, j: usize| g.bank.contexts[i].reward.as_ref().map_or(f64::NAN, |r| r[j]);
-        let t = Table::default()
-            .u64("prompt", rows.iter().map(|(i, _, _)| *i as u64))
-            .str("prompt_text", rows.iter().map(|(i, _, _)| prompt_text(*i)))
-            .u32("sample", rows.iter().map(|(_, j, _)| *j as u32))
-            .str("response", rows.iter().map(|(_, _, s)| s.text.clone()))
-            .u64("tokens", rows.iter().map(|(_, _, s)| s.tokens as u64))
-            .bool("stopped", rows.iter().map(|(_, _, s)| s.stopped))
-            .f64("oracle_reward", rows.iter().map(|(i, j, _)| reward(*i, *j)));
-        schemas.push(("generations.parquet".to_string(), t.write(&dir.join("generations.parquet"))?));
-    }
+    Ok(())
+}
 
-    if world.spec.stream.record_steps {
-        let rows: Vec<(&CellOutcome<'_>, &StepRow)> = rows_of(cells, |r| &r.steps);
-        let t = keyed(Table::default(), &rows).cols(STEPS, &rows, |(_, s)| s);
-        schemas.push(("steps.parquet".to_string(), t.write(&dir.join("steps.parquet"))?));
-    }
+/// generations.parquet: the bank's responses with their oracle rewards.
+fn generations_table(g: &crate::world::generated::Generated) -> Table {
+    let rows: Vec<(usize, usize, &features::generate::Sample)> =
+        g.samples.iter().enumerate().flat_map(|(i, ss)| ss.iter().enumerate().map(move |(j, s)| (i, j, s))).collect();
+    let prompt_text = |i: usize| g.prompts[i].last().map(|m| m.content.clone()).unwrap_or_default();
+    let reward = |i: usize, j: usize| g.bank.contexts[i].reward.as_ref().map_or(f64::NAN, |r| r[j]);
+    Table::default()
+        .u64("prompt", rows.iter().map(|(i, _, _)| *i as u64))
+        .str("prompt_text", rows.iter().map(|(i, _, _)| prompt_text(*i)))
+        .u32("sample", rows.iter().map(|(_, j, _)| *j as u32))
+        .str("response", rows.iter().map(|(_, _, s)| s.text.clone()))
+        .u64("tokens", rows.iter().map(|(_, _, s)| s.tokens as u64))
+        .bool("stopped", rows.iter().map(|(_, _, s)| s.stopped))
+        .f64("oracle_reward", rows.iter().map(|(i, j, _)| reward(*i, *j)))
+}
 
-    // timings: one row per cell × evaluation bucket (wall clock lives only here)
+/// timings.parquet: one row per cell × evaluation bucket (wall clock lives only here).
+fn timings_table(cells: &[CellOutcome<'_>]) -> Table {
     let rows: Vec<(&CellOutcome<'_>, &CellResult, &Bucket)> = cells
         .iter()
         .filter_map(|c| c.result.as_ref().ok().map(|r| (c, r)))
         .flat_map(|(c, r)| r.buckets.iter().map(move |b| (c, r, b)))
         .collect();
-    let t = Table::default()
+    Table::default()
         .str("cell_id", rows.iter().map(|(c, _, _)| c.cell_id.to_string()))
         .str("estimator", rows.iter().map(|(c, _, _)| c.config.kind.to_string()))
         .str("label", rows.iter().map(|(c, _, _)| c.config.label.clone()))
         .u32("seed", rows.iter().map(|(c, _, _)| c.seed))
         .cols(BUCKETS, &rows, |(_, _, b)| b)
         .f64("cell_wall_s", rows.iter().map(|(c, _, _)| c.wall_s))
-        .f64("cell_estimator_s", rows.iter().map(|(_, r, _)| r.estimator_s));
-    schemas.push(("timings.parquet".to_string(), t.write(&dir.join("timings.parquet"))?));
-
-    for c in cells {
-        if let Ok(r) = &c.result {
-            write_atomic(&dir.join("theta").join(format!("{}.npy", c.cell_id)), &npy_f64(&r.theta))?;
-        }
-    }
-    Ok(schemas)
+        .f64("cell_estimator_s", rows.iter().map(|(_, r, _)| r.estimator_s))
 }
 
 /// Win counts of one config over the cells of a chunked deployment run.
