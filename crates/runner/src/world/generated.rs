@@ -202,28 +202,7 @@ fn reward_spread(r: &[f64], k: usize) -> (f64, f64) {
 /// Generates (or reads from the cache), computes φ and scores every response; the last
 /// `holdout` prompts read (after the first `rows`) are kept aside, not generated for.
 pub fn build(g: &GenerateSpec, f: &FeatureSpec, o: &OracleSpec, holdout: usize, progress: Mode) -> Result<Generated> {
-    let files = resolve_files("data.prompts", &g.prompts).map_err(|e| anyhow!("{e:#}").context("generate.prompts"))?;
-    let mut prompts = super::datasets::read_prompts(&files, &g.prompt_key, g.rows.map(|r| r + holdout))?;
-    if let Some(r) = g.rows {
-        // the training rows fit, the held-out ones do not: policy.eval_prompts is at fault
-        if prompts.len() >= r && prompts.len() < r + holdout {
-            bail!(
-                "policy.eval_prompts: {holdout} held-out prompts after generate.rows = {r}, but the prompt files hold only {} prompts ({} after the training rows)",
-                prompts.len(),
-                prompts.len() - r
-            );
-        }
-        if prompts.len() < r + holdout {
-            bail!(
-                "generate.rows = {r}{}, but the prompt files hold only {} prompts",
-                if holdout > 0 { format!(" and policy.eval_prompts = {holdout}") } else { String::new() },
-                prompts.len()
-            );
-        }
-    }
-    if holdout > 0 && prompts.len() <= holdout {
-        bail!("policy.eval_prompts = {holdout}: the prompt files hold only {} prompts", prompts.len());
-    }
+    let (files, mut prompts) = read_prompts(g, holdout)?;
     let eval_prompts = prompts.split_off(prompts.len() - holdout);
     let mut rep = BankReport {
         prompts_file: files.iter().map(|f| f.display().to_string()).collect(),
@@ -255,7 +234,73 @@ pub fn build(g: &GenerateSpec, f: &FeatureSpec, o: &OracleSpec, holdout: usize, 
     if let Some((i, _)) = phi.iter().enumerate().find(|(_, r)| r.iter().any(|v| !v.is_finite())) {
         bail!("φ of prompt {}, sample {} has non-finite values", i / g.n, i % g.n);
     }
-    // the oracle's rewards
+    let (rewards, theta_star, scorer) = oracle_rewards(g, f, o, &phi, &named, progress, &mut rep)?;
+    if rewards.iter().any(|r| !r.is_finite()) {
+        bail!("oracle: non-finite rewards");
+    }
+    if !theta_star.is_empty() {
+        rep.theta_star_norm = Some(theta_star.iter().map(|x| x * x).sum::<f64>().sqrt());
+    }
+    (rep.reward_std_within, rep.reward_std_all) = reward_spread(&rewards, g.n);
+    rep.prompts_with_reward_ties = rewards
+        .chunks_exact(g.n)
+        .filter(|c| {
+            let mut s = c.to_vec();
+            s.sort_by(f64::total_cmp);
+            s.windows(2).any(|w| w[0] == w[1])
+        })
+        .count();
+    let contexts: Vec<Context> = phi
+        .chunks_exact(g.n)
+        .zip(rewards.chunks_exact(g.n))
+        .map(|(p, r)| Context { phi: p.concat(), reward: Some(r.to_vec()) })
+        .collect();
+    let bank = Bank { d, k: g.n, contexts: Arc::new(contexts), theta_star, labels: o.labels };
+    Ok(Generated { bank, prompts, samples, report: rep, eval_prompts, scorer })
+}
+
+/// The prompt files' first `generate.rows` prompts and the `holdout` after them, each shortfall
+/// named by the key at fault.
+fn read_prompts(g: &GenerateSpec, holdout: usize) -> Result<(Vec<std::path::PathBuf>, Vec<Vec<Message>>)> {
+    let files = resolve_files("data.prompts", &g.prompts).map_err(|e| anyhow!("{e:#}").context("generate.prompts"))?;
+    let prompts = super::datasets::read_prompts(&files, &g.prompt_key, g.rows.map(|r| r + holdout))?;
+    if let Some(r) = g.rows {
+        // the training rows fit, the held-out ones do not: policy.eval_prompts is at fault
+        if prompts.len() >= r && prompts.len() < r + holdout {
+            bail!(
+                "policy.eval_prompts: {holdout} held-out prompts after generate.rows = {r}, but the prompt files hold only {} prompts ({} after the training rows)",
+                prompts.len(),
+                prompts.len() - r
+            );
+        }
+        if prompts.len() < r + holdout {
+            bail!(
+                "generate.rows = {r}{}, but the prompt files hold only {} prompts",
+                if holdout > 0 { format!(" and policy.eval_prompts = {holdout}") } else { String::new() },
+                prompts.len()
+            );
+        }
+    }
+    if holdout > 0 && prompts.len() <= holdout {
+        bail!("policy.eval_prompts = {holdout}: the prompt files hold only {} prompts", prompts.len());
+    }
+    Ok((files, prompts))
+}
+
+/// The oracle's reward of each response (from φ: a linear θ* or a trained head; or a reward
+/// model over its own backbone), θ* when it is linear in φ (else empty), and the scorer of new
+/// responses over φ (None for a reward model).
+#[allow(clippy::too_many_arguments)]
+fn oracle_rewards(
+    g: &GenerateSpec,
+    f: &FeatureSpec,
+    o: &OracleSpec,
+    phi: &[Vec<f32>],
+    named: &[(String, &[Message])],
+    progress: Mode,
+    rep: &mut BankReport,
+) -> Result<(Vec<f64>, Vec<f64>, Option<Scorer>)> {
+    let d = rep.dim;
     let mut scorer = None;
     let (rewards, theta_star): (Vec<f64>, Vec<f64>) = match o.kind {
         OracleKind::Linear => {
@@ -290,33 +335,12 @@ pub fn build(g: &GenerateSpec, f: &FeatureSpec, o: &OracleSpec, holdout: usize, 
         OracleKind::RewardModel => {
             let model = expand_env(o.model.as_deref().expect("checked")).map_err(|m| anyhow!("oracle.model: {m}"))?;
             let run = PhiRun::new(&o.phi(model.clone(), f.cache.clone()), progress).context("oracle")?;
-            let (rx, _) = extract_conversations(&named, "generated responses (oracle)", &run)?;
+            let (rx, _) = extract_conversations(named, "generated responses (oracle)", &run)?;
             let h =
                 features::head::load_score_head(&model, rx.summary.dim).map_err(|e| anyhow!("oracle.model: {e}"))?;
             rep.oracle = format!("reward model {model} (head {})", h.file.display());
             (rx.phi.into_iter().map(|r| h.score(&r.expect("unsharded"))).collect(), Vec::new())
         }
     };
-    if rewards.iter().any(|r| !r.is_finite()) {
-        bail!("oracle: non-finite rewards");
-    }
-    if !theta_star.is_empty() {
-        rep.theta_star_norm = Some(theta_star.iter().map(|x| x * x).sum::<f64>().sqrt());
-    }
-    (rep.reward_std_within, rep.reward_std_all) = reward_spread(&rewards, g.n);
-    rep.prompts_with_reward_ties = rewards
-        .chunks_exact(g.n)
-        .filter(|c| {
-            let mut s = c.to_vec();
-            s.sort_by(f64::total_cmp);
-            s.windows(2).any(|w| w[0] == w[1])
-        })
-        .count();
-    let contexts: Vec<Context> = phi
-        .chunks_exact(g.n)
-        .zip(rewards.chunks_exact(g.n))
-        .map(|(p, r)| Context { phi: p.concat(), reward: Some(r.to_vec()) })
-        .collect();
-    let bank = Bank { d, k: g.n, contexts: Arc::new(contexts), theta_star, labels: o.labels };
-    Ok(Generated { bank, prompts, samples, report: rep, eval_prompts, scorer })
+    Ok((rewards, theta_star, scorer))
 }
