@@ -168,6 +168,14 @@ fn keyed<R>(t: Table, rows: &[(&CellOutcome<'_>, &R)]) -> Table {
         .u32("seed", rows.iter().map(|(c, _)| c.seed))
 }
 
+/// The deployed policy's columns of a run with a learning policy: its arm, the reward it
+/// learns from, its adapter's life.
+fn arm_cols<X>(t: Table, rows: &[X], config: impl Fn(&X) -> &ConfigPlan) -> Table {
+    t.str("policy", rows.iter().map(|x| policy_arm(config(x))))
+        .str("reward", rows.iter().map(|x| reward_source(config(x))))
+        .str("adapter", rows.iter().map(|x| adapter_life(config(x))))
+}
+
 fn hparams_json(c: &ConfigPlan) -> String {
     let m: serde_json::Map<String, serde_json::Value> = c
         .hparams
@@ -251,9 +259,7 @@ fn cells_table(world: &World, cells: &[CellOutcome<'_>]) -> Table {
         );
     // runs with a learning policy: the deployed policy of each cell
     if world.online.is_some() {
-        t.str("policy", cells.iter().map(|c| policy_arm(c.config)))
-            .str("reward", cells.iter().map(|c| reward_source(c.config)))
-            .str("adapter", cells.iter().map(|c| adapter_life(c.config)))
+        arm_cols(t, cells, |c| c.config)
     } else {
         t
     }
@@ -270,9 +276,7 @@ fn metrics_table(world: &World, cells: &[CellOutcome<'_>], chunked: bool) -> Tab
     );
     let t = if chunked { t.cols(METRICS_CHUNKED, &rows, |(_, m)| m) } else { t };
     if world.online.is_some() {
-        t.str("policy", rows.iter().map(|(c, _)| policy_arm(c.config)))
-            .str("reward", rows.iter().map(|(c, _)| reward_source(c.config)))
-            .str("adapter", rows.iter().map(|(c, _)| adapter_life(c.config)))
+        arm_cols(t, &rows, |(c, _)| c.config)
     } else {
         t
     }
@@ -306,18 +310,12 @@ fn deploy_tables(out: &mut Tables<'_>, plan: &Plan, cells: &[CellOutcome<'_>]) -
 /// policy_timings.parquet.
 fn policy_tables(out: &mut Tables<'_>, cells: &[CellOutcome<'_>]) -> Result<()> {
     let rows: Vec<(&CellOutcome<'_>, &PolicyRow)> = rows_of(cells, |r| &r.policy);
-    let t = keyed(Table::default(), &rows)
-        .str("policy", rows.iter().map(|(c, _)| policy_arm(c.config)))
-        .str("reward", rows.iter().map(|(c, _)| reward_source(c.config)))
-        .str("adapter", rows.iter().map(|(c, _)| adapter_life(c.config)))
+    let t = arm_cols(keyed(Table::default(), &rows), &rows, |(c, _)| c.config)
         .cols(POLICY, &rows, |(_, m)| m)
         .str("policy_digest", rows.iter().map(|(_, r)| r.policy_digest.clone()));
     out.put("policy.parquet", t)?;
     let rows: Vec<(&CellOutcome<'_>, &UpdateRow)> = rows_of(cells, |r| &r.policy_updates);
-    let t = keyed(Table::default(), &rows)
-        .str("policy", rows.iter().map(|(c, _)| policy_arm(c.config)))
-        .str("reward", rows.iter().map(|(c, _)| reward_source(c.config)))
-        .str("adapter", rows.iter().map(|(c, _)| adapter_life(c.config)))
+    let t = arm_cols(keyed(Table::default(), &rows), &rows, |(c, _)| c.config)
         .cols(POLICY_UPDATES, &rows, |(_, m)| m)
         .str("rollout_digest", rows.iter().map(|(_, r)| r.rollout_digest.clone()))
         .str("updated_digest", rows.iter().map(|(_, r)| r.updated_digest.clone()));

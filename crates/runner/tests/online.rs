@@ -61,21 +61,7 @@ lr = 0.1
 
 fn setup(lr: f64) -> tempfile::TempDir {
     let dir = tempfile::tempdir().unwrap();
-    let prompts: String = [
-        "Say hi.",
-        "Count to three.",
-        "Name a colour.",
-        "Why is the sky blue?",
-        "A joke, please.",
-        "Tell me a fact.",
-        "What is rain?",
-        "Spell cat.",
-        "Pick a number.",
-    ]
-    .iter()
-    .map(|p| format!("{}\n", serde_json::json!({"prompt": p})))
-    .collect();
-    std::fs::write(dir.path().join("prompts.jsonl"), prompts).unwrap();
+    util::write_prompts(dir.path());
     std::fs::write(dir.path().join("run.toml"), spec(lr)).unwrap();
     dir
 }

@@ -49,11 +49,16 @@ fn only_run(p: &Path, out: &str) -> std::path::PathBuf {
     dirs.pop().unwrap()
 }
 
-/// θ of the run's first cell (theta/c0000.npy: a v1 header, then little-endian f64).
-fn theta(dir: &Path) -> Vec<f64> {
-    let b = std::fs::read(dir.join("theta/c0000.npy")).unwrap();
+/// θ of a cell (theta/<cell>.npy: a v1 header, then little-endian f64).
+fn npy(dir: &Path, cell: &str) -> Vec<f64> {
+    let b = std::fs::read(dir.join(format!("theta/{cell}.npy"))).unwrap();
     let header = u16::from_le_bytes([b[8], b[9]]) as usize;
     b[10 + header..].chunks_exact(8).map(|c| f64::from_le_bytes(c.try_into().unwrap())).collect()
+}
+
+/// θ of the run's first cell.
+fn theta(dir: &Path) -> Vec<f64> {
+    npy(dir, "c0000")
 }
 
 #[test]
@@ -103,13 +108,8 @@ fn forward_differences_are_a_named_choice() {
     let rules = "[[estimator]]\nkind = \"sgd\"\nlr = 0.05\n[[estimator]]\nkind = \"omd-hvp-cg\"\nlr = 0.05\n";
     let central = run(p, &spec("lora", "", rules), "central");
     let forward = run(p, &spec("lora", "hvp = \"forward\"", rules), "forward");
-    let th = |d: &Path, cell: &str| -> Vec<f64> {
-        let b = std::fs::read(d.join(format!("theta/{cell}.npy"))).unwrap();
-        let header = u16::from_le_bytes([b[8], b[9]]) as usize;
-        b[10 + header..].chunks_exact(8).map(|c| f64::from_le_bytes(c.try_into().unwrap())).collect()
-    };
-    assert_eq!(th(&central, "c0000"), th(&forward, "c0000"), "sgd takes no HVP");
-    assert_ne!(th(&central, "c0001"), th(&forward, "c0001"), "omd-hvp-cg's products differ");
+    assert_eq!(npy(&central, "c0000"), npy(&forward, "c0000"), "sgd takes no HVP");
+    assert_ne!(npy(&central, "c0001"), npy(&forward, "c0001"), "omd-hvp-cg's products differ");
     let hvp = u64s(&table(&forward.join("metrics.parquet")), "hvp_evals");
     assert!(hvp.iter().any(|&h| h > 0), "{hvp:?}");
 }
@@ -239,30 +239,6 @@ clip = "none"
 
 const DEPLOY_POLICY: &str = "policy = [\"best-of-n\", \"rloo\"]\n[policy]\nrank = 2\nalpha = 4.0\ntargets = \"all-linear\"\nlr = 0.05\nminibatch = 4\neval_prompts = 3\nsave_adapter = \"last\"";
 
-fn deploy_setup(p: &Path) {
-    let prompts: String = [
-        "Say hi.",
-        "Count to three.",
-        "Name a colour.",
-        "Why is the sky blue?",
-        "A joke, please.",
-        "Tell me a fact.",
-        "What is rain?",
-        "Spell cat.",
-        "Pick a number.",
-    ]
-    .iter()
-    .map(|q| format!("{}\n", serde_json::json!({ "prompt": q })))
-    .collect();
-    std::fs::write(p.join("prompts.jsonl"), prompts).unwrap();
-}
-
-fn npy(dir: &Path, cell: &str) -> Vec<f64> {
-    let b = std::fs::read(dir.join(format!("theta/{cell}.npy"))).unwrap();
-    let header = u16::from_le_bytes([b[8], b[9]]) as usize;
-    b[10 + header..].chunks_exact(8).map(|c| f64::from_le_bytes(c.try_into().unwrap())).collect()
-}
-
 /// Deploy with the backbone's step scale 0 is the head-only deploy run: the same pairs picked
 /// (random-pair and ucb, whose bonus reads the head's curvature over h_ψ = φ) and θ within f32
 /// rounding of φ's; a learning backbone moves θ away (the negative control).
@@ -270,7 +246,7 @@ fn npy(dir: &Path, cell: &str) -> Vec<f64> {
 fn deploy_with_a_fixed_backbone_is_the_head_only_run() {
     let tmp = tempfile::tempdir().unwrap();
     let p = tmp.path();
-    deploy_setup(p);
+    write_prompts(p);
     let head = run(p, &deploy_spec("head", "", ""), "head");
     let fixed = run(p, &deploy_spec("lora", "backbone_lr_scale = 0.0", ""), "fixed");
     let moving = run(p, &deploy_spec("lora", "backbone_lr_scale = 5.0", ""), "moving");
@@ -305,7 +281,7 @@ fn deploy_with_a_learning_policy_resumes_to_the_same_bytes() {
     use std::os::unix::process::ExitStatusExt;
     let tmp = tempfile::tempdir().unwrap();
     let p = tmp.path();
-    deploy_setup(p);
+    write_prompts(p);
     let text = deploy_spec("lora", "backbone_lr_scale = 5.0", DEPLOY_POLICY)
         .replace("[[estimator]]", "[checkpoint]\nevery_steps = 1\n[[estimator]]");
     std::fs::write(p.join("run.toml"), &text).unwrap();
@@ -360,7 +336,7 @@ fn deploy_with_a_learning_policy_resumes_to_the_same_bytes() {
 fn deploy_refuses_what_a_learning_feature_map_cannot_do() {
     let tmp = tempfile::tempdir().unwrap();
     let p = tmp.path();
-    deploy_setup(p);
+    write_prompts(p);
     let cases = [
         (deploy_spec("lora", "", "reset_each_chunk = true"), "deploy.reset_each_chunk", "keeps one reward model"),
         (

@@ -4,7 +4,7 @@
 
 use super::arms::Labelled;
 use super::choose;
-use super::deploy_rm::{ChunkPair, LearnedRm};
+use super::deploy_rm::LearnedRm;
 use super::learner::Learner;
 use super::online::PolicyCell;
 use super::state::{drive, CellCtx, DeployProgress, Progress};
@@ -341,12 +341,7 @@ fn update_reward(
     match lrm {
         Some(m) => {
             let st = pr.reward_state.as_mut().ok_or_else(|| anyhow!("a reward model without its update's state"))?;
-            let pairs: Vec<ChunkPair> = labels
-                .labelled
-                .iter()
-                .map(|p| ChunkPair { at: p.at, first: p.first, second: p.second, label: p.label })
-                .collect();
-            for (pb, zb) in pairs.chunks(b).zip(labels.z.chunks(b * d)) {
+            for (pb, zb) in labels.labelled.chunks(b).zip(labels.z.chunks(b * d)) {
                 m.step(st, pb, ids, zb, l)?;
             }
             m.refresh(st)
@@ -374,14 +369,15 @@ fn chunk_row(
     pr.deploy.seen += prompts as u64;
     let n = prompts as f64;
     pr.deploy.cum_pair += labels.pair_sum / n;
-    let mut row = match (lrm, &pr.reward_state) {
-        (Some(m), Some(st)) => {
+    let mut row = match lrm {
+        Some(m) => {
+            let st = pr.reward_state.as_ref().ok_or_else(|| anyhow!("a reward model without its update's state"))?;
             let ez = m.eval_z(env)?;
             let mut row = l.row_at((&ez, &env.eval_y), None);
             (row.grad_evals, row.hvp_evals, row.negative_quad_forms) = st.counters();
             row
         }
-        _ => l.row_at((&env.eval_z, &env.eval_y), Some(env)),
+        None => l.row_at((&env.eval_z, &env.eval_y), Some(env)),
     };
     row.regret = Some(pr.deploy.regret);
     row.mean_reward = Some(pr.deploy.reward_sum / pr.deploy.seen as f64);

@@ -7,6 +7,7 @@
 //! pairs' token ids. A learning policy then updates on the reward model as it is after the
 //! chunk's steps (h_ψ recomputed), and its evaluation's learned reward is that model's.
 
+use super::arms::Labelled;
 use super::learner::Learner;
 use super::passive_rm::{reward_model, CurrentFeatures, RmState};
 use super::state::Progress;
@@ -29,14 +30,6 @@ pub(super) struct LearnedRm<'a> {
     rm: RewardModel,
     h: CurrentFeatures,
     update: RewardUpdate,
-}
-
-/// One labelled pair of a chunk: the prompt's position in the chunk, the two responses, y.
-pub(super) struct ChunkPair {
-    pub at: usize,
-    pub first: usize,
-    pub second: usize,
-    pub label: f32,
 }
 
 impl<'a> LearnedRm<'a> {
@@ -130,7 +123,7 @@ impl<'a> LearnedRm<'a> {
     pub(super) fn step(
         &mut self,
         st: &mut RmState,
-        pairs: &[ChunkPair],
+        pairs: &[Labelled],
         ids: &[Vec<Vec<u32>>],
         z: &[f32],
         l: &mut Learner,

@@ -268,3 +268,23 @@ kind = "omd-exact"
 [[estimator]]
 kind = "mle"
 "#;
+
+/// `prompts.jsonl` in `dir`: nine short prompts ({"prompt": …}) for the online-loop tests on the
+/// tiny model.
+pub fn write_prompts(dir: &Path) {
+    let prompts: String = [
+        "Say hi.",
+        "Count to three.",
+        "Name a colour.",
+        "Why is the sky blue?",
+        "A joke, please.",
+        "Tell me a fact.",
+        "What is rain?",
+        "Spell cat.",
+        "Pick a number.",
+    ]
+    .iter()
+    .map(|p| format!("{}\n", serde_json::json!({ "prompt": p })))
+    .collect();
+    std::fs::write(dir.join("prompts.jsonl"), prompts).unwrap();
+}
