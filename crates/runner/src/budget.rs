@@ -11,7 +11,7 @@
 //! full-parameter dpo cell, every weight with its gradient, Adam's moments, the reference, the
 //! generator's copy and a checkpoint's copies of them.
 
-use crate::plan::{ConfigPlan, CurvatureChoice, Plan};
+use crate::plan::{needs_tracker, ConfigPlan, Plan};
 use crate::spec::{ActiveRule, EnvKind, ScoreNorm, Setting, Spec};
 use estimators::{EstimatorConfig, Kind, MleSolver};
 
@@ -196,15 +196,6 @@ fn policy_terms(ps: &crate::spec::PolicySpec, c: &ConfigPlan, p: &PolicyShape) -
 /// d(d+1)/2 f64: a packed symmetric matrix.
 fn packed(d: u64) -> u64 {
     (d.saturating_mul(d.saturating_add(1)) / 2).saturating_mul(8)
-}
-
-/// Whether a cell of `c` keeps the 𝓗_t tracker: for ‖θ − θ*‖_𝓗 when the truth is known (the
-/// synthetic and generated bandits), or as the uncertainty of an estimator without its own 𝓗_t
-/// in the settings that score uncertainty.
-pub fn needs_tracker(spec: &Spec, c: &ConfigPlan) -> bool {
-    let truth = matches!(spec.env.kind, EnvKind::Synthetic | EnvKind::Generated);
-    let scores = spec.setting != Setting::Passive;
-    truth || (scores && !CurvatureChoice::of(spec, c).estimator)
 }
 
 /// The key behind d: env.dim for the synthetic bandit, else where the data's d comes from.

@@ -5,13 +5,15 @@
 use crate::io::{npy_f64, write_atomic, write_atomic_at};
 use crate::plan::{ConfigPlan, Plan};
 use crate::rows::{
-    Bucket, CellResult, Col, MetricRow, PolicyRow, PolicyTiming, RoundRow, StepRow, UpdateRow, BUCKETS, METRICS,
-    METRICS_CHUNKED, POLICY, POLICY_TIMINGS, POLICY_UPDATES, ROUNDS, STEPS,
+    Bucket, CellResult, CellStatus, CellTotals, Col, Key, MetricRow, PolicyRow, PolicyTiming, RoundRow, StepRow,
+    UpdateRow, WinRow, BUCKETS, CELL_STATUS, CELL_TOTALS, KEY, LABEL, METRICS, METRICS_CHUNKED, POLICY, POLICY_DIGEST,
+    POLICY_TIMINGS, POLICY_UPDATES, ROUNDS, STEPS, WINRATES,
 };
 use crate::world::World;
-use anyhow::{Context, Result};
-use arrow_array::{ArrayRef, BooleanArray, Float64Array, RecordBatch, StringArray, UInt32Array, UInt64Array};
+use anyhow::{anyhow, Context, Result};
+use arrow_array::{Array, ArrayRef, BooleanArray, Float64Array, RecordBatch, StringArray, UInt32Array, UInt64Array};
 use arrow_schema::{DataType, Field, Schema};
+use parquet::arrow::arrow_reader::ParquetRecordBatchReaderBuilder;
 use parquet::arrow::ArrowWriter;
 use parquet::basic::Compression;
 use parquet::file::properties::WriterProperties;
@@ -90,12 +92,14 @@ impl Table {
     fn cols<R, X>(mut self, cols: &[Col<R>], rows: &[X], row: impl Fn(&X) -> &R) -> Self {
         for c in cols {
             self = match c {
-                Col::U32(n, f) => self.u32(n, rows.iter().map(|x| f(row(x)))),
-                Col::U64(n, f) => self.u64(n, rows.iter().map(|x| f(row(x)))),
-                Col::OptU64(n, f) => self.opt_u64(n, rows.iter().map(|x| f(row(x)))),
-                Col::F64(n, f) => self.f64(n, rows.iter().map(|x| f(row(x)))),
-                Col::OptF64(n, f) => self.opt_f64(n, rows.iter().map(|x| f(row(x)))),
-                Col::Bool(n, f) => self.bool(n, rows.iter().map(|x| f(row(x)))),
+                Col::U32(n, f, _) => self.u32(n, rows.iter().map(|x| f(row(x)))),
+                Col::U64(n, f, _) => self.u64(n, rows.iter().map(|x| f(row(x)))),
+                Col::OptU64(n, f, _) => self.opt_u64(n, rows.iter().map(|x| f(row(x)))),
+                Col::F64(n, f, _) => self.f64(n, rows.iter().map(|x| f(row(x)))),
+                Col::OptF64(n, f, _) => self.opt_f64(n, rows.iter().map(|x| f(row(x)))),
+                Col::Bool(n, f, _) => self.bool(n, rows.iter().map(|x| f(row(x)))),
+                Col::Str(n, f, _) => self.str(n, rows.iter().map(|x| f(row(x)))),
+                Col::OptStr(n, f, _) => self.opt_str(n, rows.iter().map(|x| f(row(x)))),
             };
         }
         self
@@ -236,6 +240,13 @@ impl Tables<'_> {
 /// cells.parquet: one row per cell — its config, seed, curvature source, status, stream hash
 /// and, with a learning policy, the deployed arm.
 fn cells_table(world: &World, cells: &[CellOutcome<'_>]) -> Table {
+    let status: Vec<CellStatus> = cells
+        .iter()
+        .map(|c| CellStatus {
+            status: if c.result.is_ok() { "ok" } else { "failed" }.into(),
+            err: c.result.as_ref().err().cloned(),
+        })
+        .collect();
     let t = Table::default()
         .str("cell_id", cells.iter().map(|c| c.cell_id.to_string()))
         .u32("config_id", cells.iter().map(|c| c.config.config_id as u32))
@@ -245,14 +256,8 @@ fn cells_table(world: &World, cells: &[CellOutcome<'_>]) -> Table {
         .u32("seed", cells.iter().map(|c| c.seed))
         .str("hparams", cells.iter().map(|c| hparams_json(c.config)))
         // whose 𝓗_t scored the uncertainty (pessimism, UCB, active selection)
-        .str(
-            "curvature",
-            cells
-                .iter()
-                .map(|c| crate::plan::CurvatureChoice::of(&world.spec, c.config).describe(c.config, &world.spec)),
-        )
-        .str("status", cells.iter().map(|c| if c.result.is_ok() { "ok".into() } else { "failed".into() }))
-        .opt_str("err", cells.iter().map(|c| c.result.as_ref().err().cloned()))
+        .str("curvature", cells.iter().map(|c| world.configs[c.config.config_id].curvature_text()))
+        .cols(CELL_STATUS, &status, |s| s)
         .opt_str(
             "stream_hash",
             cells.iter().map(|c| c.result.as_ref().ok().map(|r| format!("{:016x}", r.stream_hash))),
@@ -294,15 +299,21 @@ fn deploy_tables(out: &mut Tables<'_>, plan: &Plan, cells: &[CellOutcome<'_>]) -
         .cols(ROUNDS, &rows, |(_, r)| r);
     out.put("rounds.parquet", t)?;
     let w = win_rates(plan, cells);
+    let rates: Vec<WinRow> = w
+        .iter()
+        .map(|r| WinRow {
+            chunk_win_rate: r.chunk_wins / r.chunks.max(1) as f64,
+            prompt_win_rate: r.prompt_wins / r.prompts.max(1) as f64,
+            chunks_compared: r.chunks,
+            prompts_compared: r.prompts,
+        })
+        .collect();
     let t = Table::default()
         .u32("config_id", w.iter().map(|r| r.config_id as u32))
         .str("label", w.iter().map(|r| plan.configs[r.config_id].label.clone()))
         .str("estimator", w.iter().map(|r| plan.configs[r.config_id].kind.to_string()))
         .opt_str("strategy", w.iter().map(|r| strategy(&plan.configs[r.config_id])))
-        .f64("chunk_win_rate", w.iter().map(|r| r.chunk_wins / r.chunks.max(1) as f64))
-        .f64("prompt_win_rate", w.iter().map(|r| r.prompt_wins / r.prompts.max(1) as f64))
-        .u64("chunks_compared", w.iter().map(|r| r.chunks))
-        .u64("prompts_compared", w.iter().map(|r| r.prompts));
+        .cols(WINRATES, &rates, |r| r);
     out.put("winrates.parquet", t)
 }
 
@@ -310,9 +321,11 @@ fn deploy_tables(out: &mut Tables<'_>, plan: &Plan, cells: &[CellOutcome<'_>]) -
 /// policy_timings.parquet.
 fn policy_tables(out: &mut Tables<'_>, cells: &[CellOutcome<'_>]) -> Result<()> {
     let rows: Vec<(&CellOutcome<'_>, &PolicyRow)> = rows_of(cells, |r| &r.policy);
-    let t = arm_cols(keyed(Table::default(), &rows), &rows, |(c, _)| c.config)
-        .cols(POLICY, &rows, |(_, m)| m)
-        .str("policy_digest", rows.iter().map(|(_, r)| r.policy_digest.clone()));
+    let t = arm_cols(keyed(Table::default(), &rows), &rows, |(c, _)| c.config).cols(POLICY, &rows, |(_, m)| m).cols(
+        POLICY_DIGEST,
+        &rows,
+        |(_, m)| m,
+    );
     out.put("policy.parquet", t)?;
     let rows: Vec<(&CellOutcome<'_>, &UpdateRow)> = rows_of(cells, |r| &r.policy_updates);
     let t = arm_cols(keyed(Table::default(), &rows), &rows, |(c, _)| c.config)
@@ -369,14 +382,119 @@ fn timings_table(cells: &[CellOutcome<'_>]) -> Table {
         .filter_map(|c| c.result.as_ref().ok().map(|r| (c, r)))
         .flat_map(|(c, r)| r.buckets.iter().map(move |b| (c, r, b)))
         .collect();
+    let totals: Vec<CellTotals> =
+        rows.iter().map(|(c, r, _)| CellTotals { wall_s: c.wall_s, estimator_s: r.estimator_s }).collect();
     Table::default()
         .str("cell_id", rows.iter().map(|(c, _, _)| c.cell_id.to_string()))
         .str("estimator", rows.iter().map(|(c, _, _)| c.config.kind.to_string()))
         .str("label", rows.iter().map(|(c, _, _)| c.config.label.clone()))
         .u32("seed", rows.iter().map(|(c, _, _)| c.seed))
         .cols(BUCKETS, &rows, |(_, _, b)| b)
-        .f64("cell_wall_s", rows.iter().map(|(c, _, _)| c.wall_s))
-        .f64("cell_estimator_s", rows.iter().map(|(_, r, _)| r.estimator_s))
+        .cols(CELL_TOTALS, &totals, |t| t)
+}
+
+/// A table of the run directory read back, one `R` per row, through the column lists that
+/// wrote it (so a renamed column changes writer and reader at once). A nullable column that the
+/// file lacks (a run written before the column existed; the chunked-only metrics) reads as
+/// None; any other missing column, or one of another type, is an error naming file and column.
+pub fn read_rows<R: Default>(path: &Path, lists: &[&[Col<R>]]) -> Result<Vec<R>> {
+    let mut out: Vec<R> = Vec::new();
+    for b in read_batches(path)? {
+        let start = out.len();
+        out.resize_with(start + b.num_rows(), R::default);
+        let rows = &mut out[start..];
+        for c in lists.iter().flat_map(|l| l.iter()) {
+            fill(rows, c, &b, path)?;
+        }
+    }
+    Ok(out)
+}
+
+/// Rows of a per-cell table with their [`Key`] (cell, label, seed).
+pub fn read_keyed<R: Default>(path: &Path, lists: &[&[Col<R>]]) -> Result<Vec<(Key, R)>> {
+    Ok(read_rows(path, &[KEY])?.into_iter().zip(read_rows(path, lists)?).collect())
+}
+
+/// metrics.parquet (with the chunked deployment's columns where the run has them).
+pub fn read_metrics(run: &Path) -> Result<Vec<(Key, MetricRow)>> {
+    read_keyed(&run.join("metrics.parquet"), &[METRICS, METRICS_CHUNKED])
+}
+
+/// policy.parquet: a learning policy's evaluations.
+pub fn read_policy(run: &Path) -> Result<Vec<(Key, PolicyRow)>> {
+    read_keyed(&run.join("policy.parquet"), &[POLICY, POLICY_DIGEST])
+}
+
+/// timings.parquet: each bucket's cell with its totals.
+pub fn read_timings(run: &Path) -> Result<Vec<(Key, CellTotals)>> {
+    read_keyed(&run.join("timings.parquet"), &[CELL_TOTALS])
+}
+
+/// cells.parquet: whether each cell finished.
+pub fn read_cells(run: &Path) -> Result<Vec<(Key, CellStatus)>> {
+    read_keyed(&run.join("cells.parquet"), &[CELL_STATUS])
+}
+
+/// winrates.parquet: each config's label and win rates.
+pub fn read_winrates(run: &Path) -> Result<Vec<(String, WinRow)>> {
+    let path = run.join("winrates.parquet");
+    let labels = read_rows(&path, &[LABEL])?.into_iter().map(|k| k.label);
+    Ok(labels.zip(read_rows(&path, &[WINRATES])?).collect())
+}
+
+fn read_batches(path: &Path) -> Result<Vec<RecordBatch>> {
+    let f = std::fs::File::open(path).with_context(|| format!("opening {}", path.display()))?;
+    let reader = ParquetRecordBatchReaderBuilder::try_new(f)
+        .with_context(|| format!("{}: not a parquet file", path.display()))?
+        .build()?;
+    reader.map(|b| b.with_context(|| format!("reading {}", path.display()))).collect()
+}
+
+/// Column `name` of `b` as `T`; None when the file has no such column.
+fn column<'a, T: 'static>(b: &'a RecordBatch, name: &str, path: &Path) -> Result<Option<&'a T>> {
+    b.column_by_name(name)
+        .map(|c| {
+            c.as_any()
+                .downcast_ref::<T>()
+                .ok_or_else(|| anyhow!("{}: column `{name}` has an unexpected type", path.display()))
+        })
+        .transpose()
+}
+
+/// Sets column `c` of every row of `rows` from batch `b`.
+fn fill<R>(rows: &mut [R], c: &Col<R>, b: &RecordBatch, path: &Path) -> Result<()> {
+    fn all<T, R, A: Array>(rows: &mut [R], a: &A, set: fn(&mut R, T), v: impl Fn(&A, usize) -> T) {
+        for (i, r) in rows.iter_mut().enumerate() {
+            set(r, v(a, i));
+        }
+    }
+    fn opt<T, R, A: Array>(rows: &mut [R], a: Option<&A>, set: fn(&mut R, Option<T>), v: impl Fn(&A, usize) -> T) {
+        for (i, r) in rows.iter_mut().enumerate() {
+            set(r, a.filter(|a| a.is_valid(i)).map(|a| v(a, i)));
+        }
+    }
+    let need = |n: &str| anyhow!("{}: no column `{n}`", path.display());
+    match c {
+        Col::U32(n, _, set) => {
+            all(rows, column::<UInt32Array>(b, n, path)?.ok_or_else(|| need(n))?, *set, |a, i| a.value(i))
+        }
+        Col::U64(n, _, set) => {
+            all(rows, column::<UInt64Array>(b, n, path)?.ok_or_else(|| need(n))?, *set, |a, i| a.value(i))
+        }
+        Col::F64(n, _, set) => {
+            all(rows, column::<Float64Array>(b, n, path)?.ok_or_else(|| need(n))?, *set, |a, i| a.value(i))
+        }
+        Col::Bool(n, _, set) => {
+            all(rows, column::<BooleanArray>(b, n, path)?.ok_or_else(|| need(n))?, *set, |a, i| a.value(i))
+        }
+        Col::Str(n, _, set) => {
+            all(rows, column::<StringArray>(b, n, path)?.ok_or_else(|| need(n))?, *set, |a, i| a.value(i).to_string())
+        }
+        Col::OptU64(n, _, set) => opt(rows, column::<UInt64Array>(b, n, path)?, *set, |a, i| a.value(i)),
+        Col::OptF64(n, _, set) => opt(rows, column::<Float64Array>(b, n, path)?, *set, |a, i| a.value(i)),
+        Col::OptStr(n, _, set) => opt(rows, column::<StringArray>(b, n, path)?, *set, |a, i| a.value(i).to_string()),
+    }
+    Ok(())
 }
 
 /// Win counts of one config over the cells of a chunked deployment run.
@@ -451,4 +569,59 @@ pub fn schema_json(schemas: &[(String, Schema)]) -> String {
         })
         .collect();
     serde_json::to_string_pretty(&serde_json::Value::Object(m)).expect("plain JSON") + "\n"
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A table written through the column lists reads back through the same lists to the same
+    /// rows (None where a nullable value was None); a file without a nullable column reads
+    /// None, one without a required column is an error naming it (the negative control).
+    #[test]
+    fn a_table_reads_back_the_rows_it_was_written_from() {
+        let dir = tempfile::tempdir().unwrap();
+        let rows: Vec<(Key, MetricRow)> = (0..5u32)
+            .map(|i| {
+                let k = Key { cell_id: format!("c{i}"), label: format!("sgd lr={i}"), seed: i % 2 };
+                let m = MetricRow {
+                    step: u64::from(i) * 3,
+                    samples_seen: u64::from(i) * 7,
+                    eval_loss: 0.5 + f64::from(i),
+                    theta_err: (i % 2 == 0).then_some(f64::from(i) / 3.0),
+                    chunk: (i > 2).then_some(u64::from(i)),
+                    converged: i != 4,
+                    flops: 1 << i,
+                    ..Default::default()
+                };
+                (k, m)
+            })
+            .collect();
+        let keyed = |t: Table| {
+            t.str("cell_id", rows.iter().map(|(k, _)| k.cell_id.clone()))
+                .str("label", rows.iter().map(|(k, _)| k.label.clone()))
+                .u32("seed", rows.iter().map(|(k, _)| k.seed))
+        };
+        let full = dir.path().join("metrics.parquet");
+        keyed(Table::default())
+            .cols(METRICS, &rows, |(_, m)| m)
+            .cols(METRICS_CHUNKED, &rows, |(_, m)| m)
+            .write(&full)
+            .unwrap();
+        assert_eq!(read_metrics(dir.path()).unwrap(), rows);
+        // without the chunked columns (a run that is not chunked): None
+        let plain = tempfile::tempdir().unwrap();
+        keyed(Table::default()).cols(METRICS, &rows, |(_, m)| m).write(&plain.path().join("metrics.parquet")).unwrap();
+        let back = read_metrics(plain.path()).unwrap();
+        assert!(back.iter().all(|(_, m)| m.chunk.is_none()));
+        assert_eq!(back[0].1.eval_loss, rows[0].1.eval_loss);
+        // a required column missing
+        let short = tempfile::tempdir().unwrap();
+        keyed(Table::default())
+            .cols(&METRICS[..3], &rows, |(_, m)| m)
+            .write(&short.path().join("metrics.parquet"))
+            .unwrap();
+        let e = read_metrics(short.path()).unwrap_err().to_string();
+        assert!(e.contains("metrics.parquet") && e.contains("no column `train_accuracy`"), "{e}");
+    }
 }

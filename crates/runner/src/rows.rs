@@ -237,148 +237,225 @@ pub struct RoundRow {
     pub kendall_tau: f64,
 }
 
-/// One column of a table: its name, its parquet type and how a row fills it. The tables'
-/// value columns are listed once below; `results` writes them after the cell's key columns
-/// (cell_id, config_id, estimator, label, strategy, seed) and `report` reads them by name.
+/// One column of a table: its name, its parquet type, how a row fills it and how a row read
+/// back takes it. The tables' value columns are listed once below; `results` writes them after
+/// the cell's key columns (cell_id, config_id, estimator, label, strategy, seed) and reads them
+/// back through the same list ([`crate::results`]'s readers, which `report` uses): a renamed
+/// field is a compile error in both.
 pub enum Col<R: 'static> {
-    U32(&'static str, fn(&R) -> u32),
-    U64(&'static str, fn(&R) -> u64),
-    OptU64(&'static str, fn(&R) -> Option<u64>),
-    F64(&'static str, fn(&R) -> f64),
-    OptF64(&'static str, fn(&R) -> Option<f64>),
-    Bool(&'static str, fn(&R) -> bool),
+    U32(&'static str, fn(&R) -> u32, fn(&mut R, u32)),
+    U64(&'static str, fn(&R) -> u64, fn(&mut R, u64)),
+    OptU64(&'static str, fn(&R) -> Option<u64>, fn(&mut R, Option<u64>)),
+    F64(&'static str, fn(&R) -> f64, fn(&mut R, f64)),
+    OptF64(&'static str, fn(&R) -> Option<f64>, fn(&mut R, Option<f64>)),
+    Bool(&'static str, fn(&R) -> bool, fn(&mut R, bool)),
+    Str(&'static str, fn(&R) -> String, fn(&mut R, String)),
+    OptStr(&'static str, fn(&R) -> Option<String>, fn(&mut R, Option<String>)),
 }
 
 impl<R> Col<R> {
     pub fn name(&self) -> &'static str {
         match self {
-            Col::U32(n, _)
-            | Col::U64(n, _)
-            | Col::OptU64(n, _)
-            | Col::F64(n, _)
-            | Col::OptF64(n, _)
-            | Col::Bool(n, _) => n,
+            Col::U32(n, ..)
+            | Col::U64(n, ..)
+            | Col::OptU64(n, ..)
+            | Col::F64(n, ..)
+            | Col::OptF64(n, ..)
+            | Col::Bool(n, ..)
+            | Col::Str(n, ..)
+            | Col::OptStr(n, ..) => n,
         }
     }
 }
 
+/// `col!(F64 "name" => field.path)`: the column `name` of type F64 read from and written to
+/// `row.field.path`.
+macro_rules! col {
+    (Str $name:literal => $($f:ident).+) => {
+        Col::Str($name, |r| r.$($f).+.clone(), |r, v| r.$($f).+ = v)
+    };
+    (OptStr $name:literal => $($f:ident).+) => {
+        Col::OptStr($name, |r| r.$($f).+.clone(), |r, v| r.$($f).+ = v)
+    };
+    ($kind:ident $name:literal => $($f:ident).+) => {
+        Col::$kind($name, |r| r.$($f).+, |r, v| r.$($f).+ = v)
+    };
+}
+
 /// metrics.parquet: one row per cell × evaluation point.
 pub const METRICS: &[Col<MetricRow>] = &[
-    Col::U64("step", |r| r.step),
-    Col::U64("samples_seen", |r| r.samples_seen),
-    Col::F64("train_loss", |r| r.train_loss),
-    Col::F64("train_accuracy", |r| r.train_accuracy),
-    Col::F64("eval_loss", |r| r.eval_loss),
-    Col::F64("eval_accuracy", |r| r.eval_accuracy),
-    Col::U64("eval_ties", |r| r.eval_ties),
-    Col::OptF64("theta_err", |r| r.theta_err),
-    Col::OptF64("theta_err_h", |r| r.theta_err_h),
-    Col::OptF64("subopt", |r| r.subopt),
-    Col::OptF64("subopt_avg", |r| r.subopt_avg),
-    Col::OptF64("subopt_pessimistic", |r| r.subopt_pessimistic),
-    Col::OptF64("subopt_pessimistic_ref", |r| r.subopt_pessimistic_ref),
-    Col::OptF64("regret", |r| r.regret),
-    Col::OptF64("mean_reward", |r| r.mean_reward),
-    Col::F64("kappa", |r| r.kappa),
-    Col::F64("kappa_reference", |r| r.kappa_reference),
-    Col::U64("ties", |r| r.ties),
-    Col::U64("grad_evals", |r| r.grad_evals),
-    Col::U64("hvp_evals", |r| r.hvp_evals),
-    Col::U64("negative_quad_forms", |r| r.negative_quad_forms),
-    Col::U64("flops", |r| r.flops),
-    Col::Bool("converged", |r| r.converged),
+    col!(U64 "step" => step),
+    col!(U64 "samples_seen" => samples_seen),
+    col!(F64 "train_loss" => train_loss),
+    col!(F64 "train_accuracy" => train_accuracy),
+    col!(F64 "eval_loss" => eval_loss),
+    col!(F64 "eval_accuracy" => eval_accuracy),
+    col!(U64 "eval_ties" => eval_ties),
+    col!(OptF64 "theta_err" => theta_err),
+    col!(OptF64 "theta_err_h" => theta_err_h),
+    col!(OptF64 "subopt" => subopt),
+    col!(OptF64 "subopt_avg" => subopt_avg),
+    col!(OptF64 "subopt_pessimistic" => subopt_pessimistic),
+    col!(OptF64 "subopt_pessimistic_ref" => subopt_pessimistic_ref),
+    col!(OptF64 "regret" => regret),
+    col!(OptF64 "mean_reward" => mean_reward),
+    col!(F64 "kappa" => kappa),
+    col!(F64 "kappa_reference" => kappa_reference),
+    col!(U64 "ties" => ties),
+    col!(U64 "grad_evals" => grad_evals),
+    col!(U64 "hvp_evals" => hvp_evals),
+    col!(U64 "negative_quad_forms" => negative_quad_forms),
+    col!(U64 "flops" => flops),
+    col!(Bool "converged" => converged),
 ];
 
 /// metrics.parquet of a chunked deployment run, after [`METRICS`].
 pub const METRICS_CHUNKED: &[Col<MetricRow>] = &[
-    Col::OptU64("chunk", |r| r.chunk),
-    Col::OptF64("pair_reward", |r| r.pair_reward),
-    Col::OptF64("cum_pair_reward", |r| r.cum_pair_reward),
-    Col::OptF64("policy_reward", |r| r.policy_reward),
-    Col::OptF64("kendall_tau", |r| r.kendall_tau),
-    Col::OptU64("oracle_ties", |r| r.oracle_ties),
+    col!(OptU64 "chunk" => chunk),
+    col!(OptF64 "pair_reward" => pair_reward),
+    col!(OptF64 "cum_pair_reward" => cum_pair_reward),
+    col!(OptF64 "policy_reward" => policy_reward),
+    col!(OptF64 "kendall_tau" => kendall_tau),
+    col!(OptU64 "oracle_ties" => oracle_ties),
 ];
 
 /// rounds.parquet: one row per prompt of a chunked deployment run.
 pub const ROUNDS: &[Col<RoundRow>] = &[
-    Col::U64("chunk", |r| r.chunk),
-    Col::U64("prompt", |r| r.prompt),
-    Col::U32("first", |r| r.first),
-    Col::U32("second", |r| r.second),
-    Col::F64("reward_first", |r| r.reward_first),
-    Col::F64("reward_second", |r| r.reward_second),
-    Col::F64("label", |r| f64::from(r.label)),
-    Col::U32("policy_pick", |r| r.policy_pick),
-    Col::F64("policy_reward", |r| r.policy_reward),
-    Col::F64("best_reward", |r| r.best_reward),
-    Col::F64("kendall_tau", |r| r.kendall_tau),
+    col!(U64 "chunk" => chunk),
+    col!(U64 "prompt" => prompt),
+    col!(U32 "first" => first),
+    col!(U32 "second" => second),
+    col!(F64 "reward_first" => reward_first),
+    col!(F64 "reward_second" => reward_second),
+    Col::F64("label", |r| f64::from(r.label), |r, v| r.label = v as f32),
+    col!(U32 "policy_pick" => policy_pick),
+    col!(F64 "policy_reward" => policy_reward),
+    col!(F64 "best_reward" => best_reward),
+    col!(F64 "kendall_tau" => kendall_tau),
 ];
 
 /// policy.parquet: one row per cell × policy evaluation (runs with a learning policy).
 pub const POLICY: &[Col<PolicyRow>] = &[
-    Col::U64("chunk", |r| r.chunk),
-    Col::F64("policy_reward", |r| r.policy_reward),
-    Col::F64("sample_reward", |r| r.sample_reward),
-    Col::F64("bon_reward", |r| r.bon_reward),
-    Col::F64("learned_reward", |r| r.learned_reward),
-    Col::F64("kl", |r| r.kl),
-    Col::OptF64("entropy", |r| r.entropy),
-    Col::F64("response_tokens", |r| r.response_tokens),
-    Col::F64("cut_fraction", |r| r.cut_fraction),
-    Col::F64("merge_error", |r| r.merge_error),
+    col!(U64 "chunk" => chunk),
+    col!(F64 "policy_reward" => policy_reward),
+    col!(F64 "sample_reward" => sample_reward),
+    col!(F64 "bon_reward" => bon_reward),
+    col!(F64 "learned_reward" => learned_reward),
+    col!(F64 "kl" => kl),
+    col!(OptF64 "entropy" => entropy),
+    col!(F64 "response_tokens" => response_tokens),
+    col!(F64 "cut_fraction" => cut_fraction),
+    col!(F64 "merge_error" => merge_error),
 ];
+
+/// policy.parquet's last column, after the deployed policy's (`results`).
+pub const POLICY_DIGEST: &[Col<PolicyRow>] = &[col!(Str "policy_digest" => policy_digest)];
 
 /// policy_updates.parquet: one row per learning cell × chunk (with policy_digest columns).
 pub const POLICY_UPDATES: &[Col<UpdateRow>] = &[
-    Col::U64("chunk", |r| r.chunk),
-    Col::F64("rollout_oracle_reward", |r| r.rollout_oracle_reward),
-    Col::F64("rollout_learned_reward", |r| r.rollout_learned_reward),
-    Col::F64("update_reward", |r| r.update_reward),
-    Col::F64("update_loss", |r| r.update_loss),
-    Col::F64("update_grad_norm", |r| r.update_grad_norm),
-    Col::U64("update_steps", |r| r.update_steps),
-    Col::F64("kl", |r| r.kl),
-    Col::F64("entropy", |r| r.entropy),
-    Col::U64("pairs", |r| r.pairs),
-    Col::U64("dropped_pairs", |r| r.dropped_pairs),
-    Col::OptF64("critic_loss", |r| r.critic_loss),
-    Col::OptF64("critic_grad_norm", |r| r.critic_grad_norm),
-    Col::OptF64("value_mean", |r| r.value_mean),
-    Col::OptF64("return_mean", |r| r.return_mean),
+    col!(U64 "chunk" => chunk),
+    col!(F64 "rollout_oracle_reward" => rollout_oracle_reward),
+    col!(F64 "rollout_learned_reward" => rollout_learned_reward),
+    col!(F64 "update_reward" => update_reward),
+    col!(F64 "update_loss" => update_loss),
+    col!(F64 "update_grad_norm" => update_grad_norm),
+    col!(U64 "update_steps" => update_steps),
+    col!(F64 "kl" => kl),
+    col!(F64 "entropy" => entropy),
+    col!(U64 "pairs" => pairs),
+    col!(U64 "dropped_pairs" => dropped_pairs),
+    col!(OptF64 "critic_loss" => critic_loss),
+    col!(OptF64 "critic_grad_norm" => critic_grad_norm),
+    col!(OptF64 "value_mean" => value_mean),
+    col!(OptF64 "return_mean" => return_mean),
 ];
 
 /// policy_timings.parquet: one row per cell × chunk.
 pub const POLICY_TIMINGS: &[Col<PolicyTiming>] = &[
-    Col::U64("chunk", |r| r.chunk),
-    Col::F64("generation_s", |r| r.generation_s),
-    Col::F64("phi_s", |r| r.phi_s),
-    Col::F64("estimator_s", |r| r.estimator_s),
-    Col::F64("policy_s", |r| r.policy_s),
-    Col::F64("critic_s", |r| r.critic_s),
-    Col::F64("eval_s", |r| r.eval_s),
-    Col::F64("eval_generation_s", |r| r.eval_generation_s),
-    Col::F64("eval_phi_s", |r| r.eval_phi_s),
-    Col::F64("eval_score_s", |r| r.eval_score_s),
+    col!(U64 "chunk" => chunk),
+    col!(F64 "generation_s" => generation_s),
+    col!(F64 "phi_s" => phi_s),
+    col!(F64 "estimator_s" => estimator_s),
+    col!(F64 "policy_s" => policy_s),
+    col!(F64 "critic_s" => critic_s),
+    col!(F64 "eval_s" => eval_s),
+    col!(F64 "eval_generation_s" => eval_generation_s),
+    col!(F64 "eval_phi_s" => eval_phi_s),
+    col!(F64 "eval_score_s" => eval_score_s),
 ];
 
 /// steps.parquet: one row per update (stream.record_steps).
 pub const STEPS: &[Col<StepRow>] = &[
-    Col::U64("step", |s| s.step),
-    Col::U64("samples_seen", |s| s.samples_seen),
-    Col::F64("loss", |s| s.report.before.loss),
-    Col::F64("accuracy", |s| s.report.before.accuracy),
-    Col::F64("grad_norm", |s| s.report.grad_norm),
-    Col::F64("step_norm", |s| s.report.step_norm),
-    Col::F64("clip_factor", |s| s.report.clip_factor),
-    Col::F64("cos_step_grad", |s| s.report.cos_step_grad),
-    Col::F64("damping", |s| s.report.damping),
-    Col::U32("inner_iters", |s| s.report.inner_iters),
+    col!(U64 "step" => step),
+    col!(U64 "samples_seen" => samples_seen),
+    col!(F64 "loss" => report.before.loss),
+    col!(F64 "accuracy" => report.before.accuracy),
+    col!(F64 "grad_norm" => report.grad_norm),
+    col!(F64 "step_norm" => report.step_norm),
+    col!(F64 "clip_factor" => report.clip_factor),
+    col!(F64 "cos_step_grad" => report.cos_step_grad),
+    col!(F64 "damping" => report.damping),
+    col!(U32 "inner_iters" => report.inner_iters),
 ];
 
 /// timings.parquet: one row per cell × evaluation bucket (then the cell's totals).
 pub const BUCKETS: &[Col<Bucket>] = &[
-    Col::U64("step", |b| b.step),
-    Col::U64("samples_seen", |b| b.samples_seen),
-    Col::F64("estimator_s", |b| b.estimator_s),
-    Col::F64("other_s", |b| b.other_s),
+    col!(U64 "step" => step),
+    col!(U64 "samples_seen" => samples_seen),
+    col!(F64 "estimator_s" => estimator_s),
+    col!(F64 "other_s" => other_s),
 ];
+
+/// A cell's totals, repeated on each of its rows of timings.parquet.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct CellTotals {
+    /// The cell's wall time, and the part inside `Estimator::update`.
+    pub wall_s: f64,
+    pub estimator_s: f64,
+}
+
+/// timings.parquet, after [`BUCKETS`].
+pub const CELL_TOTALS: &[Col<CellTotals>] =
+    &[col!(F64 "cell_wall_s" => wall_s), col!(F64 "cell_estimator_s" => estimator_s)];
+
+/// Whether a cell finished (cells.parquet).
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct CellStatus {
+    /// "ok" or "failed".
+    pub status: String,
+    pub err: Option<String>,
+}
+
+/// cells.parquet's status columns (after the cell's key, hyper-parameters and curvature).
+pub const CELL_STATUS: &[Col<CellStatus>] = &[col!(Str "status" => status), col!(OptStr "err" => err)];
+
+/// One config's win rates over a chunked deployment run (winrates.parquet).
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct WinRow {
+    pub chunk_win_rate: f64,
+    pub prompt_win_rate: f64,
+    pub chunks_compared: u64,
+    pub prompts_compared: u64,
+}
+
+/// winrates.parquet, after the config's key columns.
+pub const WINRATES: &[Col<WinRow>] = &[
+    col!(F64 "chunk_win_rate" => chunk_win_rate),
+    col!(F64 "prompt_win_rate" => prompt_win_rate),
+    col!(U64 "chunks_compared" => chunks_compared),
+    col!(U64 "prompts_compared" => prompts_compared),
+];
+
+/// The key columns a table is read back by: the cell, its config's label and its seed.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct Key {
+    pub cell_id: String,
+    pub label: String,
+    pub seed: u32,
+}
+
+/// [`Key`]'s columns (every per-cell table has them; winrates.parquet has `label` only).
+pub const KEY: &[Col<Key>] = &[col!(Str "cell_id" => cell_id), col!(Str "label" => label), col!(U32 "seed" => seed)];
+
+/// winrates.parquet's key: the config's label.
+pub const LABEL: &[Col<Key>] = &[col!(Str "label" => label)];

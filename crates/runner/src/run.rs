@@ -218,14 +218,15 @@ pub fn dry_run_notes(plan: &Plan) -> Result<Vec<String>, spec::SpecError> {
     let mut out = Vec::new();
     if s.env.kind == EnvKind::Synthetic {
         let world = world::build(plan, crate::progress::Mode::Quiet)?;
-        for (c, r) in plan.configs.iter().zip(&world.configs) {
+        for (c, cell) in plan.configs.iter().zip(&world.configs) {
+            let r = &cell.config;
             let w = pending(c);
             if w.is_empty() {
                 continue;
             }
             let mut parts = Vec::new();
             if w.contains(&"λ") {
-                if let Some(l) = r.lambda(&world.spec) {
+                if let Some(l) = cell.lambda() {
                     parts.push(format!("λ = {l} (\"auto\": the median ‖z‖² of the first pairs)"));
                 }
             }
@@ -244,7 +245,7 @@ pub fn dry_run_notes(plan: &Plan) -> Result<Vec<String>, spec::SpecError> {
         }
         // the pessimistic policy (passive on the bandit, whose θ* it is scored against)
         if let (Setting::Passive, true, Some(b)) =
-            (s.setting, theory(s.passive.beta), world.configs.first().and_then(|c| c.pessimism_beta))
+            (s.setting, theory(s.passive.beta), world.configs.first().and_then(|c| c.config.pessimism_beta))
         {
             out.push(format!(
                 "# resolved: pessimism β = {b} (\"theory\": √d·log(T/δ), d = {}, T = {})",
@@ -513,7 +514,7 @@ pub fn run(opts: &RunOptions) -> Result<RunSummary> {
     let shape = world.online.as_ref().map(|o| o.shape());
     let reward = world.reward_shape();
     check_memory(opts, &plan, &world.spec, threads, shape.as_ref(), reward.as_ref())?;
-    let (data_scale, warning) = scale_meta(&plan, &world);
+    let (data_scale, warning) = scale_meta(&world);
     if let Some(w) = warning {
         eprintln!("onepass: warning: {w}");
     }
@@ -798,12 +799,12 @@ pub const LARGE_Z_OVER_LAMBDA: f64 = 100.0;
 
 /// meta.json's `data_scale` block, and a warning when some λ is small for the data:
 /// median ‖z‖² over λ for the estimator's λ and the tracker's of every config.
-pub fn scale_meta(plan: &Plan, world: &World) -> (serde_json::Value, Option<String>) {
+pub fn scale_meta(world: &World) -> (serde_json::Value, Option<String>) {
     let s = world.spec.data_scale.unwrap_or_default();
     let mut lambdas = Vec::new();
     let mut worst: Option<(f64, String)> = None;
-    for c in &plan.configs {
-        let choice = plan::CurvatureChoice::of(&world.spec, c);
+    for cell in &world.configs {
+        let (c, choice) = (&cell.config, cell.curvature.choice);
         // a tracker's λ matters where the cell scores uncertainty with it (UCB, the pool and
         // stream rules, pessimism on a known truth); elsewhere it only feeds ‖θ − θ*‖_𝓗
         let scores = match (c.strategy, c.rule) {
@@ -821,10 +822,10 @@ pub fn scale_meta(plan: &Plan, world: &World) -> (serde_json::Value, Option<Stri
             }
             serde_json::json!({"config": c.label, "lambda_of": what, "lambda": l, "auto": auto, "median_z_sq_over_lambda": ratio})
         };
-        if let Some(l) = c.lambda(&world.spec) {
-            lambdas.push(one("estimator", l, c.auto_lambda(&world.spec).is_some()));
+        if let Some(l) = cell.lambda() {
+            lambdas.push(one("estimator", l, c.lambda_auto));
         }
-        if !choice.estimator && crate::budget::needs_tracker(&world.spec, c) {
+        if !choice.estimator && cell.curvature.tracker {
             let auto = world.spec.curvature.lambda == Some(crate::spec::OrAuto::Auto);
             lambdas.push(one("tracker", choice.tracker_lambda, auto));
         }

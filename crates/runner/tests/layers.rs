@@ -179,3 +179,44 @@ fn the_world_writes_no_spec_field() {
     }
     assert!(found.is_empty(), "the world assigns into a spec: {found:?}");
 }
+
+/// Whether a line of code names the whole spec: the type `Spec` or the world's `world.spec`.
+fn names_the_spec(code: &str) -> bool {
+    let word = |w: &str| {
+        code.match_indices(w).any(|(i, _)| {
+            let before = code[..i].chars().next_back();
+            let after = code[i + w.len()..].chars().next();
+            !before.is_some_and(|c| c.is_alphanumeric() || c == '_')
+                && !after.is_some_and(|c| c.is_alphanumeric() || c == '_')
+        })
+    };
+    word("Spec") || code.contains("world.spec")
+}
+
+/// The cells read their resolved `CellConfig` and nothing else of the spec (issue "resolve
+/// once"): no code of `settings/` outside its tests names the `Spec` type or `world.spec`.
+#[test]
+fn the_cells_read_no_spec() {
+    assert!(names_the_spec("fn f(spec: &Spec) {"), "negative control: the type is seen");
+    assert!(names_the_spec("let s = &world.spec;"), "negative control: the world's spec is seen");
+    assert!(!names_the_spec("use crate::spec::{CheckpointSpec, EnvSpec};"), "a table's type is not the spec");
+    let mut found = Vec::new();
+    let mut stack = vec![Path::new(env!("CARGO_MANIFEST_DIR")).join("src/settings")];
+    while let Some(dir) = stack.pop() {
+        for e in std::fs::read_dir(&dir).unwrap() {
+            let p = e.unwrap().path();
+            if p.is_dir() {
+                stack.push(p);
+                continue;
+            }
+            let text = std::fs::read_to_string(&p).unwrap();
+            let code = text.split("#[cfg(test)]").next().unwrap_or_default();
+            for (i, line) in code.lines().enumerate() {
+                if names_the_spec(line.split("//").next().unwrap_or_default()) {
+                    found.push(format!("{}:{}: {}", p.display(), i + 1, line.trim()));
+                }
+            }
+        }
+    }
+    assert!(found.is_empty(), "the cells read the spec: {found:?}");
+}

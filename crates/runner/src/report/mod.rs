@@ -3,9 +3,9 @@
 //! figure per metric against samples seen, with a ±1 std band over seeds; `cost` plots the
 //! flops per sample between evaluation points, flat for one-pass estimators and growing for mle.
 
-use anyhow::{anyhow, bail, Context, Result};
-use arrow_array::{Array, BooleanArray, Float64Array, RecordBatch, StringArray, UInt32Array, UInt64Array};
-use parquet::arrow::arrow_reader::ParquetRecordBatchReaderBuilder;
+use crate::results;
+use crate::rows::{MetricRow, PolicyRow};
+use anyhow::{bail, Context, Result};
 use plotters::prelude::*;
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
@@ -44,24 +44,22 @@ pub const POLICY_FIGURES: [(&str, &str); 3] = [
     ("kl", "KL divergence to the initial policy, per sequence"),
 ];
 
+/// The policy.parquet values that get a figure, by column name (the typed row: a renamed field
+/// is a compile error here).
+const POLICY_VALUES: [(&str, fn(&PolicyRow) -> f64); 3] =
+    [("policy_reward", |r| r.policy_reward), ("bon_reward", |r| r.bon_reward), ("kl", |r| r.kl)];
+
 /// A run's policy.parquet as rows whose x is the chunk.
 pub fn read_policy(run: &Path) -> Result<Vec<Row>> {
-    let path = run.join("policy.parquet");
-    let mut rows = Vec::new();
-    for b in read_batches(&path)? {
-        let label = column::<StringArray>(&b, "label", &path)?;
-        let seed = column::<UInt32Array>(&b, "seed", &path)?;
-        let chunk = column::<UInt64Array>(&b, "chunk", &path)?;
-        let floats: Vec<(&str, &Float64Array)> = POLICY_FIGURES
-            .iter()
-            .map(|(n, _)| Ok((*n, column::<Float64Array>(&b, n, &path)?)))
-            .collect::<Result<_>>()?;
-        for i in 0..b.num_rows() {
-            let values = floats.iter().filter(|(_, c)| c.is_valid(i)).map(|(n, c)| (*n, c.value(i))).collect();
-            rows.push(Row { label: label.value(i).to_string(), seed: seed.value(i), samples: chunk.value(i), values });
-        }
-    }
-    Ok(rows)
+    Ok(results::read_policy(run)?
+        .into_iter()
+        .map(|(k, r)| Row {
+            label: k.label,
+            seed: k.seed,
+            samples: r.chunk,
+            values: POLICY_VALUES.iter().map(|(n, get)| (*n, get(&r))).collect(),
+        })
+        .collect())
 }
 
 /// Mean and standard error of the mean (sd/√n; 0 for one value).
@@ -151,67 +149,37 @@ pub fn policy_table(rows: &[Row]) -> String {
     out
 }
 
-/// Columns only chunked deployment runs have.
-const OPTIONAL: [&str; 3] = ["cum_pair_reward", "policy_reward", "kendall_tau"];
+/// The metrics.parquet values the report reads, by column name (the typed row: a renamed field
+/// is a compile error here); None where a row has no value (e.g. θ-error without a θ*).
+const METRIC_VALUES: [(&str, fn(&MetricRow) -> Option<f64>); 15] = [
+    ("train_loss", |r| Some(r.train_loss)),
+    ("eval_loss", |r| Some(r.eval_loss)),
+    ("eval_accuracy", |r| Some(r.eval_accuracy)),
+    ("theta_err", |r| r.theta_err),
+    ("subopt", |r| r.subopt),
+    ("regret", |r| r.regret),
+    ("subopt_avg", |r| r.subopt_avg),
+    ("cum_pair_reward", |r| r.cum_pair_reward),
+    ("policy_reward", |r| r.policy_reward),
+    ("kendall_tau", |r| r.kendall_tau),
+    ("subopt_pessimistic", |r| r.subopt_pessimistic),
+    ("subopt_pessimistic_ref", |r| r.subopt_pessimistic_ref),
+    ("theta_err_h", |r| r.theta_err_h),
+    ("kappa", |r| Some(r.kappa)),
+    ("kappa_reference", |r| Some(r.kappa_reference)),
+];
 
-/// Columns that runs written by earlier versions lack: the report reads those runs without them.
-const ADDED_LATER: [&str; 1] = ["subopt_pessimistic_ref"];
-
-fn read_batches(path: &Path) -> Result<Vec<RecordBatch>> {
-    let f = std::fs::File::open(path).with_context(|| format!("opening {}", path.display()))?;
-    let reader = ParquetRecordBatchReaderBuilder::try_new(f)
-        .with_context(|| format!("{}: not a parquet file", path.display()))?
-        .build()?;
-    reader.map(|b| b.with_context(|| format!("reading {}", path.display()))).collect()
-}
-
-fn column<'a, T: 'static>(b: &'a RecordBatch, name: &str, path: &Path) -> Result<&'a T> {
-    b.column_by_name(name)
-        .ok_or_else(|| anyhow!("{}: no column `{name}`", path.display()))?
-        .as_any()
-        .downcast_ref::<T>()
-        .ok_or_else(|| anyhow!("{}: column `{name}` has an unexpected type", path.display()))
-}
-
-/// Reads a run's metrics.parquet.
+/// Reads a run's metrics.parquet (`results::read_metrics`) into the report's rows.
 pub fn read_metrics(run: &Path) -> Result<Vec<Row>> {
-    let path = run.join("metrics.parquet");
-    let mut rows = Vec::new();
-    for b in read_batches(&path)? {
-        let label = column::<StringArray>(&b, "label", &path)?;
-        let seed = column::<UInt32Array>(&b, "seed", &path)?;
-        let samples = column::<UInt64Array>(&b, "samples_seen", &path)?;
-        let flops = column::<UInt64Array>(&b, "flops", &path)?;
-        let _ = column::<BooleanArray>(&b, "converged", &path)?;
-        let mut floats = Vec::new();
-        for name in FIGURES.iter().map(|(n, _)| *n).filter(|n| *n != "cost").chain([
-            "subopt_pessimistic",
-            "subopt_pessimistic_ref",
-            "theta_err_h",
-            "kappa",
-            "kappa_reference",
-        ]) {
-            if (OPTIONAL.contains(&name) || ADDED_LATER.contains(&name)) && b.column_by_name(name).is_none() {
-                continue;
-            }
-            floats.push((name, column::<Float64Array>(&b, name, &path)?));
-        }
-        for i in 0..b.num_rows() {
-            let mut values = BTreeMap::new();
-            for (name, col) in &floats {
-                if col.is_valid(i) {
-                    values.insert(*name, col.value(i));
-                }
-            }
-            values.insert("flops_cum", flops.value(i) as f64);
-            rows.push(Row {
-                label: label.value(i).to_string(),
-                seed: seed.value(i),
-                samples: samples.value(i),
-                values,
-            });
-        }
-    }
+    let mut rows: Vec<Row> = results::read_metrics(run)?
+        .into_iter()
+        .map(|(k, r)| {
+            let mut values: BTreeMap<&'static str, f64> =
+                METRIC_VALUES.iter().filter_map(|(n, get)| get(&r).map(|v| (*n, v))).collect();
+            values.insert("flops_cum", r.flops as f64);
+            Row { label: k.label, seed: k.seed, samples: r.samples_seen, values }
+        })
+        .collect();
     add_cost(&mut rows);
     Ok(rows)
 }
@@ -307,15 +275,10 @@ pub fn final_table(runs: &[(String, Vec<Row>)]) -> String {
     s
 }
 
-fn win_table(path: &Path) -> Result<String> {
+fn win_table(run: &Path) -> Result<String> {
     let mut s = String::from("| config | chunk win rate | prompt win rate |\n|---|---|---|\n");
-    for b in read_batches(path)? {
-        let label = column::<StringArray>(&b, "label", path)?;
-        let ch = column::<Float64Array>(&b, "chunk_win_rate", path)?;
-        let pr = column::<Float64Array>(&b, "prompt_win_rate", path)?;
-        for i in 0..b.num_rows() {
-            s.push_str(&format!("| {} | {:.3} | {:.3} |\n", label.value(i), ch.value(i), pr.value(i)));
-        }
+    for (label, w) in results::read_winrates(run)? {
+        s.push_str(&format!("| {label} | {:.3} | {:.3} |\n", w.chunk_win_rate, w.prompt_win_rate));
     }
     Ok(s)
 }
@@ -496,14 +459,8 @@ fn draw_figures(
     }
     let wpath = run.join("winrates.parquet");
     if wpath.exists() {
-        let mut wins = Vec::new();
-        for b in read_batches(&wpath)? {
-            let label = column::<StringArray>(&b, "label", &wpath)?;
-            let ch = column::<Float64Array>(&b, "chunk_win_rate", &wpath)?;
-            for i in 0..b.num_rows() {
-                wins.push((label.value(i).to_string(), ch.value(i)));
-            }
-        }
+        let wins: Vec<(String, f64)> =
+            results::read_winrates(run)?.into_iter().map(|(label, w)| (label, w.chunk_win_rate)).collect();
         if !wins.is_empty() {
             let size = figures::heatmap_size(&wins, &layout);
             let sub = format!("{name} · {data} · over {seeds} seed{plural} × chunks");
@@ -516,16 +473,9 @@ fn draw_figures(
 
 /// Per label: (estimator seconds, cell wall seconds) of every cell, from timings.parquet.
 fn cell_times(run: &Path) -> Result<BTreeMap<String, Vec<(f64, f64)>>> {
-    let path = run.join("timings.parquet");
     let mut seen: BTreeMap<(String, u32), (f64, f64)> = BTreeMap::new();
-    for b in read_batches(&path)? {
-        let label = column::<StringArray>(&b, "label", &path)?;
-        let seed = column::<UInt32Array>(&b, "seed", &path)?;
-        let est = column::<Float64Array>(&b, "cell_estimator_s", &path)?;
-        let wall = column::<Float64Array>(&b, "cell_wall_s", &path)?;
-        for i in 0..b.num_rows() {
-            seen.insert((label.value(i).to_string(), seed.value(i)), (est.value(i), wall.value(i)));
-        }
+    for (k, t) in results::read_timings(run)? {
+        seen.insert((k.label, k.seed), (t.estimator_s, t.wall_s));
     }
     let mut out: BTreeMap<String, Vec<(f64, f64)>> = BTreeMap::new();
     for ((label, _), t) in seen {
@@ -675,21 +625,14 @@ fn slug(label: &str) -> String {
 /// θ of the first seed of every config as `score.weight` (shape [1, d], f32, no bias): the head of
 /// transformers' `*ForSequenceClassification` over the feature model. Returns the files written.
 pub fn export_heads(run: &Path, out: &Path) -> Result<Vec<PathBuf>> {
-    let path = run.join("cells.parquet");
     let mut first: BTreeMap<String, (u32, String)> = BTreeMap::new();
-    for b in read_batches(&path)? {
-        let label = column::<StringArray>(&b, "label", &path)?;
-        let seed = column::<UInt32Array>(&b, "seed", &path)?;
-        let cell = column::<StringArray>(&b, "cell_id", &path)?;
-        let status = column::<StringArray>(&b, "status", &path)?;
-        for i in 0..b.num_rows() {
-            if status.value(i) != "ok" {
-                continue;
-            }
-            let e = first.entry(label.value(i).to_string()).or_insert((u32::MAX, String::new()));
-            if seed.value(i) < e.0 {
-                *e = (seed.value(i), cell.value(i).to_string());
-            }
+    for (k, c) in results::read_cells(run)? {
+        if c.status != "ok" {
+            continue;
+        }
+        let e = first.entry(k.label).or_insert((u32::MAX, String::new()));
+        if k.seed < e.0 {
+            *e = (k.seed, k.cell_id);
         }
     }
     let meta: serde_json::Value = std::fs::read_to_string(run.join("meta.json"))
@@ -792,7 +735,7 @@ pub fn report(run: &Path) -> Result<PathBuf> {
     md.push_str(&final_table(&[(String::new(), rows.clone())]));
     if run.join("winrates.parquet").exists() {
         md.push_str("\n## Win rates\n\nPer (seed, chunk), the cell with the highest chunk mean of oracle r(a) + r(a′) wins (ties share the win); per (seed, prompt), the same on the pair each cell chose. Over every estimator × strategy cell of the run, so chance is 1 / configs.\n\n");
-        md.push_str(&win_table(&run.join("winrates.parquet"))?);
+        md.push_str(&win_table(run)?);
     }
     let policy = if run.join("policy.parquet").exists() { read_policy(run)? } else { Vec::new() };
     if !policy.is_empty() {
@@ -845,22 +788,11 @@ fn failed_cells(run: &Path) -> Result<String> {
         return Ok(String::new());
     }
     let (mut total, mut lines) = (0, Vec::new());
-    for b in read_batches(&path)? {
-        let (cell, label) = (column::<StringArray>(&b, "cell_id", &path)?, column::<StringArray>(&b, "label", &path)?);
-        let (seed, status) = (column::<UInt32Array>(&b, "seed", &path)?, column::<StringArray>(&b, "status", &path)?);
-        let err = column::<StringArray>(&b, "err", &path)?;
-        for i in 0..b.num_rows() {
-            total += 1;
-            if status.value(i) != "ok" {
-                let e = if err.is_null(i) { "" } else { err.value(i) };
-                lines.push(format!(
-                    "| {} | {} | {} | {} |",
-                    cell.value(i),
-                    label.value(i),
-                    seed.value(i),
-                    e.replace('|', "\\|")
-                ));
-            }
+    for (k, c) in results::read_cells(run)? {
+        total += 1;
+        if c.status != "ok" {
+            let e = c.err.unwrap_or_default();
+            lines.push(format!("| {} | {} | {} | {} |", k.cell_id, k.label, k.seed, e.replace('|', "\\|")));
         }
     }
     if lines.is_empty() {
@@ -893,18 +825,23 @@ mod tests {
     use super::*;
     use crate::rows::{Col, METRICS, METRICS_CHUNKED};
 
-    /// The report reads metrics.parquet by the names of the schema in `rows`: every float it
-    /// reads is a float column there, and the optional ones are those of chunked runs only.
+    /// The report's metrics are columns of the schema in `rows` under their own names (its
+    /// figures are named after them), every figure but the computed `cost` has its value, and
+    /// the policy figures are policy.parquet columns.
     #[test]
     fn report_reads_the_columns_rows_defines() {
-        let float = |cols: &[Col<crate::rows::MetricRow>], n: &str| {
+        let float = |cols: &[Col<MetricRow>], n: &str| {
             cols.iter().any(|c| c.name() == n && matches!(c, Col::F64(..) | Col::OptF64(..)))
         };
-        let read = FIGURES.iter().map(|(n, _)| *n).filter(|n| *n != "cost");
-        for n in read.chain(["subopt_pessimistic", "subopt_pessimistic_ref", "theta_err_h", "kappa", "kappa_reference"])
-        {
+        for (n, _) in METRIC_VALUES {
             assert!(float(METRICS, n) || float(METRICS_CHUNKED, n), "report reads `{n}`, which rows does not define");
-            assert_eq!(OPTIONAL.contains(&n), float(METRICS_CHUNKED, n), "`{n}`: optional iff chunked-only");
+        }
+        for (n, _) in FIGURES.iter().filter(|(n, _)| *n != "cost") {
+            assert!(METRIC_VALUES.iter().any(|(m, _)| m == n), "figure `{n}` has no value");
+        }
+        for ((n, _), (m, _)) in POLICY_FIGURES.iter().zip(POLICY_VALUES) {
+            assert_eq!(*n, m);
+            assert!(crate::rows::POLICY.iter().any(|c| c.name() == m && matches!(c, Col::F64(..))), "`{m}`");
         }
         // negative control
         assert!(!float(METRICS, "no_such_column"));

@@ -6,9 +6,9 @@ use super::choose;
 use super::learner::Learner;
 use super::state::{drive, CellCtx, Progress};
 use super::Source;
-use crate::plan::ConfigPlan;
+use crate::plan::CellConfig;
 use crate::rows::CellResult;
-use crate::spec::{ActiveRule, ScoreNorm, Spec};
+use crate::spec::{ActiveRule, ScoreNorm};
 use crate::world::env::two_arms;
 use anyhow::{anyhow, Result};
 use estimators::{Curvature, CurvatureKind};
@@ -16,18 +16,17 @@ use rand::Rng;
 use std::borrow::Cow;
 
 pub(super) fn active(
-    spec: &Spec,
-    config: &ConfigPlan,
+    cell: &CellConfig,
     src: &Source<'_>,
     l: &mut Learner,
     seed: u32,
     ctx: &mut CellCtx,
     resumed: Option<Progress>,
 ) -> Result<CellResult> {
-    let a = &spec.active;
-    let (b, d) = (spec.stream.batch_size, spec.env.dim);
-    let steps = spec.stream.samples / b as u64;
-    let mut fresh = Progress::fresh(spec, seed);
+    let a = &cell.active;
+    let (b, d) = (cell.stream.batch_size, cell.d);
+    let steps = cell.stream.samples / b as u64;
+    let mut fresh = Progress::fresh(cell.master_seed, seed);
     // the pool: pairs drawn once, each with its label drawn once (a re-queried pair keeps it)
     let (pool_z, pool_y): (Cow<'_, [f32]>, Cow<'_, [f32]>) = match src {
         Source::Synthetic(env) => {
@@ -55,7 +54,7 @@ pub(super) fn active(
         return Err(anyhow!("the checkpoint's pool has {} pairs: expected {pool}", pr.active.used.len()));
     }
     let (mut z, mut y) = (Vec::with_capacity(b * d), Vec::with_capacity(b));
-    let rule = config.rule.unwrap_or(a.rule.0[0]);
+    let rule = cell.config.rule.ok_or_else(|| anyhow::anyhow!("an active cell without its rule"))?;
     let fresh_strategy = match rule {
         // q and β resolved by the plan (ConfigPlan::for_cells)
         ActiveRule::Fresh(s) => Some(s),
@@ -123,7 +122,7 @@ pub(super) fn active(
             }
         }
         l.update(&z, &y)?;
-        if l.due(spec.stream.eval_every, last) {
+        if l.due(cell.stream.eval_every, last) {
             let mut row = l.row(src);
             row.subopt_avg = src.truth().map(|env| env.subopt_of(&env.greedy(&l.averaged())));
             row.ties = *ties;

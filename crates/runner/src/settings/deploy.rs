@@ -8,9 +8,9 @@ use super::deploy_rm::LearnedRm;
 use super::learner::Learner;
 use super::online::PolicyCell;
 use super::state::{drive, CellCtx, DeployProgress, Progress};
-use crate::plan::ConfigPlan;
+use crate::plan::{CellConfig, ConfigPlan};
 use crate::rows::{CellResult, MetricRow, PolicyTiming, RoundRow};
-use crate::spec::{Order, Spec};
+use crate::spec::Order;
 use crate::world::env::{Context, Env};
 use crate::world::generated::Generated;
 use crate::world::online::Online;
@@ -28,18 +28,17 @@ fn strategy_of(config: &ConfigPlan) -> Result<Strategy> {
 }
 
 pub(super) fn deploy(
-    spec: &Spec,
-    config: &ConfigPlan,
+    cell: &CellConfig,
     env: &Env,
     l: &mut Learner,
     seed: u32,
     ctx: &mut CellCtx,
     resumed: Option<Progress>,
 ) -> Result<CellResult> {
-    let strategy = strategy_of(config)?;
-    let (b, d, k) = (spec.stream.batch_size, env.d, env.k);
-    let steps = spec.stream.samples / b as u64;
-    let mut pr = resumed.unwrap_or_else(|| Progress::fresh(spec, seed));
+    let strategy = strategy_of(&cell.config)?;
+    let (b, d, k) = (cell.stream.batch_size, env.d, env.k);
+    let steps = cell.stream.samples / b as u64;
+    let mut pr = resumed.unwrap_or_else(|| Progress::fresh(cell.master_seed, seed));
     let (mut z, mut y) = (Vec::with_capacity(b * d), Vec::with_capacity(b));
     drive(steps, &mut pr, l, ctx, |_, last, pr, l| {
         z.clear();
@@ -63,7 +62,7 @@ pub(super) fn deploy(
             *rounds += 1;
         }
         l.update(&z, &y)?;
-        if l.due(spec.stream.eval_every, last) {
+        if l.due(cell.stream.eval_every, last) {
             let mut row = l.row_at((&env.eval_z, &env.eval_y), Some(env));
             row.regret = Some(pr.deploy.regret);
             row.mean_reward = Some(pr.deploy.reward_sum / pr.deploy.seen as f64);
@@ -95,8 +94,7 @@ pub(super) fn chunk_range(c: usize, p: usize, chunks: usize) -> std::ops::Range<
 /// ([`policy_step`]).
 #[allow(clippy::too_many_arguments)]
 pub(super) fn deploy_chunked(
-    spec: &Spec,
-    config: &ConfigPlan,
+    cell: &CellConfig,
     env: &Env,
     g: &Generated,
     online: Option<&Online>,
@@ -106,23 +104,23 @@ pub(super) fn deploy_chunked(
     ctx: &mut CellCtx,
     resumed: Option<Progress>,
 ) -> Result<CellResult> {
-    let strategy = strategy_of(config)?;
-    let mut fresh = Progress::fresh(spec, seed);
+    let strategy = strategy_of(&cell.config)?;
+    let mut fresh = Progress::fresh(cell.master_seed, seed);
     let p = env.contexts.len();
     let mut order: Vec<usize> = (0..p).collect();
-    if spec.deploy.prompt_order == Order::Shuffled {
+    if cell.deploy.prompt_order == Order::Shuffled {
         order.shuffle(&mut fresh.data);
     }
-    let chunks = spec.deploy.chunks.max(1);
+    let chunks = cell.deploy.chunks;
     let mut pr = resumed.unwrap_or(fresh);
     let mut lrm = match reward {
-        Some(base) => Some(LearnedRm::start(spec, config, base, l, seed, &mut pr, env)?),
+        Some(base) => Some(LearnedRm::start(cell, base, l, seed, &mut pr, env)?),
         None => None,
     };
     let mut pc = match online {
         Some(o) => {
-            let arm = config.arm.as_ref().ok_or_else(|| anyhow!("deploy cell without a policy arm"))?;
-            Some(PolicyCell::new(o, arm, spec, seed, pr.policy.state.as_ref())?)
+            let arm = cell.config.arm.as_ref().ok_or_else(|| anyhow!("deploy cell without a policy arm"))?;
+            Some(PolicyCell::new(o, arm, cell, seed, pr.policy.state.as_ref())?)
         }
         None => None,
     };
@@ -131,8 +129,8 @@ pub(super) fn deploy_chunked(
     }
     drive(chunks as u64, &mut pr, l, ctx, |t, last, pr, l| {
         let c = (t - 1) as usize;
-        if c > 0 && spec.deploy.reset_each_chunk {
-            l.reset_estimator(spec, config, seed)?;
+        if c > 0 && cell.deploy.reset_each_chunk {
+            l.reset_estimator(cell, seed)?;
         }
         let mut time = PolicyTiming { chunk: t, ..Default::default() };
         let xs = &order[chunk_range(c, p, chunks)];
@@ -143,13 +141,20 @@ pub(super) fn deploy_chunked(
         let mut chunk = responses(pc.as_ref(), lrm.as_ref(), env, g, online, xs, &mut time)?;
         let labels = label_chunk(env, &strategy, l, pr, pc.as_ref(), &chunk, xs, t);
         let t0 = Instant::now();
-        update_reward(lrm.as_mut(), l, pr, &labels, &chunk.ids, spec.stream.batch_size, env.d)?;
+        update_reward(lrm.as_mut(), l, pr, &labels, &chunk.ids, cell.stream.batch_size, env.d)?;
         time.estimator_s = t0.elapsed().as_secs_f64();
         let row = chunk_row(l, lrm.as_ref(), pr, env, &labels, t, xs.len())?;
         pr.rows.push(row);
         if let Some(pc) = &mut pc {
-            let step =
-                PolicyStep { chunk: t, last, chunks: chunks as u64, xs, rollout_digest, label: &config.label, seed };
+            let step = PolicyStep {
+                chunk: t,
+                last,
+                chunks: chunks as u64,
+                xs,
+                rollout_digest,
+                label: &cell.config.label,
+                seed,
+            };
             policy_step(pc, lrm.as_ref(), l, pr, &mut chunk, &labels, step, g, env.d, time)?;
         }
         Ok(())

@@ -11,9 +11,9 @@ use super::arms::Labelled;
 use super::learner::Learner;
 use super::passive_rm::{reward_model, CurrentFeatures, RmState};
 use super::state::Progress;
-use crate::plan::ConfigPlan;
+use crate::plan::CellConfig;
 use crate::rows::AdapterFiles;
-use crate::spec::{RewardUpdate, Spec};
+use crate::spec::RewardUpdate;
 use crate::world::env::{Context, Env};
 use crate::world::generated::{conversation, Generated};
 use crate::world::online::Online;
@@ -37,15 +37,14 @@ impl<'a> LearnedRm<'a> {
     /// φ) and θ₀ = the learner's, or both from the checkpoint; the update's state is put in
     /// `pr` when the cell starts.
     pub(super) fn start(
-        spec: &Spec,
-        config: &ConfigPlan,
+        cell: &CellConfig,
         base: &'a RewardBase,
         l: &Learner,
         seed: u32,
         pr: &mut Progress,
         env: &Env,
     ) -> Result<LearnedRm<'a>> {
-        let r = spec.reward.as_ref().expect("routed here by [reward]");
+        let r = cell.reward.as_ref().expect("routed here by [reward]");
         if base.bank_ids.len() != env.contexts.len() || base.bank_ids.iter().any(|x| x.len() != env.k) {
             return Err(anyhow!(
                 "[reward] update: the bank's token ids ({} prompts) do not match its {} contexts of {} responses",
@@ -56,13 +55,13 @@ impl<'a> LearnedRm<'a> {
         }
         // the run's number of updates (Alg. 5's damping schedule): a step per mini-batch of
         // each chunk's pairs, one pair per prompt
-        let (p, chunks, b) = (env.contexts.len(), spec.deploy.chunks.max(1), spec.stream.batch_size);
+        let (p, chunks, b) = (env.contexts.len(), cell.deploy.chunks, cell.stream.batch_size);
         let steps = (0..chunks).map(|c| super::deploy::chunk_range(c, p, chunks).len().div_ceil(b) as u64).sum();
-        let rm = reward_model(spec, base, l.theta(), seed)?;
+        let rm = reward_model(cell, base, l.theta(), seed)?;
         match &pr.reward_state {
             Some(st) => rm.set_flat(&st.params).context("the checkpoint's reward model")?,
             None => {
-                let update = OnePass::new(&config.cfg, &rm, Some(steps), r.hvp_config(), r.backbone_lr_scale)?;
+                let update = OnePass::new(&cell.config.cfg, &rm, Some(steps), r.hvp_config(), r.backbone_lr_scale)?;
                 pr.reward_state = Some(RmState::new(update));
             }
         }

@@ -2,10 +2,9 @@
 //! the running window of training statistics that a metric row reports.
 
 use super::Source;
-use crate::plan::ConfigPlan;
-use crate::plan::CurvatureChoice;
+use crate::plan::CellConfig;
 use crate::rows::{Bucket, CellResult, MetricRow, StepRow};
-use crate::spec::{CurvaturePoint, Spec};
+use crate::spec::CurvaturePoint;
 use crate::world::env::{dot, Component, Env};
 use anyhow::Result;
 use estimators::logistic::{accuracy_credit, log_loss};
@@ -120,23 +119,25 @@ impl Learner {
         out.buckets = std::mem::take(&mut self.buckets);
     }
 
-    pub(super) fn new(spec: &Spec, c: &ConfigPlan, seed: u32) -> Result<Learner> {
-        let d = spec.env.dim;
+    pub(super) fn new(cell: &CellConfig, seed: u32) -> Result<Learner> {
+        let (d, c) = (cell.d, &cell.config);
         let setup = Setup {
             dim: d,
             init: c.init,
-            seed: crate::world::env::seed_of(spec.master_seed, seed, Component::Init),
+            seed: crate::world::env::seed_of(cell.master_seed, seed, Component::Init),
             // per head: with R ranks each head makes 1/R of the updates
-            planned_steps: Some(spec.stream.samples / (spec.stream.batch_size * spec.stream.ranks.max(1)) as u64),
+            planned_steps: Some(cell.planned_steps()),
         };
         // the config is resolved for its cells (λ = "auto": ConfigPlan::for_cells)
         let est = estimators::build(&c.cfg, &setup)?;
-        let point = match spec.curvature.point {
+        let point = match cell.curvature.point {
             CurvaturePoint::LookAhead => HessianPoint::LookAhead,
             CurvaturePoint::Current => HessianPoint::Current,
         };
-        let choice = CurvatureChoice::of(spec, c);
-        let curv = crate::budget::needs_tracker(spec, c)
+        let choice = cell.curvature.choice;
+        let curv = cell
+            .curvature
+            .tracker
             .then(|| Curvature::with_forward(CurvatureKind::Hessian { lambda: choice.tracker_lambda, point }, d));
         let theta = est.theta();
         Ok(Learner {
@@ -148,7 +149,7 @@ impl Learner {
             steps: 0,
             samples: 0,
             prev_samples: 0,
-            record_steps: spec.stream.record_steps,
+            record_steps: cell.stream.record_steps,
             step_rows: Vec::new(),
             theta_sum: theta.clone(),
             next: theta.clone(),
@@ -170,8 +171,8 @@ impl Learner {
 
     /// A fresh estimator, curvature tracker and θ (the authors' re-initialised head); the
     /// counters, the training window and the timings go on.
-    pub(super) fn reset_estimator(&mut self, spec: &Spec, c: &ConfigPlan, seed: u32) -> Result<()> {
-        let fresh = Learner::new(spec, c, seed)?;
+    pub(super) fn reset_estimator(&mut self, cell: &CellConfig, seed: u32) -> Result<()> {
+        let fresh = Learner::new(cell, seed)?;
         self.est = fresh.est;
         self.curv = fresh.curv;
         self.theta = fresh.theta;
@@ -312,6 +313,7 @@ impl Learner {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::plan::CurvatureChoice;
     use rand::{Rng, SeedableRng};
 
     fn plan(text: &str) -> crate::plan::Plan {
@@ -334,7 +336,7 @@ mod tests {
 
     /// Feeds the same 64 labelled differences to a learner; returns it.
     fn fed(p: &crate::plan::Plan, config: usize) -> Learner {
-        let mut l = Learner::new(&p.spec, &p.configs[config].for_cells(&p.spec), 0).unwrap();
+        let mut l = Learner::new(&CellConfig::of(&p.spec, &p.configs[config]), 0).unwrap();
         let mut rng = rand_chacha::ChaCha20Rng::seed_from_u64(5);
         let b = p.spec.stream.batch_size;
         for _ in 0..64 / b {

@@ -17,7 +17,7 @@ mod state;
 pub use learner::Learner;
 pub use state::{CellCtx, CellSaver, CellState};
 
-use crate::plan::ConfigPlan;
+use crate::plan::CellConfig;
 use crate::rows::CellResult;
 use crate::spec::Setting;
 use crate::world::env::{dot, Context, Env};
@@ -71,53 +71,50 @@ pub(crate) fn choose(
 }
 
 /// Runs one cell without checkpoints.
-pub fn run_cell(world: &World, config: &ConfigPlan, seed: u32) -> Result<CellResult> {
-    run_cell_with(world, config, seed, &mut CellCtx::none())
+pub fn run_cell(world: &World, cell: &CellConfig, seed: u32) -> Result<CellResult> {
+    run_cell_with(world, cell, seed, &mut CellCtx::none())
 }
 
 /// Runs one cell, checkpointing through `ctx` and resuming from its state when it has one.
-pub fn run_cell_with(world: &World, config: &ConfigPlan, seed: u32, ctx: &mut CellCtx) -> Result<CellResult> {
-    let spec = &world.spec;
+pub fn run_cell_with(world: &World, cell: &CellConfig, seed: u32, ctx: &mut CellCtx) -> Result<CellResult> {
     let src = match (&world.data, &world.generated) {
         (Some(p), _) => Source::Pairs(p),
-        (None, Some(g)) => Source::Synthetic(Env::from_bank(&g.bank, spec.env.eval_pairs, spec.master_seed, seed)),
-        (None, None) => Source::Synthetic(Env::new(&spec.env, spec.master_seed, seed)),
+        (None, Some(g)) => Source::Synthetic(Env::from_bank(&g.bank, cell.env.eval_pairs, cell.master_seed, seed)),
+        (None, None) => Source::Synthetic(Env::new(&cell.env, cell.master_seed, seed)),
     };
     let (mut learners, resumed) = match ctx.resume.take() {
         Some(st) => {
-            let heads = if spec.setting == Setting::Passive { spec.stream.ranks.max(1) } else { 1 };
+            let heads = if cell.setting == Setting::Passive { cell.stream.ranks.max(1) } else { 1 };
             let (n, dims) = (st.learners.len(), st.learners.iter().map(|l| l.dims()).collect::<Vec<_>>());
-            if n != heads || dims.iter().any(|&(d, est)| d != spec.env.dim || est != d) {
+            if n != heads || dims.iter().any(|&(d, est)| d != cell.d || est != d) {
                 return Err(anyhow!(
                     "the checkpoint holds {n} head(s) of dimension {:?}: expected {heads} of dimension {}",
                     dims.iter().map(|d| d.0).collect::<Vec<_>>(),
-                    spec.env.dim
+                    cell.d
                 ));
             }
             ctx.saver.wall_before = st.wall_s;
             (st.learners, Some(st.progress))
         }
-        None => (vec![Learner::new(spec, config, seed)?], None),
+        None => (vec![Learner::new(cell, seed)?], None),
     };
     let mut learner = learners.remove(0);
-    let mut out = match (spec.setting, &src) {
-        (Setting::Passive, Source::Pairs(_)) if spec.stream.ranks > 1 => {
-            passive::passive_ranks(spec, config, &src, &mut learner, learners, seed, ctx, resumed)?
+    let mut out = match (cell.setting, &src) {
+        (Setting::Passive, Source::Pairs(_)) if cell.stream.ranks > 1 => {
+            passive::passive_ranks(cell, &src, &mut learner, learners, seed, ctx, resumed)?
         }
         (Setting::Passive, Source::Pairs(p)) if world.reward.is_some() => {
             let base = world.reward.as_deref().expect("checked");
-            passive_rm::passive_features(spec, config, p, base, &mut learner, seed, ctx, resumed)?
+            passive_rm::passive_features(cell, p, base, &mut learner, seed, ctx, resumed)?
         }
-        (Setting::Passive, _) => passive::passive(spec, config, &src, &mut learner, seed, ctx, resumed)?,
-        (Setting::Active, _) => active::active(spec, config, &src, &mut learner, seed, ctx, resumed)?,
+        (Setting::Passive, _) => passive::passive(cell, &src, &mut learner, seed, ctx, resumed)?,
+        (Setting::Active, _) => active::active(cell, &src, &mut learner, seed, ctx, resumed)?,
         (Setting::Deploy, Source::Synthetic(env)) if world.generated.is_some() => {
             let g = world.generated.as_deref().expect("checked");
             let (online, reward) = (world.online.as_deref(), world.reward.as_deref());
-            deploy::deploy_chunked(spec, config, env, g, online, reward, &mut learner, seed, ctx, resumed)?
+            deploy::deploy_chunked(cell, env, g, online, reward, &mut learner, seed, ctx, resumed)?
         }
-        (Setting::Deploy, Source::Synthetic(env)) => {
-            deploy::deploy(spec, config, env, &mut learner, seed, ctx, resumed)?
-        }
+        (Setting::Deploy, Source::Synthetic(env)) => deploy::deploy(cell, env, &mut learner, seed, ctx, resumed)?,
         (Setting::Deploy, Source::Pairs(_)) => return Err(anyhow!("deploy needs the synthetic environment")),
     };
     learner.finish(&mut out);

@@ -14,10 +14,11 @@
 
 use super::arms::{self, Arm, Chunk, Labelled, Rollouts, Update};
 use super::passive_rm::CurrentFeatures;
+use crate::plan::CellConfig;
 use crate::plan::{ArmPlan, Learning};
 use crate::rows::{AdapterFiles, EvalTimes, PolicyRow, PolicyTiming, UpdateRow};
 use crate::spec::policy::RolloutSource;
-use crate::spec::{AdapterLife, KlReference, LrRestart, SaveAdapter, Spec};
+use crate::spec::{AdapterLife, KlReference, LrRestart, SaveAdapter};
 use crate::world::env::{argmax, dot, per_chunk_seed, seed_of, Component, Context, Env};
 use crate::world::generated::{conversation, Generated};
 use crate::world::online::Online;
@@ -72,18 +73,18 @@ impl<'a> PolicyCell<'a> {
     pub(super) fn new(
         online: &'a Online,
         plan: &ArmPlan,
-        spec: &Spec,
+        cell: &CellConfig,
         seed: u32,
         state: Option<&PolicyState>,
     ) -> Result<Self> {
-        let base_model = spec.generate.as_ref().map(|g| g.policy.clone()).unwrap_or_default();
+        let base_model = cell.base_policy.clone().unwrap_or_default();
         if seed as usize >= online.eval_opts.len() {
             return Err(anyhow!("seed index {seed}: the run prepared held-out streams for {}", online.eval_opts.len()));
         }
         let ps = &online.spec;
         // the schedule's window: each update's steps, or the run's (Σ over the chunks of the
         // steps of an update that sees its items on every prompt it updates on)
-        let (prompts, chunks) = (online.prompt_ids.len(), spec.deploy.chunks.max(1));
+        let (prompts, chunks) = (online.prompt_ids.len(), cell.deploy.chunks);
         let learning = plan.learning().cloned();
         let cap = learning.as_ref().filter(|l| l.rollouts.per_prompt > 0).and_then(|l| l.rollouts.prompts);
         let window = match ps.lr_restart {
@@ -98,9 +99,9 @@ impl<'a> PolicyCell<'a> {
                     .sum(),
             },
         };
-        let arm = arms::build(plan, spec.master_seed, seed, window, online);
+        let arm = arms::build(plan, cell.master_seed, seed, window, online);
         let learns = arm.learns();
-        let policy_seed = seed_of(spec.master_seed, seed, Component::Policy);
+        let policy_seed = seed_of(cell.master_seed, seed, Component::Policy);
         let warm = match plan {
             ArmPlan::Dpo { update, warm_start: Some(w), .. } => Some(policy::train::DpoConfig {
                 epochs: w.epochs,
@@ -119,7 +120,7 @@ impl<'a> PolicyCell<'a> {
             seed: seed as usize,
             policy_seed,
             learning,
-            rollout_seed: seed_of(spec.master_seed, seed, Component::Rollouts),
+            rollout_seed: seed_of(cell.master_seed, seed, Component::Rollouts),
             warm,
             merged_adapter: None,
         };

@@ -6,9 +6,9 @@ use super::learner::Learner;
 use super::pessimism::pessimistic;
 use super::state::{drive, CellCtx, Progress};
 use super::Source;
-use crate::plan::ConfigPlan;
+use crate::plan::CellConfig;
 use crate::rows::{CellResult, MetricRow};
-use crate::spec::{Order, PessimismReference, Spec};
+use crate::spec::{Order, PessimismReference};
 use crate::world::env::two_arms;
 use crate::world::pairs::PairData;
 use anyhow::{anyhow, Result};
@@ -16,12 +16,12 @@ use rand::seq::SliceRandom;
 use rand::Rng;
 
 /// The training rows of a features file in stream order.
-pub(super) fn file_order(spec: &Spec, p: &PairData, data: &mut rand_chacha::ChaCha20Rng) -> Vec<usize> {
+pub(super) fn file_order(cell: &CellConfig, p: &PairData, data: &mut rand_chacha::ChaCha20Rng) -> Vec<usize> {
     if let Some(o) = &p.order {
         return o.clone();
     }
     let mut order: Vec<usize> = (0..p.train.len()).collect();
-    if spec.env.order == Order::Shuffled {
+    if cell.env.order == Order::Shuffled {
         order.shuffle(data);
     }
     order
@@ -54,8 +54,7 @@ fn mean_rows(rows: &[MetricRow]) -> MetricRow {
 /// head r reads rows r, r+R, … of the stream; a metric row is the mean over heads.
 #[allow(clippy::too_many_arguments)]
 pub(super) fn passive_ranks(
-    spec: &Spec,
-    config: &ConfigPlan,
+    cell: &CellConfig,
     src: &Source<'_>,
     l0: &mut Learner,
     resumed_others: Vec<Learner>,
@@ -64,18 +63,18 @@ pub(super) fn passive_ranks(
     resumed: Option<Progress>,
 ) -> Result<CellResult> {
     let Source::Pairs(p) = src else { return Err(anyhow!("stream.ranks > 1 needs pairs")) };
-    let (b, r) = (spec.stream.batch_size, spec.stream.ranks);
-    let steps = spec.stream.samples / (b * r) as u64;
-    let mut fresh = Progress::fresh(spec, seed);
-    let order = file_order(spec, p, &mut fresh.data);
+    let (b, r) = (cell.stream.batch_size, cell.stream.ranks);
+    let steps = cell.stream.samples / (b * r) as u64;
+    let mut fresh = Progress::fresh(cell.master_seed, seed);
+    let order = file_order(cell, p, &mut fresh.data);
     let shards: Vec<Vec<usize>> = (0..r).map(|k| order.iter().skip(k).step_by(r).copied().collect()).collect();
     // every head starts from the same θ (DeepSpeed broadcasts rank 0's initial weights)
     let mut others: Vec<Learner> = match resumed {
         Some(_) => resumed_others,
-        None => (1..r).map(|_| Learner::new(spec, config, seed)).collect::<Result<_>>()?,
+        None => (1..r).map(|_| Learner::new(cell, seed)).collect::<Result<_>>()?,
     };
     let mut pr = resumed.unwrap_or(fresh);
-    let (mut z, mut y) = (Vec::with_capacity(b * spec.env.dim), Vec::with_capacity(b));
+    let (mut z, mut y) = (Vec::with_capacity(b * cell.d), Vec::with_capacity(b));
     let per_step = (b * r) as u64;
     for s in pr.done + 1..=steps {
         for k in 0..r {
@@ -95,7 +94,7 @@ pub(super) fn passive_ranks(
         }
         pr.position += b as u64;
         let (now, before) = (s * per_step, (s - 1) * per_step);
-        if s == steps || now / spec.stream.eval_every > before / spec.stream.eval_every {
+        if s == steps || now / cell.stream.eval_every > before / cell.stream.eval_every {
             let mut each = vec![l0.row(src)];
             each.extend(others.iter_mut().map(|o| o.row(src)));
             pr.rows.push(mean_rows(&each));
@@ -119,19 +118,18 @@ pub(super) fn passive_ranks(
 
 #[allow(clippy::too_many_arguments)]
 pub(super) fn passive(
-    spec: &Spec,
-    config: &ConfigPlan,
+    cell: &CellConfig,
     src: &Source<'_>,
     l: &mut Learner,
     seed: u32,
     ctx: &mut CellCtx,
     resumed: Option<Progress>,
 ) -> Result<CellResult> {
-    let (b, d) = (spec.stream.batch_size, spec.env.dim);
-    let steps = spec.stream.samples / b as u64;
-    let mut fresh = Progress::fresh(spec, seed);
+    let (b, d) = (cell.stream.batch_size, cell.d);
+    let steps = cell.stream.samples / b as u64;
+    let mut fresh = Progress::fresh(cell.master_seed, seed);
     let order = match src {
-        Source::Pairs(p) => file_order(spec, p, &mut fresh.data),
+        Source::Pairs(p) => file_order(cell, p, &mut fresh.data),
         Source::Synthetic(_) => Vec::new(),
     };
     let mut pr = resumed.unwrap_or(fresh);
@@ -160,7 +158,7 @@ pub(super) fn passive(
         pr.hash.f32s(&z);
         pr.hash.f32s(&y);
         l.update(&z, &y)?;
-        if l.due(spec.stream.eval_every, last) {
+        if l.due(cell.stream.eval_every, last) {
             pr.rows.push(l.row(src));
         }
         Ok(())
@@ -169,11 +167,11 @@ pub(super) fn passive(
     let Some(env) = src.truth() else {
         return Ok(CellResult { rows, stream_hash: h.0, ..Default::default() });
     };
-    let beta = config.pessimism_beta.ok_or_else(|| anyhow!("a passive cell's config was not resolved"))?;
+    let beta = cell.config.pessimism_beta.ok_or_else(|| anyhow!("a passive cell's config was not resolved"))?;
     let theta = l.theta.clone();
-    let how = spec.passive.pessimism;
+    let how = cell.passive.pessimism;
     let pess = pessimistic(env, &theta, &mut |x| l.inv_norm_f64(x), beta, how, false);
-    let pess_ref = (spec.passive.pessimism_reference == PessimismReference::Uniform)
+    let pess_ref = (cell.passive.reference == PessimismReference::Uniform)
         .then(|| pessimistic(env, &theta, &mut |x| l.inv_norm_f64(x), beta, how, true));
     if let Some(last) = rows.last_mut() {
         last.subopt_pessimistic = Some(env.subopt_of(&pess));

@@ -9,9 +9,9 @@
 use super::learner::Learner;
 use super::passive::file_order;
 use super::state::{CellCtx, Progress};
-use crate::plan::ConfigPlan;
+use crate::plan::CellConfig;
 use crate::rows::{AdapterFiles, Bucket, CellResult, MetricRow};
-use crate::spec::{RewardUpdate, Spec};
+use crate::spec::RewardUpdate;
 use crate::world::env::{seed_of, Component};
 use crate::world::pairs::PairData;
 use crate::world::reward::RewardBase;
@@ -95,12 +95,12 @@ impl RmState {
 
 /// The reward model of a cell: the feature model with fresh adapters (drawn from the cell's
 /// seed) or a trainable copy of every weight, and θ₀.
-pub(super) fn reward_model(spec: &Spec, base: &RewardBase, theta0: &[f64], seed: u32) -> Result<RewardModel> {
-    let r = spec.reward.as_ref().expect("the plan routes only [reward] cells here");
+pub(super) fn reward_model(cell: &CellConfig, base: &RewardBase, theta0: &[f64], seed: u32) -> Result<RewardModel> {
+    let r = cell.reward.as_ref().expect("the plan routes only [reward] cells here");
     let dtype = candle_core::DType::F32;
     let model = match r.update {
         RewardUpdate::Lora => {
-            let lora = r.lora(seed_of(spec.master_seed, seed, Component::RewardModel));
+            let lora = r.lora(seed_of(cell.master_seed, seed, Component::RewardModel));
             PolicyModel::new(base.base.clone(), base.cfg.clone(), &lora, base.max_len, dtype)?
         }
         RewardUpdate::Full => PolicyModel::new_full(base.base.clone(), base.cfg.clone(), base.max_len, dtype)?,
@@ -182,8 +182,7 @@ fn evaluate(
 
 #[allow(clippy::too_many_arguments)]
 pub(super) fn passive_features(
-    spec: &Spec,
-    config: &ConfigPlan,
+    cell: &CellConfig,
     p: &PairData,
     base: &RewardBase,
     l: &mut Learner,
@@ -192,19 +191,19 @@ pub(super) fn passive_features(
     resumed: Option<Progress>,
 ) -> Result<CellResult> {
     let ids = p.ids.as_ref().ok_or_else(|| anyhow!("[reward] update: the world kept no token ids"))?;
-    let r = spec.reward.as_ref().expect("routed here by [reward]");
-    let b = spec.stream.batch_size;
-    let steps = spec.stream.samples / b as u64;
-    let mut fresh = Progress::fresh(spec, seed);
-    let order = file_order(spec, p, &mut fresh.data);
+    let r = cell.reward.as_ref().expect("routed here by [reward]");
+    let b = cell.stream.batch_size;
+    let steps = cell.stream.samples / b as u64;
+    let mut fresh = Progress::fresh(cell.master_seed, seed);
+    let order = file_order(cell, p, &mut fresh.data);
     let mut pr = resumed.unwrap_or(fresh);
-    let rm = reward_model(spec, base, l.theta(), seed)?;
+    let rm = reward_model(cell, base, l.theta(), seed)?;
     let mut st = match pr.reward_state.take() {
         Some(s) => {
             rm.set_flat(&s.params).context("the checkpoint's reward model")?;
             s
         }
-        None => RmState::new(OnePass::new(&config.cfg, &rm, Some(steps), r.hvp_config(), r.backbone_lr_scale)?),
+        None => RmState::new(OnePass::new(&cell.config.cfg, &rm, Some(steps), r.hvp_config(), r.backbone_lr_scale)?),
     };
     let mut bucket_start = Instant::now();
     for t in pr.done + 1..=steps {
@@ -228,7 +227,7 @@ pub(super) fn passive_features(
         st.win_kappa = st.win_kappa.max(s.before.kappa);
         st.win_kref += s.before.kappa_reference;
         st.win_batches += 1.0;
-        if t == steps || st.samples / spec.stream.eval_every > st.prev_samples / spec.stream.eval_every {
+        if t == steps || st.samples / cell.stream.eval_every > st.prev_samples / cell.stream.eval_every {
             let wall = bucket_start.elapsed().as_secs_f64();
             let est = st.step_s - st.bucket_step_s;
             l.buckets.push(Bucket { step: t, samples_seen: st.samples, estimator_s: est, other_s: wall - est });

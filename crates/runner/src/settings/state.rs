@@ -5,7 +5,7 @@
 use super::learner::Learner;
 use crate::io::{encode, stop_requested, write_atomic_at, Interrupted};
 use crate::rows::{AdapterFiles, MetricRow, PolicyRow, PolicyTiming, RoundRow, UpdateRow};
-use crate::spec::{CheckpointSpec, Spec};
+use crate::spec::CheckpointSpec;
 use crate::world::env::{stream, Component};
 use anyhow::Result;
 use estimators::Curvature;
@@ -89,13 +89,13 @@ pub(super) struct PolicyProgress {
 
 impl Progress {
     /// The start of a cell: every stream at its origin.
-    pub(super) fn fresh(spec: &Spec, seed: u32) -> Progress {
+    pub(super) fn fresh(master_seed: u64, seed: u32) -> Progress {
         Progress {
             done: 0,
             position: 0,
-            data: stream(spec.master_seed, seed, Component::Data),
-            labels: stream(spec.master_seed, seed, Component::Labels),
-            select: stream(spec.master_seed, seed, Component::Select),
+            data: stream(master_seed, seed, Component::Data),
+            labels: stream(master_seed, seed, Component::Labels),
+            select: stream(master_seed, seed, Component::Select),
             hash: Hasher::new(),
             rows: Vec::new(),
             ties: 0,

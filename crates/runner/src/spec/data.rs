@@ -1,77 +1,55 @@
 //! The `[data]` table (`env.kind = "dataset"`): a preference dataset, how its rows are read,
-//! selected and split, and the feature model (its φ options are [`PhiSpec`]).
+//! selected and split, and the feature model (the φ key block of `phi.rs`).
 
-use super::phi::{d_batch, d_cache, d_device, d_dtype, d_eos_rule, d_layer, d_max_len, d_pool, d_truncation};
-use super::phi::{DType, Device, PhiSpec};
 use serde::{Deserialize, Serialize};
-use std::path::PathBuf;
 
-/// The `[data]` table.
-#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
-#[serde(deny_unknown_fields)]
-pub struct DataSpec {
-    /// The dataset: a file, a `*` pattern in the file name (several files read in name order), or
-    /// `hf:datasets/<owner>/<name>[@rev]:<file or pattern>`. `${VAR}` and `${VAR:-default}` are
-    /// expanded from the environment.
-    pub path: String,
-    /// Held-out pairs from other files (e.g. UltraFeedback test_prefs); default: a seeded split.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub eval_path: Option<String>,
-    #[serde(default = "d_format")]
-    pub format: Format,
-    /// Key names of the `generic` format.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub keys: Option<Keys>,
-    /// A malformed row (missing or null field, a conversation not ending with the assistant):
-    /// an error naming file, row and field, or skipped and counted in meta.json.
-    #[serde(default = "d_malformed")]
-    pub malformed: Malformed,
-    /// Pairs to use (default: every row of `path`).
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub rows: Option<usize>,
-    /// Which `rows`: the first ones (the authors' code) or a seeded random sample (the paper).
-    #[serde(default = "d_select")]
-    pub select: Select,
-    #[serde(default)]
-    pub select_seed: u64,
-    /// Held-out share of the selected pairs when there is no `eval_path`.
-    #[serde(default = "d_eval_fraction")]
-    pub eval_fraction: f64,
-    /// Seed of the train/held-out split (part of the preset, not of the run's seeds).
-    #[serde(default)]
-    pub split_seed: u64,
-    /// Held-out pairs to use from `eval_path` (default: all).
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub eval_rows: Option<usize>,
-    /// Pairs whose two sides became the same tokens (z = 0): dropped (counted) or kept.
-    #[serde(default = "d_degenerate")]
-    pub degenerate: Degenerate,
-    /// Pairs whose two sides have the same score (UltraFeedback): kept (default: the dataset as
-    /// published) or dropped; counted either way.
-    #[serde(default = "d_score_ties")]
-    pub score_ties: ScoreTies,
-    /// The feature model: a .gguf file, a model directory or hf:<owner>/<name>.
-    pub model: String,
-    #[serde(default = "d_max_len")]
-    pub max_len: usize,
-    #[serde(default = "d_eos_rule")]
-    pub eos_rule: features::EosRule,
-    #[serde(default = "d_truncation")]
-    pub truncation: features::Truncation,
-    #[serde(default = "d_layer")]
-    pub layer: i64,
-    #[serde(default = "d_pool")]
-    pub pool: features::Pool,
-    /// f32, bf16 or f16.
-    #[serde(default = "d_dtype")]
-    pub dtype: DType,
-    /// cpu, cuda, metal or auto.
-    #[serde(default = "d_device")]
-    pub device: Device,
-    #[serde(default = "d_batch")]
-    pub batch: usize,
-    #[serde(default = "d_cache")]
-    pub cache: PathBuf,
+super::phi::phi_table! {
+    /// The `[data]` table.
+    #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+    #[serde(deny_unknown_fields)]
+    pub struct DataSpec {
+        /// The dataset: a file, a `*` pattern in the file name (several files read in name order), or
+        /// `hf:datasets/<owner>/<name>[@rev]:<file or pattern>`. `${VAR}` and `${VAR:-default}` are
+        /// expanded from the environment.
+        pub path: String,
+        /// Held-out pairs from other files (e.g. UltraFeedback test_prefs); default: a seeded split.
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        pub eval_path: Option<String>,
+        #[serde(default = "d_format")]
+        pub format: Format,
+        /// Key names of the `generic` format.
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        pub keys: Option<Keys>,
+        /// A malformed row (missing or null field, a conversation not ending with the assistant):
+        /// an error naming file, row and field, or skipped and counted in meta.json.
+        #[serde(default = "d_malformed")]
+        pub malformed: Malformed,
+        /// Pairs to use (default: every row of `path`).
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        pub rows: Option<usize>,
+        /// Which `rows`: the first ones (the authors' code) or a seeded random sample (the paper).
+        #[serde(default = "d_select")]
+        pub select: Select,
+        #[serde(default)]
+        pub select_seed: u64,
+        /// Held-out share of the selected pairs when there is no `eval_path`.
+        #[serde(default = "d_eval_fraction")]
+        pub eval_fraction: f64,
+        /// Seed of the train/held-out split (part of the preset, not of the run's seeds).
+        #[serde(default)]
+        pub split_seed: u64,
+        /// Held-out pairs to use from `eval_path` (default: all).
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        pub eval_rows: Option<usize>,
+        /// Pairs whose two sides became the same tokens (z = 0): dropped (counted) or kept.
+        #[serde(default = "d_degenerate")]
+        pub degenerate: Degenerate,
+        /// Pairs whose two sides have the same score (UltraFeedback): kept (default: the dataset as
+        /// published) or dropped; counted either way.
+        #[serde(default = "d_score_ties")]
+        pub score_ties: ScoreTies,
+    }
+    cache = "crate::spec::phi::d_cache"
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
@@ -149,22 +127,6 @@ pub fn expand_env(s: &str) -> Result<String, String> {
 }
 
 impl DataSpec {
-    /// The feature model and its options.
-    pub fn phi(&self) -> PhiSpec {
-        PhiSpec {
-            model: self.model.clone(),
-            max_len: self.max_len,
-            eos_rule: self.eos_rule,
-            truncation: self.truncation,
-            layer: self.layer,
-            pool: self.pool,
-            dtype: self.dtype,
-            device: self.device,
-            batch: self.batch,
-            cache: self.cache.clone(),
-        }
-    }
-
     /// Checks that need no file: (key, message).
     pub fn check(&self) -> Result<(), (&'static str, String)> {
         if !(self.eval_fraction > 0.0 && self.eval_fraction < 1.0) {

@@ -2,7 +2,7 @@
 //! `[features]` (the learner's φ) and `[oracle]` (what scores and labels the responses).
 
 use super::data::expand_env;
-use super::phi::{d_batch, d_device, d_dtype, d_eos_rule, d_layer, d_max_len, d_pool, d_truncation};
+use super::phi::{d_batch, d_device, d_dtype};
 use super::phi::{DType, Device, PhiSpec};
 use features::generate::SampleOptions;
 use serde::{Deserialize, Serialize};
@@ -58,29 +58,12 @@ pub struct GenerateSpec {
     pub cache: PathBuf,
 }
 
-/// The `[features]` table: the learner's φ over (prompt, response).
-#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
-#[serde(deny_unknown_fields)]
-pub struct FeatureSpec {
-    pub model: String,
-    #[serde(default = "d_max_len")]
-    pub max_len: usize,
-    #[serde(default = "d_eos_rule")]
-    pub eos_rule: features::EosRule,
-    #[serde(default = "d_truncation")]
-    pub truncation: features::Truncation,
-    #[serde(default = "d_layer")]
-    pub layer: i64,
-    #[serde(default = "d_pool")]
-    pub pool: features::Pool,
-    #[serde(default = "d_dtype")]
-    pub dtype: DType,
-    #[serde(default = "d_device")]
-    pub device: Device,
-    #[serde(default = "d_batch")]
-    pub batch: usize,
-    #[serde(default = "d_feat_cache")]
-    pub cache: PathBuf,
+super::phi::phi_table! {
+    /// The `[features]` table: the learner's φ over (prompt, response).
+    #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+    #[serde(deny_unknown_fields)]
+    pub struct FeatureSpec {}
+    cache = "d_feat_cache"
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
@@ -202,22 +185,6 @@ impl GenerateSpec {
 }
 
 impl FeatureSpec {
-    /// The learner's feature model and its options.
-    pub fn phi(&self) -> PhiSpec {
-        PhiSpec {
-            model: self.model.clone(),
-            max_len: self.max_len,
-            eos_rule: self.eos_rule,
-            truncation: self.truncation,
-            layer: self.layer,
-            pool: self.pool,
-            dtype: self.dtype,
-            device: self.device,
-            batch: self.batch,
-            cache: self.cache.clone(),
-        }
-    }
-
     pub fn check(&self) -> Result<(), (&'static str, String)> {
         self.phi().check()
     }

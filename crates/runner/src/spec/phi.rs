@@ -83,6 +83,60 @@ impl PhiSpec {
     }
 }
 
+/// A table that names a feature model: `$name`'s own keys, then the φ key block written once
+/// here (model, max_len, eos_rule, truncation, layer, pool, dtype, device, batch, cache with the
+/// table's own default `$cache`), and `$name::phi` giving them as [`PhiSpec`]. A macro rather
+/// than `#[serde(flatten)]`: serde refuses unknown keys only on a struct without flatten.
+macro_rules! phi_table {
+    ($(#[$m:meta])* pub struct $name:ident { $($own:tt)* } cache = $cache:tt) => {
+        $(#[$m])*
+        pub struct $name {
+            $($own)*
+            /// The feature model: a .gguf file, a model directory or hf:<owner>/<name>.
+            pub model: String,
+            #[serde(default = "crate::spec::phi::d_max_len")]
+            pub max_len: usize,
+            #[serde(default = "crate::spec::phi::d_eos_rule")]
+            pub eos_rule: features::EosRule,
+            #[serde(default = "crate::spec::phi::d_truncation")]
+            pub truncation: features::Truncation,
+            #[serde(default = "crate::spec::phi::d_layer")]
+            pub layer: i64,
+            #[serde(default = "crate::spec::phi::d_pool")]
+            pub pool: features::Pool,
+            /// f32, bf16 or f16.
+            #[serde(default = "crate::spec::phi::d_dtype")]
+            pub dtype: crate::spec::DType,
+            /// cpu, cuda, metal or auto.
+            #[serde(default = "crate::spec::phi::d_device")]
+            pub device: crate::spec::Device,
+            #[serde(default = "crate::spec::phi::d_batch")]
+            pub batch: usize,
+            #[serde(default = $cache)]
+            pub cache: std::path::PathBuf,
+        }
+
+        impl $name {
+            /// The feature model and its options.
+            pub fn phi(&self) -> crate::spec::PhiSpec {
+                crate::spec::PhiSpec {
+                    model: self.model.clone(),
+                    max_len: self.max_len,
+                    eos_rule: self.eos_rule,
+                    truncation: self.truncation,
+                    layer: self.layer,
+                    pool: self.pool,
+                    dtype: self.dtype,
+                    device: self.device,
+                    batch: self.batch,
+                    cache: self.cache.clone(),
+                }
+            }
+        }
+    };
+}
+pub(crate) use phi_table;
+
 // serde defaults shared by the tables that name a feature model
 pub(crate) fn d_max_len() -> usize {
     1024

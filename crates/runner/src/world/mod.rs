@@ -36,9 +36,9 @@ pub struct World {
     pub spec: Spec,
     /// What the data says.
     pub facts: DataFacts,
-    /// The plan's configs resolved for their cells against `spec`
-    /// ([`crate::plan::ConfigPlan::for_cells`]): what the cells run.
-    pub configs: Vec<crate::plan::ConfigPlan>,
+    /// The plan's configs resolved for their cells against `spec` ([`crate::plan::CellConfig`]):
+    /// what the cells run, and all they read of the spec.
+    pub configs: Vec<crate::plan::CellConfig>,
     /// kind = "features" or "dataset": the pairs, read once.
     pub data: Option<Arc<PairData>>,
     /// kind = "generated": the responses, their φ and rewards.
@@ -153,7 +153,7 @@ pub fn build(plan: &Plan, progress: Mode) -> Result<World, SpecError> {
     let data_scale = data_scale(spec, data.as_deref(), generated.as_deref());
     let facts = DataFacts { dim, bank, samples, data_scale };
     let spec = crate::plan::resolve(spec, &facts);
-    let configs = plan.configs.iter().map(|c| c.for_cells(&spec)).collect();
+    let configs = plan.configs.iter().map(|c| crate::plan::CellConfig::of(&spec, c)).collect();
     Ok(World { spec, facts, configs, data, generated, online, reward })
 }
 

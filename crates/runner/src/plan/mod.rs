@@ -4,6 +4,10 @@
 //! configs × (deploy: strategies; active: rules) × seeds are the cells. `onepass run --dry-run`
 //! stops here.
 
+mod cell;
+
+pub use cell::{ActiveCell, CellConfig, CurvatureCell, DeployCell, PassiveCell};
+
 use crate::spec::estimator::{self, Bounds};
 use crate::spec::*;
 use estimators::{EstimatorConfig, EstimatorError, Init, Kind, Setup};
@@ -264,16 +268,15 @@ impl CurvatureChoice {
         let set = spec.curvature.lambda.map(|l| l.or(auto));
         CurvatureChoice { estimator, tracker_lambda: set.or(est_lambda).unwrap_or(1.0) }
     }
+}
 
-    /// As cells.parquet's `curvature` column writes it.
-    pub fn describe(&self, c: &ConfigPlan, spec: &Spec) -> String {
-        if self.estimator {
-            let l = c.lambda(spec).map_or(String::new(), |l| format!(", λ = {l}"));
-            format!("estimator ({} 𝓗_t{l})", c.kind)
-        } else {
-            format!("tracker (λ = {})", self.tracker_lambda)
-        }
-    }
+/// Whether a cell of `c` keeps the 𝓗_t tracker: for ‖θ − θ*‖_𝓗 when the truth is known (the
+/// synthetic and generated bandits), or as the uncertainty of an estimator without its own 𝓗_t
+/// in the settings that score uncertainty.
+pub fn needs_tracker(spec: &Spec, c: &ConfigPlan) -> bool {
+    let truth = matches!(spec.env.kind, EnvKind::Synthetic | EnvKind::Generated);
+    let scores = spec.setting != Setting::Passive;
+    truth || (scores && !CurvatureChoice::of(spec, c).estimator)
 }
 
 #[derive(Clone, Debug)]
