@@ -96,6 +96,7 @@ impl OmdExactConfig {
 
 /// The damping shape f of omd-hvp-cg: λ_t = max(λ_min, λ0·f(min(1, t/T))).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+#[serde(rename_all = "kebab-case")]
 pub enum DampingSchedule {
     /// f(u) = u (the paper's choice).
     Linear,
@@ -127,9 +128,13 @@ impl FromStr for DampingSchedule {
     }
 }
 
-/// `omd-hvp-cg`: paper Alg. 5.
+/// `omd-hvp-cg`: paper Alg. 5. Read straight from an `[[estimator]]` table (its keys are these
+/// fields; a key not among them is an error, a missing one takes the default).
 #[derive(Clone, Copy, Debug, PartialEq, serde::Serialize, serde::Deserialize)]
+#[serde(default, deny_unknown_fields)]
 pub struct HvpCgConfig {
+    /// η of θ ← θ − η v (default 1e-3).
+    pub lr: f64,
     /// K, the CG steps (default 3).
     pub cg_steps: usize,
     /// λ0 (default 0.8).
@@ -137,8 +142,6 @@ pub struct HvpCgConfig {
     pub schedule: DampingSchedule,
     /// Floor of λ_t (default 1e-6), so the system stays positive definite at t = 1.
     pub lambda_min: f64,
-    /// η of θ ← θ − η v (default 1e-3).
-    pub lr: f64,
     /// ε of CG's relative stopping rule ‖r‖ ≤ ε‖g‖ (default 1e-5).
     pub cg_tol: f64,
 }
@@ -194,8 +197,10 @@ impl Default for SgdConfig {
     }
 }
 
-/// `adam`, `adam-reference` and the Adam half of `omd-hvp-cg+adam`.
+/// `adam`, `adam-reference` and the Adam half of `omd-hvp-cg+adam`; read straight from an
+/// `[[estimator]]` table.
 #[derive(Clone, Copy, Debug, PartialEq, serde::Serialize, serde::Deserialize)]
+#[serde(default, deny_unknown_fields)]
 pub struct AdamConfig {
     pub lr: f64,
     pub beta1: f64,
@@ -211,6 +216,7 @@ impl Default for AdamConfig {
 
 /// How `mle` re-fits.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+#[serde(rename_all = "kebab-case")]
 pub enum MleSolver {
     /// Damped Newton with the exact d×d Hessian: O(t·d² + d³) per iteration, small d only.
     Newton,
@@ -238,8 +244,10 @@ impl FromStr for MleSolver {
     }
 }
 
-/// `mle`: argmin Σ_{i≤t} ℓ_i(θ) + ridge·t·‖θ‖², re-fitted every `refit_every` updates.
+/// `mle`: argmin Σ_{i≤t} ℓ_i(θ) + ridge·t·‖θ‖², re-fitted every `refit_every` updates; read
+/// straight from an `[[estimator]]` table.
 #[derive(Clone, Copy, Debug, PartialEq, serde::Serialize, serde::Deserialize)]
+#[serde(default, deny_unknown_fields)]
 pub struct MleConfig {
     /// Default 1e-4 (so the optimum exists while the data are separable).
     pub ridge: f64,

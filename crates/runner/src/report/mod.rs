@@ -44,9 +44,12 @@ pub const POLICY_FIGURES: [(&str, &str); 3] = [
     ("kl", "KL divergence to the initial policy, per sequence"),
 ];
 
+/// A named value of a typed row.
+type Value<R, T> = (&'static str, fn(&R) -> T);
+
 /// The policy.parquet values that get a figure, by column name (the typed row: a renamed field
 /// is a compile error here).
-const POLICY_VALUES: [(&str, fn(&PolicyRow) -> f64); 3] =
+const POLICY_VALUES: [Value<PolicyRow, f64>; 3] =
     [("policy_reward", |r| r.policy_reward), ("bon_reward", |r| r.bon_reward), ("kl", |r| r.kl)];
 
 /// A run's policy.parquet as rows whose x is the chunk.
@@ -151,7 +154,7 @@ pub fn policy_table(rows: &[Row]) -> String {
 
 /// The metrics.parquet values the report reads, by column name (the typed row: a renamed field
 /// is a compile error here); None where a row has no value (e.g. θ-error without a θ*).
-const METRIC_VALUES: [(&str, fn(&MetricRow) -> Option<f64>); 15] = [
+const METRIC_VALUES: [Value<MetricRow, Option<f64>>; 15] = [
     ("train_loss", |r| Some(r.train_loss)),
     ("eval_loss", |r| Some(r.eval_loss)),
     ("eval_accuracy", |r| Some(r.eval_accuracy)),

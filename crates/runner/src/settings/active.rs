@@ -6,13 +6,14 @@ use super::choose;
 use super::learner::Learner;
 use super::state::{drive, CellCtx, Progress};
 use super::Source;
-use crate::plan::CellConfig;
+use crate::plan::{ActiveCell, CellConfig};
 use crate::rows::CellResult;
 use crate::spec::{ActiveRule, ScoreNorm};
 use crate::world::env::two_arms;
 use anyhow::{anyhow, Result};
 use estimators::{Curvature, CurvatureKind};
 use rand::Rng;
+use rand_chacha::ChaCha20Rng;
 use std::borrow::Cow;
 
 pub(super) fn active(
@@ -27,53 +28,32 @@ pub(super) fn active(
     let (b, d) = (cell.stream.batch_size, cell.d);
     let steps = cell.stream.samples / b as u64;
     let mut fresh = Progress::fresh(cell.master_seed, seed);
-    // the pool: pairs drawn once, each with its label drawn once (a re-queried pair keeps it)
-    let (pool_z, pool_y): (Cow<'_, [f32]>, Cow<'_, [f32]>) = match src {
-        Source::Synthetic(env) => {
-            let (mut pool_z, mut pool_y) = (Vec::with_capacity(a.pool * d), Vec::with_capacity(a.pool));
-            for _ in 0..a.pool {
-                let c = env.draw_context(&mut fresh.data);
-                let (a1, a2) = two_arms(&mut fresh.data, env.k);
-                let z = env.diff(&c, a1, a2);
-                pool_y.push(env.label(&c, a1, a2, &z, fresh.labels.random()));
-                pool_z.extend(z);
-            }
-            (pool_z.into(), pool_y.into())
-        }
-        // the pool is every training row; its labels are the file's
-        Source::Pairs(p) => (Cow::Borrowed(&p.train.z[..]), Cow::Borrowed(&p.train.y[..])),
-    };
+    let (pool_z, pool_y) = draw_pool(src, a.pool, d, &mut fresh);
     let pool = pool_y.len();
     fresh.hash.f32s(&pool_z);
     fresh.hash.f32s(&pool_y);
     fresh.active.used = vec![false; pool];
     fresh.active.vtrack = Some(Curvature::new(CurvatureKind::Gram { v0: a.v0 }, d));
-    let row_of = |i: usize| &pool_z[i * d..(i + 1) * d];
     let mut pr = resumed.unwrap_or(fresh);
     if pr.active.used.len() != pool {
         return Err(anyhow!("the checkpoint's pool has {} pairs: expected {pool}", pr.active.used.len()));
     }
     let (mut z, mut y) = (Vec::with_capacity(b * d), Vec::with_capacity(b));
-    let rule = cell.config.rule.ok_or_else(|| anyhow::anyhow!("an active cell without its rule"))?;
-    let fresh_strategy = match rule {
-        // q and β resolved by the plan (ConfigPlan::for_cells)
-        ActiveRule::Fresh(s) => Some(s),
-        _ => None,
-    };
+    let rule = cell.config.rule.ok_or_else(|| anyhow!("an active cell without its rule"))?;
     drive(steps, &mut pr, l, ctx, |s, last, pr, l| {
         let Progress { data, labels, select, active: super::state::ActiveProgress { used, vtrack }, ties, .. } =
             &mut *pr;
-        if let Some(strategy) = &fresh_strategy {
+        z.clear();
+        y.clear();
+        if let ActiveRule::Fresh(strategy) = rule {
             // a fresh prompt, its n responses ranked by the current θ, two of them sent to the
-            // oracle (best-worst: the paper's practical rule, §5)
+            // oracle (best-worst: the paper's practical rule, §5); q and β resolved by the plan
             let Source::Synthetic(env) = src else {
                 return Err(anyhow!("active.rule {rule} needs responses to rank (a synthetic or generated env)"));
             };
-            z.clear();
-            y.clear();
             for _ in 0..b {
                 let c = env.draw_context(data);
-                let (_, pair) = choose(env, &c, strategy, l, select);
+                let (_, pair) = choose(env, &c, &strategy, l, select);
                 *ties += u64::from(pair.ties);
                 let zi = env.diff(&c, pair.first, pair.second);
                 y.push(env.label(&c, pair.first, pair.second, &zi, labels.random()));
@@ -85,39 +65,12 @@ pub(super) fn active(
             if avail.len() < b {
                 return Err(anyhow!("active: the pool ran out after {} steps", s - 1));
             }
-            let chosen: Vec<usize> = match rule {
-                ActiveRule::PoolArgmax => {
-                    let scores: Vec<f64> = avail.iter().map(|&i| l.inv_norm(row_of(i))).collect();
-                    let (top, t) = selection::top_k(&scores, b, select);
-                    *ties += u64::from(t);
-                    top.iter().map(|&j| avail[j]).collect()
-                }
-                ActiveRule::Random => rand::seq::index::sample(data, avail.len(), b).iter().map(|j| avail[j]).collect(),
-                ActiveRule::Fresh(_) => unreachable!("handled above"),
-                ActiveRule::Stream => {
-                    let m = a.candidates.min(avail.len());
-                    let cand: Vec<usize> =
-                        rand::seq::index::sample(data, avail.len(), m).iter().map(|j| avail[j]).collect();
-                    let scores: Vec<f64> = match a.score_norm {
-                        ScoreNorm::V => {
-                            // the authors add every candidate to V before scoring
-                            for &i in &cand {
-                                vtrack.add(row_of(i), 1.0);
-                            }
-                            cand.iter().map(|&i| vtrack.inv_norm(row_of(i))).collect()
-                        }
-                        ScoreNorm::H => cand.iter().map(|&i| l.inv_norm(row_of(i))).collect(),
-                    };
-                    let (top, t) = selection::top_k(&scores, a.keep, select);
-                    *ties += u64::from(t);
-                    top.iter().map(|&j| cand[j]).collect()
-                }
-            };
-            z.clear();
-            y.clear();
+            let pool = Pool { z: &pool_z, d, avail: &avail };
+            let (chosen, t) = pool.pick(rule, a, b, l, vtrack, data, select);
+            *ties += u64::from(t);
             for &i in &chosen {
                 used[i] = true;
-                z.extend_from_slice(row_of(i));
+                z.extend_from_slice(pool.row(i));
                 y.push(pool_y[i]);
             }
         }
@@ -131,4 +84,81 @@ pub(super) fn active(
         Ok(())
     })?;
     Ok(CellResult { rows: pr.rows, stream_hash: pr.hash.0, ..Default::default() })
+}
+
+/// The pool of Alg. 3: on the bandit, `n` pairs drawn once per seed, each with its label drawn
+/// once (a re-queried pair keeps it); on pairs, every training row with the file's label.
+fn draw_pool<'a>(src: &'a Source<'_>, n: usize, d: usize, fresh: &mut Progress) -> (Cow<'a, [f32]>, Cow<'a, [f32]>) {
+    match src {
+        Source::Synthetic(env) => {
+            let (mut pool_z, mut pool_y) = (Vec::with_capacity(n * d), Vec::with_capacity(n));
+            for _ in 0..n {
+                let c = env.draw_context(&mut fresh.data);
+                let (a1, a2) = two_arms(&mut fresh.data, env.k);
+                let z = env.diff(&c, a1, a2);
+                pool_y.push(env.label(&c, a1, a2, &z, fresh.labels.random()));
+                pool_z.extend(z);
+            }
+            (pool_z.into(), pool_y.into())
+        }
+        Source::Pairs(p) => (Cow::Borrowed(&p.train.z[..]), Cow::Borrowed(&p.train.y[..])),
+    }
+}
+
+/// The pool's rows (`d` per pair) and the ones still available.
+struct Pool<'a> {
+    z: &'a [f32],
+    d: usize,
+    avail: &'a [usize],
+}
+
+impl Pool<'_> {
+    fn row(&self, i: usize) -> &[f32] {
+        &self.z[i * self.d..(i + 1) * self.d]
+    }
+
+    /// The `b` pool rows a pool rule labels next, and the ties its ranking broke: Eq. (4)'s
+    /// argmax of ‖z‖_{𝓗⁻¹}, uniform, or the authors' stream rule (the top `keep` of
+    /// `candidates` random rows under the V- or 𝓗-norm).
+    #[allow(clippy::too_many_arguments)]
+    fn pick(
+        &self,
+        rule: ActiveRule,
+        a: &ActiveCell,
+        b: usize,
+        l: &mut Learner,
+        vtrack: &mut Curvature,
+        data: &mut ChaCha20Rng,
+        select: &mut ChaCha20Rng,
+    ) -> (Vec<usize>, u32) {
+        let avail = self.avail;
+        match rule {
+            ActiveRule::PoolArgmax => {
+                let scores: Vec<f64> = avail.iter().map(|&i| l.inv_norm(self.row(i))).collect();
+                let (top, t) = selection::top_k(&scores, b, select);
+                (top.iter().map(|&j| avail[j]).collect(), t)
+            }
+            ActiveRule::Random => {
+                (rand::seq::index::sample(data, avail.len(), b).iter().map(|j| avail[j]).collect(), 0)
+            }
+            ActiveRule::Stream => {
+                let m = a.candidates.min(avail.len());
+                let cand: Vec<usize> =
+                    rand::seq::index::sample(data, avail.len(), m).iter().map(|j| avail[j]).collect();
+                let scores: Vec<f64> = match a.score_norm {
+                    ScoreNorm::V => {
+                        // the authors add every candidate to V before scoring
+                        for &i in &cand {
+                            vtrack.add(self.row(i), 1.0);
+                        }
+                        cand.iter().map(|&i| vtrack.inv_norm(self.row(i))).collect()
+                    }
+                    ScoreNorm::H => cand.iter().map(|&i| l.inv_norm(self.row(i))).collect(),
+                };
+                let (top, t) = selection::top_k(&scores, a.keep, select);
+                (top.iter().map(|&j| cand[j]).collect(), t)
+            }
+            ActiveRule::Fresh(_) => unreachable!("a fresh-context rule draws no pool pairs"),
+        }
+    }
 }

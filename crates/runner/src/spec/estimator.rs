@@ -1,14 +1,18 @@
 //! `[[estimator]]` tables. A table may give any hyper-parameter as an array: [`expand`] crosses
 //! the arrays on the raw TOML (first written key slowest), then each combination is read by
-//! serde into [`EstimatorSpec`], whose per-kind structs carry the defaults and refuse keys of
-//! other kinds. Hyper-parameters are read back by serialising the same structs, so no key list
-//! is written twice. Adding an estimator kind to the runner: a variant, its table struct and
-//! its arm of [`EstimatorSpec::resolve`], all in this file.
+//! serde into [`EstimatorSpec`]: straight into the estimators crate's config where the table's
+//! keys are its fields (omd-hvp-cg, adam, adam-reference, mle), else into a table struct of this
+//! file — for the words "auto", "none" and "theory" (omd-exact, sgd, sgd-replay) or a flat
+//! table over a nested config (omd-reference's `adam = true` with its β's, omd-hvp-cg+adam).
+//! Either carries the defaults and refuses keys of other kinds. Hyper-parameters are read back
+//! by serialising the same structs, so no key list is written twice. Adding an estimator kind
+//! to the runner: a variant (its config, or a table struct) and its arm of
+//! [`EstimatorSpec::resolve`], all in this file.
 
 use super::{OrAuto, OrNone};
 use estimators::{
-    AdamConfig, DampingSchedule, EstimatorConfig, HvpCgConfig, Init, MleConfig, MleSolver, OmdExactConfig,
-    OmdReferenceConfig, ReplayConfig, SgdConfig,
+    AdamConfig, DampingSchedule, EstimatorConfig, HvpCgConfig, Init, MleConfig, OmdExactConfig, OmdReferenceConfig,
+    ReplayConfig, SgdConfig,
 };
 use serde::{Deserialize, Serialize};
 
@@ -19,13 +23,13 @@ pub enum EstimatorSpec {
     /// Paper Alg. 1 / Eq. (3).
     OmdExact(OmdExactSpec),
     /// Paper Alg. 5.
-    OmdHvpCg(HvpCgSpec),
+    OmdHvpCg(HvpCgConfig),
     /// The authors' coded update (reference-code.md §2.3).
     OmdReference(OmdReferenceSpec),
     Sgd(SgdSpec),
-    Mle(MleSpec),
-    Adam(AdamSpec),
-    AdamReference(AdamSpec),
+    Mle(MleConfig),
+    Adam(AdamConfig),
+    AdamReference(AdamConfig),
     #[serde(rename = "omd-hvp-cg+adam")]
     OmdHvpCgAdam(HvpCgAdamSpec),
     SgdReplay(SgdReplaySpec),
@@ -50,52 +54,13 @@ impl Default for OmdExactSpec {
     }
 }
 
-#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
-#[serde(default, deny_unknown_fields)]
-pub struct HvpCgSpec {
-    pub lr: f64,
-    pub cg_steps: usize,
-    pub lambda0: f64,
-    pub schedule: Schedule,
-    pub lambda_min: f64,
-    /// ε of CG's relative stop ‖r‖ ≤ ε‖g‖.
-    pub cg_tol: f64,
-}
-
-impl Default for HvpCgSpec {
-    fn default() -> Self {
-        let c = HvpCgConfig::default();
-        HvpCgSpec {
-            lr: c.lr,
-            cg_steps: c.cg_steps,
-            lambda0: c.lambda0,
-            schedule: Schedule(c.schedule),
-            lambda_min: c.lambda_min,
-            cg_tol: c.cg_tol,
-        }
-    }
-}
-
-impl HvpCgSpec {
-    fn config(&self) -> HvpCgConfig {
-        HvpCgConfig {
-            cg_steps: self.cg_steps,
-            lambda0: self.lambda0,
-            schedule: self.schedule.0,
-            lambda_min: self.lambda_min,
-            lr: self.lr,
-            cg_tol: self.cg_tol,
-        }
-    }
-}
-
 /// omd-hvp-cg+adam: the CG direction, Adam's step (its `lr`).
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 #[serde(default, deny_unknown_fields)]
 pub struct HvpCgAdamSpec {
     pub cg_steps: usize,
     pub lambda0: f64,
-    pub schedule: Schedule,
+    pub schedule: DampingSchedule,
     pub lambda_min: f64,
     pub cg_tol: f64,
     pub lr: f64,
@@ -106,7 +71,7 @@ pub struct HvpCgAdamSpec {
 
 impl Default for HvpCgAdamSpec {
     fn default() -> Self {
-        let (c, a) = (HvpCgSpec::default(), AdamConfig::default());
+        let (c, a) = (HvpCgConfig::default(), AdamConfig::default());
         HvpCgAdamSpec {
             cg_steps: c.cg_steps,
             lambda0: c.lambda0,
@@ -185,78 +150,6 @@ impl Default for SgdReplaySpec {
     }
 }
 
-#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
-#[serde(default, deny_unknown_fields)]
-pub struct AdamSpec {
-    pub lr: f64,
-    pub beta1: f64,
-    pub beta2: f64,
-    pub eps: f64,
-}
-
-impl Default for AdamSpec {
-    fn default() -> Self {
-        let a = AdamConfig::default();
-        AdamSpec { lr: a.lr, beta1: a.beta1, beta2: a.beta2, eps: a.eps }
-    }
-}
-
-impl AdamSpec {
-    fn config(&self) -> AdamConfig {
-        AdamConfig { lr: self.lr, beta1: self.beta1, beta2: self.beta2, eps: self.eps }
-    }
-}
-
-#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
-#[serde(default, deny_unknown_fields)]
-pub struct MleSpec {
-    pub ridge: f64,
-    pub refit_every: u64,
-    pub solver: Solver,
-    pub max_iters: u32,
-    pub lbfgs_memory: usize,
-}
-
-impl Default for MleSpec {
-    fn default() -> Self {
-        let m = MleConfig::default();
-        MleSpec {
-            ridge: m.ridge,
-            refit_every: m.refit_every,
-            solver: Solver(m.solver),
-            max_iters: m.max_iters,
-            lbfgs_memory: m.lbfgs_memory,
-        }
-    }
-}
-
-/// A damping schedule by its name (linear, log, constant).
-#[derive(Clone, Copy, Debug, PartialEq)]
-pub struct Schedule(pub DampingSchedule);
-
-/// An mle solver by its name (newton, lbfgs).
-#[derive(Clone, Copy, Debug, PartialEq)]
-pub struct Solver(pub MleSolver);
-
-macro_rules! by_name {
-    ($t:ident) => {
-        impl Serialize for $t {
-            fn serialize<S: serde::Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
-                s.serialize_str(self.0.as_str())
-            }
-        }
-        impl<'de> Deserialize<'de> for $t {
-            fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
-                let s = String::deserialize(d)?;
-                s.parse().map($t).map_err(serde::de::Error::custom)
-            }
-        }
-    };
-}
-by_name!(Schedule);
-by_name!(Solver);
-
-/// What Lemma 1's `theory = true` needs: the synthetic bandit's bounds.
 #[derive(Clone, Copy, Debug)]
 pub struct Bounds {
     /// B, L and d; None when the environment has no such bounds (features, datasets, generated).
@@ -286,12 +179,12 @@ impl EstimatorSpec {
                 // (ConfigPlan::cfg_for)
                 E::OmdExact(OmdExactConfig { eta: s.eta, lambda: s.lambda.or(1.0), radius: s.radius.get() })
             }
-            EstimatorSpec::OmdHvpCg(s) => E::OmdHvpCg(s.config()),
+            EstimatorSpec::OmdHvpCg(c) => E::OmdHvpCg(*c),
             EstimatorSpec::OmdHvpCgAdam(s) => E::OmdHvpCgAdam {
                 cg: HvpCgConfig {
                     cg_steps: s.cg_steps,
                     lambda0: s.lambda0,
-                    schedule: s.schedule.0,
+                    schedule: s.schedule,
                     lambda_min: s.lambda_min,
                     cg_tol: s.cg_tol,
                     ..HvpCgConfig::default()
@@ -326,15 +219,9 @@ impl EstimatorSpec {
             EstimatorSpec::SgdReplay(s) => {
                 E::SgdReplay(ReplayConfig { sgd: SgdConfig { lr: s.lr, clip: s.clip.get() }, every: s.replay_every })
             }
-            EstimatorSpec::Adam(s) => E::Adam(s.config()),
-            EstimatorSpec::AdamReference(s) => E::AdamReference(s.config()),
-            EstimatorSpec::Mle(s) => E::Mle(MleConfig {
-                ridge: s.ridge,
-                refit_every: s.refit_every,
-                solver: s.solver.0,
-                max_iters: s.max_iters,
-                lbfgs_memory: s.lbfgs_memory,
-            }),
+            EstimatorSpec::Adam(c) => E::Adam(*c),
+            EstimatorSpec::AdamReference(c) => E::AdamReference(*c),
+            EstimatorSpec::Mle(c) => E::Mle(*c),
         })
     }
 
