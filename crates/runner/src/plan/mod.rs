@@ -454,6 +454,7 @@ pub fn build(spec: Spec, file: &Path, text: &str, overrides: &[String]) -> Resul
     let arms = arms(&spec, keys)?;
     let mut configs = configs(&spec, keys, &arms)?;
     check_reward(&spec, keys, &configs)?;
+    check_backend(&spec, keys, &configs)?;
     disambiguate_labels(&mut configs);
     if spec.curvature.source == CurvatureSource::Estimator {
         if let Some(c) = configs.iter().find(|c| !c.kind.keeps_curvature()) {
@@ -682,6 +683,30 @@ fn check_setting(spec: &Spec, keys: Locator<'_>) -> Result<(), SpecError> {
 /// preference dataset, or deploy on generated responses (chunked) — φ the final-norm state at
 /// the last token (what h_ψ is), one head per cell, with an estimator whose state does not grow
 /// with t (one pass over (ψ, θ)).
+/// `generate.backend = "openai"` with a learning policy: the server samples each cell's policy
+/// as base + its LoRA adapter (pushed after each update), so a policy the server cannot serve
+/// that way — every weight learning, or an adapter merged into the weights after each chunk
+/// (`policy.adapter = "fresh-per-chunk"`, the authors' loop) — is refused.
+fn check_backend(spec: &Spec, keys: Locator<'_>, configs: &[ConfigPlan]) -> Result<(), SpecError> {
+    if spec.generate.as_ref().is_none_or(|g| g.backend != GenBackend::Openai) {
+        return Ok(());
+    }
+    for arm in configs.iter().filter_map(|c| c.arm.as_ref()) {
+        let why = if arm.full_parameters() {
+            "every weight learns"
+        } else if arm.learning().is_some_and(|l| l.adapter == AdapterLife::FreshPerChunk) {
+            "its adapters are merged into the weights after each chunk (policy.adapter = \"fresh-per-chunk\")"
+        } else {
+            continue;
+        };
+        return Err(keys.err(
+            &["generate", "backend"],
+            format!("\"openai\" serves a learning policy as the base plus one LoRA adapter; the {} arm cannot be served that way: {why}; use backend = \"candle\"", arm.kind()),
+        ));
+    }
+    Ok(())
+}
+
 fn check_reward(spec: &Spec, keys: Locator<'_>, configs: &[ConfigPlan]) -> Result<(), SpecError> {
     let Some(r) = &spec.reward else { return Ok(()) };
     r.check().map_err(|(k, m)| keys.err(&["reward", k], m))?;

@@ -65,6 +65,10 @@ pub(super) struct PolicyCell<'a> {
     warm: Option<policy::train::DpoConfig>,
     /// A fresh-per-chunk adapter's PEFT files, kept at its merge for `save_adapter`.
     merged_adapter: Option<(Vec<u8>, String)>,
+    /// `generate.backend = "openai"`: this cell's adapters' name prefix (its label and seed),
+    /// and the adapter the server holds for it now.
+    served_tag: String,
+    served: std::cell::RefCell<Option<String>>,
 }
 
 impl<'a> PolicyCell<'a> {
@@ -123,6 +127,13 @@ impl<'a> PolicyCell<'a> {
             rollout_seed: seed_of(cell.master_seed, seed, Component::Rollouts),
             warm,
             merged_adapter: None,
+            served_tag: {
+                let mut h = blake3::Hasher::new();
+                h.update(cell.config.label.as_bytes());
+                h.update(&seed.to_le_bytes());
+                h.finalize().to_hex()[..12].to_string()
+            },
+            served: std::cell::RefCell::new(None),
         };
         if learns {
             let (base, cfg) = (online.base.clone(), online.cfg.clone());
@@ -177,6 +188,8 @@ impl<'a> PolicyCell<'a> {
     ) -> Result<(Vec<Vec<Sample>>, f64)> {
         match (&self.learner, base) {
             (_, Some(b)) if !self.moved => Ok((b.clone(), 0.0)),
+            // the server applies the adapter itself: no merge of onepass's to measure
+            (Some((m, _)), _) if self.online.server.is_some() => Ok((self.sample_served(m, prompts, opts)?, f64::NAN)),
             (Some((m, _)), _) => {
                 let w = m.merged_weights()?;
                 let err = if measure { m.merge_error(&w)? } else { 0.0 };
@@ -185,6 +198,44 @@ impl<'a> PolicyCell<'a> {
             (None, Some(b)) => Ok((b.clone(), 0.0)),
             (None, None) => Err(anyhow!("a policy that does not learn has no samples but the base's")),
         }
+    }
+
+    /// Samples of `prompts` from the server with this cell's current adapter: its PEFT files
+    /// written under `generate.cache/adapters/<name>/` and loaded as `name` =
+    /// `onepass-<cell>-<digest of its values>` (once; the cell's previous adapter unloaded), then
+    /// requested under that name.
+    fn sample_served(
+        &self,
+        m: &PolicyModel,
+        prompts: &[Vec<features::Message>],
+        opts: &features::generate::SampleOptions,
+    ) -> Result<Vec<Vec<Sample>>> {
+        let s = self.online.server.as_ref().expect("routed here with a server");
+        let name = format!("onepass-{}-{}", self.served_tag, &m.digest()?[..16]);
+        // pushed only when a prompt is not in the generation cache (a rerun asks nothing)
+        let push = || -> Result<()> {
+            if self.served.borrow().as_deref() == Some(name.as_str()) {
+                return Ok(());
+            }
+            let dir = self.online.adapter_dir.join(&name);
+            if !dir.join("adapter_config.json").exists() {
+                let (safetensors, config) = policy::peft::encode(m, &self.base_model)?;
+                std::fs::create_dir_all(&dir).map_err(|e| anyhow!("creating {}: {e}", dir.display()))?;
+                crate::io::write_atomic(&dir.join("adapter_model.safetensors"), &safetensors)?;
+                crate::io::write_atomic(&dir.join("adapter_config.json"), config.as_bytes())?;
+            }
+            match s.load_adapter(&name, &dir) {
+                Ok(()) => {}
+                // a resumed run finds its adapter still loaded
+                Err(e) if e.to_string().contains("already been loaded") => {}
+                Err(e) => return Err(anyhow!("generate.server_model: {e}")),
+            }
+            if let Some(old) = self.served.replace(Some(name.clone())) {
+                s.unload_adapter(&old).map_err(|e| anyhow!("generate.server_model: {e}"))?;
+            }
+            Ok(())
+        };
+        self.online.generate_served(&name, &push, prompts, opts)
     }
 
     /// φ of every sample of every prompt, and the oracle's rewards, as contexts. With a reward

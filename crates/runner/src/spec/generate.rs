@@ -56,6 +56,46 @@ pub struct GenerateSpec {
     pub device: Device,
     #[serde(default = "d_gen_cache")]
     pub cache: PathBuf,
+    /// Where the samples come from: onepass's own sampler, or an OpenAI-compatible server
+    /// (vLLM) that serves `policy` as `server_model` at `base_url`. `policy` is still read for
+    /// its tokenizer and chat template: the prompts go to the server as token ids.
+    #[serde(default)]
+    pub backend: GenBackend,
+    /// backend = "openai": the server, e.g. `http://localhost:8000`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub base_url: Option<String>,
+    /// backend = "openai": the name the server serves the policy under.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub server_model: Option<String>,
+    /// backend = "openai": requests in flight at once, seconds per request, retries of a
+    /// transient failure.
+    #[serde(default = "d_concurrency")]
+    pub concurrency: usize,
+    #[serde(default = "d_timeout_s")]
+    pub timeout_s: f64,
+    #[serde(default = "d_retries")]
+    pub retries: u32,
+}
+
+/// Where generated samples come from.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum GenBackend {
+    /// onepass's sampler on the policy's weights (candle).
+    #[default]
+    Candle,
+    /// An OpenAI-compatible completions server (vLLM's `/v1/completions`).
+    Openai,
+}
+
+fn d_concurrency() -> usize {
+    8
+}
+fn d_timeout_s() -> f64 {
+    600.0
+}
+fn d_retries() -> u32 {
+    3
 }
 
 super::phi::phi_table! {
@@ -170,7 +210,50 @@ impl GenerateSpec {
             return Err(("max_prompt_tokens", "expected at least 1".into()));
         }
         expand_env(&self.prompts).map_err(|m| ("prompts", m))?;
-        Ok(())
+        self.server().map(|_| ())
+    }
+
+    /// backend = "openai": the server (None for candle); its keys checked.
+    pub fn server(&self) -> Result<Option<features::openai::Server>, (&'static str, String)> {
+        let openai = "belongs to backend = \"openai\"";
+        match self.backend {
+            GenBackend::Candle => {
+                if self.base_url.is_some() {
+                    return Err(("base_url", openai.into()));
+                }
+                if self.server_model.is_some() {
+                    return Err(("server_model", openai.into()));
+                }
+                Ok(None)
+            }
+            GenBackend::Openai => {
+                let base_url = expand_env(self.base_url.as_deref().ok_or((
+                    "base_url",
+                    "backend = \"openai\" needs the server's URL, e.g. \"http://localhost:8000\"".to_string(),
+                ))?)
+                .map_err(|m| ("base_url", m))?;
+                if !(base_url.starts_with("http://") || base_url.starts_with("https://")) {
+                    return Err(("base_url", format!("`{base_url}`: expected an http:// or https:// URL")));
+                }
+                let model = self.server_model.clone().ok_or((
+                    "server_model",
+                    "backend = \"openai\" needs the name the server serves the policy under".to_string(),
+                ))?;
+                if self.concurrency == 0 {
+                    return Err(("concurrency", "expected at least 1".into()));
+                }
+                if !(self.timeout_s.is_finite() && self.timeout_s > 0.0) {
+                    return Err(("timeout_s", format!("{}: expected seconds > 0", self.timeout_s)));
+                }
+                Ok(Some(features::openai::Server {
+                    base_url,
+                    model,
+                    concurrency: self.concurrency,
+                    timeout_s: self.timeout_s,
+                    retries: self.retries,
+                }))
+            }
+        }
     }
 
     pub fn sample_options(&self) -> SampleOptions {

@@ -24,7 +24,7 @@ pub mod stream;
 mod words;
 
 pub use data::{DataSpec, Format, Keys};
-pub use generate::{FeatureSpec, GenerateSpec, LabelRule, OracleKind, OracleSpec};
+pub use generate::{FeatureSpec, GenBackend, GenerateSpec, LabelRule, OracleKind, OracleSpec};
 pub use phi::{DType, Device, PhiSpec};
 pub use policy::{AdapterLife, CriticHead, KlReference, LrRestart, PolicySpec, RewardSource, SaveAdapter};
 pub use reward::{RewardSpec, RewardUpdate};

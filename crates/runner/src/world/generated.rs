@@ -86,13 +86,22 @@ impl Scorer {
     }
 }
 
-fn policy_key(b: &Backbone, o: &SampleOptions) -> String {
+/// The generation cache's key: the policy's weights, tokenizer and template, the options and,
+/// for a server, the backend and the name the samples are requested under (the served model or
+/// a cell's adapter, whose name carries its digest): its samples are the server's sampler's.
+fn policy_key(b: &Backbone, o: &SampleOptions, server: Option<(&features::openai::Server, &str)>) -> String {
     let mut h = blake3::Hasher::new();
     for part in [b.weights_digest.as_str(), b.tok.digest.as_str(), b.template.source.as_str()] {
         h.update(&(part.len() as u64).to_le_bytes());
         h.update(part.as_bytes());
     }
     h.update(serde_json::to_string(o).expect("options serialise").as_bytes());
+    if let Some((_, served_as)) = server {
+        for part in ["openai", served_as] {
+            h.update(&(part.len() as u64).to_le_bytes());
+            h.update(part.as_bytes());
+        }
+    }
     h.finalize().to_hex()[..24].to_string()
 }
 
@@ -118,15 +127,32 @@ pub(super) fn generate_with(
     progress: Mode,
     rep: &mut BankReport,
 ) -> Result<Vec<Vec<Sample>>> {
+    generate_as(b, g, prompts, progress, rep, None)
+}
+
+/// [`generate_with`]; with a server, the samples requested under `adapter`'s name (a cell's
+/// adapter, its closure loading it on the server, called once before the first prompt the
+/// cache lacks) when given, else under `generate.server_model`. Cached either way.
+pub(super) fn generate_as(
+    b: &Backbone,
+    g: &GenerateSpec,
+    prompts: &[Vec<Message>],
+    progress: Mode,
+    rep: &mut BankReport,
+    adapter: Option<(&str, &dyn Fn() -> Result<()>)>,
+) -> Result<Vec<Vec<Sample>>> {
     rep.policy = b.source.clone();
     rep.policy_weights_blake3 = b.weights_digest.clone();
     let opts = g.sample_options();
-    let dir = g.cache.join(policy_key(b, &opts));
+    let server = g.server().map_err(|(k, m)| anyhow!("generate.{k}: {m}"))?;
+    let served_as = server.as_ref().map(|s| adapter.map_or(s.model.as_str(), |a| a.0).to_string());
+    let dir = g.cache.join(policy_key(b, &opts, server.as_ref().zip(served_as.as_deref())));
     std::fs::create_dir_all(&dir).with_context(|| format!("creating the generation cache {}", dir.display()))?;
     std::fs::write(
         dir.join("describe.json"),
         serde_json::to_string_pretty(
-            &serde_json::json!({"policy": b.source, "weights_blake3": b.weights_digest, "options": opts}),
+            &serde_json::json!({"policy": b.source, "weights_blake3": b.weights_digest, "options": opts,
+                "backend": g.backend, "server_model": server.as_ref().map(|s| &s.model), "adapter": adapter.map(|a| a.0)}),
         )?,
     )
     .with_context(|| format!("writing {}", dir.join("describe.json").display()))?;
@@ -151,16 +177,25 @@ pub(super) fn generate_with(
     }
     rep.generation_cache_hits = prompts.len() - todo.len();
     rep.generated_prompts = todo.len();
+    match (&server, todo.is_empty(), adapter) {
+        (Some(s), false, None) => s.check().map_err(|e| anyhow!("generate.server_model: {e}"))?,
+        (Some(_), false, Some((_, push))) => push()?,
+        _ => {}
+    }
     let bar = Meter::new(progress, "generation", "prompts", todo.len() as u64);
     let t0 = std::time::Instant::now();
     // one call per batch of prompts, so every batch is cached as soon as it is done
     for group in todo.chunks(g.batch_prompts) {
         let ps: Vec<Vec<Message>> = group.iter().map(|&i| prompts[i].clone()).collect();
         let base = rep.generated_tokens;
-        let got = b.generate(&ps, &opts, g.batch_prompts, &mut |p| {
+        let mut show = |p: features::generate::GenProgress| {
             let secs = t0.elapsed().as_secs_f64().max(1e-9);
             bar.set_message(format!("{:.0} tok/s", (base + p.tokens) as f64 / secs));
-        })?;
+        };
+        let got = match &server {
+            None => b.generate(&ps, &opts, g.batch_prompts, &mut show)?,
+            Some(s) => b.generate_remote(s, served_as.as_deref().unwrap_or(&s.model), &ps, &opts, &mut show)?,
+        };
         for (&i, s) in group.iter().zip(got) {
             rep.generated_tokens += s.iter().map(|x| x.tokens).sum::<usize>();
             write_atomic(&file_of(&prompts[i]), &serde_json::to_vec(&s)?)?;

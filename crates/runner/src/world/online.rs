@@ -4,7 +4,7 @@
 //! adapters (crate::settings); this holds the frozen parts.
 
 use super::extract::{device, dtype, PhiRun};
-use super::generated::{generate_with, BankReport, Generated, Scorer};
+use super::generated::{generate_as, generate_with, BankReport, Generated, Scorer};
 use crate::progress::Mode;
 use crate::spec::data::expand_env;
 use crate::spec::{FeatureSpec, GenerateSpec, OracleKind, OracleSpec, PolicySpec};
@@ -19,6 +19,13 @@ use std::sync::Mutex;
 /// The frozen parts of an online deployment run.
 pub struct Online {
     pub spec: PolicySpec,
+    /// `generate.backend = "openai"`: the server that samples each cell's policy (its adapter
+    /// pushed after each update), and the directory the adapters are written to for it (under
+    /// `generate.cache`: the server must be able to read it).
+    pub server: Option<features::openai::Server>,
+    pub adapter_dir: std::path::PathBuf,
+    /// `[generate]`: what the server's samples are requested and cached with.
+    gen: GenerateSpec,
     /// The policy's base weights (Hugging Face names, dense f32) and architecture: each cell
     /// builds its `policy::PolicyModel` on them (tensors are shared, not copied).
     pub base: HashMap<String, Tensor>,
@@ -191,8 +198,12 @@ impl Online {
             Some(w) => warm_pairs(w, &policy, g.max_prompt_tokens, g.max_new_tokens)?,
             None => (Vec::new(), 0),
         };
+        let server = g.server().map_err(|(k, m)| anyhow!("generate.{k}: {m}"))?;
         let mut o = Online {
             spec: p.clone(),
+            server,
+            adapter_dir: g.cache.join("adapters"),
+            gen: g.clone(),
             base,
             cfg,
             tied,
@@ -212,8 +223,8 @@ impl Online {
             oracle,
         };
         for (i, eo) in o.eval_opts.iter().enumerate() {
-            let samples = if o.bank_is_f32() {
-                // the f32 generator's samples, through the generation cache
+            let samples = if o.bank_is_f32() || o.server.is_some() {
+                // the f32 generator's (or the server's) samples, through the generation cache
                 let gs = GenerateSpec { n: eo.n, seed: eo.seed, ..g.clone() };
                 generate_with(&o.policy, &gs, &bank.eval_prompts, progress, &mut BankReport::default())?
             } else {
@@ -242,6 +253,28 @@ impl Online {
         let vb = candle_nn::VarBuilder::from_tensors(weights, candle_core::DType::F32, &dev);
         let model = Model::load_with(vb, self.cfg.clone(), self.max_len, Some(self.tied))?;
         Ok(self.policy.generate_on(&model, prompts, opts, self.batch_prompts, &mut |_| {})?)
+    }
+
+    /// Samples of each prompt from the server under `adapter` (a cell's adapter, `push` loading
+    /// it on the server before the first prompt the cache lacks),
+    /// templated and tokenised by the policy's backbone, through the generation cache (keyed
+    /// by the adapter's name, which carries its digest: a resumed run asks nothing twice).
+    /// `opts` differ from `[generate]`'s in n and seed only (rollouts, evaluations).
+    pub fn generate_served(
+        &self,
+        adapter: &str,
+        push: &dyn Fn() -> Result<()>,
+        prompts: &[Vec<Message>],
+        opts: &SampleOptions,
+    ) -> Result<Vec<Vec<Sample>>> {
+        if self.server.is_none() {
+            return Err(anyhow!("generate.backend = \"openai\" without a server"));
+        }
+        let g = GenerateSpec { n: opts.n, seed: opts.seed, ..self.gen.clone() };
+        if g.sample_options() != *opts {
+            return Err(anyhow!("served samples asked with options other than [generate]'s in more than n and seed"));
+        }
+        generate_as(&self.policy, &g, prompts, Mode::Quiet, &mut BankReport::default(), Some((adapter, push)))
     }
 
     /// What sizes a learning cell's memory (`budget::PolicyShape`): the longest sequence any

@@ -1,0 +1,343 @@
+//! Sampling through an OpenAI-compatible completions server — vLLM's `/v1/completions` — the
+//! engine users scale generation with. The prompt goes as token ids (the policy's own chat
+//! template, tokenised here) and each completion comes back as token ids (vLLM's
+//! `return_token_ids`), so what onepass scores is exactly what was sampled, never a
+//! re-tokenisation of the text. Requests run `concurrency` at a time; a transient failure
+//! (no connection, HTTP 429 or 5xx) is retried with backoff, any other refusal is one error
+//! naming the server, the model and what it said.
+
+use crate::generate::SampleOptions;
+use crate::Error;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::time::Duration;
+
+/// Where the server is and how to talk to it.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Server {
+    /// e.g. `http://localhost:8000` (`/v1/…` is appended).
+    pub base_url: String,
+    /// The name the server serves the policy under (`vllm serve <model> --served-model-name`).
+    pub model: String,
+    /// Requests in flight at once.
+    pub concurrency: usize,
+    /// Seconds one request may take.
+    pub timeout_s: f64,
+    /// Attempts after the first for a transient failure, 0.5 s · 2^k apart.
+    pub retries: u32,
+}
+
+/// The completions of one request, or why there are none.
+type Answer = Result<Vec<Completion>, Error>;
+
+/// One prompt: its token ids and the seed of its n samples.
+#[derive(Clone, Copy, Debug)]
+pub struct Request<'a> {
+    pub ids: &'a [u32],
+    pub seed: u64,
+}
+
+/// One completion as the server returned it.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Completion {
+    /// The sampled token ids (the stop token included when it stopped on one).
+    pub ids: Vec<u32>,
+    /// Stopped at a stop token (false: cut at `max_tokens`).
+    pub stopped: bool,
+    /// The server's log-probability of each sampled token (its own forward pass).
+    pub logprobs: Vec<f32>,
+}
+
+impl Server {
+    fn agent(&self) -> ureq::Agent {
+        ureq::AgentBuilder::new().timeout(Duration::from_secs_f64(self.timeout_s.max(1.0))).build()
+    }
+
+    fn url(&self, path: &str) -> String {
+        format!("{}/v1/{path}", self.base_url.trim_end_matches('/').trim_end_matches("/v1"))
+    }
+
+    /// The model names the server lists (`GET /v1/models`): the base model and the adapters
+    /// loaded on it.
+    pub fn models(&self) -> Result<Vec<String>, Error> {
+        let v = self.call(|a| a.get(&self.url("models")).call().map_err(Box::new))?;
+        let data = v.get("data").and_then(|d| d.as_array()).ok_or_else(|| self.odd("models", &v))?;
+        Ok(data.iter().filter_map(|m| m.get("id").and_then(|i| i.as_str()).map(String::from)).collect())
+    }
+
+    /// Checks that the server answers and serves `self.model`: one error naming what it serves
+    /// otherwise.
+    pub fn check(&self) -> Result<(), Error> {
+        let served = self.models()?;
+        if !served.iter().any(|m| m == &self.model) {
+            return Err(Error::Input(format!(
+                "the server at {} serves {served:?}, not `{}`",
+                self.base_url, self.model
+            )));
+        }
+        Ok(())
+    }
+
+    /// `opts.n` completions of each request under `model` (the base's name or an adapter's),
+    /// in request order; `stop` are the token ids that end a turn.
+    pub fn complete(
+        &self,
+        model: &str,
+        reqs: &[Request<'_>],
+        opts: &SampleOptions,
+        stop: &[u32],
+        done: &(dyn Fn(usize) + Sync),
+    ) -> Result<Vec<Vec<Completion>>, Error> {
+        opts.check()?;
+        let next = AtomicUsize::new(0);
+        let workers = self.concurrency.clamp(1, reqs.len().max(1));
+        let mut out: Vec<Option<Answer>> = (0..reqs.len()).map(|_| None).collect();
+        let results: Vec<Vec<(usize, Answer)>> = std::thread::scope(|s| {
+            let handles: Vec<_> = (0..workers)
+                .map(|_| {
+                    s.spawn(|| {
+                        let mut got = Vec::new();
+                        loop {
+                            let i = next.fetch_add(1, Ordering::Relaxed);
+                            if i >= reqs.len() {
+                                break;
+                            }
+                            let r = self.one(model, &reqs[i], opts, stop);
+                            let failed = r.is_err();
+                            got.push((i, r));
+                            done(i);
+                            if failed {
+                                // the others stop taking new requests
+                                next.store(reqs.len(), Ordering::Relaxed);
+                                break;
+                            }
+                        }
+                        got
+                    })
+                })
+                .collect();
+            handles.into_iter().map(|h| h.join().expect("a request thread panicked")).collect()
+        });
+        for (i, r) in results.into_iter().flatten() {
+            out[i] = Some(r);
+        }
+        // the first failure in request order, else every request's completions
+        out.into_iter()
+            .enumerate()
+            .map(|(i, r)| r.unwrap_or_else(|| Err(Error::Io(format!("request {i} was not sent after a failure")))))
+            .collect()
+    }
+
+    /// The request body of one prompt (vLLM's completions API with its extensions).
+    pub fn body(&self, model: &str, r: &Request<'_>, opts: &SampleOptions, stop: &[u32]) -> serde_json::Value {
+        serde_json::json!({
+            "model": model,
+            "prompt": r.ids,
+            "n": opts.n,
+            "temperature": opts.temperature,
+            "top_p": opts.top_p,
+            "max_tokens": opts.max_new_tokens,
+            // vLLM takes a signed 64-bit seed
+            "seed": r.seed & (i64::MAX as u64),
+            "stop_token_ids": stop,
+            "return_token_ids": true,
+            "logprobs": 0,
+            "skip_special_tokens": false,
+        })
+    }
+
+    fn one(&self, model: &str, r: &Request<'_>, opts: &SampleOptions, stop: &[u32]) -> Result<Vec<Completion>, Error> {
+        let body = self.body(model, r, opts, stop).to_string();
+        let v = self.call(|a| {
+            a.post(&self.url("completions"))
+                .set("Content-Type", "application/json")
+                .send_string(&body)
+                .map_err(Box::new)
+        })?;
+        let choices = v.get("choices").and_then(|c| c.as_array()).ok_or_else(|| self.odd("completions", &v))?;
+        if choices.len() != opts.n {
+            return Err(Error::Format(format!(
+                "{}: {} completions of a prompt: expected n = {}",
+                self.url("completions"),
+                choices.len(),
+                opts.n
+            )));
+        }
+        let mut by_index: Vec<(usize, Completion)> = choices
+            .iter()
+            .map(|c| completion(c, stop).map_err(|m| Error::Format(format!("{}: {m}", self.url("completions")))))
+            .collect::<Result<_, _>>()?;
+        by_index.sort_by_key(|(i, _)| *i);
+        Ok(by_index.into_iter().map(|(_, c)| c).collect())
+    }
+
+    /// One call with retries on transient failures; the body as JSON.
+    fn call(
+        &self,
+        send: impl Fn(&ureq::Agent) -> Result<ureq::Response, Box<ureq::Error>>,
+    ) -> Result<serde_json::Value, Error> {
+        let text = self.call_text(send)?;
+        serde_json::from_str(&text)
+            .map_err(|e| Error::Format(format!("{}: not JSON ({e}): {}", self.base_url, clip(&text))))
+    }
+
+    /// One call with retries on transient failures (no connection, HTTP 429 or 5xx, 0.5 s · 2^k
+    /// apart); the body as text. Another refusal is one error with what the server said.
+    fn call_text(
+        &self,
+        send: impl Fn(&ureq::Agent) -> Result<ureq::Response, Box<ureq::Error>>,
+    ) -> Result<String, Error> {
+        let agent = self.agent();
+        let mut attempt = 0;
+        loop {
+            let transient = match send(&agent).map_err(|e| *e) {
+                Ok(resp) => return resp.into_string().map_err(|e| Error::Io(format!("{}: {e}", self.base_url))),
+                Err(ureq::Error::Status(code, resp)) => {
+                    let said = resp.into_string().unwrap_or_default();
+                    if code != 429 && code < 500 {
+                        return Err(Error::Input(format!(
+                            "the server at {} refused the request (HTTP {code}): {}",
+                            self.base_url,
+                            clip(&said)
+                        )));
+                    }
+                    format!("HTTP {code}: {}", clip(&said))
+                }
+                Err(e) => e.to_string(),
+            };
+            if attempt >= self.retries {
+                return Err(Error::Io(format!(
+                    "the server at {} failed {} time(s): {transient}",
+                    self.base_url,
+                    attempt + 1
+                )));
+            }
+            std::thread::sleep(Duration::from_secs_f64(0.5 * 2f64.powi(attempt as i32)));
+            attempt += 1;
+        }
+    }
+
+    fn post(&self, path: &str, body: &serde_json::Value) -> Result<String, Error> {
+        let body = body.to_string();
+        self.call_text(|a| {
+            a.post(&self.url(path)).set("Content-Type", "application/json").send_string(&body).map_err(Box::new)
+        })
+    }
+
+    /// Loads the PEFT adapter directory `dir` (a path the server can read) as `name` (vLLM's
+    /// runtime LoRA API: the server runs with `--enable-lora` and
+    /// `VLLM_ALLOW_RUNTIME_LORA_UPDATING=True`); requests then name it as their model.
+    pub fn load_adapter(&self, name: &str, dir: &std::path::Path) -> Result<(), Error> {
+        let path = dir.canonicalize().map_err(|e| Error::Io(format!("{}: {e}", dir.display())))?;
+        self.post("load_lora_adapter", &serde_json::json!({"lora_name": name, "lora_path": path}))
+            .map_err(|e| Error::Input(format!("loading the adapter {name} from {}: {e}", path.display())))?;
+        Ok(())
+    }
+
+    /// Unloads the adapter `name` (superseded by a newer one of its cell).
+    pub fn unload_adapter(&self, name: &str) -> Result<(), Error> {
+        self.post("unload_lora_adapter", &serde_json::json!({"lora_name": name}))
+            .map_err(|e| Error::Input(format!("unloading the adapter {name}: {e}")))?;
+        Ok(())
+    }
+
+    fn odd(&self, what: &str, v: &serde_json::Value) -> Error {
+        Error::Format(format!("{}: an unexpected answer to /v1/{what}: {}", self.base_url, clip(&v.to_string())))
+    }
+}
+
+/// (index, completion) of one choice; the stop token is kept at the end of the ids when the
+/// choice stopped on one (vLLM returns it in `token_ids`, or names it in `stop_reason`).
+fn completion(c: &serde_json::Value, stop: &[u32]) -> Result<(usize, Completion), String> {
+    let index = c.get("index").and_then(|i| i.as_u64()).ok_or("a choice without its index")? as usize;
+    let mut ids: Vec<u32> = c
+        .get("token_ids")
+        .and_then(|t| t.as_array())
+        .ok_or("a choice without token_ids: the server does not return token ids (vLLM's return_token_ids)")?
+        .iter()
+        .map(|t| t.as_u64().map(|x| x as u32).ok_or("a token id that is not a number"))
+        .collect::<Result<_, _>>()?;
+    let stopped = match c.get("finish_reason").and_then(|f| f.as_str()) {
+        Some("stop") => true,
+        Some("length") => false,
+        other => return Err(format!("finish_reason {other:?}: expected \"stop\" or \"length\"")),
+    };
+    if stopped && !ids.last().is_some_and(|t| stop.contains(t)) {
+        let reason = c.get("stop_reason").and_then(|r| r.as_u64()).map(|r| r as u32);
+        ids.push(reason.filter(|r| stop.contains(r)).unwrap_or(stop[0]));
+    }
+    let logprobs = c
+        .get("logprobs")
+        .and_then(|l| l.get("token_logprobs"))
+        .and_then(|t| t.as_array())
+        .map(|t| t.iter().map(|x| x.as_f64().unwrap_or(f64::NAN) as f32).collect())
+        .unwrap_or_default();
+    Ok((index, Completion { ids, stopped, logprobs }))
+}
+
+fn clip(s: &str) -> String {
+    let s = s.trim();
+    match s.char_indices().nth(300) {
+        Some((at, _)) => format!("{}…", &s[..at]),
+        None => s.to_string(),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A choice's token ids, stop and log-probs are read as vLLM writes them; a stop token the
+    /// server left out of `token_ids` is put back from `stop_reason`; a server without token
+    /// ids is refused naming what is missing.
+    #[test]
+    fn a_choice_reads_as_vllm_writes_it() {
+        let stop = [2u32, 7];
+        let c = serde_json::json!({"index": 1, "text": "hi", "token_ids": [5, 6, 7], "finish_reason": "stop",
+            "logprobs": {"token_logprobs": [-0.5, -1.0, -0.25]}});
+        let (i, got) = completion(&c, &stop).unwrap();
+        assert_eq!((i, got.ids.clone(), got.stopped), (1, vec![5, 6, 7], true));
+        assert_eq!(got.logprobs, vec![-0.5, -1.0, -0.25]);
+        let c = serde_json::json!({"index": 0, "token_ids": [5, 6], "finish_reason": "stop", "stop_reason": 7});
+        assert_eq!(completion(&c, &stop).unwrap().1.ids, vec![5, 6, 7]);
+        let c = serde_json::json!({"index": 0, "token_ids": [5, 6], "finish_reason": "length"});
+        let (_, got) = completion(&c, &stop).unwrap();
+        assert_eq!((got.ids, got.stopped), (vec![5, 6], false));
+        let e = completion(&serde_json::json!({"index": 0, "text": "x", "finish_reason": "stop"}), &stop).unwrap_err();
+        assert!(e.contains("return_token_ids"), "{e}");
+    }
+
+    /// The request carries the prompt as ids, the sampling options, a seed vLLM accepts and the
+    /// stop ids; the URL takes a base with or without `/v1`.
+    #[test]
+    fn the_request_names_ids_options_and_seed() {
+        let s = Server {
+            base_url: "http://h:8000/v1/".into(),
+            model: "m".into(),
+            concurrency: 2,
+            timeout_s: 5.0,
+            retries: 0,
+        };
+        assert_eq!(s.url("completions"), "http://h:8000/v1/completions");
+        let o = SampleOptions { n: 3, temperature: 0.7, top_p: 0.9, max_new_tokens: 16, seed: 1 };
+        let b = s.body("m-lora", &Request { ids: &[1, 2, 3], seed: u64::MAX }, &o, &[9]);
+        assert_eq!(b["prompt"], serde_json::json!([1, 2, 3]));
+        assert_eq!((b["n"].as_u64(), b["max_tokens"].as_u64()), (Some(3), Some(16)));
+        assert_eq!(b["model"], "m-lora");
+        assert_eq!(b["seed"].as_u64(), Some(i64::MAX as u64));
+        assert_eq!(b["stop_token_ids"], serde_json::json!([9]));
+    }
+
+    /// A server that is not there fails after its retries with one error naming it.
+    #[test]
+    fn no_server_is_one_error_naming_it() {
+        let s = Server {
+            base_url: "http://127.0.0.1:9".into(),
+            model: "m".into(),
+            concurrency: 1,
+            timeout_s: 2.0,
+            retries: 1,
+        };
+        let e = s.models().unwrap_err().to_string();
+        assert!(e.contains("http://127.0.0.1:9") && e.contains("2 time(s)"), "{e}");
+    }
+}
