@@ -331,7 +331,8 @@ fn policy_tables(out: &mut Tables<'_>, cells: &[CellOutcome<'_>]) -> Result<()> 
     let t = arm_cols(keyed(Table::default(), &rows), &rows, |(c, _)| c.config)
         .cols(POLICY_UPDATES, &rows, |(_, m)| m)
         .str("rollout_digest", rows.iter().map(|(_, r)| r.rollout_digest.clone()))
-        .str("updated_digest", rows.iter().map(|(_, r)| r.updated_digest.clone()));
+        .str("updated_digest", rows.iter().map(|(_, r)| r.updated_digest.clone()))
+        .str("rollout_served_as", rows.iter().map(|(_, r)| r.rollout_served_as.clone()));
     out.put("policy_updates.parquet", t)?;
     let rows: Vec<(&CellOutcome<'_>, &PolicyTiming)> = rows_of(cells, |r| &r.policy_times);
     let t = Table::default()

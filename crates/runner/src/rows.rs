@@ -133,6 +133,9 @@ pub struct PolicyRow {
     /// Which adapters generated the samples (blake3 of their values; "base" for an arm that
     /// does not learn).
     pub policy_digest: String,
+    /// `generate.backend = "openai"`: the name the samples were requested under on the server
+    /// (the cell's adapter once it has moved, else the served model); "" for onepass's sampler.
+    pub served_as: String,
 }
 
 /// A learning policy's chunk (policy_updates.parquet): the samples it drew on the chunk's
@@ -143,6 +146,8 @@ pub struct UpdateRow {
     /// The adapters that generated the chunk's samples, and those after its update.
     pub rollout_digest: String,
     pub updated_digest: String,
+    /// The name the chunk's samples were requested under on a server ("" for onepass's sampler).
+    pub rollout_served_as: String,
     /// Mean oracle and learned (φᵀθ_t, after θ's update on the chunk) reward of the chunk's samples.
     pub rollout_oracle_reward: f64,
     pub rollout_learned_reward: f64,
@@ -349,7 +354,8 @@ pub const POLICY: &[Col<PolicyRow>] = &[
 ];
 
 /// policy.parquet's last column, after the deployed policy's (`results`).
-pub const POLICY_DIGEST: &[Col<PolicyRow>] = &[col!(Str "policy_digest" => policy_digest)];
+pub const POLICY_DIGEST: &[Col<PolicyRow>] =
+    &[col!(Str "policy_digest" => policy_digest), col!(Str "served_as" => served_as)];
 
 /// policy_updates.parquet: one row per learning cell × chunk (with policy_digest columns).
 pub const POLICY_UPDATES: &[Col<UpdateRow>] = &[

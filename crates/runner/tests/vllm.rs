@@ -351,6 +351,12 @@ lr = 0.5
         digests[1..].iter().all(|d| served.iter().any(|n| n.ends_with(&d[..16]))),
         "an evaluated policy whose adapter was not pushed: {digests:?} vs {served:?}"
     );
+    // each evaluation names what it sampled from: the served model before any update, then
+    // the cell's adapter carrying the policy's digest
+    assert_eq!(policy[0].1.served_as, s.model);
+    for (_, r) in &policy[1..] {
+        assert!(r.served_as.starts_with("onepass-") && r.served_as.ends_with(&r.policy_digest[..16]), "{r:?}");
+    }
     // the server applies the adapter: onepass measures no merge
     assert!(policy[2].1.merge_error.is_nan(), "{:?}", policy[2].1);
     // a rerun asks the server nothing: every sample — the bank's, each chunk's and each

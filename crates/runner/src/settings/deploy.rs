@@ -134,9 +134,9 @@ pub(super) fn deploy_chunked(
         }
         let mut time = PolicyTiming { chunk: t, ..Default::default() };
         let xs = &order[chunk_range(c, p, chunks)];
-        let rollout_digest = match &pc {
-            Some(pc) => pc.digest()?,
-            None => String::new(),
+        let (rollout_digest, rollout_served_as) = match &pc {
+            Some(pc) => (pc.digest()?, pc.served_as(true)?),
+            None => (String::new(), String::new()),
         };
         let mut chunk = responses(pc.as_ref(), lrm.as_ref(), env, g, online, xs, &mut time)?;
         let labels = label_chunk(env, &strategy, l, pr, pc.as_ref(), &chunk, xs, t);
@@ -152,6 +152,7 @@ pub(super) fn deploy_chunked(
                 chunks: chunks as u64,
                 xs,
                 rollout_digest,
+                rollout_served_as,
                 label: &cell.config.label,
                 seed,
             };
@@ -402,8 +403,10 @@ struct PolicyStep<'a> {
     last: bool,
     chunks: u64,
     xs: &'a [usize],
-    /// The digest of the policy that produced the chunk's samples.
+    /// The digest of the policy that produced the chunk's samples, and the name they were
+    /// requested under on a server.
     rollout_digest: String,
+    rollout_served_as: String,
     label: &'a str,
     seed: u32,
 }
@@ -439,7 +442,8 @@ fn policy_step(
     time.critic_s = up.as_ref().and_then(|u| u.critic).map_or(0.0, |c| c.seconds);
     time.policy_s = t1.elapsed().as_secs_f64() - (time.generation_s + time.phi_s - rollout_s) - time.critic_s;
     if let Some(up) = &up {
-        let row = PolicyCell::update_row(t, s.rollout_digest, pc.digest()?, contexts, l.theta(), d, up);
+        let mut row = PolicyCell::update_row(t, s.rollout_digest, pc.digest()?, contexts, l.theta(), d, up);
+        row.rollout_served_as = s.rollout_served_as;
         pr.policy.updates.push(row);
     }
     let every = pc.online.spec.eval_every_chunks as u64;

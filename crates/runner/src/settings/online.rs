@@ -168,6 +168,21 @@ impl<'a> PolicyCell<'a> {
         self.learner.is_some()
     }
 
+    /// The name this cell's samples are requested under on the server ("" without one): its
+    /// adapter's when it samples from its adapter (it has moved, or `rollouts` of a policy
+    /// whose bank was not drawn in f32), else the served model's (the bank's samples).
+    pub(super) fn served_as(&self, rollouts: bool) -> Result<String> {
+        let Some(s) = &self.online.server else { return Ok(String::new()) };
+        match &self.learner {
+            Some((m, _)) if self.moved || (rollouts && !self.online.bank_is_f32()) => self.adapter_name(m),
+            _ => Ok(s.model.clone()),
+        }
+    }
+
+    fn adapter_name(&self, m: &PolicyModel) -> Result<String> {
+        Ok(format!("onepass-{}-{}", self.served_tag, &m.digest()?[..16]))
+    }
+
     /// The digest of the adapters ("base" for a policy that does not learn).
     pub(super) fn digest(&self) -> Result<String> {
         match &self.learner {
@@ -211,7 +226,7 @@ impl<'a> PolicyCell<'a> {
         opts: &features::generate::SampleOptions,
     ) -> Result<Vec<Vec<Sample>>> {
         let s = self.online.server.as_ref().expect("routed here with a server");
-        let name = format!("onepass-{}-{}", self.served_tag, &m.digest()?[..16]);
+        let name = self.adapter_name(m)?;
         // pushed only when a prompt is not in the generation cache (a rerun asks nothing)
         let push = || -> Result<()> {
             if self.served.borrow().as_deref() == Some(name.as_str()) {
@@ -441,6 +456,8 @@ impl<'a> PolicyCell<'a> {
             chunk,
             rollout_digest,
             updated_digest,
+            // set by the chunk loop, which knows where the samples came from
+            rollout_served_as: String::new(),
             // NaN: an update without the chunk's samples (a warm start)
             rollout_oracle_reward: if n == 0 { f64::NAN } else { oracle / n as f64 },
             rollout_learned_reward: if n == 0 { f64::NAN } else { learned / n as f64 },
@@ -512,6 +529,7 @@ impl<'a> PolicyCell<'a> {
             cut_fraction: all.iter().filter(|s| !s.stopped).count() as f64 / count as f64,
             merge_error,
             policy_digest: self.digest()?,
+            served_as: self.served_as(false)?,
             ..Default::default()
         };
         if let Some((m, _)) = &self.learner {
