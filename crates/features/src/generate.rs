@@ -59,6 +59,19 @@ pub struct Sample {
     /// and re-encoding the text need not give them back). Empty in caches written before.
     #[serde(default)]
     pub ids: Vec<u32>,
+    /// log π(token | prompt, earlier tokens) of each sampled id under the generating weights at
+    /// temperature 1 (the policy's own distribution, whatever temperature sampled it): what an
+    /// evaluation reads as the policy's log-probabilities instead of scoring the samples again.
+    /// Empty where the sampler did not record them (a server's samples, older caches).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub logprobs: Vec<f32>,
+}
+
+impl Sample {
+    /// The recorded log-probabilities, when there is one per token.
+    pub fn recorded_logprobs(&self) -> Option<&[f32]> {
+        (!self.ids.is_empty() && self.logprobs.len() == self.ids.len()).then_some(self.logprobs.as_slice())
+    }
 }
 
 /// Progress of a generation: prompts finished, new tokens so far, seconds so far.
@@ -116,6 +129,14 @@ pub fn sample_token(logits: &[f32], temperature: f64, top_p: f64, u: f64) -> u32
     p.last().map_or(0, |x| x.0)
 }
 
+/// log softmax(logits)[tok]: the token's log-probability at temperature 1, the normaliser
+/// summed in f64 from the largest logit.
+pub fn token_logprob(logits: &[f32], tok: u32) -> f32 {
+    let max = logits.iter().copied().fold(f32::NEG_INFINITY, f32::max) as f64;
+    let sum: f64 = logits.iter().map(|&l| (l as f64 - max).exp()).sum();
+    (logits[tok as usize] as f64 - max - sum.ln()) as f32
+}
+
 /// The stream of one sample: (seed, prompt text, sample index).
 fn sample_rng(seed: u64, prompt_key: &[u8; 32], index: usize) -> ChaCha20Rng {
     let mut h = blake3::Hasher::new();
@@ -131,6 +152,8 @@ struct Row {
     sample: usize,
     rng: ChaCha20Rng,
     out: Vec<u32>,
+    /// log π of each token of `out` (temperature 1).
+    lps: Vec<f32>,
 }
 
 impl Backbone {
@@ -221,7 +244,15 @@ impl Backbone {
                 let body = if c.stopped { &c.ids[..c.ids.len() - 1] } else { &c.ids[..] };
                 let text = self.tok.decode(body)?;
                 prog.tokens += c.ids.len();
-                samples.push(Sample { text, tokens: c.ids.len(), stopped: c.stopped, ids: c.ids });
+                // the server's log-probabilities are its own (its kernels, its sampler's
+                // processing): onepass scores these samples itself
+                samples.push(Sample {
+                    text,
+                    tokens: c.ids.len(),
+                    stopped: c.stopped,
+                    ids: c.ids,
+                    logprobs: Vec::new(),
+                });
             }
             out.push(samples);
         }
@@ -285,24 +316,28 @@ impl Backbone {
             let mut expand = Vec::new();
             for (g, &i) in group.iter().enumerate() {
                 for s in 0..opts.n {
-                    rows.push(Row { prompt: i, sample: s, rng: sample_rng(opts.seed, &keys[i], s), out: Vec::new() });
+                    rows.push(Row {
+                        prompt: i,
+                        sample: s,
+                        rng: sample_rng(opts.seed, &keys[i], s),
+                        out: Vec::new(),
+                        lps: Vec::new(),
+                    });
                     expand.push(g);
                 }
             }
             cache.select(&expand)?;
-            let mut next: Vec<u32> = rows
-                .iter_mut()
-                .zip(&expand)
-                .map(|(r, &g)| sample_token(&logits[g], opts.temperature, opts.top_p, r.rng.random()))
-                .collect();
+            let mut next: Vec<(u32, f32)> =
+                rows.iter_mut().zip(&expand).map(|(r, &g)| draw(&logits[g], opts, r)).collect();
             let mut done: Vec<(Row, bool)> = Vec::new();
             loop {
                 prog.tokens += next.len();
                 // record the new tokens; retire rows that stopped or reached the limit
                 let mut keep = Vec::new();
                 let mut live = Vec::new();
-                for (k, (mut r, tok)) in rows.drain(..).zip(next.iter().copied()).enumerate() {
+                for (k, (mut r, (tok, lp))) in rows.drain(..).zip(next.iter().copied()).enumerate() {
                     r.out.push(tok);
+                    r.lps.push(lp);
                     if stops.contains(&tok) {
                         done.push((r, true));
                     } else if r.out.len() >= opts.max_new_tokens {
@@ -324,21 +359,23 @@ impl Backbone {
                 let feed: Vec<u32> = rows.iter().map(|r| *r.out.last().expect("one token at least")).collect();
                 let logits = model.forward_cached(&Tensor::from_vec(feed, (rows.len(), 1), &dev)?, &mut cache)?;
                 let logits: Vec<Vec<f32>> = logits.to_vec2()?;
-                next = rows
-                    .iter_mut()
-                    .zip(&logits)
-                    .map(|(r, l)| sample_token(l, opts.temperature, opts.top_p, r.rng.random()))
-                    .collect();
+                next = rows.iter_mut().zip(&logits).map(|(r, l)| draw(l, opts, r)).collect();
             }
             done.sort_by_key(|(r, _)| (r.prompt, r.sample));
             for (r, stopped) in done {
                 let body = if stopped { &r.out[..r.out.len() - 1] } else { &r.out[..] };
                 let text = self.tok.decode(body)?;
-                out[r.prompt].push(Sample { text, tokens: r.out.len(), stopped, ids: r.out });
+                out[r.prompt].push(Sample { text, tokens: r.out.len(), stopped, ids: r.out, logprobs: r.lps });
             }
             prog.prompts_done += group.len();
             progress(prog);
         }
         Ok(out)
     }
+}
+
+/// A row's next token from its logits and its stream, with the token's log π at temperature 1.
+fn draw(logits: &[f32], opts: &SampleOptions, r: &mut Row) -> (u32, f32) {
+    let tok = sample_token(logits, opts.temperature, opts.top_p, r.rng.random());
+    (tok, token_logprob(logits, tok))
 }

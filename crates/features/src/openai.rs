@@ -327,6 +327,53 @@ mod tests {
         assert_eq!(b["stop_token_ids"], serde_json::json!([9]));
     }
 
+    /// A server that refuses an adapter (here as vLLM refuses a rank above its
+    /// `--max-lora-rank`: HTTP 400) is asked once, not retried, and its words come back in one
+    /// error naming the adapter; a 503 is retried (negative control: the stub counts requests).
+    #[test]
+    fn a_refused_adapter_is_one_error_with_the_servers_words() {
+        use std::io::{Read, Write};
+        let said = r#"{"object":"error","message":"LoRA rank 16 is greater than max_lora_rank 8.","code":400}"#;
+        for (status, retried) in [("400 Bad Request", false), ("503 Service Unavailable", true)] {
+            let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+            let port = listener.local_addr().unwrap().port();
+            let (status, body) = (status.to_string(), said.to_string());
+            // answers every connection the same way until the client stops calling
+            let stub = std::thread::spawn(move || {
+                let mut n = 0;
+                listener.set_nonblocking(false).unwrap();
+                for conn in listener.incoming().take(if retried { 2 } else { 1 }) {
+                    let mut c = conn.unwrap();
+                    let mut buf = [0u8; 4096];
+                    let _ = c.read(&mut buf);
+                    n += 1;
+                    let r = format!(
+                        "HTTP/1.1 {status}\r\nContent-Type: application/json\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{body}",
+                        body.len()
+                    );
+                    c.write_all(r.as_bytes()).unwrap();
+                }
+                n
+            });
+            let s = Server {
+                base_url: format!("http://127.0.0.1:{port}"),
+                model: "m".into(),
+                concurrency: 1,
+                timeout_s: 5.0,
+                retries: if retried { 1 } else { 3 },
+            };
+            let dir = tempfile::tempdir().unwrap();
+            let e = s.load_adapter("onepass-x-0123", dir.path()).unwrap_err().to_string();
+            let calls = stub.join().unwrap();
+            assert!(e.contains("onepass-x-0123") && e.contains("max_lora_rank 8"), "{e}");
+            if retried {
+                assert!(calls == 2 && e.contains("2 time(s)"), "{calls} calls: {e}");
+            } else {
+                assert!(calls == 1 && e.contains("HTTP 400"), "{calls} calls: {e}");
+            }
+        }
+    }
+
     /// A server that is not there fails after its retries with one error naming it.
     #[test]
     fn no_server_is_one_error_naming_it() {

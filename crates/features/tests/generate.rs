@@ -175,13 +175,28 @@ fn generation_does_not_depend_on_batching_or_prompt_order() {
     let mut steps = 0;
     let one = b.generate(&prompts(), &opts, 1, &mut |_| steps += 1).unwrap();
     assert!(steps > 0);
+    // the tokens and texts are the same whatever the batch; the recorded log-probabilities
+    // agree to rounding (the padded attention sums in another order)
+    let same = |a: &[Vec<features::generate::Sample>], b: &[Vec<features::generate::Sample>], what: &str| {
+        let strip = |v: &[Vec<features::generate::Sample>]| -> Vec<Vec<(String, usize, bool, Vec<u32>)>> {
+            v.iter().map(|p| p.iter().map(|s| (s.text.clone(), s.tokens, s.stopped, s.ids.clone())).collect()).collect()
+        };
+        assert_eq!(strip(a), strip(b), "{what}");
+        let worst = a
+            .iter()
+            .flatten()
+            .zip(b.iter().flatten())
+            .flat_map(|(x, y)| x.logprobs.iter().zip(&y.logprobs).map(|(p, q)| (p - q).abs()))
+            .fold(0f32, f32::max);
+        assert!(worst < 1e-5, "{what}: recorded log-probabilities differ by {worst}");
+    };
     let all = b.generate(&prompts(), &opts, 4, &mut |_| {}).unwrap();
-    assert_eq!(one, all, "one prompt per batch vs all four in one left-padded batch");
+    same(&one, &all, "one prompt per batch vs all four in one left-padded batch");
     let mut rev = prompts();
     rev.reverse();
     let mut back = b.generate(&rev, &opts, 3, &mut |_| {}).unwrap();
     back.reverse();
-    assert_eq!(one, back, "prompt order");
+    same(&one, &back, "prompt order");
     for s in one.iter().flatten() {
         assert!(s.tokens >= 1 && s.tokens <= 12 && (s.stopped || s.tokens == 12), "{s:?}");
     }
@@ -217,6 +232,49 @@ fn generation_does_not_depend_on_batching_or_prompt_order() {
         ..SampleOptions { n: 1, temperature: 1.0, top_p: 1.0, max_new_tokens: 1, seed: 0 }
     };
     assert!(b.generate(&prompts(), &bad, 1, &mut |_| {}).unwrap_err().to_string().contains("top_p"));
+}
+
+/// Each sample carries log π of its tokens at temperature 1 under the generating weights,
+/// whatever temperature and nucleus drew it: recorded from the KV-cache path's logits, equal
+/// to log-softmax of the full forward pass over prompt + response computed here in f64
+/// (independent path); negative controls: the tempered distribution's log-probabilities, and
+/// the log-probabilities the full pass gives the next token over (shifted by one).
+#[test]
+fn samples_record_their_tokens_log_probabilities_at_temperature_one() {
+    let b =
+        Backbone::load_with(&Source::Gguf(fixtures().join("tiny-llama-bpe.gguf")), &Device::Cpu, DType::F32, 256, true)
+            .unwrap();
+    let opts = SampleOptions { n: 3, temperature: 0.7, top_p: 0.9, max_new_tokens: 10, seed: 3 };
+    let got = b.generate(&prompts(), &opts, 4, &mut |_| {}).unwrap();
+    let (mut worst, mut tempered, mut shifted, mut count) = (0f64, 0f64, 0f64, 0usize);
+    for (p, samples) in prompts().iter().zip(&got) {
+        for s in samples {
+            let lp = s.recorded_logprobs().expect("one log-probability per token");
+            let prompt = b.prompt_ids(p).unwrap();
+            let all: Vec<u32> = prompt.iter().chain(&s.ids).copied().collect();
+            let t = Tensor::new(all.as_slice(), &Device::Cpu).unwrap().unsqueeze(0).unwrap();
+            let l: Vec<Vec<f32>> = b.model.logits(&t).unwrap().squeeze(0).unwrap().to_vec2().unwrap();
+            let log_softmax = |row: &[f32], tok: u32, temp: f64| {
+                let mx = row.iter().map(|&x| x as f64 / temp).fold(f64::NEG_INFINITY, f64::max);
+                let lse = mx + row.iter().map(|&x| (x as f64 / temp - mx).exp()).sum::<f64>().ln();
+                row[tok as usize] as f64 / temp - lse
+            };
+            for (j, &tok) in s.ids.iter().enumerate() {
+                let row = &l[prompt.len() + j - 1];
+                let want = log_softmax(row, tok, 1.0);
+                worst = worst.max((lp[j] as f64 - want).abs());
+                tempered += (lp[j] as f64 - log_softmax(row, tok, 0.7)).abs();
+                if j + 1 < s.ids.len() {
+                    shifted += (lp[j] as f64 - log_softmax(&l[prompt.len() + j], tok, 1.0)).abs();
+                }
+                count += 1;
+            }
+        }
+    }
+    assert!(count > 20, "{count} tokens");
+    assert!(worst < 1e-4, "recorded vs full-pass log π: max |Δ| {worst:.2e}");
+    assert!(tempered / count as f64 > 1e-2, "negative control: T = 0.7's log-probabilities differ ({tempered})");
+    assert!(shifted / count as f64 > 1e-2, "negative control: the next position's differ ({shifted})");
 }
 
 #[test]

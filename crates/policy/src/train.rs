@@ -198,6 +198,42 @@ pub fn logprob_sums(
     Ok(out)
 }
 
+/// [`score`] with the policy's per-token log π given (`policy[i]`: one value per response
+/// token of `seqs[i]`, recorded by the sampler that drew it from this policy's weights): only
+/// the reference's pass runs. The KL estimator is applied token by token as in [`score`].
+pub fn score_recorded(
+    m: &PolicyModel,
+    seqs: &[Rollout<'_>],
+    policy: &[&[f32]],
+    kl: KlEstimator,
+    minibatch: usize,
+) -> Result<Vec<(f64, f64, usize)>> {
+    if policy.len() != seqs.len() {
+        candle_core::bail!("{} recorded log-probability rows for {} sequences", policy.len(), seqs.len());
+    }
+    if let Some(i) = (0..seqs.len()).find(|&i| policy[i].len() != seqs[i].response.len()) {
+        candle_core::bail!(
+            "sequence {i}: {} recorded log-probabilities for {} response tokens",
+            policy[i].len(),
+            seqs[i].response.len()
+        );
+    }
+    let mut out = Vec::with_capacity(seqs.len());
+    let mb = minibatch.max(1);
+    for (part, lps) in seqs.chunks(mb).zip(policy.chunks(mb)) {
+        let b = batch(m, part)?;
+        let lr: Vec<f64> = m.logprobs_at(&b, false)?.to_dtype(candle_core::DType::F64)?.to_vec1()?;
+        let mut at = 0;
+        for (&l, lp) in b.lens.iter().zip(lps) {
+            let sum_lp = lp.iter().map(|&x| x as f64).sum();
+            let sum_kl = lp.iter().zip(&lr[at..at + l]).map(|(&p, &r)| kl.per_token(p as f64, r)).sum();
+            out.push((sum_lp, sum_kl, l));
+            at += l;
+        }
+    }
+    Ok(out)
+}
+
 /// One sequence's per-token log π and KL estimator against the reference.
 #[derive(Clone, Debug, PartialEq)]
 pub struct TokenScores {

@@ -364,3 +364,63 @@ fn shared_prompts_give_the_padded_values_and_every_adapter_gradient() {
     }
     eprintln!("shared vs padded: largest relative error {worst:e}");
 }
+
+/// An evaluation reads the policy's log-probabilities as the sampler recorded them (the merged
+/// weights' KV-cache decode, `features::generate::token_logprob` of each drawn token) and runs
+/// the reference's pass alone (`score_recorded`): its Σ log π and KL per sequence equal
+/// [`policy::train::score`]'s two graph passes to f32 rounding, for k1 and k3. Negative
+/// control: log-probabilities recorded from the base weights give another KL.
+#[test]
+fn recorded_logprobs_score_as_the_graphs_two_passes() {
+    use features::generate::token_logprob;
+    use policy::train::{score, score_recorded, KlEstimator, Rollout};
+    let c = cfg(Family::Llama, false);
+    let w = weights(&c, 4);
+    let lora = LoraConfig { rank: 2, alpha: 4.0, targets: Target::ALL.to_vec(), seed: 2, dropout: 0.0 };
+    let m = PolicyModel::new(w.clone(), c.clone(), &lora, 32, DType::F32).unwrap();
+    randomize(&m, 5);
+    let seqs: [(&[u32], &[u32]); 3] = [(&[1, 5, 3], &[9, 2, 10]), (&[4], &[10, 0, 6, 8]), (&[7, 7, 2, 1], &[3])];
+    // the sampler's way: prefill the prompt, then one token at a time from the KV cache
+    let recorded = |weights: &HashMap<String, Tensor>| -> Vec<Vec<f32>> {
+        let vb = candle_nn::VarBuilder::from_tensors(weights.clone(), DType::F32, &Device::Cpu);
+        let g = features::model::Model::load_with(vb, c.clone(), 32, Some(true)).unwrap();
+        seqs.iter()
+            .map(|(p, r)| {
+                let mut cache = g.new_cache(vec![0], p.len() + r.len()).unwrap();
+                let mut feed = Tensor::new(*p, &Device::Cpu).unwrap().unsqueeze(0).unwrap();
+                let mut out = Vec::new();
+                for &tok in r.iter() {
+                    let l: Vec<f32> =
+                        g.forward_cached(&feed, &mut cache).unwrap().squeeze(0).unwrap().to_vec1().unwrap();
+                    out.push(token_logprob(&l, tok));
+                    feed = Tensor::new(&[tok], &Device::Cpu).unwrap().unsqueeze(0).unwrap();
+                }
+                out
+            })
+            .collect()
+    };
+    let rollouts: Vec<Rollout> = seqs.iter().map(|(p, r)| Rollout { prompt: p, response: r }).collect();
+    let policy_lp = recorded(&m.merged_weights().unwrap());
+    let base_lp = recorded(&w);
+    for kl in [KlEstimator::K1, KlEstimator::K3] {
+        let want = score(&m, &rollouts, kl, 2).unwrap();
+        let refs: Vec<&[f32]> = policy_lp.iter().map(|v| v.as_slice()).collect();
+        let got = score_recorded(&m, &rollouts, &refs, kl, 2).unwrap();
+        let mut kl_gap = 0f64;
+        for ((g_lp, g_kl, g_n), (w_lp, w_kl, w_n)) in got.iter().zip(&want) {
+            assert_eq!(g_n, w_n);
+            assert!((g_lp - w_lp).abs() < 1e-4 * (1.0 + w_lp.abs()), "{kl:?}: Σ log π {g_lp} vs {w_lp}");
+            assert!((g_kl - w_kl).abs() < 1e-4, "{kl:?}: KL {g_kl} vs {w_kl}");
+            kl_gap += w_kl.abs();
+        }
+        assert!(kl_gap > 1e-3, "{kl:?}: the adapters moved the policy (KL {kl_gap})");
+        let refs: Vec<&[f32]> = base_lp.iter().map(|v| v.as_slice()).collect();
+        let off = score_recorded(&m, &rollouts, &refs, kl, 2).unwrap();
+        let diff: f64 = off.iter().zip(&want).map(|(a, b)| (a.1 - b.1).abs()).sum();
+        assert!(diff > 1e-3, "{kl:?}: negative control: the base's log-probabilities give the same KL ({diff})");
+    }
+    // a row of the wrong length is refused, not truncated
+    let short: Vec<&[f32]> = vec![&policy_lp[0][..2], &policy_lp[1], &policy_lp[2]];
+    let e = score_recorded(&m, &rollouts, &short, KlEstimator::K1, 2).unwrap_err().to_string();
+    assert!(e.contains("sequence 0") && e.contains("2 recorded"), "{e}");
+}

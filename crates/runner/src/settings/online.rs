@@ -27,7 +27,7 @@ use candle_core::DType;
 use features::generate::Sample;
 use policy::adam::{Adam, AdamState, LrWindow};
 use policy::model::LifeEvent;
-use policy::train::{logprob_sums, score, Rollout};
+use policy::train::{logprob_sums, score, score_recorded, Rollout};
 use policy::PolicyModel;
 use serde::{Deserialize, Serialize};
 use std::time::Instant;
@@ -243,7 +243,16 @@ impl<'a> PolicyCell<'a> {
                 Ok(()) => {}
                 // a resumed run finds its adapter still loaded
                 Err(e) if e.to_string().contains("already been loaded") => {}
-                Err(e) => return Err(anyhow!("generate.server_model: {e}")),
+                // a server without runtime LoRA, or one whose --max-lora-rank is below the
+                // adapter's rank, refuses here: say which settings must agree
+                Err(e) => {
+                    return Err(anyhow!(
+                        "generate.server_model = {:?}: {e} (the server must run with --enable-lora, \
+                         VLLM_ALLOW_RUNTIME_LORA_UPDATING=True and --max-lora-rank ≥ policy.rank = {})",
+                        s.model,
+                        self.online.spec.rank
+                    ))
+                }
             }
             if let Some(old) = self.served.replace(Some(name.clone())) {
                 s.unload_adapter(&old).map_err(|e| anyhow!("generate.server_model: {e}"))?;
@@ -539,14 +548,32 @@ impl<'a> PolicyCell<'a> {
                 .zip(&o.eval_ids)
                 .flat_map(|(ss, p)| ss.iter().map(move |s| Rollout { prompt: p, response: &s.ids }))
                 .collect();
-            let (lp, kl, tokens) = if self.moved {
-                let sc = score(m, &rollouts, o.spec.kl_estimator, o.spec.minibatch)?;
-                let kl = sc.iter().map(|s| s.1).sum::<f64>() / sc.len() as f64;
-                (sc.iter().map(|s| s.0).sum::<f64>(), kl, sc.iter().map(|s| s.2).sum::<usize>())
-            } else {
-                // unmoved (B = 0): the policy is its reference, KL exactly 0, one pass suffices
-                let sc = logprob_sums(m, &rollouts, o.spec.minibatch, false)?;
-                (sc.iter().map(|s| s.0).sum::<f64>(), 0.0, sc.iter().map(|s| s.1).sum::<usize>())
+            // a moved policy's samples come from onepass's f32 sampler on its merged weights,
+            // which records log π of every token it draws (its batches fixed by the spec: they
+            // are not cached): the policy's pass is not run again. The base's samples (cached,
+            // their log-probabilities dropped) and a server's are scored here.
+            let recorded: Option<Vec<&[f32]>> = all.iter().map(|s| s.recorded_logprobs()).collect();
+            // at its reference (unmoved, or every B still exactly 0) the policy's KL is exactly 0
+            let (lp, kl, tokens) = match (!self.moved || m.at_reference()?, recorded) {
+                (false, Some(r)) => {
+                    let sc = score_recorded(m, &rollouts, &r, o.spec.kl_estimator, o.spec.minibatch)?;
+                    let kl = sc.iter().map(|s| s.1).sum::<f64>() / sc.len() as f64;
+                    (sc.iter().map(|s| s.0).sum::<f64>(), kl, sc.iter().map(|s| s.2).sum::<usize>())
+                }
+                (false, None) => {
+                    let sc = score(m, &rollouts, o.spec.kl_estimator, o.spec.minibatch)?;
+                    let kl = sc.iter().map(|s| s.1).sum::<f64>() / sc.len() as f64;
+                    (sc.iter().map(|s| s.0).sum::<f64>(), kl, sc.iter().map(|s| s.2).sum::<usize>())
+                }
+                (true, Some(r)) => (
+                    r.iter().flat_map(|l| l.iter()).map(|&x| x as f64).sum::<f64>(),
+                    0.0,
+                    r.iter().map(|l| l.len()).sum(),
+                ),
+                (true, None) => {
+                    let sc = logprob_sums(m, &rollouts, o.spec.minibatch, false)?;
+                    (sc.iter().map(|s| s.0).sum::<f64>(), 0.0, sc.iter().map(|s| s.1).sum::<usize>())
+                }
             };
             row.kl = kl;
             row.entropy = Some(-lp / tokens as f64);

@@ -196,7 +196,11 @@ pub(super) fn generate_as(
             None => b.generate(&ps, &opts, g.batch_prompts, &mut show)?,
             Some(s) => b.generate_remote(s, served_as.as_deref().unwrap_or(&s.model), &ps, &opts, &mut show)?,
         };
-        for (&i, s) in group.iter().zip(got) {
+        for (&i, mut s) in group.iter().zip(got) {
+            // the recorded log-probabilities' last bits depend on which prompts shared the
+            // padded batch, and so on what the cache held before: neither kept nor returned
+            // (the token ids do not depend on it)
+            s.iter_mut().for_each(|x| x.logprobs.clear());
             rep.generated_tokens += s.iter().map(|x| x.tokens).sum::<usize>();
             write_atomic(&file_of(&prompts[i]), &serde_json::to_vec(&s)?)?;
             out[i] = Some(s);
