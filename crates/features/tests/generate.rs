@@ -177,8 +177,9 @@ fn generation_does_not_depend_on_batching_or_prompt_order() {
     assert!(steps > 0);
     // the tokens and texts are the same whatever the batch; the recorded log-probabilities
     // agree to rounding (the padded attention sums in another order)
+    type Drawn = Vec<Vec<(String, usize, bool, Vec<u32>)>>;
     let same = |a: &[Vec<features::generate::Sample>], b: &[Vec<features::generate::Sample>], what: &str| {
-        let strip = |v: &[Vec<features::generate::Sample>]| -> Vec<Vec<(String, usize, bool, Vec<u32>)>> {
+        let strip = |v: &[Vec<features::generate::Sample>]| -> Drawn {
             v.iter().map(|p| p.iter().map(|s| (s.text.clone(), s.tokens, s.stopped, s.ids.clone())).collect()).collect()
         };
         assert_eq!(strip(a), strip(b), "{what}");
