@@ -67,6 +67,14 @@ bench-rm-step pairs="8" len="256" reps="2": fetch-models
 test-vllm: fetch-models
     scripts/test_vllm.sh
 
+# One chunk of the online loop (online-mini's shape, one rloo cell: the chunk's samples, their φ
+# and learned reward, one RLOO update, one held-out evaluation) in onepass against TRL's
+# RLOOTrainer doing the same chunk with a φᵀθ reward from the same frozen model in PyTorch; same
+# model, prompts, n, lengths and threads; alternating rounds; the split of both and the ratio.
+# Python as for bench-train (.venv-bench gains trl).
+bench-online: fetch-models
+    scripts/bench_online.sh
+
 # Generation throughput: onepass's sampling loop vs transformers' generate() in f32 and bf16 on the
 # same GGUF, templated prompts, shape (16 prompts × 8 samples, 8 prompts per call, T = 1, ≤ 64 new
 # tokens: the deploy mini's) and threads; alternating rounds, medians, ratios. Python as for

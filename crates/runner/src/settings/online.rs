@@ -553,28 +553,19 @@ impl<'a> PolicyCell<'a> {
             // are not cached): the policy's pass is not run again. The base's samples (cached,
             // their log-probabilities dropped) and a server's are scored here.
             let recorded: Option<Vec<&[f32]>> = all.iter().map(|s| s.recorded_logprobs()).collect();
-            // at its reference (unmoved, or every B still exactly 0) the policy's KL is exactly 0
-            let (lp, kl, tokens) = match (!self.moved || m.at_reference()?, recorded) {
-                (false, Some(r)) => {
-                    let sc = score_recorded(m, &rollouts, &r, o.spec.kl_estimator, o.spec.minibatch)?;
-                    let kl = sc.iter().map(|s| s.1).sum::<f64>() / sc.len() as f64;
-                    (sc.iter().map(|s| s.0).sum::<f64>(), kl, sc.iter().map(|s| s.2).sum::<usize>())
-                }
-                (false, None) => {
-                    let sc = score(m, &rollouts, o.spec.kl_estimator, o.spec.minibatch)?;
-                    let kl = sc.iter().map(|s| s.1).sum::<f64>() / sc.len() as f64;
-                    (sc.iter().map(|s| s.0).sum::<f64>(), kl, sc.iter().map(|s| s.2).sum::<usize>())
-                }
-                (true, Some(r)) => (
-                    r.iter().flat_map(|l| l.iter()).map(|&x| x as f64).sum::<f64>(),
-                    0.0,
-                    r.iter().map(|l| l.len()).sum(),
-                ),
-                (true, None) => {
-                    let sc = logprob_sums(m, &rollouts, o.spec.minibatch, false)?;
-                    (sc.iter().map(|s| s.0).sum::<f64>(), 0.0, sc.iter().map(|s| s.1).sum::<usize>())
-                }
+            // per sequence (Σ log π, Σ KL, tokens); at its reference (unmoved, or every B still
+            // exactly 0) the policy's KL is exactly 0
+            let sc: Vec<(f64, f64, usize)> = match (!self.moved || m.at_reference()?, recorded) {
+                (false, Some(r)) => score_recorded(m, &rollouts, &r, o.spec.kl_estimator, o.spec.minibatch)?,
+                (false, None) => score(m, &rollouts, o.spec.kl_estimator, o.spec.minibatch)?,
+                (true, Some(r)) => r.iter().map(|l| (l.iter().map(|&x| x as f64).sum(), 0.0, l.len())).collect(),
+                (true, None) => logprob_sums(m, &rollouts, o.spec.minibatch, false)?
+                    .into_iter()
+                    .map(|(lp, n)| (lp, 0.0, n))
+                    .collect(),
             };
+            let kl = sc.iter().map(|s| s.1).sum::<f64>() / sc.len() as f64;
+            let (lp, tokens) = (sc.iter().map(|s| s.0).sum::<f64>(), sc.iter().map(|s| s.2).sum::<usize>());
             row.kl = kl;
             row.entropy = Some(-lp / tokens as f64);
             times.score_s = t2.elapsed().as_secs_f64();
