@@ -172,8 +172,9 @@ def main():
     att = torch.cat([mask, body], 1)
 
     def logps():
+        # the LM head and log-softmax only where a response token is predicted (as TRL does)
         with torch.no_grad():
-            logits = model(input_ids=out, attention_mask=att).logits[:, plen - 1 : -1, :]
+            logits = model(input_ids=out, attention_mask=att, logits_to_keep=resp.shape[1] + 1).logits[:, :-1, :]
             lp = torch.log_softmax(logits.float(), -1).gather(-1, resp.unsqueeze(-1)).squeeze(-1)
         return (lp * body).sum(1)
 
