@@ -122,9 +122,13 @@ _reproduce setting preset args:
     bin="$(cargo metadata --format-version 1 --no-deps | sed -n 's/.*"target_directory":"\([^"]*\)".*/\1/p')/release/onepass"
     # stdout (the final table, then the run directory) is shown on stderr; no `tee /dev/stderr`,
     # which re-opens (and truncates) a log file that stderr is redirected to
+    t0=$(date +%s.%N)
     out=$("$bin" run "$spec" {{args}})
     printf '%s\n' "$out" >&2
     dir=$(printf '%s\n' "$out" | tail -n 1)
+    # the run's wall time (generation and φ read from the caches where they hold them)
+    awk -v t0="$t0" -v t1="$(date +%s.%N)" -v p="{{setting}}/{{preset}}" \
+        'BEGIN { printf "reproduce: %s ran in %.1f s (wall; caches: .cache/)\n", p, t1 - t0 }' >&2
     "$bin" report "$dir" >&2
     echo "$dir"
 
