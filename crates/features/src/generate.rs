@@ -86,6 +86,13 @@ pub struct GenProgress {
 /// softmax(logits / T) restricted to the top-p nucleus, using the uniform `u` ∈ [0, 1).
 /// Ties in the argmax go to the lowest id.
 pub fn sample_token(logits: &[f32], temperature: f64, top_p: f64, u: f64) -> u32 {
+    sample_scored(logits, temperature, top_p, u).0
+}
+
+/// [`sample_token`], with (max logit, ln Σ exp(logit − max)) when the draw summed the full
+/// distribution at temperature 1: the normaliser [`token_logprob`] would sum again, the same
+/// terms in the same order.
+fn sample_scored(logits: &[f32], temperature: f64, top_p: f64, u: f64) -> (u32, Option<(f64, f64)>) {
     let argmax = || {
         let mut best = 0;
         for (i, &l) in logits.iter().enumerate() {
@@ -96,15 +103,16 @@ pub fn sample_token(logits: &[f32], temperature: f64, top_p: f64, u: f64) -> u32
         best as u32
     };
     if temperature == 0.0 {
-        return argmax();
+        return (argmax(), None);
     }
     let max = logits.iter().copied().fold(f32::NEG_INFINITY, f32::max) as f64;
     if !max.is_finite() {
-        return argmax();
+        return (argmax(), None);
     }
     let mut p: Vec<(u32, f64)> =
         logits.iter().enumerate().map(|(i, &l)| (i as u32, ((l as f64 - max) / temperature).exp())).collect();
     let total: f64 = p.iter().map(|x| x.1).sum();
+    let norm = (temperature == 1.0).then(|| (max, total.ln()));
     if top_p < 1.0 {
         p.sort_by(|a, b| b.1.total_cmp(&a.1).then(a.0.cmp(&b.0)));
         let mut acc = 0.0;
@@ -122,11 +130,11 @@ pub fn sample_token(logits: &[f32], temperature: f64, top_p: f64, u: f64) -> u32
     let mut target = u * kept;
     for &(id, w) in &p {
         if target < w {
-            return id;
+            return (id, norm);
         }
         target -= w;
     }
-    p.last().map_or(0, |x| x.0)
+    (p.last().map_or(0, |x| x.0), norm)
 }
 
 /// log softmax(logits)[tok]: the token's log-probability at temperature 1, the normaliser
@@ -374,8 +382,35 @@ impl Backbone {
     }
 }
 
-/// A row's next token from its logits and its stream, with the token's log π at temperature 1.
+/// A row's next token from its logits and its stream, with the token's log π at temperature 1
+/// (at T = 1 from the draw's own normaliser: no second pass over the vocabulary).
 fn draw(logits: &[f32], opts: &SampleOptions, r: &mut Row) -> (u32, f32) {
-    let tok = sample_token(logits, opts.temperature, opts.top_p, r.rng.random());
-    (tok, token_logprob(logits, tok))
+    match sample_scored(logits, opts.temperature, opts.top_p, r.rng.random()) {
+        (tok, Some((max, ln_total))) => (tok, (logits[tok as usize] as f64 - max - ln_total) as f32),
+        (tok, None) => (tok, token_logprob(logits, tok)),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// At T = 1 the draw's normaliser gives each token's log π with the bits of a separate
+    /// [`token_logprob`] pass, nucleus or not; at other temperatures there is none to reuse.
+    #[test]
+    fn the_draws_normaliser_is_token_logprobs() {
+        let logits: Vec<f32> = (0..997).map(|i| ((i * 7919 % 1013) as f32 / 97.0).sin() * 6.0).collect();
+        for top_p in [1.0, 0.9] {
+            for k in 0..50 {
+                let u = (k as f64 + 0.5) / 50.0;
+                let (tok, norm) = sample_scored(&logits, 1.0, top_p, u);
+                let (max, ln_total) = norm.expect("T = 1 sums the distribution");
+                let lp = (logits[tok as usize] as f64 - max - ln_total) as f32;
+                assert_eq!(lp.to_bits(), token_logprob(&logits, tok).to_bits(), "token {tok}");
+                assert_eq!(tok, sample_token(&logits, 1.0, top_p, u));
+            }
+        }
+        assert!(sample_scored(&logits, 0.7, 1.0, 0.5).1.is_none());
+        assert!(sample_scored(&logits, 0.0, 1.0, 0.5).1.is_none());
+    }
 }

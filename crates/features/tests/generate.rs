@@ -245,37 +245,40 @@ fn samples_record_their_tokens_log_probabilities_at_temperature_one() {
     let b =
         Backbone::load_with(&Source::Gguf(fixtures().join("tiny-llama-bpe.gguf")), &Device::Cpu, DType::F32, 256, true)
             .unwrap();
-    let opts = SampleOptions { n: 3, temperature: 0.7, top_p: 0.9, max_new_tokens: 10, seed: 3 };
-    let got = b.generate(&prompts(), &opts, 4, &mut |_| {}).unwrap();
-    let (mut worst, mut tempered, mut shifted, mut count) = (0f64, 0f64, 0f64, 0usize);
-    for (p, samples) in prompts().iter().zip(&got) {
-        for s in samples {
-            let lp = s.recorded_logprobs().expect("one log-probability per token");
-            let prompt = b.prompt_ids(p).unwrap();
-            let all: Vec<u32> = prompt.iter().chain(&s.ids).copied().collect();
-            let t = Tensor::new(all.as_slice(), &Device::Cpu).unwrap().unsqueeze(0).unwrap();
-            let l: Vec<Vec<f32>> = b.model.logits(&t).unwrap().squeeze(0).unwrap().to_vec2().unwrap();
-            let log_softmax = |row: &[f32], tok: u32, temp: f64| {
-                let mx = row.iter().map(|&x| x as f64 / temp).fold(f64::NEG_INFINITY, f64::max);
-                let lse = mx + row.iter().map(|&x| (x as f64 / temp - mx).exp()).sum::<f64>().ln();
-                row[tok as usize] as f64 / temp - lse
-            };
-            for (j, &tok) in s.ids.iter().enumerate() {
-                let row = &l[prompt.len() + j - 1];
-                let want = log_softmax(row, tok, 1.0);
-                worst = worst.max((lp[j] as f64 - want).abs());
-                tempered += (lp[j] as f64 - log_softmax(row, tok, 0.7)).abs();
-                if j + 1 < s.ids.len() {
-                    shifted += (lp[j] as f64 - log_softmax(&l[prompt.len() + j], tok, 1.0)).abs();
+    // T = 0.7 records by a pass of its own; T = 1 reuses the draw's normaliser
+    for temperature in [0.7, 1.0] {
+        let opts = SampleOptions { n: 3, temperature, top_p: 0.9, max_new_tokens: 10, seed: 3 };
+        let got = b.generate(&prompts(), &opts, 4, &mut |_| {}).unwrap();
+        let (mut worst, mut tempered, mut shifted, mut count) = (0f64, 0f64, 0f64, 0usize);
+        for (p, samples) in prompts().iter().zip(&got) {
+            for s in samples {
+                let lp = s.recorded_logprobs().expect("one log-probability per token");
+                let prompt = b.prompt_ids(p).unwrap();
+                let all: Vec<u32> = prompt.iter().chain(&s.ids).copied().collect();
+                let t = Tensor::new(all.as_slice(), &Device::Cpu).unwrap().unsqueeze(0).unwrap();
+                let l: Vec<Vec<f32>> = b.model.logits(&t).unwrap().squeeze(0).unwrap().to_vec2().unwrap();
+                let log_softmax = |row: &[f32], tok: u32, temp: f64| {
+                    let mx = row.iter().map(|&x| x as f64 / temp).fold(f64::NEG_INFINITY, f64::max);
+                    let lse = mx + row.iter().map(|&x| (x as f64 / temp - mx).exp()).sum::<f64>().ln();
+                    row[tok as usize] as f64 / temp - lse
+                };
+                for (j, &tok) in s.ids.iter().enumerate() {
+                    let row = &l[prompt.len() + j - 1];
+                    let want = log_softmax(row, tok, 1.0);
+                    worst = worst.max((lp[j] as f64 - want).abs());
+                    tempered += (lp[j] as f64 - log_softmax(row, tok, 0.7)).abs();
+                    if j + 1 < s.ids.len() {
+                        shifted += (lp[j] as f64 - log_softmax(&l[prompt.len() + j], tok, 1.0)).abs();
+                    }
+                    count += 1;
                 }
-                count += 1;
             }
         }
+        assert!(count > 20, "{count} tokens");
+        assert!(worst < 1e-4, "T = {temperature}: recorded vs full-pass log π: max |Δ| {worst:.2e}");
+        assert!(tempered / count as f64 > 1e-2, "negative control: T = 0.7's log-probabilities differ ({tempered})");
+        assert!(shifted / count as f64 > 1e-2, "negative control: the next position's differ ({shifted})");
     }
-    assert!(count > 20, "{count} tokens");
-    assert!(worst < 1e-4, "recorded vs full-pass log π: max |Δ| {worst:.2e}");
-    assert!(tempered / count as f64 > 1e-2, "negative control: T = 0.7's log-probabilities differ ({tempered})");
-    assert!(shifted / count as f64 > 1e-2, "negative control: the next position's differ ({shifted})");
 }
 
 #[test]
