@@ -30,6 +30,13 @@ check-cuda:
     eval "$(scripts/cuda_toolchain.sh)"
     CARGO_TARGET_DIR=target/cuda-check cargo check -p runner --features cuda --release
 
+# The GPU's paths on a GPU (a machine with CUDA and a driver): the decoder's values and every
+# adapter's gradient, an Adam step, a reward model's gradient, HVPs and Alg. 5 step, SmolLM2's φ
+# and sampled log-probabilities, each against the CPU or PyTorch's fixture
+# (crates/policy/tests/device.rs; without ONEPASS_TEST_DEVICE the same tests run on the CPU).
+test-cuda: fetch-models
+    ONEPASS_TEST_DEVICE=cuda cargo test --release --features cuda -p policy --test device -- --nocapture --test-threads 1
+
 # Estimator benchmark at d = 4096, B = 8 (µs/step, omd-exact vs memory bandwidth, mle refits, peak RSS).
 bench:
     cargo bench -p estimators

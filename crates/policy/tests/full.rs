@@ -65,11 +65,6 @@ fn perturb(m: &PolicyModel, seed: u64, size: f64) {
     }
 }
 
-fn rel(a: &[f64], b: &[f64]) -> f64 {
-    let s = b.iter().fold(0f64, |m, x| m.max(x.abs()));
-    a.iter().zip(b).map(|(x, y)| (x - y).abs()).fold(0.0, f64::max) / s
-}
-
 /// Every weight the decoder reads is a variable (embeddings, norms, every linear weight and
 /// bias, an untied LM head), and its gradient from backward equals a central finite
 /// difference of the loss (f64, h = 1e-5: error O(h²) ≈ 1e-10 relative) at three elements of

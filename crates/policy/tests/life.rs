@@ -33,11 +33,6 @@ fn lp(m: &PolicyModel, adapters: bool) -> Vec<f64> {
     m.logprobs_at(&b, adapters).unwrap().to_dtype(DType::F64).unwrap().to_vec1().unwrap()
 }
 
-fn rel(a: &[f64], b: &[f64]) -> f64 {
-    let s = b.iter().fold(0f64, |m, x| m.max(x.abs()));
-    a.iter().zip(b).map(|(x, y)| (x - y).abs()).fold(0.0, f64::max) / s
-}
-
 /// Merging keeps the policy (the adapted pass before = after, up to f64 rounding), the next
 /// adapter starts at B = 0 with A redrawn from the seed, and the reference pass still computes
 /// the initial policy; after `reference_here` it computes the merged one. Negative control:

@@ -184,32 +184,6 @@ fn frozen_matmul_routes_the_gradient_to_x_alone() {
     assert!(g1.get(&w).is_none(), "no gradient for the frozen weight");
 }
 
-/// Log-probabilities of a batch and every adapter's gradient of a weighted sum of them.
-fn values_and_gradients(m: &PolicyModel, b: &policy::batch::SeqBatch) -> (Vec<f64>, Vec<Vec<f64>>) {
-    let lp = m.logprobs_at(b, true).unwrap();
-    let n = lp.dim(0).unwrap();
-    // unequal weights: a sum of log-probabilities alone would hide errors that cancel
-    let w: Vec<f64> = (0..n).map(|i| 1.0 + 0.37 * (i as f64).sin()).collect();
-    let w = Tensor::from_vec(w, n, &Device::Cpu).unwrap().to_dtype(lp.dtype()).unwrap();
-    let grads = (&lp * &w).unwrap().sum_all().unwrap().backward().unwrap();
-    let values: Vec<f64> = lp.to_dtype(DType::F64).unwrap().to_vec1().unwrap();
-    let g = m
-        .vars()
-        .into_iter()
-        .map(|v| {
-            let g = grads.get(v.as_tensor()).expect("every adapter receives a gradient");
-            g.flatten_all().unwrap().to_dtype(DType::F64).unwrap().to_vec1().unwrap()
-        })
-        .collect();
-    (values, g)
-}
-
-/// max |a − b| / max |b|.
-fn rel(a: &[f64], b: &[f64]) -> f64 {
-    let scale = b.iter().fold(0f64, |m, x| m.max(x.abs()));
-    a.iter().zip(b).map(|(x, y)| (x - y).abs()).fold(0.0, f64::max) / scale
-}
-
 /// The composed ops — the path a GPU trains with (candle's differentiable tensor ops for
 /// RMSNorm, RoPE, the softmaxes and the frozen products) — give the fused CPU kernels' values
 /// and every adapter's gradient, on Llama (rotate-half and interleaved RoPE) and Qwen2 (biases),

@@ -16,88 +16,11 @@ mod common;
 use candle_core::{DType, Device, Tensor};
 use common::*;
 use estimators::EstimatorConfig;
-use features::model::{Config, Family, HfConfig};
+use features::model::{Config, Family};
 use policy::reward::{HvpConfig, OnePass, RewardModel, RmPair};
 use policy::{LoraConfig, PolicyModel, Target};
 use std::collections::HashMap;
-use std::path::{Path, PathBuf};
-
-fn fixtures() -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/rm-hvp")
-}
-
-fn tiny_llama(dtype: DType, full: bool) -> PolicyModel {
-    let base = Path::new(env!("CARGO_MANIFEST_DIR")).join("../features/tests/fixtures/tiny-llama");
-    let hf: HfConfig = serde_json::from_str(&std::fs::read_to_string(base.join("config.json")).unwrap()).unwrap();
-    let cfg = Config::from_hf(&hf).unwrap();
-    let t: HashMap<String, Tensor> =
-        candle_core::safetensors::load(base.join("model.safetensors"), &Device::Cpu).unwrap();
-    if full {
-        return PolicyModel::new_full(t, cfg, 32, dtype).unwrap();
-    }
-    let lora = LoraConfig { rank: 2, alpha: 4.0, targets: Target::ALL.to_vec(), seed: 0, dropout: 0.0 };
-    PolicyModel::new(t, cfg, &lora, 32, dtype).unwrap()
-}
-
-struct Fixture {
-    pairs: Vec<(Vec<u32>, Vec<u32>, f32)>,
-    loss: f64,
-    t: HashMap<String, Tensor>,
-}
-
-fn fixture(case: &str) -> Fixture {
-    let j: serde_json::Value =
-        serde_json::from_str(&std::fs::read_to_string(fixtures().join("pairs.json")).unwrap()).unwrap();
-    let ids = |v: &serde_json::Value| -> Vec<u32> {
-        v.as_array().unwrap().iter().map(|x| x.as_u64().unwrap() as u32).collect()
-    };
-    let pairs = j["pairs"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .map(|p| (ids(&p["a"]), ids(&p["b"]), p["y"].as_f64().unwrap() as f32))
-        .collect();
-    let t = candle_core::safetensors::load(fixtures().join(format!("{case}.safetensors")), &Device::Cpu).unwrap();
-    Fixture { pairs, loss: j["loss"][case].as_f64().unwrap(), t }
-}
-
-impl Fixture {
-    fn pairs(&self) -> Vec<RmPair<'_>> {
-        self.pairs.iter().map(|(a, b, y)| RmPair { a, b, y: *y }).collect()
-    }
-
-    /// The tensors `prefix/<name>` for `names`, in `dtype`.
-    fn get(&self, prefix: &str, names: &[String], dtype: DType) -> Vec<Tensor> {
-        names
-            .iter()
-            .map(|n| {
-                self.t.get(&format!("{prefix}/{n}")).unwrap_or_else(|| panic!("{prefix}/{n}")).to_dtype(dtype).unwrap()
-            })
-            .collect()
-    }
-}
-
-/// The fixture's reward model in `dtype`: its parameter values set from the fixture (a full
-/// model's weights are the tiny Llama's own; the fixture holds its θ).
-fn fixture_model(fx: &Fixture, full: bool, dtype: DType) -> RewardModel {
-    let rm = RewardModel::new(tiny_llama(dtype, full), &[0.0; 32], true).unwrap();
-    for (v, name) in rm.vars().iter().zip(rm.var_names()) {
-        if let Some(x) = fx.t.get(&format!("param/{name}")) {
-            v.set(&x.to_dtype(dtype).unwrap().reshape(v.as_tensor().shape()).unwrap()).unwrap();
-        }
-    }
-    rm
-}
-
-fn flat64(ts: &[Tensor]) -> Vec<f64> {
-    ts.iter().flat_map(|t| t.flatten_all().unwrap().to_dtype(DType::F64).unwrap().to_vec1::<f64>().unwrap()).collect()
-}
-
-/// ‖a − b‖ / ‖b‖.
-fn rel(a: &[f64], b: &[f64]) -> f64 {
-    let d: f64 = a.iter().zip(b).map(|(x, y)| (x - y).powi(2)).sum::<f64>().sqrt();
-    d / b.iter().map(|y| y * y).sum::<f64>().sqrt()
-}
+use std::path::Path;
 
 #[test]
 fn loss_gradient_and_hvps_by_differences_equal_pytorchs_exact_ones() {
@@ -111,7 +34,7 @@ fn loss_gradient_and_hvps_by_differences_equal_pytorchs_exact_ones() {
         // softmax stay in float64): agreement to rounding
         let loss = g.stats.loss;
         assert!((loss - fx.loss).abs() < 1e-12 * fx.loss.abs(), "{case}: loss {loss} vs {}", fx.loss);
-        let g_err = rel(&flat64(&g.grads), &flat64(&fx.get("grad", &names, DType::F64)));
+        let g_err = rel_l2(&flat64(&g.grads), &flat64(&fx.get("grad", &names, DType::F64)));
         eprintln!("{case}: loss {:.3e} relative, gradient {g_err:.3e}", (loss - fx.loss).abs() / fx.loss);
         assert!(g_err < 1e-10, "{case}: gradient relative error {g_err:e}");
         let before = flat64(&rm.vars().iter().map(|v| v.as_tensor().copy().unwrap()).collect::<Vec<_>>());
@@ -119,22 +42,22 @@ fn loss_gradient_and_hvps_by_differences_equal_pytorchs_exact_ones() {
             let v = fx.get(&format!("v{k}"), &names, DType::F64);
             let exact = flat64(&fx.get(&format!("hv{k}"), &names, DType::F64));
             let hv = flat64(&rm.hvp(&pairs, &v, 1e-5).unwrap());
-            let err = rel(&hv, &exact);
+            let err = rel_l2(&hv, &exact);
             eprintln!("{case} v{k}: f64 HVP error {err:.3e} at ε = 1e-5");
             // measured 5e-9, 2e-9 (lora), 6e-11 (full): truncation ~ε², rounding ~1e-16/ε
             assert!(err < 1e-7, "{case} v{k}: f64 HVP relative error {err:e}");
             // negative control: the gradient difference at a step too large for the curvature
             // to be constant along it is not the product
-            let far = rel(&flat64(&rm.hvp(&pairs, &v, 3.0).unwrap()), &exact);
+            let far = rel_l2(&flat64(&rm.hvp(&pairs, &v, 3.0).unwrap()), &exact);
             assert!(far > 1e-3, "{case} v{k}: a step of norm 3 gives an HVP error of {far:e}");
             // the f32 model at the default ε, and at steps far too small and far too large
             let rm32 = fixture_model(&fx, full, DType::F32);
             let v32: Vec<Tensor> = v.iter().map(|t| t.to_dtype(DType::F32).unwrap()).collect();
-            let at = |eps: f64| rel(&flat64(&rm32.hvp(&pairs, &v32, eps).unwrap()), &exact);
+            let at = |eps: f64| rel_l2(&flat64(&rm32.hvp(&pairs, &v32, eps).unwrap()), &exact);
             // forward differences from the step's own gradient: one pass, error O(ε)
             let (g64, g32) = (rm.gradient(&pairs).unwrap().grads, rm32.gradient(&pairs).unwrap().grads);
-            let fwd64 = rel(&flat64(&rm.hvp_with(&pairs, &v, 1e-7, Some(&g64)).unwrap()), &exact);
-            let fwd = |eps: f64| rel(&flat64(&rm32.hvp_with(&pairs, &v32, eps, Some(&g32)).unwrap()), &exact);
+            let fwd64 = rel_l2(&flat64(&rm.hvp_with(&pairs, &v, 1e-7, Some(&g64)).unwrap()), &exact);
+            let fwd = |eps: f64| rel_l2(&flat64(&rm32.hvp_with(&pairs, &v32, eps, Some(&g32)).unwrap()), &exact);
             let (f_default, f_far) = (fwd(policy::reward::HvpScheme::Forward.default_eps()), fwd(3e-2));
             eprintln!("{case} v{k}: forward HVP error {fwd64:.2e} (f64, ε = 1e-7), {f_default:.2e} (f32, ε = 3e-4), {f_far:.2e} (f32, ε = 3e-2)");
             // measured 4e-7–1.2e-6 (f64); f32 1.4e-3–4.6e-3 on a Zen 4 (AVX-512), 4.7e-3–1.7e-2
@@ -428,13 +351,13 @@ fn a_gradient_in_passes_is_the_whole_batchs() {
     for k in [1, 2, 3] {
         rm.set_pairs_per_pass(k);
         let g = rm.gradient(&pairs).unwrap();
-        let e = rel(&flat64(&g.grads), &w);
+        let e = rel_l2(&flat64(&g.grads), &w);
         assert!(e < 1e-6, "{k} pairs per pass: gradient relative error {e:e}");
         assert!((g.stats.loss - whole.stats.loss).abs() < 1e-6, "{k}: loss");
         assert_eq!(g.stats.accuracy, whole.stats.accuracy);
         if k == 2 {
             let unweighted: Vec<f64> = w.iter().map(|x| x * 3.0).collect();
-            assert!(rel(&flat64(&g.grads), &unweighted) > 0.5, "the share weighting matters");
+            assert!(rel_l2(&flat64(&g.grads), &unweighted) > 0.5, "the share weighting matters");
         }
     }
 }

@@ -7,6 +7,21 @@ use policy::PolicyModel;
 use rand::{Rng, SeedableRng};
 use std::collections::HashMap;
 
+pub mod rm;
+#[allow(unused_imports)]
+pub use rm::*;
+
+/// The device under test: `ONEPASS_TEST_DEVICE` = `cuda` (a build with `--features cuda` on a
+/// machine with a GPU) or `cpu` (the default). Anything else, or a CUDA device that does not
+/// open, fails the test: a device check never passes by quietly running on the CPU.
+pub fn test_device() -> Device {
+    match std::env::var("ONEPASS_TEST_DEVICE").as_deref() {
+        Err(_) | Ok("") | Ok("cpu") => Device::Cpu,
+        Ok("cuda") => Device::new_cuda(0).unwrap_or_else(|e| panic!("ONEPASS_TEST_DEVICE=cuda: {e}")),
+        Ok(other) => panic!("ONEPASS_TEST_DEVICE={other}: expected cpu or cuda"),
+    }
+}
+
 pub fn cfg(family: Family, interleaved: bool) -> Config {
     Config {
         family,
@@ -83,4 +98,31 @@ pub fn randomize(m: &PolicyModel, seed: u64) {
         let v: Vec<f32> = (0..t.elem_count()).map(|_| rng.random_range(-0.3f32..0.3)).collect();
         ad.b.set(&Tensor::from_vec(v, t.shape(), t.device()).unwrap().to_dtype(t.dtype()).unwrap()).unwrap();
     }
+}
+
+/// Log-probabilities of a batch and every adapter's gradient of a weighted sum of them (on the
+/// CPU, as f64).
+pub fn values_and_gradients(m: &PolicyModel, b: &policy::batch::SeqBatch) -> (Vec<f64>, Vec<Vec<f64>>) {
+    let lp = m.logprobs_at(b, true).unwrap();
+    let n = lp.dim(0).unwrap();
+    // unequal weights: a sum of log-probabilities alone would hide errors that cancel
+    let w: Vec<f64> = (0..n).map(|i| 1.0 + 0.37 * (i as f64).sin()).collect();
+    let w = Tensor::from_vec(w, n, lp.device()).unwrap().to_dtype(lp.dtype()).unwrap();
+    let grads = (&lp * &w).unwrap().sum_all().unwrap().backward().unwrap();
+    let values: Vec<f64> = lp.to_dtype(DType::F64).unwrap().to_vec1().unwrap();
+    let g = m
+        .vars()
+        .into_iter()
+        .map(|v| {
+            let g = grads.get(v.as_tensor()).expect("every adapter receives a gradient");
+            g.flatten_all().unwrap().to_dtype(DType::F64).unwrap().to_vec1().unwrap()
+        })
+        .collect();
+    (values, g)
+}
+
+/// max |a − b| / max |b|.
+pub fn rel(a: &[f64], b: &[f64]) -> f64 {
+    let scale = b.iter().fold(0f64, |m, x| m.max(x.abs()));
+    a.iter().zip(b).map(|(x, y)| (x - y).abs()).fold(0.0, f64::max) / scale
 }
