@@ -37,6 +37,21 @@ check-cuda:
 test-cuda: fetch-models
     ONEPASS_TEST_DEVICE=cuda cargo test --release --features cuda -p policy --test device -- --nocapture --test-threads 1
 
+# onepass and the device tests built with `--features cuda` on a machine without CUDA's libraries,
+# to copy to a GPU machine (how the README's H100 checks were built): nvcc from PyPI wheels, then
+# link stubs (scripts/cuda_link_stubs.sh) where the toolkit's libraries are missing. CAP: the
+# GPU's compute capability (90: H100/H200, 80: A100). Binaries in target/cuda-build/release.
+build-cuda cap="90":
+    #!/usr/bin/env bash
+    set -euo pipefail
+    eval "$(scripts/cuda_toolchain.sh)"
+    export CUDA_COMPUTE_CAP={{cap}} CARGO_TARGET_DIR=target/cuda-build
+    if ! cargo build --release -p runner --features cuda 2>/dev/null; then
+        eval "$(scripts/cuda_link_stubs.sh)"
+        cargo build --release -p runner --features cuda
+    fi
+    cargo test --release --features cuda -p policy --test device --no-run 2>&1 | grep Executable
+
 # Estimator benchmark at d = 4096, B = 8 (µs/step, omd-exact vs memory bandwidth, mle refits, peak RSS).
 bench:
     cargo bench -p estimators

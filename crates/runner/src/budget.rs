@@ -58,6 +58,11 @@ pub struct RewardShape {
     pub cfg: features::model::Config,
     pub weights: u64,
     pub seq_len: usize,
+    /// The reward model lives on an accelerator (`[data]`/`[features]` device = "cuda"): its
+    /// terms are the device's memory, not the host's ([`Memory`]).
+    pub on_device: bool,
+    /// The accelerator's free memory when it could be asked (bytes).
+    pub device_free: Option<u64>,
 }
 
 /// The terms of a cell whose reward model learns its features (`policy::reward`): the
@@ -111,8 +116,9 @@ fn reward_terms(spec: &Spec, r: &RewardShape) -> Vec<Term> {
     t
 }
 
-/// Which memory an estimate counts: the host's (the estimator, the data, a CPU policy) or the
-/// accelerator's (a policy with generate.device = "cuda").
+/// Which memory an estimate counts: the host's (the estimator, the data, a CPU policy or reward
+/// model) or the accelerator's (a policy with generate.device = "cuda", a reward model whose
+/// features learn on one).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Memory {
     Host,
@@ -289,7 +295,8 @@ fn cell_terms(spec: &Spec, c: &ConfigPlan) -> Vec<Term> {
 /// The estimate of `on`'s memory for a plan whose `spec` has its final env.dim, `threads`
 /// workers; `policy` the learning policy's shape when the run has one (its world is loaded):
 /// its terms count on the host, or on the device when it lives there.
-/// `reward`: a reward model whose features learn, when the run has one (counted on the host).
+/// `reward`: a reward model whose features learn, when the run has one: counted on the host, or
+/// on the device when it lives there.
 pub fn estimate(
     spec: &Spec,
     plan: &Plan,
@@ -302,7 +309,7 @@ pub fn estimate(
     let mut per_cell = 0;
     for c in &plan.configs {
         let mut t = if on == Memory::Host { cell_terms(spec, c) } else { Vec::new() };
-        if let Some(r) = reward.filter(|_| on == Memory::Host) {
+        if let Some(r) = reward.filter(|r| r.on_device == (on == Memory::Device)) {
             t.extend(reward_terms(spec, r));
             t.sort_by_key(|x| std::cmp::Reverse(x.bytes));
         }
@@ -418,12 +425,13 @@ mod tests {
             )
         };
         let cfg = tiny_cfg();
-        let shape = RewardShape { cfg, weights: 1 << 20, seq_len: 64 };
-        let at = |update: &str, ppp: usize| -> Estimate {
+        let shape = RewardShape { cfg, weights: 1 << 20, seq_len: 64, on_device: false, device_free: None };
+        let on = |update: &str, ppp: usize, shape: &RewardShape, mem: Memory| -> Estimate {
             std::fs::write(&path, spec(update, ppp)).unwrap();
             let plan = crate::load_plan(&path, &[]).unwrap();
-            estimate(&plan.spec, &plan, 1, None, Some(&shape), Memory::Host)
+            estimate(&plan.spec, &plan, 1, None, Some(shape), mem)
         };
+        let at = |update: &str, ppp: usize| on(update, ppp, &shape, Memory::Host);
         let term = |e: &Estimate, key: &str| e.cell.iter().filter(|t| t.key == key).map(|t| t.bytes).sum::<u64>();
         let full = at("full", 2);
         assert_eq!(term(&full, "reward.update"), ((1u64 << 20) + 64) * 4 * 14, "{:?}", full.cell);
@@ -438,6 +446,14 @@ mod tests {
         );
         let head = at("head", 2);
         assert!(head.cell.iter().all(|t| !t.key.starts_with("reward.")), "{:?}", head.cell);
+        // on a GPU the same terms count in the device's memory and none in the host's (the
+        // H100 run of mini-hh-lora-rm ran out of GPU memory while its estimate sat in the host's)
+        let gpu = RewardShape { on_device: true, ..shape.clone() };
+        let (dev, host) = (on("lora", 2, &gpu, Memory::Device), on("lora", 2, &gpu, Memory::Host));
+        assert_eq!(term(&dev, "reward.update"), term(&lora, "reward.update"), "{:?}", dev.cell);
+        assert_eq!(term(&dev, "reward.pairs_per_pass"), term(&lora, "reward.pairs_per_pass"));
+        assert!(host.cell.iter().all(|t| !t.key.starts_with("reward.")), "{:?}", host.cell);
+        assert_eq!(on("lora", 2, &shape, Memory::Device).per_cell, 0, "a CPU reward model takes no device memory");
     }
 
     #[test]

@@ -52,8 +52,9 @@ enum Cmd {
         /// available); a run whose estimate is larger is refused before it allocates.
         #[arg(long, value_name = "SIZE")]
         max_memory: Option<String>,
-        /// The GPU memory a learning policy on one (generate.device = "cuda") may take (default:
-        /// the device's free memory); the policy's terms are counted there, not in host memory.
+        /// The GPU memory a learning policy (generate.device = "cuda") or a reward model whose
+        /// features learn (data.device / features.device = "cuda") may take (default: the
+        /// device's free memory); their terms are counted there, not in host memory.
         #[arg(long, value_name = "SIZE")]
         max_gpu_memory: Option<String>,
         /// Run only slice i of N of the run's cells (cells k with k mod N = i), e.g. one task of

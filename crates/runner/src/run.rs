@@ -173,15 +173,42 @@ fn check_memory(
     };
     let e = crate::budget::estimate(spec, plan, threads, policy, reward, crate::budget::Memory::Host);
     crate::budget::check(&e, limit, &from).map_err(refuse)?;
-    // a policy on an accelerator: its terms against the device's memory, not the host's
-    let Some(p) = policy.filter(|p| p.on_device) else { return Ok(()) };
-    let (limit, from) = match (opts.max_gpu_memory, p.device_free) {
+    // a policy or a learning reward model on an accelerator: its terms against the device's
+    // memory, not the host's
+    let free = match (policy.filter(|p| p.on_device), reward.filter(|r| r.on_device)) {
+        (None, None) => return Ok(()),
+        (p, r) => p.and_then(|p| p.device_free).or(r.and_then(|r| r.device_free)),
+    };
+    let (limit, from) = match (opts.max_gpu_memory, free) {
         (Some(m), _) => (m, "--max-gpu-memory allows".to_string()),
         (None, Some(f)) => (f, "free on the GPU (--max-gpu-memory sets another budget)".to_string()),
         (None, None) => return Ok(()),
     };
     let e = crate::budget::estimate(spec, plan, threads, policy, reward, crate::budget::Memory::Device);
     crate::budget::check(&e, limit, &from).map_err(refuse)
+}
+
+/// A failed cell's error as one line (cells.parquet's `err`, the run's log): the chain as
+/// `{:#}` writes it, without the backtraces candle appends to its errors when RUST_BACKTRACE is
+/// set (frame lines `N: symbol` and `at file:line`), its other line breaks joined by ": ". A
+/// device that ran out of memory says what to lower.
+pub fn cell_error(e: &anyhow::Error) -> String {
+    let text = format!("{e:#}");
+    let frame = |l: &str| {
+        let t = l.trim_start();
+        t.starts_with("at ") && l.len() > t.len()
+            || t.split_once(": ").is_some_and(|(n, _)| !n.is_empty() && n.bytes().all(|b| b.is_ascii_digit()))
+                && l.len() > t.len()
+    };
+    let mut out =
+        text.lines().map(str::trim_end).filter(|l| !l.trim().is_empty() && !frame(l)).collect::<Vec<_>>().join(": ");
+    if out.contains("CUDA_ERROR_OUT_OF_MEMORY") {
+        out.push_str(
+            " — the GPU ran out of memory: run fewer cells on it at once (--threads, one process per GPU), \
+             lower reward.pairs_per_pass or policy.minibatch, or give --max-gpu-memory what is free for this run",
+        );
+    }
+    out
 }
 
 /// Parses and validates a spec (errors are [`spec::SpecError`]); reads nothing else.
@@ -485,7 +512,7 @@ fn run_one<'p>(
     // run's, not the cell's: the cell keeps its last checkpoint and the run stays resumable
     let result = match result {
         Err(e) if e.is::<io::Interrupted>() || io::is_storage(&e) => return Err(e),
-        r => r.map_err(|e| format!("{e:#}")),
+        r => r.map_err(|e| cell_error(&e)),
     };
     if let Err(e) = &result {
         eprintln!("onepass: cell {} ({}, seed {}) failed: {e}", cell.cell_id, config.label, cell.seed);
@@ -1134,5 +1161,33 @@ impl RunIdentity {
             return Some(format!("the data differ: {diff}"));
         }
         None
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    /// candle appends a backtrace to its errors when RUST_BACKTRACE is set (the H100 run's
+    /// cells.parquet held 25 lines of `N: <unknown>` after a CUDA out-of-memory): a cell's error
+    /// is one line, the chain kept, with what to lower when a device ran out of memory.
+    #[test]
+    fn a_cell_error_is_one_line_without_candles_backtrace() {
+        let inner = candle_core::Error::Msg("DriverError(CUDA_ERROR_OUT_OF_MEMORY, \"out of memory\")".into());
+        let bt = candle_core::Error::WithBacktrace {
+            inner: Box::new(inner),
+            backtrace: Box::new(std::backtrace::Backtrace::force_capture()),
+        };
+        let e = anyhow::Error::new(bt).context("reward model step 1");
+        let raw = format!("{e:#}");
+        assert!(raw.lines().count() > 3, "negative control: the chain as {{:#}} writes it carries the trace:\n{raw}");
+        let one = super::cell_error(&e);
+        assert!(!one.contains('\n') && !one.contains("at /"), "{one}");
+        assert!(one.starts_with("reward model step 1: DriverError(CUDA_ERROR_OUT_OF_MEMORY"), "{one}");
+        assert!(one.contains("--max-gpu-memory") && one.contains("reward.pairs_per_pass"), "{one}");
+        // candle's context puts its own line break between the context and the error: joined
+        let e = anyhow::Error::new(candle_core::Error::Msg("bad shape".into()).context("loading layer 3"));
+        assert_eq!(super::cell_error(&e), "loading layer 3: bad shape");
+        // a message line that starts with a number is no frame
+        let e = anyhow::anyhow!("12: rows expected").context("step 4");
+        assert_eq!(super::cell_error(&e), "step 4: 12: rows expected");
     }
 }

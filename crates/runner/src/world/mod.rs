@@ -172,6 +172,8 @@ impl World {
             cfg: r.cfg.clone(),
             weights: r.base.values().map(|t| t.elem_count() as u64).sum(),
             seq_len: longest,
+            on_device: !r.device.is_cpu(),
+            device_free: features::model::device_memory(&r.device).map(|(free, _)| free),
         })
     }
 }
