@@ -396,9 +396,7 @@ impl PolicyModel {
             return r.logprobs_pass(batch, Pass::BASE);
         }
         let rows = self.response_rows(batch, pass)?;
-        let logits = frozen_matmul(&rows, &self.lm_head, self.kernels)?;
-        let lp = crate::ops::log_softmax_last(&logits, self.kernels)?;
-        lp.gather(&batch.targets.reshape((batch.targets.dim(0)?, 1))?, 1)?.squeeze(1)
+        crate::ops::lm_head_logprobs(&rows, &self.lm_head, &batch.targets, self.kernels)
     }
 
     /// The final-norm hidden states (P, hidden) that predict the batch's response tokens, row

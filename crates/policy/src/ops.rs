@@ -169,6 +169,61 @@ fn rope_composed(x: &Tensor, cos: &Tensor, sin: &Tensor, interleaved: bool) -> R
     }
 }
 
+/// Rows per block of [`lm_head_logprobs`]: a block's logits are 128 × vocabulary (25 MB for
+/// SmolLM2's 49,152 tokens in f32).
+const LM_BLOCK: usize = 128;
+
+/// log π(t_r | row r) = log-softmax(x Wᵀ)[r, t_r]: the LM head, the log-softmax over the
+/// vocabulary and the gather of each row's target in one op, for x (P, hidden), W (vocab,
+/// hidden) and targets (P,) u32. ∂L/∂x_r = g_r (W[t_r] − softmax(x_r Wᵀ) W).
+///
+/// Fused (the CPU, W frozen): the rows in blocks of `LM_BLOCK`; each block's logits go through
+/// candle's log-softmax kernel and are dropped, its log-softmax is kept for the backward only
+/// when x needs a gradient, and the backward forms e^{log-softmax} ⊙ (−g) plus g at the
+/// target block by block. A training step so holds one (P, vocab) tensor for the LM head where
+/// the graph of `frozen_matmul` → `log_softmax_last` → `gather` held the logits and the
+/// log-softmax through the backward and made four more (P, vocab) temporaries in it (issue 31:
+/// the step's memory). The values are that graph's. Composed (other devices), or W a variable
+/// (a full-parameter policy, whose LM head takes a gradient): that graph.
+pub fn lm_head_logprobs(x: &Tensor, w: &Tensor, targets: &Tensor, k: Kernels) -> Result<Tensor> {
+    let p = targets.dim(0)?;
+    if k == Kernels::Composed || w.is_variable() {
+        let logits = crate::lora::frozen_matmul(x, w, k)?;
+        let lp = log_softmax_last(&logits, k)?;
+        return lp.gather(&targets.reshape((p, 1))?, 1)?.squeeze(1);
+    }
+    if x.dim(0)? != p {
+        candle_core::bail!("lm-head log-probabilities: {} rows for {p} targets", x.dim(0)?);
+    }
+    let xd = x.detach().contiguous()?;
+    let wt = w.t()?;
+    let keep = x.track_op();
+    let (mut lps, mut kept) = (Vec::new(), Vec::new());
+    for start in (0..p).step_by(LM_BLOCK) {
+        let n = LM_BLOCK.min(p - start);
+        let ls = candle_nn::ops::log_softmax(&xd.narrow(0, start, n)?.matmul(&wt)?, D::Minus1)?;
+        lps.push(ls.gather(&targets.narrow(0, start, n)?.reshape((n, 1))?, 1)?.squeeze(1)?);
+        if keep {
+            kept.push(ls);
+        }
+    }
+    let y = Tensor::cat(&lps, 0)?;
+    let (w, targets) = (w.clone(), targets.clone());
+    routed(x, y, "lm-head-logprobs", move |_, _, g| {
+        let mut dx = Vec::with_capacity(kept.len());
+        let mut start = 0;
+        for ls in &kept {
+            let n = ls.dim(0)?;
+            let gb = g.narrow(0, start, n)?.reshape((n, 1))?;
+            let t = targets.narrow(0, start, n)?.reshape((n, 1))?;
+            let d = ls.exp()?.broadcast_mul(&gb.neg()?)?.scatter_add(&t, &gb, 1)?;
+            dx.push(d.matmul(&w)?);
+            start += n;
+        }
+        Tensor::cat(&dx, 0)
+    })
+}
+
 /// log-softmax over the last dimension; ∂L/∂x = g − e^y Σg. Composed: x − m − log Σ e^{x − m}
 /// with m = max x a constant.
 pub fn log_softmax_last(x: &Tensor, k: Kernels) -> Result<Tensor> {
