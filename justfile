@@ -122,6 +122,7 @@ mutants:
 # Run a preset of experiments/<setting>/ (file stem), then `onepass report` on it (tables,
 # figures, heads); extra arguments go to `onepass run`, e.g.
 # `just reproduce-passive synthetic --set seeds=2`. The run directory is the last line printed.
+# On a GPU: `ONEPASS_FEATURES=cuda just reproduce-passive mini-hh-lora-rm --set data.device=cuda`.
 # The default presets are the CPU minis (SmolLM2-135M-Instruct, fetched here; the project's
 # prompt set); `just reproduce-deploy paper-llama` etc. need a GPU and the hub (see README).
 reproduce-passive preset="mini" *args="": (_reproduce "passive" preset args)
@@ -139,7 +140,8 @@ _reproduce setting preset args:
         exit 2
     fi
     if grep -q '"models/' "$spec"; then scripts/fetch_models.sh >&2; fi
-    cargo build --quiet --release -p runner
+    # ONEPASS_FEATURES=cuda (or metal) builds the GPU binary: a preset with device = "cuda" needs it
+    cargo build --quiet --release -p runner ${ONEPASS_FEATURES:+--features "$ONEPASS_FEATURES"}
     # the binary where cargo put it (CARGO_TARGET_DIR, build.target-dir), not ./target
     bin="$(cargo metadata --format-version 1 --no-deps | sed -n 's/.*"target_directory":"\([^"]*\)".*/\1/p')/release/onepass"
     # stdout (the final table, then the run directory) is shown on stderr; no `tee /dev/stderr`,
