@@ -121,19 +121,25 @@ impl Dropout {
     }
 }
 
-/// What a forward pass computes: with or without the adapters, and with dropout on their
-/// branch (training passes only).
+/// What a forward pass computes: with or without the adapters, with dropout on their branch
+/// (training passes only), and whether it is a scoring pass that builds no graph.
 #[derive(Clone, Copy)]
 pub struct Pass<'a> {
     pub adapters: bool,
     pub dropout: Option<&'a Dropout>,
+    /// The adapters enter as detached tensors: nothing of the pass is tracked, so the fused ops
+    /// keep no activation for a backward (their values are the tracked pass's, bit for bit).
+    /// A full-parameter policy's weights are variables everywhere and stay tracked.
+    pub no_grad: bool,
 }
 
 impl Pass<'_> {
     /// The reference (base) model.
-    pub const BASE: Pass<'static> = Pass { adapters: false, dropout: None };
-    /// The adapted model, deterministic (scoring, evaluation).
-    pub const ADAPTED: Pass<'static> = Pass { adapters: true, dropout: None };
+    pub const BASE: Pass<'static> = Pass { adapters: false, dropout: None, no_grad: false };
+    /// The adapted model, deterministic (evaluation, and what a backward goes through).
+    pub const ADAPTED: Pass<'static> = Pass { adapters: true, dropout: None, no_grad: false };
+    /// [`Pass::ADAPTED`] without a graph: scoring (a rollout's old log-probabilities).
+    pub const SCORE: Pass<'static> = Pass { adapters: true, dropout: None, no_grad: true };
 
     /// [`Pass::ADAPTED`] or [`Pass::BASE`].
     pub fn of(adapters: bool) -> Pass<'static> {
@@ -244,7 +250,11 @@ impl Linear {
                     Some(d) if d.p > 0.0 => (&x2 * d.mask(rows, inp, x2.device(), x2.dtype())?)?,
                     _ => x2.clone(),
                 };
-                let low = xa.matmul(&ad.a.as_tensor().t()?)?.matmul(&ad.b.as_tensor().t()?)?;
+                let (a, b) = match pass.no_grad {
+                    true => (ad.a.as_tensor().detach(), ad.b.as_tensor().detach()),
+                    false => (ad.a.as_tensor().clone(), ad.b.as_tensor().clone()),
+                };
+                let low = xa.matmul(&a.t()?)?.matmul(&b.t()?)?;
                 y = (y + (low * ad.scale)?)?;
             }
             (Some(ad), false, Reference::Snapshot { a, b }) => {

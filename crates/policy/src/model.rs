@@ -380,12 +380,19 @@ impl PolicyModel {
         self.logprobs_pass(batch, Pass::of(adapters))
     }
 
+    /// [`PolicyModel::logprobs_at`] without a graph ([`Pass::SCORE`] with the adapters, the
+    /// reference otherwise): what scoring reads — the same values, bit for bit, and no
+    /// activation kept for a backward that never comes.
+    pub fn logprobs_scored(&self, batch: &crate::batch::SeqBatch, adapters: bool) -> Result<Tensor> {
+        self.logprobs_pass(batch, if adapters { Pass::SCORE } else { Pass::BASE })
+    }
+
     /// [`PolicyModel::logprobs_at`] of the adapted model in a training pass: with the adapters'
     /// dropout of optimiser step `step` when the config has one ([`Dropout`]).
     pub fn logprobs_train(&self, batch: &crate::batch::SeqBatch, step: u64) -> Result<Tensor> {
         if self.lora.dropout > 0.0 {
             let d = Dropout::new(self.lora.dropout, self.lora.seed, step);
-            self.logprobs_pass(batch, Pass { adapters: true, dropout: Some(&d) })
+            self.logprobs_pass(batch, Pass { adapters: true, dropout: Some(&d), no_grad: false })
         } else {
             self.logprobs_pass(batch, Pass::ADAPTED)
         }

@@ -192,7 +192,7 @@ pub fn logprob_sums(
     let mut out = Vec::with_capacity(seqs.len());
     for part in seqs.chunks(minibatch.max(1)) {
         let b = batch(m, part)?;
-        let lp = m.logprobs_at(&b, adapters)?;
+        let lp = m.logprobs_scored(&b, adapters)?;
         out.extend(b.seq_sums(&lp)?.into_iter().zip(b.lens.iter().copied()));
     }
     Ok(out)
@@ -222,7 +222,7 @@ pub fn score_recorded(
     let mb = minibatch.max(1);
     for (part, lps) in seqs.chunks(mb).zip(policy.chunks(mb)) {
         let b = batch(m, part)?;
-        let lr: Vec<f64> = m.logprobs_at(&b, false)?.to_dtype(candle_core::DType::F64)?.to_vec1()?;
+        let lr: Vec<f64> = m.logprobs_scored(&b, false)?.to_dtype(candle_core::DType::F64)?.to_vec1()?;
         let mut at = 0;
         for (&l, lp) in b.lens.iter().zip(lps) {
             let sum_lp = lp.iter().map(|&x| x as f64).sum();
@@ -252,11 +252,14 @@ pub fn score_tokens(
     let mut out = Vec::with_capacity(seqs.len());
     for part in seqs.chunks(minibatch.max(1)) {
         let b = batch(m, part)?;
-        let lp: Vec<f64> = m.logprobs_at(&b, true)?.to_dtype(candle_core::DType::F64)?.to_vec1()?;
+        let lp: Vec<f64> = m.logprobs_scored(&b, true)?.to_dtype(candle_core::DType::F64)?.to_vec1()?;
         // at the reference (every B exactly 0) the adapted pass adds exact zeros: the
         // reference's log-probabilities are these, bit for bit, and the second pass is skipped
-        let lr: Vec<f64> =
-            if at_ref { lp.clone() } else { m.logprobs_at(&b, false)?.to_dtype(candle_core::DType::F64)?.to_vec1()? };
+        let lr: Vec<f64> = if at_ref {
+            lp.clone()
+        } else {
+            m.logprobs_scored(&b, false)?.to_dtype(candle_core::DType::F64)?.to_vec1()?
+        };
         let mut at = 0;
         for &l in &b.lens {
             out.push(TokenScores {

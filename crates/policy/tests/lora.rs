@@ -251,7 +251,7 @@ fn lora_dropout_is_unbiased_reproducible_and_spares_the_frozen_path() {
     let lin = Linear { w, bias: None, adapter: Some(ad), reference: policy::lora::Reference::Frozen };
     let v = |t: Tensor| -> Vec<f64> { t.flatten_all().unwrap().to_vec1().unwrap() };
     fn pass(d: &Dropout) -> Pass<'_> {
-        Pass { adapters: true, dropout: Some(d) }
+        Pass { adapters: true, dropout: Some(d), no_grad: false }
     }
     // B = 0: the branch is zero, so a dropped pass must equal the base pass exactly.
     let base = v(lin.forward(&x, Pass::BASE, policy::ops::Kernels::Fused).unwrap());
@@ -397,4 +397,28 @@ fn recorded_logprobs_score_as_the_graphs_two_passes() {
     let short: Vec<&[f32]> = vec![&policy_lp[0][..2], &policy_lp[1], &policy_lp[2]];
     let e = score_recorded(&m, &rollouts, &short, KlEstimator::K1, 2).unwrap_err().to_string();
     assert!(e.contains("sequence 0") && e.contains("2 recorded"), "{e}");
+}
+
+/// A scoring pass (`logprobs_scored`, what the updates' old and reference log-probabilities and
+/// the evaluation read) builds no graph and gives the tracked pass's log-probabilities bit for
+/// bit, fused and composed — so a clipped ratio's first step against the training pass is
+/// exactly 1. Negative control: the tracked pass is tracked.
+#[test]
+fn scoring_passes_build_no_graph_and_give_the_tracked_values() {
+    let seqs: [(&[u32], &[u32]); 2] = [(&[1, 5, 3], &[9, 2, 4]), (&[4, 2], &[10, 0, 6, 8])];
+    let b = policy::batch::SeqBatch::new(&seqs, &Device::Cpu).unwrap();
+    for kernels in [policy::ops::Kernels::Fused, policy::ops::Kernels::Composed] {
+        let c = cfg(Family::Llama, true);
+        let lora = LoraConfig { rank: 2, alpha: 4.0, targets: Target::ALL.to_vec(), seed: 6, dropout: 0.0 };
+        let mut m = PolicyModel::new(weights(&c, 8), c, &lora, 32, DType::F32).unwrap();
+        m.set_kernels(kernels).unwrap();
+        randomize(&m, 2);
+        let tracked = m.logprobs_at(&b, true).unwrap();
+        let scored = m.logprobs_scored(&b, true).unwrap();
+        assert!(tracked.track_op(), "negative control: the training path is tracked");
+        assert!(!scored.track_op(), "{kernels:?}: the scoring pass built a graph");
+        assert_eq!(scored.to_vec1::<f32>().unwrap(), tracked.to_vec1::<f32>().unwrap(), "{kernels:?}");
+        let base = m.logprobs_scored(&b, false).unwrap();
+        assert_ne!(base.to_vec1::<f32>().unwrap(), scored.to_vec1::<f32>().unwrap(), "the adapters are applied");
+    }
 }
