@@ -272,3 +272,69 @@ fn samples_drawn_on_the_device_carry_the_cpus_log_probabilities() {
     assert!(worst < 2e-3, "{dev:?}: recorded vs the CPU's log π: max |Δ| {worst:e}");
     assert!(shifted / count as f64 > 1e-2, "negative control: the next position's differ ({shifted})");
 }
+
+/// Three RLOO updates (scoring the rollouts without a graph, the clipped ratio, Adam) on the
+/// device move the adapters as on the CPU's fused path; the policy moved (the later
+/// updates see a k1 KL ≠ 0: these rollouts are fixed, not the policy's samples, so it may be negative). The whole update path of a learning arm, where the paper's presets run;
+/// in f32, what the update takes (its per-token tensors are f32).
+#[test]
+fn rloo_updates_on_the_device_follow_the_cpus() {
+    use policy::adam::{Adam, AdamConfig, LrWindow};
+    use policy::train::{rloo_update, KlEstimator, KlPenalty, RewardNorm, RlooConfig, Rollout};
+    let dev = test_device();
+    let c = cfg(Family::Qwen2, false);
+    let w = weights(&c, 9);
+    let prompts: [&[u32]; 2] = [&[1, 5], &[2, 7, 3]];
+    let responses: [&[u32]; 6] = [&[3, 3], &[9, 1, 2], &[4], &[6, 3], &[1, 2, 4], &[9, 9]];
+    let rollouts: Vec<Rollout> = (0..6).map(|i| Rollout { prompt: prompts[i / 3], response: responses[i] }).collect();
+    let rewards = [1.0, -1.0, 0.0, 0.5, 2.0, -2.0];
+    let cfg = RlooConfig {
+        kl_coef: 0.05,
+        kl: KlEstimator::K1,
+        kl_penalty: KlPenalty::Token,
+        reward_norm: RewardNorm::None,
+        clip: Some(0.2),
+        epochs: 2,
+        minibatch: 3,
+        normalize_advantages: true,
+        lr_window: LrWindow::Update,
+        seed: 4,
+    };
+    let run_with = |m: &PolicyModel, rewards: &[f64]| -> (Vec<f64>, f64) {
+        let vars = m.vars();
+        let mut opt = Adam::new(AdamConfig { lr: 0.02, ..Default::default() }, &vars).unwrap();
+        let mut kl = 0.0;
+        for _ in 0..3 {
+            kl = rloo_update(m, &mut opt, &rollouts, rewards, 3, &cfg).unwrap().kl;
+        }
+        (flat64(&vars.iter().map(|v| v.as_tensor().clone()).collect::<Vec<_>>()), kl)
+    };
+    let run = |m: &PolicyModel| run_with(m, &rewards);
+    let cpu = cpu_start(&c, &w);
+    let on = composed(tiny_on(&c, &w, DType::F32, &dev));
+    copy_vars(&cpu, &on);
+    let start = flat64(&on.vars().iter().map(|v| v.as_tensor().clone()).collect::<Vec<_>>());
+    let ((want, kl_cpu), (got, kl_dev)) = (run(&cpu), run(&on));
+    let moved: Vec<f64> = got.iter().zip(&start).map(|(a, b)| a - b).collect();
+    let moved_cpu: Vec<f64> = want.iter().zip(&start).map(|(a, b)| a - b).collect();
+    let err = rel_l2(&moved, &moved_cpu);
+    eprintln!(
+        "{dev:?}: 3 RLOO updates vs the CPU's, relative error of the adapters' move {err:e}; KL {kl_dev} vs {kl_cpu}"
+    );
+    assert!(kl_dev != 0.0 && (kl_dev - kl_cpu).abs() <= 1e-3 * kl_cpu.abs(), "KL {kl_dev} vs {kl_cpu}");
+    assert!(err < 1e-3, "{dev:?}: the adapters moved differently: {err:e}");
+    // negative control: other rewards move the adapters elsewhere
+    let other = composed(tiny_on(&c, &w, DType::F32, &dev));
+    copy_vars(&cpu_start(&c, &w), &other);
+    let reversed: Vec<f64> = rewards.iter().rev().copied().collect();
+    let (got2, _) = run_with(&other, &reversed);
+    let moved2: Vec<f64> = got2.iter().zip(&start).map(|(a, b)| a - b).collect();
+    assert!(rel_l2(&moved2, &moved_cpu) > 1e-1, "the comparison cannot see other rewards");
+}
+
+/// The tiny policy's adapters as the RLOO test starts them (B random, A from the seed).
+fn cpu_start(c: &features::model::Config, w: &HashMap<String, Tensor>) -> PolicyModel {
+    let m = tiny_on(c, w, DType::F32, &Device::Cpu);
+    randomize(&m, 3);
+    m
+}
