@@ -1,5 +1,7 @@
 //! Tokens per second of one LoRA policy-update step (forward, backward, Adam) on a GGUF model:
-//! `cargo run --release -p policy --example train_step -- MODEL.gguf [BATCH] [LEN] [REPS] [IDS_OUT]`.
+//! `cargo run --release -p policy --example train_step -- MODEL.gguf [BATCH] [LEN] [REPS] [IDS_OUT] [f32|bf16]`
+//! (bf16: the frozen products forward and backward on the packed bf16 kernel,
+//! `PolicyModel::use_bf16_products`).
 //! Each of BATCH sequences has LEN random tokens (ChaCha8, seed 0), the second half the
 //! response: the loss is −mean Σ log π over the response tokens, as an RLOO or DPO step takes
 //! it; LoRA r = 8, α = 16 on q_proj and v_proj; Adam (lr 1e-4) with global-norm clipping at 1.
@@ -22,7 +24,16 @@ fn main() {
     let (batch, len, reps) = (arg(2, 8), arg(3, 256), arg(4, 3));
     let g = features::gguf::Gguf::read_with(&path, &Device::Cpu, DType::F32, true).expect("reading the model");
     let vocab = g.cfg.vocab;
-    let m = PolicyModel::new(g.tensors, g.cfg, &LoraConfig::default(), len, DType::F32).expect("building the policy");
+    let bf16 = match args.get(6).map(String::as_str) {
+        None | Some("f32") => false,
+        Some("bf16") => true,
+        Some(other) => panic!("dtype {other}: expected f32 or bf16"),
+    };
+    let mut m =
+        PolicyModel::new(g.tensors, g.cfg, &LoraConfig::default(), len, DType::F32).expect("building the policy");
+    if bf16 {
+        m.use_bf16_products().expect("bf16 products");
+    }
     let vars = m.vars();
     let mut opt = Adam::new(AdamConfig::default(), &vars).unwrap();
     let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(0);
@@ -54,7 +65,7 @@ fn main() {
     println!(
         "{}",
         serde_json::json!({
-            "engine": "candle", "model": path.display().to_string(), "dtype": "float32",
+            "engine": "candle", "model": path.display().to_string(), "dtype": if bf16 { "bfloat16" } else { "float32" },
             "threads": threads, "batch": batch, "len": len, "reps": reps, "pass_s": steps,
             "tok_s": (batch * len * reps) as f64 / steps.iter().sum::<f64>(),
             "peak_rss_mb": rss, "abs_sum": loss,

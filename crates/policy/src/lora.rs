@@ -225,6 +225,75 @@ pub struct Linear {
     pub bias: Option<Tensor>,
     pub adapter: Option<Adapter>,
     pub reference: Reference,
+    /// W packed for the CPU's bf16 products ([`PackedBf16`]) when the model trains with them
+    /// ([`crate::PolicyModel::use_bf16_products`]); None: W's own dtype.
+    pub packed: Option<std::sync::Arc<PackedBf16>>,
+    /// The reference weight of [`Reference::Weight`] packed likewise, so the policy and its
+    /// reference round their products the same way (a KL of exactly 0 at the reference).
+    pub packed_reference: Option<std::sync::Arc<PackedBf16>>,
+}
+
+/// Why a policy that trains with bf16 products does not merge its adapters.
+pub const BF16_MERGE: &str = "merging adapters into weights that train with bf16 products would round the \
+     merged update away (at RLHF learning rates (α/r)BA is far below half a bf16 ulp of W): use persistent \
+     adapters (policy.adapter = \"persistent\") with bf16 products, or f32";
+
+/// A frozen weight W (out, in) packed for the CPU's bf16 products (`features::bf16`: each
+/// weight and each input rounded to bf16, the products summed in f32 — `VDPBF16PS`'s arithmetic
+/// on AVX-512 BF16): W for the forward's x Wᵀ and Wᵀ for the backward's g W, so both products
+/// stream half the bytes of f32 and run on the bf16 kernel. Two bf16 copies take the memory of
+/// one f32 copy.
+pub struct PackedBf16 {
+    fwd: features::bf16::Bf16Matrix,
+    bwd: features::bf16::Bf16Matrix,
+}
+
+impl PackedBf16 {
+    /// Packs `w` (out, in).
+    pub fn new(w: &Tensor) -> Result<PackedBf16> {
+        let (out, inp) = w.dims2()?;
+        let v: Vec<f32> = w.to_dtype(candle_core::DType::F32)?.flatten_all()?.to_vec1()?;
+        let vt: Vec<f32> = w.t()?.to_dtype(candle_core::DType::F32)?.contiguous()?.flatten_all()?.to_vec1()?;
+        Ok(PackedBf16 {
+            fwd: features::bf16::Bf16Matrix::from_f32(&v, out, inp),
+            bwd: features::bf16::Bf16Matrix::from_f32(&vt, inp, out),
+        })
+    }
+
+    /// x Wᵀ for x (rows, in) f32 on the CPU: (rows, out).
+    pub fn forward(&self, x: &Tensor) -> Result<Tensor> {
+        product(&self.fwd, x)
+    }
+
+    /// g W for g (rows, out) f32 on the CPU: (rows, in) — the gradient of x.
+    pub fn backward(&self, g: &Tensor) -> Result<Tensor> {
+        product(&self.bwd, g)
+    }
+}
+
+/// x Mᵀ on the packed bf16 kernel, x (rows, k) f32 on the CPU.
+fn product(m: &features::bf16::Bf16Matrix, x: &Tensor) -> Result<Tensor> {
+    use features::packed::PackedMatrix;
+    let (rows, k) = x.dims2()?;
+    if k != m.k() || x.dtype() != candle_core::DType::F32 || !x.device().is_cpu() {
+        candle_core::bail!(
+            "a bf16 product of a ({rows}, {k}) {:?} input on {:?} with a ({}, {}) weight: expected f32 on the CPU",
+            x.dtype(),
+            x.device(),
+            m.n(),
+            m.k()
+        );
+    }
+    let v: Vec<f32> = x.contiguous()?.flatten_all()?.to_vec1()?;
+    Tensor::from_vec(m.matmul_t(&v, rows), (rows, m.n()), x.device())
+}
+
+/// x Wᵀ on the packed bf16 kernel with the gradient of x alone (g W, on the same kernel):
+/// [`frozen_matmul`]'s routing for a weight that trains with bf16 products.
+pub fn packed_matmul(x: &Tensor, p: &std::sync::Arc<PackedBf16>) -> Result<Tensor> {
+    let y = p.forward(&x.detach())?;
+    let p = p.clone();
+    crate::ops::routed(x, y, "frozen-matmul-bf16", move |_, _, g| p.backward(&g.contiguous()?))
 }
 
 impl Linear {
@@ -236,11 +305,17 @@ impl Linear {
         let inp = *dims.last().expect("rank ≥ 1");
         let rows = x.elem_count() / inp.max(1);
         let x2 = x.reshape((rows, inp))?;
-        let w = match (&self.reference, pass.adapters) {
-            (Reference::Weight(w0), false) => w0,
-            _ => &self.w,
+        let fused = k == Kernels::Fused;
+        let mut y = match (&self.reference, pass.adapters) {
+            (Reference::Weight(w0), false) => match &self.packed_reference {
+                Some(p) if fused => packed_matmul(&x2, p)?,
+                _ => frozen_matmul(&x2, w0, k)?,
+            },
+            _ => match &self.packed {
+                Some(p) if fused => packed_matmul(&x2, p)?,
+                _ => frozen_matmul(&x2, &self.w, k)?,
+            },
         };
-        let mut y = frozen_matmul(&x2, w, k)?;
         if let Some(b) = &self.bias {
             y = y.broadcast_add(b)?;
         }
@@ -290,11 +365,24 @@ impl Linear {
     /// as [`Reference::Weight`] when it was W). The adapter is then reset by the caller.
     pub fn merge(&mut self) -> Result<()> {
         let Some(ad) = &self.adapter else { return Ok(()) };
+        if self.packed.is_some() {
+            candle_core::bail!("{}", BF16_MERGE);
+        }
         if !matches!(self.reference, Reference::Weight(_)) {
             self.reference = Reference::Weight(self.reference_weight()?);
         }
         // detached: W stays frozen (no path from it back to the adapter's variables)
         self.w = (&self.w + ad.delta()?.detach().to_dtype(self.w.dtype())?)?.detach();
+        Ok(())
+    }
+
+    /// Packs W (and a reference weight) for the bf16 products ([`PackedBf16`]).
+    pub fn pack(&mut self) -> Result<()> {
+        self.packed = Some(std::sync::Arc::new(PackedBf16::new(&self.w)?));
+        self.packed_reference = match &self.reference {
+            Reference::Weight(w0) => Some(std::sync::Arc::new(PackedBf16::new(w0)?)),
+            _ => None,
+        };
         Ok(())
     }
 
@@ -308,6 +396,7 @@ impl Linear {
             }
             _ => Reference::Frozen,
         };
+        self.packed_reference = None;
         Ok(())
     }
 }

@@ -58,6 +58,8 @@ pub struct PolicyModel {
     base: HashMap<String, Tensor>,
     embed: Tensor,
     lm_head: Tensor,
+    /// The LM head packed for bf16 products ([`PolicyModel::use_bf16_products`]).
+    lm_head_packed: Option<std::sync::Arc<crate::lora::PackedBf16>>,
     blocks: Vec<Block>,
     norm: Tensor,
     cos: Tensor,
@@ -170,7 +172,7 @@ impl PolicyModel {
                 } else {
                     None
                 };
-                Ok(Linear { w, bias, adapter, reference: Reference::Frozen })
+                Ok(Linear { w, bias, adapter, reference: Reference::Frozen, packed: None, packed_reference: None })
             };
             blocks.push(Block {
                 q: lin(Target::QProj, cfg.qkv_bias)?,
@@ -194,6 +196,7 @@ impl PolicyModel {
             base: tensors,
             embed,
             lm_head,
+            lm_head_packed: None,
             blocks,
             norm,
             cos,
@@ -278,15 +281,45 @@ impl PolicyModel {
         Ok(())
     }
 
+    /// Trains with bf16 products (issue 31, `[policy] dtype = "bf16"`): every frozen weight's
+    /// product with its input, forward (x Wᵀ) and backward (g W), and the LM head's, run on the
+    /// CPU's packed bf16 kernel (`features::bf16`: W and the product's input rounded to bf16,
+    /// sums in f32); the adapters, their products and gradients, the norms, attention's scores
+    /// and Adam stay f32. The CPU's fused kernels and an f32 adapter model only; merging the
+    /// adapters into the weights is refused from then on ([`crate::lora::BF16_MERGE`]).
+    pub fn use_bf16_products(&mut self) -> std::result::Result<(), features::Error> {
+        if !self.device.is_cpu() || self.kernels != Kernels::Fused || self.var_dtype() != DType::F32 || self.is_full() {
+            return Err(features::Error::Input(format!(
+                "bf16 products are the CPU's fused path for f32 adapters: this policy is on {:?}, {:?} kernels, {:?}{}",
+                self.device,
+                self.kernels,
+                self.var_dtype(),
+                if self.is_full() { ", full-parameter" } else { "" }
+            )));
+        }
+        for blk in &mut self.blocks {
+            for (_, lin) in blk.linears_mut() {
+                lin.pack()?;
+            }
+        }
+        self.lm_head_packed = Some(std::sync::Arc::new(crate::lora::PackedBf16::new(&self.lm_head)?));
+        Ok(())
+    }
+
+    /// Whether the frozen products run in bf16 ([`PolicyModel::use_bf16_products`]).
+    pub fn bf16_products(&self) -> bool {
+        self.lm_head_packed.is_some()
+    }
+
     /// Logits (b, t, vocab) of right-padded ids (b, t), f32.
     pub fn forward(&self, ids: &Tensor) -> Result<Tensor> {
         let (b, t) = ids.dims2()?;
-        let h = self.hidden(ids, true)?;
-        frozen_matmul(&h.reshape((b * t, self.cfg.hidden))?, &self.lm_head, self.kernels)?.reshape((
-            b,
-            t,
-            self.cfg.vocab,
-        ))
+        let h = self.hidden(ids, true)?.reshape((b * t, self.cfg.hidden))?;
+        let logits = match &self.lm_head_packed {
+            Some(p) => crate::lora::packed_matmul(&h, p)?,
+            None => frozen_matmul(&h, &self.lm_head, self.kernels)?,
+        };
+        logits.reshape((b, t, self.cfg.vocab))
     }
 
     /// Final-norm hidden states (b, t, hidden) of right-padded ids (b, t); with `adapters`
@@ -403,7 +436,7 @@ impl PolicyModel {
             return r.logprobs_pass(batch, Pass::BASE);
         }
         let rows = self.response_rows(batch, pass)?;
-        crate::ops::lm_head_logprobs(&rows, &self.lm_head, &batch.targets, self.kernels)
+        crate::ops::lm_head_logprobs(&rows, &self.lm_head, self.lm_head_packed.as_ref(), &batch.targets, self.kernels)
     }
 
     /// The final-norm hidden states (P, hidden) that predict the batch's response tokens, row
@@ -546,6 +579,9 @@ impl PolicyModel {
     pub fn merge_and_reset(&mut self, seed: u64) -> Result<()> {
         if self.full.is_some() {
             return Ok(());
+        }
+        if self.bf16_products() {
+            candle_core::bail!("{}", crate::lora::BF16_MERGE);
         }
         let vars = self.var_values()?;
         let mut h = blake3::Hasher::new();

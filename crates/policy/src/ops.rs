@@ -183,9 +183,16 @@ const LM_BLOCK: usize = 128;
 /// target block by block. A training step so holds one (P, vocab) tensor for the LM head where
 /// the graph of `frozen_matmul` → `log_softmax_last` → `gather` held the logits and the
 /// log-softmax through the backward and made four more (P, vocab) temporaries in it (issue 31:
-/// the step's memory). The values are that graph's. Composed (other devices), or W a variable
-/// (a full-parameter policy, whose LM head takes a gradient): that graph.
-pub fn lm_head_logprobs(x: &Tensor, w: &Tensor, targets: &Tensor, k: Kernels) -> Result<Tensor> {
+/// the step's memory). The values are that graph's. With `packed` (a policy that trains with
+/// bf16 products) both products run on the bf16 kernel. Composed (other devices), or W a
+/// variable (a full-parameter policy, whose LM head takes a gradient): that graph.
+pub fn lm_head_logprobs(
+    x: &Tensor,
+    w: &Tensor,
+    packed: Option<&std::sync::Arc<crate::lora::PackedBf16>>,
+    targets: &Tensor,
+    k: Kernels,
+) -> Result<Tensor> {
     let p = targets.dim(0)?;
     if k == Kernels::Composed || w.is_variable() {
         let logits = crate::lora::frozen_matmul(x, w, k)?;
@@ -201,7 +208,12 @@ pub fn lm_head_logprobs(x: &Tensor, w: &Tensor, targets: &Tensor, k: Kernels) ->
     let (mut lps, mut kept) = (Vec::new(), Vec::new());
     for start in (0..p).step_by(LM_BLOCK) {
         let n = LM_BLOCK.min(p - start);
-        let ls = candle_nn::ops::log_softmax(&xd.narrow(0, start, n)?.matmul(&wt)?, D::Minus1)?;
+        let rows = xd.narrow(0, start, n)?;
+        let logits = match packed {
+            Some(p) => p.forward(&rows)?,
+            None => rows.matmul(&wt)?,
+        };
+        let ls = candle_nn::ops::log_softmax(&logits, D::Minus1)?;
         lps.push(ls.gather(&targets.narrow(0, start, n)?.reshape((n, 1))?, 1)?.squeeze(1)?);
         if keep {
             kept.push(ls);
@@ -209,6 +221,7 @@ pub fn lm_head_logprobs(x: &Tensor, w: &Tensor, targets: &Tensor, k: Kernels) ->
     }
     let y = Tensor::cat(&lps, 0)?;
     let (w, targets) = (w.clone(), targets.clone());
+    let packed = packed.cloned();
     routed(x, y, "lm-head-logprobs", move |_, _, g| {
         let mut dx = Vec::with_capacity(kept.len());
         let mut start = 0;
@@ -217,7 +230,10 @@ pub fn lm_head_logprobs(x: &Tensor, w: &Tensor, targets: &Tensor, k: Kernels) ->
             let gb = g.narrow(0, start, n)?.reshape((n, 1))?;
             let t = targets.narrow(0, start, n)?.reshape((n, 1))?;
             let d = ls.exp()?.broadcast_mul(&gb.neg()?)?.scatter_add(&t, &gb, 1)?;
-            dx.push(d.matmul(&w)?);
+            dx.push(match &packed {
+                Some(p) => p.backward(&d)?,
+                None => d.matmul(&w)?,
+            });
             start += n;
         }
         Tensor::cat(&dx, 0)

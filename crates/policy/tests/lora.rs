@@ -248,7 +248,14 @@ fn lora_dropout_is_unbiased_reproducible_and_spares_the_frozen_path() {
     let w = Tensor::from_vec(rand(out * inp), (out, inp), &dev).unwrap();
     let mut init = policy::lora::init_rng(1);
     let ad = Adapter::new(inp, out, r, 1.5, &mut init, &dev, DType::F64).unwrap();
-    let lin = Linear { w, bias: None, adapter: Some(ad), reference: policy::lora::Reference::Frozen };
+    let lin = Linear {
+        w,
+        bias: None,
+        adapter: Some(ad),
+        reference: policy::lora::Reference::Frozen,
+        packed: None,
+        packed_reference: None,
+    };
     let v = |t: Tensor| -> Vec<f64> { t.flatten_all().unwrap().to_vec1().unwrap() };
     fn pass(d: &Dropout) -> Pass<'_> {
         Pass { adapters: true, dropout: Some(d), no_grad: false }

@@ -236,7 +236,7 @@ fn the_fused_lm_head_log_probabilities_equal_the_graphs() {
     let targets: Vec<u32> = (0..p).map(|i| ((i * 17 + 5) % v) as u32).collect();
     let targets = Tensor::from_vec(targets, p, &Device::Cpu).unwrap();
     let run = |k: Kernels, t: &Tensor| -> (Vec<f64>, Vec<f64>) {
-        let lp = lm_head_logprobs(x.as_tensor(), &w, t, k).unwrap();
+        let lp = lm_head_logprobs(x.as_tensor(), &w, None, t, k).unwrap();
         let g = (&lp * &coef).unwrap().sum_all().unwrap().backward().unwrap();
         let gx = g.get(x.as_tensor()).expect("x receives a gradient").flatten_all().unwrap().to_vec1().unwrap();
         (lp.to_vec1().unwrap(), gx)
@@ -252,7 +252,7 @@ fn the_fused_lm_head_log_probabilities_equal_the_graphs() {
     // every row's log-probability is a log-probability
     assert!(fv.iter().all(|x| *x < 0.0));
     // without a gradient to keep, the same values
-    let plain = lm_head_logprobs(&x.as_tensor().detach(), &w, &targets, Kernels::Fused).unwrap();
+    let plain = lm_head_logprobs(&x.as_tensor().detach(), &w, None, &targets, Kernels::Fused).unwrap();
     assert_eq!(plain.to_vec1::<f64>().unwrap(), fv);
     let other =
         Tensor::from_vec((0..p).map(|i| ((i * 17 + 6) % v) as u32).collect::<Vec<_>>(), p, &Device::Cpu).unwrap();
