@@ -316,8 +316,9 @@ impl PolicyModel {
         let (b, t) = ids.dims2()?;
         let h = self.hidden(ids, true)?.reshape((b * t, self.cfg.hidden))?;
         let logits = match &self.lm_head_packed {
-            Some(p) => crate::lora::packed_matmul(&h, p)?,
-            None => frozen_matmul(&h, &self.lm_head, self.kernels)?,
+            // as the linear layers: the packed product on the fused path only
+            Some(p) if self.kernels == Kernels::Fused => crate::lora::packed_matmul(&h, p)?,
+            _ => frozen_matmul(&h, &self.lm_head, self.kernels)?,
         };
         logits.reshape((b, t, self.cfg.vocab))
     }

@@ -3,8 +3,8 @@
 //! adapters in f32. On SmolLM2-135M batches every adapter's gradient has cosine ≥ 0.999 with the
 //! f32 step's but one (measured 0.99892: the 0.999 bar is missed by layer 0's k_proj A);
 //! the policy at its reference has a KL of exactly 0 (the reference pass rounds as the policy
-//! does); a merge, which would round the adapter into bf16 weights, is refused, and so are a GPU,
-//! f64 or full-parameter policy.
+//! does); a merge, which would round the adapter into bf16 weights, is refused, and so are composed
+//! kernels (a GPU's), an f64 and a full-parameter policy.
 
 mod common;
 
@@ -37,7 +37,6 @@ fn cosine(a: &[f64], b: &[f64]) -> f64 {
 #[test]
 fn smollm2_adapter_gradients_with_bf16_products_keep_the_f32_direction() {
     let g = features::gguf::Gguf::read_with(&smollm2(), &Device::Cpu, DType::F32, true).unwrap();
-    let vocab = g.cfg.vocab as u32;
     let lora = LoraConfig { rank: 8, alpha: 16.0, targets: Target::ALL.to_vec(), seed: 3, dropout: 0.0 };
     let mut m = PolicyModel::new(g.tensors, g.cfg, &lora, 128, DType::F32).unwrap();
     // B ≠ 0 (a trained adapter), so both factors' gradients are checked
@@ -47,7 +46,6 @@ fn smollm2_adapter_gradients_with_bf16_products_keep_the_f32_direction() {
         let v: Vec<f32> = (0..t.elem_count()).map(|_| rng.random_range(-0.01f32..0.01)).collect();
         ad.b.set(&Tensor::from_vec(v, t.shape(), &Device::Cpu).unwrap()).unwrap();
     }
-    let _ = vocab;
     // real conversations (the features crate's templated HH-RLHF and UltraFeedback rows): the
     // last 32 tokens are the response
     let f: serde_json::Value = serde_json::from_str(
