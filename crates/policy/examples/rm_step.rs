@@ -8,6 +8,8 @@
 //! Each side of a pair has LEN random tokens (ChaCha8, seed 0), label 1. One untimed warm-up
 //! step, then REPS timed ones; the last line is a JSON record for `just bench-rm-step`
 //! (`scripts/bench_rm_step.sh`), which runs PyTorch + PEFT on the same ids (written to IDS_OUT).
+//! `ONEPASS_KERNELS=composed` runs candle's composed ops (what a GPU trains with) instead of the
+//! CPU's fused kernels: how the GPU path's memory is measured on a CPU.
 
 use candle_core::{DType, Device};
 use estimators::{EstimatorConfig, HvpCgConfig, SgdConfig};
@@ -25,7 +27,12 @@ fn main() {
     let g = features::gguf::Gguf::read_with(&path, &Device::Cpu, DType::F32, true).expect("reading the model");
     let (vocab, d) = (g.cfg.vocab, g.cfg.hidden);
     let lora = LoraConfig { rank: 8, alpha: 16.0, targets: Target::ALL.to_vec(), seed: 0, dropout: 0.0 };
-    let m = PolicyModel::new(g.tensors, g.cfg, &lora, len, DType::F32).expect("building the model");
+    let mut m = PolicyModel::new(g.tensors, g.cfg, &lora, len, DType::F32).expect("building the model");
+    // ONEPASS_KERNELS=composed: the composed ops a GPU trains with, on the CPU (their memory)
+    let composed = std::env::var("ONEPASS_KERNELS").as_deref() == Ok("composed");
+    if composed {
+        m.set_kernels(policy::ops::Kernels::Composed).expect("composed kernels");
+    }
     let rm = RewardModel::new(m, &vec![1.0 / (d as f64 + 1.0); d], true).unwrap();
     let cfg = match rule.as_str() {
         "sgd" => EstimatorConfig::Sgd(SgdConfig { lr: 1e-3, clip: Some(1.0) }),
@@ -59,7 +66,7 @@ fn main() {
     println!(
         "{}",
         serde_json::json!({
-            "engine": "candle", "rule": rule, "model": path.display().to_string(), "dtype": "float32",
+            "engine": "candle", "rule": rule, "kernels": if composed { "composed" } else { "fused" }, "model": path.display().to_string(), "dtype": "float32",
             "threads": threads, "pairs": pairs, "len": len, "reps": reps, "step_s": steps, "hvps": hvps,
             "peak_rss_mb": features::peak_rss_mb().unwrap_or(0.0), "loss": loss,
         })

@@ -7,7 +7,8 @@
 //! it; LoRA r = 8, α = 16 on q_proj and v_proj; Adam (lr 1e-4) with global-norm clipping at 1.
 //! One untimed warm-up step, then REPS timed ones; the last line is a JSON record for
 //! `just bench-train` (`scripts/bench_train.sh`), which runs PyTorch + PEFT on the same ids
-//! (written to IDS_OUT when given).
+//! (written to IDS_OUT when given). `ONEPASS_KERNELS=composed` runs candle's composed ops (what a
+//! GPU trains with) instead of the CPU's fused kernels: how the GPU path's memory is measured here.
 
 use candle_core::{DType, Device};
 use policy::adam::{Adam, AdamConfig};
@@ -33,6 +34,10 @@ fn main() {
         PolicyModel::new(g.tensors, g.cfg, &LoraConfig::default(), len, DType::F32).expect("building the policy");
     if bf16 {
         m.use_bf16_products().expect("bf16 products");
+    }
+    // ONEPASS_KERNELS=composed: the composed ops a GPU trains with, on the CPU (their memory)
+    if std::env::var("ONEPASS_KERNELS").as_deref() == Ok("composed") {
+        m.set_kernels(policy::ops::Kernels::Composed).expect("composed kernels");
     }
     let vars = m.vars();
     let mut opt = Adam::new(AdamConfig::default(), &vars).unwrap();

@@ -65,6 +65,29 @@ pub struct RewardShape {
     pub device_free: Option<u64>,
 }
 
+/// How much more a reward model's gradient pass takes on a GPU than [`reward_terms`]' CPU
+/// calibration: a GPU trains on candle's composed ops, not the CPU's fused kernels. Measured:
+/// three LoRA cells of `mini-hh-lora-rm` (`pairs_per_pass = 4`) held 76 GB of an H100 (~25 GB
+/// per cell) where the host estimate of their activations was 9.8 GiB each; on the CPU the
+/// composed ops take 1.7x the fused kernels' per pair of 256-token sequences (4.1 against 2.4 GB,
+/// `ONEPASS_KERNELS=composed` in the `rm_step` example) and the GPU's allocator the rest.
+const DEVICE_REWARD_ACTIVATIONS: f64 = 2.5;
+
+/// The same for a policy's gradient pass: the composed ops on the CPU take 2.9x this estimate
+/// per sequence (1.79 GB against 0.61 GB per 256-token sequence, `ONEPASS_KERNELS=composed` in
+/// the `train_step` example), times the 1.45 the H100 added over the composed ops' CPU figure
+/// for the reward model. Derived, not yet observed on a GPU for a policy.
+const DEVICE_POLICY_ACTIVATIONS: f64 = 4.2;
+
+/// A host-calibrated activation term as the accelerator will hold it, with a note for its line.
+fn on_device(host: u64, device: bool, factor: f64) -> (u64, String) {
+    if device {
+        ((host as f64 * factor) as u64, format!("; {factor}x on the GPU: candle's composed ops"))
+    } else {
+        (host, String::new())
+    }
+}
+
 /// The terms of a cell whose reward model learns its features (`policy::reward`): the
 /// trainable parameters with their gradient and the optimiser's moments, the one-pass update's
 /// flat vectors (parameters before and after, gradient, direction, CG's three, an HVP's saved
@@ -108,10 +131,11 @@ fn reward_terms(spec: &Spec, r: &RewardShape) -> Vec<Term> {
     // candle's graph keeps ~3 f32 copies of each layer's activations and ~5 of its attention
     // scores (calibrated above)
     let per_layer = mul(&[tokens, 10 * h + 3 * i, 4, 3]).saturating_add(mul(&[seqs, heads, len, len, 4, 5]));
+    let (bytes, on) = on_device(mul(&[per_layer, l]), r.on_device, DEVICE_REWARD_ACTIVATIONS);
     t.push(Term {
         key: "reward.pairs_per_pass",
-        what: format!("a gradient pass's activations ({seqs} sequences × {len} tokens)"),
-        bytes: mul(&[per_layer, l]),
+        what: format!("a gradient pass's activations ({seqs} sequences × {len} tokens{on})"),
+        bytes,
     });
     t
 }
@@ -191,10 +215,12 @@ fn policy_terms(ps: &crate::spec::PolicySpec, c: &ConfigPlan, p: &PolicyShape) -
     let tokens = seqs.saturating_mul(len);
     let (h, i, heads, v) = (cfg.hidden as u64, cfg.intermediate as u64, cfg.heads as u64, cfg.vocab as u64);
     let per_layer = mul(&[tokens, 10 * h + 3 * i, 4]).saturating_add(mul(&[seqs, heads, len, len, 4, 2]));
+    let host = mul(&[per_layer, l]).saturating_add(mul(&[tokens, v, 4, 3]));
+    let (bytes, on) = on_device(host, p.on_device, DEVICE_POLICY_ACTIVATIONS);
     t.push(Term {
         key: "policy.minibatch",
-        what: format!("a gradient pass's activations and logits ({seqs} sequences × {len} tokens)"),
-        bytes: mul(&[per_layer, l]).saturating_add(mul(&[tokens, v, 4, 3])),
+        what: format!("a gradient pass's activations and logits ({seqs} sequences × {len} tokens{on})"),
+        bytes,
     });
     t
 }
@@ -451,9 +477,45 @@ mod tests {
         let gpu = RewardShape { on_device: true, ..shape.clone() };
         let (dev, host) = (on("lora", 2, &gpu, Memory::Device), on("lora", 2, &gpu, Memory::Host));
         assert_eq!(term(&dev, "reward.update"), term(&lora, "reward.update"), "{:?}", dev.cell);
-        assert_eq!(term(&dev, "reward.pairs_per_pass"), term(&lora, "reward.pairs_per_pass"));
+        // the GPU's composed ops hold more activations than the CPU's fused kernels
+        let (a_dev, a_host) = (term(&dev, "reward.pairs_per_pass"), term(&lora, "reward.pairs_per_pass"));
+        assert_eq!(a_dev, (a_host as f64 * DEVICE_REWARD_ACTIVATIONS) as u64, "{:?}", dev.cell);
         assert!(host.cell.iter().all(|t| !t.key.starts_with("reward.")), "{:?}", host.cell);
         assert_eq!(on("lora", 2, &shape, Memory::Device).per_cell, 0, "a CPU reward model takes no device memory");
+    }
+
+    /// The case that ran an H100 out of memory: three LoRA cells of `mini-hh-lora-rm` at
+    /// `pairs_per_pass = 4` held 76 GB there. The device estimate must cover that (the host's
+    /// calibration alone counted 30 GB: negative control), so the check refuses three such cells
+    /// on a GPU with less free memory.
+    #[test]
+    fn the_gpu_estimate_covers_what_an_h100_held_for_three_lora_reward_cells() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("spec.toml");
+        std::fs::write(
+            &path,
+            "setting = \"passive\"\nseeds = 3\n[env]\nkind = \"dataset\"\n[data]\npath = \"p.jsonl\"\nmodel = \"m.gguf\"\n\
+             [stream]\nbatch_size = 8\n[reward]\nupdate = \"lora\"\npairs_per_pass = 4\n[[estimator]]\nkind = \"omd-hvp-cg\"\n",
+        )
+        .unwrap();
+        let plan = crate::load_plan(&path, &[]).unwrap();
+        // SmolLM2-135M's architecture
+        let cfg = features::model::Config {
+            hidden: 576,
+            intermediate: 1536,
+            layers: 30,
+            heads: 9,
+            kv_heads: 3,
+            head_dim: 64,
+            vocab: 49152,
+            ..tiny_cfg()
+        };
+        let shape = |on_device| RewardShape { cfg: cfg.clone(), weights: 134_515_008, seq_len: 256, on_device, device_free: None };
+        let gpu = estimate(&plan.spec, &plan, 3, None, Some(&shape(true)), Memory::Device);
+        let cpu = estimate(&plan.spec, &plan, 3, None, Some(&shape(false)), Memory::Host);
+        assert_eq!(gpu.parallel, 3);
+        assert!(gpu.total >= 76_000_000_000, "{} bytes for three cells: {:?}", gpu.total, gpu.cell);
+        assert!(cpu.total < 40_000_000_000, "the host calibration: {} bytes", cpu.total);
     }
 
     #[test]
@@ -495,7 +557,15 @@ mod tests {
         assert_eq!(at(&gpu, Memory::Host), none, "a GPU policy adds nothing to host memory");
         assert_eq!(at(&cpu, Memory::Device), 0, "a CPU policy takes no device memory");
         assert!(at(&gpu, Memory::Device) >= 20 << 20, "full-parameter: 5 f32 copies of 1 Mi weights at least");
-        assert_eq!(at(&cpu, Memory::Host), none + at(&gpu, Memory::Device), "the same terms, counted elsewhere");
+        // the same terms counted elsewhere, the activations scaled for the GPU's composed ops
+        let acts = |p: &PolicyShape, on| {
+            let e = estimate(&plan.spec, &plan, 1, Some(p), None, on);
+            e.cell.iter().filter(|t| t.key == "policy.minibatch").map(|t| t.bytes).sum::<u64>()
+        };
+        let (a_cpu, a_gpu) = (acts(&cpu, Memory::Host), acts(&gpu, Memory::Device));
+        assert!(a_cpu > 0);
+        assert_eq!(a_gpu, (a_cpu as f64 * DEVICE_POLICY_ACTIVATIONS) as u64);
+        assert_eq!(at(&cpu, Memory::Host) - none - a_cpu, at(&gpu, Memory::Device) - a_gpu, "the other terms are the same");
     }
 
     #[test]
