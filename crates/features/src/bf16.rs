@@ -138,8 +138,24 @@ impl Bf16Matrix {
     }
 }
 
+/// The activations of one product as its kernel reads them: interleaved tiles of MR rows
+/// ([`pack_rows`]) or, for AMX, row-major ([`crate::amx::pack_rows`]).
+pub struct Packed {
+    words: Vec<u32>,
+    amx: bool,
+}
+
+impl Bf16Matrix {
+    /// Whether this matrix's products run on AMX: the CPU's kernel is AMX and the inputs fill
+    /// whole 16-pair steps (k a multiple of 32, as every model's hidden sizes are). Decided per
+    /// matrix, never per call, so a row's product does not depend on the batch it is in.
+    fn on_amx(&self) -> bool {
+        Kernel::detect() == Kernel::Amx && self.pairs.is_multiple_of(crate::amx::PAIRS)
+    }
+}
+
 impl crate::packed::Blocked for Bf16Matrix {
-    type Input = Vec<u32>;
+    type Input = Packed;
     const GROUP: usize = LANES * NB;
     const MC: usize = MC;
     fn n(&self) -> usize {
@@ -149,8 +165,12 @@ impl crate::packed::Blocked for Bf16Matrix {
         self.k
     }
     /// x rounded to bf16 and packed ([`pack_rows`]).
-    fn pack_input(&self, x: Rows, m: usize) -> Vec<u32> {
-        pack_rows(x, m, self.k)
+    fn pack_input(&self, x: Rows, m: usize) -> Packed {
+        if self.on_amx() {
+            Packed { words: crate::amx::pack_rows(x, m, self.k), amx: true }
+        } else {
+            Packed { words: pack_rows(x, m, self.k), amx: false }
+        }
     }
 
     /// Rows `rows` (starting at a multiple of MR) × column groups `groups` (48 outputs each,
@@ -158,7 +178,14 @@ impl crate::packed::Blocked for Bf16Matrix {
     ///
     /// # Safety
     /// `y` holds m × n values and this region of it is written by this call only.
-    unsafe fn block(&self, xs: &Vec<u32>, rows: std::ops::Range<usize>, groups: std::ops::Range<usize>, y: *mut f32) {
+    unsafe fn block(&self, xs: &Packed, rows: std::ops::Range<usize>, groups: std::ops::Range<usize>, y: *mut f32) {
+        #[cfg(target_arch = "x86_64")]
+        if xs.amx {
+            // SAFETY: packed for AMX only where the kernel is AMX (`available`); see the caller.
+            unsafe { crate::amx::block(&xs.words, &self.data, self.pairs, self.n, rows, groups, y) };
+            return;
+        }
+        let xs = &xs.words;
         let kernel = Kernel::detect();
         let (pairs, n) = (self.pairs, self.n);
         // Equal blocks of at most KC pairs (288 pairs: 3 × 96, not 128 + 128 + 32: a short
@@ -285,7 +312,7 @@ unsafe fn interleave8_avx2(words: &[u32], pairs: usize, dst: &mut [std::mem::May
 /// Compiled for AVX-512 and AVX2 as well, chosen at run time (the baseline's SSE copy was ~6% of
 /// a bf16 forward pass).
 #[multiversion::multiversion(targets("x86_64+avx512f+avx512bw", "x86_64+avx2"))]
-fn round_pairs(row: &[f32], words: &mut [u32]) {
+pub(crate) fn round_pairs(row: &[f32], words: &mut [u32]) {
     round_pairs_generic(row, words)
 }
 
@@ -316,6 +343,9 @@ struct Tile<'a> {
 /// Which kernel this CPU runs, chosen once per product.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Kernel {
+    /// AMX's `TDPBF16PS` ([`crate::amx`]) for matrices whose k is a multiple of 32,
+    /// `VDPBF16PS` for the others.
+    Amx,
     /// AVX-512 BF16's `VDPBF16PS`.
     Avx512Bf16,
     /// The portable kernel, compiled for AVX-512F.
@@ -345,6 +375,11 @@ impl Kernel {
             // ONEPASS_CPU=avx2: an AVX-512 machine measures the kernel an AVX2-only CPU runs
             let avx512 = !crate::cpu::capped_at_avx2();
             if avx512 && has!("avx512f") && has!("avx512bf16") {
+                // ONEPASS_BF16_KERNEL=avx512bf16: VDPBF16PS on an AMX machine (its bits)
+                let keep = std::env::var("ONEPASS_BF16_KERNEL").as_deref() == Ok("avx512bf16");
+                if !keep && crate::amx::available() {
+                    return Kernel::Amx;
+                }
                 return Kernel::Avx512Bf16;
             }
             if avx512 && has!("avx512f") {
@@ -376,7 +411,7 @@ impl Kernel {
         }
         match self {
             #[cfg(target_arch = "x86_64")]
-            Kernel::Avx512Bf16 => dispatch!(tile_dpbf16),
+            Kernel::Avx512Bf16 | Kernel::Amx => dispatch!(tile_dpbf16),
             #[cfg(target_arch = "x86_64")]
             Kernel::Avx512 => dispatch!(tile_avx512),
             #[cfg(target_arch = "x86_64")]
@@ -654,6 +689,66 @@ mod tests {
         }
     }
 
+    /// On an AMX machine (skipped elsewhere, saying so): the product through AMX is close to the
+    /// exact dot product of the rounded inputs — closer than the sequential f32 order more often
+    /// than not — and its bits do not depend on the other rows of the batch or on the thread
+    /// count; a k that is not a multiple of 32 keeps `VDPBF16PS`'s defining sequence. Negative
+    /// control: AMX's bits differ from the sequential order's somewhere (AMX did run).
+    #[test]
+    fn amx_products_are_near_exact_and_do_not_depend_on_the_batch_or_threads() {
+        if Kernel::detect() != Kernel::Amx {
+            eprintln!("no AMX on this CPU ({:?}): nothing to check", Kernel::detect());
+            return;
+        }
+        let r = |v: f32| from_bf16(to_bf16(v)) as f64;
+        for (m, n, k) in [(1, 16, 32), (17, 50, 64), (40, 96, 576), (130, 70, 1536)] {
+            let x = random(m * k, 11, 3.0);
+            let w = random(n * k, 12, 0.5);
+            let mat = Bf16Matrix::from_f32(&w, n, k);
+            assert!(mat.on_amx());
+            let got = mat.matmul_t(&x, m);
+            let seq = reference(&x, &w, m, n, k);
+            let (mut amx_exact, mut seq_exact, mut differ) = (0, 0, 0);
+            for i in 0..m {
+                for o in 0..n {
+                    let (mut exact, mut abs) = (0f64, 0f64);
+                    for j in 0..k {
+                        exact += r(x[i * k + j]) * r(w[o * k + j]);
+                        abs += (r(x[i * k + j]) * r(w[o * k + j])).abs();
+                    }
+                    let (g, q) = (got[i * n + o], seq[i * n + o]);
+                    assert!(
+                        (g as f64 - exact).abs() <= abs * 2f64.powi(-22),
+                        "m {m} n {n} k {k} at ({i}, {o}): {g} vs exact {exact} (Σ|xw| {abs})"
+                    );
+                    amx_exact += (g == exact as f32) as usize;
+                    seq_exact += (q == exact as f32) as usize;
+                    differ += (g.to_bits() != q.to_bits()) as usize;
+                }
+            }
+            if k >= 576 {
+                assert!(differ > 0, "AMX gave the sequential bits everywhere: did it run?");
+                assert!(amx_exact > seq_exact, "exactly rounded: AMX {amx_exact}, sequential {seq_exact} of {}", m * n);
+            }
+            // each row alone, and the whole product on 1 and 3 threads: the same bits
+            for i in [0, m / 2, m - 1] {
+                let alone = mat.matmul_t(&x[i * k..(i + 1) * k], 1);
+                assert_eq!(alone, got[i * n..(i + 1) * n], "row {i} alone differs (m {m}, k {k})");
+            }
+            for t in [1, 3] {
+                let pool = rayon::ThreadPoolBuilder::new().num_threads(t).build().unwrap();
+                assert_eq!(pool.install(|| mat.matmul_t(&x, m)), got, "{t} threads (m {m}, k {k})");
+            }
+        }
+        // k = 300: 150 pairs, not whole 16-pair steps: VDPBF16PS's defining sequence
+        let (m, n, k) = (20, 33, 300);
+        let (x, w) = (random(m * k, 13, 3.0), random(n * k, 14, 0.5));
+        let mat = Bf16Matrix::from_f32(&w, n, k);
+        assert!(!mat.on_amx());
+        let want = reference(&x, &w, m, n, k);
+        assert!(mat.matmul_t(&x, m).iter().zip(&want).all(|(a, b)| a.to_bits() == b.to_bits()));
+    }
+
     /// The fused SwiGLU product is silu·up (the f32 op) followed by the plain product, bit for
     /// bit, over enough rows for the parallel packing path; a negative control: the product of
     /// the gate alone differs.
@@ -727,7 +822,10 @@ mod tests {
         let one = rayon::ThreadPoolBuilder::new().num_threads(1).build().unwrap().install(|| mat.matmul_t(&x, m));
         let two = rayon::ThreadPoolBuilder::new().num_threads(2).build().unwrap().install(|| mat.matmul_t(&x, m));
         assert_eq!(one, two);
-        assert_eq!(one, reference(&x, &w, m, n, k));
+        // AMX rounds its dot products its own way (amx_products_are_near_exact_…)
+        if !mat.on_amx() {
+            assert_eq!(one, reference(&x, &w, m, n, k));
+        }
         let mut worst = 0f64;
         for i in 0..m {
             for o in 0..n {

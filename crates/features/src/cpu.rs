@@ -64,5 +64,5 @@ pub fn summary() -> String {
 /// packed bf16 kernel then widens every weight in software (the AVX2 + FMA kernel), slower than
 /// the f32 path (before that kernel, 11x on an AVX2-only EPYC: 40 against 439 tok/s).
 pub fn bf16_is_slow() -> bool {
-    crate::bf16::Kernel::detect() != crate::bf16::Kernel::Avx512Bf16
+    !matches!(crate::bf16::Kernel::detect(), crate::bf16::Kernel::Avx512Bf16 | crate::bf16::Kernel::Amx)
 }

@@ -440,6 +440,11 @@ impl Backbone {
         // computed by candle's all-bf16 composition before is not reused
         if self.model.dtype() == DType::BF16 && self.model.device().is_cpu() {
             parts.push(("bf16_cpu", "v2: bf16 weights and products, f32 activations"));
+            // AMX rounds its dot products unlike VDPBF16PS and the other kernels (`crate::amx`):
+            // its φ is kept apart from theirs
+            if crate::bf16::Kernel::detect() == crate::bf16::Kernel::Amx {
+                parts.push(("bf16_kernel", "amx"));
+            }
         }
         // f32 on the CPU moved from candle's matmul to packed kernels with one FMA sequence per
         // output (`crate::f32mm`): φ rounds differently, so it is not mixed with φ cached before

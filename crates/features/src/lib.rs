@@ -18,6 +18,7 @@
 /// This crate's version (a run's meta.json records it).
 pub const VERSION: &str = env!("CARGO_PKG_VERSION");
 
+pub mod amx;
 pub mod bf16;
 pub mod cache;
 pub mod cpu;

@@ -510,7 +510,13 @@ mod tests {
             vocab: 49152,
             ..tiny_cfg()
         };
-        let shape = |on_device| RewardShape { cfg: cfg.clone(), weights: 134_515_008, seq_len: 256, on_device, device_free: None };
+        let shape = |on_device| RewardShape {
+            cfg: cfg.clone(),
+            weights: 134_515_008,
+            seq_len: 256,
+            on_device,
+            device_free: None,
+        };
         let gpu = estimate(&plan.spec, &plan, 3, None, Some(&shape(true)), Memory::Device);
         let cpu = estimate(&plan.spec, &plan, 3, None, Some(&shape(false)), Memory::Host);
         assert_eq!(gpu.parallel, 3);
@@ -565,7 +571,11 @@ mod tests {
         let (a_cpu, a_gpu) = (acts(&cpu, Memory::Host), acts(&gpu, Memory::Device));
         assert!(a_cpu > 0);
         assert_eq!(a_gpu, (a_cpu as f64 * DEVICE_POLICY_ACTIVATIONS) as u64);
-        assert_eq!(at(&cpu, Memory::Host) - none - a_cpu, at(&gpu, Memory::Device) - a_gpu, "the other terms are the same");
+        assert_eq!(
+            at(&cpu, Memory::Host) - none - a_cpu,
+            at(&gpu, Memory::Device) - a_gpu,
+            "the other terms are the same"
+        );
     }
 
     #[test]
