@@ -22,6 +22,8 @@ def main():
     ap.add_argument("--ids", required=True)
     ap.add_argument("--threads", type=int, default=os.cpu_count())
     ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"],
+                    help="the frozen weights' dtype (bfloat16: PEFT keeps the adapters in float32)")
     a = ap.parse_args()
 
     import torch
@@ -30,7 +32,7 @@ def main():
 
     torch.set_num_threads(a.threads)
     d, f = os.path.split(os.path.abspath(a.model))
-    model = AutoModelForCausalLM.from_pretrained(d, gguf_file=f, dtype=torch.float32)
+    model = AutoModelForCausalLM.from_pretrained(d, gguf_file=f, dtype=getattr(torch, a.dtype))
     model = get_peft_model(model, LoraConfig(r=8, lora_alpha=16, lora_dropout=0.0,
                                              target_modules=["q_proj", "v_proj"], task_type="CAUSAL_LM"))
     model.train()
@@ -58,7 +60,8 @@ def main():
         loss = step()
         passes.append(time.perf_counter() - t1)
     print(json.dumps({
-        "engine": "torch", "model": a.model, "dtype": "float32", "torch": torch.__version__,
+        "engine": "torch", "model": a.model, "dtype": a.dtype, "torch": torch.__version__,
+        "adapter_dtype": str(params[0].dtype).replace("torch.", ""),
         "threads": torch.get_num_threads(), "batch": b, "len": t, "reps": a.reps, "pass_s": passes,
         "tok_s": b * t * a.reps / sum(passes),
         "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0, "abs_sum": loss,

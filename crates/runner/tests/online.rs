@@ -817,7 +817,8 @@ fn three_slices_of_an_online_run_merge_to_its_bytes() {
 /// bf16 on a CPU without bf16 instructions is announced, never a silent slowdown (issue 35):
 /// with onepass capped at AVX2 (`ONEPASS_CPU=avx2`, what an AVX2-only CPU runs) a bf16 feature
 /// model warns once, naming the key and the CPU, and so does a bf16 generator (on a real AVX2-only
-/// CPU the packed f32 products decode faster); the same run in f32 does not (negative control).
+/// CPU the packed f32 products decode faster), and so does a policy trained on bf16 products;
+/// the same run in f32 does not (negative control).
 #[test]
 fn bf16_on_a_cpu_without_bf16_instructions_warns_naming_the_key() {
     let tmp = setup(0.05);
@@ -847,6 +848,11 @@ fn bf16_on_a_cpu_without_bf16_instructions_warns_naming_the_key() {
     let warnings: Vec<&str> = err.lines().filter(|l| l.contains("warning")).collect();
     assert_eq!(warnings.len(), 1, "{err}");
     assert!(warnings[0].contains("generate.dtype = \"bf16\""), "{}", warnings[0]);
+    // and a policy training on bf16 products (issue 31)
+    let err = go("policy", "bf16");
+    let warnings: Vec<&str> = err.lines().filter(|l| l.contains("warning")).collect();
+    assert_eq!(warnings.len(), 1, "{err}");
+    assert!(warnings[0].contains("policy.dtype = \"bf16\""), "{}", warnings[0]);
 }
 
 /// policy_timings.parquet splits an evaluation (issue 31: where its time goes): sampling, φ and
@@ -869,4 +875,41 @@ fn an_evaluation_says_where_its_time_went() {
             assert!(gen[i] > 0.0, "row {i}: a moved policy's evaluation samples");
         }
     }
+}
+
+/// `[policy] dtype = "bf16"` (issue 31): the learning policies train on the packed bf16
+/// products and move (KL > 0), differently from the f32 run of the same spec (negative control:
+/// the key takes effect), the resolved spec says bf16, and the run gives the same bytes on 1 and
+/// 2 threads and after a SIGKILL and resume (the adapters and Adam state are f32 in the
+/// checkpoints; the packed weights are rebuilt from the model).
+#[test]
+fn bf16_training_moves_the_policy_and_resumes_to_the_same_bytes() {
+    let tmp = setup(0.05);
+    let p = tmp.path();
+    let bf16 = spec(0.05)
+        .replace("[policy]\n", "[policy]\ndtype = \"bf16\"\n")
+        .replace("[deploy]", "[checkpoint]\nevery_steps = 1\n[deploy]");
+    std::fs::write(p.join("run.toml"), &bf16).unwrap();
+    let want = run(p, "a", "1");
+    let resolved = std::fs::read_to_string(want.join("spec.resolved.toml")).unwrap();
+    assert!(resolved.contains("dtype = \"bf16\""), "{resolved}");
+    for ((arm, seed, strat), v) in curves(&want) {
+        if arm != "best-of-n" {
+            assert!(v.last().unwrap().2 > 0.0, "{arm} {seed} {strat} did not move: {v:?}");
+        }
+    }
+    let two = run(p, "c", "2");
+    let dir = killed_and_resumed(p);
+    for f in ["policy.parquet", "metrics.parquet", "rounds.parquet"] {
+        let w = std::fs::read(want.join(f)).unwrap();
+        assert!(w == std::fs::read(two.join(f)).unwrap(), "{f} differs on 2 threads");
+        assert!(w == std::fs::read(dir.join(f)).unwrap(), "{f} differs after resume");
+    }
+    std::fs::write(p.join("run.toml"), bf16.replace("dtype = \"bf16\"\n", "")).unwrap();
+    let f32 = run(p, "f", "1");
+    let (a, b) = (curves(&want), curves(&f32));
+    assert!(
+        a.iter().any(|(k, v)| k.0 != "best-of-n" && v.last().unwrap().2 != b[k].last().unwrap().2),
+        "bf16 and f32 training gave the same KLs: did the key take effect?"
+    );
 }

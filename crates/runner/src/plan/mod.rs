@@ -867,6 +867,22 @@ fn check_policy(spec: &Spec, keys: Locator<'_>) -> Result<Option<PolicySpec>, Sp
             ));
         }
         let full = p.dpo.parameters == crate::spec::policy::DpoParameters::Full;
+        if p.dtype == crate::spec::policy::TrainDtype::Bf16 {
+            // bf16 products are the CPU's fused kernels over frozen weights and a LoRA adapter
+            // (`PolicyModel::use_bf16_products`); what they cannot do is refused here, by key
+            let why = if p.adapter.0.contains(&crate::spec::policy::AdapterLife::FreshPerChunk) {
+                Some("with adapter = \"fresh-per-chunk\": each chunk merges its adapter into the weights, and weights packed in bf16 would round the merged update away: expected \"f32\" (or adapter = \"persistent\")")
+            } else if full && has(crate::spec::DeployPolicy::Dpo) {
+                Some("with policy.dpo.parameters = \"full\": every weight trains, none is frozen to pack: expected \"f32\"")
+            } else if matches!(g.device, crate::spec::Device::Cuda | crate::spec::Device::Metal) {
+                Some("with generate.device on a GPU: bf16 products are the CPU's packed kernels: expected \"f32\"")
+            } else {
+                None
+            };
+            if let Some(why) = why {
+                return Err(keys.err(&["policy", "dtype"], format!("\"bf16\" {why}")));
+            }
+        }
         // save_adapter saves the LoRA cells' adapters; a full-parameter cell has none, so a run
         // whose only learning arm is full-parameter dpo would save nothing it was asked to
         let lora_arm = has(crate::spec::DeployPolicy::Rloo) || has(crate::spec::DeployPolicy::Ppo);

@@ -142,6 +142,9 @@ impl<'a> PolicyCell<'a> {
             } else {
                 PolicyModel::new(base, cfg, &online.spec.lora(policy_seed), online.max_len, DType::F32)?
             };
+            if online.spec.dtype == crate::spec::policy::TrainDtype::Bf16 {
+                m.use_bf16_products()?;
+            }
             if let Some(st) = state {
                 // merges and reference moves first, each with the adapter values it saw
                 m.replay(&st.life)?;

@@ -82,6 +82,28 @@ impl std::fmt::Display for AdapterLife {
     }
 }
 
+/// The arithmetic of a learning policy's frozen products in its updates (`[policy] dtype`).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum TrainDtype {
+    /// f32 throughout.
+    #[default]
+    F32,
+    /// Every frozen weight's product, forward (x Wᵀ) and backward (g W), and the LM head's on
+    /// the CPU's packed bf16 kernel (`policy::PolicyModel::use_bf16_products`: AMX or AVX-512
+    /// BF16 where the CPU has them); adapters, their gradients, norms, attention and Adam f32.
+    Bf16,
+}
+
+impl std::fmt::Display for TrainDtype {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            TrainDtype::F32 => "f32",
+            TrainDtype::Bf16 => "bf16",
+        })
+    }
+}
+
 /// Where a learning arm's rollouts (the sequences its update scores) come from.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "kebab-case")]
@@ -189,6 +211,11 @@ pub struct PolicySpec {
     /// gradient pass (kept inputs scaled by 1/(1 − p)); 0 turns it off.
     #[serde(default)]
     pub dropout: f64,
+    /// "f32" or "bf16": the frozen products of the policy's updates and scoring passes
+    /// ([`TrainDtype`]; the CPU only, a persistent LoRA adapter only). The sampler keeps
+    /// `generate.dtype`, and the ppo critic f32.
+    #[serde(default)]
+    pub dtype: TrainDtype,
     /// Adam on the adapters, gradients clipped to this global norm; `lr` is the peak learning
     /// rate of the schedule.
     #[serde(default = "d_lr")]

@@ -85,6 +85,12 @@ pub fn slow_bf16_warning(spec: &Spec, slow: bool) -> Option<String> {
     if let Some(o) = &spec.oracle {
         see("oracle.dtype", o.dtype, o.device);
     }
+    // the policy's bf16 products train on the same kernels (the policy lives where it generates)
+    if let (Some(p), Some(g)) = (&spec.policy, &spec.generate) {
+        if p.dtype == crate::spec::policy::TrainDtype::Bf16 && on_cpu(g.device) {
+            keys.push("policy.dtype");
+        }
+    }
     if keys.is_empty() || !slow {
         return None;
     }
