@@ -121,40 +121,23 @@ mutants:
 
 # Run a preset of experiments/<setting>/ (file stem), then `onepass report` on it (tables,
 # figures, heads); extra arguments go to `onepass run`, e.g.
-# `just reproduce-passive synthetic --set seeds=2`. The run directory is the last line printed.
+# `just reproduce-passive synthetic --set seeds=2`; each argument reaches `onepass run` as typed
+# (`--set 'deploy.policy=["rloo"]'` too: scripts/reproduce.sh). The run directory is the last
+# line printed.
 # On a GPU: `ONEPASS_FEATURES=cuda just reproduce-passive mini-hh-lora-rm --set data.device=cuda`.
 # The default presets are the CPU minis (SmolLM2-135M-Instruct, fetched here; the project's
 # prompt set); `just reproduce-deploy paper-llama` etc. need a GPU and the hub (see README).
-reproduce-passive preset="mini" *args="": (_reproduce "passive" preset args)
+[positional-arguments]
+reproduce-passive preset="mini" *args:
+    scripts/reproduce.sh passive "$@"
 
-reproduce-active preset="mini" *args="": (_reproduce "active" preset args)
+[positional-arguments]
+reproduce-active preset="mini" *args:
+    scripts/reproduce.sh active "$@"
 
-reproduce-deploy preset="mini" *args="": (_reproduce "deploy" preset args)
-
-_reproduce setting preset args:
-    #!/usr/bin/env bash
-    set -euo pipefail
-    spec=experiments/{{setting}}/{{preset}}.toml
-    if [[ ! -f "$spec" ]]; then
-        echo "no preset {{preset}} in experiments/{{setting}}/; presets:" $(ls experiments/{{setting}} | sed 's/\.toml$//') >&2
-        exit 2
-    fi
-    if grep -q '"models/' "$spec"; then scripts/fetch_models.sh >&2; fi
-    # ONEPASS_FEATURES=cuda (or metal) builds the GPU binary: a preset with device = "cuda" needs it
-    cargo build --quiet --release -p runner ${ONEPASS_FEATURES:+--features "$ONEPASS_FEATURES"}
-    # the binary where cargo put it (CARGO_TARGET_DIR, build.target-dir), not ./target
-    bin="$(cargo metadata --format-version 1 --no-deps | sed -n 's/.*"target_directory":"\([^"]*\)".*/\1/p')/release/onepass"
-    # stdout (the final table, then the run directory) is shown on stderr; no `tee /dev/stderr`,
-    # which re-opens (and truncates) a log file that stderr is redirected to
-    t0=$(date +%s.%N)
-    out=$("$bin" run "$spec" {{args}})
-    printf '%s\n' "$out" >&2
-    dir=$(printf '%s\n' "$out" | tail -n 1)
-    # the run's wall time (generation and φ read from the caches where they hold them)
-    awk -v t0="$t0" -v t1="$(date +%s.%N)" -v p="{{setting}}/{{preset}}" \
-        'BEGIN { printf "reproduce: %s ran in %.1f s (wall; caches: .cache/)\n", p, t1 - t0 }' >&2
-    "$bin" report "$dir" >&2
-    echo "$dir"
+[positional-arguments]
+reproduce-deploy preset="mini" *args:
+    scripts/reproduce.sh deploy "$@"
 
 # The order of PyTorch's DistributedSampler (torch.randperm(n), seed) as experiments/orders/*.npy,
 # for the reference-* presets (`env.order = "indices"`). Needs a python with torch

@@ -7,7 +7,7 @@
 //! this module is the whole product: weights packed once at load ([`Bf16Matrix`]), activations
 //! packed per call, a register-blocked kernel over (rows × 48 outputs) tiles on rayon's pool.
 //!
-//! **One result on every CPU.** Each output element is one accumulator that starts at 0 and, for
+//! **One result on every CPU without AMX.** Each output element is one accumulator that starts at 0 and, for
 //! the input pairs (x₂ₚ, x₂ₚ₊₁) in ascending p, adds x₂ₚ₊₁·w₂ₚ₊₁ and then x₂ₚ·w₂ₚ, each sum
 //! rounded to nearest even. That is `VDPBF16PS`'s documented order (and what a test measured on
 //! Zen 4); a product of two bf16 values is exact in f32, so the portable kernel, written as a
@@ -16,7 +16,8 @@
 //! count changes a bit. The instruction flushes subnormal inputs to zero: [`to_bf16`] does so for
 //! both sides, so no subnormal ever reaches it. (A partial sum below 1.2·10⁻³⁸ would be flushed by
 //! the instruction and kept by the portable kernel; activations and weights of a language model
-//! never get there.)
+//! never get there.) An AMX machine runs its own instruction ([`crate::amx`]), which rounds
+//! differently; `ONEPASS_BF16_KERNEL=avx512bf16` keeps this sequence there.
 
 use crate::packed::Rows;
 use rayon::prelude::*;
