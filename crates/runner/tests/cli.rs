@@ -921,14 +921,19 @@ fn every_setting_draws_readable_figures() {
 
 /// The justfile's `reproduce-*` recipes run the binary where cargo puts it: with
 /// `CARGO_TARGET_DIR` set (shared machines) that is not ./target (issue 34: every recipe failed
-/// with "No such file or directory"). The recipe's own line is run with the variable set and must
-/// name `$CARGO_TARGET_DIR/release/onepass`; no recipe names `target/release/onepass` itself.
+/// with "No such file or directory"). The recipes' script's own line is run with the variable set
+/// and must name `$CARGO_TARGET_DIR/release/onepass`; neither the justfile nor the script names
+/// `target/release/onepass` itself.
 #[test]
 fn the_justfile_finds_the_binary_under_cargo_target_dir() {
     let root = util::root();
     let just = std::fs::read_to_string(root.join("justfile")).unwrap();
+    // the recipes run scripts/reproduce.sh (arguments passed on as typed)
+    let script = std::fs::read_to_string(root.join("scripts/reproduce.sh")).unwrap();
+    assert!(just.contains("scripts/reproduce.sh deploy \"$@\""), "reproduce-deploy runs the script");
     assert!(!just.contains("target/release/onepass"), "a recipe names ./target's binary");
-    let line = just.lines().map(str::trim).find(|l| l.starts_with("bin=")).expect("the recipe's bin= line");
+    assert!(!script.contains("target/release/onepass"), "the script names ./target's binary");
+    let line = script.lines().map(str::trim).find(|l| l.starts_with("bin=")).expect("the script's bin= line");
     let dir = tempfile::tempdir().unwrap();
     let out = std::process::Command::new("bash")
         .arg("-c")
