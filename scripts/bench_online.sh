@@ -10,7 +10,9 @@
 # median split of both and the ratio TRL / onepass per round.
 #
 # Environment: ONEPASS_BENCH_THREADS, ONEPASS_BENCH_ROUNDS (default 3), ONEPASS_BENCH_PYTHON (a
-# python with torch, transformers, gguf, peft and trl; when unset, .venv-bench/ gains trl).
+# python with torch, transformers, gguf, peft and trl; when unset, .venv-bench/ gains trl),
+# ONEPASS_BENCH_DTYPES / ONEPASS_BENCH_TORCH_DTYPES (default "f32 bf16": onepass with generation,
+# φ and policy.dtype in bf16; TRL with bf16 weights and bf16=True).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bench=bench-online
@@ -26,19 +28,25 @@ spec=(experiments/deploy/online-mini.toml --set seeds=1 --set 'deploy.policy=["r
     --set "features.model=\"$model\"")
 for r in $(seq 1 "$rounds"); do
     echo "bench-online: round $r/$rounds" >&2
-    dir=$(target/release/onepass run "${spec[@]}" --set "features.cache=\"$out/phi-$r\"" --threads "$threads" \
-        --out "$out/runs" 2>/dev/null | tail -n 1)
-    python3 - "$dir" "$threads" >"$out/onepass-$r.json" <<'PY'
+    for d in $dtypes; do
+        # bf16: generation, φ and the policy's training products (policy.dtype) in bf16
+        dir=$(target/release/onepass run "${spec[@]}" --set "features.cache=\"$out/phi-$d-$r\"" --threads "$threads" \
+            --set "generate.dtype=\"$d\"" --set "features.dtype=\"$d\"" --set "policy.dtype=\"$d\"" \
+            --out "$out/runs" 2>/dev/null | tail -n 1)
+        python3 - "$dir" "$threads" "$d" >"$out/onepass-$d-$r.json" <<'PY'
 import json, sys
 import pyarrow.parquet as pq
 t = pq.read_table(f"{sys.argv[1]}/policy_timings.parquet").to_pylist()
 row = next(x for x in t if x["chunk"] == 2)
 keys = ["generation_s", "phi_s", "estimator_s", "policy_s", "critic_s", "eval_generation_s", "eval_phi_s", "eval_score_s", "eval_s"]
-res = {"engine": "onepass", "threads": int(sys.argv[2]), **{k: row[k] for k in keys}}
+res = {"engine": "onepass", "dtype": sys.argv[3], "threads": int(sys.argv[2]), **{k: row[k] for k in keys}}
 res["chunk_s"] = sum(row[k] for k in ["generation_s", "phi_s", "estimator_s", "policy_s", "critic_s", "eval_s"])
 print(json.dumps(res))
 PY
-    "$py" scripts/bench_online_trl.py --hf "$hf" --run "$dir" --prompts datasets/prompts/prompts.jsonl \
-        --threads "$threads" --out "$out/trl" 2>/dev/null | tail -n 1 >"$out/trl-$r.json"
+    done
+    for d in $torch_dtypes; do
+        "$py" scripts/bench_online_trl.py --hf "$hf" --run "$dir" --prompts datasets/prompts/prompts.jsonl \
+            --threads "$threads" --dtype "$d" --out "$out/trl" 2>/dev/null | tail -n 1 >"$out/trl-$d-$r.json"
+    done
 done
 python3 scripts/bench_online_report.py "$out"/onepass-*.json "$out"/trl-*.json

@@ -45,6 +45,8 @@ def main():
     ap.add_argument("--beta", type=float, default=0.05)
     ap.add_argument("--minibatch", type=int, default=8)
     ap.add_argument("--out", default="/tmp/bench-online-trl")
+    ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"],
+                    help="the models' weights (bfloat16: TRL's bf16=True; PEFT keeps the adapters float32)")
     a = ap.parse_args()
     torch.set_num_threads(a.threads)
     torch.manual_seed(0)
@@ -67,7 +69,7 @@ def main():
     if tok.pad_token is None:
         tok.pad_token = tok.eos_token
     end_of_turn = tok.convert_tokens_to_ids("<|im_end|>")
-    frozen = AutoModelForCausalLM.from_pretrained(a.hf, dtype=torch.float32).eval()
+    frozen = AutoModelForCausalLM.from_pretrained(a.hf, dtype=getattr(torch, a.dtype)).eval()
     d = frozen.config.hidden_size
     theta = torch.from_numpy(np.random.default_rng(0).standard_normal(d) / math.sqrt(d)).float()
     times = defaultdict(float)
@@ -76,7 +78,7 @@ def main():
         texts = [tok.apply_chat_template(p + c, tokenize=False) for p, c in zip(prompts, completions)]
         enc = tok(texts, return_tensors="pt", padding=True, add_special_tokens=False, truncation=True, max_length=256)
         with torch.no_grad():
-            h = frozen.model(**enc).last_hidden_state[:, -1, :]
+            h = frozen.model(**enc).last_hidden_state[:, -1, :].float()
         return (h @ theta).tolist()
 
     samples = len(train) * a.n
@@ -84,7 +86,7 @@ def main():
     args = RLOOConfig(
         output_dir=a.out,
         use_cpu=True,
-        bf16=False,
+        bf16=a.dtype == "bfloat16",
         learning_rate=a.lr,
         per_device_train_batch_size=a.minibatch,
         steps_per_generation=steps_per_generation,
@@ -108,7 +110,7 @@ def main():
         generation_kwargs={"eos_token_id": end_of_turn},
     )
     peft = LoraConfig(r=8, lora_alpha=16, target_modules=["q_proj", "v_proj"], lora_dropout=0.0, task_type="CAUSAL_LM")
-    policy = AutoModelForCausalLM.from_pretrained(a.hf, dtype=torch.float32)
+    policy = AutoModelForCausalLM.from_pretrained(a.hf, dtype=getattr(torch, a.dtype))
     data = Dataset.from_list([{"prompt": [{"role": "user", "content": p}]} for p in train])
     trainer = RLOOTrainer(model=policy, reward_funcs=phi_reward, args=args, train_dataset=data,
                           processing_class=tok, peft_config=peft)
@@ -186,6 +188,7 @@ def main():
     ev = {"eval_generation_s": t1 - t0, "eval_phi_s": t2 - t1, "eval_score_s": t3 - t2}
     res = {
         "engine": "trl",
+        "dtype": {"float32": "f32", "bfloat16": "bf16"}[a.dtype],
         "trl": __import__("trl").__version__,
         "torch": torch.__version__,
         "threads": a.threads,
