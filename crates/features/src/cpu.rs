@@ -22,7 +22,8 @@ pub fn model() -> String {
         .unwrap_or_else(|| std::env::consts::ARCH.to_string())
 }
 
-/// The vector features the kernels choose between, as the CPU reports them (before the cap).
+/// The vector features the kernels choose between, as the CPU reports them (before the cap;
+/// AMX where this process may use it).
 pub fn features() -> Vec<&'static str> {
     let mut out = Vec::new();
     #[cfg(target_arch = "x86_64")]
@@ -37,6 +38,10 @@ pub fn features() -> Vec<&'static str> {
             if on {
                 out.push(name);
             }
+        }
+        // AMX counts only where this process may use it (the kernel granted the tile state)
+        if crate::amx::available() {
+            out.push("amx-bf16");
         }
     }
     out
