@@ -58,19 +58,13 @@ pub(crate) fn pack_rows(x: crate::packed::Rows, m: usize, k: usize) -> Vec<u32> 
     let pairs = k.div_ceil(2);
     let len = m.div_ceil(ROWS) * ROWS * pairs;
     let fill = |row: &mut Vec<f32>, i: usize, dst: &mut [std::mem::MaybeUninit<u32>]| {
-        // SAFETY: MaybeUninit<u32> and u32 have the same layout; every word is written below.
-        let w = unsafe { &mut *(dst as *mut [std::mem::MaybeUninit<u32>] as *mut [u32]) };
-        if i >= m {
-            w.fill(0);
-            return;
-        }
-        match x {
-            crate::packed::Rows::Plain(x) => crate::bf16::round_pairs(&x[i * k..][..k], w),
-            crate::packed::Rows::SiluMul(gu) => {
-                row.resize(k, 0.0);
-                crate::ops::silu_mul_row(&gu[i * 2 * k..][..2 * k], row);
-                crate::bf16::round_pairs(row, w);
-            }
+        // zeros first (the padding rows stay so), so that the words are initialised before they
+        // are seen as u32
+        dst.iter_mut().for_each(|d| _ = d.write(0));
+        if i < m {
+            // SAFETY: MaybeUninit<u32> and u32 have the same layout, and every word was written.
+            let w = unsafe { &mut *(dst as *mut [std::mem::MaybeUninit<u32>] as *mut [u32]) };
+            crate::bf16::round_row(x, i, k, row, w);
         }
     };
     // SAFETY (of `overwritten`): the rows cover xs and `fill` writes each in full.

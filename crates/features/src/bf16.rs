@@ -139,24 +139,18 @@ impl Bf16Matrix {
     }
 }
 
-/// The activations of one product as its kernel reads them: interleaved tiles of MR rows
-/// ([`pack_rows`]) or, for AMX, row-major ([`crate::amx::pack_rows`]).
-pub struct Packed {
-    words: Vec<u32>,
-    amx: bool,
-}
-
 impl Bf16Matrix {
     /// Whether this matrix's products run on AMX: the CPU's kernel is AMX and the inputs fill
     /// whole 16-pair steps (k a multiple of 32, as every model's hidden sizes are). Decided per
-    /// matrix, never per call, so a row's product does not depend on the batch it is in.
+    /// matrix, never per call, so a row's product does not depend on the batch it is in; it also
+    /// says how [`Blocked::pack_input`](crate::packed::Blocked::pack_input) laid the input out.
     fn on_amx(&self) -> bool {
         Kernel::detect() == Kernel::Amx && self.pairs.is_multiple_of(crate::amx::PAIRS)
     }
 }
 
 impl crate::packed::Blocked for Bf16Matrix {
-    type Input = Packed;
+    type Input = Vec<u32>;
     const GROUP: usize = LANES * NB;
     const MC: usize = MC;
     fn n(&self) -> usize {
@@ -165,12 +159,12 @@ impl crate::packed::Blocked for Bf16Matrix {
     fn k(&self) -> usize {
         self.k
     }
-    /// x rounded to bf16 and packed ([`pack_rows`]).
-    fn pack_input(&self, x: Rows, m: usize) -> Packed {
+    /// x rounded to bf16 and packed ([`pack_rows`]; for AMX row-major, [`crate::amx::pack_rows`]).
+    fn pack_input(&self, x: Rows, m: usize) -> Vec<u32> {
         if self.on_amx() {
-            Packed { words: crate::amx::pack_rows(x, m, self.k), amx: true }
+            crate::amx::pack_rows(x, m, self.k)
         } else {
-            Packed { words: pack_rows(x, m, self.k), amx: false }
+            pack_rows(x, m, self.k)
         }
     }
 
@@ -179,14 +173,14 @@ impl crate::packed::Blocked for Bf16Matrix {
     ///
     /// # Safety
     /// `y` holds m × n values and this region of it is written by this call only.
-    unsafe fn block(&self, xs: &Packed, rows: std::ops::Range<usize>, groups: std::ops::Range<usize>, y: *mut f32) {
+    unsafe fn block(&self, xs: &Vec<u32>, rows: std::ops::Range<usize>, groups: std::ops::Range<usize>, y: *mut f32) {
         #[cfg(target_arch = "x86_64")]
-        if xs.amx {
-            // SAFETY: packed for AMX only where the kernel is AMX (`available`); see the caller.
-            unsafe { crate::amx::block(&xs.words, &self.data, self.pairs, self.n, rows, groups, y) };
+        if self.on_amx() {
+            // SAFETY: on_amx holds only where the kernel is AMX (`available`), and pack_input then
+            // packed xs for it; see the caller.
+            unsafe { crate::amx::block(xs, &self.data, self.pairs, self.n, rows, groups, y) };
             return;
         }
-        let xs = &xs.words;
         let kernel = Kernel::detect();
         let (pairs, n) = (self.pairs, self.n);
         // Equal blocks of at most KC pairs (288 pairs: 3 × 96, not 128 + 128 + 32: a short
@@ -228,15 +222,7 @@ fn pack_rows(x: Rows, m: usize, k: usize) -> Vec<u32> {
         let rows = MR.min(m - tile * MR);
         words.resize(MR * pairs, 0);
         for (r, w) in words.chunks_exact_mut(pairs.max(1)).take(rows).enumerate() {
-            let i = tile * MR + r;
-            match x {
-                Rows::Plain(x) => round_pairs(&x[i * k..][..k], w),
-                Rows::SiluMul(gu) => {
-                    row.resize(k, 0.0);
-                    crate::ops::silu_mul_row(&gu[i * 2 * k..][..2 * k], row);
-                    round_pairs(row, w);
-                }
-            }
+            round_row(x, tile * MR + r, k, row, w);
         }
         // Every word is written (the last tile's missing rows as zeros), so `xs` is never zeroed
         // first.
@@ -309,11 +295,24 @@ unsafe fn interleave8_avx2(words: &[u32], pairs: usize, dst: &mut [std::mem::May
     full
 }
 
+/// Row `i` of a product's input (x's row, or silu(g)·u formed in `row`) rounded into `w`, words
+/// of two bf16 ([`round_pairs`]).
+pub(crate) fn round_row(x: Rows, i: usize, k: usize, row: &mut Vec<f32>, w: &mut [u32]) {
+    match x {
+        Rows::Plain(x) => round_pairs(&x[i * k..][..k], w),
+        Rows::SiluMul(gu) => {
+            row.resize(k, 0.0);
+            crate::ops::silu_mul_row(&gu[i * 2 * k..][..2 * k], row);
+            round_pairs(row, w);
+        }
+    }
+}
+
 /// A row of f32 into words of two bf16 (low: the even input), an odd last input alone.
 /// Compiled for AVX-512 and AVX2 as well, chosen at run time (the baseline's SSE copy was ~6% of
 /// a bf16 forward pass).
 #[multiversion::multiversion(targets("x86_64+avx512f+avx512bw", "x86_64+avx2"))]
-pub(crate) fn round_pairs(row: &[f32], words: &mut [u32]) {
+fn round_pairs(row: &[f32], words: &mut [u32]) {
     round_pairs_generic(row, words)
 }
 
