@@ -7,6 +7,8 @@
 //!   candle ops (RMSNorm, RoPE, attention, SiLU as plain tensor algebra), so `backward()` gives
 //!   the adapters' gradients. Training batches are right-padded: with causal attention a real
 //!   token never sees a pad, so no padding mask is needed; losses mask the pads.
+//! - [`attention`]: grouped-query causal attention as one CPU op with its gradient written out
+//!   (recomputing the probabilities in the backward pass): the fused path's attention.
 //! - [`loss`]: per-token log-probabilities, the KL estimators k1 and k3, RLOO's leave-one-out
 //!   advantages and its (optionally PPO-clipped) policy-gradient loss, the DPO loss, GAE and
 //!   PPO's clipped value loss.
@@ -30,6 +32,7 @@
 pub const VERSION: &str = env!("CARGO_PKG_VERSION");
 
 pub mod adam;
+pub mod attention;
 pub mod batch;
 pub mod critic;
 pub mod lora;

@@ -488,15 +488,20 @@ impl PolicyModel {
             Some((pk, pv)) => (Tensor::cat(&[pk, &k], 2)?.contiguous()?, Tensor::cat(&[pv, &v], 2)?.contiguous()?),
             None => (k.clone(), v.clone()),
         };
-        let s_len = keys.dim(2)?;
-        // grouped-query attention: query head j reads kv head j / g
-        let g = h / kv;
-        let q = q.contiguous()?.reshape((b, kv, g * t, hd))?;
-        let s = (q.matmul(&keys.t()?)? * (1.0 / (hd as f64).sqrt()))?;
-        let s = s.reshape((b, kv, g, t, s_len))?.broadcast_add(mask)?;
-        let p = crate::ops::softmax_last(&s.contiguous()?, self.kernels)?;
-        let y = p.reshape((b, kv, g * t, s_len))?.matmul(&values)?;
-        let y = y.reshape((b, h, t, hd))?.transpose(1, 2)?.reshape((b, t, h * hd))?;
+        let y = if self.kernels == Kernels::Fused {
+            // one op with its gradient written out: no (b, h, t, s) tensor in the graph
+            crate::attention::causal_attention(&q, &keys, &values)?
+        } else {
+            let s_len = keys.dim(2)?;
+            // grouped-query attention: query head j reads kv head j / g
+            let g = h / kv;
+            let q = q.contiguous()?.reshape((b, kv, g * t, hd))?;
+            let s = (q.matmul(&keys.t()?)? * (1.0 / (hd as f64).sqrt()))?;
+            let s = s.reshape((b, kv, g, t, s_len))?.broadcast_add(mask)?;
+            let p = crate::ops::softmax_last(&s.contiguous()?, self.kernels)?;
+            p.reshape((b, kv, g * t, s_len))?.matmul(&values)?.reshape((b, h, t, hd))?
+        };
+        let y = y.transpose(1, 2)?.reshape((b, t, h * hd))?;
         Ok((blk.o.forward(&y, pass, self.kernels)?, k, v))
     }
 

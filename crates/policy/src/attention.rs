@@ -1,0 +1,403 @@
+//! Grouped-query causal attention as one CPU op with its gradient written out (the fused path of
+//! [`crate::ops::Kernels`]): y = softmax(q kᵀ / √d + mask) v per query head, query head j reading
+//! key/value head j / g.
+//!
+//! Why: composed from candle's ops, attention keeps four (b, heads, t, s) tensors per layer in
+//! the graph (the scores, their scaled and masked copies, the probabilities) and, in the backward
+//! pass, allocates, zeroes and adds a gradient of that size for each — on SmolLM2 with 8 × 256
+//! tokens ~19 MB each, 30 layers: the largest part of a LoRA step's memory beyond the weights.
+//! This op keeps its inputs, its output and one log-sum-exp per query row, and recomputes the
+//! probabilities in the backward pass (as FlashAttention does, Dao et al. 2022, Alg. 2's
+//! recomputation). Per (batch, kv head) the g query heads are one (g·t × d) block and every
+//! product is one `gemm` call on that task's thread (the masked scores are computed and zeroed:
+//! dense products ran faster than skipping them row by row).
+//!
+//! The maths, per query row i (position p + i of s = p + t keys; it sees keys 0..=p + i):
+//! sⱼ = c qᵢ·kⱼ (c = 1/√d), L = m + ln Σⱼ e^{sⱼ − m} (m = maxⱼ sⱼ), Pⱼ = e^{sⱼ − L}, yᵢ = Σⱼ Pⱼ vⱼ.
+//! Backward, with dy: dPⱼ = dy·vⱼ, D = dy·yᵢ (= Σⱼ Pⱼ dPⱼ), dSⱼ = Pⱼ (dPⱼ − D),
+//! dqᵢ = c Σⱼ dSⱼ kⱼ, dkⱼ += c dSⱼ qᵢ, dvⱼ += Pⱼ dy.
+
+use candle_core::{CpuStorage, CustomOp3, Layout, Result, Shape, Tensor};
+use num_traits::Float;
+use rayon::prelude::*;
+
+/// The attention of `q` (b, heads, t, d) over `keys` and `values` (b, kv, s, d), s ≥ t: query i
+/// sits at position s − t + i and attends keys 0..=s − t + i (a prefix of s − t positions, then
+/// causally). Returns (b, heads, t, d). CPU, f32 or f64; the gradient reaches q, keys and values.
+pub fn causal_attention(q: &Tensor, keys: &Tensor, values: &Tensor) -> Result<Tensor> {
+    let (b, h, t, d) = q.dims4()?;
+    let (b2, kv, s, d2) = keys.dims4()?;
+    if b2 != b || d2 != d || values.dims4()? != (b, kv, s, d) || kv == 0 || h % kv != 0 || s < t {
+        candle_core::bail!(
+            "attention: q {:?}, keys {:?}, values {:?} do not fit (b, heads, t, d) over (b, kv, s ≥ t, d)",
+            q.dims(),
+            keys.dims(),
+            values.dims()
+        );
+    }
+    let op = Attention { shape: Dims { b, h, kv, t, s, d }, lse: std::sync::Mutex::new(None) };
+    q.contiguous()?.apply_op3(&keys.contiguous()?, &values.contiguous()?, op)
+}
+
+/// What the backward pass reads: q, keys, values, the output and its gradient.
+type Saved<'a, T> = (&'a [T], &'a [T], &'a [T], &'a [T], &'a [T]);
+
+#[derive(Clone, Copy)]
+struct Dims {
+    b: usize,
+    h: usize,
+    kv: usize,
+    t: usize,
+    s: usize,
+    d: usize,
+}
+
+struct Attention {
+    shape: Dims,
+    /// The forward pass's log-sum-exp per query row (b, h, t), for the backward's recomputation.
+    lse: std::sync::Mutex<Option<Vec<f64>>>,
+}
+
+fn slice<'a, T: candle_core::WithDType>(s: &'a CpuStorage, l: &Layout) -> Result<&'a [T]> {
+    let v = s.as_slice::<T>()?;
+    match l.contiguous_offsets() {
+        Some((a, b)) => Ok(&v[a..b]),
+        None => candle_core::bail!("attention: expected contiguous inputs"),
+    }
+}
+
+/// A matrix in memory: its first element and its row and column strides (so a transpose is a
+/// view).
+#[derive(Clone, Copy)]
+struct Mat<T> {
+    ptr: *const T,
+    rs: isize,
+    cs: isize,
+}
+
+impl<T> Mat<T> {
+    /// Row-major (·, cols).
+    fn rows(x: &[T], cols: usize) -> Mat<T> {
+        Mat { ptr: x.as_ptr(), rs: cols as isize, cs: 1 }
+    }
+    /// The transpose of row-major (·, cols).
+    fn t(x: &[T], cols: usize) -> Mat<T> {
+        Mat { ptr: x.as_ptr(), rs: 1, cs: cols as isize }
+    }
+}
+
+/// dst (m × n, row-major) = c · a (m × k) · b (k × n), on the calling thread (the `gemm` crate,
+/// candle's CPU matmul: one result for given shapes on a given CPU kind).
+fn mm<T: Float + 'static>(m: usize, n: usize, k: usize, dst: &mut [T], a: Mat<T>, b: Mat<T>, c: T) {
+    assert!(dst.len() >= m * n);
+    // SAFETY: dst holds m × n values; a and b view slices that hold m × k and k × n values at
+    // their strides (every caller passes a block of the op's inputs or its own buffers).
+    unsafe {
+        gemm::gemm(
+            m,
+            n,
+            k,
+            dst.as_mut_ptr(),
+            1,
+            n as isize,
+            false,
+            a.ptr,
+            a.cs,
+            a.rs,
+            b.ptr,
+            b.cs,
+            b.rs,
+            T::zero(),
+            c,
+            false,
+            false,
+            false,
+            gemm::Parallelism::None,
+        )
+    }
+}
+
+/// Keys row r of a group's (g·t) query rows sees: 0..s − t + (r mod t) + 1.
+fn visible(r: usize, t: usize, s: usize) -> usize {
+    s - t + r % t + 1
+}
+
+impl Attention {
+    /// y and the log-sum-exps for one (batch, kv head): its g query heads as one (g·t × d) block.
+    fn forward_group<T: Float + 'static>(&self, q: &[T], k: &[T], v: &[T], y: &mut [T], lse: &mut [f64]) {
+        let Dims { h, kv, t, s, d, .. } = self.shape;
+        let rows = h / kv * t;
+        let c = T::from(1.0 / (d as f64).sqrt()).unwrap_or_else(T::one);
+        let mut p = vec![T::zero(); rows * s];
+        mm(rows, s, d, &mut p, Mat::rows(q, d), Mat::t(k, d), c);
+        for (r, pr) in p.chunks_exact_mut(s).enumerate() {
+            let n = visible(r, t, s);
+            let m = pr[..n].iter().fold(T::neg_infinity(), |a, &b| a.max(b));
+            let mut l = T::zero();
+            for e in pr[..n].iter_mut() {
+                *e = (*e - m).exp();
+                l = l + *e;
+            }
+            let inv = T::one() / l;
+            pr[..n].iter_mut().for_each(|e| *e = *e * inv);
+            pr[n..].iter_mut().for_each(|e| *e = T::zero());
+            lse[r] = (m + l.ln()).to_f64().unwrap_or(f64::NAN);
+        }
+        mm(rows, d, s, y, Mat::rows(&p, s), Mat::rows(v, d), T::one());
+    }
+
+    /// dq of the group's query heads, dk and dv of its kv head.
+    fn backward_group<T: Float + 'static>(
+        &self,
+        (q, k, v, y, dy): Saved<'_, T>,
+        lse: &[f64],
+        dq: &mut [T],
+        dk: &mut [T],
+        dv: &mut [T],
+    ) {
+        let Dims { h, kv, t, s, d, .. } = self.shape;
+        let rows = h / kv * t;
+        let c = T::from(1.0 / (d as f64).sqrt()).unwrap_or_else(T::one);
+        let (mut p, mut ds) = (vec![T::zero(); rows * s], vec![T::zero(); rows * s]);
+        // P recomputed from the scores and the forward's log-sum-exps
+        mm(rows, s, d, &mut p, Mat::rows(q, d), Mat::t(k, d), c);
+        // dP = dy vᵀ
+        mm(rows, s, d, &mut ds, Mat::rows(dy, d), Mat::t(v, d), T::one());
+        for (r, (pr, dr)) in p.chunks_exact_mut(s).zip(ds.chunks_exact_mut(s)).enumerate() {
+            let n = visible(r, t, s);
+            let l = T::from(lse[r]).unwrap_or_else(T::nan);
+            let dd = dy[r * d..(r + 1) * d].iter().zip(&y[r * d..(r + 1) * d]).fold(T::zero(), |a, (&x, &w)| a + x * w);
+            for (e, g) in pr[..n].iter_mut().zip(dr[..n].iter_mut()) {
+                *e = (*e - l).exp();
+                *g = *e * (*g - dd) * c;
+            }
+            pr[n..].iter_mut().for_each(|e| *e = T::zero());
+            dr[n..].iter_mut().for_each(|e| *e = T::zero());
+        }
+        mm(rows, d, s, dq, Mat::rows(&ds, s), Mat::rows(k, d), T::one());
+        mm(s, d, rows, dk, Mat::t(&ds, s), Mat::rows(q, d), T::one());
+        mm(s, d, rows, dv, Mat::t(&p, s), Mat::rows(dy, d), T::one());
+    }
+
+    fn fwd<T: Float + candle_core::WithDType + 'static>(&self, q: &[T], k: &[T], v: &[T]) -> (Vec<T>, Vec<f64>) {
+        let Dims { b, h, kv, t, s, d } = self.shape;
+        let g = h / kv;
+        let mut y = vec![T::zero(); b * h * t * d];
+        let mut lse = vec![0f64; b * h * t];
+        y.par_chunks_mut(g * t * d).zip(lse.par_chunks_mut(g * t)).enumerate().for_each(|(i, (y, lse))| {
+            let qs = &q[i * g * t * d..(i + 1) * g * t * d];
+            let (ks, vs) = (&k[i * s * d..(i + 1) * s * d], &v[i * s * d..(i + 1) * s * d]);
+            self.forward_group(qs, ks, vs, y, lse);
+        });
+        (y, lse)
+    }
+
+    fn bwd_t<T: Float + candle_core::WithDType + 'static>(
+        &self,
+        (q, k, v, y, dy): Saved<'_, T>,
+        lse: &[f64],
+    ) -> (Vec<T>, Vec<T>, Vec<T>) {
+        let Dims { b, h, kv, t, s, d } = self.shape;
+        let g = h / kv;
+        let (gt, sd) = (g * t * d, s * d);
+        let mut dq = vec![T::zero(); b * h * t * d];
+        let mut dk = vec![T::zero(); b * kv * s * d];
+        let mut dv = vec![T::zero(); b * kv * s * d];
+        dq.par_chunks_mut(gt).zip(dk.par_chunks_mut(sd)).zip(dv.par_chunks_mut(sd)).enumerate().for_each(
+            |(i, ((dq, dk), dv))| {
+                let r = i * gt..(i + 1) * gt;
+                let kv = i * sd..(i + 1) * sd;
+                let parts = (&q[r.clone()], &k[kv.clone()], &v[kv], &y[r.clone()], &dy[r]);
+                self.backward_group(parts, &lse[i * g * t..(i + 1) * g * t], dq, dk, dv);
+            },
+        );
+        (dq, dk, dv)
+    }
+}
+
+impl CustomOp3 for Attention {
+    fn name(&self) -> &'static str {
+        "causal-attention"
+    }
+
+    fn cpu_fwd(
+        &self,
+        s1: &CpuStorage,
+        l1: &Layout,
+        s2: &CpuStorage,
+        l2: &Layout,
+        s3: &CpuStorage,
+        l3: &Layout,
+    ) -> Result<(CpuStorage, Shape)> {
+        let Dims { b, h, t, d, .. } = self.shape;
+        let (out, lse) = match s1 {
+            CpuStorage::F32(_) => {
+                let (y, lse) = self.fwd::<f32>(slice(s1, l1)?, slice(s2, l2)?, slice(s3, l3)?);
+                (CpuStorage::F32(y), lse)
+            }
+            CpuStorage::F64(_) => {
+                let (y, lse) = self.fwd::<f64>(slice(s1, l1)?, slice(s2, l2)?, slice(s3, l3)?);
+                (CpuStorage::F64(y), lse)
+            }
+            _ => candle_core::bail!("attention: the fused op runs in f32 or f64"),
+        };
+        *self.lse.lock().map_err(|_| candle_core::Error::Msg("attention: poisoned".into()))? = Some(lse);
+        Ok((out, Shape::from((b, h, t, d))))
+    }
+
+    fn bwd(
+        &self,
+        q: &Tensor,
+        k: &Tensor,
+        v: &Tensor,
+        y: &Tensor,
+        dy: &Tensor,
+    ) -> Result<(Option<Tensor>, Option<Tensor>, Option<Tensor>)> {
+        let guard = self.lse.lock().map_err(|_| candle_core::Error::Msg("attention: poisoned".into()))?;
+        let Some(lse) = guard.as_ref() else { candle_core::bail!("attention: backward before forward") };
+        let dy = dy.contiguous()?;
+        macro_rules! run {
+            ($t:ty) => {{
+                let vecs = [q, k, v, y, &dy].map(|x| x.flatten_all().and_then(|x| x.to_vec1::<$t>()));
+                let [q_, k_, v_, y_, dy_] = vecs;
+                let (dq, dk, dv) = self.bwd_t::<$t>((&q_?, &k_?, &v_?, &y_?, &dy_?), lse);
+                (dq, dk, dv)
+            }};
+        }
+        let dev = q.device();
+        let (dq, dk, dv) = match q.dtype() {
+            candle_core::DType::F32 => {
+                let (a, b, c) = run!(f32);
+                (
+                    Tensor::from_vec(a, q.shape(), dev)?,
+                    Tensor::from_vec(b, k.shape(), dev)?,
+                    Tensor::from_vec(c, v.shape(), dev)?,
+                )
+            }
+            candle_core::DType::F64 => {
+                let (a, b, c) = run!(f64);
+                (
+                    Tensor::from_vec(a, q.shape(), dev)?,
+                    Tensor::from_vec(b, k.shape(), dev)?,
+                    Tensor::from_vec(c, v.shape(), dev)?,
+                )
+            }
+            other => candle_core::bail!("attention: no backward in {other:?}"),
+        };
+        Ok((Some(dq), Some(dk), Some(dv)))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use candle_core::{Device, Var};
+    use rand::{Rng, SeedableRng};
+
+    /// Attention written out from its definition, one score at a time (f64): query i of t at
+    /// position `offset` + i sees keys 0..=offset + i.
+    fn naive(
+        q: &[f64],
+        k: &[f64],
+        v: &[f64],
+        dims: (usize, usize, usize, usize, usize, usize),
+        offset: usize,
+    ) -> Vec<f64> {
+        let (b, h, kv, t, s, d) = dims;
+        let mut y = vec![0.0; b * h * t * d];
+        for bi in 0..b {
+            for hi in 0..h {
+                let kh = hi / (h / kv);
+                for i in 0..t {
+                    let qi = &q[((bi * h + hi) * t + i) * d..][..d];
+                    let key = |j: usize| &k[((bi * kv + kh) * s + j) * d..][..d];
+                    let val = |j: usize| &v[((bi * kv + kh) * s + j) * d..][..d];
+                    let n = (offset + i + 1).min(s);
+                    let sc: Vec<f64> = (0..n)
+                        .map(|j| qi.iter().zip(key(j)).map(|(a, b)| a * b).sum::<f64>() / (d as f64).sqrt())
+                        .collect();
+                    let z: f64 = sc.iter().map(|x| x.exp()).sum();
+                    for (j, x) in sc.iter().enumerate() {
+                        for di in 0..d {
+                            y[((bi * h + hi) * t + i) * d + di] += x.exp() / z * val(j)[di];
+                        }
+                    }
+                }
+            }
+        }
+        y
+    }
+
+    /// The op's values and its gradients (of Σ w ⊙ y, w random) against the definition and its
+    /// central differences, in f64, with grouped heads and a prefix (s > t). Negative control:
+    /// the definition without the prefix's offset (plain causal over s) is far off.
+    #[test]
+    fn values_and_gradients_match_the_definition() {
+        let dims @ (b, h, kv, t, s, d) = (2, 4, 2, 3, 5, 4);
+        let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(3);
+        let mut draw = |n: usize| (0..n).map(|_| rng.random_range(-1.0..1.0)).collect::<Vec<f64>>();
+        let (q, k, v, w) = (draw(b * h * t * d), draw(b * kv * s * d), draw(b * kv * s * d), draw(b * h * t * d));
+        let dev = Device::Cpu;
+        let qv = Var::from_vec(q.clone(), (b, h, t, d), &dev).unwrap();
+        let kv_ = Var::from_vec(k.clone(), (b, kv, s, d), &dev).unwrap();
+        let vv = Var::from_vec(v.clone(), (b, kv, s, d), &dev).unwrap();
+        let y = causal_attention(qv.as_tensor(), kv_.as_tensor(), vv.as_tensor()).unwrap();
+        let got: Vec<f64> = y.flatten_all().unwrap().to_vec1().unwrap();
+        let want = naive(&q, &k, &v, dims, s - t);
+        let err = got.iter().zip(&want).map(|(a, b)| (a - b).abs()).fold(0.0, f64::max);
+        assert!(err < 1e-13, "values: {err:e}");
+        let off = naive(&q, &k, &v, dims, 0).iter().zip(&want).map(|(a, b)| (a - b).abs()).fold(0.0, f64::max);
+        assert!(off > 1e-2, "negative control: the prefix offset is invisible ({off:e})");
+        let wt = Tensor::from_vec(w.clone(), (b, h, t, d), &dev).unwrap();
+        let grads = (y * wt).unwrap().sum_all().unwrap().backward().unwrap();
+        let loss = |q: &[f64], k: &[f64], v: &[f64]| {
+            naive(q, k, v, dims, s - t).iter().zip(&w).map(|(a, b)| a * b).sum::<f64>()
+        };
+        let eps = 1e-6;
+        let mut worst = 0f64;
+        for (which, var) in [(0, &qv), (1, &kv_), (2, &vv)] {
+            let g: Vec<f64> = grads.get(var.as_tensor()).unwrap().flatten_all().unwrap().to_vec1().unwrap();
+            let base = [&q, &k, &v][which].clone();
+            for i in 0..base.len() {
+                let at = |x: f64| {
+                    let mut xs = [q.clone(), k.clone(), v.clone()];
+                    xs[which][i] = x;
+                    loss(&xs[0], &xs[1], &xs[2])
+                };
+                let fd = (at(base[i] + eps) - at(base[i] - eps)) / (2.0 * eps);
+                worst = worst.max((fd - g[i]).abs());
+            }
+            assert!(g.iter().any(|x| *x != 0.0), "input {which}: a zero gradient");
+        }
+        assert!(worst < 1e-8, "gradients against central differences: {worst:e}");
+    }
+
+    /// f32 at SmolLM2's head shape gives the f64 op's values to f32 precision, and the same bits
+    /// on one thread and on two.
+    #[test]
+    fn f32_is_close_to_f64_and_does_not_depend_on_the_threads() {
+        let (b, h, kv, t, s, d) = (2, 9, 3, 40, 40, 64);
+        let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(5);
+        let mut draw = |n: usize| (0..n).map(|_| rng.random_range(-2.0f32..2.0)).collect::<Vec<f32>>();
+        let (q, k, v) = (draw(b * h * t * d), draw(b * kv * s * d), draw(b * kv * s * d));
+        let dev = Device::Cpu;
+        let run = |threads: usize| {
+            let pool = rayon::ThreadPoolBuilder::new().num_threads(threads).build().unwrap();
+            pool.install(|| {
+                let t32 = |x: &[f32], sh: (usize, usize, usize, usize)| Tensor::from_vec(x.to_vec(), sh, &dev).unwrap();
+                causal_attention(&t32(&q, (b, h, t, d)), &t32(&k, (b, kv, s, d)), &t32(&v, (b, kv, s, d)))
+                    .unwrap()
+                    .flatten_all()
+                    .unwrap()
+                    .to_vec1::<f32>()
+                    .unwrap()
+            })
+        };
+        let (one, two) = (run(1), run(2));
+        assert_eq!(one, two, "the thread count changed a bit");
+        let f = |x: &[f32]| x.iter().map(|&a| a as f64).collect::<Vec<f64>>();
+        let want = naive(&f(&q), &f(&k), &f(&v), (b, h, kv, t, s, d), s - t);
+        let err = one.iter().zip(&want).map(|(a, b)| (*a as f64 - b).abs()).fold(0.0, f64::max);
+        assert!(err < 1e-5, "f32 against f64: {err:e}");
+    }
+}
