@@ -17,7 +17,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 bench=bench-online
 source scripts/bench_env.sh
-"$py" -c "import trl" 2>/dev/null || "$py" -m pip install --quiet trl
+"$py" -c "import trl, pyarrow" 2>/dev/null || "$py" -m pip install --quiet trl pyarrow
 hf=${ONEPASS_BENCH_HF_DIR:-.cache/bench/smollm2-135m-instruct}
 [[ -e "$hf/model.safetensors" ]] || "$py" scripts/gguf_to_hf.py "$model" "$hf"
 out=$(mktemp -d)
