@@ -375,8 +375,8 @@ impl PolicyModel {
         let (a, keys, values) = self.attention(blk, &h, cos, sin, mask, pass, prefix)?;
         let x = (x + a)?;
         let h = crate::ops::rms_norm(&x, &blk.norm2, self.cfg.eps, k)?;
-        let gate = candle_nn::ops::silu(&blk.gate.forward(&h, pass, k)?)?;
-        let m = blk.down.forward(&(gate * blk.up.forward(&h, pass, k)?)?, pass, k)?;
+        let a = crate::ops::silu_mul(&blk.gate.forward(&h, pass, k)?, &blk.up.forward(&h, pass, k)?, k)?;
+        let m = blk.down.forward(&a, pass, k)?;
         Ok(((x + m)?, keys, values))
     }
 
