@@ -33,7 +33,7 @@ for r in $(seq 1 "$rounds"); do
         dir=$(target/release/onepass run "${spec[@]}" --set "features.cache=\"$out/phi-$d-$r\"" --threads "$threads" \
             --set "generate.dtype=\"$d\"" --set "features.dtype=\"$d\"" --set "policy.dtype=\"$d\"" \
             --out "$out/runs" 2>/dev/null | tail -n 1)
-        python3 - "$dir" "$threads" "$d" >"$out/onepass-$d-$r.json" <<'PY'
+        "$py" - "$dir" "$threads" "$d" >"$out/onepass-$d-$r.json" <<'PY'
 import json, sys
 import pyarrow.parquet as pq
 t = pq.read_table(f"{sys.argv[1]}/policy_timings.parquet").to_pylist()
