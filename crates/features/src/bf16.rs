@@ -425,7 +425,7 @@ impl Kernel {
 /// The portable tile: per output, acc += x_hi·w_hi, then acc += x_lo·w_lo (see the module doc);
 /// the 16 lanes of a panel are independent, so the compiler vectorises over them.
 #[inline(always)]
-unsafe fn tile_generic<const R: usize>(t: &Tile) {
+unsafe fn tile_portable<const R: usize>(t: &Tile) {
     let panels = t.cols.div_ceil(LANES);
     let mut acc = [[[0f32; LANES]; NB]; R];
     if !t.first {
@@ -455,10 +455,6 @@ unsafe fn tile_generic<const R: usize>(t: &Tile) {
     }
 }
 
-unsafe fn tile_portable<const R: usize>(t: &Tile) {
-    tile_generic::<R>(t)
-}
-
 /// The AVX-512F tile for CPUs without bf16 instructions (Skylake-SP, Cascade Lake, Ice Lake):
 /// as [`tile_avx2`], weights widened in registers — per input pair, each of the tile's three
 /// panels becomes its odd and even halves as 16 f32 lanes — and multiplied-added, the odd product
@@ -471,16 +467,7 @@ unsafe fn tile_portable<const R: usize>(t: &Tile) {
 unsafe fn tile_avx512<const R: usize>(t: &Tile) {
     use std::arch::x86_64::*;
     let panels = t.cols.div_ceil(LANES);
-    let last = t.cols - (panels - 1) * LANES;
-    let mask = |j: usize| -> __mmask16 {
-        if j + 1 < panels || (j + 1 == panels && last == LANES) {
-            0xffff
-        } else if j + 1 == panels {
-            ((1u32 << last) - 1) as __mmask16
-        } else {
-            0
-        }
-    };
+    let mask = |j: usize| -> __mmask16 { crate::packed::panel_mask(j, t.cols) };
     // the activations' odd (high half) and even (low half) values, [p][row]
     let mut hi = [0f32; KC * MR];
     let mut lo = [0f32; KC * MR];
@@ -602,20 +589,7 @@ unsafe fn avx2_rows<const G: usize>(t: &Tile, j: usize, r0: usize, lanes: usize)
 unsafe fn tile_dpbf16<const R: usize>(t: &Tile) {
     use std::arch::x86_64::*;
     let panels = t.cols.div_ceil(LANES);
-    let last = t.cols - (panels - 1) * LANES;
-    let mask = |j: usize| -> __mmask16 {
-        if j + 1 < panels {
-            0xffff
-        } else if j + 1 == panels {
-            if last == LANES {
-                0xffff
-            } else {
-                ((1u32 << last) - 1) as __mmask16
-            }
-        } else {
-            0
-        }
-    };
+    let mask = |j: usize| -> __mmask16 { crate::packed::panel_mask(j, t.cols) };
     let mut acc = [[_mm512_setzero_ps(); NB]; R];
     if !t.first {
         for (r, row) in acc.iter_mut().enumerate() {

@@ -349,16 +349,7 @@ unsafe fn tile_avx2<const R: usize>(t: &Tile) {
 unsafe fn tile_avx512<const R: usize>(t: &Tile) {
     use std::arch::x86_64::*;
     let panels = t.cols.div_ceil(LANES);
-    let last = t.cols - (panels - 1) * LANES;
-    let mask = |j: usize| -> __mmask16 {
-        if j + 1 < panels || (j + 1 == panels && last == LANES) {
-            0xffff
-        } else if j + 1 == panels {
-            ((1u32 << last) - 1) as __mmask16
-        } else {
-            0
-        }
-    };
+    let mask = |j: usize| -> __mmask16 { crate::packed::panel_mask(j, t.cols) };
     let mut acc = [[_mm512_setzero_ps(); NB]; R];
     if !t.first {
         for (r, row) in acc.iter_mut().enumerate() {

@@ -189,3 +189,19 @@ impl<B: Blocked + Send> PackedMatrix for B {
         unsafe { crate::ops::overwritten(2 * m * n, fill) }
     }
 }
+
+/// The store mask of panel `j` of a register tile of `cols` outputs in panels of 16 (AVX-512's
+/// 16-lane masks): all lanes for a full panel, the low `cols mod 16` for a short last one, none
+/// past the last.
+pub(crate) fn panel_mask(j: usize, cols: usize) -> u16 {
+    const LANES: usize = 16;
+    let panels = cols.div_ceil(LANES);
+    let last = cols - (panels - 1) * LANES;
+    if j + 1 < panels || (j + 1 == panels && last == LANES) {
+        0xffff
+    } else if j + 1 == panels {
+        ((1u32 << last) - 1) as u16
+    } else {
+        0
+    }
+}

@@ -58,12 +58,31 @@ struct Attention {
     lse: std::sync::Mutex<Option<Vec<f64>>>,
 }
 
-fn slice<'a, T: candle_core::WithDType>(s: &'a CpuStorage, l: &Layout) -> Result<&'a [T]> {
+/// The values of a contiguous CPU storage under `l`.
+pub(crate) fn slice<'a, T: candle_core::WithDType>(s: &'a CpuStorage, l: &Layout) -> Result<&'a [T]> {
     let v = s.as_slice::<T>()?;
     match l.contiguous_offsets() {
         Some((a, b)) => Ok(&v[a..b]),
-        None => candle_core::bail!("attention: expected contiguous inputs"),
+        None => candle_core::bail!("expected a contiguous tensor"),
     }
+}
+
+/// `f` on the values of contiguous CPU tensors, read in place (a backward pass reads its
+/// saved activations without copying them out).
+pub(crate) fn with_slices<T: candle_core::WithDType, R, const N: usize>(
+    ts: [&Tensor; N],
+    f: impl FnOnce([&[T]; N]) -> R,
+) -> Result<R> {
+    let held = ts.map(|t| t.storage_and_layout());
+    let mut vals: Vec<&[T]> = Vec::with_capacity(N);
+    for (st, l) in &held {
+        match &**st {
+            candle_core::Storage::Cpu(s) => vals.push(slice(s, l)?),
+            _ => candle_core::bail!("expected CPU tensors"),
+        }
+    }
+    let vals: [&[T]; N] = vals.try_into().map_err(|_| candle_core::Error::Msg("tensor count".into()))?;
+    Ok(f(vals))
 }
 
 /// A matrix in memory: its first element and its row and column strides (so a transpose is a
@@ -256,32 +275,21 @@ impl CustomOp3 for Attention {
         let guard = self.lse.lock().map_err(|_| candle_core::Error::Msg("attention: poisoned".into()))?;
         let Some(lse) = guard.as_ref() else { candle_core::bail!("attention: backward before forward") };
         let dy = dy.contiguous()?;
+        let dev = q.device();
         macro_rules! run {
             ($t:ty) => {{
-                let vecs = [q, k, v, y, &dy].map(|x| x.flatten_all().and_then(|x| x.to_vec1::<$t>()));
-                let [q_, k_, v_, y_, dy_] = vecs;
-                let (dq, dk, dv) = self.bwd_t::<$t>((&q_?, &k_?, &v_?, &y_?, &dy_?), lse);
-                (dq, dk, dv)
+                let (a, b, c) =
+                    with_slices::<$t, _, 5>([q, k, v, y, &dy], |[q, k, v, y, dy]| self.bwd_t((q, k, v, y, dy), lse))?;
+                (
+                    Tensor::from_vec(a, q.shape(), dev)?,
+                    Tensor::from_vec(b, k.shape(), dev)?,
+                    Tensor::from_vec(c, v.shape(), dev)?,
+                )
             }};
         }
-        let dev = q.device();
         let (dq, dk, dv) = match q.dtype() {
-            candle_core::DType::F32 => {
-                let (a, b, c) = run!(f32);
-                (
-                    Tensor::from_vec(a, q.shape(), dev)?,
-                    Tensor::from_vec(b, k.shape(), dev)?,
-                    Tensor::from_vec(c, v.shape(), dev)?,
-                )
-            }
-            candle_core::DType::F64 => {
-                let (a, b, c) = run!(f64);
-                (
-                    Tensor::from_vec(a, q.shape(), dev)?,
-                    Tensor::from_vec(b, k.shape(), dev)?,
-                    Tensor::from_vec(c, v.shape(), dev)?,
-                )
-            }
+            candle_core::DType::F32 => run!(f32),
+            candle_core::DType::F64 => run!(f64),
             other => candle_core::bail!("attention: no backward in {other:?}"),
         };
         Ok((Some(dq), Some(dk), Some(dv)))

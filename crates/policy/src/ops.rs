@@ -302,13 +302,6 @@ impl SiluMul {
     }
 }
 
-fn contiguous_slice<'a, T: candle_core::WithDType>(s: &'a CpuStorage, l: &Layout) -> Result<&'a [T]> {
-    match l.contiguous_offsets() {
-        Some((a, b)) => Ok(&s.as_slice::<T>()?[a..b]),
-        None => candle_core::bail!("silu-mul: expected contiguous inputs"),
-    }
-}
-
 impl candle_core::CustomOp2 for SiluMul {
     fn name(&self) -> &'static str {
         "silu-mul"
@@ -316,18 +309,23 @@ impl candle_core::CustomOp2 for SiluMul {
 
     fn cpu_fwd(&self, s1: &CpuStorage, l1: &Layout, s2: &CpuStorage, l2: &Layout) -> Result<(CpuStorage, Shape)> {
         let out = match s1 {
-            CpuStorage::F32(_) => CpuStorage::F32(SiluMul::fwd(contiguous_slice(s1, l1)?, contiguous_slice(s2, l2)?)),
-            CpuStorage::F64(_) => CpuStorage::F64(SiluMul::fwd(contiguous_slice(s1, l1)?, contiguous_slice(s2, l2)?)),
+            CpuStorage::F32(_) => {
+                CpuStorage::F32(SiluMul::fwd(crate::attention::slice(s1, l1)?, crate::attention::slice(s2, l2)?))
+            }
+            CpuStorage::F64(_) => {
+                CpuStorage::F64(SiluMul::fwd(crate::attention::slice(s1, l1)?, crate::attention::slice(s2, l2)?))
+            }
             _ => candle_core::bail!("silu-mul: the fused op runs in f32 or f64"),
         };
         Ok((out, l1.shape().clone()))
     }
 
     fn bwd(&self, g: &Tensor, u: &Tensor, _: &Tensor, da: &Tensor) -> Result<(Option<Tensor>, Option<Tensor>)> {
+        let da = da.contiguous()?;
         macro_rules! run {
             ($t:ty) => {{
-                let [g_, u_, d_] = [g, u, da].map(|x| x.flatten_all().and_then(|x| x.to_vec1::<$t>()));
-                let (dg, du) = SiluMul::bwd::<$t>(&g_?, &u_?, &d_?);
+                let (dg, du) =
+                    crate::attention::with_slices::<$t, _, 3>([g, u, &da], |[g, u, d]| SiluMul::bwd(g, u, d))?;
                 (Tensor::from_vec(dg, g.shape(), g.device())?, Tensor::from_vec(du, u.shape(), u.device())?)
             }};
         }
