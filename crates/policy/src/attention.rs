@@ -17,8 +17,8 @@
 //! Backward, with dy: dPⱼ = dy·vⱼ, D = dy·yᵢ (= Σⱼ Pⱼ dPⱼ), dSⱼ = Pⱼ (dPⱼ − D),
 //! dqᵢ = c Σⱼ dSⱼ kⱼ, dkⱼ += c dSⱼ qᵢ, dvⱼ += Pⱼ dy.
 
+use crate::mm::{mm, ExpRow, Mat};
 use candle_core::{CpuStorage, CustomOp3, Layout, Result, Shape, Tensor};
-use num_traits::Float;
 use rayon::prelude::*;
 
 /// The attention of `q` (b, heads, t, d) over `keys` and `values` (b, kv, s, d), s ≥ t: query i
@@ -85,57 +85,6 @@ pub(crate) fn with_slices<T: candle_core::WithDType, R, const N: usize>(
     Ok(f(vals))
 }
 
-/// A matrix in memory: its first element and its row and column strides (so a transpose is a
-/// view).
-#[derive(Clone, Copy)]
-struct Mat<T> {
-    ptr: *const T,
-    rs: isize,
-    cs: isize,
-}
-
-impl<T> Mat<T> {
-    /// Row-major (·, cols).
-    fn rows(x: &[T], cols: usize) -> Mat<T> {
-        Mat { ptr: x.as_ptr(), rs: cols as isize, cs: 1 }
-    }
-    /// The transpose of row-major (·, cols).
-    fn t(x: &[T], cols: usize) -> Mat<T> {
-        Mat { ptr: x.as_ptr(), rs: 1, cs: cols as isize }
-    }
-}
-
-/// dst (m × n, row-major) = c · a (m × k) · b (k × n), on the calling thread (the `gemm` crate,
-/// candle's CPU matmul: one result for given shapes on a given CPU kind).
-fn mm<T: Float + 'static>(m: usize, n: usize, k: usize, dst: &mut [T], a: Mat<T>, b: Mat<T>, c: T) {
-    assert!(dst.len() >= m * n);
-    // SAFETY: dst holds m × n values; a and b view slices that hold m × k and k × n values at
-    // their strides (every caller passes a block of the op's inputs or its own buffers).
-    unsafe {
-        gemm::gemm(
-            m,
-            n,
-            k,
-            dst.as_mut_ptr(),
-            1,
-            n as isize,
-            false,
-            a.ptr,
-            a.cs,
-            a.rs,
-            b.ptr,
-            b.cs,
-            b.rs,
-            T::zero(),
-            c,
-            false,
-            false,
-            false,
-            gemm::Parallelism::None,
-        )
-    }
-}
-
 /// Keys row r of a group's (g·t) query rows sees: 0..s − t + (r mod t) + 1.
 fn visible(r: usize, t: usize, s: usize) -> usize {
     s - t + r % t + 1
@@ -143,7 +92,7 @@ fn visible(r: usize, t: usize, s: usize) -> usize {
 
 impl Attention {
     /// y and the log-sum-exps for one (batch, kv head): its g query heads as one (g·t × d) block.
-    fn forward_group<T: Float + 'static>(&self, q: &[T], k: &[T], v: &[T], y: &mut [T], lse: &mut [f64]) {
+    fn forward_group<T: ExpRow>(&self, q: &[T], k: &[T], v: &[T], y: &mut [T], lse: &mut [f64]) {
         let Dims { h, kv, t, s, d, .. } = self.shape;
         let rows = h / kv * t;
         let c = T::from(1.0 / (d as f64).sqrt()).unwrap_or_else(T::one);
@@ -152,11 +101,9 @@ impl Attention {
         for (r, pr) in p.chunks_exact_mut(s).enumerate() {
             let n = visible(r, t, s);
             let m = pr[..n].iter().fold(T::neg_infinity(), |a, &b| a.max(b));
-            let mut l = T::zero();
-            for e in pr[..n].iter_mut() {
-                *e = (*e - m).exp();
-                l = l + *e;
-            }
+            pr[..n].iter_mut().for_each(|e| *e = *e - m);
+            T::exp_row(&mut pr[..n]);
+            let l = pr[..n].iter().fold(T::zero(), |a, &e| a + e);
             let inv = T::one() / l;
             pr[..n].iter_mut().for_each(|e| *e = *e * inv);
             pr[n..].iter_mut().for_each(|e| *e = T::zero());
@@ -166,7 +113,7 @@ impl Attention {
     }
 
     /// dq of the group's query heads, dk and dv of its kv head.
-    fn backward_group<T: Float + 'static>(
+    fn backward_group<T: ExpRow>(
         &self,
         (q, k, v, y, dy): Saved<'_, T>,
         lse: &[f64],
@@ -186,8 +133,9 @@ impl Attention {
             let n = visible(r, t, s);
             let l = T::from(lse[r]).unwrap_or_else(T::nan);
             let dd = dy[r * d..(r + 1) * d].iter().zip(&y[r * d..(r + 1) * d]).fold(T::zero(), |a, (&x, &w)| a + x * w);
-            for (e, g) in pr[..n].iter_mut().zip(dr[..n].iter_mut()) {
-                *e = (*e - l).exp();
+            pr[..n].iter_mut().for_each(|e| *e = *e - l);
+            T::exp_row(&mut pr[..n]);
+            for (e, g) in pr[..n].iter().zip(dr[..n].iter_mut()) {
                 *g = *e * (*g - dd) * c;
             }
             pr[n..].iter_mut().for_each(|e| *e = T::zero());
@@ -198,7 +146,7 @@ impl Attention {
         mm(s, d, rows, dv, Mat::t(&p, s), Mat::rows(dy, d), T::one());
     }
 
-    fn fwd<T: Float + candle_core::WithDType + 'static>(&self, q: &[T], k: &[T], v: &[T]) -> (Vec<T>, Vec<f64>) {
+    fn fwd<T: ExpRow + candle_core::WithDType>(&self, q: &[T], k: &[T], v: &[T]) -> (Vec<T>, Vec<f64>) {
         let Dims { b, h, kv, t, s, d } = self.shape;
         let g = h / kv;
         let mut y = vec![T::zero(); b * h * t * d];
@@ -211,7 +159,7 @@ impl Attention {
         (y, lse)
     }
 
-    fn bwd_t<T: Float + candle_core::WithDType + 'static>(
+    fn bwd_t<T: ExpRow + candle_core::WithDType>(
         &self,
         (q, k, v, y, dy): Saved<'_, T>,
         lse: &[f64],

@@ -37,6 +37,7 @@ pub mod batch;
 pub mod critic;
 pub mod lora;
 pub mod loss;
+mod mm;
 pub mod model;
 pub mod ops;
 pub mod peft;

@@ -306,6 +306,27 @@ impl Linear {
         let rows = x.elem_count() / inp.max(1);
         let x2 = x.reshape((rows, inp))?;
         let fused = k == Kernels::Fused;
+        // the adapted product as one op: the adapted pass without dropout, or a snapshot reference
+        let low_rank = match (&self.adapter, pass.adapters, &self.reference) {
+            (Some(ad), true, _) if pass.dropout.is_none_or(|d| d.p == 0.0) => {
+                let (a, b) = match pass.no_grad {
+                    true => (ad.a.as_tensor().detach(), ad.b.as_tensor().detach()),
+                    false => (ad.a.as_tensor().clone(), ad.b.as_tensor().clone()),
+                };
+                Some((a, b, ad.scale))
+            }
+            (Some(ad), false, Reference::Snapshot { a, b }) => Some((a.clone(), b.clone(), ad.scale)),
+            _ => None,
+        };
+        if let (true, Some((a, b, scale))) = (fused && lora_fuses(x.dtype()), low_rank) {
+            let mut y = lora_matmul(&x2, &self.w, self.packed.as_ref(), &a, &b, scale)?;
+            if let Some(bias) = &self.bias {
+                y = y.broadcast_add(bias)?;
+            }
+            let mut out = dims;
+            *out.last_mut().expect("rank ≥ 1") = self.w.dim(0)?;
+            return y.reshape(out);
+        }
         let mut y = match (&self.reference, pass.adapters) {
             (Reference::Weight(w0), false) => match &self.packed_reference {
                 Some(p) if fused => packed_matmul(&x2, p)?,
@@ -410,17 +431,262 @@ pub fn is_zero(t: &Tensor) -> Result<bool> {
 /// candle's matmul backward also forms the weight's gradient xᵀg, a second matmul as large as
 /// the forward one, even for a weight that is no variable; over every frozen layer and the LM
 /// head that is a third of a training step. With the fused kernels (the CPU) the product is
-/// computed outside the graph and [`crate::ops::routed`] gives it the gradient of x alone;
-/// composed (other devices), the plain matmul (W is no variable: its gradient is never read).
-/// A W that is a variable (a full-parameter policy) takes the plain matmul, which gives W its
-/// gradient xᵀg.
+/// [`FrozenMatmul`], an op of x alone whose gradient is g W; composed (other devices), the plain
+/// matmul (W is no variable: its gradient is never read). A W that is a variable (a
+/// full-parameter policy) takes the plain matmul, which gives W its gradient xᵀg.
 pub fn frozen_matmul(x: &Tensor, w: &Tensor, k: Kernels) -> Result<Tensor> {
-    if k == Kernels::Composed || !x.track_op() || w.is_variable() {
+    if k == Kernels::Composed || w.is_variable() {
         return x.matmul(&w.t()?);
     }
-    let y = x.detach().matmul(&w.t()?)?;
-    let w = w.clone();
-    crate::ops::routed(x, y, "frozen-matmul", move |_, _, g| g.matmul(&w))
+    if !x.device().is_cpu() {
+        candle_core::bail!("frozen-matmul: the fused kernels are CPU-only (use Kernels::Composed on {:?})", x.device());
+    }
+    if !matches!(x.dtype(), candle_core::DType::F32 | candle_core::DType::F64) || x.dtype() != w.dtype() {
+        // other dtypes: candle's product, routed to carry the gradient of x alone
+        let y = x.detach().matmul(&w.t()?)?;
+        let w = w.clone();
+        return crate::ops::routed(x, y, "frozen-matmul", move |_, _, g| g.matmul(&w));
+    }
+    x.contiguous()?.apply_op1(FrozenMatmul { w: w.contiguous()? })
+}
+
+/// x Wᵀ of x (rows, in), W (out, in) f32 or f64 on the CPU, and its gradient g W: each product
+/// one `gemm` call (candle's matmul's, with its operands, strides and threads: the same values)
+/// written straight into the op's output, where candle's matmul zero-filled its output and
+/// `routed` then copied the value into the graph — two passes over every activation, on one
+/// thread, for each of the step's ~400 frozen products.
+struct FrozenMatmul {
+    w: Tensor,
+}
+
+impl FrozenMatmul {
+    fn fwd<T: num_traits::Float + candle_core::WithDType>(&self, x: &[T], rows: usize, inp: usize) -> Result<Vec<T>> {
+        let out = self.w.dim(0)?;
+        if self.w.dim(1)? != inp || x.len() != rows * inp {
+            candle_core::bail!("frozen-matmul: a ({rows}, {inp}) input for a {:?} weight", self.w.dims());
+        }
+        crate::attention::with_slices::<T, _, 1>([&self.w], |[w]| {
+            crate::mm::product(rows, out, inp, crate::mm::Mat::rows(x, inp), crate::mm::Mat::t(w, inp))
+        })
+    }
+
+    fn bwd_t<T: num_traits::Float + candle_core::WithDType>(&self, g: &Tensor) -> Result<Tensor> {
+        let (out, inp) = self.w.dims2()?;
+        let (rows, n) = g.dims2()?;
+        if n != out {
+            candle_core::bail!("frozen-matmul: a ({rows}, {n}) gradient for a {:?} weight", self.w.dims());
+        }
+        let dx = crate::attention::with_slices::<T, _, 2>([g, &self.w], |[g, w]| {
+            crate::mm::product(rows, inp, out, crate::mm::Mat::rows(g, out), crate::mm::Mat::rows(w, inp))
+        })?;
+        Tensor::from_vec(dx, (rows, inp), g.device())
+    }
+}
+
+impl candle_core::CustomOp1 for FrozenMatmul {
+    fn name(&self) -> &'static str {
+        "frozen-matmul"
+    }
+
+    fn cpu_fwd(
+        &self,
+        s: &candle_core::CpuStorage,
+        l: &candle_core::Layout,
+    ) -> Result<(candle_core::CpuStorage, candle_core::Shape)> {
+        use candle_core::CpuStorage;
+        let (rows, inp) = l.shape().dims2()?;
+        let out = match s {
+            CpuStorage::F32(_) => CpuStorage::F32(self.fwd(crate::attention::slice(s, l)?, rows, inp)?),
+            CpuStorage::F64(_) => CpuStorage::F64(self.fwd(crate::attention::slice(s, l)?, rows, inp)?),
+            _ => candle_core::bail!("frozen-matmul: the fused op runs in f32 or f64"),
+        };
+        Ok((out, candle_core::Shape::from((rows, self.w.dim(0)?))))
+    }
+
+    fn bwd(&self, _: &Tensor, _: &Tensor, g: &Tensor) -> Result<Option<Tensor>> {
+        let g = g.contiguous()?;
+        Ok(Some(match g.dtype() {
+            candle_core::DType::F32 => self.bwd_t::<f32>(&g)?,
+            candle_core::DType::F64 => self.bwd_t::<f64>(&g)?,
+            other => candle_core::bail!("frozen-matmul: no backward in {other:?}"),
+        }))
+    }
+}
+
+/// Whether [`lora_matmul`] computes in `dtype` (else the composition of candle's ops).
+fn lora_fuses(dtype: candle_core::DType) -> bool {
+    matches!(dtype, candle_core::DType::F32 | candle_core::DType::F64)
+}
+
+/// LoRA's adapted product y = x Wᵀ + s (x Aᵀ) Bᵀ as one op of (x, A, B) on the CPU (f32, f64;
+/// W frozen, on the packed bf16 kernel when `packed`). Backward, with g = ∂L/∂y and
+/// gB = g B (rows × r): ∂/∂x = g W + s gB A, ∂/∂A = s gBᵀ x, ∂/∂B = s gᵀ (x Aᵀ) — x Aᵀ
+/// recomputed (rows × r). The composition (frozen product, two adapter matmuls, the scale, the
+/// sum) put five (rows × out) tensors in the graph and, in the backward, a zero-filled
+/// accumulator and a sum for each: ten passes over each adapted layer's output per step.
+pub fn lora_matmul(
+    x: &Tensor,
+    w: &Tensor,
+    packed: Option<&std::sync::Arc<PackedBf16>>,
+    a: &Tensor,
+    b: &Tensor,
+    scale: f64,
+) -> Result<Tensor> {
+    let ((rows, inp), (r, ain), (out, br)) = (x.dims2()?, a.dims2()?, b.dims2()?);
+    if w.dims2()? != (out, inp) || ain != inp || br != r || !x.device().is_cpu() || !lora_fuses(x.dtype()) {
+        candle_core::bail!(
+            "lora-matmul: x ({rows}, {inp}) {:?} on {:?}, W {:?}, A {:?}, B {:?}: expected (rows, in), (out, in), (r, in), (out, r), f32 or f64 on the CPU",
+            x.dtype(),
+            x.device(),
+            w.dims(),
+            a.dims(),
+            b.dims()
+        );
+    }
+    if packed.is_some() && x.dtype() != candle_core::DType::F32 {
+        candle_core::bail!("lora-matmul: bf16 products take f32 inputs, not {:?}", x.dtype());
+    }
+    let op = LoraMatmul { w: w.contiguous()?, packed: packed.cloned(), scale };
+    x.contiguous()?.apply_op3(&a.contiguous()?, &b.contiguous()?, op)
+}
+
+struct LoraMatmul {
+    w: Tensor,
+    packed: Option<std::sync::Arc<PackedBf16>>,
+    scale: f64,
+}
+
+impl LoraMatmul {
+    /// x Wᵀ (rows × out) on the packed kernel or by one `gemm` call.
+    fn frozen<T: num_traits::Float + candle_core::WithDType>(&self, x: &[T], rows: usize) -> Result<Vec<T>> {
+        use crate::mm::{product, Mat};
+        let (out, inp) = self.w.dims2()?;
+        match &self.packed {
+            Some(p) => {
+                use features::packed::PackedMatrix;
+                let x32: &[f32] = bytemuck_f32(x)?;
+                let y = p.fwd.matmul_t(x32, rows);
+                Ok(y.into_iter().map(|v| T::from(v).unwrap_or_else(T::nan)).collect())
+            }
+            None => crate::attention::with_slices::<T, _, 1>([&self.w], |[w]| {
+                product(rows, out, inp, Mat::rows(x, inp), Mat::t(w, inp))
+            }),
+        }
+    }
+
+    fn fwd<T: num_traits::Float + candle_core::WithDType>(
+        &self,
+        x: &[T],
+        a: &[T],
+        b: &[T],
+        rows: usize,
+    ) -> Result<Vec<T>> {
+        use crate::mm::{mm_add, product, Mat};
+        let (out, inp) = self.w.dims2()?;
+        let r = a.len() / inp;
+        let mut y = self.frozen(x, rows)?;
+        let xa = product(rows, r, inp, Mat::rows(x, inp), Mat::t(a, inp));
+        let s = T::from(self.scale).unwrap_or_else(T::nan);
+        mm_add(rows, out, r, &mut y, Mat::rows(&xa, r), Mat::t(b, r), s);
+        Ok(y)
+    }
+
+    #[allow(clippy::type_complexity)]
+    fn bwd_t<T: num_traits::Float + candle_core::WithDType>(
+        &self,
+        x: &Tensor,
+        a: &Tensor,
+        b: &Tensor,
+        g: &Tensor,
+    ) -> Result<(Option<Tensor>, Tensor, Tensor)> {
+        use crate::attention::with_slices;
+        use crate::mm::{mm_add, product, scaled_product, Mat};
+        let (out, inp) = self.w.dims2()?;
+        let (rows, r) = (x.dim(0)?, a.dim(0)?);
+        let s = T::from(self.scale).unwrap_or_else(T::nan);
+        let want_dx = x.track_op();
+        let (dx, da, db) = with_slices::<T, _, 4>([x, a, b, g], |[x, a, b, g]| -> Result<_> {
+            let gb = product(rows, r, out, Mat::rows(g, out), Mat::rows(b, r));
+            let xa = product(rows, r, inp, Mat::rows(x, inp), Mat::t(a, inp));
+            let da = scaled_product(r, inp, rows, Mat::t(&gb, r), Mat::rows(x, inp), s);
+            let db = scaled_product(out, r, rows, Mat::t(g, out), Mat::rows(&xa, r), s);
+            let dx = if want_dx {
+                let mut dx = match &self.packed {
+                    Some(p) => {
+                        use features::packed::PackedMatrix;
+                        let g32: &[f32] = bytemuck_f32(g)?;
+                        p.bwd.matmul_t(g32, rows).into_iter().map(|v| T::from(v).unwrap_or_else(T::nan)).collect()
+                    }
+                    None => with_slices::<T, _, 1>([&self.w], |[w]| {
+                        product(rows, inp, out, Mat::rows(g, out), Mat::rows(w, inp))
+                    })?,
+                };
+                mm_add(rows, inp, r, &mut dx, Mat::rows(&gb, r), Mat::rows(a, inp), s);
+                Some(dx)
+            } else {
+                None
+            };
+            Ok((dx, da, db))
+        })??;
+        let dev = x.device();
+        Ok((
+            dx.map(|v| Tensor::from_vec(v, (rows, inp), dev)).transpose()?,
+            Tensor::from_vec(da, (r, inp), dev)?,
+            Tensor::from_vec(db, (out, r), dev)?,
+        ))
+    }
+}
+
+/// `x` as f32 values (the packed bf16 kernels' input): an error for f64.
+fn bytemuck_f32<T: candle_core::WithDType>(x: &[T]) -> Result<&[f32]> {
+    if T::DTYPE != candle_core::DType::F32 {
+        candle_core::bail!("bf16 products take f32 inputs, not {:?}", T::DTYPE);
+    }
+    // SAFETY: T is f32 (checked above): the same type, size and alignment.
+    Ok(unsafe { std::slice::from_raw_parts(x.as_ptr() as *const f32, x.len()) })
+}
+
+impl candle_core::CustomOp3 for LoraMatmul {
+    fn name(&self) -> &'static str {
+        "lora-matmul"
+    }
+
+    fn cpu_fwd(
+        &self,
+        s1: &candle_core::CpuStorage,
+        l1: &candle_core::Layout,
+        s2: &candle_core::CpuStorage,
+        l2: &candle_core::Layout,
+        s3: &candle_core::CpuStorage,
+        l3: &candle_core::Layout,
+    ) -> Result<(candle_core::CpuStorage, candle_core::Shape)> {
+        use crate::attention::slice;
+        use candle_core::CpuStorage;
+        let rows = l1.shape().dims2()?.0;
+        let out = match s1 {
+            CpuStorage::F32(_) => CpuStorage::F32(self.fwd(slice(s1, l1)?, slice(s2, l2)?, slice(s3, l3)?, rows)?),
+            CpuStorage::F64(_) => CpuStorage::F64(self.fwd(slice(s1, l1)?, slice(s2, l2)?, slice(s3, l3)?, rows)?),
+            _ => candle_core::bail!("lora-matmul: the fused op runs in f32 or f64"),
+        };
+        Ok((out, candle_core::Shape::from((rows, self.w.dim(0)?))))
+    }
+
+    fn bwd(
+        &self,
+        x: &Tensor,
+        a: &Tensor,
+        b: &Tensor,
+        _: &Tensor,
+        g: &Tensor,
+    ) -> Result<(Option<Tensor>, Option<Tensor>, Option<Tensor>)> {
+        let g = g.contiguous()?;
+        let (dx, da, db) = match x.dtype() {
+            candle_core::DType::F32 => self.bwd_t::<f32>(x, a, b, &g)?,
+            candle_core::DType::F64 => self.bwd_t::<f64>(x, a, b, &g)?,
+            other => candle_core::bail!("lora-matmul: no backward in {other:?}"),
+        };
+        Ok((dx, Some(da), Some(db)))
+    }
 }
 
 /// The generator of the adapters' initial draws.

@@ -164,24 +164,39 @@ fn response_logprobs_equal_the_full_path_and_adapters_off_is_the_base_model() {
     }
 }
 
-/// The frozen matmul's backward gives ∂/∂x = g W (as the plain matmul does) and no gradient to W.
+/// The frozen matmul gives candle's matmul's values and, backward, ∂/∂x = g W as the plain
+/// matmul's autograd does — the same bits, in f64 and f32, on a tiny shape and on one that
+/// spans several of the `gemm` crate's blocks — and no gradient to W.
 #[test]
 fn frozen_matmul_routes_the_gradient_to_x_alone() {
-    let x = candle_core::Var::from_tensor(
-        &Tensor::from_vec((0..12).map(|i| i as f64 * 0.3 - 1.0).collect::<Vec<_>>(), (3, 4), &Device::Cpu).unwrap(),
-    )
-    .unwrap();
-    let w = Tensor::from_vec((0..20).map(|i| (i as f64).sin()).collect::<Vec<_>>(), (5, 4), &Device::Cpu).unwrap();
-    let c = Tensor::from_vec((0..15).map(|i| (i as f64).cos()).collect::<Vec<_>>(), (3, 5), &Device::Cpu).unwrap();
-    let y1 = policy::lora::frozen_matmul(x.as_tensor(), &w, policy::ops::Kernels::Fused).unwrap();
-    let y2 = x.as_tensor().matmul(&w.t().unwrap()).unwrap();
-    assert_eq!(y1.to_vec2::<f64>().unwrap(), y2.to_vec2::<f64>().unwrap());
-    let g1 = (y1 * &c).unwrap().sum_all().unwrap().backward().unwrap();
-    let g2 = (y2 * &c).unwrap().sum_all().unwrap().backward().unwrap();
-    let a: Vec<Vec<f64>> = g1.get(x.as_tensor()).unwrap().to_vec2().unwrap();
-    let b: Vec<Vec<f64>> = g2.get(x.as_tensor()).unwrap().to_vec2().unwrap();
-    assert_eq!(a, b);
-    assert!(g1.get(&w).is_none(), "no gradient for the frozen weight");
+    for dtype in [DType::F64, DType::F32] {
+        for (m, k, n) in [(3, 4, 5), (67, 300, 130)] {
+            let t = |len: usize, f: fn(f64) -> f64, s: (usize, usize)| {
+                let v: Vec<f64> = (0..len).map(|i| f(i as f64 * 0.37)).collect();
+                Tensor::from_vec(v, s, &Device::Cpu).unwrap().to_dtype(dtype).unwrap()
+            };
+            let x = candle_core::Var::from_tensor(&t(m * k, f64::sin, (m, k))).unwrap();
+            let w = t(n * k, f64::cos, (n, k));
+            let c = t(m * n, |v| (v * 1.3).sin(), (m, n));
+            let y1 = policy::lora::frozen_matmul(x.as_tensor(), &w, policy::ops::Kernels::Fused).unwrap();
+            let y2 = x.as_tensor().matmul(&w.t().unwrap()).unwrap();
+            let bits =
+                |t: &Tensor| -> Vec<f64> { t.flatten_all().unwrap().to_dtype(DType::F64).unwrap().to_vec1().unwrap() };
+            assert_eq!(bits(&y1), bits(&y2), "{dtype:?} {m}×{k}×{n}: values");
+            let g1 = (&y1 * &c).unwrap().sum_all().unwrap().backward().unwrap();
+            let g2 = (y2 * &c).unwrap().sum_all().unwrap().backward().unwrap();
+            assert_eq!(
+                bits(g1.get(x.as_tensor()).unwrap()),
+                bits(g2.get(x.as_tensor()).unwrap()),
+                "{dtype:?} {m}×{k}×{n}: ∂/∂x"
+            );
+            assert!(g1.get(&w).is_none(), "no gradient for the frozen weight");
+            // negative control: the product with W's rows in another order is another value
+            let wr = Tensor::cat(&[w.narrow(0, 1, n - 1).unwrap(), w.narrow(0, 0, 1).unwrap()], 0).unwrap();
+            let y3 = policy::lora::frozen_matmul(x.as_tensor(), &wr, policy::ops::Kernels::Fused).unwrap();
+            assert_ne!(bits(&y1), bits(&y3));
+        }
+    }
 }
 
 /// The composed ops — the path a GPU trains with (candle's differentiable tensor ops for

@@ -1,7 +1,7 @@
 //! The losses against hand computations on fixed numbers, and Adam against its update written
 //! out in f64.
 
-use candle_core::{Device, Tensor, Var};
+use candle_core::{DType, Device, Tensor, Var};
 use policy::adam::{Adam, AdamConfig};
 use policy::loss::*;
 
@@ -221,41 +221,52 @@ fn the_clipped_value_loss_and_its_gradient_equal_a_hand_computation() {
 
 /// The fused LM head + log-softmax + gather (`ops::lm_head_logprobs`) against the graph it
 /// replaces (the LM head's product, log-softmax and gather in candle's differentiable ops), in
-/// f64: values and ∂/∂x of a weighted sum, over rows that span three blocks (the last one
-/// partial). Negative control: other targets give other values.
+/// f64 and f32: values and ∂/∂x of a weighted sum, over rows that span three blocks (the last
+/// one partial) and a vocabulary that spans three of the log-softmax's exponential buffers.
+/// Negative control: other targets give other values.
 #[test]
 fn the_fused_lm_head_log_probabilities_equal_the_graphs() {
     use policy::ops::{lm_head_logprobs, Kernels};
     use rand::{Rng, SeedableRng};
     let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(3);
-    let (p, h, v) = (300, 7, 41);
+    let (p, h, v) = (300, 7, 1300);
     let mut draw = |n: usize| -> Vec<f64> { (0..n).map(|_| rng.random_range(-1.0..1.0)).collect() };
-    let x = Var::from_tensor(&Tensor::from_vec(draw(p * h), (p, h), &Device::Cpu).unwrap()).unwrap();
-    let w = Tensor::from_vec(draw(v * h), (v, h), &Device::Cpu).unwrap();
-    let coef = Tensor::from_vec(draw(p), p, &Device::Cpu).unwrap();
+    let (xv, wv, cv) = (draw(p * h), draw(v * h), draw(p));
     let targets: Vec<u32> = (0..p).map(|i| ((i * 17 + 5) % v) as u32).collect();
     let targets = Tensor::from_vec(targets, p, &Device::Cpu).unwrap();
-    let run = |k: Kernels, t: &Tensor| -> (Vec<f64>, Vec<f64>) {
-        let lp = lm_head_logprobs(x.as_tensor(), &w, None, t, k).unwrap();
-        let g = (&lp * &coef).unwrap().sum_all().unwrap().backward().unwrap();
-        let gx = g.get(x.as_tensor()).expect("x receives a gradient").flatten_all().unwrap().to_vec1().unwrap();
-        (lp.to_vec1().unwrap(), gx)
-    };
-    let (fv, fg) = run(Kernels::Fused, &targets);
-    let (cv, cg) = run(Kernels::Composed, &targets);
+    let other =
+        Tensor::from_vec((0..p).map(|i| ((i * 17 + 6) % v) as u32).collect::<Vec<_>>(), p, &Device::Cpu).unwrap();
     let rel = |a: &[f64], b: &[f64]| {
         let s = b.iter().fold(0f64, |m, x| m.max(x.abs()));
         a.iter().zip(b).map(|(x, y)| (x - y).abs()).fold(0.0, f64::max) / s
     };
-    assert_eq!(fv.len(), p);
-    assert!(rel(&fv, &cv) < 1e-13 && rel(&fg, &cg) < 1e-13, "values {:e}, gradient {:e}", rel(&fv, &cv), rel(&fg, &cg));
-    // every row's log-probability is a log-probability
-    assert!(fv.iter().all(|x| *x < 0.0));
-    // without a gradient to keep, the same values
-    let plain = lm_head_logprobs(&x.as_tensor().detach(), &w, None, &targets, Kernels::Fused).unwrap();
-    assert_eq!(plain.to_vec1::<f64>().unwrap(), fv);
-    let other =
-        Tensor::from_vec((0..p).map(|i| ((i * 17 + 6) % v) as u32).collect::<Vec<_>>(), p, &Device::Cpu).unwrap();
-    let (ov, og) = run(Kernels::Fused, &other);
-    assert!(rel(&ov, &fv) > 1e-2 && rel(&og, &fg) > 1e-2, "negative control: other targets");
+    for (dtype, tol) in [(DType::F64, 1e-13), (DType::F32, 1e-5)] {
+        let t =
+            |v: &[f64], s: &[usize]| Tensor::from_vec(v.to_vec(), s, &Device::Cpu).unwrap().to_dtype(dtype).unwrap();
+        let x = Var::from_tensor(&t(&xv, &[p, h])).unwrap();
+        let (w, coef) = (t(&wv, &[v, h]), t(&cv, &[p]));
+        let f64s =
+            |t: &Tensor| -> Vec<f64> { t.flatten_all().unwrap().to_dtype(DType::F64).unwrap().to_vec1().unwrap() };
+        let run = |k: Kernels, tg: &Tensor| -> (Vec<f64>, Vec<f64>) {
+            let lp = lm_head_logprobs(x.as_tensor(), &w, None, tg, k).unwrap();
+            let g = (&lp * &coef).unwrap().sum_all().unwrap().backward().unwrap();
+            (f64s(&lp), f64s(g.get(x.as_tensor()).expect("x receives a gradient")))
+        };
+        let (fv, fg) = run(Kernels::Fused, &targets);
+        let (cv, cg) = run(Kernels::Composed, &targets);
+        assert_eq!(fv.len(), p);
+        assert!(
+            rel(&fv, &cv) < tol && rel(&fg, &cg) < tol,
+            "{dtype:?}: values {:e}, gradient {:e}",
+            rel(&fv, &cv),
+            rel(&fg, &cg)
+        );
+        // every row's log-probability is a log-probability
+        assert!(fv.iter().all(|x| *x < 0.0));
+        // without a gradient to keep, the same values
+        let plain = lm_head_logprobs(&x.as_tensor().detach(), &w, None, &targets, Kernels::Fused).unwrap();
+        assert_eq!(f64s(&plain), fv);
+        let (ov, og) = run(Kernels::Fused, &other);
+        assert!(rel(&ov, &fv) > 1e-2 && rel(&og, &fg) > 1e-2, "negative control: other targets");
+    }
 }

@@ -1,0 +1,157 @@
+//! The fused CPU path's dense products and exponentials, shared by its ops (attention, the
+//! frozen matmul, SwiGLU, the LM head): one call of the `gemm` crate (candle's CPU matmul, so
+//! the same results for the same shapes) written straight into the op's output, and e^x on a
+//! whole row at a time.
+
+use num_traits::Float;
+
+/// A matrix in memory: its first element and its row and column strides (so a transpose is a
+/// view).
+#[derive(Clone, Copy)]
+pub(crate) struct Mat<T> {
+    ptr: *const T,
+    rs: isize,
+    cs: isize,
+}
+
+impl<T> Mat<T> {
+    /// Row-major (·, cols).
+    pub(crate) fn rows(x: &[T], cols: usize) -> Mat<T> {
+        Mat { ptr: x.as_ptr(), rs: cols as isize, cs: 1 }
+    }
+    /// The transpose of row-major (·, cols).
+    pub(crate) fn t(x: &[T], cols: usize) -> Mat<T> {
+        Mat { ptr: x.as_ptr(), rs: 1, cs: cols as isize }
+    }
+}
+
+/// dst (m × n, row-major) = c · a (m × k) · b (k × n); on the calling thread (`threads` 1: an op
+/// that runs one product per rayon task) or split over `threads` of rayon's pool, as candle's
+/// matmul does.
+///
+/// # Safety
+/// `dst` must be valid for m × n writes (it need not be initialised: it is never read), `a` and
+/// `b` must view memory holding m × k and k × n values at their strides.
+#[allow(clippy::too_many_arguments)]
+pub(crate) unsafe fn mm_raw<T: Float + 'static>(
+    m: usize,
+    n: usize,
+    k: usize,
+    dst: *mut T,
+    a: Mat<T>,
+    b: Mat<T>,
+    c: T,
+    threads: usize,
+) {
+    let par = if threads > 1 { gemm::Parallelism::Rayon(threads) } else { gemm::Parallelism::None };
+    // SAFETY: the caller's contract.
+    unsafe {
+        gemm::gemm(
+            m,
+            n,
+            k,
+            dst,
+            1,
+            n as isize,
+            false,
+            a.ptr,
+            a.cs,
+            a.rs,
+            b.ptr,
+            b.cs,
+            b.rs,
+            T::zero(),
+            c,
+            false,
+            false,
+            false,
+            par,
+        )
+    }
+}
+
+/// dst (m × n, row-major, initialised) += c · a · b, on candle's thread count: a low-rank term
+/// added onto a product in place.
+pub(crate) fn mm_add<T: Float + 'static>(m: usize, n: usize, k: usize, dst: &mut [T], a: Mat<T>, b: Mat<T>, c: T) {
+    assert!(dst.len() >= m * n);
+    let threads = candle_core::utils::get_num_threads();
+    let par = if threads > 1 { gemm::Parallelism::Rayon(threads) } else { gemm::Parallelism::None };
+    // SAFETY: dst holds m × n initialised values (read, then written); the callers' views hold
+    // the stated shapes (the LoRA op checks its operands' dimensions).
+    unsafe {
+        gemm::gemm(
+            m,
+            n,
+            k,
+            dst.as_mut_ptr(),
+            1,
+            n as isize,
+            true,
+            a.ptr,
+            a.cs,
+            a.rs,
+            b.ptr,
+            b.cs,
+            b.rs,
+            T::one(),
+            c,
+            false,
+            false,
+            false,
+            par,
+        )
+    }
+}
+
+/// [`mm_raw`] into `dst` (≥ m × n values), on the calling thread.
+pub(crate) fn mm<T: Float + 'static>(m: usize, n: usize, k: usize, dst: &mut [T], a: Mat<T>, b: Mat<T>, c: T) {
+    assert!(dst.len() >= m * n);
+    // SAFETY: dst holds m × n values; every caller passes `a` and `b` over a block of the op's
+    // inputs or its own buffers of the stated shapes.
+    unsafe { mm_raw(m, n, k, dst.as_mut_ptr(), a, b, c, 1) }
+}
+
+/// A new m × n row-major product a · b on candle's thread count (`RAYON_NUM_THREADS`), written
+/// straight into fresh memory: no zero fill first (candle's matmul clears its output, then
+/// `gemm` overwrites it) and no copy after (a value handed to the graph through `routed`).
+pub(crate) fn product<T: Float + 'static>(m: usize, n: usize, k: usize, a: Mat<T>, b: Mat<T>) -> Vec<T> {
+    scaled_product(m, n, k, a, b, T::one())
+}
+
+/// [`product`] times c.
+pub(crate) fn scaled_product<T: Float + 'static>(m: usize, n: usize, k: usize, a: Mat<T>, b: Mat<T>, c: T) -> Vec<T> {
+    let len = m * n;
+    if k == 0 {
+        return vec![T::zero(); len];
+    }
+    let mut out: Vec<T> = Vec::with_capacity(len);
+    // SAFETY: `out` has capacity for m × n values, which gemm writes (every one: read_dst is
+    // false and k > 0) before the length covers them; `a`, `b` are the caller's views
+    // (`frozen_product` checks the slices' lengths).
+    unsafe {
+        mm_raw(m, n, k, out.as_mut_ptr(), a, b, c, candle_core::utils::get_num_threads());
+        out.set_len(len);
+    }
+    out
+}
+
+/// e^x in place over a row.
+pub(crate) trait ExpRow: Float + Send + Sync + 'static {
+    fn exp_row(x: &mut [Self]);
+}
+
+impl ExpRow for f32 {
+    /// The vectorised kernel of the inference path (`features::ops::exp_in_place`: relative
+    /// error < 3e-7): libm's scalar `expf` was 7% of an f32 training step (attention's softmax
+    /// forward and recomputed in the backward, SwiGLU's sigmoid).
+    fn exp_row(x: &mut [f32]) {
+        features::ops::exp_in_place(x)
+    }
+}
+
+impl ExpRow for f64 {
+    /// libm: the f64 path is the exact gradient checks'.
+    fn exp_row(x: &mut [f64]) {
+        x.iter_mut().for_each(|v| *v = v.exp())
+    }
+}
