@@ -304,7 +304,8 @@ impl Linear {
         let dims = x.dims().to_vec();
         let inp = *dims.last().expect("rank ≥ 1");
         let rows = x.elem_count() / inp.max(1);
-        let x2 = x.reshape((rows, inp))?;
+        // rows already (the decoder's activations are two-dimensional): no reshape node
+        let x2 = if dims.len() == 2 { x.clone() } else { x.reshape((rows, inp))? };
         let fused = k == Kernels::Fused;
         // the adapted product as one op: the adapted pass without dropout, or a snapshot reference
         let low_rank = match (&self.adapter, pass.adapters, &self.reference) {
@@ -323,9 +324,7 @@ impl Linear {
             if let Some(bias) = &self.bias {
                 y = y.broadcast_add(bias)?;
             }
-            let mut out = dims;
-            *out.last_mut().expect("rank ≥ 1") = self.w.dim(0)?;
-            return y.reshape(out);
+            return self.shaped(y, dims);
         }
         let mut y = match (&self.reference, pass.adapters) {
             (Reference::Weight(w0), false) => match &self.packed_reference {
@@ -358,6 +357,14 @@ impl Linear {
                 y = (y + (low * ad.scale)?)?;
             }
             _ => {}
+        }
+        self.shaped(y, dims)
+    }
+
+    /// y (rows, out) in the input's leading dimensions (itself for two-dimensional input).
+    fn shaped(&self, y: Tensor, dims: Vec<usize>) -> Result<Tensor> {
+        if dims.len() == 2 {
+            return Ok(y);
         }
         let mut out = dims;
         *out.last_mut().expect("rank ≥ 1") = self.w.dim(0)?;

@@ -8,7 +8,7 @@
 
 use crate::lora::{frozen_matmul, init_rng, is_zero, Adapter, Dropout, Linear, LoraConfig, Pass, Reference, Target};
 use crate::ops::Kernels;
-use candle_core::{DType, Device, Module, Result, Tensor, Var};
+use candle_core::{DType, Device, Result, Tensor, Var};
 use features::model::{Config, Family};
 use std::collections::HashMap;
 
@@ -334,7 +334,7 @@ impl PolicyModel {
         if let Some(r) = self.full_reference(pass) {
             return r.hidden_pass(ids, Pass::BASE);
         }
-        let t = ids.dim(1)?;
+        let (b, t) = ids.dims2()?;
         self.check_len(t)?;
         let mut x = self.embed(ids)?;
         let mask = causal_mask(t, 0, &self.device, self.embed.dtype())?;
@@ -342,7 +342,7 @@ impl PolicyModel {
         for blk in &self.blocks {
             x = self.block(blk, x, &cos, &sin, &mask, pass, None)?.0;
         }
-        crate::ops::rms_norm(&x, &self.norm, self.cfg.eps, self.kernels)
+        crate::ops::rms_norm(&x, &self.norm, self.cfg.eps, self.kernels)?.reshape((b, t, self.cfg.hidden))
     }
 
     fn check_len(&self, t: usize) -> Result<()> {
@@ -352,11 +352,14 @@ impl PolicyModel {
         Ok(())
     }
 
+    /// The embeddings of ids (b, t) as rows (b·t, hidden): the decoder's activations stay
+    /// two-dimensional, so no layer reshapes them (in candle's autograd every reshape is a node
+    /// with a zeroed gradient and an add in the backward).
     fn embed(&self, ids: &Tensor) -> Result<Tensor> {
-        candle_nn::Embedding::new(self.embed.clone(), self.cfg.hidden).forward(ids)
+        self.embed.index_select(&ids.flatten_all()?, 0)
     }
 
-    /// One decoder block on x (b, t, hidden) at positions of `cos`/`sin`, attending to
+    /// One decoder block on x (b·t, hidden) at the t positions of `cos`/`sin`, attending to
     /// `prefix`'s keys and values first when given; returns the block's output and this
     /// segment's (roped) keys and values (b, kv, t, hd).
     #[allow(clippy::too_many_arguments)]
@@ -400,10 +403,9 @@ impl PolicyModel {
             let values = values.broadcast_as((n, kv, p, hd))?;
             xr = self.block(blk, xr, &cr, &sr, &mr, pass, Some((&keys, &values)))?.0;
         }
-        let d = self.cfg.hidden;
-        let last = crate::ops::rms_norm(&xp.narrow(1, p - 1, 1)?, &self.norm, self.cfg.eps, self.kernels)?;
+        let last = crate::ops::rms_norm(&xp.narrow(0, p - 1, 1)?, &self.norm, self.cfg.eps, self.kernels)?;
         let hr = crate::ops::rms_norm(&xr, &self.norm, self.cfg.eps, self.kernels)?;
-        Tensor::cat(&[last.reshape((1, d))?, hr.reshape((n * r, d))?], 0)?.index_select(&g.at, 0)
+        Tensor::cat(&[last, hr], 0)?.index_select(&g.at, 0)
     }
 
     /// log π(target | prefix) at chosen positions of a right-padded batch: the hidden state of
@@ -460,7 +462,7 @@ impl PolicyModel {
         }
     }
 
-    /// Grouped-query causal attention of x (b, t, hidden); with `prefix` ((b, kv, p, hd) keys
+    /// Grouped-query causal attention of x (b·t, hidden), t the positions of `cos`; with `prefix` ((b, kv, p, hd) keys
     /// and values of earlier positions), the queries attend to those first (`mask` is then
     /// (t, p + t)). Returns the output and this segment's keys and values.
     #[allow(clippy::too_many_arguments)]
@@ -474,15 +476,28 @@ impl PolicyModel {
         pass: Pass<'_>,
         prefix: Option<(&Tensor, &Tensor)>,
     ) -> Result<(Tensor, Tensor, Tensor)> {
-        let (b, t, _) = x.dims3()?;
+        let t = cos.dim(0)?;
+        let b = x.dim(0)? / t.max(1);
         let (h, kv, hd) = (self.cfg.heads, self.cfg.kv_heads, self.cfg.head_dim);
-        let rope = |y: Tensor, n: usize| -> Result<Tensor> {
+        let fused = self.kernels == Kernels::Fused;
+        // rows (b·t, n·hd) → heads (b, n, t, hd), RoPE on the way for q and k
+        let heads = |y: Tensor, n: usize, rope: bool| -> Result<Tensor> {
+            if fused {
+                return crate::ops::split_heads(
+                    &y,
+                    (b, t, n, hd),
+                    rope.then_some((cos, sin, self.cfg.rope_interleaved)),
+                );
+            }
             let y = y.reshape((b, t, n, hd))?.transpose(1, 2)?;
-            crate::ops::rope(&y, cos, sin, self.cfg.rope_interleaved, self.kernels)
+            match rope {
+                true => crate::ops::rope(&y, cos, sin, self.cfg.rope_interleaved, self.kernels)?.contiguous(),
+                false => y.contiguous(),
+            }
         };
-        let q = rope(blk.q.forward(x, pass, self.kernels)?, h)?;
-        let k = rope(blk.k.forward(x, pass, self.kernels)?, kv)?.contiguous()?;
-        let v = blk.v.forward(x, pass, self.kernels)?.reshape((b, t, kv, hd))?.transpose(1, 2)?.contiguous()?;
+        let q = heads(blk.q.forward(x, pass, self.kernels)?, h, true)?;
+        let k = heads(blk.k.forward(x, pass, self.kernels)?, kv, true)?;
+        let v = heads(blk.v.forward(x, pass, self.kernels)?, kv, false)?;
         let (keys, values) = match prefix {
             // candle's cat along an inner dimension returns a strided view: matmul wants rows
             Some((pk, pv)) => (Tensor::cat(&[pk, &k], 2)?.contiguous()?, Tensor::cat(&[pv, &v], 2)?.contiguous()?),
@@ -501,7 +516,10 @@ impl PolicyModel {
             let p = crate::ops::softmax_last(&s.contiguous()?, self.kernels)?;
             p.reshape((b, kv, g * t, s_len))?.matmul(&values)?.reshape((b, h, t, hd))?
         };
-        let y = y.transpose(1, 2)?.reshape((b, t, h * hd))?;
+        let y = match fused {
+            true => crate::ops::merge_heads(&y)?,
+            false => y.transpose(1, 2)?.reshape((b * t, h * hd))?,
+        };
         Ok((blk.o.forward(&y, pass, self.kernels)?, k, v))
     }
 

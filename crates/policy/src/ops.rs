@@ -215,6 +215,162 @@ pub fn rope(x: &Tensor, cos: &Tensor, sin: &Tensor, interleaved: bool, k: Kernel
     routed(x, y, "rope", move |_, _, g| f(&g.contiguous()?, &cos, &neg))
 }
 
+/// The rotation of one head's row: pairs (x_i, x_{i+hd/2}) (rotate-half) or (x_{2i}, x_{2i+1})
+/// (interleaved), each turned by its angle, (a, b) ↦ (a c − b s, a s + b c) — candle's RoPE
+/// kernels' arithmetic, in their order — with `sin` negated for the inverse rotation.
+#[inline]
+fn turn_row<T: num_traits::Float>(src: &[T], dst: &mut [T], cos: &[T], sin: &[T], interleaved: bool, inverse: bool) {
+    let half = cos.len();
+    for i in 0..half {
+        let (c, s) = (cos[i], if inverse { -sin[i] } else { sin[i] });
+        let (ia, ib) = if interleaved { (2 * i, 2 * i + 1) } else { (i, i + half) };
+        let (a, b) = (src[ia], src[ib]);
+        dst[ia] = a * c - b * s;
+        dst[ib] = a * s + b * c;
+    }
+}
+
+/// A projection's rows (b·t, n·hd) as heads (b, n, t, hd), RoPE applied on the way when `rope`
+/// gives the position tables (t, hd/2) and the layout: [`Heads`], one op each way. The
+/// composition (reshape, transpose, a contiguous copy, RoPE routed into the graph with a copy in
+/// and out) put four tensors of the projection's size into the graph, each with a zeroed
+/// gradient and an add in the backward, where this op is one pass each way. Fused kernels only.
+pub fn split_heads(
+    y: &Tensor,
+    (b, t, n, hd): (usize, usize, usize, usize),
+    rope: Option<(&Tensor, &Tensor, bool)>,
+) -> Result<Tensor> {
+    if y.elem_count() != b * t * n * hd || !matches!(y.dtype(), candle_core::DType::F32 | candle_core::DType::F64) {
+        candle_core::bail!(
+            "split-heads: a {:?} {:?} tensor is not (b·t, n·hd) = ({}, {}) in f32 or f64",
+            y.dims(),
+            y.dtype(),
+            b * t,
+            n * hd
+        );
+    }
+    let rope = match rope {
+        Some((c, s, i)) => {
+            if c.dims() != [t, hd / 2] || s.dims() != [t, hd / 2] || c.dtype() != y.dtype() {
+                candle_core::bail!("split-heads: RoPE tables {:?}, {:?} for {t} positions of {hd}", c.dims(), s.dims());
+            }
+            Some((c.contiguous()?, s.contiguous()?, i))
+        }
+        None => None,
+    };
+    y.contiguous()?.apply_op1(Heads { b, t, n, hd, rope, split: true })
+}
+
+/// Heads (b, n, t, hd) back into rows (b·t, n·hd) for the output projection ([`Heads`]).
+pub fn merge_heads(y: &Tensor) -> Result<Tensor> {
+    let (b, n, t, hd) = y.dims4()?;
+    if !matches!(y.dtype(), candle_core::DType::F32 | candle_core::DType::F64) {
+        candle_core::bail!("merge-heads: expected f32 or f64, not {:?}", y.dtype());
+    }
+    y.contiguous()?.apply_op1(Heads { b, t, n, hd, rope: None, split: false })
+}
+
+/// The head-layout change ([`split_heads`], [`merge_heads`]) with an optional RoPE: a
+/// permutation and a rotation, so its gradient is the inverse permutation and rotation.
+struct Heads {
+    b: usize,
+    t: usize,
+    n: usize,
+    hd: usize,
+    rope: Option<(Tensor, Tensor, bool)>,
+    split: bool,
+}
+
+impl Heads {
+    /// rows (b·t, n·hd) → heads (b, n, t, hd) (`to_heads`) or back, rotating (or, `inverse`,
+    /// rotating back) each head's row on the way.
+    fn run<T: num_traits::Float + candle_core::WithDType>(
+        &self,
+        src: &[T],
+        to_heads: bool,
+        inverse: bool,
+    ) -> Result<Vec<T>> {
+        use rayon::prelude::*;
+        let Heads { b, t, n, hd, .. } = *self;
+        let tables: Vec<&Tensor> = self.rope.iter().flat_map(|(c, s, _)| [c, s]).collect();
+        let interleaved = self.rope.as_ref().is_some_and(|r| r.2);
+        let half = hd / 2;
+        let mut dst = vec![T::zero(); b * t * n * hd];
+        let mut body = |tabs: &[&[T]]| {
+            let rot = |src: &[T], dst: &mut [T], pos: usize| match tabs {
+                [c, s] => turn_row(src, dst, &c[pos * half..][..half], &s[pos * half..][..half], interleaved, inverse),
+                _ => dst.copy_from_slice(src),
+            };
+            if to_heads {
+                // one task per (sequence, head): its t rows of hd
+                dst.par_chunks_mut(t * hd).enumerate().for_each(|(bn, out)| {
+                    let (bi, ni) = (bn / n, bn % n);
+                    for (ti, o) in out.chunks_exact_mut(hd).enumerate() {
+                        rot(&src[((bi * t + ti) * n + ni) * hd..][..hd], o, ti);
+                    }
+                });
+            } else {
+                // one task per row (sequence, position): its n heads of hd
+                dst.par_chunks_mut(n * hd).enumerate().with_min_len(8).for_each(|(bt, out)| {
+                    let (bi, ti) = (bt / t, bt % t);
+                    for (ni, o) in out.chunks_exact_mut(hd).enumerate() {
+                        rot(&src[((bi * n + ni) * t + ti) * hd..][..hd], o, ti);
+                    }
+                });
+            }
+        };
+        match tables.as_slice() {
+            [c, s] => crate::attention::with_slices::<T, _, 2>([c, s], |[c, s]| body(&[c, s]))?,
+            _ => body(&[]),
+        }
+        Ok(dst)
+    }
+
+    fn shape(&self, heads: bool) -> Shape {
+        let Heads { b, t, n, hd, .. } = *self;
+        if heads {
+            Shape::from((b, n, t, hd))
+        } else {
+            Shape::from((b * t, n * hd))
+        }
+    }
+}
+
+impl CustomOp1 for Heads {
+    fn name(&self) -> &'static str {
+        if self.split {
+            "split-heads"
+        } else {
+            "merge-heads"
+        }
+    }
+
+    fn cpu_fwd(&self, s: &CpuStorage, l: &Layout) -> Result<(CpuStorage, Shape)> {
+        let out = match s {
+            CpuStorage::F32(_) => CpuStorage::F32(self.run(crate::attention::slice(s, l)?, self.split, false)?),
+            CpuStorage::F64(_) => CpuStorage::F64(self.run(crate::attention::slice(s, l)?, self.split, false)?),
+            _ => candle_core::bail!("{}: the fused op runs in f32 or f64", self.name()),
+        };
+        Ok((out, self.shape(self.split)))
+    }
+
+    fn bwd(&self, x: &Tensor, _: &Tensor, g: &Tensor) -> Result<Option<Tensor>> {
+        let g = g.contiguous()?;
+        let dx = match g.dtype() {
+            candle_core::DType::F32 => {
+                let v = crate::attention::with_slices::<f32, _, 1>([&g], |[g]| self.run(g, !self.split, true))??;
+                Tensor::from_vec(v, x.shape(), x.device())?
+            }
+            candle_core::DType::F64 => {
+                let v = crate::attention::with_slices::<f64, _, 1>([&g], |[g]| self.run(g, !self.split, true))??;
+                Tensor::from_vec(v, x.shape(), x.device())?
+            }
+            other => candle_core::bail!("{}: no backward in {other:?}", self.name()),
+        };
+        Ok(Some(dx))
+    }
+}
+
 /// The rotation of [`rope`] in candle's differentiable ops.
 fn rope_composed(x: &Tensor, cos: &Tensor, sin: &Tensor, interleaved: bool) -> Result<Tensor> {
     let (b, h, t, hd) = x.dims4()?;
@@ -514,6 +670,52 @@ mod tests {
         let theirs: Vec<f32> =
             candle_nn::ops::rms_norm(&x32, &w32, eps as f32).unwrap().flatten_all().unwrap().to_vec1().unwrap();
         assert_eq!(ours, theirs);
+    }
+
+    /// The head-layout ops give the composition's values and gradients (f64): rows (b·t, n·hd)
+    /// reshaped, transposed to (b, n, t, hd) and rotated (both RoPE layouts, or not), and back.
+    /// Negative control: the other RoPE layout gives other values.
+    #[test]
+    fn split_and_merge_heads_match_reshape_transpose_and_rope() {
+        let (b, t, n, hd) = (2, 5, 3, 8);
+        let dev = Device::Cpu;
+        let draw = |len: usize, s: f64| -> Vec<f64> { (0..len).map(|i| (i as f64 * 0.83 + s).sin()).collect() };
+        let cos = Tensor::from_vec(draw(t * hd / 2, 0.2), (t, hd / 2), &dev).unwrap();
+        let sin = Tensor::from_vec(draw(t * hd / 2, 1.9), (t, hd / 2), &dev).unwrap();
+        let c = Tensor::from_vec(draw(b * n * t * hd, 3.3), (b, n, t, hd), &dev).unwrap();
+        let v = |t: &Tensor| t.flatten_all().unwrap().to_vec1::<f64>().unwrap();
+        let err = |a: &[f64], b: &[f64]| a.iter().zip(b).map(|(x, y)| (x - y).abs()).fold(0.0, f64::max);
+        for rope_mode in [None, Some(false), Some(true)] {
+            let run = |fused: bool| {
+                let x = Var::from_vec(draw(b * t * n * hd, 0.7), (b * t, n * hd), &dev).unwrap();
+                let y = if fused {
+                    split_heads(x.as_tensor(), (b, t, n, hd), rope_mode.map(|i| (&cos, &sin, i))).unwrap()
+                } else {
+                    let y = x.as_tensor().reshape((b, t, n, hd)).unwrap().transpose(1, 2).unwrap();
+                    match rope_mode {
+                        Some(i) => rope(&y, &cos, &sin, i, Kernels::Composed).unwrap(),
+                        None => y,
+                    }
+                };
+                let back = if fused {
+                    merge_heads(&y).unwrap()
+                } else {
+                    y.transpose(1, 2).unwrap().reshape((b * t, n * hd)).unwrap()
+                };
+                let loss = ((&y * &c).unwrap().sum_all().unwrap() + back.sqr().unwrap().sum_all().unwrap()).unwrap();
+                let g = loss.backward().unwrap();
+                (v(&y), v(&back), v(g.get(x.as_tensor()).unwrap()))
+            };
+            let (fy, fb, fg) = run(true);
+            let (cy, cb, cg) = run(false);
+            assert!(err(&fy, &cy) < 1e-14 && err(&fb, &cb) < 1e-14, "{rope_mode:?}: values");
+            assert!(err(&fg, &cg) < 1e-13, "{rope_mode:?}: gradient {:e}", err(&fg, &cg));
+            if let Some(i) = rope_mode {
+                let x = Tensor::from_vec(draw(b * t * n * hd, 0.7), (b * t, n * hd), &dev).unwrap();
+                let other = split_heads(&x, (b, t, n, hd), Some((&cos, &sin, !i))).unwrap();
+                assert!(err(&v(&other), &fy) > 1e-2, "negative control: the RoPE layout is invisible");
+            }
+        }
     }
 
     /// The fused SwiGLU product gives candle's silu-then-mul values and autograd's gradients
