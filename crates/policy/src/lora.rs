@@ -571,7 +571,7 @@ impl LoraMatmul {
         match &self.packed {
             Some(p) => {
                 use features::packed::PackedMatrix;
-                let x32: &[f32] = bytemuck_f32(x)?;
+                let x32: &[f32] = f32_values(x)?;
                 let y = p.fwd.matmul_t(x32, rows);
                 Ok(y.into_iter().map(|v| T::from(v).unwrap_or_else(T::nan)).collect())
             }
@@ -621,7 +621,7 @@ impl LoraMatmul {
                 let mut dx = match &self.packed {
                     Some(p) => {
                         use features::packed::PackedMatrix;
-                        let g32: &[f32] = bytemuck_f32(g)?;
+                        let g32: &[f32] = f32_values(g)?;
                         p.bwd.matmul_t(g32, rows).into_iter().map(|v| T::from(v).unwrap_or_else(T::nan)).collect()
                     }
                     None => with_slices::<T, _, 1>([&self.w], |[w]| {
@@ -645,7 +645,7 @@ impl LoraMatmul {
 }
 
 /// `x` as f32 values (the packed bf16 kernels' input): an error for f64.
-fn bytemuck_f32<T: candle_core::WithDType>(x: &[T]) -> Result<&[f32]> {
+fn f32_values<T: candle_core::WithDType>(x: &[T]) -> Result<&[f32]> {
     if T::DTYPE != candle_core::DType::F32 {
         candle_core::bail!("bf16 products take f32 inputs, not {:?}", T::DTYPE);
     }

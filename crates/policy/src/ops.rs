@@ -3,10 +3,14 @@
 //!
 //! - **Fused** (the CPU): candle's CPU kernels for RMSNorm, softmax and RoPE (`candle_nn::ops`,
 //!   `rotary_emb`) have no backward pass; composing them from elementwise ops (as autograd needs)
-//!   costs a dozen passes over every activation, forward and backward. Here the fused kernel
-//!   computes the value outside the graph and [`routed`] attaches it to its input with the
-//!   gradient written out: on the CPU a training step runs about as many passes over memory as
-//!   inference does. `routed` is a CPU custom op: it refuses any other device.
+//!   costs a dozen passes over every activation, forward and backward. Here each op is a candle
+//!   custom op that computes its value straight into its output (RMSNorm, SwiGLU, the head
+//!   layout with RoPE, attention in `crate::attention`, the frozen and LoRA products in
+//!   `crate::lora`), or a value computed outside the graph that [`routed`] attaches to its input
+//!   (the LM head's log-probabilities, softmax), each with its gradient written out: on the CPU
+//!   a training step runs about as many passes over memory as inference does, and its graph holds
+//!   a dozen nodes per decoder block (in candle's autograd each node costs a zeroed gradient and
+//!   an add in the backward). These ops are CPU-only: they refuse any other device.
 //! - **Composed** (every other device: CUDA, Metal): the same functions written with candle's
 //!   differentiable tensor ops, so autograd derives the gradient. This is the path a GPU trains
 //!   with; the tests run it on the CPU against the fused path (values and every adapter's
