@@ -25,13 +25,13 @@ impl<T> Mat<T> {
     }
 }
 
-/// dst (m × n, row-major) = c · a (m × k) · b (k × n); on the calling thread (`threads` 1: an op
-/// that runs one product per rayon task) or split over `threads` of rayon's pool, as candle's
-/// matmul does.
+/// dst (m × n, row-major) = c · a (m × k) · b (k × n), or with `add` dst += c · a · b; on the
+/// calling thread (`threads` 1: an op that runs one product per rayon task) or split over
+/// `threads` of rayon's pool, as candle's matmul does.
 ///
 /// # Safety
-/// `dst` must be valid for m × n writes (it need not be initialised: it is never read), `a` and
-/// `b` must view memory holding m × k and k × n values at their strides.
+/// `dst` must be valid for m × n writes (initialised when `add`; otherwise it is never read),
+/// `a` and `b` must view memory holding m × k and k × n values at their strides.
 #[allow(clippy::too_many_arguments)]
 pub(crate) unsafe fn mm_raw<T: Float + 'static>(
     m: usize,
@@ -42,30 +42,15 @@ pub(crate) unsafe fn mm_raw<T: Float + 'static>(
     b: Mat<T>,
     c: T,
     threads: usize,
+    add: bool,
 ) {
     let par = if threads > 1 { gemm::Parallelism::Rayon(threads) } else { gemm::Parallelism::None };
+    // gemm computes dst = α·dst + β·a·b, reading dst only when asked to
+    let alpha = if add { T::one() } else { T::zero() };
     // SAFETY: the caller's contract.
     unsafe {
         gemm::gemm(
-            m,
-            n,
-            k,
-            dst,
-            1,
-            n as isize,
-            false,
-            a.ptr,
-            a.cs,
-            a.rs,
-            b.ptr,
-            b.cs,
-            b.rs,
-            T::zero(),
-            c,
-            false,
-            false,
-            false,
-            par,
+            m, n, k, dst, 1, n as isize, add, a.ptr, a.cs, a.rs, b.ptr, b.cs, b.rs, alpha, c, false, false, false, par,
         )
     }
 }
@@ -74,33 +59,9 @@ pub(crate) unsafe fn mm_raw<T: Float + 'static>(
 /// added onto a product in place.
 pub(crate) fn mm_add<T: Float + 'static>(m: usize, n: usize, k: usize, dst: &mut [T], a: Mat<T>, b: Mat<T>, c: T) {
     assert!(dst.len() >= m * n);
-    let threads = candle_core::utils::get_num_threads();
-    let par = if threads > 1 { gemm::Parallelism::Rayon(threads) } else { gemm::Parallelism::None };
     // SAFETY: dst holds m × n initialised values (read, then written); the callers' views hold
     // the stated shapes (the LoRA op checks its operands' dimensions).
-    unsafe {
-        gemm::gemm(
-            m,
-            n,
-            k,
-            dst.as_mut_ptr(),
-            1,
-            n as isize,
-            true,
-            a.ptr,
-            a.cs,
-            a.rs,
-            b.ptr,
-            b.cs,
-            b.rs,
-            T::one(),
-            c,
-            false,
-            false,
-            false,
-            par,
-        )
-    }
+    unsafe { mm_raw(m, n, k, dst.as_mut_ptr(), a, b, c, candle_core::utils::get_num_threads(), true) }
 }
 
 /// [`mm_raw`] into `dst` (≥ m × n values), on the calling thread.
@@ -108,7 +69,7 @@ pub(crate) fn mm<T: Float + 'static>(m: usize, n: usize, k: usize, dst: &mut [T]
     assert!(dst.len() >= m * n);
     // SAFETY: dst holds m × n values; every caller passes `a` and `b` over a block of the op's
     // inputs or its own buffers of the stated shapes.
-    unsafe { mm_raw(m, n, k, dst.as_mut_ptr(), a, b, c, 1) }
+    unsafe { mm_raw(m, n, k, dst.as_mut_ptr(), a, b, c, 1, false) }
 }
 
 /// A new m × n row-major product a · b on candle's thread count (`RAYON_NUM_THREADS`), written
@@ -129,7 +90,7 @@ pub(crate) fn scaled_product<T: Float + 'static>(m: usize, n: usize, k: usize, a
     // false and k > 0) before the length covers them; `a`, `b` are the caller's views
     // (`frozen_product` checks the slices' lengths).
     unsafe {
-        mm_raw(m, n, k, out.as_mut_ptr(), a, b, c, candle_core::utils::get_num_threads());
+        mm_raw(m, n, k, out.as_mut_ptr(), a, b, c, candle_core::utils::get_num_threads(), false);
         out.set_len(len);
     }
     out
