@@ -51,6 +51,8 @@ build-cuda cap="90":
         cargo build --release -p runner --features cuda
     fi
     cargo test --release --features cuda -p policy --test device --no-run 2>&1 | grep Executable
+    # one reward-model step on the device (ONEPASS_DEVICE=cuda; its doc): time a step before a run
+    cargo build --release --features cuda -p policy --example rm_step
 
 # Estimator benchmark at d = 4096, B = 8 (µs/step, omd-exact vs memory bandwidth, mle refits, peak RSS).
 bench:

@@ -10,6 +10,10 @@
 //! (`scripts/bench_rm_step.sh`), which runs PyTorch + PEFT on the same ids (written to IDS_OUT).
 //! `ONEPASS_KERNELS=composed` runs candle's composed ops (what a GPU trains with) instead of the
 //! CPU's fused kernels: how the GPU path's memory is measured on a CPU.
+//! On a GPU (built with `--features cuda`, e.g. by `just build-cuda`): `ONEPASS_DEVICE=cuda`;
+//! `ONEPASS_PAIRS_PER_PASS=N` splits the step's backward passes as `[reward] pairs_per_pass`
+//! does (default: the whole batch in one pass), `ONEPASS_RM_UPDATE=full` trains every weight
+//! instead of LoRA adapters. The device is synchronised before each clock reading.
 
 use candle_core::{DType, Device};
 use estimators::{EstimatorConfig, HvpCgConfig, SgdConfig};
@@ -24,16 +28,35 @@ fn main() {
     let rule = args.get(2).expect("sgd or omd").clone();
     let arg = |i: usize, d: usize| args.get(i).map_or(d, |s| s.parse().expect("a number"));
     let (pairs, len, reps) = (arg(3, 8), arg(4, 256), arg(5, 2));
-    let g = features::gguf::Gguf::read_with(&path, &Device::Cpu, DType::F32, true).expect("reading the model");
+    let env = |k: &str| std::env::var(k).ok().filter(|v| !v.is_empty());
+    let dev = match env("ONEPASS_DEVICE").as_deref() {
+        None | Some("cpu") => Device::Cpu,
+        Some("cuda") => Device::new_cuda(0).expect("opening CUDA device 0 (build with --features cuda)"),
+        Some(o) => panic!("ONEPASS_DEVICE={o}: expected cpu or cuda"),
+    };
+    let full = match env("ONEPASS_RM_UPDATE").as_deref() {
+        None | Some("lora") => false,
+        Some("full") => true,
+        Some(o) => panic!("ONEPASS_RM_UPDATE={o}: expected lora or full"),
+    };
+    let g = features::gguf::Gguf::read_with(&path, &dev, DType::F32, true).expect("reading the model");
     let (vocab, d) = (g.cfg.vocab, g.cfg.hidden);
     let lora = LoraConfig { rank: 8, alpha: 16.0, targets: Target::ALL.to_vec(), seed: 0, dropout: 0.0 };
-    let mut m = PolicyModel::new(g.tensors, g.cfg, &lora, len, DType::F32).expect("building the model");
+    let mut m = if full {
+        PolicyModel::new_full(g.tensors, g.cfg, len, DType::F32).expect("building the model")
+    } else {
+        PolicyModel::new(g.tensors, g.cfg, &lora, len, DType::F32).expect("building the model")
+    };
     // ONEPASS_KERNELS=composed: the composed ops a GPU trains with, on the CPU (their memory)
     let composed = std::env::var("ONEPASS_KERNELS").as_deref() == Ok("composed");
     if composed {
         m.set_kernels(policy::ops::Kernels::Composed).expect("composed kernels");
     }
-    let rm = RewardModel::new(m, &vec![1.0 / (d as f64 + 1.0); d], true).unwrap();
+    let mut rm = RewardModel::new(m, &vec![1.0 / (d as f64 + 1.0); d], true).unwrap();
+    let ppp = env("ONEPASS_PAIRS_PER_PASS").map(|v| v.parse::<usize>().expect("ONEPASS_PAIRS_PER_PASS: a number"));
+    if let Some(n) = ppp {
+        rm.set_pairs_per_pass(n);
+    }
     let cfg = match rule.as_str() {
         "sgd" => EstimatorConfig::Sgd(SgdConfig { lr: 1e-3, clip: Some(1.0) }),
         "omd" | "omd-forward" => EstimatorConfig::OmdHvpCg(HvpCgConfig { lr: 1e-3, cg_tol: 0.0, ..Default::default() }),
@@ -52,8 +75,10 @@ fn main() {
     let batch: Vec<RmPair> = (0..pairs).map(|i| RmPair { a: seqs[2 * i], b: seqs[2 * i + 1], y: 1.0 }).collect();
     let (mut steps, mut hvps, mut loss) = (Vec::new(), 0, 0.0);
     for r in 0..=reps {
+        dev.synchronize().unwrap();
         let t0 = std::time::Instant::now();
         let s = up.step(&rm, &batch).unwrap();
+        dev.synchronize().unwrap();
         let t = t0.elapsed().as_secs_f64();
         if r > 0 {
             eprintln!("step {r}: {t:.2} s, {} HVPs, loss {:.4}", s.hvps, s.before.loss);
@@ -66,7 +91,8 @@ fn main() {
     println!(
         "{}",
         serde_json::json!({
-            "engine": "candle", "rule": rule, "kernels": if composed { "composed" } else { "fused" }, "model": path.display().to_string(), "dtype": "float32",
+            "engine": "candle", "rule": rule, "device": format!("{dev:?}"), "update": if full { "full" } else { "lora" },
+            "pairs_per_pass": ppp.unwrap_or(pairs), "kernels": if composed { "composed" } else { "fused" }, "model": path.display().to_string(), "dtype": "float32",
             "threads": threads, "pairs": pairs, "len": len, "reps": reps, "step_s": steps, "hvps": hvps,
             "peak_rss_mb": features::peak_rss_mb().unwrap_or(0.0), "loss": loss,
         })
