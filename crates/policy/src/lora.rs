@@ -438,12 +438,19 @@ pub fn is_zero(t: &Tensor) -> Result<bool> {
 /// candle's matmul backward also forms the weight's gradient xᵀg, a second matmul as large as
 /// the forward one, even for a weight that is no variable; over every frozen layer and the LM
 /// head that is a third of a training step. With the fused kernels (the CPU) the product is
-/// [`FrozenMatmul`], an op of x alone whose gradient is g W; composed (other devices), the plain
-/// matmul (W is no variable: its gradient is never read). A W that is a variable (a
+/// [`FrozenMatmul`], an op of x alone whose gradient is g W; routed (CUDA), the device's
+/// product with that gradient; composed, the plain matmul (W is no variable: its gradient is
+/// computed and never read). A W that is a variable (a
 /// full-parameter policy) takes the plain matmul, which gives W its gradient xᵀg.
 pub fn frozen_matmul(x: &Tensor, w: &Tensor, k: Kernels) -> Result<Tensor> {
     if k == Kernels::Composed || w.is_variable() {
         return x.matmul(&w.t()?);
+    }
+    if k == Kernels::Routed {
+        // the device's product outside the graph, the gradient of x alone (no xᵀg for W)
+        let y = x.detach().matmul(&w.t()?)?;
+        let w = w.clone();
+        return crate::ops::routed(x, y, "frozen-matmul", move |_, _, g| g.matmul(&w));
     }
     if !x.device().is_cpu() {
         candle_core::bail!("frozen-matmul: the fused kernels are CPU-only (use Kernels::Composed on {:?})", x.device());

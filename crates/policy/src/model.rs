@@ -268,11 +268,15 @@ impl PolicyModel {
         self.kernels
     }
 
-    /// Uses `k` from now on: composed on the CPU runs the path other devices train with (the
-    /// tests compare it with the fused one); fused off the CPU is an error.
+    /// Uses `k` from now on: routed or composed on the CPU runs the path a GPU trains with (the
+    /// tests compare them with the fused one); fused off the CPU, or routed off the CPU and
+    /// CUDA, is an error.
     pub fn set_kernels(&mut self, k: Kernels) -> std::result::Result<(), features::Error> {
         if k == Kernels::Fused && !self.device.is_cpu() {
             return Err(features::Error::Input(format!("fused kernels on {:?}: they are CPU-only", self.device)));
+        }
+        if k == Kernels::Routed && !(self.device.is_cpu() || self.device.is_cuda()) {
+            return Err(features::Error::Input(format!("routed kernels on {:?}: the CPU and CUDA only", self.device)));
         }
         self.kernels = k;
         if let Some(f) = &mut self.full {

@@ -11,25 +11,42 @@
 //!   a training step runs about as many passes over memory as inference does, and its graph holds
 //!   a dozen nodes per decoder block (in candle's autograd each node costs a zeroed gradient and
 //!   an add in the backward). These ops are CPU-only: they refuse any other device.
-//! - **Composed** (every other device: CUDA, Metal): the same functions written with candle's
-//!   differentiable tensor ops, so autograd derives the gradient. This is the path a GPU trains
-//!   with; the tests run it on the CPU against the fused path (values and every adapter's
-//!   gradient), which is how its maths is checked on a machine without a GPU.
+//! - **Routed** (CUDA): the device's own kernels where candle has them (RMSNorm, softmax, RoPE,
+//!   log-softmax: `candle_nn`'s, which have no backward), each value attached to its input by
+//!   [`routed`] with its gradient written as a few tensor ops, and the frozen products as x Wᵀ
+//!   with the gradient g W alone; every other op composed. On a GPU a step's cost is mostly the
+//!   number of kernels it launches (session 25's H100 run: README, "A reward model whose features
+//!   learn"): autograd through a composed op launches each of its elementwise kernels and, per
+//!   graph node, a zeroed gradient and an add, and candle's matmul backward also forms xᵀg for
+//!   a frozen W, a product as large as the forward one whose result is dropped. It runs on the
+//!   CPU too, where the tests check it against the fused and composed paths; only the copy of a
+//!   routed value into the graph differs on CUDA (`Routed::cuda_fwd`).
+//!   `ONEPASS_GPU_KERNELS=composed` keeps the composed path on a GPU.
+//! - **Composed** (Metal, and on request CUDA): the same functions written with candle's
+//!   differentiable tensor ops, so autograd derives the gradient. The tests run it on the CPU
+//!   against the fused path (values and every adapter's gradient), which is how its maths is
+//!   checked on a machine without a GPU.
 
 /// Which implementation of the ops a model uses (see the module's doc).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Kernels {
     /// Fused CPU kernels with hand-written gradients ([`routed`]); CPU only.
     Fused,
+    /// The device's kernels with routed gradients where candle has them, composed ops
+    /// elsewhere; the CPU and CUDA.
+    Routed,
     /// candle's differentiable ops; any device.
     Composed,
 }
 
 impl Kernels {
-    /// Fused on the CPU, composed elsewhere.
+    /// Fused on the CPU, routed on CUDA (composed with `ONEPASS_GPU_KERNELS=composed`),
+    /// composed elsewhere.
     pub fn for_device(dev: &candle_core::Device) -> Kernels {
         if dev.is_cpu() {
             Kernels::Fused
+        } else if dev.is_cuda() && std::env::var("ONEPASS_GPU_KERNELS").as_deref() != Ok("composed") {
+            Kernels::Routed
         } else {
             Kernels::Composed
         }
@@ -72,22 +89,39 @@ impl CustomOp1 for Routed {
         Ok((out, l.shape().clone()))
     }
 
+    /// The value copied into a fresh buffer of exactly its elements (the value may be a view).
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(&self, _: &candle_core::CudaStorage, _: &Layout) -> Result<(candle_core::CudaStorage, Shape)> {
+        use candle_core::backend::{BackendDevice, BackendStorage};
+        let y = self.value.lock().ok().and_then(|mut v| v.take());
+        let Some(y) = y else { candle_core::bail!("{}: the value was taken already", self.name) };
+        let (st, l) = y.storage_and_layout();
+        let Storage::Cuda(s) = &*st else { candle_core::bail!("{}: expected a CUDA value", self.name) };
+        // SAFETY: every element is written by the copy below
+        let mut out = unsafe { s.device().alloc_uninit(l.shape(), s.dtype())? };
+        s.copy_strided_src(&mut out, 0, l)?;
+        Ok((out, l.shape().clone()))
+    }
+
     fn bwd(&self, x: &Tensor, res: &Tensor, g: &Tensor) -> Result<Option<Tensor>> {
         Ok(Some((self.grad)(x, res, g)?))
     }
 }
 
 /// `y` (computed from `x` outside the graph) as a function of `x` whose gradient is `grad`;
-/// `y` itself when `x` needs no gradient. An error off the CPU: there the value would reach the
-/// graph without its gradient (the composed ops are the path for other devices).
+/// `y` itself when `x` needs no gradient. The CPU and CUDA; an error elsewhere, where the value
+/// would reach the graph without its gradient (the composed ops are the path there).
 pub fn routed(
     x: &Tensor,
     y: Tensor,
     name: &'static str,
     grad: impl Fn(&Tensor, &Tensor, &Tensor) -> Result<Tensor> + Send + Sync + 'static,
 ) -> Result<Tensor> {
-    if !x.device().is_cpu() {
-        candle_core::bail!("{name}: the fused kernels are CPU-only (use Kernels::Composed on {:?})", x.device());
+    if !(x.device().is_cpu() || x.device().is_cuda()) {
+        candle_core::bail!(
+            "{name}: routed gradients run on the CPU and CUDA (use Kernels::Composed on {:?})",
+            x.device()
+        );
     }
     if !x.track_op() {
         return Ok(y);
@@ -101,12 +135,15 @@ pub fn routed(
 /// pass per row. Fused with a w that is a variable (a full-parameter policy): x·r fused with
 /// unit weight, then ⊙ w in the graph, so w gets its gradient Σ g ⊙ x·r.
 pub fn rms_norm(x: &Tensor, w: &Tensor, eps: f64, k: Kernels) -> Result<Tensor> {
-    if k == Kernels::Fused && w.is_variable() {
+    if k != Kernels::Composed && w.is_variable() {
         return rms_norm(x, &w.detach().ones_like()?, eps, k)?.broadcast_mul(w);
     }
     if k == Kernels::Composed {
         let r = (x.sqr()?.mean_keepdim(D::Minus1)? + eps)?.sqrt()?;
         return x.broadcast_div(&r)?.broadcast_mul(w);
+    }
+    if k == Kernels::Routed {
+        return rms_norm_routed(x, w, eps);
     }
     let d = x.dim(D::Minus1)?;
     if w.dims() != [d]
@@ -122,6 +159,27 @@ pub fn rms_norm(x: &Tensor, w: &Tensor, eps: f64, k: Kernels) -> Result<Tensor> 
         );
     }
     x.contiguous()?.apply_op1(RmsNorm { w: w.contiguous()?, eps })
+}
+
+/// [`rms_norm`] with routed kernels: the value by candle's RMSNorm kernel (f32, bf16, f16; its
+/// CUDA kernel sums in f32 whatever the type, so f64 takes the composed forward, outside the
+/// graph), the gradient ∂L/∂x = r (w ⊙ g) − x r³ ⟨w ⊙ g, x⟩ / d as tensor ops.
+fn rms_norm_routed(x: &Tensor, w: &Tensor, eps: f64) -> Result<Tensor> {
+    let xd = x.detach().contiguous()?;
+    let y = match x.dtype() {
+        candle_core::DType::F64 => {
+            xd.broadcast_div(&(xd.sqr()?.mean_keepdim(D::Minus1)? + eps)?.sqrt()?)?.broadcast_mul(&w.detach())?
+        }
+        _ => candle_nn::ops::rms_norm(&xd, &w.detach().contiguous()?, eps as f32)?,
+    };
+    let (w, d) = (w.detach(), x.dim(D::Minus1)? as f64);
+    routed(x, y, "rms-norm", move |x, _, g| {
+        let r = (x.sqr()?.mean_keepdim(D::Minus1)? + eps)?.sqrt()?.recip()?;
+        let wg = g.broadcast_mul(&w)?;
+        let dot = (&wg * x)?.sum_keepdim(D::Minus1)?;
+        let coef = ((r.sqr()? * &r)? * dot)?.affine(1.0 / d, 0.0)?;
+        wg.broadcast_mul(&r)? - x.broadcast_mul(&coef)?
+    })
 }
 
 /// [`rms_norm`]'s fused op. The forward is candle's RMSNorm kernel's arithmetic (Σ x² in order,
@@ -412,8 +470,8 @@ const LM_BLOCK: usize = 128;
 /// the graph of `frozen_matmul` → `log_softmax_last` → `gather` held the logits and the
 /// log-softmax through the backward and made four more (P, vocab) temporaries in it (issue 31:
 /// the step's memory). The values are that graph's. With `packed` (a policy that trains with
-/// bf16 products) both products run on the bf16 kernel. Composed (other devices), or W a
-/// variable (a full-parameter policy, whose LM head takes a gradient): that graph.
+/// bf16 products) both products run on the bf16 kernel. Routed or composed (other devices), or
+/// W a variable (a full-parameter policy, whose LM head takes a gradient): that graph.
 pub fn lm_head_logprobs(
     x: &Tensor,
     w: &Tensor,
@@ -422,7 +480,7 @@ pub fn lm_head_logprobs(
     k: Kernels,
 ) -> Result<Tensor> {
     let p = targets.dim(0)?;
-    if k == Kernels::Composed || w.is_variable() {
+    if k != Kernels::Fused || w.is_variable() {
         let logits = crate::lora::frozen_matmul(x, w, k)?;
         let lp = log_softmax_last(&logits, k)?;
         return lp.gather(&targets.reshape((p, 1))?, 1)?.squeeze(1);
@@ -535,7 +593,7 @@ pub fn log_softmax_last(x: &Tensor, k: Kernels) -> Result<Tensor> {
 /// the graph and spent about a dozen passes in the backward (silu's derivative alone is six
 /// elementwise ops). Composed: candle's `silu` then `*`.
 pub fn silu_mul(g: &Tensor, u: &Tensor, k: Kernels) -> Result<Tensor> {
-    if k == Kernels::Composed || !matches!(g.dtype(), candle_core::DType::F32 | candle_core::DType::F64) {
+    if k != Kernels::Fused || !matches!(g.dtype(), candle_core::DType::F32 | candle_core::DType::F64) {
         return candle_nn::ops::silu(g)? * u;
     }
     if g.shape() != u.shape() {
@@ -650,14 +708,16 @@ mod tests {
             (v(&y), v(grads.get(x.as_tensor()).unwrap()))
         };
         let (fy, fg) = run(Kernels::Fused);
-        let (cy, cg) = run(Kernels::Composed);
         let err = |a: &[f64], b: &[f64]| a.iter().zip(b).map(|(x, y)| (x - y).abs()).fold(0.0, f64::max);
-        assert!(
-            err(&fy, &cy) < 1e-13 && err(&fg, &cg) < 1e-12,
-            "values {:e}, gradient {:e}",
-            err(&fy, &cy),
-            err(&fg, &cg)
-        );
+        for k in [Kernels::Composed, Kernels::Routed] {
+            let (cy, cg) = run(k);
+            assert!(
+                err(&fy, &cy) < 1e-13 && err(&fg, &cg) < 1e-12,
+                "{k:?}: values {:e}, gradient {:e}",
+                err(&fy, &cy),
+                err(&fg, &cg)
+            );
+        }
         // r w ⊙ g alone, without − x r³ ⟨w ⊙ g, x⟩ / d
         let partial: Vec<f64> = (0..rows * d)
             .map(|i| {
@@ -674,6 +734,22 @@ mod tests {
         let theirs: Vec<f32> =
             candle_nn::ops::rms_norm(&x32, &w32, eps as f32).unwrap().flatten_all().unwrap().to_vec1().unwrap();
         assert_eq!(ours, theirs);
+        // routed in f32: candle's kernel's value, with a gradient
+        let x = Var::from_tensor(&x32).unwrap();
+        let y = rms_norm(x.as_tensor(), &w32, eps, Kernels::Routed).unwrap();
+        assert_eq!(y.flatten_all().unwrap().to_vec1::<f32>().unwrap(), theirs);
+        let c32 = c.to_dtype(candle_core::DType::F32).unwrap();
+        let g = (&y * &c32).unwrap().sum_all().unwrap().backward().unwrap();
+        let g: Vec<f64> = g
+            .get(x.as_tensor())
+            .unwrap()
+            .to_dtype(candle_core::DType::F64)
+            .unwrap()
+            .flatten_all()
+            .unwrap()
+            .to_vec1()
+            .unwrap();
+        assert!(err(&g, &fg) < 1e-4, "routed f32 gradient {:e}", err(&g, &fg));
     }
 
     /// The head-layout ops give the composition's values and gradients (f64): rows (b·t, n·hd)

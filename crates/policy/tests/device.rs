@@ -3,9 +3,10 @@
 //!
 //!   ONEPASS_TEST_DEVICE=cuda cargo test --release --features cuda -p policy --test device -- --nocapture
 //!
-//! On the CPU these tests run the composed ops (the GPU's maths) against the fused kernels and
-//! PyTorch's float64 fixture; with `cuda` the same comparisons run on the GPU's kernels (cuBLAS,
-//! candle's CUDA kernels), which nothing else in the suite reaches:
+//! On the CPU these tests run both paths a GPU trains with — routed (CUDA's default) and
+//! composed (`ONEPASS_GPU_KERNELS=composed`) — against the fused kernels and PyTorch's float64
+//! fixture; with `cuda` the same comparisons run on the GPU's kernels (cuBLAS, candle's CUDA
+//! kernels), which nothing else in the suite reaches:
 //! - the decoder's log-probabilities and every adapter's gradient equal the CPU's fused path;
 //! - an Adam step moves every adapter as on the CPU (no gradient is lost on the way);
 //! - a reward model's loss, gradient and Hessian–vector products equal PyTorch's exact ones,
@@ -27,11 +28,14 @@ use policy::{LoraConfig, PolicyModel, Target};
 use std::collections::HashMap;
 use std::path::PathBuf;
 
-/// `m` on the device under test runs the composed ops (set on the CPU, where fused is the
-/// default; the only choice elsewhere).
-fn composed(mut m: PolicyModel) -> PolicyModel {
-    m.set_kernels(Kernels::Composed).unwrap();
-    assert_eq!(m.kernels(), Kernels::Composed);
+/// The two paths a GPU trains with: routed (the default on CUDA) and composed
+/// (`ONEPASS_GPU_KERNELS=composed`).
+const GPU_PATHS: [Kernels; 2] = [Kernels::Routed, Kernels::Composed];
+
+/// `m` on the device under test runs `k` (set on the CPU too, where fused is the default).
+fn on_path(mut m: PolicyModel, k: Kernels) -> PolicyModel {
+    m.set_kernels(k).unwrap();
+    assert_eq!(m.kernels(), k);
     m
 }
 
@@ -54,7 +58,7 @@ fn copy_vars(from: &PolicyModel, to: &PolicyModel) {
 fn values_and_every_adapter_gradient_on_the_device_equal_the_cpus_fused_path() {
     let dev = test_device();
     let seqs: [(&[u32], &[u32]); 3] = [(&[1, 5, 3], &[9, 2, 4]), (&[4], &[10, 0, 6, 8]), (&[7, 7, 2, 1], &[3])];
-    let mut worst = [0f64; 2];
+    let mut worst = [[0f64; 2]; 2];
     for (family, interleaved) in [(Family::Llama, false), (Family::Llama, true), (Family::Qwen2, false)] {
         // f64: the maths (the bound is rounding); f32: what trains
         for (di, (dtype, tol)) in [(DType::F64, 1e-10), (DType::F32, 2e-4)].into_iter().enumerate() {
@@ -64,31 +68,35 @@ fn values_and_every_adapter_gradient_on_the_device_equal_the_cpus_fused_path() {
             randomize(&cpu, 13);
             assert_eq!(cpu.kernels(), Kernels::Fused);
             let (fv, fg) = values_and_gradients(&cpu, &SeqBatch::new(&seqs, &Device::Cpu).unwrap());
-            let on = composed(tiny_on(&c, &w, dtype, &dev));
-            copy_vars(&cpu, &on);
-            let b = SeqBatch::new(&seqs, &dev).unwrap();
-            let (dv, dg) = values_and_gradients(&on, &b);
-            let mut err = rel(&dv, &fv);
-            assert_eq!(dg.len(), fg.len());
-            for (vi, (x, y)) in dg.iter().zip(&fg).enumerate() {
+            for (ki, k) in GPU_PATHS.into_iter().enumerate() {
+                let on = on_path(tiny_on(&c, &w, dtype, &dev), k);
+                copy_vars(&cpu, &on);
+                let b = SeqBatch::new(&seqs, &dev).unwrap();
+                let (dv, dg) = values_and_gradients(&on, &b);
+                let mut err = rel(&dv, &fv);
+                assert_eq!(dg.len(), fg.len());
+                for (vi, (x, y)) in dg.iter().zip(&fg).enumerate() {
+                    assert!(
+                        x.iter().any(|v| *v != 0.0),
+                        "{family:?} {dtype:?} {k:?} on {dev:?}: adapter var {vi} has no gradient"
+                    );
+                    err = err.max(rel(x, y));
+                }
                 assert!(
-                    x.iter().any(|v| *v != 0.0),
-                    "{family:?} {dtype:?} on {dev:?}: adapter var {vi} has no gradient"
+                    err < tol,
+                    "{family:?} interleaved={interleaved} {dtype:?} {k:?}: {dev:?} vs the CPU's fused path {err:e}"
                 );
-                err = err.max(rel(x, y));
+                worst[ki][di] = worst[ki][di].max(err);
+                // negative control: other adapter values on the device give other values and gradients
+                randomize(&on, 14);
+                let (v2, g2) = values_and_gradients(&on, &b);
+                assert!(rel(&v2, &fv).max(rel(&g2[1], &fg[1])) > 1e-3, "the comparison cannot see other adapters");
             }
-            assert!(
-                err < tol,
-                "{family:?} interleaved={interleaved} {dtype:?}: {dev:?} vs the CPU's fused path {err:e}"
-            );
-            worst[di] = worst[di].max(err);
-            // negative control: other adapter values on the device give other values and gradients
-            randomize(&on, 14);
-            let (v2, g2) = values_and_gradients(&on, &b);
-            assert!(rel(&v2, &fv).max(rel(&g2[1], &fg[1])) > 1e-3, "the comparison cannot see other adapters");
         }
     }
-    eprintln!("{dev:?} vs the CPU's fused path, largest relative error: f64 {:e}, f32 {:e}", worst[0], worst[1]);
+    for (k, w) in GPU_PATHS.iter().zip(worst) {
+        eprintln!("{dev:?} {k:?} vs the CPU's fused path, largest relative error: f64 {:e}, f32 {:e}", w[0], w[1]);
+    }
 }
 
 #[test]
@@ -113,32 +121,34 @@ fn an_adam_step_on_the_device_moves_every_adapter_as_on_the_cpu() {
             .map(|(v, b)| flat64(&[v.as_tensor().clone()]).iter().zip(b).map(|(x, y)| x - y).collect())
             .collect()
     };
-    let cpu = tiny_on(&c, &w, DType::F32, &Device::Cpu);
-    randomize(&cpu, 3);
-    let on = composed(tiny_on(&c, &w, DType::F32, &dev));
-    copy_vars(&cpu, &on);
-    let (want, got) = (step(&cpu), step(&on));
-    let mut worst = 0f64;
-    for (vi, (g, w)) in got.iter().zip(&want).enumerate() {
-        assert!(g.iter().any(|x| *x != 0.0), "{dev:?}: adapter var {vi} did not move");
-        // Adam's first step is ±lr wherever |g| ≫ ε: compared in norm, so an element whose
-        // gradient is rounding (its sign either way) cannot decide it alone
-        worst = worst.max(rel_l2(g, w));
+    for k in GPU_PATHS {
+        let cpu = tiny_on(&c, &w, DType::F32, &Device::Cpu);
+        randomize(&cpu, 3);
+        let on = on_path(tiny_on(&c, &w, DType::F32, &dev), k);
+        copy_vars(&cpu, &on);
+        let (want, got) = (step(&cpu), step(&on));
+        let mut worst = 0f64;
+        for (vi, (g, w)) in got.iter().zip(&want).enumerate() {
+            assert!(g.iter().any(|x| *x != 0.0), "{dev:?} {k:?}: adapter var {vi} did not move");
+            // Adam's first step is ±lr wherever |g| ≫ ε: compared in norm, so an element whose
+            // gradient is rounding (its sign either way) cannot decide it alone
+            worst = worst.max(rel_l2(g, w));
+        }
+        eprintln!("{dev:?} {k:?}: Adam's first step vs the CPU's, largest relative error {worst:e}");
+        assert!(worst < 1e-2, "{dev:?} {k:?}: Adam's step differs from the CPU's by {worst:e}");
     }
-    eprintln!("{dev:?}: Adam's first step vs the CPU's, largest relative error {worst:e}");
-    assert!(worst < 1e-2, "{dev:?}: Adam's step differs from the CPU's by {worst:e}");
 }
 
 #[test]
 fn a_reward_models_gradient_hvps_and_step_on_the_device_equal_pytorchs_and_the_cpus() {
     let dev = test_device();
-    for (case, full) in [("lora", false), ("full", true)] {
+    for ((case, full), k) in [("lora", false), ("full", true)].into_iter().flat_map(|c| GPU_PATHS.map(|k| (c, k))) {
         let fx = fixture(case);
         let pairs = fx.pairs();
-        // on the CPU the composed ops (the GPU's path); the only choice elsewhere
+        // the GPU's paths (on the CPU too)
         let on = |dtype: DType| {
             let mut rm = fixture_model_on(&fx, full, dtype, &dev);
-            rm.model.set_kernels(Kernels::Composed).unwrap();
+            rm.model.set_kernels(k).unwrap();
             rm
         };
         let rm = on(DType::F64);
@@ -154,7 +164,7 @@ fn a_reward_models_gradient_hvps_and_step_on_the_device_equal_pytorchs_and_the_c
         let v32: Vec<Tensor> = v_dev.iter().map(|t| t.to_dtype(DType::F32).unwrap()).collect();
         let hv32_err = rel_l2(&flat64(&rm32.hvp(&pairs, &v32, HvpConfig::default().eps).unwrap()), &exact);
         eprintln!(
-            "{case} on {dev:?}: loss {loss_err:.1e}, gradient {g_err:.1e}, f64 HVP {hv_err:.1e}, f32 HVP {hv32_err:.1e} (vs PyTorch's exact)"
+            "{case} {k:?} on {dev:?}: loss {loss_err:.1e}, gradient {g_err:.1e}, f64 HVP {hv_err:.1e}, f32 HVP {hv32_err:.1e} (vs PyTorch's exact)"
         );
         // the CPU's bounds (tests/reward.rs): one function in float64, so agreement to rounding
         assert!(loss_err < 1e-10, "{case}: loss relative error {loss_err:e}");
@@ -174,7 +184,7 @@ fn a_reward_models_gradient_hvps_and_step_on_the_device_equal_pytorchs_and_the_c
         let cpu = fixture_model(&fx, full, DType::F64);
         let (want, got) = (after(&cpu), after(&rm));
         let step_err = rel_l2(&got, &want);
-        eprintln!("{case} on {dev:?}: an Alg. 5 step vs the CPU's, relative error {step_err:.1e}");
+        eprintln!("{case} {k:?} on {dev:?}: an Alg. 5 step vs the CPU's, relative error {step_err:.1e}");
         assert!(want.iter().any(|x| *x != 0.0) && step_err < 1e-6, "{case}: step relative error {step_err:e}");
     }
 }
@@ -310,26 +320,28 @@ fn rloo_updates_on_the_device_follow_the_cpus() {
         (flat64(&vars.iter().map(|v| v.as_tensor().clone()).collect::<Vec<_>>()), kl)
     };
     let run = |m: &PolicyModel| run_with(m, &rewards);
-    let cpu = cpu_start(&c, &w);
-    let on = composed(tiny_on(&c, &w, DType::F32, &dev));
-    copy_vars(&cpu, &on);
-    let start = flat64(&on.vars().iter().map(|v| v.as_tensor().clone()).collect::<Vec<_>>());
-    let ((want, kl_cpu), (got, kl_dev)) = (run(&cpu), run(&on));
-    let moved: Vec<f64> = got.iter().zip(&start).map(|(a, b)| a - b).collect();
-    let moved_cpu: Vec<f64> = want.iter().zip(&start).map(|(a, b)| a - b).collect();
-    let err = rel_l2(&moved, &moved_cpu);
-    eprintln!(
-        "{dev:?}: 3 RLOO updates vs the CPU's, relative error of the adapters' move {err:e}; KL {kl_dev} vs {kl_cpu}"
+    for k in GPU_PATHS {
+        let cpu = cpu_start(&c, &w);
+        let on = on_path(tiny_on(&c, &w, DType::F32, &dev), k);
+        copy_vars(&cpu, &on);
+        let start = flat64(&on.vars().iter().map(|v| v.as_tensor().clone()).collect::<Vec<_>>());
+        let ((want, kl_cpu), (got, kl_dev)) = (run(&cpu), run(&on));
+        let moved: Vec<f64> = got.iter().zip(&start).map(|(a, b)| a - b).collect();
+        let moved_cpu: Vec<f64> = want.iter().zip(&start).map(|(a, b)| a - b).collect();
+        let err = rel_l2(&moved, &moved_cpu);
+        eprintln!(
+        "{dev:?} {k:?}: 3 RLOO updates vs the CPU's, relative error of the adapters' move {err:e}; KL {kl_dev} vs {kl_cpu}"
     );
-    assert!(kl_dev != 0.0 && (kl_dev - kl_cpu).abs() <= 1e-3 * kl_cpu.abs(), "KL {kl_dev} vs {kl_cpu}");
-    assert!(err < 1e-3, "{dev:?}: the adapters moved differently: {err:e}");
-    // negative control: other rewards move the adapters elsewhere
-    let other = composed(tiny_on(&c, &w, DType::F32, &dev));
-    copy_vars(&cpu_start(&c, &w), &other);
-    let reversed: Vec<f64> = rewards.iter().rev().copied().collect();
-    let (got2, _) = run_with(&other, &reversed);
-    let moved2: Vec<f64> = got2.iter().zip(&start).map(|(a, b)| a - b).collect();
-    assert!(rel_l2(&moved2, &moved_cpu) > 1e-1, "the comparison cannot see other rewards");
+        assert!(kl_dev != 0.0 && (kl_dev - kl_cpu).abs() <= 1e-3 * kl_cpu.abs(), "KL {kl_dev} vs {kl_cpu}");
+        assert!(err < 1e-3, "{dev:?}: the adapters moved differently: {err:e}");
+        // negative control: other rewards move the adapters elsewhere
+        let other = on_path(tiny_on(&c, &w, DType::F32, &dev), k);
+        copy_vars(&cpu_start(&c, &w), &other);
+        let reversed: Vec<f64> = rewards.iter().rev().copied().collect();
+        let (got2, _) = run_with(&other, &reversed);
+        let moved2: Vec<f64> = got2.iter().zip(&start).map(|(a, b)| a - b).collect();
+        assert!(rel_l2(&moved2, &moved_cpu) > 1e-1, "the comparison cannot see other rewards");
+    }
 }
 
 /// The tiny policy's adapters as the RLOO test starts them (B random, A from the seed).

@@ -75,7 +75,7 @@ fn perturb(m: &PolicyModel, seed: u64, size: f64) {
 fn every_weight_gets_its_gradient_on_both_kernel_paths() {
     for family in [Family::Qwen2, Family::Llama] {
         let mut by_kernel = Vec::new();
-        for k in [Kernels::Fused, Kernels::Composed] {
+        for k in [Kernels::Fused, Kernels::Routed, Kernels::Composed] {
             let mut m = full(family, DType::F64);
             m.set_kernels(k).unwrap();
             perturb(&m, 2, 0.05);

@@ -178,19 +178,22 @@ fn frozen_matmul_routes_the_gradient_to_x_alone() {
             let x = candle_core::Var::from_tensor(&t(m * k, f64::sin, (m, k))).unwrap();
             let w = t(n * k, f64::cos, (n, k));
             let c = t(m * n, |v| (v * 1.3).sin(), (m, n));
-            let y1 = policy::lora::frozen_matmul(x.as_tensor(), &w, policy::ops::Kernels::Fused).unwrap();
             let y2 = x.as_tensor().matmul(&w.t().unwrap()).unwrap();
             let bits =
                 |t: &Tensor| -> Vec<f64> { t.flatten_all().unwrap().to_dtype(DType::F64).unwrap().to_vec1().unwrap() };
-            assert_eq!(bits(&y1), bits(&y2), "{dtype:?} {m}×{k}×{n}: values");
-            let g1 = (&y1 * &c).unwrap().sum_all().unwrap().backward().unwrap();
-            let g2 = (y2 * &c).unwrap().sum_all().unwrap().backward().unwrap();
-            assert_eq!(
-                bits(g1.get(x.as_tensor()).unwrap()),
-                bits(g2.get(x.as_tensor()).unwrap()),
-                "{dtype:?} {m}×{k}×{n}: ∂/∂x"
-            );
-            assert!(g1.get(&w).is_none(), "no gradient for the frozen weight");
+            let g2 = (&y2 * &c).unwrap().sum_all().unwrap().backward().unwrap();
+            for kernels in [policy::ops::Kernels::Fused, policy::ops::Kernels::Routed] {
+                let y1 = policy::lora::frozen_matmul(x.as_tensor(), &w, kernels).unwrap();
+                assert_eq!(bits(&y1), bits(&y2), "{dtype:?} {m}×{k}×{n} {kernels:?}: values");
+                let g1 = (&y1 * &c).unwrap().sum_all().unwrap().backward().unwrap();
+                assert_eq!(
+                    bits(g1.get(x.as_tensor()).unwrap()),
+                    bits(g2.get(x.as_tensor()).unwrap()),
+                    "{dtype:?} {m}×{k}×{n} {kernels:?}: ∂/∂x"
+                );
+                assert!(g1.get(&w).is_none(), "no gradient for the frozen weight");
+            }
+            let y1 = policy::lora::frozen_matmul(x.as_tensor(), &w, policy::ops::Kernels::Fused).unwrap();
             // negative control: the product with W's rows in another order is another value
             let wr = Tensor::cat(&[w.narrow(0, 1, n - 1).unwrap(), w.narrow(0, 0, 1).unwrap()], 0).unwrap();
             let y3 = policy::lora::frozen_matmul(x.as_tensor(), &wr, policy::ops::Kernels::Fused).unwrap();
@@ -262,32 +265,37 @@ fn composed_ops_give_the_fused_values_and_every_adapter_gradient() {
             randomize(&m, 13);
             assert_eq!(m.kernels(), policy::ops::Kernels::Fused, "the CPU trains fused");
             let (fv, fg) = values_and_gradients(&m, &b);
-            m.set_kernels(policy::ops::Kernels::Composed).unwrap();
-            let (cv, cg) = values_and_gradients(&m, &b);
-            let mut err = rel(&cv, &fv);
-            for (vi, (x, y)) in cg.iter().zip(&fg).enumerate() {
-                assert!(
-                    y.iter().any(|v| *v != 0.0),
-                    "{family:?} {interleaved} {dtype:?}: adapter var {vi} has a zero gradient"
-                );
-                err = err.max(rel(x, y));
+            // the two paths a GPU trains with: composed (autograd) and routed (device kernels)
+            for k in [policy::ops::Kernels::Composed, policy::ops::Kernels::Routed] {
+                m.set_kernels(k).unwrap();
+                let (cv, cg) = values_and_gradients(&m, &b);
+                let mut err = rel(&cv, &fv);
+                for (vi, (x, y)) in cg.iter().zip(&fg).enumerate() {
+                    assert!(
+                        y.iter().any(|v| *v != 0.0),
+                        "{family:?} {interleaved} {dtype:?}: adapter var {vi} has a zero gradient"
+                    );
+                    err = err.max(rel(x, y));
+                }
+                assert!(err < tol, "{family:?} interleaved={interleaved} {dtype:?}: {k:?} vs fused {err:e}");
+                worst[di] = worst[di].max(err);
             }
-            assert!(err < tol, "{family:?} interleaved={interleaved} {dtype:?}: composed vs fused {err:e}");
-            worst[di] = worst[di].max(err);
             // negative control: the other RoPE layout, composed, is far off
             if family == Family::Llama && dtype == DType::F64 {
                 let mut other = cfg(family, !interleaved);
                 other.rope_interleaved = !interleaved;
                 let mut m2 = PolicyModel::new(w.clone(), other, &lora, 32, dtype).unwrap();
                 randomize(&m2, 13);
-                m2.set_kernels(policy::ops::Kernels::Composed).unwrap();
-                let (v2, g2) = values_and_gradients(&m2, &b);
-                let off = rel(&v2, &fv).max(rel(&g2[0], &fg[0]));
-                assert!(off > 1e-3, "the comparison cannot see a wrong RoPE layout: {off:e}");
+                for k in [policy::ops::Kernels::Composed, policy::ops::Kernels::Routed] {
+                    m2.set_kernels(k).unwrap();
+                    let (v2, g2) = values_and_gradients(&m2, &b);
+                    let off = rel(&v2, &fv).max(rel(&g2[0], &fg[0]));
+                    assert!(off > 1e-3, "{k:?}: the comparison cannot see a wrong RoPE layout: {off:e}");
+                }
             }
         }
     }
-    eprintln!("composed vs fused, largest relative error: f64 {:e}, f32 {:e}", worst[0], worst[1]);
+    eprintln!("composed and routed vs fused, largest relative error: f64 {:e}, f32 {:e}", worst[0], worst[1]);
 }
 
 /// PEFT's lora_dropout: the frozen path never sees it (with B = 0 a dropped pass is the base
@@ -377,7 +385,7 @@ fn shared_prompts_give_the_padded_values_and_every_adapter_gradient() {
     }
     let mut worst = 0f64;
     for (family, interleaved) in [(Family::Llama, false), (Family::Llama, true), (Family::Qwen2, false)] {
-        for kernels in [policy::ops::Kernels::Fused, policy::ops::Kernels::Composed] {
+        for kernels in [policy::ops::Kernels::Fused, policy::ops::Kernels::Routed, policy::ops::Kernels::Composed] {
             let c = cfg(family, interleaved);
             let w: HashMap<String, Tensor> =
                 weights(&c, 17).into_iter().map(|(k, v)| (k, v.to_dtype(DType::F64).unwrap())).collect();
@@ -472,7 +480,7 @@ fn recorded_logprobs_score_as_the_graphs_two_passes() {
 fn scoring_passes_build_no_graph_and_give_the_tracked_values() {
     let seqs: [(&[u32], &[u32]); 2] = [(&[1, 5, 3], &[9, 2, 4]), (&[4, 2], &[10, 0, 6, 8])];
     let b = policy::batch::SeqBatch::new(&seqs, &Device::Cpu).unwrap();
-    for kernels in [policy::ops::Kernels::Fused, policy::ops::Kernels::Composed] {
+    for kernels in [policy::ops::Kernels::Fused, policy::ops::Kernels::Routed, policy::ops::Kernels::Composed] {
         let c = cfg(Family::Llama, true);
         let lora = LoraConfig { rank: 2, alpha: 4.0, targets: Target::ALL.to_vec(), seed: 6, dropout: 0.0 };
         let mut m = PolicyModel::new(weights(&c, 8), c, &lora, 32, DType::F32).unwrap();

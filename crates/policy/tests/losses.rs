@@ -253,14 +253,16 @@ fn the_fused_lm_head_log_probabilities_equal_the_graphs() {
             (f64s(&lp), f64s(g.get(x.as_tensor()).expect("x receives a gradient")))
         };
         let (fv, fg) = run(Kernels::Fused, &targets);
-        let (cv, cg) = run(Kernels::Composed, &targets);
-        assert_eq!(fv.len(), p);
-        assert!(
-            rel(&fv, &cv) < tol && rel(&fg, &cg) < tol,
-            "{dtype:?}: values {:e}, gradient {:e}",
-            rel(&fv, &cv),
-            rel(&fg, &cg)
-        );
+        for k in [Kernels::Composed, Kernels::Routed] {
+            let (cv, cg) = run(k, &targets);
+            assert_eq!(fv.len(), p);
+            assert!(
+                rel(&fv, &cv) < tol && rel(&fg, &cg) < tol,
+                "{dtype:?} {k:?}: values {:e}, gradient {:e}",
+                rel(&fv, &cv),
+                rel(&fg, &cg)
+            );
+        }
         // every row's log-probability is a log-probability
         assert!(fv.iter().all(|x| *x < 0.0));
         // without a gradient to keep, the same values
