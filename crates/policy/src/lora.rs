@@ -319,8 +319,15 @@ impl Linear {
             (Some(ad), false, Reference::Snapshot { a, b }) => Some((a.clone(), b.clone(), ad.scale)),
             _ => None,
         };
-        if let (true, Some((a, b, scale))) = (fused && lora_fuses(x.dtype()), low_rank) {
+        if let (true, Some((a, b, scale))) = (fused && lora_fuses(x.dtype()), low_rank.clone()) {
             let mut y = lora_matmul(&x2, &self.w, self.packed.as_ref(), &a, &b, scale)?;
+            if let Some(bias) = &self.bias {
+                y = y.broadcast_add(bias)?;
+            }
+            return self.shaped(y, dims);
+        }
+        if let (Kernels::Routed, Some((a, b, scale)), false) = (k, low_rank, self.w.is_variable()) {
+            let mut y = lora_matmul_routed(&x2, &self.w, &a, &b, scale)?;
             if let Some(bias) = &self.bias {
                 y = y.broadcast_add(bias)?;
             }
@@ -528,6 +535,33 @@ impl candle_core::CustomOp1 for FrozenMatmul {
 }
 
 /// Whether [`lora_matmul`] computes in `dtype` (else the composition of candle's ops).
+/// [`lora_matmul`]'s function on the routed path (CUDA's): y = x Wᵀ + s (x Aᵀ) Bᵀ by the
+/// device's products outside the graph, one node over (x, A, B) whose gradients are
+/// ∂x = g W + s (g B) A, ∂A = s (g B)ᵀ x, ∂B = s gᵀ (x Aᵀ) (x Aᵀ recomputed). Autograd through
+/// the composition kept five nodes per layer, each with a zeroed gradient and an add, and formed
+/// the frozen W's dropped gradient xᵀ g.
+pub fn lora_matmul_routed(x: &Tensor, w: &Tensor, a: &Tensor, b: &Tensor, scale: f64) -> Result<Tensor> {
+    let xd = x.detach();
+    let y = (xd.matmul(&w.t()?)? + (xd.matmul(&a.t()?)?.matmul(&b.t()?)? * scale)?)?;
+    let w = w.clone();
+    crate::ops::routed3((x, a, b), y, "lora-matmul", move |x, a, b, _, g| {
+        let gb = (g.matmul(b)? * scale)?;
+        let dx = match x.track_op() {
+            true => Some((g.matmul(&w)? + gb.matmul(a)?)?),
+            false => None,
+        };
+        let da = match a.track_op() {
+            true => Some(gb.t()?.matmul(x)?),
+            false => None,
+        };
+        let db = match b.track_op() {
+            true => Some((g.t()?.matmul(&x.matmul(&a.t()?)?)? * scale)?),
+            false => None,
+        };
+        Ok((dx, da, db))
+    })
+}
+
 fn lora_fuses(dtype: candle_core::DType) -> bool {
     matches!(dtype, candle_core::DType::F32 | candle_core::DType::F64)
 }

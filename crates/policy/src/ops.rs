@@ -73,39 +73,116 @@ impl CustomOp1 for Routed {
     }
 
     fn cpu_fwd(&self, _: &CpuStorage, _: &Layout) -> Result<(CpuStorage, Shape)> {
-        let y = self.value.lock().ok().and_then(|mut v| v.take());
-        let Some(y) = y else { candle_core::bail!("{}: the value was taken already", self.name) };
-        let (st, l) = y.storage_and_layout();
-        let (Storage::Cpu(s), Some((a, b))) = (&*st, l.contiguous_offsets()) else {
-            candle_core::bail!("{}: expected a contiguous CPU value", self.name);
-        };
-        let out = match s {
-            CpuStorage::F32(v) => CpuStorage::F32(v[a..b].to_vec()),
-            CpuStorage::F64(v) => CpuStorage::F64(v[a..b].to_vec()),
-            CpuStorage::BF16(v) => CpuStorage::BF16(v[a..b].to_vec()),
-            CpuStorage::F16(v) => CpuStorage::F16(v[a..b].to_vec()),
-            _ => candle_core::bail!("{}: expected a float tensor", self.name),
-        };
-        Ok((out, l.shape().clone()))
+        value_cpu(&self.value, self.name)
     }
 
-    /// The value copied into a fresh buffer of exactly its elements (the value may be a view).
     #[cfg(feature = "cuda")]
     fn cuda_fwd(&self, _: &candle_core::CudaStorage, _: &Layout) -> Result<(candle_core::CudaStorage, Shape)> {
-        use candle_core::backend::{BackendDevice, BackendStorage};
-        let y = self.value.lock().ok().and_then(|mut v| v.take());
-        let Some(y) = y else { candle_core::bail!("{}: the value was taken already", self.name) };
-        let (st, l) = y.storage_and_layout();
-        let Storage::Cuda(s) = &*st else { candle_core::bail!("{}: expected a CUDA value", self.name) };
-        // SAFETY: every element is written by the copy below
-        let mut out = unsafe { s.device().alloc_uninit(l.shape(), s.dtype())? };
-        s.copy_strided_src(&mut out, 0, l)?;
-        Ok((out, l.shape().clone()))
+        value_cuda(&self.value, self.name)
     }
 
     fn bwd(&self, x: &Tensor, res: &Tensor, g: &Tensor) -> Result<Option<Tensor>> {
         Ok(Some((self.grad)(x, res, g)?))
     }
+}
+
+/// A routed op's value, taken (each is used once), copied into the op's CPU output.
+fn value_cpu(value: &std::sync::Mutex<Option<Tensor>>, name: &str) -> Result<(CpuStorage, Shape)> {
+    let y = value.lock().ok().and_then(|mut v| v.take());
+    let Some(y) = y else { candle_core::bail!("{name}: the value was taken already") };
+    let (st, l) = y.storage_and_layout();
+    let (Storage::Cpu(s), Some((a, b))) = (&*st, l.contiguous_offsets()) else {
+        candle_core::bail!("{name}: expected a contiguous CPU value");
+    };
+    let out = match s {
+        CpuStorage::F32(v) => CpuStorage::F32(v[a..b].to_vec()),
+        CpuStorage::F64(v) => CpuStorage::F64(v[a..b].to_vec()),
+        CpuStorage::BF16(v) => CpuStorage::BF16(v[a..b].to_vec()),
+        CpuStorage::F16(v) => CpuStorage::F16(v[a..b].to_vec()),
+        _ => candle_core::bail!("{name}: expected a float tensor"),
+    };
+    Ok((out, l.shape().clone()))
+}
+
+/// A routed op's value copied into a fresh CUDA buffer of exactly its elements (the value may
+/// be a view: `try_clone` would copy its whole allocation).
+#[cfg(feature = "cuda")]
+fn value_cuda(value: &std::sync::Mutex<Option<Tensor>>, name: &str) -> Result<(candle_core::CudaStorage, Shape)> {
+    use candle_core::backend::{BackendDevice, BackendStorage};
+    let y = value.lock().ok().and_then(|mut v| v.take());
+    let Some(y) = y else { candle_core::bail!("{name}: the value was taken already") };
+    let (st, l) = y.storage_and_layout();
+    let Storage::Cuda(s) = &*st else { candle_core::bail!("{name}: expected a CUDA value") };
+    // SAFETY: every element is written by the copy below
+    let mut out = unsafe { s.device().alloc_uninit(l.shape(), s.dtype())? };
+    s.copy_strided_src(&mut out, 0, l)?;
+    Ok((out, l.shape().clone()))
+}
+
+/// The gradients of a three-input routed op: (x, a, b, y, ∂L/∂y) → (∂L/∂x, ∂L/∂a, ∂L/∂b).
+type Grad3 = Box<dyn Fn(&Tensor, &Tensor, &Tensor, &Tensor, &Tensor) -> Result<Grads3> + Send + Sync>;
+type Grads3 = (Option<Tensor>, Option<Tensor>, Option<Tensor>);
+
+/// [`Routed`] with three inputs.
+struct Routed3 {
+    name: &'static str,
+    value: std::sync::Mutex<Option<Tensor>>,
+    grad: Grad3,
+}
+
+impl candle_core::CustomOp3 for Routed3 {
+    fn name(&self) -> &'static str {
+        self.name
+    }
+
+    fn cpu_fwd(
+        &self,
+        _: &CpuStorage,
+        _: &Layout,
+        _: &CpuStorage,
+        _: &Layout,
+        _: &CpuStorage,
+        _: &Layout,
+    ) -> Result<(CpuStorage, Shape)> {
+        value_cpu(&self.value, self.name)
+    }
+
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(
+        &self,
+        _: &candle_core::CudaStorage,
+        _: &Layout,
+        _: &candle_core::CudaStorage,
+        _: &Layout,
+        _: &candle_core::CudaStorage,
+        _: &Layout,
+    ) -> Result<(candle_core::CudaStorage, Shape)> {
+        value_cuda(&self.value, self.name)
+    }
+
+    fn bwd(&self, x: &Tensor, a: &Tensor, b: &Tensor, res: &Tensor, g: &Tensor) -> Result<Grads3> {
+        (self.grad)(x, a, b, res, g)
+    }
+}
+
+/// `y` (computed from x, a, b outside the graph) as one node of the graph over the three,
+/// their gradients by `grad`; `y` itself when none of them needs a gradient. The CPU and CUDA.
+pub fn routed3(
+    (x, a, b): (&Tensor, &Tensor, &Tensor),
+    y: Tensor,
+    name: &'static str,
+    grad: impl Fn(&Tensor, &Tensor, &Tensor, &Tensor, &Tensor) -> Result<Grads3> + Send + Sync + 'static,
+) -> Result<Tensor> {
+    if !(x.device().is_cpu() || x.device().is_cuda()) {
+        candle_core::bail!(
+            "{name}: routed gradients run on the CPU and CUDA (use Kernels::Composed on {:?})",
+            x.device()
+        );
+    }
+    if !(x.track_op() || a.track_op() || b.track_op()) {
+        return Ok(y);
+    }
+    x.apply_op3(a, b, Routed3 { name, value: std::sync::Mutex::new(Some(y.contiguous()?)), grad: Box::new(grad) })
 }
 
 /// `y` (computed from `x` outside the graph) as a function of `x` whose gradient is `grad`;

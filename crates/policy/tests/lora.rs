@@ -202,10 +202,10 @@ fn frozen_matmul_routes_the_gradient_to_x_alone() {
     }
 }
 
-/// The LoRA product as one op (`lora::lora_matmul`) gives the composition's values, x W^T +
-/// s (x A^T) B^T, and autograd's gradients of x, A and B (f64, a shape over several of gemm's
-/// blocks); with x needing no gradient, A and B get the same ones. Negative control: another
-/// scale gives other gradients of A and B.
+/// The LoRA product as one op (`lora::lora_matmul`, and `lora_matmul_routed`: the GPU's)
+/// gives the composition's values, x W^T + s (x A^T) B^T, and autograd's gradients of x, A and
+/// B (f64, a shape over several of gemm's blocks); with x needing no gradient, A and B get the
+/// same ones. Negative control: another scale gives other gradients of A and B.
 #[test]
 fn the_lora_product_op_gives_the_compositions_values_and_gradients() {
     use candle_core::Var;
@@ -217,13 +217,16 @@ fn the_lora_product_op_gives_the_compositions_values_and_gradients() {
     let c = t(m * n, |v| (v * 1.3).sin(), (m, n));
     let flat = |t: &Tensor| -> Vec<f64> { t.flatten_all().unwrap().to_vec1().unwrap() };
     let err = |a: &[f64], b: &[f64]| a.iter().zip(b).map(|(x, y)| (x - y).abs()).fold(0.0, f64::max);
-    let run = |fused: bool, scale: f64, track_x: bool| {
+    // which: 0 the fused CPU op, 1 the routed op (CUDA's path), 2 the composition
+    let run = |which: u8, scale: f64, track_x: bool| {
         let x = Var::from_tensor(&t(m * k, f64::sin, (m, k))).unwrap();
         let a = Var::from_tensor(&(t(r * k, |v| (v * 0.7).cos(), (r, k)) * 0.05).unwrap()).unwrap();
         let b = Var::from_tensor(&(t(n * r, |v| (v * 2.1).sin(), (n, r)) * 0.05).unwrap()).unwrap();
         let xin = if track_x { x.as_tensor().clone() } else { x.as_tensor().detach() };
-        let y = if fused {
+        let y = if which == 0 {
             policy::lora::lora_matmul(&xin, &w, None, a.as_tensor(), b.as_tensor(), scale).unwrap()
+        } else if which == 1 {
+            policy::lora::lora_matmul_routed(&xin, &w, a.as_tensor(), b.as_tensor(), scale).unwrap()
         } else {
             let low = xin.matmul(&a.as_tensor().t().unwrap()).unwrap().matmul(&b.as_tensor().t().unwrap()).unwrap();
             (xin.matmul(&w.t().unwrap()).unwrap() + (low * scale).unwrap()).unwrap()
@@ -232,17 +235,25 @@ fn the_lora_product_op_gives_the_compositions_values_and_gradients() {
         let gx = g.get(x.as_tensor()).map(flat);
         (flat(&y), gx, flat(g.get(a.as_tensor()).unwrap()), flat(g.get(b.as_tensor()).unwrap()))
     };
-    let (fy, fx, fa, fb) = run(true, s, true);
-    let (cy, cx, ca, cb) = run(false, s, true);
-    let (fx, cx) = (fx.expect("x's gradient"), cx.expect("x's gradient"));
-    assert!(err(&fy, &cy) < 1e-10, "values {:e}", err(&fy, &cy));
-    assert!(err(&fx, &cx) < 1e-10, "dx {:e}", err(&fx, &cx));
-    assert!(err(&fa, &ca) < 1e-9 && err(&fb, &cb) < 1e-9, "dA {:e}, dB {:e}", err(&fa, &ca), err(&fb, &cb));
-    let (_, nx, na, nb) = run(true, s, false);
-    assert!(nx.is_none(), "x needs no gradient");
-    assert!(err(&na, &fa) < 1e-12 && err(&nb, &fb) < 1e-12);
-    let (_, _, oa, ob) = run(true, 3.0, true);
-    assert!(err(&oa, &fa) > 1e-3 && err(&ob, &fb) > 1e-3, "negative control: the scale is invisible");
+    let (cy, cx, ca, cb) = run(2, s, true);
+    let cx = cx.expect("x's gradient");
+    for which in [0, 1] {
+        let (fy, fx, fa, fb) = run(which, s, true);
+        let fx = fx.expect("x's gradient");
+        assert!(err(&fy, &cy) < 1e-10, "op {which}: values {:e}", err(&fy, &cy));
+        assert!(err(&fx, &cx) < 1e-10, "op {which}: dx {:e}", err(&fx, &cx));
+        assert!(
+            err(&fa, &ca) < 1e-9 && err(&fb, &cb) < 1e-9,
+            "op {which}: dA {:e}, dB {:e}",
+            err(&fa, &ca),
+            err(&fb, &cb)
+        );
+        let (_, nx, na, nb) = run(which, s, false);
+        assert!(nx.is_none(), "op {which}: x needs no gradient");
+        assert!(err(&na, &fa) < 1e-12 && err(&nb, &fb) < 1e-12);
+        let (_, _, oa, ob) = run(which, 3.0, true);
+        assert!(err(&oa, &fa) > 1e-3 && err(&ob, &fb) > 1e-3, "op {which}: negative control: the scale is invisible");
+    }
 }
 
 /// The composed ops — the path a GPU trains with (candle's differentiable tensor ops for
