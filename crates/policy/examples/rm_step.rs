@@ -8,8 +8,10 @@
 //! Each side of a pair has LEN random tokens (ChaCha8, seed 0), label 1. One untimed warm-up
 //! step, then REPS timed ones; the last line is a JSON record for `just bench-rm-step`
 //! (`scripts/bench_rm_step.sh`), which runs PyTorch + PEFT on the same ids (written to IDS_OUT).
-//! `ONEPASS_KERNELS=composed` runs candle's composed ops (what a GPU trains with) instead of the
-//! CPU's fused kernels: how the GPU path's memory is measured on a CPU.
+//! `ONEPASS_KERNELS=routed` or `composed` runs a GPU's paths (CUDA's default, or candle's composed
+//! ops) instead of the CPU's fused kernels: how their memory is measured on a CPU. Each step
+//! also counts the buffers of ≥ 16 KiB it allocates (`buffers`): on the CPU each op allocates its
+//! output, so the count stands for the kernels a GPU would launch per step (session 25).
 //! On a GPU (built with `--features cuda`, e.g. by `just build-cuda`): `ONEPASS_DEVICE=cuda`;
 //! `ONEPASS_PAIRS_PER_PASS=N` splits the step's backward passes as `[reward] pairs_per_pass`
 //! does (default: the whole batch in one pass), `ONEPASS_RM_UPDATE=full` trains every weight
@@ -20,6 +22,37 @@ use estimators::{EstimatorConfig, HvpCgConfig, SgdConfig};
 use policy::reward::{HvpConfig, HvpScheme, OnePass, RewardModel, RmPair};
 use policy::{LoraConfig, PolicyModel, Target};
 use rand::{Rng, SeedableRng};
+use std::alloc::{GlobalAlloc, Layout, System};
+use std::sync::atomic::{AtomicUsize, Ordering};
+
+/// Allocations of ≥ 16 KiB (activation-sized buffers), counted.
+struct Counting;
+static BIG_ALLOCS: AtomicUsize = AtomicUsize::new(0);
+
+// SAFETY: forwards to the system allocator
+unsafe impl GlobalAlloc for Counting {
+    unsafe fn alloc(&self, l: Layout) -> *mut u8 {
+        if l.size() >= 1 << 14 {
+            BIG_ALLOCS.fetch_add(1, Ordering::Relaxed);
+        }
+        unsafe { System.alloc(l) }
+    }
+    unsafe fn dealloc(&self, p: *mut u8, l: Layout) {
+        unsafe { System.dealloc(p, l) }
+    }
+    unsafe fn alloc_zeroed(&self, l: Layout) -> *mut u8 {
+        if l.size() >= 1 << 14 {
+            BIG_ALLOCS.fetch_add(1, Ordering::Relaxed);
+        }
+        unsafe { System.alloc_zeroed(l) }
+    }
+    unsafe fn realloc(&self, p: *mut u8, l: Layout, n: usize) -> *mut u8 {
+        unsafe { System.realloc(p, l, n) }
+    }
+}
+
+#[global_allocator]
+static ALLOC: Counting = Counting;
 
 fn main() {
     policy::keep_freed_memory();
@@ -47,11 +80,15 @@ fn main() {
     } else {
         PolicyModel::new(g.tensors, g.cfg, &lora, len, DType::F32).expect("building the model")
     };
-    // ONEPASS_KERNELS=composed: the composed ops a GPU trains with, on the CPU (their memory)
-    let composed = std::env::var("ONEPASS_KERNELS").as_deref() == Ok("composed");
-    if composed {
-        m.set_kernels(policy::ops::Kernels::Composed).expect("composed kernels");
-    }
+    // ONEPASS_KERNELS=routed|composed: a GPU's path, on the CPU (its memory and op count)
+    let kernels = match env("ONEPASS_KERNELS").as_deref() {
+        None => m.kernels(),
+        Some("routed") => policy::ops::Kernels::Routed,
+        Some("composed") => policy::ops::Kernels::Composed,
+        Some("fused") => policy::ops::Kernels::Fused,
+        Some(o) => panic!("ONEPASS_KERNELS={o}: expected fused, routed or composed"),
+    };
+    m.set_kernels(kernels).expect("kernels for the device");
     let mut rm = RewardModel::new(m, &vec![1.0 / (d as f64 + 1.0); d], true).unwrap();
     let ppp = env("ONEPASS_PAIRS_PER_PASS").map(|v| v.parse::<usize>().expect("ONEPASS_PAIRS_PER_PASS: a number"));
     if let Some(n) = ppp {
@@ -73,15 +110,17 @@ fn main() {
     }
     let seqs: Vec<&[u32]> = ids.chunks(len).collect();
     let batch: Vec<RmPair> = (0..pairs).map(|i| RmPair { a: seqs[2 * i], b: seqs[2 * i + 1], y: 1.0 }).collect();
-    let (mut steps, mut hvps, mut loss) = (Vec::new(), 0, 0.0);
+    let (mut steps, mut hvps, mut loss, mut buffers) = (Vec::new(), 0, 0.0, 0);
     for r in 0..=reps {
         dev.synchronize().unwrap();
+        let b0 = BIG_ALLOCS.load(Ordering::Relaxed);
         let t0 = std::time::Instant::now();
         let s = up.step(&rm, &batch).unwrap();
         dev.synchronize().unwrap();
         let t = t0.elapsed().as_secs_f64();
+        buffers = BIG_ALLOCS.load(Ordering::Relaxed) - b0;
         if r > 0 {
-            eprintln!("step {r}: {t:.2} s, {} HVPs, loss {:.4}", s.hvps, s.before.loss);
+            eprintln!("step {r}: {t:.2} s, {} HVPs, loss {:.4}, {buffers} buffers ≥ 16 KiB", s.hvps, s.before.loss);
             steps.push(t);
             hvps = s.hvps;
             loss = s.before.loss;
@@ -92,7 +131,7 @@ fn main() {
         "{}",
         serde_json::json!({
             "engine": "candle", "rule": rule, "device": format!("{dev:?}"), "update": if full { "full" } else { "lora" },
-            "pairs_per_pass": ppp.unwrap_or(pairs), "kernels": if composed { "composed" } else { "fused" }, "model": path.display().to_string(), "dtype": "float32",
+            "pairs_per_pass": ppp.unwrap_or(pairs), "kernels": format!("{kernels:?}").to_lowercase(), "buffers": buffers, "model": path.display().to_string(), "dtype": "float32",
             "threads": threads, "pairs": pairs, "len": len, "reps": reps, "step_s": steps, "hvps": hvps,
             "peak_rss_mb": features::peak_rss_mb().unwrap_or(0.0), "loss": loss,
         })

@@ -212,10 +212,12 @@ impl RewardModel {
         if v.len() != vars.len() {
             candle_core::bail!("an HVP direction of {} tensors for {} variables", v.len(), vars.len());
         }
-        let mut sq = 0.0;
-        for t in v {
-            sq += t.to_dtype(DType::F64)?.sqr()?.sum_all()?.to_scalar::<f64>()?;
-        }
+        // each tensor's Σ v² on the device, read back together (one transfer), summed in order
+        let sums = v.iter().map(|t| t.to_dtype(DType::F64)?.sqr()?.sum_all()).collect::<Result<Vec<_>>>()?;
+        let sq: f64 = match sums.is_empty() {
+            true => 0.0,
+            false => Tensor::stack(&sums, 0)?.to_vec1::<f64>()?.iter().sum(),
+        };
         let norm = sq.sqrt();
         if norm == 0.0 {
             return v.iter().map(|t| t.zeros_like()).collect();
@@ -266,27 +268,32 @@ impl RewardModel {
     }
 }
 
-/// Tensors flattened and concatenated, as f32.
+/// Tensors flattened and concatenated, as f32: concatenated on their device and read back in
+/// one transfer (a LoRA reward model has ~400 variables; one synchronising copy each was a
+/// GPU step's hundreds of host round trips).
 pub fn flatten(ts: &[Tensor]) -> Result<Vec<f32>> {
-    let mut out = Vec::with_capacity(ts.iter().map(|t| t.elem_count()).sum());
-    for t in ts {
-        out.extend(t.flatten_all()?.to_dtype(DType::F32)?.to_vec1::<f32>()?);
+    if ts.is_empty() {
+        return Ok(Vec::new());
     }
-    Ok(out)
+    let parts = ts.iter().map(|t| t.flatten_all()?.to_dtype(DType::F32)).collect::<Result<Vec<_>>>()?;
+    Tensor::cat(&parts, 0)?.to_vec1::<f32>()
 }
 
-/// `x` cut into tensors of the shapes, dtypes and device of `like`.
+/// `x` cut into tensors of the shapes, dtypes and device of `like`: sent in one transfer, then
+/// cut on the device.
 pub fn unflatten(x: &[f32], like: &[&Var]) -> Result<Vec<Tensor>> {
     let total: usize = like.iter().map(|v| v.as_tensor().elem_count()).sum();
     if x.len() != total {
         candle_core::bail!("{} values for variables of {total} elements", x.len());
     }
+    let Some(first) = like.first() else { return Ok(Vec::new()) };
+    let all = Tensor::from_slice(x, total, first.as_tensor().device())?;
     let mut at = 0;
     like.iter()
         .map(|v| {
             let t = v.as_tensor();
             let n = t.elem_count();
-            let part = Tensor::from_slice(&x[at..at + n], t.shape(), t.device())?.to_dtype(t.dtype())?;
+            let part = all.narrow(0, at, n)?.reshape(t.shape())?.to_dtype(t.dtype())?;
             at += n;
             Ok(part)
         })
