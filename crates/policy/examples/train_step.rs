@@ -7,8 +7,9 @@
 //! it; LoRA r = 8, α = 16 on q_proj and v_proj; Adam (lr 1e-4) with global-norm clipping at 1.
 //! One untimed warm-up step, then REPS timed ones; the last line is a JSON record for
 //! `just bench-train` (`scripts/bench_train.sh`), which runs PyTorch + PEFT on the same ids
-//! (written to IDS_OUT when given). `ONEPASS_KERNELS=composed` runs candle's composed ops (what a
-//! GPU trains with) instead of the CPU's fused kernels: how the GPU path's memory is measured here.
+//! (written to IDS_OUT when given). `ONEPASS_KERNELS=routed` or `composed` runs a GPU's path
+//! (CUDA's default, or candle's composed ops) instead of the CPU's fused kernels: how a GPU
+//! path's memory is measured here.
 
 use candle_core::{DType, Device};
 use policy::adam::{Adam, AdamConfig};
@@ -35,9 +36,15 @@ fn main() {
     if bf16 {
         m.use_bf16_products().expect("bf16 products");
     }
-    // ONEPASS_KERNELS=composed: the composed ops a GPU trains with, on the CPU (their memory)
-    if std::env::var("ONEPASS_KERNELS").as_deref() == Ok("composed") {
-        m.set_kernels(policy::ops::Kernels::Composed).expect("composed kernels");
+    // ONEPASS_KERNELS=routed|composed: a GPU's path, on the CPU (its memory)
+    if let Ok(k) = std::env::var("ONEPASS_KERNELS") {
+        let k = match k.as_str() {
+            "fused" => policy::ops::Kernels::Fused,
+            "routed" => policy::ops::Kernels::Routed,
+            "composed" => policy::ops::Kernels::Composed,
+            o => panic!("ONEPASS_KERNELS={o}: expected fused, routed or composed"),
+        };
+        m.set_kernels(k).expect("kernels for the CPU");
     }
     let vars = m.vars();
     let mut opt = Adam::new(AdamConfig::default(), &vars).unwrap();
