@@ -357,3 +357,96 @@ mod tests {
         assert!(err < 1e-5, "f32 against f64: {err:e}");
     }
 }
+
+/// The layer's geometry for [`attention_routed`]: batch, positions, query heads, key/value
+/// heads, head size, and the RoPE layout.
+#[derive(Clone, Copy, Debug)]
+pub struct Geometry {
+    pub b: usize,
+    pub t: usize,
+    pub heads: usize,
+    pub kv: usize,
+    pub hd: usize,
+    pub interleaved: bool,
+}
+
+/// Causal grouped-query attention from the projections' rows to the output's rows as one node of
+/// the graph (the routed path, CUDA's: [`crate::ops::Kernels::Routed`]): q (b·t, heads·hd),
+/// k and v (b·t, kv·hd) → (b·t, heads·hd), RoPE applied to q and k inside. The value is computed
+/// outside the graph with the device's kernels (candle's RoPE and softmax, cuBLAS's products);
+/// the backward recomputes the probabilities P and writes the gradients out, per (batch, kv
+/// head) with the g query heads as one block of rows (the maths of this module's doc):
+/// dv = Pᵀ dy, dP = dy vᵀ, dS = c P ⊙ (dP − rowsum(dP ⊙ P)), dq̃ = dS k̃, dk̃ = dSᵀ q̃, then the
+/// inverse rotation of q̃ and k̃. Composed, the heads' layout, RoPE, scores, mask, softmax and
+/// output were ~20 nodes per layer, each with a zeroed gradient and an add in the backward.
+pub fn attention_routed(
+    q: &Tensor,
+    k: &Tensor,
+    v: &Tensor,
+    cos: &Tensor,
+    sin: &Tensor,
+    geo: Geometry,
+) -> Result<Tensor> {
+    let Geometry { b, t, heads, kv, hd, interleaved } = geo;
+    if kv == 0
+        || heads % kv != 0
+        || q.dims2()? != (b * t, heads * hd)
+        || k.dims2()? != (b * t, kv * hd)
+        || v.dims2()? != (b * t, kv * hd)
+    {
+        candle_core::bail!(
+            "routed attention: q {:?}, k {:?}, v {:?} for {geo:?}: expected (b·t, heads·hd) and (b·t, kv·hd)",
+            q.dims(),
+            k.dims(),
+            v.dims()
+        );
+    }
+    let (g, c) = (heads / kv, 1.0 / (hd as f64).sqrt());
+    let (cos, sin) = (cos.contiguous()?, sin.contiguous()?);
+    let rope = {
+        let cos = cos.clone();
+        move |x: &Tensor, sin: &Tensor| -> Result<Tensor> {
+            let f = if interleaved { candle_nn::rotary_emb::rope_i } else { candle_nn::rotary_emb::rope };
+            f(&x.contiguous()?, &cos, sin)
+        }
+    };
+    let neg = sin.neg()?;
+    let mask = causal(t, q.device(), q.dtype())?;
+    // rows → heads (b, n, t, hd); q̃ and k̃ rotated; P (b, kv, g·t, t)
+    let heads_of = move |x: &Tensor, n: usize| x.reshape((b, t, n, hd))?.transpose(1, 2)?.contiguous();
+    let probs = {
+        let (cos, sin, mask) = (cos.clone(), sin.clone(), mask.clone());
+        move |q: &Tensor, k: &Tensor| -> Result<(Tensor, Tensor, Tensor)> {
+            let f = if interleaved { candle_nn::rotary_emb::rope_i } else { candle_nn::rotary_emb::rope };
+            let qr = f(&heads_of(q, heads)?, &cos, &sin)?.reshape((b, kv, g * t, hd))?;
+            let kr = f(&heads_of(k, kv)?, &cos, &sin)?;
+            let s = (qr.matmul(&kr.t()?)? * c)?.reshape((b, kv, g, t, t))?.broadcast_add(&mask)?;
+            let p = candle_nn::ops::softmax_last_dim(&s.contiguous()?)?.reshape((b, kv, g * t, t))?;
+            Ok((qr, kr, p))
+        }
+    };
+    let (qd, kd, vd) = (q.detach(), k.detach(), v.detach());
+    let (_, _, p) = probs(&qd, &kd)?;
+    let vh = heads_of(&vd, kv)?;
+    let rows = move |o: &Tensor, n: usize| o.reshape((b, n, t, hd))?.transpose(1, 2)?.reshape((b * t, n * hd));
+    let y = rows(&p.matmul(&vh)?, heads)?;
+    crate::ops::routed3((q, k, v), y, "attention", move |q, k, v, _, dy| {
+        let (q, k, v) = (q.detach(), k.detach(), v.detach());
+        let (qr, kr, p) = probs(&q, &k)?;
+        let vh = heads_of(&v, kv)?;
+        let dy = heads_of(dy, heads)?.reshape((b, kv, g * t, hd))?;
+        let dv = p.t()?.matmul(&dy)?;
+        let dp = dy.matmul(&vh.t()?)?;
+        let ds = ((&dp - (&dp * &p)?.sum_keepdim(3)?.broadcast_as(dp.shape())?)? * &p)?;
+        let ds = (ds * c)?;
+        let dq = rope(&ds.matmul(&kr)?.reshape((b, heads, t, hd))?, &neg)?;
+        let dk = rope(&ds.t()?.matmul(&qr)?, &neg)?;
+        Ok((Some(rows(&dq, heads)?), Some(rows(&dk, kv)?), Some(rows(&dv, kv)?)))
+    })
+}
+
+/// The additive causal mask (t, t): 0 where key j ≤ query i, −1e30 after.
+fn causal(t: usize, dev: &candle_core::Device, dtype: candle_core::DType) -> Result<Tensor> {
+    let m: Vec<f32> = (0..t * t).map(|i| if i % t > i / t { -1e30 } else { 0.0 }).collect();
+    Tensor::from_vec(m, (t, t), dev)?.to_dtype(dtype)
+}

@@ -344,7 +344,7 @@ impl PolicyModel {
         let mask = causal_mask(t, 0, &self.device, self.embed.dtype())?;
         let (cos, sin) = (self.cos.narrow(0, 0, t)?, self.sin.narrow(0, 0, t)?);
         for blk in &self.blocks {
-            x = self.block(blk, x, &cos, &sin, &mask, pass, None)?.0;
+            x = self.block(blk, x, &cos, &sin, &mask, pass, None, false)?.0;
         }
         crate::ops::rms_norm(&x, &self.norm, self.cfg.eps, self.kernels)?.reshape((b, t, self.cfg.hidden))
     }
@@ -364,8 +364,8 @@ impl PolicyModel {
     }
 
     /// One decoder block on x (b·t, hidden) at the t positions of `cos`/`sin`, attending to
-    /// `prefix`'s keys and values first when given; returns the block's output and this
-    /// segment's (roped) keys and values (b, kv, t, hd).
+    /// `prefix`'s keys and values first when given; returns the block's output and, with
+    /// `need_kv`, this segment's (roped) keys and values (b, kv, t, hd).
     #[allow(clippy::too_many_arguments)]
     fn block(
         &self,
@@ -376,15 +376,16 @@ impl PolicyModel {
         mask: &Tensor,
         pass: Pass<'_>,
         prefix: Option<(&Tensor, &Tensor)>,
-    ) -> Result<(Tensor, Tensor, Tensor)> {
+        need_kv: bool,
+    ) -> Result<(Tensor, Option<(Tensor, Tensor)>)> {
         let k = self.kernels;
         let h = crate::ops::rms_norm(&x, &blk.norm1, self.cfg.eps, k)?;
-        let (a, keys, values) = self.attention(blk, &h, cos, sin, mask, pass, prefix)?;
+        let (a, kv) = self.attention(blk, &h, cos, sin, mask, pass, prefix, need_kv)?;
         let x = (x + a)?;
         let h = crate::ops::rms_norm(&x, &blk.norm2, self.cfg.eps, k)?;
         let a = crate::ops::silu_mul(&blk.gate.forward(&h, pass, k)?, &blk.up.forward(&h, pass, k)?, k)?;
         let m = blk.down.forward(&a, pass, k)?;
-        Ok(((x + m)?, keys, values))
+        Ok(((x + m)?, kv))
     }
 
     /// The hidden states that predict a shared-prompt group's response tokens (its `at` rows):
@@ -400,12 +401,13 @@ impl PolicyModel {
         let (cp, sp) = (self.cos.narrow(0, 0, p)?, self.sin.narrow(0, 0, p)?);
         let (cr, sr) = (self.cos.narrow(0, p, r)?, self.sin.narrow(0, p, r)?);
         for blk in &self.blocks {
-            let (y, keys, values) = self.block(blk, xp, &cp, &sp, &mp, pass, None)?;
+            let (y, kv) = self.block(blk, xp, &cp, &sp, &mp, pass, None, true)?;
+            let (keys, values) = kv.expect("asked for");
             xp = y;
             let (kv, hd) = (self.cfg.kv_heads, self.cfg.head_dim);
             let keys = keys.broadcast_as((n, kv, p, hd))?;
             let values = values.broadcast_as((n, kv, p, hd))?;
-            xr = self.block(blk, xr, &cr, &sr, &mr, pass, Some((&keys, &values)))?.0;
+            xr = self.block(blk, xr, &cr, &sr, &mr, pass, Some((&keys, &values)), false)?.0;
         }
         let last = crate::ops::rms_norm(&xp.narrow(0, p - 1, 1)?, &self.norm, self.cfg.eps, self.kernels)?;
         let hr = crate::ops::rms_norm(&xr, &self.norm, self.cfg.eps, self.kernels)?;
@@ -468,7 +470,9 @@ impl PolicyModel {
 
     /// Grouped-query causal attention of x (b·t, hidden), t the positions of `cos`; with `prefix` ((b, kv, p, hd) keys
     /// and values of earlier positions), the queries attend to those first (`mask` is then
-    /// (t, p + t)). Returns the output and this segment's keys and values.
+    /// (t, p + t)). Returns the output and, with `need_kv`, this segment's keys and values. On
+    /// the routed path without a prefix, attention is one node from the projections' rows
+    /// ([`crate::attention::attention_routed`]).
     #[allow(clippy::too_many_arguments)]
     fn attention(
         &self,
@@ -479,10 +483,21 @@ impl PolicyModel {
         mask: &Tensor,
         pass: Pass<'_>,
         prefix: Option<(&Tensor, &Tensor)>,
-    ) -> Result<(Tensor, Tensor, Tensor)> {
+        need_kv: bool,
+    ) -> Result<(Tensor, Option<(Tensor, Tensor)>)> {
         let t = cos.dim(0)?;
         let b = x.dim(0)? / t.max(1);
         let (h, kv, hd) = (self.cfg.heads, self.cfg.kv_heads, self.cfg.head_dim);
+        if self.kernels == Kernels::Routed && prefix.is_none() && !need_kv {
+            let (q, k, v) = (
+                blk.q.forward(x, pass, self.kernels)?,
+                blk.k.forward(x, pass, self.kernels)?,
+                blk.v.forward(x, pass, self.kernels)?,
+            );
+            let geo = crate::attention::Geometry { b, t, heads: h, kv, hd, interleaved: self.cfg.rope_interleaved };
+            let y = crate::attention::attention_routed(&q, &k, &v, cos, sin, geo)?;
+            return Ok((blk.o.forward(&y, pass, self.kernels)?, None));
+        }
         let fused = self.kernels == Kernels::Fused;
         // rows (b·t, n·hd) → heads (b, n, t, hd), RoPE on the way for q and k
         let heads = |y: Tensor, n: usize, rope: bool| -> Result<Tensor> {
@@ -524,7 +539,7 @@ impl PolicyModel {
             true => crate::ops::merge_heads(&y)?,
             false => y.transpose(1, 2)?.reshape((b * t, h * hd))?,
         };
-        Ok((blk.o.forward(&y, pass, self.kernels)?, k, v))
+        Ok((blk.o.forward(&y, pass, self.kernels)?, need_kv.then_some((k, v))))
     }
 
     /// The adapters as (PEFT-style name without the `base_model.model.` prefix, A, B), e.g.
