@@ -13,8 +13,10 @@
 //!   an add in the backward). These ops are CPU-only: they refuse any other device.
 //! - **Routed** (CUDA): the device's own kernels where candle has them (RMSNorm, softmax, RoPE,
 //!   log-softmax: `candle_nn`'s, which have no backward), each value attached to its input by
-//!   [`routed`] with its gradient written as a few tensor ops, and the frozen products as x Wᵀ
-//!   with the gradient g W alone; every other op composed. On a GPU a step's cost is mostly the
+//!   [`routed`] with its gradient written as a few tensor ops; the LoRA product
+//!   (`crate::lora::lora_matmul_routed`) and attention (`crate::attention::attention_routed`) as
+//!   one node each; the frozen products as x Wᵀ with the gradient g W alone; every other op
+//!   composed. On a GPU a step's cost is mostly the
 //!   number of kernels it launches (session 25's H100 run: README, "A reward model whose features
 //!   learn"): autograd through a composed op launches each of its elementwise kernels and, per
 //!   graph node, a zeroed gradient and an add, and candle's matmul backward also forms xᵀg for
