@@ -180,6 +180,7 @@ impl World {
             seq_len: longest,
             on_device: !r.device.is_cpu(),
             device_free: features::model::device_memory(&r.device).map(|(free, _)| free),
+            routed: policy::ops::Kernels::for_device(&r.device) == policy::ops::Kernels::Routed,
         })
     }
 }

@@ -291,6 +291,7 @@ impl Online {
             weights: self.base.values().map(|t| t.elem_count() as u64).sum(),
             on_device: !self.policy.model.device().is_cpu(),
             device_free: features::model::device_memory(self.policy.model.device()).map(|(free, _)| free),
+            routed: policy::ops::Kernels::for_device(self.policy.model.device()) == policy::ops::Kernels::Routed,
         }
     }
 
