@@ -372,7 +372,8 @@ pub struct Geometry {
 
 /// Causal grouped-query attention from the projections' rows to the output's rows as one node of
 /// the graph (the routed path, CUDA's: [`crate::ops::Kernels::Routed`]): q (b·t, heads·hd),
-/// k and v (b·t, kv·hd) → (b·t, heads·hd), RoPE applied to q and k inside. The value is computed
+/// k and v (b·t, kv·hd) → (b·t, heads·hd), RoPE applied to q and k inside, `mask` the additive
+/// causal mask (t, t). The value is computed
 /// outside the graph with the device's kernels (candle's RoPE and softmax, cuBLAS's products);
 /// the backward recomputes the probabilities P and writes the gradients out, per (batch, kv
 /// head) with the g query heads as one block of rows (the maths of this module's doc):
@@ -385,6 +386,7 @@ pub fn attention_routed(
     v: &Tensor,
     cos: &Tensor,
     sin: &Tensor,
+    mask: &Tensor,
     geo: Geometry,
 ) -> Result<Tensor> {
     let Geometry { b, t, heads, kv, hd, interleaved } = geo;
@@ -403,23 +405,18 @@ pub fn attention_routed(
     }
     let (g, c) = (heads / kv, 1.0 / (hd as f64).sqrt());
     let (cos, sin) = (cos.contiguous()?, sin.contiguous()?);
-    let rope = {
-        let cos = cos.clone();
-        move |x: &Tensor, sin: &Tensor| -> Result<Tensor> {
-            let f = if interleaved { candle_nn::rotary_emb::rope_i } else { candle_nn::rotary_emb::rope };
-            f(&x.contiguous()?, &cos, sin)
-        }
-    };
     let neg = sin.neg()?;
-    let mask = causal(t, q.device(), q.dtype())?;
+    // candle's RoPE kernel on a tensor outside the graph (ops::rope's routed value)
+    let rope = move |x: &Tensor, cos: &Tensor, sin: &Tensor| {
+        crate::ops::rope(x, cos, sin, interleaved, crate::ops::Kernels::Routed)
+    };
     // rows → heads (b, n, t, hd); q̃ and k̃ rotated; P (b, kv, g·t, t)
     let heads_of = move |x: &Tensor, n: usize| x.reshape((b, t, n, hd))?.transpose(1, 2)?.contiguous();
     let probs = {
         let (cos, sin, mask) = (cos.clone(), sin.clone(), mask.clone());
         move |q: &Tensor, k: &Tensor| -> Result<(Tensor, Tensor, Tensor)> {
-            let f = if interleaved { candle_nn::rotary_emb::rope_i } else { candle_nn::rotary_emb::rope };
-            let qr = f(&heads_of(q, heads)?, &cos, &sin)?.reshape((b, kv, g * t, hd))?;
-            let kr = f(&heads_of(k, kv)?, &cos, &sin)?;
+            let qr = rope(&heads_of(q, heads)?, &cos, &sin)?.reshape((b, kv, g * t, hd))?;
+            let kr = rope(&heads_of(k, kv)?, &cos, &sin)?;
             let s = (qr.matmul(&kr.t()?)? * c)?.reshape((b, kv, g, t, t))?.broadcast_add(&mask)?;
             let p = candle_nn::ops::softmax_last_dim(&s.contiguous()?)?.reshape((b, kv, g * t, t))?;
             Ok((qr, kr, p))
@@ -439,14 +436,8 @@ pub fn attention_routed(
         let dp = dy.matmul(&vh.t()?)?;
         let ds = ((&dp - (&dp * &p)?.sum_keepdim(3)?.broadcast_as(dp.shape())?)? * &p)?;
         let ds = (ds * c)?;
-        let dq = rope(&ds.matmul(&kr)?.reshape((b, heads, t, hd))?, &neg)?;
-        let dk = rope(&ds.t()?.matmul(&qr)?, &neg)?;
+        let dq = rope(&ds.matmul(&kr)?.reshape((b, heads, t, hd))?, &cos, &neg)?;
+        let dk = rope(&ds.t()?.matmul(&qr)?, &cos, &neg)?;
         Ok((Some(rows(&dq, heads)?), Some(rows(&dk, kv)?), Some(rows(&dv, kv)?)))
     })
-}
-
-/// The additive causal mask (t, t): 0 where key j ≤ query i, −1e30 after.
-fn causal(t: usize, dev: &candle_core::Device, dtype: candle_core::DType) -> Result<Tensor> {
-    let m: Vec<f32> = (0..t * t).map(|i| if i % t > i / t { -1e30 } else { 0.0 }).collect();
-    Tensor::from_vec(m, (t, t), dev)?.to_dtype(dtype)
 }

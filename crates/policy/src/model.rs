@@ -495,7 +495,7 @@ impl PolicyModel {
                 blk.v.forward(x, pass, self.kernels)?,
             );
             let geo = crate::attention::Geometry { b, t, heads: h, kv, hd, interleaved: self.cfg.rope_interleaved };
-            let y = crate::attention::attention_routed(&q, &k, &v, cos, sin, geo)?;
+            let y = crate::attention::attention_routed(&q, &k, &v, cos, sin, mask, geo)?;
             return Ok((blk.o.forward(&y, pass, self.kernels)?, None));
         }
         let fused = self.kernels == Kernels::Fused;
