@@ -155,7 +155,19 @@ impl RewardModel {
         let n = pairs.len();
         let (mut grads, mut margins, mut loss): (Option<Vec<Tensor>>, Vec<f64>, f64) =
             (None, Vec::with_capacity(n), 0.0);
-        for part in pairs.chunks(self.pairs_per_pass.max(1)) {
+        // With more than one pass, the passes take the pairs sorted by their longer side
+        // (stable), so each pads to a length close to its own: on mini-hh-ci's steps of 8 pairs
+        // in passes of 2 the padded tokens fall from 1.27x to 1.13x the real ones (session 26,
+        // SmolLM2's tokenizer). The gradient is the same sum in another order.
+        let mut order: Vec<usize> = (0..n).collect();
+        let per = self.pairs_per_pass.max(1);
+        if per < n {
+            order.sort_by_key(|&i| pairs[i].a.len().max(pairs[i].b.len()));
+        }
+        let mut at = vec![0.0; n];
+        for idx in order.chunks(per) {
+            let part: Vec<RmPair<'_>> = idx.iter().map(|&i| pairs[i]).collect();
+            let part = part.as_slice();
             let share = part.len() as f64 / n as f64;
             let m = self.margins(part)?;
             let l = Self::loss_of(&m, part)?;
@@ -176,8 +188,11 @@ impl RewardModel {
                 Some(acc) => acc.iter().zip(&gs).map(|(a, g)| a + g).collect::<Result<Vec<_>>>()?,
             });
             loss += share * l.to_dtype(DType::F64)?.to_scalar::<f64>()?;
-            margins.extend(m.to_dtype(DType::F64)?.to_vec1::<f64>()?);
+            for (&i, v) in idx.iter().zip(m.to_dtype(DType::F64)?.to_vec1::<f64>()?) {
+                at[i] = v;
+            }
         }
+        margins.extend(at);
         let y: Vec<f32> = pairs.iter().map(|p| p.y).collect();
         let (mut coef, mut curv) = (vec![0.0; n], vec![0.0; n]);
         let mut stats = estimators::BatchStats::compute(&margins, &y, &mut coef, &mut curv);

@@ -337,15 +337,26 @@ fn a_reward_model_round_trips_through_peft_as_a_sequence_classifier() {
 }
 
 /// The gradient in passes of 1, 2 or 3 pairs is the one-pass gradient (relative 1e-6: f32
-/// sums in another order), and so is the loss; a pass that drops the share weighting would be
-/// off by the number of passes (a negative control on the accumulation).
+/// sums in another order), and so are the loss and the accuracy (the passes take the pairs
+/// sorted by length; each margin goes back to its pair); a pass that drops the share weighting
+/// would be off by the number of passes (a negative control on the accumulation).
 #[test]
 fn a_gradient_in_passes_is_the_whole_batchs() {
     let data = planted(6, 33);
-    let pairs: Vec<RmPair> = data.iter().map(|(a, b, y)| RmPair { a, b, y: *y }).collect();
     let (m, _, _) = tiny(4);
     randomize(&m, 17);
     let mut rm = RewardModel::new(m, &[0.2; 16], true).unwrap();
+    // labels that agree with the model's own margins: accuracy 1 exactly when every margin
+    // is read against its own pair's label. The passes take the pairs sorted by their longer
+    // side and this batch is not in that order, so a margin put back in the wrong place
+    // lowers the accuracy.
+    let unlabelled: Vec<RmPair> = data.iter().map(|(a, b, _)| RmPair { a, b, y: 1.0 }).collect();
+    let signs: Vec<f32> = rm.margins(&unlabelled).unwrap().to_vec1::<f32>().unwrap();
+    let y: Vec<f32> = signs.iter().map(|&m| f32::from(u8::from(m > 0.0))).collect();
+    assert!(y.contains(&0.0) && y.contains(&1.0), "both labels: {signs:?}");
+    let pairs: Vec<RmPair> = data.iter().zip(&y).map(|((a, b, _), &y)| RmPair { a, b, y }).collect();
+    let longer: Vec<usize> = pairs.iter().map(|p| p.a.len().max(p.b.len())).collect();
+    assert!(longer.windows(2).any(|w| w[0] > w[1]), "{longer:?}");
     let whole = rm.gradient(&pairs).unwrap();
     let w = flat64(&whole.grads);
     for k in [1, 2, 3] {
@@ -354,7 +365,7 @@ fn a_gradient_in_passes_is_the_whole_batchs() {
         let e = rel_l2(&flat64(&g.grads), &w);
         assert!(e < 1e-6, "{k} pairs per pass: gradient relative error {e:e}");
         assert!((g.stats.loss - whole.stats.loss).abs() < 1e-6, "{k}: loss");
-        assert_eq!(g.stats.accuracy, whole.stats.accuracy);
+        assert_eq!((g.stats.accuracy, whole.stats.accuracy), (1.0, 1.0), "{k}: each margin against its label");
         if k == 2 {
             let unweighted: Vec<f64> = w.iter().map(|x| x * 3.0).collect();
             assert!(rel_l2(&flat64(&g.grads), &unweighted) > 0.5, "the share weighting matters");

@@ -135,22 +135,31 @@ impl CurrentFeatures {
         self.batch
     }
 
-    /// h of each sequence: the final-norm state at its last token, `batch` sequences per pass.
+    /// h of each sequence: the final-norm state at its last token, `batch` sequences per pass,
+    /// in the order given. The passes take the sequences sorted by length (stable), as φ's
+    /// extraction does (`features::batch_plan`), so each pass pads to a length close to its
+    /// own: in the given order a held-out batch of 16 HH sequences pads to its longest, ~1.9x
+    /// the tokens it holds (session 26's estimate on mini-hh-ci's held-out pairs). A row's h does
+    /// not depend on the batch it runs in beyond f32 rounding (`features`' padded-batch tests).
     pub(super) fn of_seqs(&self, seqs: &[&[u32]]) -> Result<Vec<Vec<f32>>> {
-        let mut out = Vec::with_capacity(seqs.len());
-        for part in seqs.chunks(self.batch) {
-            if part.iter().any(|s| s.is_empty()) {
-                return Err(anyhow!("reward model features: an empty sequence"));
-            }
-            let t = part.iter().map(|s| s.len()).max().unwrap_or(1);
+        if let Some(i) = seqs.iter().position(|s| s.is_empty()) {
+            return Err(anyhow!("reward model features: sequence {i} is empty"));
+        }
+        let mut order: Vec<usize> = (0..seqs.len()).collect();
+        order.sort_by_key(|&i| seqs[i].len());
+        let mut out = vec![Vec::new(); seqs.len()];
+        for part in order.chunks(self.batch) {
+            let t = part.iter().map(|&i| seqs[i].len()).max().unwrap_or(1);
             let mut ids = vec![0u32; part.len() * t];
-            for (i, s) in part.iter().enumerate() {
-                ids[i * t..i * t + s.len()].copy_from_slice(s);
+            for (r, &i) in part.iter().enumerate() {
+                ids[r * t..r * t + seqs[i].len()].copy_from_slice(seqs[i]);
             }
             let ids = candle_core::Tensor::from_vec(ids, (part.len(), t), &self.device)?;
-            let last: Vec<usize> = part.iter().map(|s| s.len() - 1).collect();
+            let last: Vec<usize> = part.iter().map(|&i| seqs[i].len() - 1).collect();
             let h = self.model.hidden_at(&ids, self.layer, &last)?.to_dtype(candle_core::DType::F32)?;
-            out.extend(h.to_vec2::<f32>()?);
+            for (&i, row) in part.iter().zip(h.to_vec2::<f32>()?) {
+                out[i] = row;
+            }
         }
         Ok(out)
     }
@@ -277,4 +286,57 @@ pub(super) fn passive_features(
         _ => Vec::new(),
     };
     Ok(CellResult { rows: pr.rows, stream_hash: pr.hash.0, adapters, ..Default::default() })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The held-out sequences run sorted by length, their h come back in the order given: each
+    /// equals the sequence's h computed alone (a row put back in the wrong place fails, since
+    /// the sequences differ), and the test's order is not already the sorted one.
+    #[test]
+    fn features_come_back_in_the_given_order() {
+        let dir =
+            std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../features/tests/fixtures/tiny-llama-bpe.gguf");
+        let source = features::Source::parse(dir.to_str().unwrap()).unwrap();
+        let device = candle_core::Device::Cpu;
+        let (backbone, weights, _) =
+            features::Backbone::load_base(&source, &device, candle_core::DType::F32, 64).unwrap();
+        let cfg = backbone.model.cfg.clone();
+        let base = RewardBase {
+            base: weights.clone(),
+            cfg: cfg.clone(),
+            max_len: 64,
+            device: device.clone(),
+            weights_digest: String::new(),
+            source: String::new(),
+            bank_ids: Vec::new(),
+        };
+        let lora = policy::LoraConfig { seed: 3, ..Default::default() };
+        let model = policy::PolicyModel::new(weights, cfg.clone(), &lora, 64, candle_core::DType::F32).unwrap();
+        let rm = RewardModel::new(model, &vec![0.0; cfg.hidden], true).unwrap();
+        let h = CurrentFeatures::of(&rm, &base, 2).unwrap();
+        let seqs: Vec<Vec<u32>> = [9usize, 3, 17, 5, 12, 1, 7]
+            .iter()
+            .enumerate()
+            .map(|(i, &n)| (0..n as u32).map(|j| (j * 7 + i as u32 * 3 + 1) % cfg.vocab as u32).collect())
+            .collect();
+        assert!(seqs.windows(2).any(|w| w[0].len() > w[1].len()), "the order given is not sorted by length");
+        let refs: Vec<&[u32]> = seqs.iter().map(Vec::as_slice).collect();
+        let got = h.of_seqs(&refs).unwrap();
+        assert_eq!(got.len(), seqs.len());
+        for (i, s) in refs.iter().enumerate() {
+            let alone = h.of_seqs(&[s]).unwrap().remove(0);
+            let scale = alone.iter().fold(0f32, |m, v| m.max(v.abs()));
+            let diff = alone.iter().zip(&got[i]).fold(0f32, |m, (a, b)| m.max((a - b).abs()));
+            assert!(diff <= 1e-5 * scale.max(1.0), "sequence {i}: batched vs alone differ by {diff}");
+            let other = h.of_seqs(&[refs[(i + 1) % refs.len()]]).unwrap().remove(0);
+            let apart = other.iter().zip(&got[i]).fold(0f32, |m, (a, b)| m.max((a - b).abs()));
+            assert!(apart > 1e-3 * scale, "sequence {i}: its neighbour's h is as close ({apart})");
+        }
+        let empty: Vec<u32> = Vec::new();
+        let e = h.of_seqs(&[refs[0], &empty]).unwrap_err().to_string();
+        assert!(e.contains("sequence 1 is empty"), "{e}");
+    }
 }
