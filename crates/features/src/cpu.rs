@@ -22,6 +22,22 @@ pub fn model() -> String {
         .unwrap_or_else(|| std::env::consts::ARCH.to_string())
 }
 
+/// Whether the CPU is Intel's (cpuid's vendor string `GenuineIntel`): a cache-blocking choice
+/// of the f32 products depends on it (`f32mm`), never a result.
+pub fn is_intel() -> bool {
+    #[cfg(target_arch = "x86_64")]
+    {
+        // cpuid leaf 0 exists on every x86_64 CPU
+        let r = std::arch::x86_64::__cpuid(0);
+        let vendor: Vec<u8> = [r.ebx, r.edx, r.ecx].iter().flat_map(|v| v.to_le_bytes()).collect();
+        vendor == b"GenuineIntel"
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    {
+        false
+    }
+}
+
 /// The vector features the kernels choose between, as the CPU reports them (before the cap;
 /// AMX where this process may use it).
 pub fn features() -> Vec<&'static str> {

@@ -25,8 +25,28 @@ const NB: usize = 3;
 /// registers and a broadcast in its 16; AVX-512 6 × 3 = 18 of its 32.
 const MR: usize = 6;
 /// Inputs per cache block: a panel of 256 inputs is 16 KiB, inside L1 while the tile's rows run
-/// over it (on a 2-core Zen 3, 256 measured ahead of 64 and 128, level with 512; noisy).
+/// over it (on a 2-core Zen 3, 256 measured ahead of 64 and 128, level with 512; noisy). On
+/// Intel cores [`kc`] takes 128: the tile's three panels of 256 inputs (48 KiB) overflow their
+/// 32 KiB L1, and on a Cascade Lake the products ran at 0.58–0.87x candle's gemm with 256 and
+/// 0.82–0.97x with 128 (64: 0.78–0.94x; session 26, `bf16_gemm 2048 3`, 2 threads).
 const KC: usize = 256;
+
+/// The inputs per cache block on this CPU: `ONEPASS_F32_KC` (for measuring), else 128 on an
+/// Intel CPU and [`KC`] elsewhere. The blocking never changes a bit (each output's sum
+/// continues in order across blocks: tested), only the speed.
+fn kc() -> usize {
+    static KC_HERE: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
+    *KC_HERE.get_or_init(|| {
+        if let Some(v) = std::env::var("ONEPASS_F32_KC").ok().and_then(|v| v.parse::<usize>().ok()).filter(|&v| v > 0) {
+            return v;
+        }
+        if crate::cpu::is_intel() {
+            128
+        } else {
+            KC
+        }
+    })
+}
 /// Rows per task (a multiple of MR): a task's block of activations (120 × 128 inputs, 60 KiB)
 /// stays in L2.
 const MC: usize = 120;
@@ -118,7 +138,7 @@ impl F32Matrix {
         let (k, n) = (self.k, self.n);
         // Equal blocks of at most KC inputs (a short last block pays the accumulators' loads
         // and stores for little work).
-        let step = k.div_ceil(k.div_ceil(KC));
+        let step = k.div_ceil(k.div_ceil(kc()));
         for i0 in (0..k).step_by(step) {
             let kc = step.min(k - i0);
             for g in groups.clone() {
