@@ -138,8 +138,8 @@ impl CurrentFeatures {
     /// h of each sequence: the final-norm state at its last token, `batch` sequences per pass,
     /// in the order given. The passes take the sequences sorted by length (stable), as φ's
     /// extraction does (`features::batch_plan`), so each pass pads to a length close to its
-    /// own: in the given order a held-out batch of 16 HH sequences pads to its longest, ~1.9x
-    /// the tokens it holds (session 26's estimate on mini-hh-ci's held-out pairs). A row's h does
+    /// own: in the given order held-out batches of 16 HH sequences padded to 1.43x the tokens
+    /// they hold, sorted 1.01x (`scripts/hh_padding.py`, session 26). A row's h does
     /// not depend on the batch it runs in beyond f32 rounding (`features`' padded-batch tests).
     pub(super) fn of_seqs(&self, seqs: &[&[u32]]) -> Result<Vec<Vec<f32>>> {
         if let Some(i) = seqs.iter().position(|s| s.is_empty()) {
