@@ -29,13 +29,14 @@ def main(paths):
         print(f"{eng:<7} {rule:<5} {len(rs):>6} {med[(eng, rule)]:>14.2f} {min(s):>7.2f} {max(s):>7.2f} {rs[-1]['hvps']:>5} {rss:>12.0f} {rs[-1]['loss']:>8.4f}")
     for r in failed:
         print(f"{r['engine']} {r['rule']}: failed in a round ({r['failed'] or 'killed: out of memory?'})")
-    for rule, peer in (("sgd", "sgd"), ("omd", "omd"), ("omd-forward", "omd")):
+    for rule, peer in (("sgd", "sgd"), ("omd", "omd"), ("omd-forward", "omd"), ("omd-gn", "omd")):
         c, t = runs.get(("candle", rule)), runs.get(("torch", peer))
         if not (c and t):
             continue
         per_round = [statistics.median(b["step_s"]) / statistics.median(a["step_s"]) for a, b in zip(c, t)]
         print(f"{rule}: torch {peer} / candle time {med[('torch', peer)] / med[('candle', rule)]:.2f}x"
-              f" (per round {min(per_round):.2f}-{max(per_round):.2f}x; > 1: onepass faster)")
+              f" (per round {min(per_round):.2f}-{max(per_round):.2f}x; > 1: onepass faster)"
+              + ("; the Gauss-Newton matrix, not the Hessian: another step" if rule == "omd-gn" else ""))
 
 
 if __name__ == "__main__":

@@ -2,8 +2,9 @@
 //! `cargo run --release -p policy --example rm_step -- MODEL.gguf RULE [PAIRS] [LEN] [REPS] [IDS_OUT]`,
 //! RULE `sgd` (one forward and backward pass over the 2·PAIRS sequences, clip 1, lr 1e-3),
 //! `omd` (paper Alg. 5: the gradient, then K = 3 conjugate-gradient steps on the damped batch
-//! Hessian with HVPs by central differences of gradients — two more passes each — lr 1e-3) or
-//! `omd-forward` (the same with forward differences: one more pass each).
+//! Hessian with HVPs by central differences of gradients — two more passes each — lr 1e-3),
+//! `omd-forward` (the same with forward differences: one more pass each) or `omd-gn` (the
+//! Gauss–Newton matrix's products: two forward passes and one backward each).
 //! The reward model is r = θᵀh_ψ, ψ LoRA r = 8, α = 16 on every linear layer, θ = 1/(d+1)·1.
 //! Each side of a pair has LEN random tokens (ChaCha8, seed 0), label 1. One untimed warm-up
 //! step, then REPS timed ones; the last line is a JSON record for `just bench-rm-step`
@@ -96,10 +97,16 @@ fn main() {
     }
     let cfg = match rule.as_str() {
         "sgd" => EstimatorConfig::Sgd(SgdConfig { lr: 1e-3, clip: Some(1.0) }),
-        "omd" | "omd-forward" => EstimatorConfig::OmdHvpCg(HvpCgConfig { lr: 1e-3, cg_tol: 0.0, ..Default::default() }),
-        r => panic!("rule {r}: expected sgd, omd or omd-forward"),
+        "omd" | "omd-forward" | "omd-gn" => {
+            EstimatorConfig::OmdHvpCg(HvpCgConfig { lr: 1e-3, cg_tol: 0.0, ..Default::default() })
+        }
+        r => panic!("rule {r}: expected sgd, omd, omd-forward or omd-gn"),
     };
-    let scheme = if rule == "omd-forward" { HvpScheme::Forward } else { HvpScheme::Central };
+    let scheme = match rule.as_str() {
+        "omd-forward" => HvpScheme::Forward,
+        "omd-gn" => HvpScheme::GaussNewton,
+        _ => HvpScheme::Central,
+    };
     let hvp = HvpConfig { eps: scheme.default_eps(), scheme };
     let mut up = OnePass::new(&cfg, &rm, Some(100), hvp, 1.0).unwrap();
     let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(0);

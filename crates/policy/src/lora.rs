@@ -594,7 +594,7 @@ pub fn lora_matmul(
     if packed.is_some() && x.dtype() != candle_core::DType::F32 {
         candle_core::bail!("lora-matmul: bf16 products take f32 inputs, not {:?}", x.dtype());
     }
-    let op = LoraMatmul { w: w.contiguous()?, packed: packed.cloned(), scale };
+    let op = LoraMatmul { w: w.contiguous()?, packed: packed.cloned(), scale, xa: std::sync::Mutex::new(None) };
     x.contiguous()?.apply_op3(&a.contiguous()?, &b.contiguous()?, op)
 }
 
@@ -602,6 +602,47 @@ struct LoraMatmul {
     w: Tensor,
     packed: Option<std::sync::Arc<PackedBf16>>,
     scale: f64,
+    /// x Aᵀ (rows × r) as the forward computed it, for the backward's ∂B = s gᵀ (x Aᵀ): kept
+    /// (rows·r values, ~1/70 of x for SmolLM2 at r 8) rather than recomputed, which was a
+    /// further pass over x per adapted layer. The same values either way (one `gemm` call of
+    /// the same operands).
+    xa: std::sync::Mutex<Option<SavedXa>>,
+}
+
+/// [`LoraMatmul`]'s saved x Aᵀ in the op's dtype.
+enum SavedXa {
+    F32(Vec<f32>),
+    F64(Vec<f64>),
+}
+
+/// A dtype's slot in [`SavedXa`].
+trait Saves: Sized {
+    fn save(v: Vec<Self>) -> SavedXa;
+    fn saved(s: &SavedXa) -> Option<&[Self]>;
+}
+
+impl Saves for f32 {
+    fn save(v: Vec<f32>) -> SavedXa {
+        SavedXa::F32(v)
+    }
+    fn saved(s: &SavedXa) -> Option<&[f32]> {
+        match s {
+            SavedXa::F32(v) => Some(v),
+            SavedXa::F64(_) => None,
+        }
+    }
+}
+
+impl Saves for f64 {
+    fn save(v: Vec<f64>) -> SavedXa {
+        SavedXa::F64(v)
+    }
+    fn saved(s: &SavedXa) -> Option<&[f64]> {
+        match s {
+            SavedXa::F64(v) => Some(v),
+            SavedXa::F32(_) => None,
+        }
+    }
 }
 
 impl LoraMatmul {
@@ -622,7 +663,7 @@ impl LoraMatmul {
         }
     }
 
-    fn fwd<T: num_traits::Float + candle_core::WithDType>(
+    fn fwd<T: num_traits::Float + candle_core::WithDType + Saves>(
         &self,
         x: &[T],
         a: &[T],
@@ -636,11 +677,13 @@ impl LoraMatmul {
         let xa = product(rows, r, inp, Mat::rows(x, inp), Mat::t(a, inp));
         let s = T::from(self.scale).unwrap_or_else(T::nan);
         mm_add(rows, out, r, &mut y, Mat::rows(&xa, r), Mat::t(b, r), s);
+        *self.xa.lock().map_err(|_| candle_core::Error::Msg("lora-matmul: a poisoned lock".into()))? =
+            Some(T::save(xa));
         Ok(y)
     }
 
     #[allow(clippy::type_complexity)]
-    fn bwd_t<T: num_traits::Float + candle_core::WithDType>(
+    fn bwd_t<T: num_traits::Float + candle_core::WithDType + Saves>(
         &self,
         x: &Tensor,
         a: &Tensor,
@@ -653,11 +696,14 @@ impl LoraMatmul {
         let (rows, r) = (x.dim(0)?, a.dim(0)?);
         let s = T::from(self.scale).unwrap_or_else(T::nan);
         let want_dx = x.track_op();
+        let saved = self.xa.lock().map_err(|_| candle_core::Error::Msg("lora-matmul: a poisoned lock".into()))?;
+        let xa = saved.as_ref().and_then(T::saved).filter(|v| v.len() == rows * r).ok_or_else(|| {
+            candle_core::Error::Msg(format!("lora-matmul: no saved x Aᵀ of {rows} × {r} for the backward pass"))
+        })?;
         let (dx, da, db) = with_slices::<T, _, 4>([x, a, b, g], |[x, a, b, g]| -> Result<_> {
             let gb = product(rows, r, out, Mat::rows(g, out), Mat::rows(b, r));
-            let xa = product(rows, r, inp, Mat::rows(x, inp), Mat::t(a, inp));
             let da = scaled_product(r, inp, rows, Mat::t(&gb, r), Mat::rows(x, inp), s);
-            let db = scaled_product(out, r, rows, Mat::t(g, out), Mat::rows(&xa, r), s);
+            let db = scaled_product(out, r, rows, Mat::t(g, out), Mat::rows(xa, r), s);
             let dx = if want_dx {
                 let mut dx = match &self.packed {
                     Some(p) => {

@@ -44,6 +44,9 @@ pub struct Gradient {
     pub stats: estimators::BatchStats,
     /// ∂loss/∂ each trainable variable, in [`RewardModel::vars`] order.
     pub grads: Vec<Tensor>,
+    /// σ′(mᵢ) of each pair's margin at these parameters, in the batch's order: the
+    /// Bradley–Terry curvature that [`RewardModel::gauss_newton_vp`] weighs the pairs by.
+    pub curvature: Vec<f64>,
 }
 
 impl RewardModel {
@@ -104,9 +107,8 @@ impl RewardModel {
         }
         let dev = self.model.device();
         let ids = Tensor::from_vec(ids, (n, t), dev)?;
-        let h = self.model.hidden(&ids, true)?;
-        let d = h.dim(2)?;
-        h.reshape((n * t, d))?.index_select(&Tensor::from_vec(last, n, dev)?, 0)
+        // the last block's projections and MLP, and the final norm, on the last tokens alone
+        self.model.hidden_at(&ids, true, &last)
     }
 
     /// r_{ψ,θ} of each sequence (n,).
@@ -150,10 +152,34 @@ impl RewardModel {
         if pairs.is_empty() {
             candle_core::bail!("reward model gradient: no pairs");
         }
+        let n = pairs.len();
+        // each pass's batch-mean loss weighted by its share of the pairs
+        let (grads, loss, margins) = self.passes(pairs, |m, part, _| {
+            let (l, share) = (Self::loss_of(m, part)?, part.len() as f64 / n as f64);
+            Ok(((&l * share)?, share * l.to_dtype(DType::F64)?.to_scalar::<f64>()?))
+        })?;
+        let y: Vec<f32> = pairs.iter().map(|p| p.y).collect();
+        let (mut coef, mut curv) = (vec![0.0; n], vec![0.0; n]);
+        let mut stats = estimators::BatchStats::compute(&margins, &y, &mut coef, &mut curv);
+        // the graph's own loss (what was differentiated), not the f64 recomputation
+        stats.loss = loss;
+        Ok(Gradient { stats, grads, curvature: curv })
+    }
+
+    /// The gradient of Σ over passes of `objective(margins, pairs, indices)` (a scalar built on
+    /// the pass's margins, and the value it adds to the sum reported), the passes
+    /// [`RewardModel::set_pairs_per_pass`] pairs at a time: the gradients, the reported sum and
+    /// every pair's margin in the batch's order. A variable the objective does not reach is an
+    /// error naming it, never a zero gradient.
+    fn passes(
+        &self,
+        pairs: &[RmPair<'_>],
+        objective: impl Fn(&Tensor, &[RmPair<'_>], &[usize]) -> Result<(Tensor, f64)>,
+    ) -> Result<(Vec<Tensor>, f64, Vec<f64>)> {
         let names = self.var_names();
         let vars = self.vars();
         let n = pairs.len();
-        let (mut grads, mut loss): (Option<Vec<Tensor>>, f64) = (None, 0.0);
+        let (mut grads, mut total): (Option<Vec<Tensor>>, f64) = (None, 0.0);
         // With more than one pass, the passes take the pairs sorted by their longer side
         // (stable), so each pads to a length close to its own: on mini-hh-ci's steps of 8 pairs
         // in passes of 2 the padded tokens fall from 1.28x to 1.14x the real ones (session 26,
@@ -167,11 +193,9 @@ impl RewardModel {
         let mut margins = vec![0.0; n];
         for idx in order.chunks(per) {
             let part: Vec<RmPair<'_>> = idx.iter().map(|&i| pairs[i]).collect();
-            let part = part.as_slice();
-            let share = part.len() as f64 / n as f64;
-            let m = self.margins(part)?;
-            let l = Self::loss_of(&m, part)?;
-            let store = (&l * share)?.backward()?;
+            let m = self.margins(&part)?;
+            let (l, value) = objective(&m, &part, idx)?;
+            let store = l.backward()?;
             let gs = vars
                 .iter()
                 .zip(&names)
@@ -187,17 +211,12 @@ impl RewardModel {
                 None => gs,
                 Some(acc) => acc.iter().zip(&gs).map(|(a, g)| a + g).collect::<Result<Vec<_>>>()?,
             });
-            loss += share * l.to_dtype(DType::F64)?.to_scalar::<f64>()?;
+            total += value;
             for (&i, v) in idx.iter().zip(m.to_dtype(DType::F64)?.to_vec1::<f64>()?) {
                 margins[i] = v;
             }
         }
-        let y: Vec<f32> = pairs.iter().map(|p| p.y).collect();
-        let (mut coef, mut curv) = (vec![0.0; n], vec![0.0; n]);
-        let mut stats = estimators::BatchStats::compute(&margins, &y, &mut coef, &mut curv);
-        // the graph's own loss (what was differentiated), not the f64 recomputation
-        stats.loss = loss;
-        Ok(Gradient { stats, grads: grads.expect("at least one pass") })
+        Ok((grads.expect("at least one pass"), total, margins))
     }
 
     /// Pairs per forward and backward pass of [`RewardModel::gradient`] (and so of each HVP):
@@ -265,6 +284,71 @@ impl RewardModel {
         }
     }
 
+    /// G·v, G = (1/B) Σᵢ σ′(mᵢ) ∇mᵢ ∇mᵢᵀ the Gauss–Newton matrix of the batch loss on `pairs`
+    /// (`curvature` = σ′(mᵢ) at the current parameters, [`Gradient::curvature`]): paper Alg. 5's
+    /// H_t = Σ σ′(zᵀθ) z zᵀ with the feature difference z replaced by the margin's gradient
+    /// over every trainable parameter — the Hessian itself for a linear head, and for a network
+    /// the Hessian without the term Σ ℓ′(mᵢ) ∇²mᵢ, so G is positive semi-definite wherever the
+    /// loss is not convex (Schraudolph 2002; Martens 2010's Hessian-free optimisation).
+    /// Computed as Jᵀ(c ⊙ Jv): each Jv = ∇mᵢᵀv by central differences of the margins,
+    /// (mᵢ(w + hv) − mᵢ(w − hv)) / 2h with h = ε/‖v‖ (two forward passes, error O(ε²)), then one
+    /// backward pass of Σᵢ cᵢ mᵢ with cᵢ = σ′(mᵢ)·Jvᵢ/B. The variables are restored bit for bit.
+    pub fn gauss_newton_vp(
+        &self,
+        pairs: &[RmPair<'_>],
+        v: &[Tensor],
+        eps: f64,
+        curvature: &[f64],
+    ) -> Result<Vec<Tensor>> {
+        let vars = self.vars();
+        let n = pairs.len();
+        if v.len() != vars.len() || curvature.len() != n || n == 0 {
+            candle_core::bail!(
+                "a Gauss–Newton product with a direction of {} tensors for {} variables and {} curvatures for {n} pairs",
+                v.len(),
+                vars.len(),
+                curvature.len()
+            );
+        }
+        let sq: f64 =
+            v.iter().map(|t| t.to_dtype(DType::F64)?.sqr()?.sum_all()?.to_scalar::<f64>()).sum::<Result<f64>>()?;
+        let norm = sq.sqrt();
+        if norm == 0.0 {
+            return v.iter().map(|t| t.zeros_like()).collect();
+        }
+        if !norm.is_finite() || !eps.is_finite() || eps <= 0.0 {
+            candle_core::bail!(
+                "a Gauss–Newton product along a direction of norm {norm} with step {eps}: expected finite and positive"
+            );
+        }
+        let h = eps / norm;
+        let w: Vec<Tensor> = vars.iter().map(|x| x.as_tensor().copy()).collect::<Result<_>>()?;
+        // the margins at w ± h·v, in passes of pairs_per_pass, no backward
+        let at = |sign: f64| -> Result<Vec<f64>> {
+            for ((x, w), v) in vars.iter().zip(&w).zip(v) {
+                x.set(&(w + (v.to_dtype(w.dtype())? * (sign * h))?)?)?;
+            }
+            let mut m = Vec::with_capacity(n);
+            for part in pairs.chunks(self.pairs_per_pass.max(1)) {
+                m.extend(self.margins(part)?.detach().to_dtype(DType::F64)?.to_vec1::<f64>()?);
+            }
+            Ok(m)
+        };
+        let plus = at(1.0);
+        let minus = plus.as_ref().ok().map(|_| at(-1.0));
+        for (x, w) in vars.iter().zip(&w) {
+            x.set(w)?;
+        }
+        let (plus, minus) = (plus?, minus.expect("taken when plus is")?);
+        let c: Vec<f64> = (0..n).map(|i| curvature[i] * (plus[i] - minus[i]) / (2.0 * h) / n as f64).collect();
+        let (gv, _, _) = self.passes(pairs, |m, _, idx| {
+            let ci: Vec<f64> = idx.iter().map(|&i| c[i]).collect();
+            let ci = Tensor::from_vec(ci, idx.len(), m.device())?.to_dtype(m.dtype())?;
+            Ok(((m * ci)?.sum_all()?, 0.0))
+        })?;
+        Ok(gv)
+    }
+
     /// The trainable variables' values, flattened and concatenated in [`RewardModel::vars`]
     /// order, as f32.
     pub fn flat(&self) -> Result<Vec<f32>> {
@@ -323,6 +407,10 @@ pub enum HvpScheme {
     Central,
     /// (g(w + hv) − g(w)) / h with the step's own gradient g(w): one pass, error O(ε).
     Forward,
+    /// Not the Hessian: the Gauss–Newton matrix G = (1/B) Σ σ′(mᵢ) ∇mᵢ ∇mᵢᵀ
+    /// ([`RewardModel::gauss_newton_vp`]), positive semi-definite where the Hessian of a network's
+    /// loss is not; two forward passes and one backward per product.
+    GaussNewton,
 }
 
 impl HvpScheme {
@@ -333,6 +421,8 @@ impl HvpScheme {
         match self {
             HvpScheme::Central => 3e-3,
             HvpScheme::Forward => 3e-4,
+            // central differences of the margins: the same balance as of the gradients
+            HvpScheme::GaussNewton => 3e-3,
         }
     }
 }
@@ -362,7 +452,8 @@ pub struct RmStep {
     pub clip_factor: f64,
     /// λ_t or the authors' gate c_t (NaN for a gradient direction).
     pub damping: f64,
-    /// Hessian–vector products taken (each two gradients).
+    /// Curvature products taken (the Hessian's: two gradients each centrally, one forward;
+    /// the Gauss–Newton matrix's: two forward passes and one backward).
     pub hvps: u32,
     /// Whether the damped Hessian curved down along the gradient, so the direction was the
     /// gradient (Newton–CG's fallback; never for a linear head, whose H_B + λI is positive).
@@ -446,14 +537,20 @@ impl OnePass {
         let (mut hvps, mut downhill) = (0u32, 0u32);
         let (eps, cg_scratch) = (self.hvp.eps, &mut self.cg);
         let g_at_w = (self.hvp.scheme == HvpScheme::Forward).then_some(g0.grads.as_slice());
+        let scheme = self.hvp.scheme;
+        let curvature = g0.curvature.as_slice();
         let mut solve = |lambda: f32, opts: &CgOptions, g: &[f32], dir: &mut [f32]| -> u32 {
             let apply = |p: &[f32], out: &mut [f32]| {
                 if failed.is_some() {
                     out.fill(0.0);
                     return;
                 }
-                let hv =
-                    unflatten(p, &vars).and_then(|v| rm.hvp_with(pairs, &v, eps, g_at_w)).and_then(|hv| flatten(&hv));
+                let hv = unflatten(p, &vars)
+                    .and_then(|v| match scheme {
+                        HvpScheme::GaussNewton => rm.gauss_newton_vp(pairs, &v, eps, curvature),
+                        _ => rm.hvp_with(pairs, &v, eps, g_at_w),
+                    })
+                    .and_then(|hv| flatten(&hv));
                 match hv {
                     Ok(hv) => {
                         hvps += 1;

@@ -98,10 +98,11 @@ fn every_rule_learns_the_features_through_a_run() {
 /// nowhere) gives the head-only run's θ: the same stream (hash), the same updates on features
 /// recomputed through the trainable decoder instead of read from the φ cache (agreement to
 /// f32 rounding of φ). A learning backbone gives another θ.
-/// `hvp = "forward"`: the CG rules run on one-pass products; the products differ from central
-/// ones, so omd-hvp-cg's θ does too (sgd's, which takes none, does not).
+/// `hvp = "forward"` and `hvp = "gauss-newton"`: the CG rules run on one-pass products or on
+/// the Gauss–Newton matrix's; the products differ from central ones, so omd-hvp-cg's θ does
+/// too (sgd's, which takes none, does not).
 #[test]
-fn forward_differences_are_a_named_choice() {
+fn forward_differences_and_gauss_newton_are_named_choices() {
     let tmp = tempfile::tempdir().unwrap();
     let p = tmp.path();
     setup(p);
@@ -112,6 +113,12 @@ fn forward_differences_are_a_named_choice() {
     assert_ne!(npy(&central, "c0001"), npy(&forward, "c0001"), "omd-hvp-cg's products differ");
     let hvp = u64s(&table(&forward.join("metrics.parquet")), "hvp_evals");
     assert!(hvp.iter().any(|&h| h > 0), "{hvp:?}");
+    let gn = run(p, &spec("lora", "hvp = \"gauss-newton\"", rules), "gauss-newton");
+    assert_eq!(npy(&central, "c0000"), npy(&gn, "c0000"), "sgd takes no HVP");
+    assert_ne!(npy(&central, "c0001"), npy(&gn, "c0001"), "omd-hvp-cg's Gauss–Newton products differ");
+    assert_ne!(npy(&forward, "c0001"), npy(&gn, "c0001"), "and differ from forward differences");
+    let resolved = std::fs::read_to_string(gn.join("spec.resolved.toml")).unwrap();
+    assert!(resolved.contains("hvp = \"gauss-newton\""), "the resolved spec names the choice");
 }
 
 #[test]

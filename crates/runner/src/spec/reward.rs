@@ -47,13 +47,15 @@ pub struct RewardSpec {
     /// computed through the trainable path).
     #[serde(default = "d_one")]
     pub backbone_lr_scale: f64,
-    /// The Hessian–vector products of omd-hvp-cg and omd-reference, by differences of
-    /// gradients: "central" (two passes each, error O(ε²)) or "forward" (one pass from the
-    /// step's own gradient, error O(ε)).
+    /// The curvature products of omd-hvp-cg and omd-reference: the Hessian's, by differences of
+    /// gradients — "central" (two passes each, error O(ε²)) or "forward" (one pass from the
+    /// step's own gradient, error O(ε)) — or "gauss-newton": the Gauss–Newton matrix
+    /// (1/B) Σ σ′(mᵢ) ∇mᵢ ∇mᵢᵀ, paper Alg. 5's H_t with the margin's gradient for z, positive
+    /// semi-definite (two forward passes and one backward each).
     #[serde(default)]
     pub hvp: HvpScheme,
     /// ε: how far the parameters move along the direction (absent: the scheme's f32 balance of
-    /// truncation and rounding, 3e-3 central, 3e-4 forward).
+    /// truncation and rounding, 3e-3 central and gauss-newton, 3e-4 forward).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub hvp_eps: Option<f64>,
     /// Sequences per forward pass when the held-out pairs are scored.
