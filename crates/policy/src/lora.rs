@@ -621,29 +621,23 @@ trait Saves: Sized {
     fn saved(s: &SavedXa) -> Option<&[Self]>;
 }
 
-impl Saves for f32 {
-    fn save(v: Vec<f32>) -> SavedXa {
-        SavedXa::F32(v)
-    }
-    fn saved(s: &SavedXa) -> Option<&[f32]> {
-        match s {
-            SavedXa::F32(v) => Some(v),
-            SavedXa::F64(_) => None,
+macro_rules! saves {
+    ($t:ty, $mine:ident, $other:ident) => {
+        impl Saves for $t {
+            fn save(v: Vec<$t>) -> SavedXa {
+                SavedXa::$mine(v)
+            }
+            fn saved(s: &SavedXa) -> Option<&[$t]> {
+                match s {
+                    SavedXa::$mine(v) => Some(v),
+                    SavedXa::$other(_) => None,
+                }
+            }
         }
-    }
+    };
 }
-
-impl Saves for f64 {
-    fn save(v: Vec<f64>) -> SavedXa {
-        SavedXa::F64(v)
-    }
-    fn saved(s: &SavedXa) -> Option<&[f64]> {
-        match s {
-            SavedXa::F64(v) => Some(v),
-            SavedXa::F32(_) => None,
-        }
-    }
-}
+saves!(f32, F32, F64);
+saves!(f64, F64, F32);
 
 impl LoraMatmul {
     /// x Wᵀ (rows × out) on the packed kernel or by one `gemm` call.

@@ -378,7 +378,7 @@ impl PolicyModel {
         }
         let k = self.kernels;
         let h = crate::ops::rms_norm(&x, &last.norm1, self.cfg.eps, k)?;
-        let (a, _) = self.attention_rows(last, &h, &cos, &sin, &mask, pass, Some(&idx))?;
+        let (a, _) = self.attention(last, &h, &cos, &sin, &mask, pass, None, false, Some(&idx))?;
         let x = (x.index_select(&idx, 0)? + a)?;
         let h = crate::ops::rms_norm(&x, &last.norm2, self.cfg.eps, k)?;
         let m = last.down.forward(
@@ -420,7 +420,7 @@ impl PolicyModel {
     ) -> Result<(Tensor, Option<(Tensor, Tensor)>)> {
         let k = self.kernels;
         let h = crate::ops::rms_norm(&x, &blk.norm1, self.cfg.eps, k)?;
-        let (a, kv) = self.attention(blk, &h, cos, sin, mask, pass, prefix, need_kv)?;
+        let (a, kv) = self.attention(blk, &h, cos, sin, mask, pass, prefix, need_kv, None)?;
         let x = (x + a)?;
         let h = crate::ops::rms_norm(&x, &blk.norm2, self.cfg.eps, k)?;
         let a = crate::ops::silu_mul(&blk.gate.forward(&h, pass, k)?, &blk.up.forward(&h, pass, k)?, k)?;
@@ -510,42 +510,12 @@ impl PolicyModel {
 
     /// Grouped-query causal attention of x (b·t, hidden), t the positions of `cos`; with `prefix` ((b, kv, p, hd) keys
     /// and values of earlier positions), the queries attend to those first (`mask` is then
-    /// (t, p + t)). Returns the output and, with `need_kv`, this segment's keys and values. On
-    /// the routed path without a prefix, attention is one node from the projections' rows
+    /// (t, p + t)). Returns the output — the output projection on the `rows` of (b·t) alone
+    /// when given — and, with `need_kv`, this segment's keys and values. On the routed path
+    /// without a prefix, attention is one node from the projections' rows
     /// ([`crate::attention::attention_routed`]).
     #[allow(clippy::too_many_arguments)]
     fn attention(
-        &self,
-        blk: &Block,
-        x: &Tensor,
-        cos: &Tensor,
-        sin: &Tensor,
-        mask: &Tensor,
-        pass: Pass<'_>,
-        prefix: Option<(&Tensor, &Tensor)>,
-        need_kv: bool,
-    ) -> Result<(Tensor, Option<(Tensor, Tensor)>)> {
-        self.attention_with(blk, x, cos, sin, mask, pass, prefix, need_kv, None)
-    }
-
-    /// [`PolicyModel::attention`] without a prefix, its output projection on the `rows` of
-    /// (b·t) alone when given.
-    #[allow(clippy::too_many_arguments)]
-    fn attention_rows(
-        &self,
-        blk: &Block,
-        x: &Tensor,
-        cos: &Tensor,
-        sin: &Tensor,
-        mask: &Tensor,
-        pass: Pass<'_>,
-        rows: Option<&Tensor>,
-    ) -> Result<(Tensor, Option<(Tensor, Tensor)>)> {
-        self.attention_with(blk, x, cos, sin, mask, pass, None, false, rows)
-    }
-
-    #[allow(clippy::too_many_arguments)]
-    fn attention_with(
         &self,
         blk: &Block,
         x: &Tensor,
