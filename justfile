@@ -81,7 +81,8 @@ bench-train batch="8" len="256" reps="3": fetch-models
 # One step of a reward model whose features learn (issue 30: LoRA r 8 on every linear layer, a
 # head on the last token's state; 8 pairs x 256 tokens) for sgd and for omd (paper Alg. 5, K = 3
 # HVPs) in onepass against PyTorch + PEFT (double-backward HVPs, as the authors' code) on the same
-# ids and threads: median s/step, per-round range, the ratio. Python as for bench-train.
+# ids and threads: median s/step, per-round range, the ratio; onepass also by forward differences
+# (omd-forward) and on the Gauss–Newton matrix (omd-gn). Python as for bench-train.
 bench-rm-step pairs="8" len="256" reps="2": fetch-models
     scripts/bench_rm_step.sh {{pairs}} {{len}} {{reps}}
 
