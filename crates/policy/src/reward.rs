@@ -241,9 +241,31 @@ impl RewardModel {
     /// Hv ≈ (g(w + h·v) − g(w)) / h given `g0` = g(w): one pass instead of two, error O(ε)
     /// instead of O(ε²) (measured against the exact HVPs in `tests/reward.rs`).
     pub fn hvp_with(&self, pairs: &[RmPair<'_>], v: &[Tensor], eps: f64, g0: Option<&[Tensor]>) -> Result<Vec<Tensor>> {
+        let signs: &[f64] = if g0.is_some() { &[1.0] } else { &[1.0, -1.0] };
+        let Some((h, g)) = self.along(v, eps, signs, || Ok(self.gradient(pairs)?.grads))? else {
+            return v.iter().map(|t| t.zeros_like()).collect();
+        };
+        match g0 {
+            Some(g0) => g[0].iter().zip(g0).map(|(p, g)| (p - g)? / h).collect(),
+            None => g[0].iter().zip(&g[1]).map(|(p, m)| (p - m)? / (2.0 * h)).collect(),
+        }
+    }
+
+    /// `f` with the variables at w + s·h·v for each s of `signs` in turn, h = ε/‖v‖ (so the
+    /// parameters move by ε in norm whatever v's scale), stopping at the first error; the
+    /// variables are restored bit for bit afterwards, error or not. (h, the values), or None
+    /// for v = 0. The differences of [`RewardModel::hvp_with`] and
+    /// [`RewardModel::gauss_newton_vp`].
+    fn along<T>(
+        &self,
+        v: &[Tensor],
+        eps: f64,
+        signs: &[f64],
+        mut f: impl FnMut() -> Result<T>,
+    ) -> Result<Option<(f64, Vec<T>)>> {
         let vars = self.vars();
         if v.len() != vars.len() {
-            candle_core::bail!("an HVP direction of {} tensors for {} variables", v.len(), vars.len());
+            candle_core::bail!("a curvature product's direction of {} tensors for {} variables", v.len(), vars.len());
         }
         // each tensor's Σ v² on the device, read back together (one transfer), summed in order
         let sums = v.iter().map(|t| t.to_dtype(DType::F64)?.sqr()?.sum_all()).collect::<Result<Vec<_>>>()?;
@@ -253,35 +275,31 @@ impl RewardModel {
         };
         let norm = sq.sqrt();
         if norm == 0.0 {
-            return v.iter().map(|t| t.zeros_like()).collect();
+            return Ok(None);
         }
         if !norm.is_finite() || !eps.is_finite() || eps <= 0.0 {
-            candle_core::bail!("an HVP along a direction of norm {norm} with step {eps}: expected finite and positive");
+            candle_core::bail!(
+                "a curvature product along a direction of norm {norm} with step {eps}: expected finite and positive"
+            );
         }
         let h = eps / norm;
         let w: Vec<Tensor> = vars.iter().map(|x| x.as_tensor().copy()).collect::<Result<_>>()?;
-        let shift = |sign: f64| -> Result<Vec<Tensor>> {
-            for ((x, w), v) in vars.iter().zip(&w).zip(v) {
-                x.set(&(w + (v.to_dtype(w.dtype())? * (sign * h))?)?)?;
+        let mut out = Vec::with_capacity(signs.len());
+        let mut run = || -> Result<()> {
+            for &sign in signs {
+                for ((x, w), v) in vars.iter().zip(&w).zip(v) {
+                    x.set(&(w + (v.to_dtype(w.dtype())? * (sign * h))?)?)?;
+                }
+                out.push(f()?);
             }
-            Ok(self.gradient(pairs)?.grads)
+            Ok(())
         };
-        let plus = shift(1.0);
-        let minus = match g0 {
-            None => plus.as_ref().ok().map(|_| shift(-1.0)),
-            Some(_) => None,
-        };
+        let done = run();
         for (x, w) in vars.iter().zip(&w) {
             x.set(w)?;
         }
-        let plus = plus?;
-        match (g0, minus) {
-            (Some(g0), _) => plus.iter().zip(g0).map(|(p, g)| (p - g)? / h).collect(),
-            (None, m) => {
-                let minus = m.expect("taken when plus is")?;
-                plus.iter().zip(&minus).map(|(p, m)| (p - m)? / (2.0 * h)).collect()
-            }
-        }
+        done?;
+        Ok(Some((h, out)))
     }
 
     /// G·v, G = (1/B) Σᵢ σ′(mᵢ) ∇mᵢ ∇mᵢᵀ the Gauss–Newton matrix of the batch loss on `pairs`
@@ -300,46 +318,22 @@ impl RewardModel {
         eps: f64,
         curvature: &[f64],
     ) -> Result<Vec<Tensor>> {
-        let vars = self.vars();
         let n = pairs.len();
-        if v.len() != vars.len() || curvature.len() != n || n == 0 {
-            candle_core::bail!(
-                "a Gauss–Newton product with a direction of {} tensors for {} variables and {} curvatures for {n} pairs",
-                v.len(),
-                vars.len(),
-                curvature.len()
-            );
+        if curvature.len() != n || n == 0 {
+            candle_core::bail!("a Gauss–Newton product with {} curvatures for {n} pairs", curvature.len());
         }
-        let sq: f64 =
-            v.iter().map(|t| t.to_dtype(DType::F64)?.sqr()?.sum_all()?.to_scalar::<f64>()).sum::<Result<f64>>()?;
-        let norm = sq.sqrt();
-        if norm == 0.0 {
-            return v.iter().map(|t| t.zeros_like()).collect();
-        }
-        if !norm.is_finite() || !eps.is_finite() || eps <= 0.0 {
-            candle_core::bail!(
-                "a Gauss–Newton product along a direction of norm {norm} with step {eps}: expected finite and positive"
-            );
-        }
-        let h = eps / norm;
-        let w: Vec<Tensor> = vars.iter().map(|x| x.as_tensor().copy()).collect::<Result<_>>()?;
         // the margins at w ± h·v, in passes of pairs_per_pass, no backward
-        let at = |sign: f64| -> Result<Vec<f64>> {
-            for ((x, w), v) in vars.iter().zip(&w).zip(v) {
-                x.set(&(w + (v.to_dtype(w.dtype())? * (sign * h))?)?)?;
-            }
+        let margins = || -> Result<Vec<f64>> {
             let mut m = Vec::with_capacity(n);
             for part in pairs.chunks(self.pairs_per_pass.max(1)) {
                 m.extend(self.margins(part)?.detach().to_dtype(DType::F64)?.to_vec1::<f64>()?);
             }
             Ok(m)
         };
-        let plus = at(1.0);
-        let minus = plus.as_ref().ok().map(|_| at(-1.0));
-        for (x, w) in vars.iter().zip(&w) {
-            x.set(w)?;
-        }
-        let (plus, minus) = (plus?, minus.expect("taken when plus is")?);
+        let Some((h, m)) = self.along(v, eps, &[1.0, -1.0], margins)? else {
+            return v.iter().map(|t| t.zeros_like()).collect();
+        };
+        let (plus, minus) = (&m[0], &m[1]);
         let c: Vec<f64> = (0..n).map(|i| curvature[i] * (plus[i] - minus[i]) / (2.0 * h) / n as f64).collect();
         let (gv, _, _) = self.passes(pairs, |m, _, idx| {
             let ci: Vec<f64> = idx.iter().map(|&i| c[i]).collect();
