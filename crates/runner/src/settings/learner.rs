@@ -1,6 +1,7 @@
 //! The learner of a cell: the estimator, its curvature tracker 𝓗_t, the averaged iterate and
 //! the running window of training statistics that a metric row reports.
 
+use super::state::BucketClock;
 use super::Source;
 use crate::plan::CellConfig;
 use crate::rows::{Bucket, CellResult, MetricRow, StepRow};
@@ -47,9 +48,8 @@ pub struct Learner {
     pub(super) win_batches: f64,
     pub(super) converged: bool,
     pub(super) est_s: f64,
-    /// Wall time of the current bucket restarts when a checkpoint is read back.
-    #[serde(skip, default = "Instant::now")]
-    pub(super) bucket_start: Instant,
+    /// Wall time of the current bucket, carried through checkpoints.
+    pub(super) bucket_clock: BucketClock,
     pub(super) bucket_est_s: f64,
     pub(super) buckets: Vec<Bucket>,
 }
@@ -163,7 +163,7 @@ impl Learner {
             win_batches: 0.0,
             converged: true,
             est_s: 0.0,
-            bucket_start: Instant::now(),
+            bucket_clock: BucketClock::start(),
             bucket_est_s: 0.0,
             buckets: Vec::new(),
         })
@@ -252,7 +252,7 @@ impl Learner {
     }
 
     pub(super) fn row_at(&mut self, (eval_z, eval_y): (&[f32], &[f32]), truth: Option<&Env>) -> MetricRow {
-        let wall = self.bucket_start.elapsed().as_secs_f64();
+        let wall = self.bucket_clock.lap();
         let est = self.est_s - self.bucket_est_s;
         self.buckets.push(Bucket {
             step: self.steps,
@@ -260,7 +260,6 @@ impl Learner {
             estimator_s: est,
             other_s: wall - est,
         });
-        self.bucket_start = Instant::now();
         self.bucket_est_s = self.est_s;
         let (mut loss, mut right, mut ties) = (0.0, 0.0, 0u64);
         for (z, &y) in eval_z.chunks_exact(self.d).zip(eval_y) {

@@ -8,7 +8,7 @@
 
 use super::learner::Learner;
 use super::passive::file_order;
-use super::state::{CellCtx, Progress};
+use super::state::{BucketClock, CellCtx, Progress};
 use crate::plan::CellConfig;
 use crate::rows::{AdapterFiles, Bucket, CellResult, MetricRow};
 use crate::spec::RewardUpdate;
@@ -44,6 +44,8 @@ pub(super) struct RmState {
     negative_curvature: u64,
     step_s: f64,
     bucket_step_s: f64,
+    /// Wall time of the current evaluation bucket, carried through checkpoints.
+    bucket_clock: BucketClock,
 }
 
 impl RmState {
@@ -66,6 +68,7 @@ impl RmState {
             negative_curvature: 0,
             step_s: 0.0,
             bucket_step_s: 0.0,
+            bucket_clock: BucketClock::start(),
         }
     }
 
@@ -214,7 +217,6 @@ pub(super) fn passive_features(
         }
         None => RmState::new(OnePass::new(&cell.config.cfg, &rm, Some(steps), r.hvp_config(), r.backbone_lr_scale)?),
     };
-    let mut bucket_start = Instant::now();
     for t in pr.done + 1..=steps {
         let rows = order
             .get(pr.position as usize..pr.position as usize + b)
@@ -237,7 +239,7 @@ pub(super) fn passive_features(
         st.win_kref += s.before.kappa_reference;
         st.win_batches += 1.0;
         if t == steps || st.samples / cell.stream.eval_every > st.prev_samples / cell.stream.eval_every {
-            let wall = bucket_start.elapsed().as_secs_f64();
+            let wall = st.bucket_clock.lap();
             let est = st.step_s - st.bucket_step_s;
             l.buckets.push(Bucket { step: t, samples_seen: st.samples, estimator_s: est, other_s: wall - est });
             let (eval_loss, eval_accuracy, eval_ties) = evaluate(&rm, base, &ids.eval, &p.eval.y, r.eval_batch)?;
@@ -260,7 +262,8 @@ pub(super) fn passive_features(
             (st.win_loss, st.win_correct, st.win_n, st.win_kappa, st.win_kref, st.win_batches) =
                 (0.0, 0.0, 0.0, 0.0, 0.0, 0.0);
             st.bucket_step_s = st.step_s;
-            bucket_start = Instant::now();
+            // the held-out scoring is not the next bucket's
+            st.bucket_clock = BucketClock::start();
         }
         pr.done = t;
         let due = ctx.saver.due();
