@@ -8,11 +8,12 @@ stream of pairs, checked by cells.parquet's stream_hash, and the same held-out p
     python3 scripts/rm_table.py RUN_DIR [RUN_DIR ...]   # e.g. mini-hh-lora-rm with each update
 
 A run still going (no metrics.parquet yet) is skipped with a line saying so. The paired
-difference's "detectable" is 2 × its SE over seeds: a smaller difference is not resolved.
+difference's "detectable" is 2 × its SE over seeds: a smaller difference is not resolved (a
+rough bar: with 3 seeds a two-sided t-test at 5% needs 4.3 × SE).
 """
 import pathlib
+import re
 import sys
-import tomllib
 
 import numpy as np
 import pandas as pd
@@ -20,12 +21,22 @@ import pandas as pd
 
 def variant(run, estimator):
     """`head`, `lora` or `full`; for the Newton–CG rules also how CG's products are formed."""
-    spec = tomllib.loads((run / "spec.resolved.toml").read_text())
-    r = spec.get("reward", {})
+    r = reward_table(run / "spec.resolved.toml")
     update = r.get("update", "head")
     if update == "head" or not estimator.startswith("omd"):
         return update
     return f"{update}/{r.get('hvp', 'central')}"
+
+
+def reward_table(path):
+    """The string keys of the resolved spec's [reward] table (tomllib where Python has it)."""
+    text = path.read_text()
+    try:
+        import tomllib
+        return {k: v for k, v in tomllib.loads(text).get("reward", {}).items() if isinstance(v, str)}
+    except ImportError:  # Python < 3.11: the resolved spec writes `key = "value"` lines
+        m = re.search(r"^\[reward\]\s*$(.*?)(?=^\[|\Z)", text, re.S | re.M)
+        return dict(re.findall(r'^(\w+)\s*=\s*"([^"]*)"', m.group(1), re.M)) if m else {}
 
 
 def se(d):
@@ -57,19 +68,21 @@ def main(runs):
     if not rows:
         sys.exit("rm_table: no finished run among the arguments")
     d = pd.concat(rows, ignore_index=True)
-    print(f"{'variant':<22} {'estimator':<14} {'seeds':>5} {'held-out acc':>16}  {'per seed':<24} {'loss':>7} {'s/step':>7}")
+    w = max(14, d.label.str.len().max())
+    print(f"{'variant':<14} {'estimator':<{w}} {'seeds':>5} {'held-out acc':>16}  {'per seed':<24} {'loss':>7} {'s/step':>8}")
     for (v, lab), g in d.groupby(["variant", "label"], sort=True):
         g = g.sort_values("seed")
         acc = g.eval_accuracy
         per = " / ".join(f"{a:.4f}" for a in acc)
         s_step = (g.estimator_s / g.steps).mean()
-        print(f"{v:<22} {lab:<14} {len(g):>5} {acc.mean():>8.4f} ± {acc.std(ddof=1) if len(g) > 1 else float('nan'):.4f}  "
-              f"{per:<24} {g.eval_loss.mean():>7.4f} {s_step:>7.2f}")
+        print(f"{v:<14} {lab:<{w}} {len(g):>5} {acc.mean():>8.4f} ± {acc.std(ddof=1) if len(g) > 1 else float('nan'):.4f}  "
+              f"{per:<24} {g.eval_loss.mean():>7.4f} {s_step:>8.3g}")
     head = d[d.variant == "head"].set_index(["label", "seed"])
-    if head.empty:
+    rest = d[d.variant != "head"]
+    if head.empty or rest.empty:
         return
     print("\npaired over seeds, minus head-only (same estimator, seed and stream):")
-    for (v, lab), g in d[d.variant != "head"].groupby(["variant", "label"], sort=True):
+    for (v, lab), g in rest.groupby(["variant", "label"], sort=True):
         g = g.set_index("seed")
         seeds = [s for s in g.index if (lab, s) in head.index]
         if not seeds:
@@ -80,7 +93,7 @@ def main(runs):
             sys.exit(f"rm_table: {v} {lab}: seeds {differ} read another stream than the head-only run: not paired")
         for col in ["eval_accuracy", "eval_loss"]:
             dd = g.loc[seeds, col] - h[col]
-            print(f"  {v:<20} {lab:<14} {col:<14} {dd.mean():+.4f} ± {se(dd):.4f} "
+            print(f"  {v:<14} {lab:<{w}} {col:<14} {dd.mean():+.4f} ± {se(dd):.4f} "
                   f"({len(seeds)} seeds; detectable ≈ {2 * se(dd):.4f})")
 
 
