@@ -366,7 +366,7 @@ fn sigterm_checkpoints_and_exits_130() {
     let tmp = tempfile::tempdir().unwrap();
     let tmp = tmp.path();
     // long enough to be running when the signal comes; only time-based checkpoints (none)
-    let text = PASSIVE.replace("every_steps = 7", "every_s = 0").replace("samples = 240", "samples = 24000");
+    let text = PASSIVE.replace("every_steps = 7", "every_s = 0").replace("samples = 240", "samples = 6000");
     let text = text.replace("eval_every = 60", "eval_every = 6000");
     let spec = write(tmp, "p.toml", &text);
     let want = reference(tmp, &spec, &[]);
