@@ -68,6 +68,12 @@ def main(runs):
     if not rows:
         sys.exit("rm_table: no finished run among the arguments")
     d = pd.concat(rows, ignore_index=True)
+    dup = d[d.duplicated(["variant", "label", "seed"], keep=False)]
+    if not dup.empty:
+        r = dup.iloc[0]
+        runs = sorted(set(dup[(dup.variant == r.variant) & (dup.label == r.label) & (dup.seed == r.seed)].run))
+        sys.exit(f"rm_table: {r.variant} {r.label} seed {r.seed} is in more than one run ({', '.join(runs)}): "
+                 "give each cell once (a merged run or its slices, not both)")
     w = max(14, d.label.str.len().max())
     print(f"{'variant':<14} {'estimator':<{w}} {'seeds':>5} {'held-out acc':>16}  {'per seed':<24} {'loss':>7} {'s/step':>8}")
     for (v, lab), g in d.groupby(["variant", "label"], sort=True):
