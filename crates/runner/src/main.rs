@@ -311,6 +311,7 @@ fn main() -> ExitCode {
             max_gpu_memory: None,
             slice: None,
             merge: slices,
+            cap_library_threads: true,
         }),
         Cmd::Run { spec, overrides, out, threads, dry_run, resume, force, max_memory, max_gpu_memory, cells } => {
             let slice = match cells.as_deref().map(features::ShardSpec::parse).transpose() {
@@ -353,6 +354,7 @@ fn main() -> ExitCode {
                 max_gpu_memory,
                 slice,
                 merge: Vec::new(),
+                cap_library_threads: true,
             })
         }
     }

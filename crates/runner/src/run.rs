@@ -51,6 +51,9 @@ pub struct RunOptions {
     pub slice: Option<features::ShardSpec>,
     /// `onepass merge`: the slice directories whose finished cells make this run.
     pub merge: Vec<PathBuf>,
+    /// Bound candle's own threads by the run's too ([`cap_library_threads`]): the binary sets
+    /// it; a library caller, whose other threads may read the environment meanwhile, does not.
+    pub cap_library_threads: bool,
 }
 
 /// A slice directory's `slice.json`: which slice of the run's cells it holds.
@@ -536,6 +539,9 @@ fn run_one<'p>(
 pub fn run(opts: &RunOptions) -> Result<RunSummary> {
     let plan = load_plan(&opts.spec, &opts.overrides)?;
     let threads = preflight(opts, &plan)?;
+    if opts.cap_library_threads {
+        cap_library_threads(threads);
+    }
     let claimed = claim_output(opts)?;
     let world = world::build(&plan, opts.progress)?;
     let shape = world.online.as_ref().map(|o| o.shape());
@@ -633,6 +639,27 @@ fn preflight(opts: &RunOptions, plan: &Plan) -> Result<usize> {
         check_memory(opts, plan, &plan.spec, threads, None, None)?;
     }
     Ok(threads)
+}
+
+/// `--threads N` bounds the process, not only its pool of cells: candle runs its elementwise
+/// kernels on a pool of its own (`CANDLE_NUM_THREADS`, else `RAYON_NUM_THREADS`, else one
+/// thread per core, each spinning between ops) and splits each matmul into `RAYON_NUM_THREADS`
+/// parts (else one per core), and φ's extraction runs on rayon's global pool (the same
+/// variable). So two runs at `--threads 1` on 2 cores each took both. Where unset, both are set
+/// to N here — before the world is built, so before any of those pools starts; a value the
+/// user set is kept; N = 0 (one per core) leaves them alone. Results do not depend on thread
+/// counts (tested), so this changes CPU use and speed only.
+fn cap_library_threads(threads: usize) {
+    if threads == 0 {
+        return;
+    }
+    for var in ["CANDLE_NUM_THREADS", "RAYON_NUM_THREADS"] {
+        if std::env::var_os(var).is_none() {
+            // the binary's only other thread here is the signal handler's, which reads no
+            // environment (RunOptions::cap_library_threads)
+            std::env::set_var(var, threads.to_string());
+        }
+    }
 }
 
 /// A run directory whose meta.json exists is complete: nothing to resume (checkpoints a kill
@@ -766,6 +793,7 @@ impl<'a> Meta<'a> {
             cells: plan.cells.len(),
             failed_cells: failed,
             threads: st.threads,
+            candle_threads: candle_core::utils::get_num_threads(),
             host: std::fs::read_to_string("/etc/hostname").map(|s| s.trim().to_string()).unwrap_or_default(),
             os: std::env::consts::OS,
             arch: std::env::consts::ARCH,
@@ -811,6 +839,8 @@ struct Meta<'a> {
     cells: usize,
     failed_cells: usize,
     threads: usize,
+    /// The threads candle splits a matmul into (`RAYON_NUM_THREADS`; [`cap_library_threads`]).
+    candle_threads: usize,
     host: String,
     os: &'static str,
     arch: &'static str,

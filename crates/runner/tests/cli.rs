@@ -117,6 +117,30 @@ fn same_spec_same_bytes_with_one_or_two_threads() {
 }
 
 #[test]
+fn threads_bound_candles_kernels_too_unless_the_user_set_them() {
+    let tmp = tempfile::tempdir().unwrap();
+    let spec = write(tmp.path(), "tiny.toml", PASSIVE);
+    let meta = |out: &str, env: Option<&str>| -> serde_json::Value {
+        let mut c = util::command();
+        c.current_dir(tmp.path()).args(["run", spec.to_str().unwrap(), "--out", out, "--threads", "1"]);
+        c.env_remove("CANDLE_NUM_THREADS").env_remove("RAYON_NUM_THREADS");
+        if let Some(v) = env {
+            c.env("RAYON_NUM_THREADS", v);
+        }
+        let r = util::finish(&mut c);
+        assert_eq!(r.code, 0, "{}", r.stderr);
+        let dir = tmp.path().join(run_dir(&r.stdout));
+        serde_json::from_slice(&std::fs::read(dir.join("meta.json")).unwrap()).unwrap()
+    };
+    // --threads 1: candle splits its products in one part, not one per core
+    let m = meta("a", None);
+    assert_eq!(m["threads"], 1);
+    assert_eq!(m["candle_threads"], 1, "{m}");
+    // a value the user set is kept (and the field reads what candle uses: a control)
+    assert_eq!(meta("b", Some("3"))["candle_threads"], 3);
+}
+
+#[test]
 fn schema_matches_the_committed_snapshot() {
     let tmp = tempfile::tempdir().unwrap();
     let spec = write(tmp.path(), "tiny.toml", PASSIVE);
