@@ -645,7 +645,7 @@ fn preflight(opts: &RunOptions, plan: &Plan) -> Result<usize> {
 /// kernels on a pool of its own (`CANDLE_NUM_THREADS`, else `RAYON_NUM_THREADS`, else one
 /// thread per core, each spinning between ops) and splits each matmul into `RAYON_NUM_THREADS`
 /// parts (else one per core), and φ's extraction runs on rayon's global pool (the same
-/// variable). So two runs at `--threads 1` on 2 cores each took both. Where unset, both are set
+/// variable). So a run at `--threads 1` on 2 cores still took both. Where unset, both are set
 /// to N here — before the world is built, so before any of those pools starts; a value the
 /// user set is kept; N = 0 (one per core) leaves them alone. Results do not depend on thread
 /// counts (tested), so this changes CPU use and speed only.
