@@ -19,9 +19,9 @@ import numpy as np
 import pandas as pd
 
 
-def variant(run, estimator):
-    """`head`, `lora` or `full`; for the Newton–CG rules also how CG's products are formed."""
-    r = reward_table(run / "spec.resolved.toml")
+def variant(r, estimator):
+    """`head`, `lora` or `full` from the run's [reward] table `r`; for the Newton–CG rules also
+    how CG's products are formed."""
     update = r.get("update", "head")
     if update == "head" or not estimator.startswith("omd"):
         return update
@@ -62,7 +62,8 @@ def main(runs):
             print(f"rm_table: {r}: no metrics.parquet (still running?): skipped")
             continue
         d = load(r)
-        d["variant"] = [variant(r, e) for e in d.estimator]
+        reward = reward_table(r / "spec.resolved.toml")
+        d["variant"] = [variant(reward, e) for e in d.estimator]
         d["run"] = str(r)
         rows.append(d)
     if not rows:

@@ -43,12 +43,6 @@ impl BucketClock {
     }
 }
 
-impl Default for BucketClock {
-    fn default() -> Self {
-        Self::start()
-    }
-}
-
 impl Serialize for BucketClock {
     fn serialize<S: serde::Serializer>(&self, s: S) -> std::result::Result<S::Ok, S::Error> {
         s.serialize_f64(self.seconds())
