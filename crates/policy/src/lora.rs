@@ -447,9 +447,17 @@ pub fn is_zero(t: &Tensor) -> Result<bool> {
 /// head that is a third of a training step. With the fused kernels (the CPU) the product is
 /// [`FrozenMatmul`], an op of x alone whose gradient is g W; routed (CUDA), the device's
 /// product with that gradient; composed, the plain matmul (W is no variable: its gradient is
-/// computed and never read). A W that is a variable (a
-/// full-parameter policy) takes the plain matmul, which gives W its gradient xᵀg.
+/// computed and never read). A W that is a variable (a full-parameter model) takes
+/// [`WeightMatmul`] on the fused path, elsewhere the plain matmul: both give W its gradient.
 pub fn frozen_matmul(x: &Tensor, w: &Tensor, k: Kernels) -> Result<Tensor> {
+    if w.is_variable()
+        && k == Kernels::Fused
+        && x.device().is_cpu()
+        && matches!(x.dtype(), candle_core::DType::F32 | candle_core::DType::F64)
+        && x.dtype() == w.dtype()
+    {
+        return x.contiguous()?.apply_op2(&w.contiguous()?, WeightMatmul);
+    }
     if k == Kernels::Composed || w.is_variable() {
         return x.matmul(&w.t()?);
     }
@@ -534,7 +542,92 @@ impl candle_core::CustomOp1 for FrozenMatmul {
     }
 }
 
-/// Whether [`lora_matmul`] computes in `dtype` (else the composition of candle's ops).
+/// x Wᵀ of x (rows, in) and a W (out, in) that trains (a full-parameter model's weight, issue
+/// 30's `update = "full"`), f32 or f64 on the CPU, with both gradients: ∂x = g W and
+/// ∂W = (xᵀ g)ᵀ. Each product is the `gemm` call candle's matmul and its backward make (the
+/// same operands, strides and threads: the same bits, tested), written straight into fresh
+/// memory; candle's composition `x.matmul(&w.t())` zero-filled each product's output, put a
+/// transpose node in the graph and added the (in, out) gradient into W's (out, in) one through
+/// a strided view — on SmolLM2 a full-update step spent a third of its time in such page
+/// clearing, copies and adds (session 29's profile of `rm_step`).
+struct WeightMatmul;
+
+impl WeightMatmul {
+    fn fwd<T: num_traits::Float + candle_core::WithDType>(
+        x: &[T],
+        (rows, inp): (usize, usize),
+        w: &[T],
+        (out, w_in): (usize, usize),
+    ) -> Result<Vec<T>> {
+        if w_in != inp || x.len() != rows * inp || w.len() != out * inp {
+            candle_core::bail!("weight-matmul: a ({rows}, {inp}) input for a ({out}, {w_in}) weight");
+        }
+        Ok(crate::mm::product(rows, out, inp, crate::mm::Mat::rows(x, inp), crate::mm::Mat::t(w, inp)))
+    }
+
+    fn bwd_t<T: num_traits::Float + candle_core::WithDType>(
+        x: &Tensor,
+        w: &Tensor,
+        g: &Tensor,
+    ) -> Result<(Tensor, Tensor)> {
+        let (out, inp) = w.dims2()?;
+        let (rows, n) = g.dims2()?;
+        if n != out || x.dims2()? != (rows, inp) {
+            candle_core::bail!(
+                "weight-matmul: a ({rows}, {n}) gradient for {:?} x and a {:?} weight",
+                x.dims(),
+                w.dims()
+            );
+        }
+        use crate::mm::Mat;
+        let (dx, dw) = crate::attention::with_slices::<T, _, 3>([x, w, g], |[x, w, g]| {
+            // ∂x = g W (rows, in); ∂W: xᵀ g (in, out) as candle forms it, stored as (out, in)
+            let dx = crate::mm::product(rows, inp, out, Mat::rows(g, out), Mat::rows(w, inp));
+            let dw = crate::mm::product_transposed(inp, out, rows, Mat::t(x, inp), Mat::rows(g, out));
+            (dx, dw)
+        })?;
+        Ok((Tensor::from_vec(dx, (rows, inp), g.device())?, Tensor::from_vec(dw, (out, inp), g.device())?))
+    }
+}
+
+impl candle_core::CustomOp2 for WeightMatmul {
+    fn name(&self) -> &'static str {
+        "weight-matmul"
+    }
+
+    fn cpu_fwd(
+        &self,
+        s1: &candle_core::CpuStorage,
+        l1: &candle_core::Layout,
+        s2: &candle_core::CpuStorage,
+        l2: &candle_core::Layout,
+    ) -> Result<(candle_core::CpuStorage, candle_core::Shape)> {
+        use crate::attention::slice;
+        use candle_core::CpuStorage;
+        let (xd, wd) = (l1.shape().dims2()?, l2.shape().dims2()?);
+        let out = match (s1, s2) {
+            (CpuStorage::F32(_), CpuStorage::F32(_)) => {
+                CpuStorage::F32(Self::fwd(slice(s1, l1)?, xd, slice(s2, l2)?, wd)?)
+            }
+            (CpuStorage::F64(_), CpuStorage::F64(_)) => {
+                CpuStorage::F64(Self::fwd(slice(s1, l1)?, xd, slice(s2, l2)?, wd)?)
+            }
+            _ => candle_core::bail!("weight-matmul: the fused op runs in f32 or f64, x and W alike"),
+        };
+        Ok((out, candle_core::Shape::from((xd.0, wd.0))))
+    }
+
+    fn bwd(&self, x: &Tensor, w: &Tensor, _: &Tensor, g: &Tensor) -> Result<(Option<Tensor>, Option<Tensor>)> {
+        let g = g.contiguous()?;
+        let (dx, dw) = match g.dtype() {
+            candle_core::DType::F32 => Self::bwd_t::<f32>(x, w, &g)?,
+            candle_core::DType::F64 => Self::bwd_t::<f64>(x, w, &g)?,
+            other => candle_core::bail!("weight-matmul: no backward in {other:?}"),
+        };
+        Ok((Some(dx), Some(dw)))
+    }
+}
+
 /// [`lora_matmul`]'s function on the routed path (CUDA's): y = x Wᵀ + s (x Aᵀ) Bᵀ by the
 /// device's products outside the graph, one node over (x, A, B) whose gradients are
 /// ∂x = g W + s (g B) A, ∂A = s (g B)ᵀ x, ∂B = s gᵀ (x Aᵀ) (x Aᵀ recomputed). Autograd through
@@ -562,6 +655,7 @@ pub fn lora_matmul_routed(x: &Tensor, w: &Tensor, a: &Tensor, b: &Tensor, scale:
     })
 }
 
+/// Whether [`lora_matmul`] computes in `dtype` (else the composition of candle's ops).
 fn lora_fuses(dtype: candle_core::DType) -> bool {
     matches!(dtype, candle_core::DType::F32 | candle_core::DType::F64)
 }

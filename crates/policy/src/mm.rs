@@ -44,15 +44,69 @@ pub(crate) unsafe fn mm_raw<T: Float + 'static>(
     threads: usize,
     add: bool,
 ) {
+    // SAFETY: the caller's contract; row-major dst.
+    unsafe { mm_strided(m, n, k, dst, n as isize, 1, a, b, c, threads, add) }
+}
+
+/// [`mm_raw`] with dst's row and column strides given.
+///
+/// # Safety
+/// As [`mm_raw`], dst valid at those strides.
+#[allow(clippy::too_many_arguments)]
+unsafe fn mm_strided<T: Float + 'static>(
+    m: usize,
+    n: usize,
+    k: usize,
+    dst: *mut T,
+    dst_rs: isize,
+    dst_cs: isize,
+    a: Mat<T>,
+    b: Mat<T>,
+    c: T,
+    threads: usize,
+    add: bool,
+) {
     let par = if threads > 1 { gemm::Parallelism::Rayon(threads) } else { gemm::Parallelism::None };
     // gemm computes dst = α·dst + β·a·b, reading dst only when asked to
     let alpha = if add { T::one() } else { T::zero() };
     // SAFETY: the caller's contract.
     unsafe {
         gemm::gemm(
-            m, n, k, dst, 1, n as isize, add, a.ptr, a.cs, a.rs, b.ptr, b.cs, b.rs, alpha, c, false, false, false, par,
+            m, n, k, dst, dst_cs, dst_rs, add, a.ptr, a.cs, a.rs, b.ptr, b.cs, b.rs, alpha, c, false, false, false, par,
         )
     }
+}
+
+/// The m × n product a · b written as its transpose, a new n × m row-major matrix, on candle's
+/// thread count: candle's matmul backward forms a weight's gradient xᵀg as (in, out) and a
+/// transpose node then adds it into the (out, in) weight's gradient through a strided view;
+/// this is the same gemm call (the same operands and blocking) writing (out, in) at once.
+pub(crate) fn product_transposed<T: Float + 'static>(m: usize, n: usize, k: usize, a: Mat<T>, b: Mat<T>) -> Vec<T> {
+    let len = m * n;
+    if k == 0 {
+        return vec![T::zero(); len];
+    }
+    let mut out: Vec<T> = Vec::with_capacity(len);
+    // SAFETY: `out` has capacity for m × n values, which gemm writes (every one: read_dst is
+    // false and k > 0; element (i, j) at j·m + i) before the length covers them; `a`, `b` are
+    // the caller's views.
+    unsafe {
+        mm_strided(
+            m,
+            n,
+            k,
+            out.as_mut_ptr(),
+            1,
+            m as isize,
+            a,
+            b,
+            T::one(),
+            candle_core::utils::get_num_threads(),
+            false,
+        );
+        out.set_len(len);
+    }
+    out
 }
 
 /// dst (m × n, row-major, initialised) += c · a · b, on candle's thread count: a low-rank term

@@ -202,6 +202,41 @@ fn frozen_matmul_routes_the_gradient_to_x_alone() {
     }
 }
 
+/// A weight that trains (a full-parameter model's) takes the fused weight-matmul op on the CPU:
+/// the values and both gradients, ∂x and ∂W, are the same bits as candle's matmul of x and Wᵀ
+/// and its autograd (f64 and f32, a tiny shape, one over several of gemm's blocks and one of
+/// SmolLM2's q-projection at 300 rows). Negative control: another upstream gradient gives
+/// another ∂W.
+#[test]
+fn a_trained_weights_product_gives_candles_values_and_both_gradients() {
+    for dtype in [DType::F64, DType::F32] {
+        for (m, k, n) in [(3, 4, 5), (67, 300, 130), (300, 576, 576)] {
+            let t = |len: usize, f: fn(f64) -> f64, s: (usize, usize)| {
+                let v: Vec<f64> = (0..len).map(|i| f(i as f64 * 0.37)).collect();
+                Tensor::from_vec(v, s, &Device::Cpu).unwrap().to_dtype(dtype).unwrap()
+            };
+            let bits =
+                |t: &Tensor| -> Vec<f64> { t.flatten_all().unwrap().to_dtype(DType::F64).unwrap().to_vec1().unwrap() };
+            let x = candle_core::Var::from_tensor(&t(m * k, f64::sin, (m, k))).unwrap();
+            let w = candle_core::Var::from_tensor(&t(n * k, f64::cos, (n, k))).unwrap();
+            let c = t(m * n, |v| (v * 1.3).sin(), (m, n));
+            let y2 = x.as_tensor().matmul(&w.as_tensor().t().unwrap()).unwrap();
+            let g2 = (&y2 * &c).unwrap().sum_all().unwrap().backward().unwrap();
+            let y1 = policy::lora::frozen_matmul(x.as_tensor(), w.as_tensor(), policy::ops::Kernels::Fused).unwrap();
+            assert_eq!(bits(&y1), bits(&y2), "{dtype:?} {m}×{k}×{n}: values");
+            let g1 = (&y1 * &c).unwrap().sum_all().unwrap().backward().unwrap();
+            for (v, what) in [(&x, "∂x"), (&w, "∂W")] {
+                let (a, b) = (g1.get(v.as_tensor()).unwrap(), g2.get(v.as_tensor()).unwrap());
+                assert_eq!(a.dims(), b.dims(), "{dtype:?} {m}×{k}×{n}: {what}'s shape");
+                assert_eq!(bits(a), bits(b), "{dtype:?} {m}×{k}×{n}: {what}");
+            }
+            // negative control: another upstream gradient, another ∂W
+            let g3 = (&y1 * (&c * 2.0).unwrap()).unwrap().sum_all().unwrap().backward().unwrap();
+            assert_ne!(bits(g3.get(w.as_tensor()).unwrap()), bits(g1.get(w.as_tensor()).unwrap()));
+        }
+    }
+}
+
 /// The LoRA product as one op (`lora::lora_matmul`, and `lora_matmul_routed`: the GPU's)
 /// gives the composition's values, x W^T + s (x A^T) B^T, and autograd's gradients of x, A and
 /// B (f64, a shape over several of gemm's blocks); with x needing no gradient, A and B get the
