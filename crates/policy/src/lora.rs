@@ -548,8 +548,8 @@ impl candle_core::CustomOp1 for FrozenMatmul {
 /// same operands, strides and threads: the same bits, tested), written straight into fresh
 /// memory; candle's composition `x.matmul(&w.t())` zero-filled each product's output, put a
 /// transpose node in the graph and added the (in, out) gradient into W's (out, in) one through
-/// a strided view — on SmolLM2 a full-update step spent a third of its time in such page
-/// clearing, copies and adds (session 29's profile of `rm_step`).
+/// a strided view. On SmolLM2 (`rm_step`, every weight, 2 pairs × 256 tokens, 2 threads) a step
+/// took 6.7–7.0 s with this op against 7.5–8.5 s without (session 29).
 struct WeightMatmul;
 
 impl WeightMatmul {
