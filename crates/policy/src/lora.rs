@@ -494,9 +494,7 @@ impl FrozenMatmul {
         if self.w.dim(1)? != inp || x.len() != rows * inp {
             candle_core::bail!("frozen-matmul: a ({rows}, {inp}) input for a {:?} weight", self.w.dims());
         }
-        crate::attention::with_slices::<T, _, 1>([&self.w], |[w]| {
-            crate::mm::product(rows, out, inp, crate::mm::Mat::rows(x, inp), crate::mm::Mat::t(w, inp))
-        })
+        crate::attention::with_slices::<T, _, 1>([&self.w], |[w]| x_wt(x, rows, inp, w, out))
     }
 
     fn bwd_t<T: num_traits::Float + candle_core::WithDType>(&self, g: &Tensor) -> Result<Tensor> {
@@ -505,9 +503,7 @@ impl FrozenMatmul {
         if n != out {
             candle_core::bail!("frozen-matmul: a ({rows}, {n}) gradient for a {:?} weight", self.w.dims());
         }
-        let dx = crate::attention::with_slices::<T, _, 2>([g, &self.w], |[g, w]| {
-            crate::mm::product(rows, inp, out, crate::mm::Mat::rows(g, out), crate::mm::Mat::rows(w, inp))
-        })?;
+        let dx = crate::attention::with_slices::<T, _, 2>([g, &self.w], |[g, w]| g_w(g, rows, out, w, inp))?;
         Tensor::from_vec(dx, (rows, inp), g.device())
     }
 }
@@ -542,6 +538,17 @@ impl candle_core::CustomOp1 for FrozenMatmul {
     }
 }
 
+/// x Wᵀ (rows, out) of row-major x (rows, in) and W (out, in): candle's matmul's `gemm` call.
+fn x_wt<T: num_traits::Float + 'static>(x: &[T], rows: usize, inp: usize, w: &[T], out: usize) -> Vec<T> {
+    crate::mm::product(rows, out, inp, crate::mm::Mat::rows(x, inp), crate::mm::Mat::t(w, inp))
+}
+
+/// g W (rows, in) of row-major g (rows, out) and W (out, in): the input's gradient of x Wᵀ, as
+/// candle's matmul backward forms it.
+fn g_w<T: num_traits::Float + 'static>(g: &[T], rows: usize, out: usize, w: &[T], inp: usize) -> Vec<T> {
+    crate::mm::product(rows, inp, out, crate::mm::Mat::rows(g, out), crate::mm::Mat::rows(w, inp))
+}
+
 /// x Wᵀ of x (rows, in) and a W (out, in) that trains (a full-parameter model's weight, issue
 /// 30's `update = "full"`), f32 or f64 on the CPU, with both gradients: ∂x = g W and
 /// ∂W = (xᵀ g)ᵀ. Each product is the `gemm` call candle's matmul and its backward make (the
@@ -562,7 +569,7 @@ impl WeightMatmul {
         if w_in != inp || x.len() != rows * inp || w.len() != out * inp {
             candle_core::bail!("weight-matmul: a ({rows}, {inp}) input for a ({out}, {w_in}) weight");
         }
-        Ok(crate::mm::product(rows, out, inp, crate::mm::Mat::rows(x, inp), crate::mm::Mat::t(w, inp)))
+        Ok(x_wt(x, rows, inp, w, out))
     }
 
     fn bwd_t<T: num_traits::Float + candle_core::WithDType>(
@@ -581,10 +588,9 @@ impl WeightMatmul {
         }
         use crate::mm::Mat;
         let (dx, dw) = crate::attention::with_slices::<T, _, 3>([x, w, g], |[x, w, g]| {
-            // ∂x = g W (rows, in); ∂W: xᵀ g (in, out) as candle forms it, stored as (out, in)
-            let dx = crate::mm::product(rows, inp, out, Mat::rows(g, out), Mat::rows(w, inp));
+            // ∂W: xᵀ g (in, out) as candle forms it, stored as (out, in)
             let dw = crate::mm::product_transposed(inp, out, rows, Mat::t(x, inp), Mat::rows(g, out));
-            (dx, dw)
+            (g_w(g, rows, out, w, inp), dw)
         })?;
         Ok((Tensor::from_vec(dx, (rows, inp), g.device())?, Tensor::from_vec(dw, (out, inp), g.device())?))
     }

@@ -82,31 +82,7 @@ unsafe fn mm_strided<T: Float + 'static>(
 /// transpose node then adds it into the (out, in) weight's gradient through a strided view;
 /// this is the same gemm call (the same operands and blocking) writing (out, in) at once.
 pub(crate) fn product_transposed<T: Float + 'static>(m: usize, n: usize, k: usize, a: Mat<T>, b: Mat<T>) -> Vec<T> {
-    let len = m * n;
-    if k == 0 {
-        return vec![T::zero(); len];
-    }
-    let mut out: Vec<T> = Vec::with_capacity(len);
-    // SAFETY: `out` has capacity for m × n values, which gemm writes (every one: read_dst is
-    // false and k > 0; element (i, j) at j·m + i) before the length covers them; `a`, `b` are
-    // the caller's views.
-    unsafe {
-        mm_strided(
-            m,
-            n,
-            k,
-            out.as_mut_ptr(),
-            1,
-            m as isize,
-            a,
-            b,
-            T::one(),
-            candle_core::utils::get_num_threads(),
-            false,
-        );
-        out.set_len(len);
-    }
-    out
+    fresh(m, n, k, a, b, T::one(), true)
 }
 
 /// dst (m × n, row-major, initialised) += c · a · b, on candle's thread count: a low-rank term
@@ -135,16 +111,22 @@ pub(crate) fn product<T: Float + 'static>(m: usize, n: usize, k: usize, a: Mat<T
 
 /// [`product`] times c.
 pub(crate) fn scaled_product<T: Float + 'static>(m: usize, n: usize, k: usize, a: Mat<T>, b: Mat<T>, c: T) -> Vec<T> {
+    fresh(m, n, k, a, b, c, false)
+}
+
+/// c · a · b (m × n) in fresh memory, row-major or (`transposed`) as its n × m transpose.
+fn fresh<T: Float + 'static>(m: usize, n: usize, k: usize, a: Mat<T>, b: Mat<T>, c: T, transposed: bool) -> Vec<T> {
     let len = m * n;
     if k == 0 {
         return vec![T::zero(); len];
     }
+    let (rs, cs) = if transposed { (1, m as isize) } else { (n as isize, 1) };
     let mut out: Vec<T> = Vec::with_capacity(len);
     // SAFETY: `out` has capacity for m × n values, which gemm writes (every one: read_dst is
-    // false and k > 0) before the length covers them; `a`, `b` are the caller's views
-    // (`frozen_product` checks the slices' lengths).
+    // false and k > 0; element (i, j) at i·rs + j·cs) before the length covers them; `a`, `b`
+    // are the caller's views (the callers check the slices' lengths).
     unsafe {
-        mm_raw(m, n, k, out.as_mut_ptr(), a, b, c, candle_core::utils::get_num_threads(), false);
+        mm_strided(m, n, k, out.as_mut_ptr(), rs, cs, a, b, c, candle_core::utils::get_num_threads(), false);
         out.set_len(len);
     }
     out
