@@ -262,6 +262,42 @@ fn set_overrides_keys_and_estimator_entries() {
     assert!(r.stderr.contains("estimator.7.lr") && r.stderr.contains("out of range"), "{}", r.stderr);
 }
 
+/// `--set estimator=[{…}, …]` replaces the spec's [[estimator]] tables by the inline tables given
+/// (how a run keeps some of a preset's estimators): the plan has exactly their cells, in their
+/// order, with their keys; the other keys of the spec stay. Negative controls: the spec's own
+/// estimators without the override, and a list that is not of tables is refused.
+#[test]
+fn set_replaces_the_estimator_tables_by_a_list_of_inline_tables() {
+    let tmp = tempfile::tempdir().unwrap();
+    let spec = write(tmp.path(), "tiny.toml", PASSIVE);
+    let cells = |out: &str| -> Vec<String> {
+        out.lines().filter(|l| l.starts_with("# c")).map(|l| l.split_whitespace().nth(2).unwrap().to_string()).collect()
+    };
+    let r = onepass(tmp.path(), &["run", spec.to_str().unwrap(), "--dry-run"]);
+    assert_eq!(r.code, 0, "{}", r.stderr);
+    assert_eq!(cells(&r.stdout), ["omd-exact", "omd-exact", "sgd", "sgd", "sgd", "sgd", "mle", "mle"], "{}", r.stdout);
+    let r = onepass(
+        tmp.path(),
+        &[
+            "run",
+            spec.to_str().unwrap(),
+            "--dry-run",
+            "--set",
+            r#"estimator=[{kind="mle", refit_every=5}, {kind="sgd", lr=0.3}]"#,
+            "--set",
+            "estimator.1.clip=2.0",
+        ],
+    );
+    assert_eq!(r.code, 0, "{}", r.stderr);
+    assert_eq!(cells(&r.stdout), ["mle", "mle", "sgd", "sgd"], "{}", r.stdout);
+    assert!(r.stdout.contains("refit_every = 5") && r.stdout.contains("lr = 0.3"), "{}", r.stdout);
+    assert!(r.stdout.contains("clip = 2.0") && r.stdout.contains("dim = 6"), "{}", r.stdout);
+    assert!(!r.stdout.contains("omd-exact") && !r.stdout.contains("refit_every = 10"), "{}", r.stdout);
+    let r = onepass(tmp.path(), &["run", spec.to_str().unwrap(), "--dry-run", "--set", "estimator=[1, 2]"]);
+    assert_eq!(r.code, 2);
+    assert!(r.stderr.contains("non-empty list of inline tables"), "{}", r.stderr);
+}
+
 #[test]
 fn report_and_compare_read_a_run() {
     let tmp = tempfile::tempdir().unwrap();

@@ -150,7 +150,8 @@ pub fn override_at<'a>(text: &str, overrides: &'a [String], line: usize) -> Opti
 }
 
 /// Applies `key=value` overrides (dotted keys; array-of-table entries by index, e.g.
-/// `estimator.0.lr=0.1`); the value is read as TOML, else as a string.
+/// `estimator.0.lr=0.1`, or the whole list as inline tables, e.g.
+/// `estimator=[{kind="sgd", lr=0.1}]`); the value is read as TOML, else as a string.
 pub fn apply_overrides(text: &str, overrides: &[String]) -> Result<String, (String, String)> {
     if overrides.is_empty() {
         return Ok(text.to_string());
@@ -178,15 +179,34 @@ pub fn apply_overrides(text: &str, overrides: &[String]) -> Result<String, (Stri
 fn set_in_table(t: &mut toml_edit::Table, segs: &[&str], value: toml_edit::Value) -> Result<(), String> {
     let (seg, rest) = segs.split_first().ok_or("empty key")?;
     if rest.is_empty() {
-        // a table (or [[table]] list) is set key by key: replaced by a value it would vanish
-        if let Some(kind) = match t.get(seg) {
-            Some(toml_edit::Item::Table(_)) => Some("the table"),
-            Some(toml_edit::Item::ArrayOfTables(_)) => Some("the [[tables]]"),
-            _ => None,
-        } {
-            return Err(format!(
-                "cannot replace {kind} `{seg}` with a value: set its keys (e.g. {seg}.0.lr=… for [[tables]])"
-            ));
+        match t.get(seg) {
+            // a table is set key by key: replaced by a value it would vanish
+            Some(toml_edit::Item::Table(_)) => {
+                return Err(format!("cannot replace the table `{seg}` with a value: set its keys ({seg}.KEY=…)"))
+            }
+            // a [[table]] list: key by key, or the whole list as inline tables (how a run keeps
+            // some of a preset's estimators); a list of anything else, or none, would leave no
+            // tables
+            Some(toml_edit::Item::ArrayOfTables(_)) => {
+                let tables = match &value {
+                    toml_edit::Value::Array(list) if !list.is_empty() => list
+                        .iter()
+                        .map(|v| v.as_inline_table().map(|it| it.clone().into_table()))
+                        .collect::<Option<Vec<_>>>(),
+                    _ => None,
+                };
+                let Some(tables) = tables else {
+                    return Err(format!(
+                        "cannot replace the [[tables]] `{seg}` with {value}: set its keys ({seg}.0.lr=…) or give a non-empty list of inline tables ({seg}=[{{kind=\"sgd\", lr=0.1}}])",
+                        value = value.to_string().trim()
+                    ));
+                };
+                let mut list = toml_edit::ArrayOfTables::new();
+                tables.into_iter().for_each(|t| list.push(t));
+                t[seg] = toml_edit::Item::ArrayOfTables(list);
+                return Ok(());
+            }
+            _ => {}
         }
         t[seg] = toml_edit::Item::Value(value);
         return Ok(());
