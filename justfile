@@ -62,6 +62,16 @@ build-cuda cap="90":
     # one reward-model step on the device (ONEPASS_DEVICE=cuda; its doc): time a step before a run
     cargo build --release --features cuda -p policy --example rm_step
 
+# onepass and the bench examples without candle gemm's AVX-512 kernels, in target/avx2: with
+# ONEPASS_CPU=avx2 (onepass's own kernels) every f32 product then stops at AVX2 + FMA, so an
+# AVX-512 machine measures the path an AVX2-only CPU takes (issue 35). The bench-* recipes build
+# and use it themselves when ONEPASS_CPU=avx2 is set, and cap PyTorch too (scripts/bench_env.sh).
+build-avx2:
+    CARGO_TARGET_DIR=target/avx2 cargo build --release --no-default-features -p runner
+    CARGO_TARGET_DIR=target/avx2 cargo build --release --no-default-features -p features --example generate_bench
+    CARGO_TARGET_DIR=target/avx2 cargo build --release --no-default-features -p policy --example train_step --example rm_step
+    ONEPASS_CPU=avx2 target/avx2/release/onepass cpu
+
 # Estimator benchmark at d = 4096, B = 8 (µs/step, omd-exact vs memory bandwidth, mle refits, peak RSS).
 bench:
     cargo bench -p estimators

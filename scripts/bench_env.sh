@@ -24,8 +24,22 @@ if [[ -z "$py" ]]; then
     py=.venv-bench/bin/python
 fi
 [[ -e "$model" ]] || { echo "$bench: $model not found (run just fetch-models)" >&2; exit 2; }
-# Every figure names the CPU it was measured on (and the cap, when ONEPASS_CPU=avx2 measures the
-# AVX2 path on an AVX-512 machine; candle's f32 gemm dispatches on its own and is not capped, and
-# PyTorch is capped with ATEN_CPU_CAPABILITY=avx2).
-cargo build --release -p runner --quiet
-echo "$bench: cpu: $(target/release/onepass cpu)${ATEN_CPU_CAPABILITY:+; PyTorch capped at $ATEN_CPU_CAPABILITY}" >&2
+# ONEPASS_CPU=avx2 measures the AVX2 path on an AVX-512 machine, both sides capped: onepass's own
+# kernels by that variable, candle's f32 matmul by a build without its AVX-512 kernels
+# (`--no-default-features`, in target/avx2: `just build-avx2`), and PyTorch by ATen's, MKL's and
+# oneDNN's own caps (each left as given when already set). `$cargo_flags` and `$rel` (the
+# binaries' folder) are what the bench scripts build and run with.
+cargo_flags=(--release)
+rel=target/release
+if [[ "${ONEPASS_CPU:-}" == avx2 ]]; then
+    export CARGO_TARGET_DIR=target/avx2
+    cargo_flags=(--release --no-default-features)
+    rel=target/avx2/release
+    export ATEN_CPU_CAPABILITY=${ATEN_CPU_CAPABILITY:-avx2}
+    export MKL_ENABLE_INSTRUCTIONS=${MKL_ENABLE_INSTRUCTIONS:-AVX2}
+    export ONEDNN_MAX_CPU_ISA=${ONEDNN_MAX_CPU_ISA:-AVX2}
+fi
+# Every figure names the CPU it was measured on, and the caps where set.
+cargo build "${cargo_flags[@]}" -p runner --quiet
+caps="${ATEN_CPU_CAPABILITY:+ ATEN_CPU_CAPABILITY=$ATEN_CPU_CAPABILITY}${MKL_ENABLE_INSTRUCTIONS:+ MKL_ENABLE_INSTRUCTIONS=$MKL_ENABLE_INSTRUCTIONS}${ONEDNN_MAX_CPU_ISA:+ ONEDNN_MAX_CPU_ISA=$ONEDNN_MAX_CPU_ISA}"
+echo "$bench: cpu: $($rel/onepass cpu)${caps:+; PyTorch capped:$caps}" >&2

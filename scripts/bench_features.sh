@@ -13,11 +13,11 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 bench=bench-features
 source scripts/bench_env.sh "$@"
-cargo build --release -p runner --quiet
+cargo build "${cargo_flags[@]}" -p runner --quiet
 out=$(mktemp -d)
 trap 'rm -rf "$out"' EXIT
 ids="$out/ids.json"
-bin=target/release/onepass
+bin=$rel/onepass
 # The ids (and a warm page cache) first.
 RAYON_NUM_THREADS=$threads $bin features bench --model "$model" --batch "$batch" --len "$len" --reps 1 --warmup 0 --ids-out "$ids" >/dev/null
 for r in $(seq 1 "$rounds"); do

@@ -20,10 +20,10 @@ if [[ "${ONEPASS_BENCH_LLAMACPP:-}" == 1 ]]; then
 fi
 llamacpp=$("$py" -c "import llama_cpp; print(1)" 2>/dev/null || true)
 [[ -n "$llamacpp" ]] || echo "bench-generate: no llama-cpp-python in $py (ONEPASS_BENCH_LLAMACPP=1 builds it): llama.cpp left out" >&2
-cargo build --release -p features --example generate_bench --quiet
+cargo build "${cargo_flags[@]}" -p features --example generate_bench --quiet
 out=$(mktemp -d)
 trap 'rm -rf "$out"' EXIT
-bin=target/release/examples/generate_bench
+bin=$rel/examples/generate_bench
 for r in $(seq 1 "$rounds"); do
     echo "bench-generate: round $r/$rounds" >&2
     for dt in $dtypes; do

@@ -30,7 +30,7 @@ for r in $(seq 1 "$rounds"); do
     echo "bench-online: round $r/$rounds" >&2
     for d in $dtypes; do
         # bf16: generation, φ and the policy's training products (policy.dtype) in bf16
-        dir=$(target/release/onepass run "${spec[@]}" --set "features.cache=\"$out/phi-$d-$r\"" --threads "$threads" \
+        dir=$($rel/onepass run "${spec[@]}" --set "features.cache=\"$out/phi-$d-$r\"" --threads "$threads" \
             --set "generate.dtype=\"$d\"" --set "features.dtype=\"$d\"" --set "policy.dtype=\"$d\"" \
             --out "$out/runs" 2>/dev/null | tail -n 1)
         "$py" - "$dir" "$threads" "$d" >"$out/onepass-$d-$r.json" <<'PY'

@@ -14,10 +14,10 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 bench=bench-rm-step
 source scripts/bench_env.sh "$@"
-cargo build --release -p policy --example rm_step --quiet
+cargo build "${cargo_flags[@]}" -p policy --example rm_step --quiet
 out=$(mktemp -d)
 trap 'rm -rf "$out"' EXIT
-bin=target/release/examples/rm_step
+bin=$rel/examples/rm_step
 for r in $(seq 1 "$rounds"); do
     for rule in sgd omd omd-forward omd-gn; do
         echo "bench-rm-step: round $r/$rounds, $rule" >&2

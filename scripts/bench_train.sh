@@ -12,10 +12,10 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 bench=bench-train
 source scripts/bench_env.sh "$@"
-cargo build --release -p policy --example train_step --quiet
+cargo build "${cargo_flags[@]}" -p policy --example train_step --quiet
 out=$(mktemp -d)
 trap 'rm -rf "$out"' EXIT
-bin=target/release/examples/train_step
+bin=$rel/examples/train_step
 for r in $(seq 1 "$rounds"); do
     echo "bench-train: round $r/$rounds" >&2
     for d in $dtypes; do

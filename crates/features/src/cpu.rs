@@ -1,8 +1,10 @@
 //! The CPU a run measures on: its model and the vector features onepass's kernels use, and the
 //! `ONEPASS_CPU=avx2` override that caps onepass's own kernels at AVX2 + FMA, so that an AVX-512
-//! machine can measure the path an AVX2-only CPU takes (issue 35). What it cannot cap: candle's
-//! f32 matmul (the `gemm` crate dispatches on the CPU's features itself) and PyTorch's (set
-//! `ATEN_CPU_CAPABILITY=avx2` for the peer).
+//! machine can measure the path an AVX2-only CPU takes (issue 35). candle's f32 matmul (the `gemm`
+//! crate) dispatches on the CPU's features itself, so no variable caps it; a build without the
+//! default feature `gemm-avx512` (`just build-avx2`) leaves its AVX-512 kernels out, and then every
+//! f32 product stops at AVX2 + FMA. The PyTorch peer is capped by its own variables
+//! (`scripts/bench_env.sh`: ATen, MKL and oneDNN).
 
 /// `ONEPASS_CPU=avx2` is set: onepass's kernels use nothing above AVX2 + FMA.
 pub fn capped_at_avx2() -> bool {
@@ -63,9 +65,26 @@ pub fn features() -> Vec<&'static str> {
     out
 }
 
+/// The widest kernel candle's f32 matmul (`gemm`) runs here: `Avx512` only where this build has
+/// them (the `gemm-avx512` feature) and the CPU has AVX-512F — no environment variable caps it.
+pub fn gemm_kernel() -> &'static str {
+    #[cfg(target_arch = "x86_64")]
+    {
+        use std::arch::is_x86_feature_detected as has;
+        if cfg!(feature = "gemm-avx512") && has!("avx512f") {
+            return "Avx512";
+        }
+        if has!("avx2") && has!("fma") {
+            return "Avx2";
+        }
+    }
+    "Scalar"
+}
+
 /// One line for a benchmark or a log: model, features, and the cap when one is set, e.g.
 /// `Intel(R) Xeon(R) Processor; avx2 fma avx512f avx512bf16; bf16 kernel Avx512Bf16; f32 kernel
-/// Avx512` (`f32 kernel candle` when `ONEPASS_F32_KERNEL=candle` hands f32 products to candle).
+/// Avx512; candle gemm Avx512` (`f32 kernel candle` when `ONEPASS_F32_KERNEL=candle` hands f32
+/// products to candle; `candle gemm Avx2` in a `just build-avx2` binary).
 pub fn summary() -> String {
     let cap = if capped_at_avx2() { " (onepass capped at AVX2: ONEPASS_CPU=avx2)" } else { "" };
     let f32k = if crate::model::f32_uses_candle() {
@@ -74,10 +93,11 @@ pub fn summary() -> String {
         format!("{:?}", crate::f32mm::Kernel::detect())
     };
     format!(
-        "{}; {}; bf16 kernel {:?}; f32 kernel {f32k}{cap}",
+        "{}; {}; bf16 kernel {:?}; f32 kernel {f32k}; candle gemm {}{cap}",
         model(),
         features().join(" "),
-        crate::bf16::Kernel::detect()
+        crate::bf16::Kernel::detect(),
+        gemm_kernel()
     )
 }
 
