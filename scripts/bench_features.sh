@@ -12,8 +12,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bench=bench-features
-source scripts/bench_env.sh "$@"
-cargo build "${cargo_flags[@]}" -p runner --quiet
+source scripts/bench_env.sh "$@"  # builds onepass ($rel/onepass)
 out=$(mktemp -d)
 trap 'rm -rf "$out"' EXIT
 ids="$out/ids.json"
