@@ -35,6 +35,9 @@ fn main() {
         PolicyModel::new(g.tensors, g.cfg, &LoraConfig::default(), len, DType::F32).expect("building the policy");
     if bf16 {
         m.use_bf16_products().expect("bf16 products");
+    } else if std::env::var("ONEPASS_F32_PRODUCTS").as_deref() != Ok("gemm") {
+        // as onepass trains in f32 on the CPU: the packed f32 kernel (`gemm`: candle's matmul)
+        m.use_packed_products(false).expect("packed f32 products");
     }
     // ONEPASS_KERNELS=routed|composed: a GPU's path, on the CPU (its memory)
     if let Ok(k) = std::env::var("ONEPASS_KERNELS") {

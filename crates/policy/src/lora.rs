@@ -225,12 +225,12 @@ pub struct Linear {
     pub bias: Option<Tensor>,
     pub adapter: Option<Adapter>,
     pub reference: Reference,
-    /// W packed for the CPU's bf16 products ([`PackedBf16`]) when the model trains with them
-    /// ([`crate::PolicyModel::use_bf16_products`]); None: W's own dtype.
-    pub packed: Option<std::sync::Arc<PackedBf16>>,
+    /// W packed for the CPU's bf16 or f32 products ([`PackedWeight`]) when the model runs them
+    /// ([`crate::PolicyModel::use_packed_products`]); None: candle's products in W's dtype.
+    pub packed: Option<std::sync::Arc<PackedWeight>>,
     /// The reference weight of [`Reference::Weight`] packed likewise, so the policy and its
     /// reference round their products the same way (a KL of exactly 0 at the reference).
-    pub packed_reference: Option<std::sync::Arc<PackedBf16>>,
+    pub packed_reference: Option<std::sync::Arc<PackedWeight>>,
 }
 
 /// Why a policy that trains with bf16 products does not merge its adapters.
@@ -238,46 +238,69 @@ pub const BF16_MERGE: &str = "merging adapters into weights that train with bf16
      merged update away (at RLHF learning rates (α/r)BA is far below half a bf16 ulp of W): use persistent \
      adapters (policy.adapter = \"persistent\") with bf16 products, or f32";
 
-/// A frozen weight W (out, in) packed for the CPU's bf16 products (`features::bf16`: each
-/// weight and each input rounded to bf16, the products summed in f32 — `VDPBF16PS`'s arithmetic
-/// on AVX-512 BF16): W for the forward's x Wᵀ and Wᵀ for the backward's g W, so both products
-/// stream half the bytes of f32 and run on the bf16 kernel. Two bf16 copies take the memory of
-/// one f32 copy.
-pub struct PackedBf16 {
-    fwd: features::bf16::Bf16Matrix,
-    bwd: features::bf16::Bf16Matrix,
+/// A frozen weight W (out, in) packed once for the CPU's products: W for the forward's x Wᵀ and
+/// Wᵀ for the backward's g W, each in the layout of a `features::packed` kernel.
+/// - bf16 ([`PackedWeight::bf16`], `features::bf16`: each weight and each input rounded to
+///   bf16, the products summed in f32 — `VDPBF16PS`'s arithmetic on AVX-512 BF16): both products
+///   stream half the bytes of f32; two bf16 copies take the memory of one f32 copy.
+/// - f32 ([`PackedWeight::f32`], `features::f32mm`: each output one fused multiply-add chain
+///   from 0 over the inputs in order, the bits φ's extraction and generation compute): candle's
+///   matmul (the `gemm` crate) packs W again on every call — for the LM head 113 MB per block
+///   of rows — and that packing was ~12% of an online chunk's CPU time (perf, session 32).
+///   Two more f32 copies of each frozen weight.
+pub struct PackedWeight {
+    fwd: Box<dyn features::packed::PackedMatrix>,
+    bwd: Box<dyn features::packed::PackedMatrix>,
+    /// The products round their inputs to bf16 (a merge would round its update away).
+    pub bf16: bool,
 }
 
-impl PackedBf16 {
-    /// Packs `w` (out, in).
-    pub fn new(w: &Tensor) -> Result<PackedBf16> {
-        let (out, inp) = w.dims2()?;
-        let v: Vec<f32> = w.to_dtype(candle_core::DType::F32)?.flatten_all()?.to_vec1()?;
-        let vt: Vec<f32> = w.t()?.to_dtype(candle_core::DType::F32)?.contiguous()?.flatten_all()?.to_vec1()?;
-        Ok(PackedBf16 {
-            fwd: features::bf16::Bf16Matrix::from_f32(&v, out, inp),
-            bwd: features::bf16::Bf16Matrix::from_f32(&vt, inp, out),
+impl PackedWeight {
+    /// Packs `w` (out, in) for the bf16 kernel.
+    pub fn bf16(w: &Tensor) -> Result<PackedWeight> {
+        let (v, vt, out, inp) = both_layouts(w)?;
+        Ok(PackedWeight {
+            fwd: Box::new(features::bf16::Bf16Matrix::from_f32(&v, out, inp)),
+            bwd: Box::new(features::bf16::Bf16Matrix::from_f32(&vt, inp, out)),
+            bf16: true,
+        })
+    }
+
+    /// Packs `w` (out, in) for the f32 kernel.
+    pub fn f32(w: &Tensor) -> Result<PackedWeight> {
+        let (v, vt, out, inp) = both_layouts(w)?;
+        Ok(PackedWeight {
+            fwd: Box::new(features::f32mm::F32Matrix::from_f32(&v, out, inp)),
+            bwd: Box::new(features::f32mm::F32Matrix::from_f32(&vt, inp, out)),
+            bf16: false,
         })
     }
 
     /// x Wᵀ for x (rows, in) f32 on the CPU: (rows, out).
     pub fn forward(&self, x: &Tensor) -> Result<Tensor> {
-        product(&self.fwd, x)
+        product(self.fwd.as_ref(), x)
     }
 
     /// g W for g (rows, out) f32 on the CPU: (rows, in) — the gradient of x.
     pub fn backward(&self, g: &Tensor) -> Result<Tensor> {
-        product(&self.bwd, g)
+        product(self.bwd.as_ref(), g)
     }
 }
 
-/// x Mᵀ on the packed bf16 kernel, x (rows, k) f32 on the CPU.
-fn product(m: &features::bf16::Bf16Matrix, x: &Tensor) -> Result<Tensor> {
-    use features::packed::PackedMatrix;
+/// W (out, in) row-major as f32 values, and Wᵀ's: (W, Wᵀ, out, in).
+fn both_layouts(w: &Tensor) -> Result<(Vec<f32>, Vec<f32>, usize, usize)> {
+    let (out, inp) = w.dims2()?;
+    let v: Vec<f32> = w.to_dtype(candle_core::DType::F32)?.flatten_all()?.to_vec1()?;
+    let vt: Vec<f32> = w.t()?.to_dtype(candle_core::DType::F32)?.contiguous()?.flatten_all()?.to_vec1()?;
+    Ok((v, vt, out, inp))
+}
+
+/// x Mᵀ on a packed kernel, x (rows, k) f32 on the CPU.
+fn product(m: &dyn features::packed::PackedMatrix, x: &Tensor) -> Result<Tensor> {
     let (rows, k) = x.dims2()?;
     if k != m.k() || x.dtype() != candle_core::DType::F32 || !x.device().is_cpu() {
         candle_core::bail!(
-            "a bf16 product of a ({rows}, {k}) {:?} input on {:?} with a ({}, {}) weight: expected f32 on the CPU",
+            "a packed product of a ({rows}, {k}) {:?} input on {:?} with a ({}, {}) weight: expected f32 on the CPU",
             x.dtype(),
             x.device(),
             m.n(),
@@ -290,7 +313,7 @@ fn product(m: &features::bf16::Bf16Matrix, x: &Tensor) -> Result<Tensor> {
 
 /// x Wᵀ on the packed bf16 kernel with the gradient of x alone (g W, on the same kernel):
 /// [`frozen_matmul`]'s routing for a weight that trains with bf16 products.
-pub fn packed_matmul(x: &Tensor, p: &std::sync::Arc<PackedBf16>) -> Result<Tensor> {
+pub fn packed_matmul(x: &Tensor, p: &std::sync::Arc<PackedWeight>) -> Result<Tensor> {
     let y = p.forward(&x.detach())?;
     let p = p.clone();
     crate::ops::routed(x, y, "frozen-matmul-bf16", move |_, _, g| p.backward(&g.contiguous()?))
@@ -400,22 +423,34 @@ impl Linear {
     /// as [`Reference::Weight`] when it was W). The adapter is then reset by the caller.
     pub fn merge(&mut self) -> Result<()> {
         let Some(ad) = &self.adapter else { return Ok(()) };
-        if self.packed.is_some() {
+        if self.packed.as_ref().is_some_and(|p| p.bf16) {
             candle_core::bail!("{}", BF16_MERGE);
         }
         if !matches!(self.reference, Reference::Weight(_)) {
+            let was_w = matches!(self.reference, Reference::Frozen);
             self.reference = Reference::Weight(self.reference_weight()?);
+            // f32 products: the reference's packing is W's own when the reference was W
+            self.packed_reference = match (&self.packed, &self.reference) {
+                (Some(p), _) if was_w => Some(p.clone()),
+                (Some(_), Reference::Weight(w0)) => Some(std::sync::Arc::new(PackedWeight::f32(w0)?)),
+                _ => None,
+            };
         }
         // detached: W stays frozen (no path from it back to the adapter's variables)
         self.w = (&self.w + ad.delta()?.detach().to_dtype(self.w.dtype())?)?.detach();
+        if self.packed.is_some() {
+            self.packed = Some(std::sync::Arc::new(PackedWeight::f32(&self.w)?));
+        }
         Ok(())
     }
 
-    /// Packs W (and a reference weight) for the bf16 products ([`PackedBf16`]).
-    pub fn pack(&mut self) -> Result<()> {
-        self.packed = Some(std::sync::Arc::new(PackedBf16::new(&self.w)?));
+    /// Packs W (and a reference weight) for the CPU's packed products ([`PackedWeight`]): bf16
+    /// or f32.
+    pub fn pack(&mut self, bf16: bool) -> Result<()> {
+        let pack = |w: &Tensor| if bf16 { PackedWeight::bf16(w) } else { PackedWeight::f32(w) };
+        self.packed = Some(std::sync::Arc::new(pack(&self.w)?));
         self.packed_reference = match &self.reference {
-            Reference::Weight(w0) => Some(std::sync::Arc::new(PackedBf16::new(w0)?)),
+            Reference::Weight(w0) => Some(std::sync::Arc::new(pack(w0)?)),
             _ => None,
         };
         Ok(())
@@ -675,7 +710,7 @@ fn lora_fuses(dtype: candle_core::DType) -> bool {
 pub fn lora_matmul(
     x: &Tensor,
     w: &Tensor,
-    packed: Option<&std::sync::Arc<PackedBf16>>,
+    packed: Option<&std::sync::Arc<PackedWeight>>,
     a: &Tensor,
     b: &Tensor,
     scale: f64,
@@ -700,7 +735,7 @@ pub fn lora_matmul(
 
 struct LoraMatmul {
     w: Tensor,
-    packed: Option<std::sync::Arc<PackedBf16>>,
+    packed: Option<std::sync::Arc<PackedWeight>>,
     scale: f64,
     /// x Aᵀ (rows × r) as the forward computed it, for the backward's ∂B = s gᵀ (x Aᵀ): kept
     /// (rows·r values, ~1/70 of x for SmolLM2 at r 8) rather than recomputed, which was a
@@ -746,7 +781,6 @@ impl LoraMatmul {
         let (out, inp) = self.w.dims2()?;
         match &self.packed {
             Some(p) => {
-                use features::packed::PackedMatrix;
                 let x32: &[f32] = f32_values(x)?;
                 let y = p.fwd.matmul_t(x32, rows);
                 Ok(y.into_iter().map(|v| T::from(v).unwrap_or_else(T::nan)).collect())
@@ -801,7 +835,6 @@ impl LoraMatmul {
             let dx = if want_dx {
                 let mut dx = match &self.packed {
                     Some(p) => {
-                        use features::packed::PackedMatrix;
                         let g32: &[f32] = f32_values(g)?;
                         p.bwd.matmul_t(g32, rows).into_iter().map(|v| T::from(v).unwrap_or_else(T::nan)).collect()
                     }

@@ -58,8 +58,8 @@ pub struct PolicyModel {
     base: HashMap<String, Tensor>,
     embed: Tensor,
     lm_head: Tensor,
-    /// The LM head packed for bf16 products ([`PolicyModel::use_bf16_products`]).
-    lm_head_packed: Option<std::sync::Arc<crate::lora::PackedBf16>>,
+    /// The LM head packed for the CPU's products ([`PolicyModel::use_packed_products`]).
+    lm_head_packed: Option<std::sync::Arc<crate::lora::PackedWeight>>,
     blocks: Vec<Block>,
     norm: Tensor,
     cos: Tensor,
@@ -292,9 +292,25 @@ impl PolicyModel {
     /// and Adam stay f32. The CPU's fused kernels and an f32 adapter model only; merging the
     /// adapters into the weights is refused from then on ([`crate::lora::BF16_MERGE`]).
     pub fn use_bf16_products(&mut self) -> std::result::Result<(), features::Error> {
-        if !self.device.is_cpu() || self.kernels != Kernels::Fused || self.var_dtype() != DType::F32 || self.is_full() {
+        self.use_packed_products(true)
+    }
+
+    /// Whether [`PolicyModel::use_packed_products`] applies: the CPU's fused kernels, f32
+    /// adapters, frozen weights (not a full-parameter model, whose weights learn).
+    pub fn can_pack_products(&self) -> bool {
+        self.device.is_cpu() && self.kernels == Kernels::Fused && self.var_dtype() == DType::F32 && !self.is_full()
+    }
+
+    /// Every frozen weight (and the LM head) packed once for the CPU's packed products,
+    /// forward and backward ([`crate::lora::PackedWeight`]): bf16 (as
+    /// [`PolicyModel::use_bf16_products`]) or f32 — the f32 kernel of φ and generation
+    /// (`features::f32mm`), instead of candle's matmul, which packs W on every call. f32 keeps
+    /// merging: a merged layer is packed again. An error where
+    /// [`PolicyModel::can_pack_products`] is false.
+    pub fn use_packed_products(&mut self, bf16: bool) -> std::result::Result<(), features::Error> {
+        if !self.can_pack_products() {
             return Err(features::Error::Input(format!(
-                "bf16 products are the CPU's fused path for f32 adapters: this policy is on {:?}, {:?} kernels, {:?}{}",
+                "packed products are the CPU's fused path for f32 adapters: this policy is on {:?}, {:?} kernels, {:?}{}",
                 self.device,
                 self.kernels,
                 self.var_dtype(),
@@ -303,15 +319,26 @@ impl PolicyModel {
         }
         for blk in &mut self.blocks {
             for (_, lin) in blk.linears_mut() {
-                lin.pack()?;
+                lin.pack(bf16)?;
             }
         }
-        self.lm_head_packed = Some(std::sync::Arc::new(crate::lora::PackedBf16::new(&self.lm_head)?));
+        let head = if bf16 {
+            crate::lora::PackedWeight::bf16(&self.lm_head)?
+        } else {
+            crate::lora::PackedWeight::f32(&self.lm_head)?
+        };
+        self.lm_head_packed = Some(std::sync::Arc::new(head));
         Ok(())
     }
 
     /// Whether the frozen products run in bf16 ([`PolicyModel::use_bf16_products`]).
     pub fn bf16_products(&self) -> bool {
+        self.lm_head_packed.as_ref().is_some_and(|p| p.bf16)
+    }
+
+    /// Whether the frozen products run on a packed kernel, bf16 or f32
+    /// ([`PolicyModel::use_packed_products`]).
+    pub fn packed_products(&self) -> bool {
         self.lm_head_packed.is_some()
     }
 

@@ -554,7 +554,7 @@ const LM_BLOCK: usize = 128;
 pub fn lm_head_logprobs(
     x: &Tensor,
     w: &Tensor,
-    packed: Option<&std::sync::Arc<crate::lora::PackedBf16>>,
+    packed: Option<&std::sync::Arc<crate::lora::PackedWeight>>,
     targets: &Tensor,
     k: Kernels,
 ) -> Result<Tensor> {
@@ -582,7 +582,7 @@ pub fn lm_head_logprobs(
 fn lm_head_fused<T: crate::mm::ExpRow + candle_core::WithDType>(
     x: &Tensor,
     w: &Tensor,
-    packed: Option<&std::sync::Arc<crate::lora::PackedBf16>>,
+    packed: Option<&std::sync::Arc<crate::lora::PackedWeight>>,
     targets: &Tensor,
 ) -> Result<Tensor> {
     use crate::attention::with_slices;

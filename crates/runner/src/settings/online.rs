@@ -144,6 +144,9 @@ impl<'a> PolicyCell<'a> {
             };
             if online.spec.dtype == crate::spec::policy::TrainDtype::Bf16 {
                 m.use_bf16_products()?;
+            } else if m.can_pack_products() {
+                // f32 on the CPU: the packed f32 kernel, W packed once (candle's matmul packs it per call)
+                m.use_packed_products(false)?;
             }
             if let Some(st) = state {
                 // merges and reference moves first, each with the adapter values it saw

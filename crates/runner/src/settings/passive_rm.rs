@@ -109,6 +109,11 @@ pub(super) fn reward_model(cell: &CellConfig, base: &RewardBase, theta0: &[f64],
         RewardUpdate::Full => PolicyModel::new_full(base.base.clone(), base.cfg.clone(), base.max_len, dtype)?,
         RewardUpdate::Head => return Err(anyhow!("reward.update = \"head\" learns on cached φ")),
     };
+    let mut model = model;
+    if model.can_pack_products() {
+        // LoRA on the CPU: the frozen products on the packed f32 kernel (W packed once)
+        model.use_packed_products(false)?;
+    }
     let mut rm = RewardModel::new(model, theta0, true)?;
     rm.set_pairs_per_pass(r.pairs_per_pass);
     Ok(rm)

@@ -52,7 +52,10 @@ impl Ppo {
         let b = &self.backbone;
         let seed = crate::world::env::per_chunk_seed(b"onepass-critic", self.critic_seed, chunk);
         let lora = policy::LoraConfig { seed, dropout: 0.0, ..b.lora.clone() };
-        let m = PolicyModel::new(b.base.clone(), b.cfg.clone(), &lora, b.max_len, DType::F32)?;
+        let mut m = PolicyModel::new(b.base.clone(), b.cfg.clone(), &lora, b.max_len, DType::F32)?;
+        if m.can_pack_products() {
+            m.use_packed_products(false)?;
+        }
         let head = match self.critic.head {
             CriticHead::Theta if theta.len() != b.cfg.hidden => {
                 return Err(anyhow!(
