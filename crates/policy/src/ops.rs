@@ -548,8 +548,8 @@ const LM_BLOCK: usize = 128;
 /// target block by block. A training step so holds one (P, vocab) tensor for the LM head where
 /// the graph of `frozen_matmul` → `log_softmax_last` → `gather` held the logits and the
 /// log-softmax through the backward and made four more (P, vocab) temporaries in it (issue 31:
-/// the step's memory). The values are that graph's. With `packed` (a policy that trains with
-/// bf16 products) both products run on the bf16 kernel. Routed or composed (other devices), or
+/// the step's memory). The values are that graph's. With `packed` (a policy on packed
+/// products, bf16 or f32) both products run on that packed kernel. Routed or composed (other devices), or
 /// W a variable (a full-parameter policy, whose LM head takes a gradient): that graph.
 pub fn lm_head_logprobs(
     x: &Tensor,
