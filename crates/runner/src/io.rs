@@ -158,15 +158,7 @@ const HINT: &str = "delete it to start that cell again";
 /// Checks a checkpoint file's bytes; returns the body's bytes, or None for a stale one (see
 /// [`decode_unless_stale`]).
 fn check<'a>(path: &Path, b: &'a [u8], fingerprint: &str, what: &str, force: bool) -> Result<Option<&'a [u8]>> {
-    if !b.starts_with(MAGIC) || b.len() < MAGIC.len() + 32 {
-        bail!("{}: not a onepass checkpoint (expected the header {:?}); {HINT}", path.display(), MAGIC);
-    }
-    let (hash, payload) = b[MAGIC.len()..].split_at(32);
-    if blake3::hash(payload).as_bytes() != hash {
-        bail!("{}: corrupt checkpoint (its blake3 hash does not match); {HINT}", path.display());
-    }
-    let ((fp, w), rest): ((String, String), &[u8]) = postcard::take_from_bytes(payload)
-        .map_err(|e| anyhow!("{}: this build cannot read the checkpoint ({e}); {HINT}", path.display()))?;
+    let (fp, w, rest) = open(path, b)?;
     // `what` is "cell <id> (<config digest>)": the same cell under another config is stale
     let cell = |s: &str| s.split(" (").next().unwrap_or_default().to_string();
     if w != what && force && cell(&w) == cell(what) {
@@ -179,6 +171,31 @@ fn check<'a>(path: &Path, b: &'a [u8], fingerprint: &str, what: &str, force: boo
         bail!("{}: written for another spec, code revision or data (pass --force to use it anyway)", path.display());
     }
     Ok(Some(rest))
+}
+
+/// A checkpoint file's header checked (magic, blake3 hash): its fingerprint, its `what` and
+/// the body's bytes.
+fn open<'a>(path: &Path, b: &'a [u8]) -> Result<(String, String, &'a [u8])> {
+    if !b.starts_with(MAGIC) || b.len() < MAGIC.len() + 32 {
+        bail!("{}: not a onepass checkpoint (expected the header {:?}); {HINT}", path.display(), MAGIC);
+    }
+    let (hash, payload) = b[MAGIC.len()..].split_at(32);
+    if blake3::hash(payload).as_bytes() != hash {
+        bail!("{}: corrupt checkpoint (its blake3 hash does not match); {HINT}", path.display());
+    }
+    let ((fp, w), rest): ((String, String), &[u8]) = postcard::take_from_bytes(payload)
+        .map_err(|e| anyhow!("{}: this build cannot read the checkpoint ({e}); {HINT}", path.display()))?;
+    Ok((fp, w, rest))
+}
+
+/// Reads a checkpoint file for looking at, not for resuming: its header and hash are checked,
+/// not whose it is. Returns its `what` ("cell <id> (<config digest>)") and body.
+pub fn read_any<T: DeserializeOwned>(path: &Path) -> Result<(String, T)> {
+    let b = std::fs::read(path).with_context(|| format!("reading {}", path.display()))?;
+    let (_, what, rest) = open(path, &b)?;
+    let body = postcard::from_bytes(rest)
+        .map_err(|e| anyhow!("{}: this build cannot read the checkpoint ({e})", path.display()))?;
+    Ok((what, body))
 }
 
 /// An exclusive `flock` on `<dir>/.lock`, held while the value lives: one writer per run

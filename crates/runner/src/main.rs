@@ -78,6 +78,16 @@ enum Cmd {
         #[arg(long, default_value = "results")]
         out: PathBuf,
     },
+    /// Where each cell of a run or slice directory stands — finished (its last held-out loss and
+    /// accuracy, read from its checkpoint before any merge), failed, checkpointed, not started —
+    /// from the directory alone: nothing is read beside it, written or locked.
+    Cells {
+        #[arg(required = true)]
+        dirs: Vec<PathBuf>,
+        /// One JSON object per directory and its cells instead of the text table.
+        #[arg(long)]
+        json: bool,
+    },
     /// Write <run-dir>/report/: report.md (final metrics, mean ± std over seeds) and figures.
     Report { run: PathBuf },
     /// Print the final metrics of several runs side by side (markdown).
@@ -289,6 +299,26 @@ fn main() -> ExitCode {
             Ok(()) => ExitCode::SUCCESS,
             Err(e) => bad_input(&format!("{e:#}")),
         },
+        Cmd::Cells { dirs, json } => {
+            let mut all = Vec::new();
+            for d in &dirs {
+                match runner::inspect::cells(d) {
+                    Ok(s) => all.push(s),
+                    Err(e) => return bad_input(&format!("{e:#}")),
+                }
+            }
+            if json {
+                for s in &all {
+                    match serde_json::to_string(s) {
+                        Ok(t) => println!("{t}"),
+                        Err(e) => return bad_input(&format!("{e:#}")),
+                    }
+                }
+            } else {
+                print!("{}", runner::inspect::render(&all));
+            }
+            ExitCode::SUCCESS
+        }
         Cmd::Cpu => {
             println!("{}", features::cpu::summary());
             ExitCode::SUCCESS

@@ -303,9 +303,9 @@ pub fn dry_run_notes(plan: &Plan) -> Result<Vec<String>, spec::SpecError> {
 
 /// A finished (or failed) cell as `checkpoints/<cell>.done` keeps it until the run's tables exist.
 #[derive(Serialize, Deserialize)]
-struct DoneCell {
-    result: std::result::Result<CellResult, String>,
-    wall_s: f64,
+pub(crate) struct DoneCell {
+    pub(crate) result: std::result::Result<CellResult, String>,
+    pub(crate) wall_s: f64,
 }
 
 /// The run directory: a fresh one, or `--resume`'s (claimed by [`claim_output`]: locked, its
@@ -330,6 +330,7 @@ fn open_run_dir(
         let resolved = toml::to_string(&plan.resolved(&world.spec)).context("serialising the resolved spec")?;
         io::write_atomic(&dir.join("spec.resolved.toml"), resolved.as_bytes())?;
         io::write_atomic(&dir.join("resume.json"), serde_json::to_string_pretty(id)?.as_bytes())?;
+        io::write_atomic(&dir.join(crate::inspect::PLAN_FILE), crate::inspect::plan_json(plan)?.as_bytes())?;
         if let Some(sl) = opts.slice {
             let f = SliceFile { index: sl.index, count: sl.count };
             io::write_atomic(&dir.join("slice.json"), serde_json::to_string(&f)?.as_bytes())?;
@@ -377,6 +378,8 @@ fn open_run_dir(
         io::write_atomic(&dir.join("spec.resolved.toml"), resolved.as_bytes())?;
         io::write_atomic(&manifest, serde_json::to_string_pretty(id)?.as_bytes())?;
     }
+    // a directory begun before plan.json existed gets it on resuming (the plan is the run's)
+    io::write_atomic(&dir.join(crate::inspect::PLAN_FILE), crate::inspect::plan_json(plan)?.as_bytes())?;
     for sub in ["theta", "checkpoints"] {
         std::fs::create_dir_all(dir.join(sub)).with_context(|| format!("creating {}/{sub}", dir.display()))?;
     }

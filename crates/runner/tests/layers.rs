@@ -14,7 +14,7 @@ const LAYERS: &[&[&str]] = &[
     &["settings"],
     &["results"],
     &["report"],
-    &["run", "bench"],
+    &["run", "bench", "inspect"],
     &["lib", "main"],
 ];
 

@@ -107,3 +107,139 @@ fn slices_are_refused_where_they_would_mix_and_resume_as_themselves() {
     let (a, b) = (result_files(&p.join(&merged)), result_files(&p.join(&whole)));
     assert!(a == b, "a killed and resumed slice merges to other bytes");
 }
+
+/// `onepass cells DIR --json`: one JSON object per directory.
+fn cells_json(p: &Path, dir: &Path) -> serde_json::Value {
+    let (code, stdout, err) = onepass(p, &["cells", dir.to_str().unwrap(), "--json"]).parts();
+    assert_eq!(code, 0, "{err}");
+    serde_json::from_str(stdout.trim()).unwrap()
+}
+
+/// The last row (largest step, the later of equal ones) of each cell in a metrics.parquet:
+/// cell → (label, step, eval loss, eval accuracy).
+fn last_rows(metrics: &Path) -> std::collections::BTreeMap<String, (String, u64, f64, f64)> {
+    let b = util::table(metrics);
+    let (cells, labels, steps) = (util::strs(&b, "cell_id"), util::strs(&b, "label"), util::u64s(&b, "step"));
+    let (loss, acc) = (util::f64s(&b, "eval_loss"), util::f64s(&b, "eval_accuracy"));
+    let mut out = std::collections::BTreeMap::new();
+    for i in 0..cells.len() {
+        let keep = out.get(&cells[i]).is_none_or(|r: &(String, u64, f64, f64)| steps[i] >= r.1);
+        if keep {
+            out.insert(cells[i].clone(), (labels[i].clone(), steps[i], loss[i], acc[i]));
+        }
+    }
+    out
+}
+
+/// `onepass cells` (issue 30's half-done arrays): each slice's finished cells show the label,
+/// last step, held-out loss and accuracy that the merged run's metrics.parquet gives them (read
+/// from the `.done` files before any merge, not from the tables), the other slices' cells say
+/// so; a killed slice's cell in progress is "checkpointed"; a corrupt `.done` is named in its
+/// cell's line; a directory that is no run, and an old deploy directory without plan.json, are
+/// refused on one line. An old passive directory (no plan.json) lists its cells from the
+/// resolved spec, in the same states with the same values.
+#[test]
+fn cells_reads_each_slices_finished_cells_as_the_merged_tables_have_them() {
+    let tmp = tempfile::tempdir().unwrap();
+    let p = tmp.path();
+    std::fs::write(p.join("run.toml"), util::SYNTHETIC_DEPLOY).unwrap();
+    let parts = slices(p, "s", &[]);
+    let (code, merged) = merge(p, &parts, "m");
+    assert_eq!(code, 0, "{merged}");
+    let want = last_rows(&p.join(&merged).join("metrics.parquet"));
+    assert_eq!(want.len(), 12);
+    let losses: std::collections::BTreeSet<u64> = want.values().map(|r| r.2.to_bits()).collect();
+    assert!(
+        losses.len() > 1,
+        "every cell ended at the same held-out loss: the comparison below would not tell cells apart"
+    );
+    for (i, part) in parts.iter().enumerate() {
+        let v = cells_json(p, part);
+        assert_eq!(v["slice"], serde_json::json!([i, 3]));
+        let cells = v["cells"].as_array().unwrap();
+        assert_eq!(cells.len(), 12);
+        for (k, c) in cells.iter().enumerate() {
+            let id = c["cell_id"].as_str().unwrap();
+            assert_eq!(id, format!("c{k:04}"));
+            let (label, step, loss, acc) = &want[id];
+            assert_eq!(c["config"].as_str().unwrap(), label, "{id}");
+            if k % 3 == i {
+                assert_eq!(c["state"], "finished", "{c}");
+                assert_eq!(c["step"].as_u64().unwrap(), *step, "{id}");
+                assert_eq!(c["eval_loss"].as_f64().unwrap().to_bits(), loss.to_bits(), "{id}");
+                assert_eq!(c["eval_accuracy"].as_f64().unwrap().to_bits(), acc.to_bits(), "{id}");
+                assert!(c["wall_s"].as_f64().unwrap() >= 0.0);
+            } else {
+                assert_eq!(c["state"], "another slice", "{c}");
+                assert!(c["step"].is_null());
+            }
+        }
+    }
+    let text = onepass(p, &["cells", parts[0].to_str().unwrap()]).parts();
+    assert!(text.1.contains("slice 0/3") && text.1.contains("12 cells, 4 finished"), "{}", text.1);
+
+    // a killed slice: its first cell in progress is checkpointed
+    let out = finish(
+        command()
+            .current_dir(p)
+            .args(["run", "run.toml", "--out", "k", "--threads", "1", "--cells", "1/3"])
+            .env("ONEPASS_FAILPOINT", "update:30"),
+    );
+    assert_eq!(out.code, -1, "{}", out.stderr);
+    let killed = std::fs::read_dir(p.join("k")).unwrap().next().unwrap().unwrap().path();
+    let v = cells_json(p, &killed);
+    let states: Vec<&str> = v["cells"].as_array().unwrap().iter().map(|c| c["state"].as_str().unwrap()).collect();
+    assert!(states.contains(&"checkpointed") && !states.contains(&"finished"), "{states:?}");
+
+    // a corrupt .done names its file in the cell's line; the others still read
+    let done = parts[2].join("checkpoints").join("c0002.done");
+    let mut b = std::fs::read(&done).unwrap();
+    let n = b.len();
+    b[n - 3] ^= 0x40;
+    std::fs::write(&done, b).unwrap();
+    let v = cells_json(p, &parts[2]);
+    let c2 = &v["cells"][2];
+    assert!(c2["error"].as_str().unwrap().contains("corrupt checkpoint"), "{c2}");
+    assert!(c2["eval_loss"].is_null());
+    assert_eq!(v["cells"][5]["state"], "finished");
+
+    // not a run directory; an old deploy directory (no plan.json)
+    let (code, _, err) = onepass(p, &["cells", "m"]).parts();
+    assert_eq!(code, 2);
+    assert!(err.trim().lines().count() == 1 && err.contains("no resume.json"), "{err}");
+    std::fs::remove_file(parts[0].join("plan.json")).unwrap();
+    let (code, _, err) = onepass(p, &["cells", parts[0].to_str().unwrap()]).parts();
+    assert_eq!(code, 2);
+    assert!(err.trim().lines().count() == 1 && err.contains("plan.json"), "{err}");
+}
+
+/// A passive slice made before plan.json existed (the file removed): its cells come from the
+/// resolved spec, labelled by estimator kind, in the states and with the values they have with
+/// plan.json.
+#[test]
+fn cells_of_an_old_passive_directory_come_from_its_resolved_spec() {
+    let tmp = tempfile::tempdir().unwrap();
+    let p = tmp.path();
+    let spec = util::SYNTHETIC_DEPLOY
+        .replace("setting = \"deploy\"", "setting = \"passive\"")
+        .replace("[deploy]\nstrategies = [\"ucb\", \"best-quantile\", \"random-pair\"]\n", "");
+    std::fs::write(p.join("run.toml"), spec).unwrap();
+    let (code, stdout, err) =
+        onepass(p, &["run", "run.toml", "--out", "s", "--threads", "1", "--cells", "1/2"]).parts();
+    assert_eq!(code, 0, "{err}");
+    let dir = p.join(stdout.trim().lines().last().unwrap());
+    let with = cells_json(p, &dir);
+    std::fs::remove_file(dir.join("plan.json")).unwrap();
+    let without = cells_json(p, &dir);
+    let (a, b) = (with["cells"].as_array().unwrap(), without["cells"].as_array().unwrap());
+    assert_eq!(a.len(), 4);
+    assert_eq!(a.len(), b.len());
+    for (k, (x, y)) in a.iter().zip(b).enumerate() {
+        for key in ["cell_id", "seed", "state", "step", "eval_loss", "eval_accuracy"] {
+            assert_eq!(x[key], y[key], "{key} of cell {k}");
+        }
+        let kind = if k < 2 { "omd-exact" } else { "mle" };
+        assert_eq!(y["config"], format!("{kind} (estimator.{})", k / 2));
+        assert_eq!(x["state"], if k % 2 == 1 { "finished" } else { "another slice" });
+    }
+}
