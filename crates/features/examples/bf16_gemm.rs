@@ -66,14 +66,28 @@ fn main() -> anyhow::Result<()> {
         let bf_s = time(&|| {
             std::hint::black_box(mat.matmul_t(&x, m));
         });
+        // the backward's g W: g (m × n) times W (n × k), W unpacked for candle and Wᵀ packed
+        let g: Vec<f32> = (0..m * n).map(|i| ((i * 7919 % 1000) as f32 / 500.0) - 1.0).collect();
+        let gt = Tensor::from_vec(g.clone(), (m, n), &Device::Cpu)?;
+        let wt_t: Vec<f32> = wt.t()?.contiguous()?.flatten_all()?.to_vec1()?;
+        let matb = F32Matrix::from_f32(&wt_t, k, n);
+        let bf32_s = time(&|| {
+            std::hint::black_box(gt.matmul(&wt).unwrap());
+        });
+        let bp32_s = time(&|| {
+            std::hint::black_box(matb.matmul_t(&g, m));
+        });
         println!(
-            "{:>14} {:>12.1} {:>12.1} {:>6.2}x {:>12.1} {:>6.2}x",
+            "{:>14} {:>12.1} {:>12.1} {:>6.2}x {:>12.1} {:>6.2}x   bwd g W: {:>7.1} {:>7.1} {:>6.2}x",
             format!("{n} × {k}"),
             flop / f32_s / 1e9,
             flop / p32_s / 1e9,
             f32_s / p32_s,
             flop / bf_s / 1e9,
-            f32_s / bf_s
+            f32_s / bf_s,
+            flop / bf32_s / 1e9,
+            flop / bp32_s / 1e9,
+            bf32_s / bp32_s
         );
     }
     Ok(())

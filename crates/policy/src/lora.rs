@@ -238,52 +238,129 @@ pub const BF16_MERGE: &str = "merging adapters into weights that train with bf16
      merged update away (at RLHF learning rates (α/r)BA is far below half a bf16 ulp of W): use persistent \
      adapters (policy.adapter = \"persistent\") with bf16 products, or f32";
 
-/// A frozen weight W (out, in) packed once for the CPU's products: W for the forward's x Wᵀ and
-/// Wᵀ for the backward's g W, each in the layout of a `features::packed` kernel.
+/// A frozen weight W (out, in) packed once for the CPU's products, in the layouts of the
+/// `features::packed` kernels.
 /// - bf16 ([`PackedWeight::bf16`], `features::bf16`: each weight and each input rounded to
-///   bf16, the products summed in f32 — `VDPBF16PS`'s arithmetic on AVX-512 BF16): both products
-///   stream half the bytes of f32; two bf16 copies take the memory of one f32 copy.
+///   bf16, the products summed in f32 — `VDPBF16PS`'s arithmetic on AVX-512 BF16): W for the
+///   forward's x Wᵀ and Wᵀ for the backward's g W, both streaming half the bytes of f32; two
+///   bf16 copies take the memory of one f32 copy.
 /// - f32 ([`PackedWeight::f32`], `features::f32mm`: each output one fused multiply-add chain
-///   from 0 over the inputs in order, the bits φ's extraction and generation compute): candle's
-///   matmul (the `gemm` crate) packs W again on every call — for the LM head 113 MB per block
-///   of rows — and that packing was ~12% of an online chunk's CPU time (perf, session 32).
-///   Two more f32 copies of each frozen weight.
+///   from 0 over the inputs in order, the bits φ's extraction and generation compute): W
+///   packed for the forward of passes of at most [`F32_PACKED_MAX_ROWS`] rows — candle's
+///   matmul (the `gemm` crate) packs W again on every call, for the LM head 113 MB per block of
+///   rows, ~12% of an online chunk's CPU time (perf, session 32) — and candle's matmul for
+///   longer passes and for every backward g W, where `gemm` is the faster of the two (the
+///   `bf16_gemm` example, session 33: packed/gemm 0.61–0.99x for g W at 512–2,048 rows, the
+///   LM head's 0.61–0.67x; forward 1.0–1.9x at ≤ 1,024 rows but for the LM head and MLP's up
+///   projection, 0.79–0.92x at 2,048). One more f32 copy of each frozen weight.
 pub struct PackedWeight {
+    /// W itself (f32, contiguous; f32 only): candle's products where the packed kernel is the
+    /// slower. It shares the weight's storage where the weight is f32 and contiguous.
+    w: Option<Tensor>,
     fwd: Box<dyn features::packed::PackedMatrix>,
-    bwd: Box<dyn features::packed::PackedMatrix>,
+    /// Wᵀ packed (bf16 only).
+    bwd: Option<Box<dyn features::packed::PackedMatrix>>,
     /// The products round their inputs to bf16 (a merge would round its update away).
     pub bf16: bool,
 }
+
+/// The longest pass (rows = sequences × tokens) whose f32 forward runs on the packed kernel;
+/// longer ones take candle's matmul ([`PackedWeight`]'s measurements).
+pub const F32_PACKED_MAX_ROWS: usize = 1024;
 
 impl PackedWeight {
     /// Packs `w` (out, in) for the bf16 kernel.
     pub fn bf16(w: &Tensor) -> Result<PackedWeight> {
         let (v, vt, out, inp) = both_layouts(w)?;
         Ok(PackedWeight {
+            w: None,
             fwd: Box::new(features::bf16::Bf16Matrix::from_f32(&v, out, inp)),
-            bwd: Box::new(features::bf16::Bf16Matrix::from_f32(&vt, inp, out)),
+            bwd: Some(Box::new(features::bf16::Bf16Matrix::from_f32(&vt, inp, out))),
             bf16: true,
         })
     }
 
     /// Packs `w` (out, in) for the f32 kernel.
     pub fn f32(w: &Tensor) -> Result<PackedWeight> {
-        let (v, vt, out, inp) = both_layouts(w)?;
+        let (out, inp) = w.dims2()?;
+        let w = w.to_dtype(candle_core::DType::F32)?.contiguous()?;
+        let v: Vec<f32> = w.flatten_all()?.to_vec1()?;
         Ok(PackedWeight {
+            w: Some(w),
             fwd: Box::new(features::f32mm::F32Matrix::from_f32(&v, out, inp)),
-            bwd: Box::new(features::f32mm::F32Matrix::from_f32(&vt, inp, out)),
+            bwd: None,
             bf16: false,
         })
     }
 
+    /// Whether a forward of `rows` rows runs on the packed kernel.
+    fn packed_forward(&self, rows: usize) -> bool {
+        self.w.is_none() || rows <= F32_PACKED_MAX_ROWS
+    }
+
+    /// [`Self::forward`] on values: x (rows × in, row-major; T must be f32) to (rows × out),
+    /// with no tensor made or copied around the product.
+    pub(crate) fn forward_values<T: num_traits::Float + candle_core::WithDType>(
+        &self,
+        x: &[T],
+        rows: usize,
+    ) -> Result<Vec<T>> {
+        use crate::mm::{product, Mat};
+        let x = f32_values(x)?;
+        let y = match &self.w {
+            Some(w) if !self.packed_forward(rows) => {
+                let (out, inp) = w.dims2()?;
+                crate::attention::with_slices::<f32, _, 1>([w], |[w]| {
+                    product(rows, out, inp, Mat::rows(x, inp), Mat::t(w, inp))
+                })?
+            }
+            _ => self.fwd.matmul_t(x, rows),
+        };
+        Ok(y.into_iter().map(|v| T::from(v).unwrap_or_else(T::nan)).collect())
+    }
+
+    /// [`Self::backward`] on values: g (rows × out; T must be f32) to g W (rows × in).
+    pub(crate) fn backward_values<T: num_traits::Float + candle_core::WithDType>(
+        &self,
+        g: &[T],
+        rows: usize,
+    ) -> Result<Vec<T>> {
+        use crate::mm::{product, Mat};
+        let g = f32_values(g)?;
+        let dx = match (&self.bwd, &self.w) {
+            (Some(b), _) => b.matmul_t(g, rows),
+            (None, Some(w)) => {
+                let (out, inp) = w.dims2()?;
+                crate::attention::with_slices::<f32, _, 1>([w], |[w]| {
+                    product(rows, inp, out, Mat::rows(g, out), Mat::rows(w, inp))
+                })?
+            }
+            (None, None) => candle_core::bail!("a packed weight with neither Wᵀ packed nor W kept"),
+        };
+        Ok(dx.into_iter().map(|v| T::from(v).unwrap_or_else(T::nan)).collect())
+    }
+
     /// x Wᵀ for x (rows, in) f32 on the CPU: (rows, out).
     pub fn forward(&self, x: &Tensor) -> Result<Tensor> {
-        product(self.fwd.as_ref(), x)
+        match &self.w {
+            Some(w) if !self.packed_forward(x.dims2()?.0) => {
+                check_input(x, self.fwd.k(), self.fwd.n())?;
+                x.matmul(&w.t()?)
+            }
+            _ => product(self.fwd.as_ref(), x),
+        }
     }
 
     /// g W for g (rows, out) f32 on the CPU: (rows, in) — the gradient of x.
     pub fn backward(&self, g: &Tensor) -> Result<Tensor> {
-        product(self.bwd.as_ref(), g)
+        match (&self.bwd, &self.w) {
+            (Some(b), _) => product(b.as_ref(), g),
+            (None, Some(w)) => {
+                check_input(g, self.fwd.n(), self.fwd.k())?;
+                g.matmul(w)
+            }
+            (None, None) => candle_core::bail!("a packed weight with neither Wᵀ packed nor W kept"),
+        }
     }
 }
 
@@ -297,18 +374,22 @@ fn both_layouts(w: &Tensor) -> Result<(Vec<f32>, Vec<f32>, usize, usize)> {
 
 /// x Mᵀ on a packed kernel, x (rows, k) f32 on the CPU.
 fn product(m: &dyn features::packed::PackedMatrix, x: &Tensor) -> Result<Tensor> {
-    let (rows, k) = x.dims2()?;
-    if k != m.k() || x.dtype() != candle_core::DType::F32 || !x.device().is_cpu() {
-        candle_core::bail!(
-            "a packed product of a ({rows}, {k}) {:?} input on {:?} with a ({}, {}) weight: expected f32 on the CPU",
-            x.dtype(),
-            x.device(),
-            m.n(),
-            m.k()
-        );
-    }
+    let rows = check_input(x, m.k(), m.n())?;
     let v: Vec<f32> = x.contiguous()?.flatten_all()?.to_vec1()?;
     Tensor::from_vec(m.matmul_t(&v, rows), (rows, m.n()), x.device())
+}
+
+/// A packed weight's input: (rows, k) f32 on the CPU, for a weight of n outputs; its rows.
+fn check_input(x: &Tensor, k: usize, n: usize) -> Result<usize> {
+    let (rows, xk) = x.dims2()?;
+    if xk != k || x.dtype() != candle_core::DType::F32 || !x.device().is_cpu() {
+        candle_core::bail!(
+            "a packed product of a ({rows}, {xk}) {:?} input on {:?} with a ({n}, {k}) weight: expected f32 on the CPU",
+            x.dtype(),
+            x.device(),
+        );
+    }
+    Ok(rows)
 }
 
 /// x Wᵀ on the packed bf16 kernel with the gradient of x alone (g W, on the same kernel):
@@ -780,11 +861,7 @@ impl LoraMatmul {
         use crate::mm::{product, Mat};
         let (out, inp) = self.w.dims2()?;
         match &self.packed {
-            Some(p) => {
-                let x32: &[f32] = f32_values(x)?;
-                let y = p.fwd.matmul_t(x32, rows);
-                Ok(y.into_iter().map(|v| T::from(v).unwrap_or_else(T::nan)).collect())
-            }
+            Some(p) => p.forward_values(x, rows),
             None => crate::attention::with_slices::<T, _, 1>([&self.w], |[w]| {
                 product(rows, out, inp, Mat::rows(x, inp), Mat::t(w, inp))
             }),
@@ -834,10 +911,7 @@ impl LoraMatmul {
             let db = scaled_product(out, r, rows, Mat::t(g, out), Mat::rows(xa, r), s);
             let dx = if want_dx {
                 let mut dx = match &self.packed {
-                    Some(p) => {
-                        let g32: &[f32] = f32_values(g)?;
-                        p.bwd.matmul_t(g32, rows).into_iter().map(|v| T::from(v).unwrap_or_else(T::nan)).collect()
-                    }
+                    Some(p) => p.backward_values(g, rows)?,
                     None => with_slices::<T, _, 1>([&self.w], |[w]| {
                         product(rows, inp, out, Mat::rows(g, out), Mat::rows(w, inp))
                     })?,

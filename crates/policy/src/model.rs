@@ -301,10 +301,11 @@ impl PolicyModel {
         self.device.is_cpu() && self.kernels == Kernels::Fused && self.var_dtype() == DType::F32 && !self.is_full()
     }
 
-    /// Every frozen weight (and the LM head) packed once for the CPU's packed products,
-    /// forward and backward ([`crate::lora::PackedWeight`]): bf16 (as
-    /// [`PolicyModel::use_bf16_products`]) or f32 — the f32 kernel of φ and generation
-    /// (`features::f32mm`), instead of candle's matmul, which packs W on every call. f32 keeps
+    /// Every frozen weight (and the LM head) packed once for the CPU's packed products
+    /// ([`crate::lora::PackedWeight`]): bf16 (as [`PolicyModel::use_bf16_products`]), forward
+    /// and backward, or f32 — the f32 kernel of φ and generation (`features::f32mm`) for
+    /// forwards of at most [`crate::lora::F32_PACKED_MAX_ROWS`] rows, instead of candle's
+    /// matmul, which packs W on every call. f32 keeps
     /// merging: a merged layer is packed again. An error where
     /// [`PolicyModel::can_pack_products`] is false.
     pub fn use_packed_products(&mut self, bf16: bool) -> std::result::Result<(), features::Error> {

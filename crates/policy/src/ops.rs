@@ -602,7 +602,7 @@ fn lm_head_fused<T: crate::mm::ExpRow + candle_core::WithDType>(
         let n = LM_BLOCK.min(p - start);
         let rows = xd.narrow(0, start, n)?;
         let mut ls: Vec<T> = match packed {
-            Some(pk) => pk.forward(&rows)?.flatten_all()?.to_vec1()?,
+            Some(pk) => with_slices::<T, _, 1>([&rows], |[r]| pk.forward_values(r, n))??,
             None => with_slices::<T, _, 2>([&rows, &w], |[r, w]| {
                 product(n, vocab, hidden, Mat::rows(r, hidden), Mat::t(w, hidden))
             })?,
@@ -642,7 +642,7 @@ fn lm_head_fused<T: crate::mm::ExpRow + candle_core::WithDType>(
                 row[t] += gr;
             });
             dx.push(match &packed {
-                Some(pk) => pk.backward(&Tensor::from_vec(d, (n, vocab), &candle_core::Device::Cpu)?)?,
+                Some(pk) => Tensor::from_vec(pk.backward_values(&d, n)?, (n, hidden), &candle_core::Device::Cpu)?,
                 None => {
                     let v = with_slices::<T, _, 1>([&w], |[w]| {
                         product(n, hidden, vocab, Mat::rows(&d, vocab), Mat::rows(w, hidden))

@@ -1,7 +1,8 @@
 //! f32 products on the packed kernel (`PolicyModel::use_packed_products(false)`, issue 31: what
 //! onepass trains and scores with in f32 on the CPU): every frozen weight and the LM head
-//! packed once for `features::f32mm` (forward x Wᵀ and backward g W), instead of candle's
-//! matmul, which packs W on every call. The values and every adapter's gradient are candle's to
+//! packed once for `features::f32mm`'s forward x Wᵀ of passes of at most
+//! `F32_PACKED_MAX_ROWS` rows, instead of candle's matmul, which packs W on every call (longer
+//! passes and every backward g W stay candle's, the faster there). The values and every adapter's gradient are candle's to
 //! f32 rounding (the two sum in different orders); a merge packs the merged weight again (else
 //! the policy would go on computing the old one); what cannot pack (f64, every weight
 //! learning, a GPU's kernels) is refused.
@@ -97,4 +98,56 @@ fn packed_products_are_refused_where_they_do_not_apply() {
     let mut composed = PolicyModel::new(weights(&c, 1), c, &lora(), 32, DType::F32).unwrap();
     composed.set_kernels(policy::ops::Kernels::Composed).unwrap();
     assert!(!composed.can_pack_products() && composed.use_packed_products(false).is_err());
+}
+
+/// The f32 packing's routing (session 33): a forward of at most `F32_PACKED_MAX_ROWS` rows runs
+/// on the packed kernel (candle's values to f32 rounding, not its bits), a longer one on
+/// candle's matmul (its bits), and every backward g W on candle's matmul (its bits) — where
+/// `gemm` was measured the faster.
+#[test]
+fn f32_packing_runs_short_forwards_packed_and_the_rest_on_candles_matmul() {
+    use candle_core::Tensor;
+    use policy::lora::{PackedWeight, F32_PACKED_MAX_ROWS};
+    // k as the MLP's down projection's: candle's gemm splits a sum this long into blocks, the
+    // packed kernel adds it in order, so the two differ in some bits (the negative control)
+    let (n, k) = (40, 1536);
+    let vals = |len: usize, seed: usize| -> Vec<f32> {
+        (0..len).map(|i| (((i * 7919 + seed * 104_729) % 2001) as f32 / 1000.0) - 1.0).collect()
+    };
+    let w = Tensor::from_vec(vals(n * k, 1), (n, k), &Device::Cpu).unwrap();
+    let p = PackedWeight::f32(&w).unwrap();
+    let bits = |t: &Tensor| -> Vec<u32> {
+        t.flatten_all().unwrap().to_vec1::<f32>().unwrap().iter().map(|v| v.to_bits()).collect()
+    };
+    for rows in [F32_PACKED_MAX_ROWS, F32_PACKED_MAX_ROWS + 1] {
+        let x = Tensor::from_vec(vals(rows * k, 2), (rows, k), &Device::Cpu).unwrap();
+        let g = Tensor::from_vec(vals(rows * n, 3), (rows, n), &Device::Cpu).unwrap();
+        let (y, y0) = (p.forward(&x).unwrap(), x.matmul(&w.t().unwrap()).unwrap());
+        let (dx, dx0) = (p.backward(&g).unwrap(), g.matmul(&w).unwrap());
+        let differ = |a: &Tensor, b: &Tensor| bits(a).iter().zip(bits(b)).filter(|(x, y)| **x != *y).count();
+        assert_eq!(differ(&dx, &dx0), 0, "rows {rows}: the backward is candle's matmul");
+        let yv: Vec<f32> = y.flatten_all().unwrap().to_vec1().unwrap();
+        let y0v: Vec<f32> = y0.flatten_all().unwrap().to_vec1().unwrap();
+        assert!(max_rel(&yv, &y0v) < 1e-5, "rows {rows}: {:e}", max_rel(&yv, &y0v));
+        if rows > F32_PACKED_MAX_ROWS {
+            assert_eq!(differ(&y, &y0), 0, "rows {rows}: a long forward is candle's matmul");
+        } else {
+            assert!(differ(&y, &y0) > 0, "rows {rows}: a short forward ran candle's matmul, not the packed kernel");
+        }
+    }
+    // a model pass longer than the bound (candle's matmul through the packed weights' fallback:
+    // a transposed or mis-shaped product there would be far off) against the unpacked model
+    let c = cfg(Family::Llama, false);
+    let long: Vec<u32> = (0..(F32_PACKED_MAX_ROWS as u32 / 2 + 8)).map(|i| (i * 7 + 3) % 11).collect();
+    let b = SeqBatch::new(&[(&long[..8], &long[8..]), (&long[..5], &long[5..])], &Device::Cpu).unwrap();
+    let max_len = long.len() + 1;
+    let plain = PolicyModel::new(weights(&c, 4), c.clone(), &lora(), max_len, DType::F32).unwrap();
+    let mut packed = PolicyModel::new(weights(&c, 4), c.clone(), &lora(), max_len, DType::F32).unwrap();
+    packed.use_packed_products(false).unwrap();
+    randomize(&plain, 7);
+    randomize(&packed, 7);
+    let (v0, g0) = values_and_gradients(&plain, &b);
+    let (v1, g1) = values_and_gradients(&packed, &b);
+    let (v_err, g_err) = (rel(&v1, &v0), g1.iter().zip(&g0).map(|(a, b)| rel(a, b)).fold(0.0, f64::max));
+    assert!(v_err < 1e-6 && g_err < 1e-5, "a long pass: values {v_err:e}, gradients {g_err:e}");
 }
