@@ -90,9 +90,9 @@ fn main() {
         Some(o) => panic!("ONEPASS_KERNELS={o}: expected fused, routed or composed"),
     };
     m.set_kernels(kernels).expect("kernels for the device");
-    // as onepass runs a LoRA reward model on the CPU: the packed f32 kernel
-    // (`ONEPASS_F32_PRODUCTS=gemm`: candle's matmul, which packs each weight per call)
-    if m.can_pack_products() && env("ONEPASS_F32_PRODUCTS").as_deref() != Some("gemm") {
+    // as onepass runs a LoRA reward model on the CPU: candle's matmul for the frozen products
+    // (`ONEPASS_F32_PRODUCTS=packed`: the packed f32 kernel a learning policy uses)
+    if m.can_pack_products() && env("ONEPASS_F32_PRODUCTS").as_deref() == Some("packed") {
         m.use_packed_products(false).expect("packed f32 products");
     }
     let mut rm = RewardModel::new(m, &vec![1.0 / (d as f64 + 1.0); d], true).unwrap();

@@ -109,11 +109,10 @@ pub(super) fn reward_model(cell: &CellConfig, base: &RewardBase, theta0: &[f64],
         RewardUpdate::Full => PolicyModel::new_full(base.base.clone(), base.cfg.clone(), base.max_len, dtype)?,
         RewardUpdate::Head => return Err(anyhow!("reward.update = \"head\" learns on cached φ")),
     };
-    let mut model = model;
-    if model.can_pack_products() {
-        // LoRA on the CPU: the frozen products on the packed f32 kernel (W packed once)
-        model.use_packed_products(false)?;
-    }
+    // candle's matmul for the frozen products, not the packed f32 kernel a learning policy
+    // uses: a reward-model step's passes (pairs_per_pass × 2 sequences of up to max_len
+    // tokens, 1,024 rows at the default) ran 0–7% slower packed (`rm_step MODEL sgd 8 256 2`
+    // with ONEPASS_PAIRS_PER_PASS 1 and 2, session 33), for +0.5 GB
     let mut rm = RewardModel::new(model, theta0, true)?;
     rm.set_pairs_per_pass(r.pairs_per_pass);
     Ok(rm)
