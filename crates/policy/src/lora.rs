@@ -246,15 +246,14 @@ pub const BF16_MERGE: &str = "merging adapters into weights that train with bf16
 ///   bf16 copies take the memory of one f32 copy.
 /// - f32 ([`PackedWeight::f32`], `features::f32mm`: each output one fused multiply-add chain
 ///   from 0 over the inputs in order, the bits φ's extraction and generation compute): W
-///   packed for the forward of passes of at most [`F32_PACKED_MAX_ROWS`] rows — candle's
-///   matmul (the `gemm` crate) packs W again on every call, for the LM head 113 MB per block of
-///   rows, ~12% of an online chunk's CPU time (perf, session 32) — and candle's matmul for
-///   longer passes and for every backward g W, where `gemm` is the faster of the two (the
-///   `bf16_gemm` example, session 33: packed/gemm 0.61–0.99x for g W at 512–2,048 rows, the
-///   LM head's 0.61–0.67x; forward 1.0–1.9x at ≤ 1,024 rows but for the LM head and MLP's up
-///   projection, 0.79–0.92x at 2,048). One more f32 copy of each frozen weight.
+///   packed for the forward of passes of at most [`F32_PACKED_MAX_ROWS`] rows, where `gemm`
+///   packs W again on every call; the `gemm` call of onepass's own products
+///   (`crate::mm::product`) for longer forwards and for every backward g W. Measured in whole
+///   passes (session 33, README): the online loop's chunk 16.3–16.5 s with the decoder packed
+///   against 18.9–19.0 s all on `gemm`; `train_step` 8 × 256 (2,048 rows) and the backward
+///   faster on `gemm`. One more f32 copy of each frozen weight.
 pub struct PackedWeight {
-    /// W itself (f32, contiguous; f32 only): candle's products where the packed kernel is the
+    /// W itself (f32, contiguous; f32 only): `gemm`'s products where the packed kernel is the
     /// slower. It shares the weight's storage where the weight is f32 and contiguous.
     w: Option<Tensor>,
     fwd: Box<dyn features::packed::PackedMatrix>,
@@ -265,7 +264,7 @@ pub struct PackedWeight {
 }
 
 /// The longest pass (rows = sequences × tokens) whose f32 forward runs on the packed kernel;
-/// longer ones take candle's matmul ([`PackedWeight`]'s measurements).
+/// longer ones take `gemm` ([`PackedWeight`]'s measurements).
 pub const F32_PACKED_MAX_ROWS: usize = 1024;
 
 impl PackedWeight {
@@ -342,25 +341,16 @@ impl PackedWeight {
 
     /// x Wᵀ for x (rows, in) f32 on the CPU: (rows, out).
     pub fn forward(&self, x: &Tensor) -> Result<Tensor> {
-        match &self.w {
-            Some(w) if !self.packed_forward(x.dims2()?.0) => {
-                check_input(x, self.fwd.k(), self.fwd.n())?;
-                x.matmul(&w.t()?)
-            }
-            _ => product(self.fwd.as_ref(), x),
-        }
+        let rows = check_input(x, self.fwd.k(), self.fwd.n())?;
+        let y = crate::attention::with_slices::<f32, _, 1>([&x.contiguous()?], |[x]| self.forward_values(x, rows))??;
+        Tensor::from_vec(y, (rows, self.fwd.n()), x.device())
     }
 
     /// g W for g (rows, out) f32 on the CPU: (rows, in) — the gradient of x.
     pub fn backward(&self, g: &Tensor) -> Result<Tensor> {
-        match (&self.bwd, &self.w) {
-            (Some(b), _) => product(b.as_ref(), g),
-            (None, Some(w)) => {
-                check_input(g, self.fwd.n(), self.fwd.k())?;
-                g.matmul(w)
-            }
-            (None, None) => candle_core::bail!("a packed weight with neither Wᵀ packed nor W kept"),
-        }
+        let rows = check_input(g, self.fwd.n(), self.fwd.k())?;
+        let dx = crate::attention::with_slices::<f32, _, 1>([&g.contiguous()?], |[g]| self.backward_values(g, rows))??;
+        Tensor::from_vec(dx, (rows, self.fwd.k()), g.device())
     }
 }
 
@@ -370,13 +360,6 @@ fn both_layouts(w: &Tensor) -> Result<(Vec<f32>, Vec<f32>, usize, usize)> {
     let v: Vec<f32> = w.to_dtype(candle_core::DType::F32)?.flatten_all()?.to_vec1()?;
     let vt: Vec<f32> = w.t()?.to_dtype(candle_core::DType::F32)?.contiguous()?.flatten_all()?.to_vec1()?;
     Ok((v, vt, out, inp))
-}
-
-/// x Mᵀ on a packed kernel, x (rows, k) f32 on the CPU.
-fn product(m: &dyn features::packed::PackedMatrix, x: &Tensor) -> Result<Tensor> {
-    let rows = check_input(x, m.k(), m.n())?;
-    let v: Vec<f32> = x.contiguous()?.flatten_all()?.to_vec1()?;
-    Tensor::from_vec(m.matmul_t(&v, rows), (rows, m.n()), x.device())
 }
 
 /// A packed weight's input: (rows, k) f32 on the CPU, for a weight of n outputs; its rows.

@@ -101,39 +101,46 @@ fn packed_products_are_refused_where_they_do_not_apply() {
 }
 
 /// The f32 packing's routing (session 33): a forward of at most `F32_PACKED_MAX_ROWS` rows runs
-/// on the packed kernel (candle's values to f32 rounding, not its bits), a longer one on
-/// candle's matmul (its bits), and every backward g W on candle's matmul (its bits) — where
-/// `gemm` was measured the faster.
+/// on the packed kernel (its bits exactly), a longer one and every backward g W on `gemm` (not
+/// the packed kernel's bits; candle's matmul's values to f32 rounding).
 #[test]
-fn f32_packing_runs_short_forwards_packed_and_the_rest_on_candles_matmul() {
+fn f32_packing_runs_short_forwards_packed_and_the_rest_on_gemm() {
     use candle_core::Tensor;
+    use features::packed::PackedMatrix;
     use policy::lora::{PackedWeight, F32_PACKED_MAX_ROWS};
-    // k as the MLP's down projection's: candle's gemm splits a sum this long into blocks, the
-    // packed kernel adds it in order, so the two differ in some bits (the negative control)
-    let (n, k) = (40, 1536);
+    // both contractions long: gemm splits a sum this long into blocks, the packed kernel adds it
+    // in order, so the two differ in some bits (what tells the paths apart)
+    let (n, k) = (1024, 1536);
     let vals = |len: usize, seed: usize| -> Vec<f32> {
         (0..len).map(|i| (((i * 7919 + seed * 104_729) % 2001) as f32 / 1000.0) - 1.0).collect()
     };
-    let w = Tensor::from_vec(vals(n * k, 1), (n, k), &Device::Cpu).unwrap();
+    let wv = vals(n * k, 1);
+    let w = Tensor::from_vec(wv.clone(), (n, k), &Device::Cpu).unwrap();
+    let wt: Vec<f32> = w.t().unwrap().contiguous().unwrap().flatten_all().unwrap().to_vec1().unwrap();
+    let (kernel_w, kernel_wt) =
+        (features::f32mm::F32Matrix::from_f32(&wv, n, k), features::f32mm::F32Matrix::from_f32(&wt, k, n));
     let p = PackedWeight::f32(&w).unwrap();
-    let bits = |t: &Tensor| -> Vec<u32> {
-        t.flatten_all().unwrap().to_vec1::<f32>().unwrap().iter().map(|v| v.to_bits()).collect()
-    };
+    let flat = |t: &Tensor| -> Vec<f32> { t.flatten_all().unwrap().to_vec1().unwrap() };
+    let differ = |a: &[f32], b: &[f32]| a.iter().zip(b).filter(|(x, y)| x.to_bits() != y.to_bits()).count();
     for rows in [F32_PACKED_MAX_ROWS, F32_PACKED_MAX_ROWS + 1] {
-        let x = Tensor::from_vec(vals(rows * k, 2), (rows, k), &Device::Cpu).unwrap();
-        let g = Tensor::from_vec(vals(rows * n, 3), (rows, n), &Device::Cpu).unwrap();
-        let (y, y0) = (p.forward(&x).unwrap(), x.matmul(&w.t().unwrap()).unwrap());
-        let (dx, dx0) = (p.backward(&g).unwrap(), g.matmul(&w).unwrap());
-        let differ = |a: &Tensor, b: &Tensor| bits(a).iter().zip(bits(b)).filter(|(x, y)| **x != *y).count();
-        assert_eq!(differ(&dx, &dx0), 0, "rows {rows}: the backward is candle's matmul");
-        let yv: Vec<f32> = y.flatten_all().unwrap().to_vec1().unwrap();
-        let y0v: Vec<f32> = y0.flatten_all().unwrap().to_vec1().unwrap();
-        assert!(max_rel(&yv, &y0v) < 1e-5, "rows {rows}: {:e}", max_rel(&yv, &y0v));
+        let (xv, gv) = (vals(rows * k, 2), vals(rows * n, 3));
+        let x = Tensor::from_vec(xv.clone(), (rows, k), &Device::Cpu).unwrap();
+        let g = Tensor::from_vec(gv.clone(), (rows, n), &Device::Cpu).unwrap();
+        let (y, dx) = (flat(&p.forward(&x).unwrap()), flat(&p.backward(&g).unwrap()));
+        let (y0, dx0) = (flat(&x.matmul(&w.t().unwrap()).unwrap()), flat(&g.matmul(&w).unwrap()));
+        assert!(
+            max_rel(&y, &y0) < 1e-5 && max_rel(&dx, &dx0) < 1e-5,
+            "rows {rows}: {:e} {:e}",
+            max_rel(&y, &y0),
+            max_rel(&dx, &dx0)
+        );
+        let packed_y = differ(&y, &kernel_w.matmul_t(&xv, rows));
         if rows > F32_PACKED_MAX_ROWS {
-            assert_eq!(differ(&y, &y0), 0, "rows {rows}: a long forward is candle's matmul");
+            assert!(packed_y > 0, "rows {rows}: a long forward ran on the packed kernel");
         } else {
-            assert!(differ(&y, &y0) > 0, "rows {rows}: a short forward ran candle's matmul, not the packed kernel");
+            assert_eq!(packed_y, 0, "rows {rows}: a short forward is the packed kernel's");
         }
+        assert!(differ(&dx, &kernel_wt.matmul_t(&gv, rows)) > 0, "rows {rows}: the backward ran on the packed kernel");
     }
     // a model pass longer than the bound (candle's matmul through the packed weights' fallback:
     // a transposed or mis-shaped product there would be far off) against the unpacked model

@@ -5,7 +5,8 @@
 //! of a user whose array is half done ("what do the finished cells say?"), which `onepass
 //! merge` answers only once every cell is finished. Nothing is written and nothing is locked.
 
-use crate::run::{DoneCell, RunIdentity};
+use crate::results::{PlannedCell, PLAN_FILE};
+use crate::run::{DoneCell, RunIdentity, SliceFile};
 use anyhow::{Context, Result};
 use serde::Serialize;
 use std::path::{Path, PathBuf};
@@ -54,15 +55,9 @@ pub fn cells(dir: &Path) -> Result<DirStatus> {
     let cells = planned_cells(dir)?;
     let slice = match std::fs::read_to_string(dir.join("slice.json")) {
         Ok(t) => {
-            let v: serde_json::Value =
-                serde_json::from_str(&t).with_context(|| format!("{}/slice.json: not JSON", dir.display()))?;
-            let n = |k: &str| {
-                v.get(k)
-                    .and_then(|x| x.as_u64())
-                    .map(|x| x as usize)
-                    .with_context(|| format!("{}/slice.json: `{k}`: expected a whole number", dir.display()))
-            };
-            Some((n("index")?, n("count")?))
+            let f: SliceFile = serde_json::from_str(&t)
+                .with_context(|| format!("{}/slice.json: expected {{\"index\": i, \"count\": N}}", dir.display()))?;
+            Some((f.index, f.count))
         }
         Err(e) if e.kind() == std::io::ErrorKind::NotFound => None,
         Err(e) => return Err(e).with_context(|| format!("reading {}/slice.json", dir.display())),
@@ -131,29 +126,6 @@ pub fn cells(dir: &Path) -> Result<DirStatus> {
         complete,
         cells: out,
     })
-}
-
-/// The file of a run directory that lists its plan's cells (written when the directory is made
-/// or resumed): what `onepass cells` reads, with no spec to parse or data to read.
-pub const PLAN_FILE: &str = "plan.json";
-
-/// A planned cell as plan.json lists it.
-#[derive(Clone, Debug, Serialize, serde::Deserialize)]
-struct PlannedCell {
-    cell_id: String,
-    config: String,
-    seed: u32,
-}
-
-/// plan.json's text: `{"cells": [{"cell_id", "config" (the config's label), "seed"}, …]}` in
-/// the plan's order.
-pub fn plan_json(plan: &crate::plan::Plan) -> Result<String> {
-    let cells: Vec<PlannedCell> = plan
-        .cells
-        .iter()
-        .map(|c| PlannedCell { cell_id: c.cell_id.clone(), config: plan.configs[c.config].label.clone(), seed: c.seed })
-        .collect();
-    Ok(serde_json::to_string_pretty(&serde_json::json!({ "cells": cells }))?)
 }
 
 /// The directory's cells: plan.json's, or — for a directory made before plan.json existed —

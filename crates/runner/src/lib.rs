@@ -11,8 +11,8 @@
 //! 6. [`settings`] — the cells: passive, active and deployment loops over a pair source;
 //! 7. [`results`] — the run directory's parquet tables from the rows;
 //! 8. [`report`] — report.md and figures from those tables;
-//! 9. [`run`], [`bench`], [`inspect`] — `onepass run` end to end; the feature-model benchmark;
-//!    `onepass cells` (what a run directory holds, read back).
+//! 9. [`run`], [`bench`] — `onepass run` end to end; the feature-model benchmark;
+//! 10. [`inspect`] — `onepass cells`: what a run directory holds, read back.
 //!
 //! This crate is the only place that knows about files, TOML, parquet and the command line;
 //! `estimators`, `selection` and `features` know none of them.

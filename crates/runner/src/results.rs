@@ -1,5 +1,5 @@
-//! The run directory: spec.resolved.toml, meta.json, cells/metrics/steps/timings parquet
-//! tables, θ of every cell as .npy, and schema.json. Every file is written to a temporary
+//! The run directory: spec.resolved.toml, meta.json, plan.json, cells/metrics/steps/timings
+//! parquet tables, θ of every cell as .npy, and schema.json. Every file is written to a temporary
 //! name and renamed into place, so a reader never sees half a file.
 
 use crate::io::{npy_f64, write_atomic, write_atomic_at};
@@ -570,6 +570,29 @@ pub fn schema_json(schemas: &[(String, Schema)]) -> String {
         })
         .collect();
     serde_json::to_string_pretty(&serde_json::Value::Object(m)).expect("plain JSON") + "\n"
+}
+
+/// The file of a run directory that lists its plan's cells (written when the directory is made
+/// or resumed): what `onepass cells` reads, with no spec to parse or data to read.
+pub const PLAN_FILE: &str = "plan.json";
+
+/// A planned cell as plan.json lists it.
+#[derive(Clone, Debug, serde::Serialize, serde::Deserialize)]
+pub struct PlannedCell {
+    pub cell_id: String,
+    pub config: String,
+    pub seed: u32,
+}
+
+/// plan.json's text: `{"cells": [{"cell_id", "config" (the config's label), "seed"}, …]}` in
+/// the plan's order.
+pub fn plan_json(plan: &Plan) -> Result<String> {
+    let cells: Vec<PlannedCell> = plan
+        .cells
+        .iter()
+        .map(|c| PlannedCell { cell_id: c.cell_id.clone(), config: plan.configs[c.config].label.clone(), seed: c.seed })
+        .collect();
+    Ok(serde_json::to_string_pretty(&serde_json::json!({ "cells": cells }))?)
 }
 
 #[cfg(test)]

@@ -58,9 +58,9 @@ pub struct RunOptions {
 
 /// A slice directory's `slice.json`: which slice of the run's cells it holds.
 #[derive(Serialize, Deserialize, PartialEq)]
-struct SliceFile {
-    index: usize,
-    count: usize,
+pub(crate) struct SliceFile {
+    pub(crate) index: usize,
+    pub(crate) count: usize,
 }
 
 /// A word as a POSIX shell reads it back: as is when it holds only characters the shell leaves
@@ -330,7 +330,7 @@ fn open_run_dir(
         let resolved = toml::to_string(&plan.resolved(&world.spec)).context("serialising the resolved spec")?;
         io::write_atomic(&dir.join("spec.resolved.toml"), resolved.as_bytes())?;
         io::write_atomic(&dir.join("resume.json"), serde_json::to_string_pretty(id)?.as_bytes())?;
-        io::write_atomic(&dir.join(crate::inspect::PLAN_FILE), crate::inspect::plan_json(plan)?.as_bytes())?;
+        io::write_atomic(&dir.join(crate::results::PLAN_FILE), crate::results::plan_json(plan)?.as_bytes())?;
         if let Some(sl) = opts.slice {
             let f = SliceFile { index: sl.index, count: sl.count };
             io::write_atomic(&dir.join("slice.json"), serde_json::to_string(&f)?.as_bytes())?;
@@ -379,7 +379,7 @@ fn open_run_dir(
         io::write_atomic(&manifest, serde_json::to_string_pretty(id)?.as_bytes())?;
     }
     // a directory begun before plan.json existed gets it on resuming (the plan is the run's)
-    io::write_atomic(&dir.join(crate::inspect::PLAN_FILE), crate::inspect::plan_json(plan)?.as_bytes())?;
+    io::write_atomic(&dir.join(crate::results::PLAN_FILE), crate::results::plan_json(plan)?.as_bytes())?;
     for sub in ["theta", "checkpoints"] {
         std::fs::create_dir_all(dir.join(sub)).with_context(|| format!("creating {}/{sub}", dir.display()))?;
     }

@@ -14,7 +14,8 @@ const LAYERS: &[&[&str]] = &[
     &["settings"],
     &["results"],
     &["report"],
-    &["run", "bench", "inspect"],
+    &["run", "bench"],
+    &["inspect"],
     &["lib", "main"],
 ];
 
