@@ -526,4 +526,3 @@ fn features_at_the_last_tokens_are_the_whole_pass_gathered() {
         }
     }
 }
-
