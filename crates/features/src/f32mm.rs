@@ -143,8 +143,9 @@ impl F32Matrix {
             let kc = step.min(k - i0);
             // A group's panels inside the row loop: AVX2's tile runs them one after the other
             // over its 6 rows' activations, which stay in L1. The other order (one 16-KiB panel
-            // over every row tile, the activations' broadcasts from L2) ran φ at 0.88x of this
-            // on a Zen 3 (session 34, `onepass features bench`, 3 alternating rounds).
+            // over every row tile, the activations' broadcasts from L2) ran φ at 0.91x of this
+            // on a Zen 3 (rounds 0.79–0.92x; session 34, `onepass features bench`, 3
+            // alternating rounds).
             for g in groups.clone() {
                 let c0 = g * LANES * NB;
                 let b = &self.data[((c0 / LANES) * k + i0) * LANES..];

@@ -194,8 +194,8 @@ fn accuracy(rm: &RewardModel, data: &[(Vec<u32>, Vec<u32>, f32)]) -> f64 {
 /// λ_min 3, 0.68–0.95 with λ_min 1, 0.43–0.92 with lr 0.1 and λ_min 1, and at **0.923 from all
 /// six with lr 0.2 and λ_min 5** (asserted now: the starts' 1e-6 apart end at the same point, so
 /// the pass contracts perturbations of rounding's size rather than amplifying them; λ_min 10 did
-/// too, but learned only to 0.78–0.80 in the 60 steps). With the Gauss–Newton matrix instead (`hvp = "gauss-newton"`, positive
-/// semi-definite) every start ended at 0.97 with lr 0.3 — at the default floor 1e-6 as at 0.1 —
+/// too, but learned only to 0.78–0.80 in the 60 steps). With the Gauss–Newton matrix instead
+/// (`hvp = "gauss-newton"`, positive semi-definite) every start ended at 0.97 with lr 0.3 — at the default floor 1e-6 as at 0.1 —
 /// and at 0.99 with lr 1; sgd and adam at 0.99 and omd-reference at 0.94–0.98 in all six — with
 /// lr 0.3 on that Cascade Lake; on the Zen 3 lr 0.3 ended at 0.56–0.98 (three of six below
 /// 0.8) and 0.5 at 0.46–0.97, while lr 0.2 ended at 0.970–0.980 and **lr 0.1** (asserted now,
