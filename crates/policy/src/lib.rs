@@ -24,7 +24,8 @@
 //!   [`train::ppo_update`] (actor and critic) —
 //!   and [`train::score`] (log-probabilities and KL to the reference, no gradients).
 //! - [`reward`]: a reward model whose features learn, r = θᵀh_ψ (issue 30), and its one-pass
-//!   updates over (ψ, θ) with the head-only estimators' rules, HVPs by differences of gradients.
+//!   updates over (ψ, θ) with the head-only estimators' rules, HVPs by differences of gradients
+//!   or exactly by [`rop`] (Pearlmutter's R-operator over the adapters and the head).
 //! - [`peft`]: adapters saved and read in PEFT's layout (`adapter_model.safetensors`,
 //!   `adapter_config.json`).
 
@@ -42,6 +43,7 @@ pub mod model;
 pub mod ops;
 pub mod peft;
 pub mod reward;
+pub mod rop;
 pub mod train;
 
 pub use lora::{Dropout, LoraConfig, Pass, Target};

@@ -12,16 +12,16 @@ use candle_core::{DType, Device, Result, Tensor, Var};
 use features::model::{Config, Family};
 use std::collections::HashMap;
 
-struct Block {
-    norm1: Tensor,
-    q: Linear,
-    k: Linear,
-    v: Linear,
-    o: Linear,
-    norm2: Tensor,
-    gate: Linear,
-    up: Linear,
-    down: Linear,
+pub(crate) struct Block {
+    pub(crate) norm1: Tensor,
+    pub(crate) q: Linear,
+    pub(crate) k: Linear,
+    pub(crate) v: Linear,
+    pub(crate) o: Linear,
+    pub(crate) norm2: Tensor,
+    pub(crate) gate: Linear,
+    pub(crate) up: Linear,
+    pub(crate) down: Linear,
 }
 
 impl Block {
@@ -56,14 +56,14 @@ pub struct PolicyModel {
     lora: LoraConfig,
     /// Every base weight by its Hugging Face name (for [`PolicyModel::merged_weights`]).
     base: HashMap<String, Tensor>,
-    embed: Tensor,
+    pub(crate) embed: Tensor,
     lm_head: Tensor,
     /// The LM head packed for the CPU's products ([`PolicyModel::use_packed_products`]).
     lm_head_packed: Option<std::sync::Arc<crate::lora::PackedWeight>>,
-    blocks: Vec<Block>,
-    norm: Tensor,
-    cos: Tensor,
-    sin: Tensor,
+    pub(crate) blocks: Vec<Block>,
+    pub(crate) norm: Tensor,
+    pub(crate) cos: Tensor,
+    pub(crate) sin: Tensor,
     device: Device,
     /// Fused CPU kernels or composed differentiable ops ([`Kernels`]): chosen by the device.
     kernels: Kernels,
@@ -881,7 +881,7 @@ impl PolicyModel {
 /// The additive mask of t queries at positions p..p + t over keys at 0..p + t: 0 where the key
 /// is at or before the query, −10³⁰ after it (exp underflows to 0; no −∞ in the backward pass).
 /// (t, p + t); p = 0 is the plain causal mask.
-fn causal_mask(t: usize, p: usize, dev: &Device, dtype: DType) -> Result<Tensor> {
+pub(crate) fn causal_mask(t: usize, p: usize, dev: &Device, dtype: DType) -> Result<Tensor> {
     let s = p + t;
     let m: Vec<f32> = (0..t * s).map(|i| if i % s > p + i / s { -1e30 } else { 0.0 }).collect();
     Tensor::from_vec(m, (t, s), dev)?.to_dtype(dtype)

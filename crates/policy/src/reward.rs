@@ -180,18 +180,10 @@ impl RewardModel {
         let vars = self.vars();
         let n = pairs.len();
         let (mut grads, mut total): (Option<Vec<Tensor>>, f64) = (None, 0.0);
-        // With more than one pass, the passes take the pairs sorted by their longer side
-        // (stable), so each pads to a length close to its own: on mini-hh-ci's steps of 8 pairs
-        // in passes of 2 the padded tokens fall from 1.28x to 1.14x the real ones (session 26,
-        // `scripts/hh_padding.py`). The gradient is the same sum in another order.
-        let mut order: Vec<usize> = (0..n).collect();
-        let per = self.pairs_per_pass.max(1);
-        if per < n {
-            order.sort_by_key(|&i| pairs[i].a.len().max(pairs[i].b.len()));
-        }
         // each pair's margin, in the batch's order
         let mut margins = vec![0.0; n];
-        for idx in order.chunks(per) {
+        for idx in self.pass_groups(pairs) {
+            let idx = idx.as_slice();
             let part: Vec<RmPair<'_>> = idx.iter().map(|&i| pairs[i]).collect();
             let m = self.margins(&part)?;
             let (l, value) = objective(&m, &part, idx)?;
@@ -217,6 +209,37 @@ impl RewardModel {
             }
         }
         Ok((grads.expect("at least one pass"), total, margins))
+    }
+
+    /// The pairs of each forward and backward pass, by index: [`RewardModel::set_pairs_per_pass`]
+    /// at a time. With more than one pass, the passes take the pairs sorted by their longer
+    /// side (stable), so each pads to a length close to its own: on mini-hh-ci's steps of 8
+    /// pairs in passes of 2 the padded tokens fall from 1.28x to 1.14x the real ones (session
+    /// 26, `scripts/hh_padding.py`). The gradient is the same sum in another order.
+    fn pass_groups(&self, pairs: &[RmPair<'_>]) -> Vec<Vec<usize>> {
+        let n = pairs.len();
+        let mut order: Vec<usize> = (0..n).collect();
+        let per = self.pairs_per_pass.max(1);
+        if per < n {
+            order.sort_by_key(|&i| pairs[i].a.len().max(pairs[i].b.len()));
+        }
+        order.chunks(per).map(|c| c.to_vec()).collect()
+    }
+
+    /// The gradient of [`RewardModel::gradient`] by a hand-written forward and backward pass
+    /// that records what the exact Hessian–vector products of [`crate::rop::Tape::hvp`] need
+    /// (Pearlmutter's R-operator; LoRA adapters and the head). The same passes and loss; the
+    /// gradient equals the autograd one to rounding (tested).
+    pub fn gradient_tape(&self, pairs: &[RmPair<'_>]) -> Result<(Gradient, crate::rop::Tape)> {
+        if pairs.is_empty() {
+            candle_core::bail!("reward model gradient: no pairs");
+        }
+        let rec = crate::rop::Tape::record(self, pairs, &self.pass_groups(pairs))?;
+        let y: Vec<f32> = pairs.iter().map(|p| p.y).collect();
+        let n = pairs.len();
+        let (mut coef, mut curv) = (vec![0.0; n], vec![0.0; n]);
+        let stats = estimators::BatchStats::compute(&rec.margins, &y, &mut coef, &mut curv);
+        Ok((Gradient { stats, grads: rec.grads, curvature: curv }, rec.tape))
     }
 
     /// Pairs per forward and backward pass of [`RewardModel::gradient`] (and so of each HVP):
@@ -401,6 +424,10 @@ pub enum HvpScheme {
     Central,
     /// (g(w + hv) − g(w)) / h with the step's own gradient g(w): one pass, error O(ε).
     Forward,
+    /// Exact: Pearlmutter's R-operator ([`crate::rop`]) — the step's gradient pass recorded,
+    /// then a tangent forward and backward pass per product, about one gradient pass of
+    /// products each. LoRA adapters and the head only.
+    Exact,
     /// Not the Hessian: the Gauss–Newton matrix G = (1/B) Σ σ′(mᵢ) ∇mᵢ ∇mᵢᵀ
     /// ([`RewardModel::gauss_newton_vp`]), positive semi-definite where the Hessian of a network's
     /// loss is not; two forward passes and one backward per product.
@@ -417,6 +444,8 @@ impl HvpScheme {
             HvpScheme::Forward => 3e-4,
             // central differences of the margins: the same balance as of the gradients
             HvpScheme::GaussNewton => 3e-3,
+            // no step: the products are exact
+            HvpScheme::Exact => 0.0,
         }
     }
 }
@@ -516,7 +545,14 @@ impl OnePass {
         if rm.dim() != self.rule.dim() {
             candle_core::bail!("a reward model of {} parameters for an update of {}", rm.dim(), self.rule.dim());
         }
-        let g0 = rm.gradient(pairs)?;
+        // the exact products' tape comes from the step's own gradient pass
+        let (g0, tape) = match self.hvp.scheme {
+            HvpScheme::Exact => {
+                let (g, t) = rm.gradient_tape(pairs)?;
+                (g, Some(t))
+            }
+            _ => (rm.gradient(pairs)?, None),
+        };
         let g = flatten(&g0.grads)?;
         let grad_norm = estimators::linalg::norm_f32(&g);
         if !grad_norm.is_finite() {
@@ -540,8 +576,9 @@ impl OnePass {
                     return;
                 }
                 let hv = unflatten(p, &vars)
-                    .and_then(|v| match scheme {
-                        HvpScheme::GaussNewton => rm.gauss_newton_vp(pairs, &v, eps, curvature),
+                    .and_then(|v| match (scheme, &tape) {
+                        (HvpScheme::Exact, Some(t)) => t.hvp(&v),
+                        (HvpScheme::GaussNewton, _) => rm.gauss_newton_vp(pairs, &v, eps, curvature),
                         _ => rm.hvp_with(pairs, &v, eps, g_at_w),
                     })
                     .and_then(|hv| flatten(&hv));

@@ -1,0 +1,778 @@
+//! Exact Hessian–vector products of a LoRA reward model's batch loss by Pearlmutter's
+//! R-operator (B. A. Pearlmutter, "Fast exact multiplication by the Hessian", Neural
+//! Computation 6(1), 1994): forward-over-reverse differentiation, written out for the decoder.
+//!
+//! [`Tape::record`] runs the loss's forward and backward pass by hand (plain tensor algebra, no
+//! autograd graph) and keeps what the pass saw — each layer's inputs, the attention
+//! probabilities, and the adjoint ∂ℓ/∂y of every adapted product. That pass is the step's
+//! gradient. [`Tape::hvp`] then differentiates the whole pass along a direction v of the
+//! trainable parameters (every LoRA A, B and the head θ): a tangent forward pass
+//! (ẏ = d/dε y(w + εv)) and a tangent backward pass (the derivative of each adjoint), whose
+//! parameter adjoints' tangents are Hv exactly — no step size, no truncation, rounding alone.
+//!
+//! Why it is cheaper than differences of gradients: the weights W are frozen, so the tangent of
+//! x Wᵀ is ẋ Wᵀ and that of the backward's g W is ġ W — one frozen product each way per layer
+//! and product, where a gradient at w ± hv recomputes both passes (central differences: two
+//! forward and two backward passes per HVP). With the tape at w shared by Alg. 5's K products,
+//! an HVP costs about one gradient pass of products, plus attention's and the adapters' small
+//! ones. The price is memory: the tape holds a pass's activations and adjoints (~16 k values
+//! per token and layer for SmolLM2, and the attention probabilities).
+//!
+//! Scope: LoRA adapters and the head (the reward model of `[reward] update = "lora"`); a
+//! full-parameter model (its W learn: their tangents would enter every product) takes
+//! differences of gradients. Any device and f32 or f64: composed candle ops on detached
+//! tensors.
+
+use crate::lora::Linear;
+use crate::model::{Block, PolicyModel};
+use crate::reward::{RewardModel, RmPair};
+use candle_core::{DType, Result, Tensor, D};
+
+/// A linear layer's parts as detached tensors: W (out, in), its bias, and (A, B, s) where it
+/// has an adapter.
+struct Lin {
+    w: Tensor,
+    bias: Option<Tensor>,
+    ad: Option<(Tensor, Tensor, f64)>,
+}
+
+impl Lin {
+    fn of(l: &Linear) -> Lin {
+        Lin {
+            w: l.w.detach(),
+            bias: l.bias.as_ref().map(|b| b.detach()),
+            ad: l.adapter.as_ref().map(|a| (a.a.as_tensor().detach(), a.b.as_tensor().detach(), a.scale)),
+        }
+    }
+
+    /// y = x Wᵀ + b + s (x Aᵀ) Bᵀ, and x Aᵀ.
+    fn fwd(&self, x: &Tensor) -> Result<(Tensor, Option<Tensor>)> {
+        let mut y = x.matmul(&self.w.t()?)?;
+        if let Some(b) = &self.bias {
+            y = y.broadcast_add(b)?;
+        }
+        let xa = match &self.ad {
+            Some((a, b, s)) => {
+                let xa = x.matmul(&a.t()?)?;
+                y = (y + (xa.matmul(&b.t()?)? * *s)?)?;
+                Some(xa)
+            }
+            None => None,
+        };
+        Ok((y, xa))
+    }
+
+    /// The backward pass of [`Lin::fwd`] from g = ∂ℓ/∂y: ∂ℓ/∂x = g W + s (g B) A (when
+    /// `need_gx`), ∂ℓ/∂A = s (g B)ᵀ x, ∂ℓ/∂B = s gᵀ (x Aᵀ); and g B, which the tangent pass
+    /// reuses.
+    fn bwd(&self, x: &Tensor, xa: Option<&Tensor>, g: &Tensor, need_gx: bool) -> Result<LinBwd> {
+        let mut gx = if need_gx { Some(g.matmul(&self.w)?) } else { None };
+        let (mut grads, mut gb) = (None, None);
+        if let (Some((a, b, s)), Some(xa)) = (&self.ad, xa) {
+            let gbv = g.matmul(b)?;
+            if let Some(gx) = &mut gx {
+                *gx = (&*gx + (gbv.matmul(a)? * *s)?)?;
+            }
+            grads = Some(((gbv.t()?.matmul(x)? * *s)?, (g.t()?.matmul(xa)? * *s)?));
+            gb = Some(gbv);
+        }
+        Ok(LinBwd { gx, grads, gb })
+    }
+
+    /// The tangent of [`Lin::fwd`] along (ẋ, Ȧ, Ḃ): ẏ = ẋ Wᵀ + s ((ẋ Aᵀ + x Ȧᵀ) Bᵀ + (x Aᵀ) Ḃᵀ),
+    /// and the tangent of x Aᵀ.
+    fn tan(
+        &self,
+        x: &Tensor,
+        xa: Option<&Tensor>,
+        xd: &Tensor,
+        v: Option<&(Tensor, Tensor)>,
+    ) -> Result<(Tensor, Option<Tensor>)> {
+        let mut yd = xd.matmul(&self.w.t()?)?;
+        let mut xad = None;
+        if let (Some((a, b, s)), Some(xa), Some((av, bv))) = (&self.ad, xa, v) {
+            let t = (xd.matmul(&a.t()?)? + x.matmul(&av.t()?)?)?;
+            yd = (yd + ((t.matmul(&b.t()?)? + xa.matmul(&bv.t()?)?)? * *s)?)?;
+            xad = Some(t);
+        }
+        Ok((yd, xad))
+    }
+
+    /// The tangent of [`Lin::bwd`] given ġ = the tangent of ∂ℓ/∂y: with (gB)˙ = ġ B + g Ḃ,
+    /// (∂ℓ/∂x)˙ = ġ W + s ((gB)˙ A + (g B) Ȧ), (∂ℓ/∂A)˙ = s ((gB)˙ᵀ x + (g B)ᵀ ẋ),
+    /// (∂ℓ/∂B)˙ = s (ġᵀ (x Aᵀ) + gᵀ (x Aᵀ)˙).
+    #[allow(clippy::too_many_arguments)]
+    fn tan_bwd(
+        &self,
+        x: &Tensor,
+        xa: Option<&Tensor>,
+        xd: &Tensor,
+        xad: Option<&Tensor>,
+        bwd: &LinBwdSaved,
+        gd: &Tensor,
+        v: Option<&(Tensor, Tensor)>,
+        need_gx: bool,
+    ) -> Result<LinBwd> {
+        let mut gx = if need_gx { Some(gd.matmul(&self.w)?) } else { None };
+        let mut grads = None;
+        if let (Some((a, b, s)), Some(xa), Some(xad), Some(gb), Some((av, bv))) = (&self.ad, xa, xad, &bwd.gb, v) {
+            let gbd = (gd.matmul(b)? + bwd.g.matmul(bv)?)?;
+            if let Some(gx) = &mut gx {
+                *gx = (&*gx + ((gbd.matmul(a)? + gb.matmul(av)?)? * *s)?)?;
+            }
+            let da = ((gbd.t()?.matmul(x)? + gb.t()?.matmul(xd)?)? * *s)?;
+            let db = ((gd.t()?.matmul(xa)? + bwd.g.t()?.matmul(xad)?)? * *s)?;
+            grads = Some((da, db));
+        }
+        Ok(LinBwd { gx, grads, gb: None })
+    }
+}
+
+/// What [`Lin::bwd`] gives: ∂ℓ/∂x, (∂ℓ/∂A, ∂ℓ/∂B) for an adapted layer, and g B.
+struct LinBwd {
+    gx: Option<Tensor>,
+    grads: Option<(Tensor, Tensor)>,
+    gb: Option<Tensor>,
+}
+
+/// A linear layer's adjoint on the tape: g = ∂ℓ/∂y and g B.
+struct LinBwdSaved {
+    g: Tensor,
+    gb: Option<Tensor>,
+}
+
+/// RMSNorm h = γ ⊙ x·r, r = (mean x² + ε)^{-½} per row: (r (rows, 1), h).
+fn norm_fwd(x: &Tensor, gamma: &Tensor, eps: f64) -> Result<(Tensor, Tensor)> {
+    let r = (x.sqr()?.mean_keepdim(D::Minus1)? + eps)?.sqrt()?.recip()?;
+    let h = x.broadcast_mul(&r)?.broadcast_mul(gamma)?;
+    Ok((r, h))
+}
+
+/// RMSNorm's backward: with u = γ ⊙ ∂ℓ/∂h, ∂ℓ/∂x = r u − (r³ ⟨x, u⟩ / d) x.
+fn norm_bwd(x: &Tensor, r: &Tensor, gamma: &Tensor, gh: &Tensor) -> Result<Tensor> {
+    let d = x.dim(D::Minus1)? as f64;
+    let u = gh.broadcast_mul(gamma)?;
+    let xu = (x * &u)?.sum_keepdim(D::Minus1)?;
+    let c = ((r.powf(3.0)? * xu)? / d)?;
+    u.broadcast_mul(r)? - x.broadcast_mul(&c)?
+}
+
+/// RMSNorm's tangent: ṙ = −r³ ⟨x, ẋ⟩ / d, ḣ = γ ⊙ (ẋ r + x ṙ). (ṙ, ḣ).
+fn norm_tan(x: &Tensor, r: &Tensor, gamma: &Tensor, xd: &Tensor) -> Result<(Tensor, Tensor)> {
+    let d = x.dim(D::Minus1)? as f64;
+    let rd = ((r.powf(3.0)? * (x * xd)?.sum_keepdim(D::Minus1)?)? * (-1.0 / d))?;
+    let hd = (xd.broadcast_mul(r)? + x.broadcast_mul(&rd)?)?.broadcast_mul(gamma)?;
+    Ok((rd, hd))
+}
+
+/// The tangent of [`norm_bwd`]: with u = γ ⊙ ∂ℓ/∂h, u̇ = γ ⊙ its tangent, k = ⟨x, u⟩,
+/// k̇ = ⟨ẋ, u⟩ + ⟨x, u̇⟩: ṙ u + r u̇ − ((3 r² ṙ k + r³ k̇) / d) x − (r³ k / d) ẋ.
+#[allow(clippy::too_many_arguments)]
+fn norm_tan_bwd(
+    x: &Tensor,
+    xd: &Tensor,
+    r: &Tensor,
+    rd: &Tensor,
+    gamma: &Tensor,
+    gh: &Tensor,
+    ghd: &Tensor,
+) -> Result<Tensor> {
+    let d = x.dim(D::Minus1)? as f64;
+    let (u, ud) = (gh.broadcast_mul(gamma)?, ghd.broadcast_mul(gamma)?);
+    let k = (x * &u)?.sum_keepdim(D::Minus1)?;
+    let kd = ((xd * &u)?.sum_keepdim(D::Minus1)? + (x * &ud)?.sum_keepdim(D::Minus1)?)?;
+    let r2 = r.sqr()?;
+    let r3 = (&r2 * r)?;
+    let cx = (((r2 * rd)? * &k)? * 3.0 + (&r3 * kd)?)?;
+    let cx = (cx / d)?;
+    let cxd = ((r3 * k)? / d)?;
+    u.broadcast_mul(rd)? + ud.broadcast_mul(r)? - x.broadcast_mul(&cx)? - xd.broadcast_mul(&cxd)?
+}
+
+/// σ(x) = 1 / (1 + e^{−x}).
+fn sigmoid(x: &Tensor) -> Result<Tensor> {
+    (x.neg()?.exp()? + 1.0)?.recip()
+}
+
+/// Softmax over the last dimension (e^{s − max} / Σ).
+fn softmax(s: &Tensor) -> Result<Tensor> {
+    let e = s.broadcast_sub(&s.max_keepdim(D::Minus1)?)?.exp()?;
+    e.broadcast_div(&e.sum_keepdim(D::Minus1)?)
+}
+
+/// The softmax's Jacobian applied to a tangent (or, being symmetric, to an adjoint):
+/// P ⊙ (X − ⟨P, X⟩ per row).
+fn softmax_jvp(p: &Tensor, x: &Tensor) -> Result<Tensor> {
+    p * x.broadcast_sub(&(p * x)?.sum_keepdim(D::Minus1)?)?
+}
+
+/// The pass's shape and its position tables.
+struct Geo {
+    b: usize,
+    t: usize,
+    heads: usize,
+    kv: usize,
+    hd: usize,
+    eps: f64,
+    interleaved: bool,
+    cos: Tensor,
+    sin: Tensor,
+    /// −sin: RoPE's inverse rotation, its transpose.
+    nsin: Tensor,
+    mask: Tensor,
+}
+
+impl Geo {
+    /// Rows (b·t, n·hd) as heads (b, n, t, hd), turned by RoPE (or back, `inverse`) when `rope`.
+    fn heads(&self, y: &Tensor, n: usize, rope: bool) -> Result<Tensor> {
+        let y = y.reshape((self.b, self.t, n, self.hd))?.transpose(1, 2)?.contiguous()?;
+        match rope {
+            true => self.rope(&y, false),
+            false => Ok(y),
+        }
+    }
+
+    fn rope(&self, y: &Tensor, inverse: bool) -> Result<Tensor> {
+        let sin = if inverse { &self.nsin } else { &self.sin };
+        crate::ops::rope(y, &self.cos, sin, self.interleaved, crate::ops::Kernels::Composed)?.contiguous()
+    }
+
+    /// Heads (b, n, t, hd) back into rows (b·t, n·hd).
+    fn rows(&self, y: &Tensor) -> Result<Tensor> {
+        let n = y.dim(1)?;
+        y.transpose(1, 2)?.contiguous()?.reshape((self.b * self.t, n * self.hd))
+    }
+
+    /// Query heads (b, h, t, hd) grouped by the key–value head they read: (b, kv, g·t, hd).
+    fn grouped(&self, q: &Tensor) -> Result<Tensor> {
+        q.reshape((self.b, self.kv, self.heads / self.kv * self.t, self.hd))
+    }
+
+    /// Grouped queries back to (b, h, t, hd).
+    fn ungrouped(&self, q: &Tensor) -> Result<Tensor> {
+        q.reshape((self.b, self.heads, self.t, self.hd))
+    }
+
+    fn scale(&self) -> f64 {
+        1.0 / (self.hd as f64).sqrt()
+    }
+
+    /// Attention's scores of grouped queries (b, kv, g·t, hd) against keys (b, kv, t, hd),
+    /// scaled and causally masked.
+    fn scores(&self, q: &Tensor, k: &Tensor) -> Result<Tensor> {
+        let g = self.heads / self.kv;
+        let s = (q.matmul(&k.t()?)? * self.scale())?;
+        s.reshape((self.b, self.kv, g, self.t, self.t))?.broadcast_add(&self.mask)?.reshape((
+            self.b,
+            self.kv,
+            g * self.t,
+            self.t,
+        ))
+    }
+}
+
+/// One block's forward values on the tape.
+struct BlockFwd {
+    x: Tensor,
+    r1: Tensor,
+    h1: Tensor,
+    /// x Aᵀ of q, k, v, o, gate, up, down (where adapted).
+    xa: [Option<Tensor>; 7],
+    /// Roped grouped queries (b, kv, g·t, hd), roped keys and values (b, kv, t, hd).
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    /// Attention probabilities (b, kv, g·t, t).
+    p: Tensor,
+    /// Attention's output rows, the output projection's input.
+    ya: Tensor,
+    x1: Tensor,
+    r2: Tensor,
+    h2: Tensor,
+    gate: Tensor,
+    up: Tensor,
+    /// silu(gate) ⊙ up: the down projection's input.
+    a: Tensor,
+}
+
+/// One block's adjoints on the tape.
+struct BlockAdj {
+    /// ∂ℓ/∂y of q, k, v, o, gate, up, down and g B.
+    lin: [LinBwdSaved; 7],
+    /// ∂ℓ/∂h1, ∂ℓ/∂h2 (the norms' outputs), ∂ℓ/∂a (the down projection's input) and ∂ℓ/∂O
+    /// (attention's output, grouped heads).
+    gh1: Tensor,
+    gh2: Tensor,
+    ga: Tensor,
+    go: Tensor,
+}
+
+/// One block's tangents of a direction.
+struct BlockTan {
+    x: Tensor,
+    r1: Tensor,
+    h1: Tensor,
+    xa: [Option<Tensor>; 7],
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    p: Tensor,
+    ya: Tensor,
+    x1: Tensor,
+    r2: Tensor,
+    h2: Tensor,
+    gate: Tensor,
+    up: Tensor,
+    a: Tensor,
+}
+
+/// A block's seven linear layers, in [`crate::model::Block`]'s order (q, k, v, o, gate, up,
+/// down — the order of [`PolicyModel::vars`] within a block).
+fn lins(blk: &Block) -> [Lin; 7] {
+    [
+        Lin::of(&blk.q),
+        Lin::of(&blk.k),
+        Lin::of(&blk.v),
+        Lin::of(&blk.o),
+        Lin::of(&blk.gate),
+        Lin::of(&blk.up),
+        Lin::of(&blk.down),
+    ]
+}
+
+/// The silu factors of a gate value g: (silu g, silu′ g, silu″ g) with σ = σ(g):
+/// silu = g σ, silu′ = σ (1 + g (1 − σ)), silu″ = σ (1 − σ) (2 + g (1 − 2σ)).
+fn silu_parts(g: &Tensor) -> Result<(Tensor, Tensor, Tensor)> {
+    let s = sigmoid(g)?;
+    let one_minus = s.affine(-1.0, 1.0)?;
+    let silu = (g * &s)?;
+    let d1 = (&s * ((g * &one_minus)? + 1.0)?)?;
+    let d2 = ((&s * &one_minus)? * ((g * s.affine(-2.0, 1.0)?)? + 2.0)?)?;
+    Ok((silu, d1, d2))
+}
+
+/// One pass's tape: a group of pairs' forward values and adjoints.
+struct PassTape {
+    geo: Geo,
+    fwd: Vec<BlockFwd>,
+    adj: Vec<BlockAdj>,
+    /// The rows of the sequences' last tokens, their final-block states, r of the final norm
+    /// and h (2n, hidden): a's then a′'s.
+    last: Tensor,
+    xf: Tensor,
+    rf: Tensor,
+    hf: Tensor,
+    /// ∂ℓ/∂rᵢ of each sequence's reward (2n, 1): (σ(mᵢ) − yᵢ)/N for a, its negative for a′.
+    e: Tensor,
+    /// σ′(mᵢ)/N (n, 1): the loss's second derivative in each margin.
+    c: Tensor,
+    n: usize,
+}
+
+/// A reward model's loss recorded at its parameters w for exact Hessian–vector products
+/// ([`Tape::hvp`]); made by [`Tape::record`].
+pub struct Tape {
+    passes: Vec<PassTape>,
+    /// The layers (detached), so the products are taken at w even if the model moves.
+    blocks: Vec<[Lin; 7]>,
+    gammas: Vec<(Tensor, Tensor)>,
+    norm: Tensor,
+    theta: Tensor,
+}
+
+/// What [`Tape::record`] gives besides the tape: the batch's gradient in
+/// [`RewardModel::vars`] order, each pair's margin (batch order) and the pass's loss value.
+pub struct Recorded {
+    pub tape: Tape,
+    pub grads: Vec<Tensor>,
+    pub margins: Vec<f64>,
+}
+
+impl Tape {
+    /// Whether [`Tape::record`] applies to `rm`: its backbone trains through LoRA adapters
+    /// (not every weight) and no adapter has dropout.
+    pub fn applies(rm: &RewardModel) -> bool {
+        rm.trains_backbone() && !rm.model.is_full() && rm.model.lora().dropout == 0.0
+    }
+
+    /// The batch-mean Bradley–Terry loss's forward and backward pass on `pairs`, by hand, in
+    /// groups of `order`'s chunks (the passes of [`RewardModel::gradient`]): the gradient and
+    /// the tape. An error for a model [`Tape::applies`] rejects.
+    pub fn record(rm: &RewardModel, pairs: &[RmPair<'_>], groups: &[Vec<usize>]) -> Result<Recorded> {
+        if !Self::applies(rm) {
+            candle_core::bail!(
+                "exact HVPs (hvp = \"exact\") cover a reward model's LoRA adapters and head without dropout: \
+                 this one {}",
+                if !rm.trains_backbone() {
+                    "trains its head alone"
+                } else if rm.model.is_full() {
+                    "trains every weight (use hvp = \"central\")"
+                } else {
+                    "has adapter dropout"
+                }
+            );
+        }
+        let m = &rm.model;
+        let blocks: Vec<[Lin; 7]> = m.blocks.iter().map(lins).collect();
+        let gammas = m.blocks.iter().map(|b| (b.norm1.detach(), b.norm2.detach())).collect();
+        let theta = rm.head.as_tensor().detach();
+        let mut tape = Tape { passes: Vec::new(), blocks, gammas, norm: m.norm.detach(), theta };
+        let n_total = pairs.len();
+        let mut grads: Option<Vec<Tensor>> = None;
+        let mut margins = vec![0.0; n_total];
+        for idx in groups {
+            let part: Vec<RmPair<'_>> = idx.iter().map(|&i| pairs[i]).collect();
+            let (pass, gs, ms) = tape.pass(m, &part, n_total)?;
+            for (&i, v) in idx.iter().zip(ms) {
+                margins[i] = v;
+            }
+            grads = Some(match grads {
+                None => gs,
+                Some(acc) => acc.iter().zip(&gs).map(|(a, g)| a + g).collect::<Result<_>>()?,
+            });
+            tape.passes.push(pass);
+        }
+        let grads = grads.ok_or_else(|| candle_core::Error::Msg("exact HVPs: no pairs".into()))?;
+        Ok(Recorded { tape, grads, margins })
+    }
+
+    /// One group's forward and backward pass: its tape, its share of the gradient, its margins.
+    fn pass(
+        &self,
+        m: &PolicyModel,
+        pairs: &[RmPair<'_>],
+        n_total: usize,
+    ) -> Result<(PassTape, Vec<Tensor>, Vec<f64>)> {
+        let cfg = m.config();
+        let n = pairs.len();
+        let seqs: Vec<&[u32]> = pairs.iter().map(|p| p.a).chain(pairs.iter().map(|p| p.b)).collect();
+        let b = seqs.len();
+        let t = seqs.iter().map(|s| s.len()).max().unwrap_or(1);
+        if seqs.iter().any(|s| s.is_empty()) {
+            candle_core::bail!("exact HVPs: an empty sequence");
+        }
+        let mut ids = vec![0u32; b * t];
+        let mut last = Vec::with_capacity(b);
+        for (i, s) in seqs.iter().enumerate() {
+            ids[i * t..i * t + s.len()].copy_from_slice(s);
+            last.push((i * t + s.len() - 1) as u32);
+        }
+        let dev = m.device();
+        let dt = m.var_dtype();
+        if t > m.cos.dim(0)? {
+            candle_core::bail!("{t} tokens: the model was built for at most {}", m.cos.dim(0)?);
+        }
+        let sin = m.sin.narrow(0, 0, t)?.detach();
+        let geo = Geo {
+            b,
+            t,
+            heads: cfg.heads,
+            kv: cfg.kv_heads,
+            hd: cfg.head_dim,
+            eps: cfg.eps,
+            interleaved: cfg.rope_interleaved,
+            cos: m.cos.narrow(0, 0, t)?.detach(),
+            nsin: sin.neg()?,
+            sin,
+            mask: crate::model::causal_mask(t, 0, dev, dt)?,
+        };
+        let ids = Tensor::from_vec(ids, b * t, dev)?;
+        let last = Tensor::from_vec(last, b, dev)?;
+        // forward
+        let mut x = m.embed.detach().index_select(&ids, 0)?;
+        let mut fwd = Vec::with_capacity(self.blocks.len());
+        for (l, (gam, lin)) in self.gammas.iter().zip(&self.blocks).enumerate() {
+            let (f, xn) = block_fwd(&geo, lin, gam, x).map_err(|e| e.context(format!("exact HVPs: block {l}")))?;
+            fwd.push(f);
+            x = xn;
+        }
+        let xf = x.index_select(&last, 0)?;
+        let (rf, hf) = norm_fwd(&xf, &self.norm, geo.eps)?;
+        let d = hf.dim(1)?;
+        let r = hf.matmul(&self.theta.reshape((d, 1))?)?;
+        let mv: Vec<f64> = (r.narrow(0, 0, n)? - r.narrow(0, n, n)?)?.to_dtype(DType::F64)?.flatten_all()?.to_vec1()?;
+        let nt = n_total as f64;
+        let (mut e, mut c) = (Vec::with_capacity(2 * n), Vec::with_capacity(n));
+        for (mi, p) in mv.iter().zip(pairs) {
+            let s = 1.0 / (1.0 + (-mi).exp());
+            e.push((s - f64::from(p.y)) / nt);
+            c.push(s * (1.0 - s) / nt);
+        }
+        e.extend((0..n).map(|i| -e[i]).collect::<Vec<_>>());
+        let e = Tensor::from_vec(e, (2 * n, 1), dev)?.to_dtype(dt)?;
+        let c = Tensor::from_vec(c, (n, 1), dev)?.to_dtype(dt)?;
+        // backward: θ̄ = hfᵀ e, ∂ℓ/∂hf = e θᵀ
+        let g_theta = hf.t()?.matmul(&e)?.reshape(d)?;
+        let ghf = e.broadcast_mul(&self.theta.reshape((1, d))?)?;
+        let gxf = norm_bwd(&xf, &rf, &self.norm, &ghf)?;
+        let mut gx = x.zeros_like()?.index_add(&last, &gxf, 0)?;
+        let mut adj: Vec<BlockAdj> = Vec::with_capacity(fwd.len());
+        let mut grads_rev: Vec<Vec<Tensor>> = Vec::with_capacity(fwd.len());
+        for (l, f) in fwd.iter().enumerate().rev() {
+            let (a, gs, gxn) = block_bwd(&geo, &self.blocks[l], &self.gammas[l], f, gx, l > 0)?;
+            adj.push(a);
+            grads_rev.push(gs);
+            gx = match gxn {
+                Some(g) => g,
+                None => break,
+            };
+        }
+        adj.reverse();
+        let mut grads: Vec<Tensor> = grads_rev.into_iter().rev().flatten().collect();
+        grads.push(g_theta);
+        Ok((PassTape { geo, fwd, adj, last, xf, rf, hf, e, c, n }, grads, mv))
+    }
+
+    /// H v, H the Hessian of the recorded batch loss at the recorded parameters over the
+    /// trainable variables (`v` in [`RewardModel::vars`] order: each adapter's A, B, then θ):
+    /// the tangent forward and backward passes of every recorded pass, summed.
+    pub fn hvp(&self, v: &[Tensor]) -> Result<Vec<Tensor>> {
+        let n_ad: usize = self.blocks.iter().map(|ls| ls.iter().filter(|l| l.ad.is_some()).count()).sum();
+        if v.len() != 2 * n_ad + 1 {
+            candle_core::bail!("exact HVPs: a direction of {} tensors for {} variables", v.len(), 2 * n_ad + 1);
+        }
+        // each block's directions (Ȧ, Ḃ) by layer
+        let mut it = v.iter();
+        let mut dirs: Vec<[Option<(Tensor, Tensor)>; 7]> = Vec::with_capacity(self.blocks.len());
+        for ls in &self.blocks {
+            let mut d: [Option<(Tensor, Tensor)>; 7] = Default::default();
+            for (j, l) in ls.iter().enumerate() {
+                if l.ad.is_some() {
+                    let (a, b) = (it.next(), it.next());
+                    if let (Some(a), Some(b)) = (a, b) {
+                        d[j] = Some((a.to_dtype(self.theta.dtype())?, b.to_dtype(self.theta.dtype())?));
+                    }
+                }
+            }
+            dirs.push(d);
+        }
+        let theta_d =
+            it.next().ok_or_else(|| candle_core::Error::Msg("exact HVPs: no head direction".into()))?.to_dtype(self.theta.dtype())?;
+        let mut out: Option<Vec<Tensor>> = None;
+        for pass in &self.passes {
+            let hv = self.pass_hvp(pass, &dirs, &theta_d)?;
+            out = Some(match out {
+                None => hv,
+                Some(acc) => acc.iter().zip(&hv).map(|(a, h)| a + h).collect::<Result<_>>()?,
+            });
+        }
+        out.ok_or_else(|| candle_core::Error::Msg("exact HVPs: an empty tape".into()))
+    }
+
+    fn pass_hvp(&self, p: &PassTape, dirs: &[[Option<(Tensor, Tensor)>; 7]], theta_d: &Tensor) -> Result<Vec<Tensor>> {
+        let geo = &p.geo;
+        let n = p.n;
+        let d = p.hf.dim(1)?;
+        // tangent forward
+        let mut xd = p.fwd[0].x.zeros_like()?;
+        let mut tans = Vec::with_capacity(p.fwd.len());
+        for (l, f) in p.fwd.iter().enumerate() {
+            let (tn, xn) = block_tan(geo, &self.blocks[l], &self.gammas[l], f, &dirs[l], xd)?;
+            tans.push(tn);
+            xd = xn;
+        }
+        let xfd = xd.index_select(&p.last, 0)?;
+        let (rfd, hfd) = norm_tan(&p.xf, &p.rf, &self.norm, &xfd)?;
+        let theta = self.theta.reshape((d, 1))?;
+        let rd = (p.hf.matmul(&theta_d.reshape((d, 1))?)? + hfd.matmul(&theta)?)?;
+        let md = (rd.narrow(0, 0, n)? - rd.narrow(0, n, n)?)?;
+        let ed = (&p.c * md)?;
+        let ed = Tensor::cat(&[&ed, &ed.neg()?], 0)?;
+        // tangent backward
+        let g_theta = (p.hf.t()?.matmul(&ed)? + hfd.t()?.matmul(&p.e)?)?.reshape(d)?;
+        let ghf = p.e.broadcast_mul(&theta.reshape((1, d))?)?;
+        let ghfd = (ed.broadcast_mul(&theta.reshape((1, d))?)? + p.e.broadcast_mul(&theta_d.reshape((1, d))?)?)?;
+        let gxfd = norm_tan_bwd(&p.xf, &xfd, &p.rf, &rfd, &self.norm, &ghf, &ghfd)?;
+        let mut gxd = xd.zeros_like()?.index_add(&p.last, &gxfd, 0)?;
+        let mut rev: Vec<Vec<Tensor>> = Vec::with_capacity(p.fwd.len());
+        for l in (0..p.fwd.len()).rev() {
+            let (gs, gxn) = block_tan_bwd(
+                geo,
+                &self.blocks[l],
+                &self.gammas[l],
+                &p.fwd[l],
+                &p.adj[l],
+                &tans[l],
+                &dirs[l],
+                gxd,
+                l > 0,
+            )?;
+            rev.push(gs);
+            match gxn {
+                Some(g) => gxd = g,
+                None => break,
+            }
+        }
+        let mut out: Vec<Tensor> = rev.into_iter().rev().flatten().collect();
+        out.push(g_theta);
+        Ok(out)
+    }
+}
+
+/// One block's forward pass on x (b·t, hidden), recorded.
+fn block_fwd(geo: &Geo, lin: &[Lin; 7], (g1, g2): &(Tensor, Tensor), x: Tensor) -> Result<(BlockFwd, Tensor)> {
+    let (r1, h1) = norm_fwd(&x, g1, geo.eps)?;
+    let (ql, qxa) = lin[0].fwd(&h1)?;
+    let (kl, kxa) = lin[1].fwd(&h1)?;
+    let (vl, vxa) = lin[2].fwd(&h1)?;
+    let q = geo.grouped(&geo.heads(&ql, geo.heads, true)?)?;
+    let k = geo.heads(&kl, geo.kv, true)?;
+    let v = geo.heads(&vl, geo.kv, false)?;
+    let p = softmax(&geo.scores(&q, &k)?)?;
+    let ya = geo.rows(&geo.ungrouped(&p.matmul(&v)?)?)?;
+    let (o, oxa) = lin[3].fwd(&ya)?;
+    let x1 = (&x + o)?;
+    let (r2, h2) = norm_fwd(&x1, g2, geo.eps)?;
+    let (gate, gxa) = lin[4].fwd(&h2)?;
+    let (up, uxa) = lin[5].fwd(&h2)?;
+    let a = ((&gate * sigmoid(&gate)?)? * &up)?;
+    let (dn, dxa) = lin[6].fwd(&a)?;
+    let xn = (&x1 + dn)?;
+    let xa = [qxa, kxa, vxa, oxa, gxa, uxa, dxa];
+    Ok((BlockFwd { x, r1, h1, xa, q, k, v, p, ya, x1, r2, h2, gate, up, a }, xn))
+}
+
+/// One block's backward pass from ∂ℓ/∂(its output): its adjoints, its adapters' gradients
+/// (A, B of each adapted layer in order) and, with `need_gx`, ∂ℓ/∂(its input).
+fn block_bwd(
+    geo: &Geo,
+    lin: &[Lin; 7],
+    (g1, g2): &(Tensor, Tensor),
+    f: &BlockFwd,
+    gxn: Tensor,
+    need_gx: bool,
+) -> Result<(BlockAdj, Vec<Tensor>, Option<Tensor>)> {
+    let mut grads: [Option<(Tensor, Tensor)>; 7] = Default::default();
+    let mut saved: [Option<LinBwdSaved>; 7] = Default::default();
+    let mut keep = |j: usize, g: &Tensor, r: LinBwd| -> Result<Tensor> {
+        grads[j] = r.grads;
+        saved[j] = Some(LinBwdSaved { g: g.clone(), gb: r.gb });
+        r.gx.ok_or_else(|| candle_core::Error::Msg("exact HVPs: a missing input adjoint".into()))
+    };
+    // MLP
+    let ga = keep(6, &gxn, lin[6].bwd(&f.a, f.xa[6].as_ref(), &gxn, true)?)?;
+    let (silu, d1, _) = silu_parts(&f.gate)?;
+    let ggate = ((&ga * &f.up)? * &d1)?;
+    let gup = (&ga * &silu)?;
+    let gh2 = (keep(4, &ggate, lin[4].bwd(&f.h2, f.xa[4].as_ref(), &ggate, true)?)?
+        + keep(5, &gup, lin[5].bwd(&f.h2, f.xa[5].as_ref(), &gup, true)?)?)?;
+    let gx1 = (&gxn + norm_bwd(&f.x1, &f.r2, g2, &gh2)?)?;
+    // attention
+    let gya = keep(3, &gx1, lin[3].bwd(&f.ya, f.xa[3].as_ref(), &gx1, true)?)?;
+    let go = geo.grouped(&geo.heads(&gya, geo.heads, false)?)?;
+    let gp = go.matmul(&f.v.t()?)?;
+    let gv = f.p.t()?.matmul(&go)?;
+    let gs = (softmax_jvp(&f.p, &gp)? * geo.scale())?;
+    let gq = gs.matmul(&f.k)?;
+    let gk = gs.t()?.matmul(&f.q)?;
+    let gql = geo.rows(&geo.rope(&geo.ungrouped(&gq)?, true)?)?;
+    let gkl = geo.rows(&geo.rope(&gk, true)?)?;
+    let gvl = geo.rows(&gv)?;
+    let gh1 = ((keep(0, &gql, lin[0].bwd(&f.h1, f.xa[0].as_ref(), &gql, true)?)?
+        + keep(1, &gkl, lin[1].bwd(&f.h1, f.xa[1].as_ref(), &gkl, true)?)?)?
+        + keep(2, &gvl, lin[2].bwd(&f.h1, f.xa[2].as_ref(), &gvl, true)?)?)?;
+    let gx = if need_gx { Some((&gx1 + norm_bwd(&f.x, &f.r1, g1, &gh1)?)?) } else { None };
+    let lin_saved = saved.map(|s| s.expect("every layer's adjoint is kept"));
+    let gs: Vec<Tensor> = grads.into_iter().flatten().flat_map(|(a, b)| [a, b]).collect();
+    Ok((BlockAdj { lin: lin_saved, gh1, gh2, ga, go }, gs, gx))
+}
+
+/// One block's tangent forward pass along the directions `dir` from the tangent of its input.
+fn block_tan(
+    geo: &Geo,
+    lin: &[Lin; 7],
+    (g1, g2): &(Tensor, Tensor),
+    f: &BlockFwd,
+    dir: &[Option<(Tensor, Tensor)>; 7],
+    xd: Tensor,
+) -> Result<(BlockTan, Tensor)> {
+    let (r1, h1) = norm_tan(&f.x, &f.r1, g1, &xd)?;
+    let (qd, qxa) = lin[0].tan(&f.h1, f.xa[0].as_ref(), &h1, dir[0].as_ref())?;
+    let (kd, kxa) = lin[1].tan(&f.h1, f.xa[1].as_ref(), &h1, dir[1].as_ref())?;
+    let (vd, vxa) = lin[2].tan(&f.h1, f.xa[2].as_ref(), &h1, dir[2].as_ref())?;
+    let q = geo.grouped(&geo.heads(&qd, geo.heads, true)?)?;
+    let k = geo.heads(&kd, geo.kv, true)?;
+    let v = geo.heads(&vd, geo.kv, false)?;
+    // Ṡ = (Q̇ Kᵀ + Q K̇ᵀ)/√hd (the mask is constant), Ṗ = P ⊙ (Ṡ − ⟨P, Ṡ⟩), Ȯ = Ṗ V + P V̇
+    let sd = ((q.matmul(&f.k.t()?)? + f.q.matmul(&k.t()?)?)? * geo.scale())?;
+    let p = softmax_jvp(&f.p, &sd)?;
+    let ya = geo.rows(&geo.ungrouped(&(p.matmul(&f.v)? + f.p.matmul(&v)?)?)?)?;
+    let (od, oxa) = lin[3].tan(&f.ya, f.xa[3].as_ref(), &ya, dir[3].as_ref())?;
+    let x1 = (&xd + od)?;
+    let (r2, h2) = norm_tan(&f.x1, &f.r2, g2, &x1)?;
+    let (gate, gxa) = lin[4].tan(&f.h2, f.xa[4].as_ref(), &h2, dir[4].as_ref())?;
+    let (up, uxa) = lin[5].tan(&f.h2, f.xa[5].as_ref(), &h2, dir[5].as_ref())?;
+    let (silu, d1, _) = silu_parts(&f.gate)?;
+    let a = (((&d1 * &gate)? * &f.up)? + (&silu * &up)?)?;
+    let (dn, dxa) = lin[6].tan(&f.a, f.xa[6].as_ref(), &a, dir[6].as_ref())?;
+    let xn = (&x1 + dn)?;
+    let xa = [qxa, kxa, vxa, oxa, gxa, uxa, dxa];
+    Ok((BlockTan { x: xd, r1, h1, xa, q, k, v, p, ya, x1, r2, h2, gate, up, a }, xn))
+}
+
+/// One block's tangent backward pass from the tangent of ∂ℓ/∂(its output): the tangents of its
+/// adapters' gradients (the block's share of Hv) and, with `need_gx`, of ∂ℓ/∂(its input).
+#[allow(clippy::too_many_arguments)]
+fn block_tan_bwd(
+    geo: &Geo,
+    lin: &[Lin; 7],
+    (g1, g2): &(Tensor, Tensor),
+    f: &BlockFwd,
+    a: &BlockAdj,
+    td: &BlockTan,
+    dir: &[Option<(Tensor, Tensor)>; 7],
+    gxnd: Tensor,
+    need_gx: bool,
+) -> Result<(Vec<Tensor>, Option<Tensor>)> {
+    let mut hv: [Option<(Tensor, Tensor)>; 7] = Default::default();
+    let mut step = |j: usize, x: &Tensor, xd: &Tensor, gd: &Tensor, need: bool| -> Result<Option<Tensor>> {
+        let r = lin[j].tan_bwd(x, f.xa[j].as_ref(), xd, td.xa[j].as_ref(), &a.lin[j], gd, dir[j].as_ref(), need)?;
+        hv[j] = r.grads;
+        Ok(r.gx)
+    };
+    let missing = || candle_core::Error::Msg("exact HVPs: a missing input adjoint's tangent".into());
+    // MLP: a = silu(gate) ⊙ up
+    let gad = step(6, &f.a, &td.a, &gxnd, true)?.ok_or_else(missing)?;
+    let (silu, d1, d2) = silu_parts(&f.gate)?;
+    let ggated = ((((&gad * &f.up)? + (&a.ga * &td.up)?)? * &d1)? + (((&a.ga * &f.up)? * &d2)? * &td.gate)?)?;
+    let gupd = ((&gad * &silu)? + ((&a.ga * &d1)? * &td.gate)?)?;
+    let gh2d = (step(4, &f.h2, &td.h2, &ggated, true)?.ok_or_else(missing)?
+        + step(5, &f.h2, &td.h2, &gupd, true)?.ok_or_else(missing)?)?;
+    let gx1d = (&gxnd + norm_tan_bwd(&f.x1, &td.x1, &f.r2, &td.r2, g2, &a.gh2, &gh2d)?)?;
+    // attention
+    let gyad = step(3, &f.ya, &td.ya, &gx1d, true)?.ok_or_else(missing)?;
+    let god = geo.grouped(&geo.heads(&gyad, geo.heads, false)?)?;
+    let gp = a.go.matmul(&f.v.t()?)?;
+    let gpd = (god.matmul(&f.v.t()?)? + a.go.matmul(&td.v.t()?)?)?;
+    let gvd = (td.p.t()?.matmul(&a.go)? + f.p.t()?.matmul(&god)?)?;
+    // S̄ = P ⊙ (P̄ − D), D = ⟨P, P̄⟩ per row; its tangent Ṗ ⊙ (P̄ − D) + P ⊙ (P̄˙ − Ḋ),
+    // Ḋ = ⟨Ṗ, P̄⟩ + ⟨P, P̄˙⟩ (the scale 1/√hd applied after)
+    let dsum = (&f.p * &gp)?.sum_keepdim(D::Minus1)?;
+    let ddot = ((&td.p * &gp)?.sum_keepdim(D::Minus1)? + (&f.p * &gpd)?.sum_keepdim(D::Minus1)?)?;
+    let gs = (softmax_jvp(&f.p, &gp)? * geo.scale())?;
+    let gsd = ((td.p.mul(&gp.broadcast_sub(&dsum)?)? + f.p.mul(&gpd.broadcast_sub(&ddot)?)?)? * geo.scale())?;
+    let gqd = (gsd.matmul(&f.k)? + gs.matmul(&td.k)?)?;
+    let gkd = (gsd.t()?.matmul(&f.q)? + gs.t()?.matmul(&td.q)?)?;
+    let gqld = geo.rows(&geo.rope(&geo.ungrouped(&gqd)?, true)?)?;
+    let gkld = geo.rows(&geo.rope(&gkd, true)?)?;
+    let gvld = geo.rows(&gvd)?;
+    let gh1d = if need_gx {
+        Some(
+            ((step(0, &f.h1, &td.h1, &gqld, true)?.ok_or_else(missing)?
+                + step(1, &f.h1, &td.h1, &gkld, true)?.ok_or_else(missing)?)?
+                + step(2, &f.h1, &td.h1, &gvld, true)?.ok_or_else(missing)?)?,
+        )
+    } else {
+        // the first block: its input is the embeddings, which do not learn
+        step(0, &f.h1, &td.h1, &gqld, false)?;
+        step(1, &f.h1, &td.h1, &gkld, false)?;
+        step(2, &f.h1, &td.h1, &gvld, false)?;
+        None
+    };
+    let gxd = match gh1d {
+        Some(gh1d) => Some((&gx1d + norm_tan_bwd(&f.x, &td.x, &f.r1, &td.r1, g1, &a.gh1, &gh1d)?)?),
+        None => None,
+    };
+    let out: Vec<Tensor> = hv.into_iter().flatten().flat_map(|(a, b)| [a, b]).collect();
+    Ok((out, gxd))
+}
