@@ -4,7 +4,8 @@
 //! `omd` (paper Alg. 5: the gradient, then K = 3 conjugate-gradient steps on the damped batch
 //! Hessian with HVPs by central differences of gradients — two more passes each — lr 1e-3),
 //! `omd-forward` (the same with forward differences: one more pass each) or `omd-gn` (the
-//! Gauss–Newton matrix's products: two forward passes and one backward each).
+//! Gauss–Newton matrix's products: two forward passes and one backward each) or `omd-exact`
+//! (exact products by Pearlmutter's R-operator on the step's recorded gradient pass, `policy::rop`).
 //! The reward model is r = θᵀh_ψ, ψ LoRA r = 8, α = 16 on every linear layer, θ = 1/(d+1)·1.
 //! Each side of a pair has LEN random tokens (ChaCha8, seed 0), label 1. One untimed warm-up
 //! step, then REPS timed ones; the last line is a JSON record for `just bench-rm-step`
@@ -102,14 +103,15 @@ fn main() {
     }
     let cfg = match rule.as_str() {
         "sgd" => EstimatorConfig::Sgd(SgdConfig { lr: 1e-3, clip: Some(1.0) }),
-        "omd" | "omd-forward" | "omd-gn" => {
+        "omd" | "omd-forward" | "omd-gn" | "omd-exact" => {
             EstimatorConfig::OmdHvpCg(HvpCgConfig { lr: 1e-3, cg_tol: 0.0, ..Default::default() })
         }
-        r => panic!("rule {r}: expected sgd, omd, omd-forward or omd-gn"),
+        r => panic!("rule {r}: expected sgd, omd, omd-forward, omd-gn or omd-exact"),
     };
     let scheme = match rule.as_str() {
         "omd-forward" => HvpScheme::Forward,
         "omd-gn" => HvpScheme::GaussNewton,
+        "omd-exact" => HvpScheme::Exact,
         _ => HvpScheme::Central,
     };
     let hvp = HvpConfig { eps: scheme.default_eps(), scheme };

@@ -44,6 +44,7 @@ pub mod ops;
 pub mod peft;
 pub mod reward;
 pub mod rop;
+mod rop_cpu;
 pub mod train;
 
 pub use lora::{Dropout, LoraConfig, Pass, Target};

@@ -94,6 +94,13 @@ pub(crate) fn mm_add<T: Float + 'static>(m: usize, n: usize, k: usize, dst: &mut
     unsafe { mm_raw(m, n, k, dst.as_mut_ptr(), a, b, c, candle_core::utils::get_num_threads(), true) }
 }
 
+/// dst (m × n, row-major, initialised) += c · a · b on the calling thread.
+pub(crate) fn mm_acc<T: Float + 'static>(m: usize, n: usize, k: usize, dst: &mut [T], a: Mat<T>, b: Mat<T>, c: T) {
+    assert!(dst.len() >= m * n);
+    // SAFETY: dst holds m × n initialised values; the callers' views hold the stated shapes.
+    unsafe { mm_raw(m, n, k, dst.as_mut_ptr(), a, b, c, 1, true) }
+}
+
 /// [`mm_raw`] into `dst` (≥ m × n values), on the calling thread.
 pub(crate) fn mm<T: Float + 'static>(m: usize, n: usize, k: usize, dst: &mut [T], a: Mat<T>, b: Mat<T>, c: T) {
     assert!(dst.len() >= m * n);

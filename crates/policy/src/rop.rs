@@ -26,6 +26,7 @@
 use crate::lora::Linear;
 use crate::model::{Block, PolicyModel};
 use crate::reward::{RewardModel, RmPair};
+use crate::rop_cpu as cpu;
 use candle_core::{DType, Result, Tensor, D};
 
 /// A linear layer's parts as detached tensors: W (out, in), its bias, and (A, B, s) where it
@@ -34,19 +35,29 @@ struct Lin {
     w: Tensor,
     bias: Option<Tensor>,
     ad: Option<(Tensor, Tensor, f64)>,
+    /// The CPU's kernels ([`cpu`]) rather than composed ops.
+    fused: bool,
 }
 
 impl Lin {
-    fn of(l: &Linear) -> Lin {
-        Lin {
-            w: l.w.detach(),
-            bias: l.bias.as_ref().map(|b| b.detach()),
-            ad: l.adapter.as_ref().map(|a| (a.a.as_tensor().detach(), a.b.as_tensor().detach(), a.scale)),
-        }
+    fn of(l: &Linear, fused: bool) -> Result<Lin> {
+        let ad = match &l.adapter {
+            Some(a) => Some((a.a.as_tensor().detach().contiguous()?, a.b.as_tensor().detach().contiguous()?, a.scale)),
+            None => None,
+        };
+        let bias = l.bias.as_ref().map(|b| b.detach().contiguous()).transpose()?;
+        Ok(Lin { w: l.w.detach().contiguous()?, bias, ad, fused })
+    }
+
+    fn ad(&self) -> Option<cpu::Ad<'_>> {
+        self.ad.as_ref().map(|(a, b, s)| (a, b, *s))
     }
 
     /// y = x Wᵀ + b + s (x Aᵀ) Bᵀ, and x Aᵀ.
     fn fwd(&self, x: &Tensor) -> Result<(Tensor, Option<Tensor>)> {
+        if self.fused && cpu::applies(x) {
+            return cpu::lin_fwd(x, &self.w, self.bias.as_ref(), self.ad());
+        }
         let mut y = x.matmul(&self.w.t()?)?;
         if let Some(b) = &self.bias {
             y = y.broadcast_add(b)?;
@@ -66,6 +77,11 @@ impl Lin {
     /// `need_gx`), ∂ℓ/∂A = s (g B)ᵀ x, ∂ℓ/∂B = s gᵀ (x Aᵀ); and g B, which the tangent pass
     /// reuses.
     fn bwd(&self, x: &Tensor, xa: Option<&Tensor>, g: &Tensor, need_gx: bool) -> Result<LinBwd> {
+        if self.fused && cpu::applies(x) {
+            let ad = self.ad().zip(xa);
+            let (gx, grads, gb) = cpu::lin_bwd(x, &self.w, ad, g, need_gx)?;
+            return Ok(LinBwd { gx, grads, gb });
+        }
         let mut gx = if need_gx { Some(g.matmul(&self.w)?) } else { None };
         let (mut grads, mut gb) = (None, None);
         if let (Some((a, b, s)), Some(xa)) = (&self.ad, xa) {
@@ -88,6 +104,13 @@ impl Lin {
         xd: &Tensor,
         v: Option<&(Tensor, Tensor)>,
     ) -> Result<(Tensor, Option<Tensor>)> {
+        if self.fused && cpu::applies(x) {
+            let ad = match (self.ad(), xa, v) {
+                (Some(ad), Some(xa), Some((av, bv))) => Some((ad, xa, (av, bv))),
+                _ => None,
+            };
+            return cpu::lin_tan(x, &self.w, ad, xd);
+        }
         let mut yd = xd.matmul(&self.w.t()?)?;
         let mut xad = None;
         if let (Some((a, b, s)), Some(xa), Some((av, bv))) = (&self.ad, xa, v) {
@@ -113,6 +136,14 @@ impl Lin {
         v: Option<&(Tensor, Tensor)>,
         need_gx: bool,
     ) -> Result<LinBwd> {
+        if self.fused && cpu::applies(x) {
+            let ad = match (self.ad(), xa, v, xad, &bwd.gb) {
+                (Some(ad), Some(xa), Some((av, bv)), Some(xad), Some(gb)) => Some((ad, xa, (av, bv), xad, (&bwd.g, gb))),
+                _ => None,
+            };
+            let (gx, grads) = cpu::lin_tan_bwd(x, &self.w, ad, xd, gd, need_gx)?;
+            return Ok(LinBwd { gx, grads, gb: None });
+        }
         let mut gx = if need_gx { Some(gd.matmul(&self.w)?) } else { None };
         let mut grads = None;
         if let (Some((a, b, s)), Some(xa), Some(xad), Some(gb), Some((av, bv))) = (&self.ad, xa, xad, &bwd.gb, v) {
@@ -200,12 +231,6 @@ fn softmax(s: &Tensor) -> Result<Tensor> {
     e.broadcast_div(&e.sum_keepdim(D::Minus1)?)
 }
 
-/// The softmax's Jacobian applied to a tangent (or, being symmetric, to an adjoint):
-/// P ⊙ (X − ⟨P, X⟩ per row).
-fn softmax_jvp(p: &Tensor, x: &Tensor) -> Result<Tensor> {
-    p * x.broadcast_sub(&(p * x)?.sum_keepdim(D::Minus1)?)?
-}
-
 /// The pass's shape and its position tables.
 struct Geo {
     b: usize,
@@ -215,6 +240,8 @@ struct Geo {
     hd: usize,
     eps: f64,
     interleaved: bool,
+    /// The CPU's kernels ([`cpu`]) rather than composed ops.
+    fused: bool,
     cos: Tensor,
     sin: Tensor,
     /// −sin: RoPE's inverse rotation, its transpose.
@@ -257,6 +284,11 @@ impl Geo {
         1.0 / (self.hd as f64).sqrt()
     }
 
+    /// The layout of the CPU's attention kernels.
+    fn att(&self) -> cpu::Att {
+        cpu::Att { b: self.b, kv: self.kv, g: self.heads / self.kv, t: self.t, hd: self.hd }
+    }
+
     /// Attention's scores of grouped queries (b, kv, g·t, hd) against keys (b, kv, t, hd),
     /// scaled and causally masked.
     fn scores(&self, q: &Tensor, k: &Tensor) -> Result<Tensor> {
@@ -282,14 +314,17 @@ struct BlockFwd {
     q: Tensor,
     k: Tensor,
     v: Tensor,
-    /// Attention probabilities (b, kv, g·t, t).
+    /// Attention probabilities (b, kv, g·t, t) and output O = P V (b, kv, g·t, hd).
     p: Tensor,
-    /// Attention's output rows, the output projection's input.
+    o: Tensor,
+    /// O as rows: the output projection's input.
     ya: Tensor,
     x1: Tensor,
     r2: Tensor,
     h2: Tensor,
     gate: Tensor,
+    /// σ(gate).
+    sg: Tensor,
     up: Tensor,
     /// silu(gate) ⊙ up: the down projection's input.
     a: Tensor,
@@ -299,12 +334,13 @@ struct BlockFwd {
 struct BlockAdj {
     /// ∂ℓ/∂y of q, k, v, o, gate, up, down and g B.
     lin: [LinBwdSaved; 7],
-    /// ∂ℓ/∂h1, ∂ℓ/∂h2 (the norms' outputs), ∂ℓ/∂a (the down projection's input) and ∂ℓ/∂O
-    /// (attention's output, grouped heads).
+    /// ∂ℓ/∂h1, ∂ℓ/∂h2 (the norms' outputs), ∂ℓ/∂a (the down projection's input), ∂ℓ/∂O
+    /// (grouped heads) and S̄, the adjoint of Q Kᵀ (b, kv, g·t, t).
     gh1: Tensor,
     gh2: Tensor,
     ga: Tensor,
     go: Tensor,
+    gs: Tensor,
 }
 
 /// One block's tangents of a direction.
@@ -316,7 +352,10 @@ struct BlockTan {
     q: Tensor,
     k: Tensor,
     v: Tensor,
+    /// Z = Ṡ − ⟨P, Ṡ⟩ and Ṗ = P ⊙ Z (b, kv, g·t, t), Ȯ (grouped heads).
+    z: Tensor,
     p: Tensor,
+    o: Tensor,
     ya: Tensor,
     x1: Tensor,
     r2: Tensor,
@@ -326,28 +365,108 @@ struct BlockTan {
     a: Tensor,
 }
 
-/// A block's seven linear layers, in [`crate::model::Block`]'s order (q, k, v, o, gate, up,
-/// down — the order of [`PolicyModel::vars`] within a block).
-fn lins(blk: &Block) -> [Lin; 7] {
-    [
-        Lin::of(&blk.q),
-        Lin::of(&blk.k),
-        Lin::of(&blk.v),
-        Lin::of(&blk.o),
-        Lin::of(&blk.gate),
-        Lin::of(&blk.up),
-        Lin::of(&blk.down),
-    ]
+/// Attention's forward pass: (P, O) ([`cpu::attn_fwd`] on the CPU).
+fn attn_fwd(geo: &Geo, q: &Tensor, k: &Tensor, v: &Tensor) -> Result<(Tensor, Tensor)> {
+    if geo.fused && cpu::applies(q) {
+        return cpu::attn_fwd(geo.att(), q, k, v);
+    }
+    let p = softmax(&geo.scores(q, k)?)?;
+    let o = p.matmul(v)?;
+    Ok((p, o))
 }
 
-/// The silu factors of a gate value g: (silu g, silu′ g, silu″ g) with σ = σ(g):
+/// Attention's backward pass: (S̄, Q̄, K̄, V̄) ([`cpu::attn_bwd`]).
+fn attn_bwd(geo: &Geo, f: &BlockFwd, go: &Tensor) -> Result<(Tensor, Tensor, Tensor, Tensor)> {
+    if geo.fused && cpu::applies(go) {
+        return cpu::attn_bwd(geo.att(), (&f.q, &f.k, &f.v, &f.p, &f.o), go);
+    }
+    let gp = go.matmul(&f.v.t()?)?;
+    let d = (go * &f.o)?.sum_keepdim(D::Minus1)?;
+    let gs = ((&f.p * gp.broadcast_sub(&d)?)? * geo.scale())?;
+    let gq = gs.matmul(&f.k)?;
+    let gk = gs.t()?.matmul(&f.q)?;
+    let gv = f.p.t()?.matmul(go)?;
+    Ok((gs, gq, gk, gv))
+}
+
+/// Attention's tangent: (Z, Ṗ, Ȯ) ([`cpu::attn_tan`]).
+fn attn_tan(geo: &Geo, f: &BlockFwd, qd: &Tensor, kd: &Tensor, vd: &Tensor) -> Result<(Tensor, Tensor, Tensor)> {
+    if geo.fused && cpu::applies(qd) {
+        return cpu::attn_tan(geo.att(), (&f.q, &f.k, &f.v, &f.p), (qd, kd, vd));
+    }
+    // Ṡ = (Q̇ Kᵀ + Q K̇ᵀ)/√hd (the mask is constant)
+    let sd = ((qd.matmul(&f.k.t()?)? + f.q.matmul(&kd.t()?)?)? * geo.scale())?;
+    let z = sd.broadcast_sub(&(&f.p * &sd)?.sum_keepdim(D::Minus1)?)?;
+    let pd = (&f.p * &z)?;
+    let od = (pd.matmul(&f.v)? + f.p.matmul(vd)?)?;
+    Ok((z, pd, od))
+}
+
+/// The tangent of attention's backward pass: (Q̄̇, K̄̇, V̄̇) ([`cpu::attn_tan_bwd`]).
+fn attn_tan_bwd(geo: &Geo, f: &BlockFwd, a: &BlockAdj, td: &BlockTan, god: &Tensor) -> Result<(Tensor, Tensor, Tensor)> {
+    if geo.fused && cpu::applies(god) {
+        let saved = (&f.q, &f.k, &f.v, &f.p, &f.o, &a.go, &a.gs);
+        return cpu::attn_tan_bwd(geo.att(), saved, (&td.q, &td.k, &td.v, &td.z, &td.p, &td.o), god);
+    }
+    let gpd = (god.matmul(&f.v.t()?)? + a.go.matmul(&td.v.t()?)?)?;
+    let dd = ((god * &f.o)? + (&a.go * &td.o)?)?.sum_keepdim(D::Minus1)?;
+    let gsd = ((&td.z * &a.gs)? + ((&f.p * gpd.broadcast_sub(&dd)?)? * geo.scale())?)?;
+    let gqd = (gsd.matmul(&f.k)? + a.gs.matmul(&td.k)?)?;
+    let gkd = (gsd.t()?.matmul(&f.q)? + a.gs.t()?.matmul(&td.q)?)?;
+    let gvd = (td.p.t()?.matmul(&a.go)? + f.p.t()?.matmul(god)?)?;
+    Ok((gqd, gkd, gvd))
+}
+
+/// The MLP's tangent ȧ ([`cpu::mlp_tan`]).
+fn mlp_tan(geo: &Geo, f: &BlockFwd, gd: &Tensor, ud: &Tensor) -> Result<Tensor> {
+    if geo.fused && cpu::applies(gd) {
+        return cpu::mlp_tan(&f.gate, &f.sg, &f.up, gd, ud);
+    }
+    let (silu, d1, _) = silu_parts(&f.gate, &f.sg)?;
+    ((&d1 * gd)? * &f.up)? + (&silu * ud)?
+}
+
+/// The MLP's backward pass from ā: (ḡ, ū) ([`cpu::mlp_bwd`]).
+fn mlp_bwd(geo: &Geo, f: &BlockFwd, ga: &Tensor) -> Result<(Tensor, Tensor)> {
+    if geo.fused && cpu::applies(ga) {
+        return cpu::mlp_bwd(&f.gate, &f.sg, &f.up, ga);
+    }
+    let (silu, d1, _) = silu_parts(&f.gate, &f.sg)?;
+    Ok((((ga * &f.up)? * &d1)?, (ga * &silu)?))
+}
+
+/// The tangent of the MLP's backward pass ([`cpu::mlp_tan_bwd`]).
+fn mlp_tan_bwd(geo: &Geo, f: &BlockFwd, ga: &Tensor, gad: &Tensor, td: &BlockTan) -> Result<(Tensor, Tensor)> {
+    if geo.fused && cpu::applies(ga) {
+        return cpu::mlp_tan_bwd(&f.gate, &f.sg, &f.up, ga, gad, &td.gate, &td.up);
+    }
+    let (silu, d1, d2) = silu_parts(&f.gate, &f.sg)?;
+    let ggd = ((((gad * &f.up)? + (ga * &td.up)?)? * &d1)? + (((ga * &f.up)? * &d2)? * &td.gate)?)?;
+    let gud = ((gad * &silu)? + ((ga * &d1)? * &td.gate)?)?;
+    Ok((ggd, gud))
+}
+
+/// A block's seven linear layers, in [`crate::model::Block`]'s order (q, k, v, o, gate, up,
+/// down — the order of [`PolicyModel::vars`] within a block).
+fn lins(blk: &Block, fused: bool) -> Result<[Lin; 7]> {
+    Ok([
+        Lin::of(&blk.q, fused)?,
+        Lin::of(&blk.k, fused)?,
+        Lin::of(&blk.v, fused)?,
+        Lin::of(&blk.o, fused)?,
+        Lin::of(&blk.gate, fused)?,
+        Lin::of(&blk.up, fused)?,
+        Lin::of(&blk.down, fused)?,
+    ])
+}
+
+/// The silu factors of a gate value g with σ = σ(g): (silu g, silu′ g, silu″ g):
 /// silu = g σ, silu′ = σ (1 + g (1 − σ)), silu″ = σ (1 − σ) (2 + g (1 − 2σ)).
-fn silu_parts(g: &Tensor) -> Result<(Tensor, Tensor, Tensor)> {
-    let s = sigmoid(g)?;
+fn silu_parts(g: &Tensor, s: &Tensor) -> Result<(Tensor, Tensor, Tensor)> {
     let one_minus = s.affine(-1.0, 1.0)?;
-    let silu = (g * &s)?;
-    let d1 = (&s * ((g * &one_minus)? + 1.0)?)?;
-    let d2 = ((&s * &one_minus)? * ((g * s.affine(-2.0, 1.0)?)? + 2.0)?)?;
+    let silu = (g * s)?;
+    let d1 = (s * ((g * &one_minus)? + 1.0)?)?;
+    let d2 = ((s * &one_minus)? * ((g * s.affine(-2.0, 1.0)?)? + 2.0)?)?;
     Ok((silu, d1, d2))
 }
 
@@ -413,7 +532,9 @@ impl Tape {
             );
         }
         let m = &rm.model;
-        let blocks: Vec<[Lin; 7]> = m.blocks.iter().map(lins).collect();
+        // the CPU's kernels where the model runs its fused ones; composed ops elsewhere (a GPU)
+        let fused = m.kernels() == crate::ops::Kernels::Fused;
+        let blocks: Vec<[Lin; 7]> = m.blocks.iter().map(|b| lins(b, fused)).collect::<Result<_>>()?;
         let gammas = m.blocks.iter().map(|b| (b.norm1.detach(), b.norm2.detach())).collect();
         let theta = rm.head.as_tensor().detach();
         let mut tape = Tape { passes: Vec::new(), blocks, gammas, norm: m.norm.detach(), theta };
@@ -471,6 +592,7 @@ impl Tape {
             hd: cfg.head_dim,
             eps: cfg.eps,
             interleaved: cfg.rope_interleaved,
+            fused: m.kernels() == crate::ops::Kernels::Fused,
             cos: m.cos.narrow(0, 0, t)?.detach(),
             nsin: sin.neg()?,
             sin,
@@ -618,18 +740,19 @@ fn block_fwd(geo: &Geo, lin: &[Lin; 7], (g1, g2): &(Tensor, Tensor), x: Tensor) 
     let q = geo.grouped(&geo.heads(&ql, geo.heads, true)?)?;
     let k = geo.heads(&kl, geo.kv, true)?;
     let v = geo.heads(&vl, geo.kv, false)?;
-    let p = softmax(&geo.scores(&q, &k)?)?;
-    let ya = geo.rows(&geo.ungrouped(&p.matmul(&v)?)?)?;
-    let (o, oxa) = lin[3].fwd(&ya)?;
-    let x1 = (&x + o)?;
+    let (p, o) = attn_fwd(geo, &q, &k, &v)?;
+    let ya = geo.rows(&geo.ungrouped(&o)?)?;
+    let (od, oxa) = lin[3].fwd(&ya)?;
+    let x1 = (&x + od)?;
     let (r2, h2) = norm_fwd(&x1, g2, geo.eps)?;
     let (gate, gxa) = lin[4].fwd(&h2)?;
     let (up, uxa) = lin[5].fwd(&h2)?;
-    let a = ((&gate * sigmoid(&gate)?)? * &up)?;
+    let sg = sigmoid(&gate)?;
+    let a = ((&gate * &sg)? * &up)?;
     let (dn, dxa) = lin[6].fwd(&a)?;
     let xn = (&x1 + dn)?;
     let xa = [qxa, kxa, vxa, oxa, gxa, uxa, dxa];
-    Ok((BlockFwd { x, r1, h1, xa, q, k, v, p, ya, x1, r2, h2, gate, up, a }, xn))
+    Ok((BlockFwd { x, r1, h1, xa, q, k, v, p, o, ya, x1, r2, h2, gate, sg, up, a }, xn))
 }
 
 /// One block's backward pass from ∂ℓ/∂(its output): its adjoints, its adapters' gradients
@@ -644,37 +767,38 @@ fn block_bwd(
 ) -> Result<(BlockAdj, Vec<Tensor>, Option<Tensor>)> {
     let mut grads: [Option<(Tensor, Tensor)>; 7] = Default::default();
     let mut saved: [Option<LinBwdSaved>; 7] = Default::default();
-    let mut keep = |j: usize, g: &Tensor, r: LinBwd| -> Result<Tensor> {
+    let mut keep = |j: usize, x: &Tensor, g: &Tensor, need: bool| -> Result<Option<Tensor>> {
+        let r = lin[j].bwd(x, f.xa[j].as_ref(), g, need)?;
         grads[j] = r.grads;
         saved[j] = Some(LinBwdSaved { g: g.clone(), gb: r.gb });
-        r.gx.ok_or_else(|| candle_core::Error::Msg("exact HVPs: a missing input adjoint".into()))
+        Ok(r.gx)
     };
+    let missing = || candle_core::Error::Msg("exact HVPs: a missing input adjoint".into());
     // MLP
-    let ga = keep(6, &gxn, lin[6].bwd(&f.a, f.xa[6].as_ref(), &gxn, true)?)?;
-    let (silu, d1, _) = silu_parts(&f.gate)?;
-    let ggate = ((&ga * &f.up)? * &d1)?;
-    let gup = (&ga * &silu)?;
-    let gh2 = (keep(4, &ggate, lin[4].bwd(&f.h2, f.xa[4].as_ref(), &ggate, true)?)?
-        + keep(5, &gup, lin[5].bwd(&f.h2, f.xa[5].as_ref(), &gup, true)?)?)?;
+    let ga = keep(6, &f.a, &gxn, true)?.ok_or_else(missing)?;
+    let (ggate, gup) = mlp_bwd(geo, f, &ga)?;
+    let gh2 = (keep(4, &f.h2, &ggate, true)?.ok_or_else(missing)? + keep(5, &f.h2, &gup, true)?.ok_or_else(missing)?)?;
     let gx1 = (&gxn + norm_bwd(&f.x1, &f.r2, g2, &gh2)?)?;
     // attention
-    let gya = keep(3, &gx1, lin[3].bwd(&f.ya, f.xa[3].as_ref(), &gx1, true)?)?;
+    let gya = keep(3, &f.ya, &gx1, true)?.ok_or_else(missing)?;
     let go = geo.grouped(&geo.heads(&gya, geo.heads, false)?)?;
-    let gp = go.matmul(&f.v.t()?)?;
-    let gv = f.p.t()?.matmul(&go)?;
-    let gs = (softmax_jvp(&f.p, &gp)? * geo.scale())?;
-    let gq = gs.matmul(&f.k)?;
-    let gk = gs.t()?.matmul(&f.q)?;
+    let (gs, gq, gk, gv) = attn_bwd(geo, f, &go)?;
     let gql = geo.rows(&geo.rope(&geo.ungrouped(&gq)?, true)?)?;
     let gkl = geo.rows(&geo.rope(&gk, true)?)?;
     let gvl = geo.rows(&gv)?;
-    let gh1 = ((keep(0, &gql, lin[0].bwd(&f.h1, f.xa[0].as_ref(), &gql, true)?)?
-        + keep(1, &gkl, lin[1].bwd(&f.h1, f.xa[1].as_ref(), &gkl, true)?)?)?
-        + keep(2, &gvl, lin[2].bwd(&f.h1, f.xa[2].as_ref(), &gvl, true)?)?)?;
-    let gx = if need_gx { Some((&gx1 + norm_bwd(&f.x, &f.r1, g1, &gh1)?)?) } else { None };
+    // the first block's input is the embeddings, which do not learn: no ∂ℓ/∂h1 needed
+    let (gq1, gk1, gv1) = (keep(0, &f.h1, &gql, need_gx)?, keep(1, &f.h1, &gkl, need_gx)?, keep(2, &f.h1, &gvl, need_gx)?);
+    let (gh1, gx) = match (gq1, gk1, gv1) {
+        (Some(a), Some(b), Some(c)) => {
+            let gh1 = ((a + b)? + c)?;
+            let gx = (&gx1 + norm_bwd(&f.x, &f.r1, g1, &gh1)?)?;
+            (gh1, Some(gx))
+        }
+        _ => (gx1.zeros_like()?, None),
+    };
     let lin_saved = saved.map(|s| s.expect("every layer's adjoint is kept"));
-    let gs: Vec<Tensor> = grads.into_iter().flatten().flat_map(|(a, b)| [a, b]).collect();
-    Ok((BlockAdj { lin: lin_saved, gh1, gh2, ga, go }, gs, gx))
+    let gs_out: Vec<Tensor> = grads.into_iter().flatten().flat_map(|(a, b)| [a, b]).collect();
+    Ok((BlockAdj { lin: lin_saved, gh1, gh2, ga, go, gs }, gs_out, gx))
 }
 
 /// One block's tangent forward pass along the directions `dir` from the tangent of its input.
@@ -693,21 +817,18 @@ fn block_tan(
     let q = geo.grouped(&geo.heads(&qd, geo.heads, true)?)?;
     let k = geo.heads(&kd, geo.kv, true)?;
     let v = geo.heads(&vd, geo.kv, false)?;
-    // Ṡ = (Q̇ Kᵀ + Q K̇ᵀ)/√hd (the mask is constant), Ṗ = P ⊙ (Ṡ − ⟨P, Ṡ⟩), Ȯ = Ṗ V + P V̇
-    let sd = ((q.matmul(&f.k.t()?)? + f.q.matmul(&k.t()?)?)? * geo.scale())?;
-    let p = softmax_jvp(&f.p, &sd)?;
-    let ya = geo.rows(&geo.ungrouped(&(p.matmul(&f.v)? + f.p.matmul(&v)?)?)?)?;
+    let (z, p, o) = attn_tan(geo, f, &q, &k, &v)?;
+    let ya = geo.rows(&geo.ungrouped(&o)?)?;
     let (od, oxa) = lin[3].tan(&f.ya, f.xa[3].as_ref(), &ya, dir[3].as_ref())?;
     let x1 = (&xd + od)?;
     let (r2, h2) = norm_tan(&f.x1, &f.r2, g2, &x1)?;
     let (gate, gxa) = lin[4].tan(&f.h2, f.xa[4].as_ref(), &h2, dir[4].as_ref())?;
     let (up, uxa) = lin[5].tan(&f.h2, f.xa[5].as_ref(), &h2, dir[5].as_ref())?;
-    let (silu, d1, _) = silu_parts(&f.gate)?;
-    let a = (((&d1 * &gate)? * &f.up)? + (&silu * &up)?)?;
+    let a = mlp_tan(geo, f, &gate, &up)?;
     let (dn, dxa) = lin[6].tan(&f.a, f.xa[6].as_ref(), &a, dir[6].as_ref())?;
     let xn = (&x1 + dn)?;
     let xa = [qxa, kxa, vxa, oxa, gxa, uxa, dxa];
-    Ok((BlockTan { x: xd, r1, h1, xa, q, k, v, p, ya, x1, r2, h2, gate, up, a }, xn))
+    Ok((BlockTan { x: xd, r1, h1, xa, q, k, v, z, p, o, ya, x1, r2, h2, gate, up, a }, xn))
 }
 
 /// One block's tangent backward pass from the tangent of ∂ℓ/∂(its output): the tangents of its
@@ -733,45 +854,29 @@ fn block_tan_bwd(
     let missing = || candle_core::Error::Msg("exact HVPs: a missing input adjoint's tangent".into());
     // MLP: a = silu(gate) ⊙ up
     let gad = step(6, &f.a, &td.a, &gxnd, true)?.ok_or_else(missing)?;
-    let (silu, d1, d2) = silu_parts(&f.gate)?;
-    let ggated = ((((&gad * &f.up)? + (&a.ga * &td.up)?)? * &d1)? + (((&a.ga * &f.up)? * &d2)? * &td.gate)?)?;
-    let gupd = ((&gad * &silu)? + ((&a.ga * &d1)? * &td.gate)?)?;
+    let (ggated, gupd) = mlp_tan_bwd(geo, f, &a.ga, &gad, td)?;
     let gh2d = (step(4, &f.h2, &td.h2, &ggated, true)?.ok_or_else(missing)?
         + step(5, &f.h2, &td.h2, &gupd, true)?.ok_or_else(missing)?)?;
     let gx1d = (&gxnd + norm_tan_bwd(&f.x1, &td.x1, &f.r2, &td.r2, g2, &a.gh2, &gh2d)?)?;
     // attention
     let gyad = step(3, &f.ya, &td.ya, &gx1d, true)?.ok_or_else(missing)?;
     let god = geo.grouped(&geo.heads(&gyad, geo.heads, false)?)?;
-    let gp = a.go.matmul(&f.v.t()?)?;
-    let gpd = (god.matmul(&f.v.t()?)? + a.go.matmul(&td.v.t()?)?)?;
-    let gvd = (td.p.t()?.matmul(&a.go)? + f.p.t()?.matmul(&god)?)?;
-    // S̄ = P ⊙ (P̄ − D), D = ⟨P, P̄⟩ per row; its tangent Ṗ ⊙ (P̄ − D) + P ⊙ (P̄˙ − Ḋ),
-    // Ḋ = ⟨Ṗ, P̄⟩ + ⟨P, P̄˙⟩ (the scale 1/√hd applied after)
-    let dsum = (&f.p * &gp)?.sum_keepdim(D::Minus1)?;
-    let ddot = ((&td.p * &gp)?.sum_keepdim(D::Minus1)? + (&f.p * &gpd)?.sum_keepdim(D::Minus1)?)?;
-    let gs = (softmax_jvp(&f.p, &gp)? * geo.scale())?;
-    let gsd = ((td.p.mul(&gp.broadcast_sub(&dsum)?)? + f.p.mul(&gpd.broadcast_sub(&ddot)?)?)? * geo.scale())?;
-    let gqd = (gsd.matmul(&f.k)? + gs.matmul(&td.k)?)?;
-    let gkd = (gsd.t()?.matmul(&f.q)? + gs.t()?.matmul(&td.q)?)?;
+    let (gqd, gkd, gvd) = attn_tan_bwd(geo, f, a, td, &god)?;
     let gqld = geo.rows(&geo.rope(&geo.ungrouped(&gqd)?, true)?)?;
     let gkld = geo.rows(&geo.rope(&gkd, true)?)?;
     let gvld = geo.rows(&gvd)?;
-    let gh1d = if need_gx {
-        Some(
-            ((step(0, &f.h1, &td.h1, &gqld, true)?.ok_or_else(missing)?
-                + step(1, &f.h1, &td.h1, &gkld, true)?.ok_or_else(missing)?)?
-                + step(2, &f.h1, &td.h1, &gvld, true)?.ok_or_else(missing)?)?,
-        )
-    } else {
-        // the first block: its input is the embeddings, which do not learn
-        step(0, &f.h1, &td.h1, &gqld, false)?;
-        step(1, &f.h1, &td.h1, &gkld, false)?;
-        step(2, &f.h1, &td.h1, &gvld, false)?;
-        None
-    };
-    let gxd = match gh1d {
-        Some(gh1d) => Some((&gx1d + norm_tan_bwd(&f.x, &td.x, &f.r1, &td.r1, g1, &a.gh1, &gh1d)?)?),
-        None => None,
+    // the first block: its input is the embeddings, which do not learn
+    let (q1, k1, v1) = (
+        step(0, &f.h1, &td.h1, &gqld, need_gx)?,
+        step(1, &f.h1, &td.h1, &gkld, need_gx)?,
+        step(2, &f.h1, &td.h1, &gvld, need_gx)?,
+    );
+    let gxd = match (q1, k1, v1) {
+        (Some(q), Some(k), Some(v)) => {
+            let gh1d = ((q + k)? + v)?;
+            Some((&gx1d + norm_tan_bwd(&f.x, &td.x, &f.r1, &td.r1, g1, &a.gh1, &gh1d)?)?)
+        }
+        _ => None,
     };
     let out: Vec<Tensor> = hv.into_iter().flatten().flat_map(|(a, b)| [a, b]).collect();
     Ok((out, gxd))

@@ -129,6 +129,17 @@ fn exact_hvps_by_the_r_operator_equal_pytorchs() {
             "v{k}: f32 HVP relative error {err:e} (central {central:e}, the gradient's {g32:e})"
         );
     }
+    // the composed ops a GPU runs, here on the CPU: the same products
+    let mut composed = fixture_model(&fx, false, DType::F64);
+    composed.model.set_kernels(policy::ops::Kernels::Composed).unwrap();
+    let (g, tape) = composed.gradient_tape(&pairs).unwrap();
+    assert!(rel_l2(&flat64(&g.grads), &auto) < 1e-12, "composed: the recorded gradient");
+    for k in 0..2 {
+        let v = fx.get(&format!("v{k}"), &names, DType::F64);
+        let err = rel_l2(&flat64(&tape.hvp(&v).unwrap()), &flat64(&fx.get(&format!("hv{k}"), &names, DType::F64)));
+        eprintln!("composed, v{k}: f64 R-operator HVP error {err:.2e}");
+        assert!(err < 1e-11, "composed, v{k}: f64 HVP relative error {err:e}");
+    }
     let full = fixture_model(&fixture("full"), true, DType::F64);
     let e = full.gradient_tape(&pairs).err().expect("a full-parameter model is refused").to_string();
     assert!(e.contains("every weight"), "{e}");

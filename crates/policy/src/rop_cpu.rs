@@ -1,0 +1,529 @@
+//! The CPU's kernels of [`crate::rop`] (f32, f64): the adapted products with every low-rank
+//! term added into the frozen product's buffer (one `gemm` call each, no zero fill, no
+//! temporary sums), attention's passes one (batch, kv head) group at a time with each
+//! probability row's work in one pass over its visible keys, and the MLP's elementwise
+//! tangents in one pass. The same maths as `rop`'s composed ops (which other devices run and
+//! the tests compare against).
+
+use crate::attention::with_slices;
+use crate::mm::{mm, mm_acc, mm_add, product, scaled_product, ExpRow, Mat};
+use candle_core::{DType, Result, Tensor};
+use rayon::prelude::*;
+
+/// The element types of the kernels.
+pub(crate) trait El: ExpRow + candle_core::WithDType {}
+impl El for f32 {}
+impl El for f64 {}
+
+/// Whether the kernels apply to `t`: a contiguous CPU tensor in f32 or f64.
+pub(crate) fn applies(t: &Tensor) -> bool {
+    t.device().is_cpu() && matches!(t.dtype(), DType::F32 | DType::F64)
+}
+
+/// `f` at `t`'s element type.
+macro_rules! by_dtype {
+    ($t:expr, $f:ident ( $($arg:expr),* )) => {
+        match $t.dtype() {
+            DType::F32 => $f::<f32>($($arg),*),
+            DType::F64 => $f::<f64>($($arg),*),
+            d => candle_core::bail!("the R-operator's CPU kernels run in f32 or f64, not {d:?}"),
+        }
+    };
+}
+
+fn c<T: El>(x: f64) -> T {
+    T::from(x).unwrap_or_else(T::nan)
+}
+
+fn new<T: El>(v: Vec<T>, shape: &[usize], like: &Tensor) -> Result<Tensor> {
+    Tensor::from_vec(v, shape, like.device())
+}
+
+/// The adapter of a layer: A (r, in), B (out, r), s.
+pub(crate) type Ad<'a> = (&'a Tensor, &'a Tensor, f64);
+
+/// y = x Wᵀ + b + s (x Aᵀ) Bᵀ and x Aᵀ (`crate::rop::Lin::fwd`).
+pub(crate) fn lin_fwd(
+    x: &Tensor,
+    w: &Tensor,
+    bias: Option<&Tensor>,
+    ad: Option<Ad<'_>>,
+) -> Result<(Tensor, Option<Tensor>)> {
+    by_dtype!(x, lin_fwd_t(x, w, bias, ad))
+}
+
+fn lin_fwd_t<T: El>(x: &Tensor, w: &Tensor, bias: Option<&Tensor>, ad: Option<Ad<'_>>) -> Result<(Tensor, Option<Tensor>)> {
+    let ((rows, inp), (out, _)) = (x.dims2()?, w.dims2()?);
+    let mut y = with_slices::<T, _, 2>([x, w], |[x, w]| product(rows, out, inp, Mat::rows(x, inp), Mat::t(w, inp)))?;
+    if let Some(b) = bias {
+        with_slices::<T, _, 1>([b], |[b]| y.chunks_exact_mut(out).for_each(|r| r.iter_mut().zip(b).for_each(|(y, &b)| *y = *y + b)))?;
+    }
+    let xa = match ad {
+        Some((a, b, s)) => {
+            let r = a.dim(0)?;
+            let xa = with_slices::<T, _, 3>([x, a, b], |[x, a, b]| {
+                let xa = product(rows, r, inp, Mat::rows(x, inp), Mat::t(a, inp));
+                mm_add(rows, out, r, &mut y, Mat::rows(&xa, r), Mat::t(b, r), c(s));
+                xa
+            })?;
+            Some(new(xa, &[rows, r], x)?)
+        }
+        None => None,
+    };
+    Ok((new(y, &[rows, out], x)?, xa))
+}
+
+/// The backward pass of [`lin_fwd`] from g: (∂ℓ/∂x when `need_gx`, (∂ℓ/∂A, ∂ℓ/∂B), g B).
+#[allow(clippy::type_complexity)]
+pub(crate) fn lin_bwd(
+    x: &Tensor,
+    w: &Tensor,
+    ad: Option<(Ad<'_>, &Tensor)>,
+    g: &Tensor,
+    need_gx: bool,
+) -> Result<(Option<Tensor>, Option<(Tensor, Tensor)>, Option<Tensor>)> {
+    by_dtype!(x, lin_bwd_t(x, w, ad, g, need_gx))
+}
+
+#[allow(clippy::type_complexity)]
+fn lin_bwd_t<T: El>(
+    x: &Tensor,
+    w: &Tensor,
+    ad: Option<(Ad<'_>, &Tensor)>,
+    g: &Tensor,
+    need_gx: bool,
+) -> Result<(Option<Tensor>, Option<(Tensor, Tensor)>, Option<Tensor>)> {
+    let ((rows, inp), (out, _)) = (x.dims2()?, w.dims2()?);
+    let mut gx = match need_gx {
+        true => Some(with_slices::<T, _, 2>([g, w], |[g, w]| product(rows, inp, out, Mat::rows(g, out), Mat::rows(w, inp)))?),
+        false => None,
+    };
+    let (mut grads, mut gbt) = (None, None);
+    if let Some(((a, b, s), xa)) = ad {
+        let r = a.dim(0)?;
+        let (da, db, gb) = with_slices::<T, _, 5>([x, a, b, g, xa], |[x, a, b, g, xa]| {
+            let gb = product(rows, r, out, Mat::rows(g, out), Mat::rows(b, r));
+            if let Some(gx) = &mut gx {
+                mm_add(rows, inp, r, gx, Mat::rows(&gb, r), Mat::rows(a, inp), c(s));
+            }
+            let da = scaled_product(r, inp, rows, Mat::t(&gb, r), Mat::rows(x, inp), c(s));
+            let db = scaled_product(out, r, rows, Mat::t(g, out), Mat::rows(xa, r), c(s));
+            (da, db, gb)
+        })?;
+        grads = Some((new(da, &[r, inp], x)?, new(db, &[out, r], x)?));
+        gbt = Some(new(gb, &[rows, r], x)?);
+    }
+    let gx = gx.map(|v| new(v, &[rows, inp], x)).transpose()?;
+    Ok((gx, grads, gbt))
+}
+
+/// The tangent of [`lin_fwd`] along (ẋ, Ȧ, Ḃ): ẏ and (x Aᵀ)˙ (`crate::rop::Lin::tan`).
+pub(crate) fn lin_tan(
+    x: &Tensor,
+    w: &Tensor,
+    ad: Option<(Ad<'_>, &Tensor, (&Tensor, &Tensor))>,
+    xd: &Tensor,
+) -> Result<(Tensor, Option<Tensor>)> {
+    by_dtype!(x, lin_tan_t(x, w, ad, xd))
+}
+
+fn lin_tan_t<T: El>(
+    x: &Tensor,
+    w: &Tensor,
+    ad: Option<(Ad<'_>, &Tensor, (&Tensor, &Tensor))>,
+    xd: &Tensor,
+) -> Result<(Tensor, Option<Tensor>)> {
+    let ((rows, inp), (out, _)) = (x.dims2()?, w.dims2()?);
+    let mut yd = with_slices::<T, _, 2>([xd, w], |[xd, w]| product(rows, out, inp, Mat::rows(xd, inp), Mat::t(w, inp)))?;
+    let mut xad = None;
+    if let Some(((a, b, s), xa, (av, bv))) = ad {
+        let r = a.dim(0)?;
+        let t = with_slices::<T, _, 7>([x, xd, a, b, xa, av, bv], |[x, xd, a, b, xa, av, bv]| {
+            let mut t = product(rows, r, inp, Mat::rows(xd, inp), Mat::t(a, inp));
+            mm_add(rows, r, inp, &mut t, Mat::rows(x, inp), Mat::t(av, inp), T::one());
+            mm_add(rows, out, r, &mut yd, Mat::rows(&t, r), Mat::t(b, r), c(s));
+            mm_add(rows, out, r, &mut yd, Mat::rows(xa, r), Mat::t(bv, r), c(s));
+            t
+        })?;
+        xad = Some(new(t, &[rows, r], x)?);
+    }
+    Ok((new(yd, &[rows, out], x)?, xad))
+}
+
+/// A layer's recorded backward values for [`lin_tan_bwd`]: g, g B.
+pub(crate) type Saved<'a> = (&'a Tensor, &'a Tensor);
+
+/// The tangent of [`lin_bwd`] given ġ (`crate::rop::Lin::tan_bwd`).
+#[allow(clippy::type_complexity)]
+pub(crate) fn lin_tan_bwd(
+    x: &Tensor,
+    w: &Tensor,
+    ad: Option<(Ad<'_>, &Tensor, (&Tensor, &Tensor), &Tensor, Saved<'_>)>,
+    xd: &Tensor,
+    gd: &Tensor,
+    need_gx: bool,
+) -> Result<(Option<Tensor>, Option<(Tensor, Tensor)>)> {
+    by_dtype!(x, lin_tan_bwd_t(x, w, ad, xd, gd, need_gx))
+}
+
+#[allow(clippy::type_complexity)]
+fn lin_tan_bwd_t<T: El>(
+    x: &Tensor,
+    w: &Tensor,
+    ad: Option<(Ad<'_>, &Tensor, (&Tensor, &Tensor), &Tensor, Saved<'_>)>,
+    xd: &Tensor,
+    gd: &Tensor,
+    need_gx: bool,
+) -> Result<(Option<Tensor>, Option<(Tensor, Tensor)>)> {
+    let ((rows, inp), (out, _)) = (x.dims2()?, w.dims2()?);
+    let mut gx = match need_gx {
+        true => Some(with_slices::<T, _, 2>([gd, w], |[gd, w]| product(rows, inp, out, Mat::rows(gd, out), Mat::rows(w, inp)))?),
+        false => None,
+    };
+    let mut grads = None;
+    if let Some(((a, b, s), xa, (av, bv), xad, (g, gb))) = ad {
+        let r = a.dim(0)?;
+        let (da, db) = with_slices::<T, _, 11>([x, xd, a, b, xa, av, bv, xad, g, gb, gd], |[x, xd, a, b, xa, av, bv, xad, g, gb, gd]| {
+            // (g B)˙ = ġ B + g Ḃ
+            let mut gbd = product(rows, r, out, Mat::rows(gd, out), Mat::rows(b, r));
+            mm_add(rows, r, out, &mut gbd, Mat::rows(g, out), Mat::rows(bv, r), T::one());
+            if let Some(gx) = &mut gx {
+                mm_add(rows, inp, r, gx, Mat::rows(&gbd, r), Mat::rows(a, inp), c(s));
+                mm_add(rows, inp, r, gx, Mat::rows(gb, r), Mat::rows(av, inp), c(s));
+            }
+            let mut da = scaled_product(r, inp, rows, Mat::t(&gbd, r), Mat::rows(x, inp), c(s));
+            mm_add(r, inp, rows, &mut da, Mat::t(gb, r), Mat::rows(xd, inp), c(s));
+            let mut db = scaled_product(out, r, rows, Mat::t(gd, out), Mat::rows(xa, r), c(s));
+            mm_add(out, r, rows, &mut db, Mat::t(g, out), Mat::rows(xad, r), c(s));
+            (da, db)
+        })?;
+        grads = Some((new(da, &[r, inp], x)?, new(db, &[out, r], x)?));
+    }
+    let gx = gx.map(|v| new(v, &[rows, inp], x)).transpose()?;
+    Ok((gx, grads))
+}
+
+/// Attention's layout: b sequences, kv key–value heads of g query heads, t positions, hd.
+#[derive(Clone, Copy)]
+pub(crate) struct Att {
+    pub b: usize,
+    pub kv: usize,
+    pub g: usize,
+    pub t: usize,
+    pub hd: usize,
+}
+
+impl Att {
+    fn scale<T: El>(&self) -> T {
+        c(1.0 / (self.hd as f64).sqrt())
+    }
+    /// Query rows of a group and their size, key rows' size, probabilities' size.
+    fn sizes(&self) -> (usize, usize, usize, usize) {
+        let gt = self.g * self.t;
+        (gt, gt * self.hd, self.t * self.hd, gt * self.t)
+    }
+}
+
+/// Keys query row r of a group sees (causal): 0..=r mod t.
+fn visible(r: usize, t: usize) -> usize {
+    r % t + 1
+}
+
+fn dot<T: El>(a: &[T], b: &[T]) -> T {
+    a.iter().zip(b).fold(T::zero(), |s, (&x, &y)| s + x * y)
+}
+
+/// P = softmax(c Q Kᵀ + causal mask) and O = P V of grouped queries (b, kv, g·t, hd) against
+/// keys and values (b, kv, t, hd): (P (b, kv, g·t, t), O).
+pub(crate) fn attn_fwd(at: Att, q: &Tensor, k: &Tensor, v: &Tensor) -> Result<(Tensor, Tensor)> {
+    by_dtype!(q, attn_fwd_t(at, q, k, v))
+}
+
+fn attn_fwd_t<T: El>(at: Att, q: &Tensor, k: &Tensor, v: &Tensor) -> Result<(Tensor, Tensor)> {
+    let (gt, qs, ks, ps) = at.sizes();
+    let (t, hd) = (at.t, at.hd);
+    let groups = at.b * at.kv;
+    let mut p = vec![T::zero(); groups * ps];
+    let mut o = vec![T::zero(); groups * qs];
+    with_slices::<T, _, 3>([q, k, v], |[q, k, v]| {
+        p.par_chunks_mut(ps).zip(o.par_chunks_mut(qs)).enumerate().for_each(|(i, (p, o))| {
+            let (q, k, v) = (&q[i * qs..(i + 1) * qs], &k[i * ks..(i + 1) * ks], &v[i * ks..(i + 1) * ks]);
+            mm(gt, t, hd, p, Mat::rows(q, hd), Mat::t(k, hd), at.scale());
+            for (r, pr) in p.chunks_exact_mut(t).enumerate() {
+                let n = visible(r, t);
+                let m = pr[..n].iter().fold(T::neg_infinity(), |a, &b| num_traits::Float::max(a, b));
+                pr[..n].iter_mut().for_each(|e| *e = *e - m);
+                T::exp_row(&mut pr[..n]);
+                let inv = T::one() / pr[..n].iter().fold(T::zero(), |a, &e| a + e);
+                pr[..n].iter_mut().for_each(|e| *e = *e * inv);
+                pr[n..].iter_mut().for_each(|e| *e = T::zero());
+            }
+            mm(gt, hd, t, o, Mat::rows(p, t), Mat::rows(v, hd), T::one());
+        })
+    })?;
+    let shape = [at.b, at.kv, gt, t];
+    Ok((new(p, &shape, q)?, new(o, &[at.b, at.kv, gt, hd], q)?))
+}
+
+/// Attention's backward pass from Ō = ∂ℓ/∂O: S̄ = c P ⊙ (Ō Vᵀ − ⟨Ō, O⟩) (the adjoint of
+/// Q Kᵀ), Q̄ = S̄ K, K̄ = S̄ᵀ Q, V̄ = Pᵀ Ō: (S̄, Q̄, K̄, V̄).
+#[allow(clippy::type_complexity)]
+pub(crate) fn attn_bwd(
+    at: Att,
+    (q, k, v, p, o): (&Tensor, &Tensor, &Tensor, &Tensor, &Tensor),
+    go: &Tensor,
+) -> Result<(Tensor, Tensor, Tensor, Tensor)> {
+    by_dtype!(q, attn_bwd_t(at, (q, k, v, p, o), go))
+}
+
+#[allow(clippy::type_complexity)]
+fn attn_bwd_t<T: El>(
+    at: Att,
+    (q, k, v, p, o): (&Tensor, &Tensor, &Tensor, &Tensor, &Tensor),
+    go: &Tensor,
+) -> Result<(Tensor, Tensor, Tensor, Tensor)> {
+    let (gt, qs, ks, ps) = at.sizes();
+    let (t, hd) = (at.t, at.hd);
+    let groups = at.b * at.kv;
+    let mut gs = vec![T::zero(); groups * ps];
+    let mut gq = vec![T::zero(); groups * qs];
+    let mut gk = vec![T::zero(); groups * ks];
+    let mut gv = vec![T::zero(); groups * ks];
+    with_slices::<T, _, 6>([q, k, v, p, o, go], |[q, k, v, p, o, go]| {
+        gs.par_chunks_mut(ps)
+            .zip(gq.par_chunks_mut(qs))
+            .zip(gk.par_chunks_mut(ks))
+            .zip(gv.par_chunks_mut(ks))
+            .enumerate()
+            .for_each(|(i, (((gs, gq), gk), gv))| {
+                let (qr, kr) = (i * qs..(i + 1) * qs, i * ks..(i + 1) * ks);
+                let (q, k, v, p) = (&q[qr.clone()], &k[kr.clone()], &v[kr], &p[i * ps..(i + 1) * ps]);
+                let (o, go) = (&o[qr.clone()], &go[qr]);
+                mm(gt, t, hd, gs, Mat::rows(go, hd), Mat::t(v, hd), T::one());
+                for (r, (sr, pr)) in gs.chunks_exact_mut(t).zip(p.chunks_exact(t)).enumerate() {
+                    let n = visible(r, t);
+                    let d = dot(&go[r * hd..(r + 1) * hd], &o[r * hd..(r + 1) * hd]);
+                    sr[..n].iter_mut().zip(&pr[..n]).for_each(|(s, &p)| *s = at.scale::<T>() * p * (*s - d));
+                    sr[n..].iter_mut().for_each(|s| *s = T::zero());
+                }
+                mm(gt, hd, t, gq, Mat::rows(gs, t), Mat::rows(k, hd), T::one());
+                mm(t, hd, gt, gk, Mat::t(gs, t), Mat::rows(q, hd), T::one());
+                mm(t, hd, gt, gv, Mat::t(p, t), Mat::rows(go, hd), T::one());
+            })
+    })?;
+    let (b, kv) = (at.b, at.kv);
+    Ok((
+        new(gs, &[b, kv, gt, t], q)?,
+        new(gq, &[b, kv, gt, hd], q)?,
+        new(gk, &[b, kv, t, hd], q)?,
+        new(gv, &[b, kv, t, hd], q)?,
+    ))
+}
+
+/// Attention's tangent: Ṡ = c (Q̇ Kᵀ + Q K̇ᵀ), Z = Ṡ − ⟨P, Ṡ⟩ per row, Ṗ = P ⊙ Z,
+/// Ȯ = Ṗ V + P V̇: (Z, Ṗ, Ȯ).
+#[allow(clippy::type_complexity)]
+pub(crate) fn attn_tan(
+    at: Att,
+    (q, k, v, p): (&Tensor, &Tensor, &Tensor, &Tensor),
+    (qd, kd, vd): (&Tensor, &Tensor, &Tensor),
+) -> Result<(Tensor, Tensor, Tensor)> {
+    by_dtype!(q, attn_tan_t(at, (q, k, v, p), (qd, kd, vd)))
+}
+
+#[allow(clippy::type_complexity)]
+fn attn_tan_t<T: El>(
+    at: Att,
+    (q, k, v, p): (&Tensor, &Tensor, &Tensor, &Tensor),
+    (qd, kd, vd): (&Tensor, &Tensor, &Tensor),
+) -> Result<(Tensor, Tensor, Tensor)> {
+    let (gt, qs, ks, ps) = at.sizes();
+    let (t, hd) = (at.t, at.hd);
+    let groups = at.b * at.kv;
+    let mut z = vec![T::zero(); groups * ps];
+    let mut pd = vec![T::zero(); groups * ps];
+    let mut od = vec![T::zero(); groups * qs];
+    with_slices::<T, _, 7>([q, k, v, p, qd, kd, vd], |[q, k, v, p, qd, kd, vd]| {
+        z.par_chunks_mut(ps).zip(pd.par_chunks_mut(ps)).zip(od.par_chunks_mut(qs)).enumerate().for_each(
+            |(i, ((z, pd), od))| {
+                let (qr, kr) = (i * qs..(i + 1) * qs, i * ks..(i + 1) * ks);
+                let (q, qd, p) = (&q[qr.clone()], &qd[qr], &p[i * ps..(i + 1) * ps]);
+                let (k, v, kd, vd) = (&k[kr.clone()], &v[kr.clone()], &kd[kr.clone()], &vd[kr]);
+                let sc = at.scale::<T>();
+                mm(gt, t, hd, z, Mat::rows(qd, hd), Mat::t(k, hd), sc);
+                mm_acc(gt, t, hd, z, Mat::rows(q, hd), Mat::t(kd, hd), sc);
+                for (r, ((zr, pdr), pr)) in z.chunks_exact_mut(t).zip(pd.chunks_exact_mut(t)).zip(p.chunks_exact(t)).enumerate() {
+                    let n = visible(r, t);
+                    let m = dot(&pr[..n], &zr[..n]);
+                    for ((z, pd), &p) in zr[..n].iter_mut().zip(pdr[..n].iter_mut()).zip(&pr[..n]) {
+                        *z = *z - m;
+                        *pd = p * *z;
+                    }
+                    zr[n..].iter_mut().for_each(|z| *z = T::zero());
+                }
+                mm(gt, hd, t, od, Mat::rows(pd, t), Mat::rows(v, hd), T::one());
+                mm_acc(gt, hd, t, od, Mat::rows(p, t), Mat::rows(vd, hd), T::one());
+            },
+        )
+    })?;
+    let (b, kv) = (at.b, at.kv);
+    Ok((new(z, &[b, kv, gt, t], q)?, new(pd, &[b, kv, gt, t], q)?, new(od, &[b, kv, gt, hd], q)?))
+}
+
+/// The recorded attention's values for [`attn_tan_bwd`]: Q, K, V, P, O, Ō, S̄.
+pub(crate) type AttSaved<'a> = (&'a Tensor, &'a Tensor, &'a Tensor, &'a Tensor, &'a Tensor, &'a Tensor, &'a Tensor);
+
+/// The tangent of [`attn_bwd`] given Ō̇: P̄̇ = Ō̇ Vᵀ + Ō V̇ᵀ, Ḋ = ⟨Ō̇, O⟩ + ⟨Ō, Ȯ⟩,
+/// S̄̇ = Z ⊙ S̄ + c P ⊙ (P̄̇ − Ḋ) (with Ṗ = P ⊙ Z, Ṗ ⊙ (P̄ − D) = Z ⊙ S̄/c), then
+/// Q̄̇ = S̄̇ K + S̄ K̇, K̄̇ = S̄̇ᵀ Q + S̄ᵀ Q̇, V̄̇ = Ṗᵀ Ō + Pᵀ Ō̇: (Q̄̇, K̄̇, V̄̇).
+#[allow(clippy::type_complexity)]
+pub(crate) fn attn_tan_bwd(
+    at: Att,
+    saved: AttSaved<'_>,
+    tan: (&Tensor, &Tensor, &Tensor, &Tensor, &Tensor, &Tensor),
+    god: &Tensor,
+) -> Result<(Tensor, Tensor, Tensor)> {
+    by_dtype!(god, attn_tan_bwd_t(at, saved, tan, god))
+}
+
+#[allow(clippy::type_complexity)]
+fn attn_tan_bwd_t<T: El>(
+    at: Att,
+    (q, k, v, p, o, go, gs): AttSaved<'_>,
+    (qd, kd, vd, z, pd, od): (&Tensor, &Tensor, &Tensor, &Tensor, &Tensor, &Tensor),
+    god: &Tensor,
+) -> Result<(Tensor, Tensor, Tensor)> {
+    let (gt, qs, ks, ps) = at.sizes();
+    let (t, hd) = (at.t, at.hd);
+    let groups = at.b * at.kv;
+    let mut gqd = vec![T::zero(); groups * qs];
+    let mut gkd = vec![T::zero(); groups * ks];
+    let mut gvd = vec![T::zero(); groups * ks];
+    with_slices::<T, _, 14>(
+        [q, k, v, p, o, go, gs, qd, kd, vd, z, pd, od, god],
+        |[q, k, v, p, o, go, gs, qd, kd, vd, z, pd, od, god]| {
+            gqd.par_chunks_mut(qs).zip(gkd.par_chunks_mut(ks)).zip(gvd.par_chunks_mut(ks)).enumerate().for_each(
+                |(i, ((gqd, gkd), gvd))| {
+                    let (qr, kr, pr) = (i * qs..(i + 1) * qs, i * ks..(i + 1) * ks, i * ps..(i + 1) * ps);
+                    let (q, o, go, qd, od, god) =
+                        (&q[qr.clone()], &o[qr.clone()], &go[qr.clone()], &qd[qr.clone()], &od[qr.clone()], &god[qr]);
+                    let (k, v, kd, vd) = (&k[kr.clone()], &v[kr.clone()], &kd[kr.clone()], &vd[kr]);
+                    let (p, gs, z, pd) = (&p[pr.clone()], &gs[pr.clone()], &z[pr.clone()], &pd[pr]);
+                    let sc = at.scale::<T>();
+                    let mut gsd = vec![T::zero(); ps];
+                    mm(gt, t, hd, &mut gsd, Mat::rows(god, hd), Mat::t(v, hd), T::one());
+                    mm_acc(gt, t, hd, &mut gsd, Mat::rows(go, hd), Mat::t(vd, hd), T::one());
+                    for (r, sr) in gsd.chunks_exact_mut(t).enumerate() {
+                        let n = visible(r, t);
+                        let (a, b) = (r * hd, (r + 1) * hd);
+                        let dd = dot(&god[a..b], &o[a..b]) + dot(&go[a..b], &od[a..b]);
+                        let (pr, zr, gr) = (&p[r * t..r * t + n], &z[r * t..r * t + n], &gs[r * t..r * t + n]);
+                        for (((s, &p), &z), &g) in sr[..n].iter_mut().zip(pr).zip(zr).zip(gr) {
+                            *s = z * g + sc * p * (*s - dd);
+                        }
+                        sr[n..].iter_mut().for_each(|s| *s = T::zero());
+                    }
+                    mm(gt, hd, t, gqd, Mat::rows(&gsd, t), Mat::rows(k, hd), T::one());
+                    mm_acc(gt, hd, t, gqd, Mat::rows(gs, t), Mat::rows(kd, hd), T::one());
+                    mm(t, hd, gt, gkd, Mat::t(&gsd, t), Mat::rows(q, hd), T::one());
+                    mm_acc(t, hd, gt, gkd, Mat::t(gs, t), Mat::rows(qd, hd), T::one());
+                    mm(t, hd, gt, gvd, Mat::t(pd, t), Mat::rows(go, hd), T::one());
+                    mm_acc(t, hd, gt, gvd, Mat::t(p, t), Mat::rows(god, hd), T::one());
+                },
+            )
+        },
+    )?;
+    let (b, kv) = (at.b, at.kv);
+    Ok((new(gqd, &[b, kv, gt, hd], q)?, new(gkd, &[b, kv, t, hd], q)?, new(gvd, &[b, kv, t, hd], q)?))
+}
+
+/// Elements per rayon task of the elementwise kernels.
+const CHUNK: usize = 1 << 14;
+
+/// The silu factors at gate g with σ = σ(g): (silu, silu′, silu″).
+#[inline]
+fn silu3<T: El>(g: T, s: T) -> (T, T, T) {
+    let one = T::one();
+    let two = one + one;
+    (g * s, s * (one + g * (one - s)), s * (one - s) * (two + g * (one - two * s)))
+}
+
+/// The MLP's tangent ȧ = silu′(g) ġ ⊙ u + silu(g) ⊙ u̇ (σ(g) recorded).
+pub(crate) fn mlp_tan(gate: &Tensor, sg: &Tensor, up: &Tensor, gd: &Tensor, ud: &Tensor) -> Result<Tensor> {
+    by_dtype!(gate, mlp_tan_t(gate, sg, up, gd, ud))
+}
+
+fn mlp_tan_t<T: El>(gate: &Tensor, sg: &Tensor, up: &Tensor, gd: &Tensor, ud: &Tensor) -> Result<Tensor> {
+    let mut out = vec![T::zero(); gate.elem_count()];
+    with_slices::<T, _, 5>([gate, sg, up, gd, ud], |[g, s, u, gd, ud]| {
+        out.par_chunks_mut(CHUNK).enumerate().for_each(|(i, o)| {
+            let at = i * CHUNK;
+            for (j, o) in o.iter_mut().enumerate() {
+                let (silu, d1, _) = silu3(g[at + j], s[at + j]);
+                *o = d1 * gd[at + j] * u[at + j] + silu * ud[at + j];
+            }
+        })
+    })?;
+    new(out, gate.dims(), gate)
+}
+
+/// The MLP's backward from ā = ∂ℓ/∂a: (ḡ = ā ⊙ u ⊙ silu′(g), ū = ā ⊙ silu(g)).
+pub(crate) fn mlp_bwd(gate: &Tensor, sg: &Tensor, up: &Tensor, ga: &Tensor) -> Result<(Tensor, Tensor)> {
+    by_dtype!(gate, mlp_bwd_t(gate, sg, up, ga))
+}
+
+fn mlp_bwd_t<T: El>(gate: &Tensor, sg: &Tensor, up: &Tensor, ga: &Tensor) -> Result<(Tensor, Tensor)> {
+    let n = gate.elem_count();
+    let (mut gg, mut gu) = (vec![T::zero(); n], vec![T::zero(); n]);
+    with_slices::<T, _, 4>([gate, sg, up, ga], |[g, s, u, ga]| {
+        gg.par_chunks_mut(CHUNK).zip(gu.par_chunks_mut(CHUNK)).enumerate().for_each(|(i, (gg, gu))| {
+            let at = i * CHUNK;
+            for (j, (gg, gu)) in gg.iter_mut().zip(gu.iter_mut()).enumerate() {
+                let (silu, d1, _) = silu3(g[at + j], s[at + j]);
+                *gg = ga[at + j] * u[at + j] * d1;
+                *gu = ga[at + j] * silu;
+            }
+        })
+    })?;
+    Ok((new(gg, gate.dims(), gate)?, new(gu, gate.dims(), gate)?))
+}
+
+/// The tangent of [`mlp_bwd`]: ḡ̇ = (ā̇ ⊙ u + ā ⊙ u̇) ⊙ silu′ + ā ⊙ u ⊙ silu″ ⊙ ġ,
+/// ū̇ = ā̇ ⊙ silu + ā ⊙ silu′ ⊙ ġ.
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn mlp_tan_bwd(
+    gate: &Tensor,
+    sg: &Tensor,
+    up: &Tensor,
+    ga: &Tensor,
+    gad: &Tensor,
+    gd: &Tensor,
+    ud: &Tensor,
+) -> Result<(Tensor, Tensor)> {
+    by_dtype!(gate, mlp_tan_bwd_t(gate, sg, up, ga, gad, gd, ud))
+}
+
+fn mlp_tan_bwd_t<T: El>(
+    gate: &Tensor,
+    sg: &Tensor,
+    up: &Tensor,
+    ga: &Tensor,
+    gad: &Tensor,
+    gd: &Tensor,
+    ud: &Tensor,
+) -> Result<(Tensor, Tensor)> {
+    let n = gate.elem_count();
+    let (mut gg, mut gu) = (vec![T::zero(); n], vec![T::zero(); n]);
+    with_slices::<T, _, 7>([gate, sg, up, ga, gad, gd, ud], |[g, s, u, ga, gad, gd, ud]| {
+        gg.par_chunks_mut(CHUNK).zip(gu.par_chunks_mut(CHUNK)).enumerate().for_each(|(i, (gg, gu))| {
+            let at = i * CHUNK;
+            for (j, (gg, gu)) in gg.iter_mut().zip(gu.iter_mut()).enumerate() {
+                let x = at + j;
+                let (silu, d1, d2) = silu3(g[x], s[x]);
+                *gg = (gad[x] * u[x] + ga[x] * ud[x]) * d1 + ga[x] * u[x] * d2 * gd[x];
+                *gu = gad[x] * silu + ga[x] * d1 * gd[x];
+            }
+        })
+    })?;
+    Ok((new(gg, gate.dims(), gate)?, new(gu, gate.dims(), gate)?))
+}
