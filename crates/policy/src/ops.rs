@@ -402,6 +402,33 @@ pub fn split_heads(
     y.contiguous()?.apply_op1(Heads { b, t, n, hd, rope, split: true })
 }
 
+/// [`split_heads`]' layout change outside the graph, either way: rows (b·t, n·hd) to heads
+/// (b, n, t, hd) (`to_heads`) or back, turned by RoPE (`rope`: tables (t, hd/2) and the
+/// layout) on the way — by its inverse rotation with `inverse`. The CPU, f32 or f64, contiguous.
+pub(crate) fn heads_values(
+    y: &Tensor,
+    (b, t, n, hd): (usize, usize, usize, usize),
+    rope: Option<(&Tensor, &Tensor, bool)>,
+    to_heads: bool,
+    inverse: bool,
+) -> Result<Tensor> {
+    let rope = rope.map(|(c, s, i)| Ok::<_, candle_core::Error>((c.contiguous()?, s.contiguous()?, i))).transpose()?;
+    let op = Heads { b, t, n, hd, rope, split: to_heads };
+    let y = y.contiguous()?;
+    let v = match y.dtype() {
+        candle_core::DType::F32 => {
+            let v = crate::attention::with_slices::<f32, _, 1>([&y], |[y]| op.run(y, to_heads, inverse))??;
+            Tensor::from_vec(v, op.shape(to_heads), y.device())?
+        }
+        candle_core::DType::F64 => {
+            let v = crate::attention::with_slices::<f64, _, 1>([&y], |[y]| op.run(y, to_heads, inverse))??;
+            Tensor::from_vec(v, op.shape(to_heads), y.device())?
+        }
+        other => candle_core::bail!("heads: the fused layout change runs in f32 or f64, not {other:?}"),
+    };
+    Ok(v)
+}
+
 /// Heads (b, n, t, hd) back into rows (b·t, n·hd) for the output projection ([`Heads`]).
 pub fn merge_heads(y: &Tensor) -> Result<Tensor> {
     let (b, n, t, hd) = y.dims4()?;

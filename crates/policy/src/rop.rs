@@ -250,23 +250,31 @@ struct Geo {
 }
 
 impl Geo {
-    /// Rows (b·t, n·hd) as heads (b, n, t, hd), turned by RoPE (or back, `inverse`) when `rope`.
+    /// Rows (b·t, n·hd) as heads (b, n, t, hd), turned by RoPE when `rope`.
     fn heads(&self, y: &Tensor, n: usize, rope: bool) -> Result<Tensor> {
+        if self.fused && cpu::applies(y) {
+            let tables = rope.then_some((&self.cos, &self.sin, self.interleaved));
+            return crate::ops::heads_values(y, (self.b, self.t, n, self.hd), tables, true, false);
+        }
         let y = y.reshape((self.b, self.t, n, self.hd))?.transpose(1, 2)?.contiguous()?;
         match rope {
-            true => self.rope(&y, false),
+            true => crate::ops::rope(&y, &self.cos, &self.sin, self.interleaved, crate::ops::Kernels::Composed),
             false => Ok(y),
         }
     }
 
-    fn rope(&self, y: &Tensor, inverse: bool) -> Result<Tensor> {
-        let sin = if inverse { &self.nsin } else { &self.sin };
-        crate::ops::rope(y, &self.cos, sin, self.interleaved, crate::ops::Kernels::Composed)?.contiguous()
-    }
-
-    /// Heads (b, n, t, hd) back into rows (b·t, n·hd).
-    fn rows(&self, y: &Tensor) -> Result<Tensor> {
+    /// Heads (b, n, t, hd) back into rows (b·t, n·hd), turned back by RoPE's inverse rotation
+    /// (its transpose) when `unrope`.
+    fn rows(&self, y: &Tensor, unrope: bool) -> Result<Tensor> {
         let n = y.dim(1)?;
+        if self.fused && cpu::applies(y) {
+            let tables = unrope.then_some((&self.cos, &self.sin, self.interleaved));
+            return crate::ops::heads_values(y, (self.b, self.t, n, self.hd), tables, false, true);
+        }
+        let y = match unrope {
+            true => crate::ops::rope(y, &self.cos, &self.nsin, self.interleaved, crate::ops::Kernels::Composed)?,
+            false => y.clone(),
+        };
         y.transpose(1, 2)?.contiguous()?.reshape((self.b * self.t, n * self.hd))
     }
 
@@ -741,7 +749,7 @@ fn block_fwd(geo: &Geo, lin: &[Lin; 7], (g1, g2): &(Tensor, Tensor), x: Tensor) 
     let k = geo.heads(&kl, geo.kv, true)?;
     let v = geo.heads(&vl, geo.kv, false)?;
     let (p, o) = attn_fwd(geo, &q, &k, &v)?;
-    let ya = geo.rows(&geo.ungrouped(&o)?)?;
+    let ya = geo.rows(&geo.ungrouped(&o)?, false)?;
     let (od, oxa) = lin[3].fwd(&ya)?;
     let x1 = (&x + od)?;
     let (r2, h2) = norm_fwd(&x1, g2, geo.eps)?;
@@ -783,9 +791,9 @@ fn block_bwd(
     let gya = keep(3, &f.ya, &gx1, true)?.ok_or_else(missing)?;
     let go = geo.grouped(&geo.heads(&gya, geo.heads, false)?)?;
     let (gs, gq, gk, gv) = attn_bwd(geo, f, &go)?;
-    let gql = geo.rows(&geo.rope(&geo.ungrouped(&gq)?, true)?)?;
-    let gkl = geo.rows(&geo.rope(&gk, true)?)?;
-    let gvl = geo.rows(&gv)?;
+    let gql = geo.rows(&geo.ungrouped(&gq)?, true)?;
+    let gkl = geo.rows(&gk, true)?;
+    let gvl = geo.rows(&gv, false)?;
     // the first block's input is the embeddings, which do not learn: no ∂ℓ/∂h1 needed
     let (gq1, gk1, gv1) = (keep(0, &f.h1, &gql, need_gx)?, keep(1, &f.h1, &gkl, need_gx)?, keep(2, &f.h1, &gvl, need_gx)?);
     let (gh1, gx) = match (gq1, gk1, gv1) {
@@ -818,7 +826,7 @@ fn block_tan(
     let k = geo.heads(&kd, geo.kv, true)?;
     let v = geo.heads(&vd, geo.kv, false)?;
     let (z, p, o) = attn_tan(geo, f, &q, &k, &v)?;
-    let ya = geo.rows(&geo.ungrouped(&o)?)?;
+    let ya = geo.rows(&geo.ungrouped(&o)?, false)?;
     let (od, oxa) = lin[3].tan(&f.ya, f.xa[3].as_ref(), &ya, dir[3].as_ref())?;
     let x1 = (&xd + od)?;
     let (r2, h2) = norm_tan(&f.x1, &f.r2, g2, &x1)?;
@@ -862,9 +870,9 @@ fn block_tan_bwd(
     let gyad = step(3, &f.ya, &td.ya, &gx1d, true)?.ok_or_else(missing)?;
     let god = geo.grouped(&geo.heads(&gyad, geo.heads, false)?)?;
     let (gqd, gkd, gvd) = attn_tan_bwd(geo, f, a, td, &god)?;
-    let gqld = geo.rows(&geo.rope(&geo.ungrouped(&gqd)?, true)?)?;
-    let gkld = geo.rows(&geo.rope(&gkd, true)?)?;
-    let gvld = geo.rows(&gvd)?;
+    let gqld = geo.rows(&geo.ungrouped(&gqd)?, true)?;
+    let gkld = geo.rows(&gkd, true)?;
+    let gvld = geo.rows(&gvd, false)?;
     // the first block: its input is the embeddings, which do not learn
     let (q1, k1, v1) = (
         step(0, &f.h1, &td.h1, &gqld, need_gx)?,
