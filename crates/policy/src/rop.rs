@@ -131,14 +131,15 @@ impl Lin {
         xa: Option<&Tensor>,
         xd: &Tensor,
         xad: Option<&Tensor>,
-        bwd: &LinBwdSaved,
+        g: &Tensor,
+        gb: Option<&Tensor>,
         gd: &Tensor,
         v: Option<&(Tensor, Tensor)>,
         need_gx: bool,
     ) -> Result<LinBwd> {
         if self.fused && cpu::applies(x) {
-            let ad = match (self.ad(), xa, v, xad, &bwd.gb) {
-                (Some(ad), Some(xa), Some((av, bv)), Some(xad), Some(gb)) => Some((ad, xa, (av, bv), xad, (&bwd.g, gb))),
+            let ad = match (self.ad(), xa, v, xad, gb) {
+                (Some(ad), Some(xa), Some((av, bv)), Some(xad), Some(gb)) => Some((ad, xa, (av, bv), xad, (g, gb))),
                 _ => None,
             };
             let (gx, grads) = cpu::lin_tan_bwd(x, &self.w, ad, xd, gd, need_gx)?;
@@ -146,13 +147,13 @@ impl Lin {
         }
         let mut gx = if need_gx { Some(gd.matmul(&self.w)?) } else { None };
         let mut grads = None;
-        if let (Some((a, b, s)), Some(xa), Some(xad), Some(gb), Some((av, bv))) = (&self.ad, xa, xad, &bwd.gb, v) {
-            let gbd = (gd.matmul(b)? + bwd.g.matmul(bv)?)?;
+        if let (Some((a, b, s)), Some(xa), Some(xad), Some(gb), Some((av, bv))) = (&self.ad, xa, xad, gb, v) {
+            let gbd = (gd.matmul(b)? + g.matmul(bv)?)?;
             if let Some(gx) = &mut gx {
                 *gx = (&*gx + ((gbd.matmul(a)? + gb.matmul(av)?)? * *s)?)?;
             }
             let da = ((gbd.t()?.matmul(x)? + gb.t()?.matmul(xd)?)? * *s)?;
-            let db = ((gd.t()?.matmul(xa)? + bwd.g.t()?.matmul(xad)?)? * *s)?;
+            let db = ((gd.t()?.matmul(xa)? + g.t()?.matmul(xad)?)? * *s)?;
             grads = Some((da, db));
         }
         Ok(LinBwd { gx, grads, gb: None })
@@ -168,7 +169,7 @@ struct LinBwd {
 
 /// A linear layer's adjoint on the tape: g = ∂ℓ/∂y and g B.
 struct LinBwdSaved {
-    g: Tensor,
+    g: Option<Tensor>,
     gb: Option<Tensor>,
 }
 
@@ -223,12 +224,6 @@ fn norm_tan_bwd(
 /// σ(x) = 1 / (1 + e^{−x}).
 fn sigmoid(x: &Tensor) -> Result<Tensor> {
     (x.neg()?.exp()? + 1.0)?.recip()
-}
-
-/// Softmax over the last dimension (e^{s − max} / Σ).
-fn softmax(s: &Tensor) -> Result<Tensor> {
-    let e = s.broadcast_sub(&s.max_keepdim(D::Minus1)?)?.exp()?;
-    e.broadcast_div(&e.sum_keepdim(D::Minus1)?)
 }
 
 /// The pass's shape and its position tables.
@@ -292,6 +287,18 @@ impl Geo {
         1.0 / (self.hd as f64).sqrt()
     }
 
+    /// ⟨a, b⟩ over each head's hd values of rows (b·t, h·hd): (b, kv, g·t), the order of the
+    /// grouped query rows.
+    fn head_dots(&self, a: &Tensor, b: &Tensor) -> Result<Tensor> {
+        let (h, g) = (self.heads, self.heads / self.kv);
+        (a * b)?
+            .reshape((self.b, self.t, h, self.hd))?
+            .sum(D::Minus1)?
+            .transpose(1, 2)?
+            .contiguous()?
+            .reshape((self.b, self.kv, g * self.t))
+    }
+
     /// The layout of the CPU's attention kernels.
     fn att(&self) -> cpu::Att {
         cpu::Att { b: self.b, kv: self.kv, g: self.heads / self.kv, t: self.t, hd: self.hd }
@@ -322,33 +329,31 @@ struct BlockFwd {
     q: Tensor,
     k: Tensor,
     v: Tensor,
-    /// Attention probabilities (b, kv, g·t, t) and output O = P V (b, kv, g·t, hd).
-    p: Tensor,
-    o: Tensor,
-    /// O as rows: the output projection's input.
+    /// Each query row's log-sum-exp of its scores (b, kv, g·t): the probabilities P,
+    /// recomputed where needed (a (g·t × t) map per group would be the tape's largest item).
+    lse: Tensor,
+    /// Attention's output O = P V as rows: the output projection's input.
     ya: Tensor,
     x1: Tensor,
     r2: Tensor,
     h2: Tensor,
+    /// The gate and up projections (rows, intermediate); a = silu(gate) ⊙ up, the down
+    /// projection's input, and the gate's and up's adjoints are recomputed from them.
     gate: Tensor,
-    /// σ(gate).
-    sg: Tensor,
     up: Tensor,
-    /// silu(gate) ⊙ up: the down projection's input.
-    a: Tensor,
 }
 
 /// One block's adjoints on the tape.
 struct BlockAdj {
-    /// ∂ℓ/∂y of q, k, v, o, gate, up, down and g B.
+    /// ∂ℓ/∂y of q, k, v, o, gate, up, down (gate's and up's recomputed from ∂ℓ/∂a: None) and
+    /// g B.
     lin: [LinBwdSaved; 7],
-    /// ∂ℓ/∂h1, ∂ℓ/∂h2 (the norms' outputs), ∂ℓ/∂a (the down projection's input), ∂ℓ/∂O
-    /// (grouped heads) and S̄, the adjoint of Q Kᵀ (b, kv, g·t, t).
+    /// ∂ℓ/∂h1, ∂ℓ/∂h2 (the norms' outputs), ∂ℓ/∂a (the down projection's input) and ∂ℓ/∂O
+    /// (as rows, the output projection's input adjoint).
     gh1: Tensor,
     gh2: Tensor,
     ga: Tensor,
-    go: Tensor,
-    gs: Tensor,
+    gya: Tensor,
 }
 
 /// One block's tangents of a direction.
@@ -360,10 +365,7 @@ struct BlockTan {
     q: Tensor,
     k: Tensor,
     v: Tensor,
-    /// Z = Ṡ − ⟨P, Ṡ⟩ and Ṗ = P ⊙ Z (b, kv, g·t, t), Ȯ (grouped heads).
-    z: Tensor,
-    p: Tensor,
-    o: Tensor,
+    /// Ȯ as rows.
     ya: Tensor,
     x1: Tensor,
     r2: Tensor,
@@ -373,82 +375,121 @@ struct BlockTan {
     a: Tensor,
 }
 
-/// Attention's forward pass: (P, O) ([`cpu::attn_fwd`] on the CPU).
+/// Log-sum-exps and probabilities of the composed path: lse = m + log Σ e^{s − m} per row,
+/// P = e^{s − lse} (0 where masked).
+fn lse_probs(geo: &Geo, q: &Tensor, k: &Tensor, lse: Option<&Tensor>) -> Result<(Tensor, Tensor)> {
+    let s = geo.scores(q, k)?;
+    let lse = match lse {
+        Some(l) => l.clone(),
+        None => {
+            let m = s.max_keepdim(D::Minus1)?;
+            (s.broadcast_sub(&m)?.exp()?.sum_keepdim(D::Minus1)?.log()? + m)?.squeeze(D::Minus1)?
+        }
+    };
+    let p = s.broadcast_sub(&lse.unsqueeze(D::Minus1)?)?.exp()?;
+    Ok((lse, p))
+}
+
+/// Attention's forward pass: (the rows' log-sum-exps, O) ([`cpu::attn_fwd`] on the CPU).
 fn attn_fwd(geo: &Geo, q: &Tensor, k: &Tensor, v: &Tensor) -> Result<(Tensor, Tensor)> {
     if geo.fused && cpu::applies(q) {
         return cpu::attn_fwd(geo.att(), q, k, v);
     }
-    let p = softmax(&geo.scores(q, k)?)?;
-    let o = p.matmul(v)?;
-    Ok((p, o))
+    let (lse, p) = lse_probs(geo, q, k, None)?;
+    Ok((lse, p.matmul(v)?))
 }
 
-/// Attention's backward pass: (S̄, Q̄, K̄, V̄) ([`cpu::attn_bwd`]).
-fn attn_bwd(geo: &Geo, f: &BlockFwd, go: &Tensor) -> Result<(Tensor, Tensor, Tensor, Tensor)> {
-    if geo.fused && cpu::applies(go) {
-        return cpu::attn_bwd(geo.att(), (&f.q, &f.k, &f.v, &f.p, &f.o), go);
-    }
+/// S̄ = c P ⊙ (Ō Vᵀ − D), the adjoint of Q Kᵀ (composed path; D (b, kv, g·t)).
+fn scores_adjoint(geo: &Geo, p: &Tensor, f: &BlockFwd, go: &Tensor, d: &Tensor) -> Result<Tensor> {
     let gp = go.matmul(&f.v.t()?)?;
-    let d = (go * &f.o)?.sum_keepdim(D::Minus1)?;
-    let gs = ((&f.p * gp.broadcast_sub(&d)?)? * geo.scale())?;
-    let gq = gs.matmul(&f.k)?;
-    let gk = gs.t()?.matmul(&f.q)?;
-    let gv = f.p.t()?.matmul(go)?;
-    Ok((gs, gq, gk, gv))
+    (p * gp.broadcast_sub(&d.unsqueeze(D::Minus1)?)?)? * geo.scale()
 }
 
-/// Attention's tangent: (Z, Ṗ, Ȯ) ([`cpu::attn_tan`]).
-fn attn_tan(geo: &Geo, f: &BlockFwd, qd: &Tensor, kd: &Tensor, vd: &Tensor) -> Result<(Tensor, Tensor, Tensor)> {
-    if geo.fused && cpu::applies(qd) {
-        return cpu::attn_tan(geo.att(), (&f.q, &f.k, &f.v, &f.p), (qd, kd, vd));
-    }
-    // Ṡ = (Q̇ Kᵀ + Q K̇ᵀ)/√hd (the mask is constant)
+/// Z = Ṡ − ⟨P, Ṡ⟩ per row, Ṡ = (Q̇ Kᵀ + Q K̇ᵀ)/√hd (the mask is constant): Ṗ = P ⊙ Z (composed path).
+fn score_tangent(geo: &Geo, p: &Tensor, f: &BlockFwd, qd: &Tensor, kd: &Tensor) -> Result<Tensor> {
     let sd = ((qd.matmul(&f.k.t()?)? + f.q.matmul(&kd.t()?)?)? * geo.scale())?;
-    let z = sd.broadcast_sub(&(&f.p * &sd)?.sum_keepdim(D::Minus1)?)?;
-    let pd = (&f.p * &z)?;
-    let od = (pd.matmul(&f.v)? + f.p.matmul(vd)?)?;
-    Ok((z, pd, od))
+    sd.broadcast_sub(&(p * &sd)?.sum_keepdim(D::Minus1)?)
 }
 
-/// The tangent of attention's backward pass: (Q̄̇, K̄̇, V̄̇) ([`cpu::attn_tan_bwd`]).
-fn attn_tan_bwd(geo: &Geo, f: &BlockFwd, a: &BlockAdj, td: &BlockTan, god: &Tensor) -> Result<(Tensor, Tensor, Tensor)> {
-    if geo.fused && cpu::applies(god) {
-        let saved = (&f.q, &f.k, &f.v, &f.p, &f.o, &a.go, &a.gs);
-        return cpu::attn_tan_bwd(geo.att(), saved, (&td.q, &td.k, &td.v, &td.z, &td.p, &td.o), god);
+/// Attention's backward pass from Ō (rows) and D = ⟨Ō, O⟩ per query row: (Q̄, K̄, V̄)
+/// ([`cpu::attn_bwd`]).
+fn attn_bwd(geo: &Geo, f: &BlockFwd, go: &Tensor, d: &Tensor) -> Result<(Tensor, Tensor, Tensor)> {
+    if geo.fused && cpu::applies(go) {
+        return cpu::attn_bwd(geo.att(), (&f.q, &f.k, &f.v, &f.lse, d), go);
     }
-    let gpd = (god.matmul(&f.v.t()?)? + a.go.matmul(&td.v.t()?)?)?;
-    let dd = ((god * &f.o)? + (&a.go * &td.o)?)?.sum_keepdim(D::Minus1)?;
-    let gsd = ((&td.z * &a.gs)? + ((&f.p * gpd.broadcast_sub(&dd)?)? * geo.scale())?)?;
-    let gqd = (gsd.matmul(&f.k)? + a.gs.matmul(&td.k)?)?;
-    let gkd = (gsd.t()?.matmul(&f.q)? + a.gs.t()?.matmul(&td.q)?)?;
-    let gvd = (td.p.t()?.matmul(&a.go)? + f.p.t()?.matmul(god)?)?;
+    let (_, p) = lse_probs(geo, &f.q, &f.k, Some(&f.lse))?;
+    let gs = scores_adjoint(geo, &p, f, go, d)?;
+    Ok((gs.matmul(&f.k)?, gs.t()?.matmul(&f.q)?, p.t()?.matmul(go)?))
+}
+
+/// Attention's tangent Ȯ (grouped heads) ([`cpu::attn_tan`]).
+fn attn_tan(geo: &Geo, f: &BlockFwd, qd: &Tensor, kd: &Tensor, vd: &Tensor) -> Result<Tensor> {
+    if geo.fused && cpu::applies(qd) {
+        return cpu::attn_tan(geo.att(), (&f.q, &f.k, &f.v, &f.lse), (qd, kd, vd));
+    }
+    let (_, p) = lse_probs(geo, &f.q, &f.k, Some(&f.lse))?;
+    let z = score_tangent(geo, &p, f, qd, kd)?;
+    (&p * &z)?.matmul(&f.v)? + p.matmul(vd)?
+}
+
+/// The tangent of attention's backward pass given Ō̇ (grouped heads) and Ḋ: (Q̄̇, K̄̇, V̄̇)
+/// ([`cpu::attn_tan_bwd`]).
+#[allow(clippy::too_many_arguments)]
+fn attn_tan_bwd(
+    geo: &Geo,
+    f: &BlockFwd,
+    (go, d): (&Tensor, &Tensor),
+    td: &BlockTan,
+    god: &Tensor,
+    dd: &Tensor,
+) -> Result<(Tensor, Tensor, Tensor)> {
+    if geo.fused && cpu::applies(god) {
+        let saved = (&f.q, &f.k, &f.v, &f.lse, d, go);
+        return cpu::attn_tan_bwd(geo.att(), saved, (&td.q, &td.k, &td.v, dd), god);
+    }
+    let (_, p) = lse_probs(geo, &f.q, &f.k, Some(&f.lse))?;
+    let gs = scores_adjoint(geo, &p, f, go, d)?;
+    let z = score_tangent(geo, &p, f, &td.q, &td.k)?;
+    let gpd = (god.matmul(&f.v.t()?)? + go.matmul(&td.v.t()?)?)?;
+    let gsd = ((&z * &gs)? + ((&p * gpd.broadcast_sub(&dd.unsqueeze(D::Minus1)?)?)? * geo.scale())?)?;
+    let gqd = (gsd.matmul(&f.k)? + gs.matmul(&td.k)?)?;
+    let gkd = (gsd.t()?.matmul(&f.q)? + gs.t()?.matmul(&td.q)?)?;
+    let gvd = ((&p * &z)?.t()?.matmul(go)? + p.t()?.matmul(god)?)?;
     Ok((gqd, gkd, gvd))
+}
+
+/// a = silu(gate) ⊙ up, the down projection's input ([`cpu::mlp_out`]).
+fn mlp_out(geo: &Geo, f: &BlockFwd) -> Result<Tensor> {
+    if geo.fused && cpu::applies(&f.gate) {
+        return cpu::mlp_out(&f.gate, &f.up);
+    }
+    (&f.gate * sigmoid(&f.gate)?)? * &f.up
 }
 
 /// The MLP's tangent ȧ ([`cpu::mlp_tan`]).
 fn mlp_tan(geo: &Geo, f: &BlockFwd, gd: &Tensor, ud: &Tensor) -> Result<Tensor> {
     if geo.fused && cpu::applies(gd) {
-        return cpu::mlp_tan(&f.gate, &f.sg, &f.up, gd, ud);
+        return cpu::mlp_tan(&f.gate, &f.up, gd, ud);
     }
-    let (silu, d1, _) = silu_parts(&f.gate, &f.sg)?;
+    let (silu, d1, _) = silu_parts(&f.gate)?;
     ((&d1 * gd)? * &f.up)? + (&silu * ud)?
 }
 
 /// The MLP's backward pass from ā: (ḡ, ū) ([`cpu::mlp_bwd`]).
 fn mlp_bwd(geo: &Geo, f: &BlockFwd, ga: &Tensor) -> Result<(Tensor, Tensor)> {
     if geo.fused && cpu::applies(ga) {
-        return cpu::mlp_bwd(&f.gate, &f.sg, &f.up, ga);
+        return cpu::mlp_bwd(&f.gate, &f.up, ga);
     }
-    let (silu, d1, _) = silu_parts(&f.gate, &f.sg)?;
+    let (silu, d1, _) = silu_parts(&f.gate)?;
     Ok((((ga * &f.up)? * &d1)?, (ga * &silu)?))
 }
 
 /// The tangent of the MLP's backward pass ([`cpu::mlp_tan_bwd`]).
 fn mlp_tan_bwd(geo: &Geo, f: &BlockFwd, ga: &Tensor, gad: &Tensor, td: &BlockTan) -> Result<(Tensor, Tensor)> {
     if geo.fused && cpu::applies(ga) {
-        return cpu::mlp_tan_bwd(&f.gate, &f.sg, &f.up, ga, gad, &td.gate, &td.up);
+        return cpu::mlp_tan_bwd(&f.gate, &f.up, ga, gad, &td.gate, &td.up);
     }
-    let (silu, d1, d2) = silu_parts(&f.gate, &f.sg)?;
+    let (silu, d1, d2) = silu_parts(&f.gate)?;
     let ggd = ((((gad * &f.up)? + (ga * &td.up)?)? * &d1)? + (((ga * &f.up)? * &d2)? * &td.gate)?)?;
     let gud = ((gad * &silu)? + ((ga * &d1)? * &td.gate)?)?;
     Ok((ggd, gud))
@@ -470,7 +511,8 @@ fn lins(blk: &Block, fused: bool) -> Result<[Lin; 7]> {
 
 /// The silu factors of a gate value g with σ = σ(g): (silu g, silu′ g, silu″ g):
 /// silu = g σ, silu′ = σ (1 + g (1 − σ)), silu″ = σ (1 − σ) (2 + g (1 − 2σ)).
-fn silu_parts(g: &Tensor, s: &Tensor) -> Result<(Tensor, Tensor, Tensor)> {
+fn silu_parts(g: &Tensor) -> Result<(Tensor, Tensor, Tensor)> {
+    let s = &sigmoid(g)?;
     let one_minus = s.affine(-1.0, 1.0)?;
     let silu = (g * s)?;
     let d1 = (s * ((g * &one_minus)? + 1.0)?)?;
@@ -748,19 +790,18 @@ fn block_fwd(geo: &Geo, lin: &[Lin; 7], (g1, g2): &(Tensor, Tensor), x: Tensor) 
     let q = geo.grouped(&geo.heads(&ql, geo.heads, true)?)?;
     let k = geo.heads(&kl, geo.kv, true)?;
     let v = geo.heads(&vl, geo.kv, false)?;
-    let (p, o) = attn_fwd(geo, &q, &k, &v)?;
+    let (lse, o) = attn_fwd(geo, &q, &k, &v)?;
     let ya = geo.rows(&geo.ungrouped(&o)?, false)?;
     let (od, oxa) = lin[3].fwd(&ya)?;
     let x1 = (&x + od)?;
     let (r2, h2) = norm_fwd(&x1, g2, geo.eps)?;
     let (gate, gxa) = lin[4].fwd(&h2)?;
     let (up, uxa) = lin[5].fwd(&h2)?;
-    let sg = sigmoid(&gate)?;
-    let a = ((&gate * &sg)? * &up)?;
+    let a = ((&gate * sigmoid(&gate)?)? * &up)?;
     let (dn, dxa) = lin[6].fwd(&a)?;
     let xn = (&x1 + dn)?;
     let xa = [qxa, kxa, vxa, oxa, gxa, uxa, dxa];
-    Ok((BlockFwd { x, r1, h1, xa, q, k, v, p, o, ya, x1, r2, h2, gate, sg, up, a }, xn))
+    Ok((BlockFwd { x, r1, h1, xa, q, k, v, lse, ya, x1, r2, h2, gate, up }, xn))
 }
 
 /// One block's backward pass from ∂ℓ/∂(its output): its adjoints, its adapters' gradients
@@ -778,19 +819,20 @@ fn block_bwd(
     let mut keep = |j: usize, x: &Tensor, g: &Tensor, need: bool| -> Result<Option<Tensor>> {
         let r = lin[j].bwd(x, f.xa[j].as_ref(), g, need)?;
         grads[j] = r.grads;
-        saved[j] = Some(LinBwdSaved { g: g.clone(), gb: r.gb });
+        // the gate's and up's adjoints are recomputed from ∂ℓ/∂a (a third of the tape)
+        saved[j] = Some(LinBwdSaved { g: (j != 4 && j != 5).then(|| g.clone()), gb: r.gb });
         Ok(r.gx)
     };
     let missing = || candle_core::Error::Msg("exact HVPs: a missing input adjoint".into());
     // MLP
-    let ga = keep(6, &f.a, &gxn, true)?.ok_or_else(missing)?;
+    let ga = keep(6, &mlp_out(geo, f)?, &gxn, true)?.ok_or_else(missing)?;
     let (ggate, gup) = mlp_bwd(geo, f, &ga)?;
     let gh2 = (keep(4, &f.h2, &ggate, true)?.ok_or_else(missing)? + keep(5, &f.h2, &gup, true)?.ok_or_else(missing)?)?;
     let gx1 = (&gxn + norm_bwd(&f.x1, &f.r2, g2, &gh2)?)?;
     // attention
     let gya = keep(3, &f.ya, &gx1, true)?.ok_or_else(missing)?;
     let go = geo.grouped(&geo.heads(&gya, geo.heads, false)?)?;
-    let (gs, gq, gk, gv) = attn_bwd(geo, f, &go)?;
+    let (gq, gk, gv) = attn_bwd(geo, f, &go, &geo.head_dots(&gya, &f.ya)?)?;
     let gql = geo.rows(&geo.ungrouped(&gq)?, true)?;
     let gkl = geo.rows(&gk, true)?;
     let gvl = geo.rows(&gv, false)?;
@@ -806,7 +848,7 @@ fn block_bwd(
     };
     let lin_saved = saved.map(|s| s.expect("every layer's adjoint is kept"));
     let gs_out: Vec<Tensor> = grads.into_iter().flatten().flat_map(|(a, b)| [a, b]).collect();
-    Ok((BlockAdj { lin: lin_saved, gh1, gh2, ga, go, gs }, gs_out, gx))
+    Ok((BlockAdj { lin: lin_saved, gh1, gh2, ga, gya }, gs_out, gx))
 }
 
 /// One block's tangent forward pass along the directions `dir` from the tangent of its input.
@@ -825,18 +867,17 @@ fn block_tan(
     let q = geo.grouped(&geo.heads(&qd, geo.heads, true)?)?;
     let k = geo.heads(&kd, geo.kv, true)?;
     let v = geo.heads(&vd, geo.kv, false)?;
-    let (z, p, o) = attn_tan(geo, f, &q, &k, &v)?;
-    let ya = geo.rows(&geo.ungrouped(&o)?, false)?;
+    let ya = geo.rows(&geo.ungrouped(&attn_tan(geo, f, &q, &k, &v)?)?, false)?;
     let (od, oxa) = lin[3].tan(&f.ya, f.xa[3].as_ref(), &ya, dir[3].as_ref())?;
     let x1 = (&xd + od)?;
     let (r2, h2) = norm_tan(&f.x1, &f.r2, g2, &x1)?;
     let (gate, gxa) = lin[4].tan(&f.h2, f.xa[4].as_ref(), &h2, dir[4].as_ref())?;
     let (up, uxa) = lin[5].tan(&f.h2, f.xa[5].as_ref(), &h2, dir[5].as_ref())?;
     let a = mlp_tan(geo, f, &gate, &up)?;
-    let (dn, dxa) = lin[6].tan(&f.a, f.xa[6].as_ref(), &a, dir[6].as_ref())?;
+    let (dn, dxa) = lin[6].tan(&mlp_out(geo, f)?, f.xa[6].as_ref(), &a, dir[6].as_ref())?;
     let xn = (&x1 + dn)?;
     let xa = [qxa, kxa, vxa, oxa, gxa, uxa, dxa];
-    Ok((BlockTan { x: xd, r1, h1, xa, q, k, v, z, p, o, ya, x1, r2, h2, gate, up, a }, xn))
+    Ok((BlockTan { x: xd, r1, h1, xa, q, k, v, ya, x1, r2, h2, gate, up, a }, xn))
 }
 
 /// One block's tangent backward pass from the tangent of ∂ℓ/∂(its output): the tangents of its
@@ -854,14 +895,21 @@ fn block_tan_bwd(
     need_gx: bool,
 ) -> Result<(Vec<Tensor>, Option<Tensor>)> {
     let mut hv: [Option<(Tensor, Tensor)>; 7] = Default::default();
+    // the gate's and up's adjoints, recomputed
+    let (ggate, gup) = mlp_bwd(geo, f, &a.ga)?;
     let mut step = |j: usize, x: &Tensor, xd: &Tensor, gd: &Tensor, need: bool| -> Result<Option<Tensor>> {
-        let r = lin[j].tan_bwd(x, f.xa[j].as_ref(), xd, td.xa[j].as_ref(), &a.lin[j], gd, dir[j].as_ref(), need)?;
+        let g = match j {
+            4 => &ggate,
+            5 => &gup,
+            _ => a.lin[j].g.as_ref().ok_or_else(|| candle_core::Error::Msg("exact HVPs: an adjoint not kept".into()))?,
+        };
+        let r = lin[j].tan_bwd(x, f.xa[j].as_ref(), xd, td.xa[j].as_ref(), g, a.lin[j].gb.as_ref(), gd, dir[j].as_ref(), need)?;
         hv[j] = r.grads;
         Ok(r.gx)
     };
     let missing = || candle_core::Error::Msg("exact HVPs: a missing input adjoint's tangent".into());
     // MLP: a = silu(gate) ⊙ up
-    let gad = step(6, &f.a, &td.a, &gxnd, true)?.ok_or_else(missing)?;
+    let gad = step(6, &mlp_out(geo, f)?, &td.a, &gxnd, true)?.ok_or_else(missing)?;
     let (ggated, gupd) = mlp_tan_bwd(geo, f, &a.ga, &gad, td)?;
     let gh2d = (step(4, &f.h2, &td.h2, &ggated, true)?.ok_or_else(missing)?
         + step(5, &f.h2, &td.h2, &gupd, true)?.ok_or_else(missing)?)?;
@@ -869,7 +917,11 @@ fn block_tan_bwd(
     // attention
     let gyad = step(3, &f.ya, &td.ya, &gx1d, true)?.ok_or_else(missing)?;
     let god = geo.grouped(&geo.heads(&gyad, geo.heads, false)?)?;
-    let (gqd, gkd, gvd) = attn_tan_bwd(geo, f, a, td, &god)?;
+    let go = geo.grouped(&geo.heads(&a.gya, geo.heads, false)?)?;
+    // D = ⟨Ō, O⟩ and its tangent ⟨Ō̇, O⟩ + ⟨Ō, Ȯ⟩ per query row
+    let d = geo.head_dots(&a.gya, &f.ya)?;
+    let dd = (geo.head_dots(&gyad, &f.ya)? + geo.head_dots(&a.gya, &td.ya)?)?;
+    let (gqd, gkd, gvd) = attn_tan_bwd(geo, f, (&go, &d), td, &god, &dd)?;
     let gqld = geo.rows(&geo.ungrouped(&gqd)?, true)?;
     let gkld = geo.rows(&gkd, true)?;
     let gvld = geo.rows(&gvd, false)?;

@@ -233,8 +233,22 @@ fn dot<T: El>(a: &[T], b: &[T]) -> T {
     a.iter().zip(b).fold(T::zero(), |s, (&x, &y)| s + x * y)
 }
 
-/// P = softmax(c Q Kᵀ + causal mask) and O = P V of grouped queries (b, kv, g·t, hd) against
-/// keys and values (b, kv, t, hd): (P (b, kv, g·t, t), O).
+/// One group's probabilities P = softmax(c Q Kᵀ + causal mask) (g·t × t) into `p`, as
+/// e^{c q·k − lse} from the rows' log-sum-exps (every use recomputes the same values).
+fn probs<T: El>(at: Att, q: &[T], k: &[T], lse: &[T], p: &mut [T]) {
+    let (gt, t, hd) = (at.g * at.t, at.t, at.hd);
+    mm(gt, t, hd, p, Mat::rows(q, hd), Mat::t(k, hd), at.scale());
+    for (r, pr) in p.chunks_exact_mut(t).enumerate() {
+        let n = visible(r, t);
+        pr[..n].iter_mut().for_each(|e| *e = *e - lse[r]);
+        T::exp_row(&mut pr[..n]);
+        pr[n..].iter_mut().for_each(|e| *e = T::zero());
+    }
+}
+
+/// Attention's forward pass on grouped queries (b, kv, g·t, hd), keys and values (b, kv, t,
+/// hd): each query row's log-sum-exp of its scaled, causally masked scores (b, kv, g·t) —
+/// what the tape keeps of P, which [`probs`] recomputes — and O = P V (b, kv, g·t, hd).
 pub(crate) fn attn_fwd(at: Att, q: &Tensor, k: &Tensor, v: &Tensor) -> Result<(Tensor, Tensor)> {
     by_dtype!(q, attn_fwd_t(at, q, k, v))
 }
@@ -243,144 +257,142 @@ fn attn_fwd_t<T: El>(at: Att, q: &Tensor, k: &Tensor, v: &Tensor) -> Result<(Ten
     let (gt, qs, ks, ps) = at.sizes();
     let (t, hd) = (at.t, at.hd);
     let groups = at.b * at.kv;
-    let mut p = vec![T::zero(); groups * ps];
+    let mut lse = vec![T::zero(); groups * gt];
     let mut o = vec![T::zero(); groups * qs];
     with_slices::<T, _, 3>([q, k, v], |[q, k, v]| {
-        p.par_chunks_mut(ps).zip(o.par_chunks_mut(qs)).enumerate().for_each(|(i, (p, o))| {
+        lse.par_chunks_mut(gt).zip(o.par_chunks_mut(qs)).enumerate().for_each(|(i, (lse, o))| {
             let (q, k, v) = (&q[i * qs..(i + 1) * qs], &k[i * ks..(i + 1) * ks], &v[i * ks..(i + 1) * ks]);
-            mm(gt, t, hd, p, Mat::rows(q, hd), Mat::t(k, hd), at.scale());
+            let mut p = vec![T::zero(); ps];
+            mm(gt, t, hd, &mut p, Mat::rows(q, hd), Mat::t(k, hd), at.scale());
             for (r, pr) in p.chunks_exact_mut(t).enumerate() {
                 let n = visible(r, t);
                 let m = pr[..n].iter().fold(T::neg_infinity(), |a, &b| num_traits::Float::max(a, b));
-                pr[..n].iter_mut().for_each(|e| *e = *e - m);
-                T::exp_row(&mut pr[..n]);
-                let inv = T::one() / pr[..n].iter().fold(T::zero(), |a, &e| a + e);
-                pr[..n].iter_mut().for_each(|e| *e = *e * inv);
-                pr[n..].iter_mut().for_each(|e| *e = T::zero());
+                let mut e = pr[..n].to_vec();
+                e.iter_mut().for_each(|x| *x = *x - m);
+                T::exp_row(&mut e);
+                lse[r] = m + e.iter().fold(T::zero(), |a, &x| a + x).ln();
             }
-            mm(gt, hd, t, o, Mat::rows(p, t), Mat::rows(v, hd), T::one());
+            probs(at, q, k, lse, &mut p);
+            mm(gt, hd, t, o, Mat::rows(&p, t), Mat::rows(v, hd), T::one());
         })
     })?;
-    let shape = [at.b, at.kv, gt, t];
-    Ok((new(p, &shape, q)?, new(o, &[at.b, at.kv, gt, hd], q)?))
+    Ok((new(lse, &[at.b, at.kv, gt], q)?, new(o, &[at.b, at.kv, gt, hd], q)?))
 }
 
-/// Attention's backward pass from Ō = ∂ℓ/∂O: S̄ = c P ⊙ (Ō Vᵀ − ⟨Ō, O⟩) (the adjoint of
-/// Q Kᵀ), Q̄ = S̄ K, K̄ = S̄ᵀ Q, V̄ = Pᵀ Ō: (S̄, Q̄, K̄, V̄).
+/// One group's S̄ = c P ⊙ (Ō Vᵀ − D) (the adjoint of Q Kᵀ) into `gs`, D = ⟨Ō, O⟩ per row.
+fn scores_adjoint<T: El>(at: Att, p: &[T], v: &[T], d: &[T], go: &[T], gs: &mut [T]) {
+    let (gt, t, hd) = (at.g * at.t, at.t, at.hd);
+    mm(gt, t, hd, gs, Mat::rows(go, hd), Mat::t(v, hd), T::one());
+    for (r, (sr, pr)) in gs.chunks_exact_mut(t).zip(p.chunks_exact(t)).enumerate() {
+        let n = visible(r, t);
+        sr[..n].iter_mut().zip(&pr[..n]).for_each(|(s, &p)| *s = at.scale::<T>() * p * (*s - d[r]));
+        sr[n..].iter_mut().for_each(|s| *s = T::zero());
+    }
+}
+
+/// One group's Z = Ṡ − ⟨P, Ṡ⟩ per row, Ṡ = c (Q̇ Kᵀ + Q K̇ᵀ), into `z` (Ṗ = P ⊙ Z).
+#[allow(clippy::too_many_arguments)]
+fn score_tangent<T: El>(at: Att, q: &[T], k: &[T], qd: &[T], kd: &[T], p: &[T], z: &mut [T]) {
+    let (gt, t, hd) = (at.g * at.t, at.t, at.hd);
+    mm(gt, t, hd, z, Mat::rows(qd, hd), Mat::t(k, hd), at.scale());
+    mm_acc(gt, t, hd, z, Mat::rows(q, hd), Mat::t(kd, hd), at.scale());
+    for (zr, pr) in z.chunks_exact_mut(t).zip(p.chunks_exact(t)) {
+        let m = dot(pr, zr);
+        zr.iter_mut().for_each(|z| *z = *z - m);
+    }
+}
+
+/// Attention's backward pass from Ō = ∂ℓ/∂O (and D = ⟨Ō, O⟩ per query row, (b, kv, g·t)):
+/// with S̄ = c P ⊙ (Ō Vᵀ − D), Q̄ = S̄ K, K̄ = S̄ᵀ Q, V̄ = Pᵀ Ō: (Q̄, K̄, V̄).
 #[allow(clippy::type_complexity)]
 pub(crate) fn attn_bwd(
     at: Att,
-    (q, k, v, p, o): (&Tensor, &Tensor, &Tensor, &Tensor, &Tensor),
+    (q, k, v, lse, d): (&Tensor, &Tensor, &Tensor, &Tensor, &Tensor),
     go: &Tensor,
-) -> Result<(Tensor, Tensor, Tensor, Tensor)> {
-    by_dtype!(q, attn_bwd_t(at, (q, k, v, p, o), go))
+) -> Result<(Tensor, Tensor, Tensor)> {
+    by_dtype!(q, attn_bwd_t(at, (q, k, v, lse, d), go))
 }
 
 #[allow(clippy::type_complexity)]
 fn attn_bwd_t<T: El>(
     at: Att,
-    (q, k, v, p, o): (&Tensor, &Tensor, &Tensor, &Tensor, &Tensor),
+    (q, k, v, lse, d): (&Tensor, &Tensor, &Tensor, &Tensor, &Tensor),
     go: &Tensor,
-) -> Result<(Tensor, Tensor, Tensor, Tensor)> {
+) -> Result<(Tensor, Tensor, Tensor)> {
     let (gt, qs, ks, ps) = at.sizes();
     let (t, hd) = (at.t, at.hd);
     let groups = at.b * at.kv;
-    let mut gs = vec![T::zero(); groups * ps];
     let mut gq = vec![T::zero(); groups * qs];
     let mut gk = vec![T::zero(); groups * ks];
     let mut gv = vec![T::zero(); groups * ks];
-    with_slices::<T, _, 6>([q, k, v, p, o, go], |[q, k, v, p, o, go]| {
-        gs.par_chunks_mut(ps)
-            .zip(gq.par_chunks_mut(qs))
-            .zip(gk.par_chunks_mut(ks))
-            .zip(gv.par_chunks_mut(ks))
-            .enumerate()
-            .for_each(|(i, (((gs, gq), gk), gv))| {
+    with_slices::<T, _, 6>([q, k, v, lse, d, go], |[q, k, v, lse, d, go]| {
+        gq.par_chunks_mut(qs).zip(gk.par_chunks_mut(ks)).zip(gv.par_chunks_mut(ks)).enumerate().for_each(
+            |(i, ((gq, gk), gv))| {
                 let (qr, kr) = (i * qs..(i + 1) * qs, i * ks..(i + 1) * ks);
-                let (q, k, v, p) = (&q[qr.clone()], &k[kr.clone()], &v[kr], &p[i * ps..(i + 1) * ps]);
-                let (o, go) = (&o[qr.clone()], &go[qr]);
-                mm(gt, t, hd, gs, Mat::rows(go, hd), Mat::t(v, hd), T::one());
-                for (r, (sr, pr)) in gs.chunks_exact_mut(t).zip(p.chunks_exact(t)).enumerate() {
-                    let n = visible(r, t);
-                    let d = dot(&go[r * hd..(r + 1) * hd], &o[r * hd..(r + 1) * hd]);
-                    sr[..n].iter_mut().zip(&pr[..n]).for_each(|(s, &p)| *s = at.scale::<T>() * p * (*s - d));
-                    sr[n..].iter_mut().for_each(|s| *s = T::zero());
-                }
-                mm(gt, hd, t, gq, Mat::rows(gs, t), Mat::rows(k, hd), T::one());
-                mm(t, hd, gt, gk, Mat::t(gs, t), Mat::rows(q, hd), T::one());
-                mm(t, hd, gt, gv, Mat::t(p, t), Mat::rows(go, hd), T::one());
-            })
+                let (q, k, v, lse) = (&q[qr.clone()], &k[kr.clone()], &v[kr], &lse[i * gt..(i + 1) * gt]);
+                let (d, go) = (&d[i * gt..(i + 1) * gt], &go[qr]);
+                let (mut p, mut gs) = (vec![T::zero(); ps], vec![T::zero(); ps]);
+                probs(at, q, k, lse, &mut p);
+                scores_adjoint(at, &p, v, d, go, &mut gs);
+                mm(gt, hd, t, gq, Mat::rows(&gs, t), Mat::rows(k, hd), T::one());
+                mm(t, hd, gt, gk, Mat::t(&gs, t), Mat::rows(q, hd), T::one());
+                mm(t, hd, gt, gv, Mat::t(&p, t), Mat::rows(go, hd), T::one());
+            },
+        )
     })?;
     let (b, kv) = (at.b, at.kv);
-    Ok((
-        new(gs, &[b, kv, gt, t], q)?,
-        new(gq, &[b, kv, gt, hd], q)?,
-        new(gk, &[b, kv, t, hd], q)?,
-        new(gv, &[b, kv, t, hd], q)?,
-    ))
+    Ok((new(gq, &[b, kv, gt, hd], q)?, new(gk, &[b, kv, t, hd], q)?, new(gv, &[b, kv, t, hd], q)?))
 }
 
-/// Attention's tangent: Ṡ = c (Q̇ Kᵀ + Q K̇ᵀ), Z = Ṡ − ⟨P, Ṡ⟩ per row, Ṗ = P ⊙ Z,
-/// Ȯ = Ṗ V + P V̇: (Z, Ṗ, Ȯ).
+/// Attention's tangent: with Ṗ = P ⊙ Z ([`score_tangent`]), Ȯ = Ṗ V + P V̇.
 #[allow(clippy::type_complexity)]
 pub(crate) fn attn_tan(
     at: Att,
-    (q, k, v, p): (&Tensor, &Tensor, &Tensor, &Tensor),
+    (q, k, v, lse): (&Tensor, &Tensor, &Tensor, &Tensor),
     (qd, kd, vd): (&Tensor, &Tensor, &Tensor),
-) -> Result<(Tensor, Tensor, Tensor)> {
-    by_dtype!(q, attn_tan_t(at, (q, k, v, p), (qd, kd, vd)))
+) -> Result<Tensor> {
+    by_dtype!(q, attn_tan_t(at, (q, k, v, lse), (qd, kd, vd)))
 }
 
 #[allow(clippy::type_complexity)]
 fn attn_tan_t<T: El>(
     at: Att,
-    (q, k, v, p): (&Tensor, &Tensor, &Tensor, &Tensor),
+    (q, k, v, lse): (&Tensor, &Tensor, &Tensor, &Tensor),
     (qd, kd, vd): (&Tensor, &Tensor, &Tensor),
-) -> Result<(Tensor, Tensor, Tensor)> {
+) -> Result<Tensor> {
     let (gt, qs, ks, ps) = at.sizes();
     let (t, hd) = (at.t, at.hd);
     let groups = at.b * at.kv;
-    let mut z = vec![T::zero(); groups * ps];
-    let mut pd = vec![T::zero(); groups * ps];
     let mut od = vec![T::zero(); groups * qs];
-    with_slices::<T, _, 7>([q, k, v, p, qd, kd, vd], |[q, k, v, p, qd, kd, vd]| {
-        z.par_chunks_mut(ps).zip(pd.par_chunks_mut(ps)).zip(od.par_chunks_mut(qs)).enumerate().for_each(
-            |(i, ((z, pd), od))| {
-                let (qr, kr) = (i * qs..(i + 1) * qs, i * ks..(i + 1) * ks);
-                let (q, qd, p) = (&q[qr.clone()], &qd[qr], &p[i * ps..(i + 1) * ps]);
-                let (k, v, kd, vd) = (&k[kr.clone()], &v[kr.clone()], &kd[kr.clone()], &vd[kr]);
-                let sc = at.scale::<T>();
-                mm(gt, t, hd, z, Mat::rows(qd, hd), Mat::t(k, hd), sc);
-                mm_acc(gt, t, hd, z, Mat::rows(q, hd), Mat::t(kd, hd), sc);
-                for (r, ((zr, pdr), pr)) in z.chunks_exact_mut(t).zip(pd.chunks_exact_mut(t)).zip(p.chunks_exact(t)).enumerate() {
-                    let n = visible(r, t);
-                    let m = dot(&pr[..n], &zr[..n]);
-                    for ((z, pd), &p) in zr[..n].iter_mut().zip(pdr[..n].iter_mut()).zip(&pr[..n]) {
-                        *z = *z - m;
-                        *pd = p * *z;
-                    }
-                    zr[n..].iter_mut().for_each(|z| *z = T::zero());
-                }
-                mm(gt, hd, t, od, Mat::rows(pd, t), Mat::rows(v, hd), T::one());
-                mm_acc(gt, hd, t, od, Mat::rows(p, t), Mat::rows(vd, hd), T::one());
-            },
-        )
+    with_slices::<T, _, 7>([q, k, v, lse, qd, kd, vd], |[q, k, v, lse, qd, kd, vd]| {
+        od.par_chunks_mut(qs).enumerate().for_each(|(i, od)| {
+            let (qr, kr) = (i * qs..(i + 1) * qs, i * ks..(i + 1) * ks);
+            let (q, qd, lse) = (&q[qr.clone()], &qd[qr], &lse[i * gt..(i + 1) * gt]);
+            let (k, v, kd, vd) = (&k[kr.clone()], &v[kr.clone()], &kd[kr.clone()], &vd[kr]);
+            let (mut p, mut z) = (vec![T::zero(); ps], vec![T::zero(); ps]);
+            probs(at, q, k, lse, &mut p);
+            mm(gt, hd, t, od, Mat::rows(&p, t), Mat::rows(vd, hd), T::one());
+            score_tangent(at, q, k, qd, kd, &p, &mut z);
+            // Ṗ = P ⊙ Z in P's place (zero past the visible keys, where P is)
+            p.iter_mut().zip(&z).for_each(|(p, &z)| *p = *p * z);
+            mm_acc(gt, hd, t, od, Mat::rows(&p, t), Mat::rows(v, hd), T::one());
+        })
     })?;
-    let (b, kv) = (at.b, at.kv);
-    Ok((new(z, &[b, kv, gt, t], q)?, new(pd, &[b, kv, gt, t], q)?, new(od, &[b, kv, gt, hd], q)?))
+    new(od, &[at.b, at.kv, gt, hd], q)
 }
 
-/// The recorded attention's values for [`attn_tan_bwd`]: Q, K, V, P, O, Ō, S̄.
-pub(crate) type AttSaved<'a> = (&'a Tensor, &'a Tensor, &'a Tensor, &'a Tensor, &'a Tensor, &'a Tensor, &'a Tensor);
+/// The recorded attention's values for [`attn_tan_bwd`]: Q, K, V, the log-sum-exps, D, Ō.
+pub(crate) type AttSaved<'a> = (&'a Tensor, &'a Tensor, &'a Tensor, &'a Tensor, &'a Tensor, &'a Tensor);
 
-/// The tangent of [`attn_bwd`] given Ō̇: P̄̇ = Ō̇ Vᵀ + Ō V̇ᵀ, Ḋ = ⟨Ō̇, O⟩ + ⟨Ō, Ȯ⟩,
+/// The tangent of [`attn_bwd`] given Ō̇ and Ḋ = ⟨Ō̇, O⟩ + ⟨Ō, Ȯ⟩: P̄̇ = Ō̇ Vᵀ + Ō V̇ᵀ,
 /// S̄̇ = Z ⊙ S̄ + c P ⊙ (P̄̇ − Ḋ) (with Ṗ = P ⊙ Z, Ṗ ⊙ (P̄ − D) = Z ⊙ S̄/c), then
-/// Q̄̇ = S̄̇ K + S̄ K̇, K̄̇ = S̄̇ᵀ Q + S̄ᵀ Q̇, V̄̇ = Ṗᵀ Ō + Pᵀ Ō̇: (Q̄̇, K̄̇, V̄̇).
+/// Q̄̇ = S̄̇ K + S̄ K̇, K̄̇ = S̄̇ᵀ Q + S̄ᵀ Q̇, V̄̇ = Ṗᵀ Ō + Pᵀ Ō̇: (Q̄̇, K̄̇, V̄̇). P and S̄ are
+/// recomputed, and Z ([`score_tangent`]).
 #[allow(clippy::type_complexity)]
 pub(crate) fn attn_tan_bwd(
     at: Att,
     saved: AttSaved<'_>,
-    tan: (&Tensor, &Tensor, &Tensor, &Tensor, &Tensor, &Tensor),
+    tan: (&Tensor, &Tensor, &Tensor, &Tensor),
     god: &Tensor,
 ) -> Result<(Tensor, Tensor, Tensor)> {
     by_dtype!(god, attn_tan_bwd_t(at, saved, tan, god))
@@ -389,8 +401,8 @@ pub(crate) fn attn_tan_bwd(
 #[allow(clippy::type_complexity)]
 fn attn_tan_bwd_t<T: El>(
     at: Att,
-    (q, k, v, p, o, go, gs): AttSaved<'_>,
-    (qd, kd, vd, z, pd, od): (&Tensor, &Tensor, &Tensor, &Tensor, &Tensor, &Tensor),
+    (q, k, v, lse, d, go): AttSaved<'_>,
+    (qd, kd, vd, dd): (&Tensor, &Tensor, &Tensor, &Tensor),
     god: &Tensor,
 ) -> Result<(Tensor, Tensor, Tensor)> {
     let (gt, qs, ks, ps) = at.sizes();
@@ -399,40 +411,40 @@ fn attn_tan_bwd_t<T: El>(
     let mut gqd = vec![T::zero(); groups * qs];
     let mut gkd = vec![T::zero(); groups * ks];
     let mut gvd = vec![T::zero(); groups * ks];
-    with_slices::<T, _, 14>(
-        [q, k, v, p, o, go, gs, qd, kd, vd, z, pd, od, god],
-        |[q, k, v, p, o, go, gs, qd, kd, vd, z, pd, od, god]| {
-            gqd.par_chunks_mut(qs).zip(gkd.par_chunks_mut(ks)).zip(gvd.par_chunks_mut(ks)).enumerate().for_each(
-                |(i, ((gqd, gkd), gvd))| {
-                    let (qr, kr, pr) = (i * qs..(i + 1) * qs, i * ks..(i + 1) * ks, i * ps..(i + 1) * ps);
-                    let (q, o, go, qd, od, god) =
-                        (&q[qr.clone()], &o[qr.clone()], &go[qr.clone()], &qd[qr.clone()], &od[qr.clone()], &god[qr]);
-                    let (k, v, kd, vd) = (&k[kr.clone()], &v[kr.clone()], &kd[kr.clone()], &vd[kr]);
-                    let (p, gs, z, pd) = (&p[pr.clone()], &gs[pr.clone()], &z[pr.clone()], &pd[pr]);
-                    let sc = at.scale::<T>();
-                    let mut gsd = vec![T::zero(); ps];
-                    mm(gt, t, hd, &mut gsd, Mat::rows(god, hd), Mat::t(v, hd), T::one());
-                    mm_acc(gt, t, hd, &mut gsd, Mat::rows(go, hd), Mat::t(vd, hd), T::one());
-                    for (r, sr) in gsd.chunks_exact_mut(t).enumerate() {
-                        let n = visible(r, t);
-                        let (a, b) = (r * hd, (r + 1) * hd);
-                        let dd = dot(&god[a..b], &o[a..b]) + dot(&go[a..b], &od[a..b]);
-                        let (pr, zr, gr) = (&p[r * t..r * t + n], &z[r * t..r * t + n], &gs[r * t..r * t + n]);
-                        for (((s, &p), &z), &g) in sr[..n].iter_mut().zip(pr).zip(zr).zip(gr) {
-                            *s = z * g + sc * p * (*s - dd);
-                        }
-                        sr[n..].iter_mut().for_each(|s| *s = T::zero());
+    with_slices::<T, _, 11>([q, k, v, lse, d, go, qd, kd, vd, dd, god], |[q, k, v, lse, d, go, qd, kd, vd, dd, god]| {
+        gqd.par_chunks_mut(qs).zip(gkd.par_chunks_mut(ks)).zip(gvd.par_chunks_mut(ks)).enumerate().for_each(
+            |(i, ((gqd, gkd), gvd))| {
+                let (qr, kr, rr) = (i * qs..(i + 1) * qs, i * ks..(i + 1) * ks, i * gt..(i + 1) * gt);
+                let (q, go, qd, god) = (&q[qr.clone()], &go[qr.clone()], &qd[qr.clone()], &god[qr]);
+                let (k, v, kd, vd) = (&k[kr.clone()], &v[kr.clone()], &kd[kr.clone()], &vd[kr]);
+                let (lse, d, dd) = (&lse[rr.clone()], &d[rr.clone()], &dd[rr]);
+                let sc = at.scale::<T>();
+                let (mut p, mut gs, mut gsd, mut z) =
+                    (vec![T::zero(); ps], vec![T::zero(); ps], vec![T::zero(); ps], vec![T::zero(); ps]);
+                probs(at, q, k, lse, &mut p);
+                scores_adjoint(at, &p, v, d, go, &mut gs);
+                score_tangent(at, q, k, qd, kd, &p, &mut z);
+                mm(gt, t, hd, &mut gsd, Mat::rows(god, hd), Mat::t(v, hd), T::one());
+                mm_acc(gt, t, hd, &mut gsd, Mat::rows(go, hd), Mat::t(vd, hd), T::one());
+                for (r, sr) in gsd.chunks_exact_mut(t).enumerate() {
+                    let n = visible(r, t);
+                    let (pr, zr, gr) = (&p[r * t..r * t + n], &z[r * t..r * t + n], &gs[r * t..r * t + n]);
+                    for (((s, &p), &z), &g) in sr[..n].iter_mut().zip(pr).zip(zr).zip(gr) {
+                        *s = z * g + sc * p * (*s - dd[r]);
                     }
-                    mm(gt, hd, t, gqd, Mat::rows(&gsd, t), Mat::rows(k, hd), T::one());
-                    mm_acc(gt, hd, t, gqd, Mat::rows(gs, t), Mat::rows(kd, hd), T::one());
-                    mm(t, hd, gt, gkd, Mat::t(&gsd, t), Mat::rows(q, hd), T::one());
-                    mm_acc(t, hd, gt, gkd, Mat::t(gs, t), Mat::rows(qd, hd), T::one());
-                    mm(t, hd, gt, gvd, Mat::t(pd, t), Mat::rows(go, hd), T::one());
-                    mm_acc(t, hd, gt, gvd, Mat::t(p, t), Mat::rows(god, hd), T::one());
-                },
-            )
-        },
-    )?;
+                    sr[n..].iter_mut().for_each(|s| *s = T::zero());
+                }
+                mm(gt, hd, t, gqd, Mat::rows(&gsd, t), Mat::rows(k, hd), T::one());
+                mm_acc(gt, hd, t, gqd, Mat::rows(&gs, t), Mat::rows(kd, hd), T::one());
+                mm(t, hd, gt, gkd, Mat::t(&gsd, t), Mat::rows(q, hd), T::one());
+                mm_acc(t, hd, gt, gkd, Mat::t(&gs, t), Mat::rows(qd, hd), T::one());
+                mm(t, hd, gt, gvd, Mat::t(&p, t), Mat::rows(god, hd), T::one());
+                // Ṗ = P ⊙ Z in P's place
+                p.iter_mut().zip(&z).for_each(|(p, &z)| *p = *p * z);
+                mm_acc(t, hd, gt, gvd, Mat::t(&p, t), Mat::rows(go, hd), T::one());
+            },
+        )
+    })?;
     let (b, kv) = (at.b, at.kv);
     Ok((new(gqd, &[b, kv, gt, hd], q)?, new(gkd, &[b, kv, t, hd], q)?, new(gvd, &[b, kv, t, hd], q)?))
 }
@@ -440,26 +452,45 @@ fn attn_tan_bwd_t<T: El>(
 /// Elements per rayon task of the elementwise kernels.
 const CHUNK: usize = 1 << 14;
 
-/// The silu factors at gate g with σ = σ(g): (silu, silu′, silu″).
+/// The silu factors at gate g with σ = σ(g) = 1/(1 + e^{−g}): (silu, silu′, silu″).
 #[inline]
-fn silu3<T: El>(g: T, s: T) -> (T, T, T) {
+fn silu3<T: El>(g: T) -> (T, T, T) {
     let one = T::one();
     let two = one + one;
+    let s = one / (one + (-g).exp());
     (g * s, s * (one + g * (one - s)), s * (one - s) * (two + g * (one - two * s)))
 }
 
-/// The MLP's tangent ȧ = silu′(g) ġ ⊙ u + silu(g) ⊙ u̇ (σ(g) recorded).
-pub(crate) fn mlp_tan(gate: &Tensor, sg: &Tensor, up: &Tensor, gd: &Tensor, ud: &Tensor) -> Result<Tensor> {
-    by_dtype!(gate, mlp_tan_t(gate, sg, up, gd, ud))
+/// The MLP's product a = silu(g) ⊙ u (the down projection's input, recomputed for each use).
+pub(crate) fn mlp_out(gate: &Tensor, up: &Tensor) -> Result<Tensor> {
+    by_dtype!(gate, mlp_out_t(gate, up))
 }
 
-fn mlp_tan_t<T: El>(gate: &Tensor, sg: &Tensor, up: &Tensor, gd: &Tensor, ud: &Tensor) -> Result<Tensor> {
+fn mlp_out_t<T: El>(gate: &Tensor, up: &Tensor) -> Result<Tensor> {
     let mut out = vec![T::zero(); gate.elem_count()];
-    with_slices::<T, _, 5>([gate, sg, up, gd, ud], |[g, s, u, gd, ud]| {
+    with_slices::<T, _, 2>([gate, up], |[g, u]| {
         out.par_chunks_mut(CHUNK).enumerate().for_each(|(i, o)| {
             let at = i * CHUNK;
             for (j, o) in o.iter_mut().enumerate() {
-                let (silu, d1, _) = silu3(g[at + j], s[at + j]);
+                *o = silu3(g[at + j]).0 * u[at + j];
+            }
+        })
+    })?;
+    new(out, gate.dims(), gate)
+}
+
+/// The MLP's tangent ȧ = silu′(g) ġ ⊙ u + silu(g) ⊙ u̇ (σ(g) recomputed).
+pub(crate) fn mlp_tan(gate: &Tensor, up: &Tensor, gd: &Tensor, ud: &Tensor) -> Result<Tensor> {
+    by_dtype!(gate, mlp_tan_t(gate, up, gd, ud))
+}
+
+fn mlp_tan_t<T: El>(gate: &Tensor, up: &Tensor, gd: &Tensor, ud: &Tensor) -> Result<Tensor> {
+    let mut out = vec![T::zero(); gate.elem_count()];
+    with_slices::<T, _, 4>([gate, up, gd, ud], |[g, u, gd, ud]| {
+        out.par_chunks_mut(CHUNK).enumerate().for_each(|(i, o)| {
+            let at = i * CHUNK;
+            for (j, o) in o.iter_mut().enumerate() {
+                let (silu, d1, _) = silu3(g[at + j]);
                 *o = d1 * gd[at + j] * u[at + j] + silu * ud[at + j];
             }
         })
@@ -468,18 +499,18 @@ fn mlp_tan_t<T: El>(gate: &Tensor, sg: &Tensor, up: &Tensor, gd: &Tensor, ud: &T
 }
 
 /// The MLP's backward from ā = ∂ℓ/∂a: (ḡ = ā ⊙ u ⊙ silu′(g), ū = ā ⊙ silu(g)).
-pub(crate) fn mlp_bwd(gate: &Tensor, sg: &Tensor, up: &Tensor, ga: &Tensor) -> Result<(Tensor, Tensor)> {
-    by_dtype!(gate, mlp_bwd_t(gate, sg, up, ga))
+pub(crate) fn mlp_bwd(gate: &Tensor, up: &Tensor, ga: &Tensor) -> Result<(Tensor, Tensor)> {
+    by_dtype!(gate, mlp_bwd_t(gate, up, ga))
 }
 
-fn mlp_bwd_t<T: El>(gate: &Tensor, sg: &Tensor, up: &Tensor, ga: &Tensor) -> Result<(Tensor, Tensor)> {
+fn mlp_bwd_t<T: El>(gate: &Tensor, up: &Tensor, ga: &Tensor) -> Result<(Tensor, Tensor)> {
     let n = gate.elem_count();
     let (mut gg, mut gu) = (vec![T::zero(); n], vec![T::zero(); n]);
-    with_slices::<T, _, 4>([gate, sg, up, ga], |[g, s, u, ga]| {
+    with_slices::<T, _, 3>([gate, up, ga], |[g, u, ga]| {
         gg.par_chunks_mut(CHUNK).zip(gu.par_chunks_mut(CHUNK)).enumerate().for_each(|(i, (gg, gu))| {
             let at = i * CHUNK;
             for (j, (gg, gu)) in gg.iter_mut().zip(gu.iter_mut()).enumerate() {
-                let (silu, d1, _) = silu3(g[at + j], s[at + j]);
+                let (silu, d1, _) = silu3(g[at + j]);
                 *gg = ga[at + j] * u[at + j] * d1;
                 *gu = ga[at + j] * silu;
             }
@@ -493,19 +524,17 @@ fn mlp_bwd_t<T: El>(gate: &Tensor, sg: &Tensor, up: &Tensor, ga: &Tensor) -> Res
 #[allow(clippy::too_many_arguments)]
 pub(crate) fn mlp_tan_bwd(
     gate: &Tensor,
-    sg: &Tensor,
     up: &Tensor,
     ga: &Tensor,
     gad: &Tensor,
     gd: &Tensor,
     ud: &Tensor,
 ) -> Result<(Tensor, Tensor)> {
-    by_dtype!(gate, mlp_tan_bwd_t(gate, sg, up, ga, gad, gd, ud))
+    by_dtype!(gate, mlp_tan_bwd_t(gate, up, ga, gad, gd, ud))
 }
 
 fn mlp_tan_bwd_t<T: El>(
     gate: &Tensor,
-    sg: &Tensor,
     up: &Tensor,
     ga: &Tensor,
     gad: &Tensor,
@@ -514,12 +543,12 @@ fn mlp_tan_bwd_t<T: El>(
 ) -> Result<(Tensor, Tensor)> {
     let n = gate.elem_count();
     let (mut gg, mut gu) = (vec![T::zero(); n], vec![T::zero(); n]);
-    with_slices::<T, _, 7>([gate, sg, up, ga, gad, gd, ud], |[g, s, u, ga, gad, gd, ud]| {
+    with_slices::<T, _, 6>([gate, up, ga, gad, gd, ud], |[g, u, ga, gad, gd, ud]| {
         gg.par_chunks_mut(CHUNK).zip(gu.par_chunks_mut(CHUNK)).enumerate().for_each(|(i, (gg, gu))| {
             let at = i * CHUNK;
             for (j, (gg, gu)) in gg.iter_mut().zip(gu.iter_mut()).enumerate() {
                 let x = at + j;
-                let (silu, d1, d2) = silu3(g[x], s[x]);
+                let (silu, d1, d2) = silu3(g[x]);
                 *gg = (gad[x] * u[x] + ga[x] * ud[x]) * d1 + ga[x] * u[x] * d2 * gd[x];
                 *gu = gad[x] * silu + ga[x] * d1 * gd[x];
             }
