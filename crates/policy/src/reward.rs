@@ -520,6 +520,19 @@ impl OnePass {
         if !(backbone_scale.is_finite() && backbone_scale >= 0.0) {
             candle_core::bail!("a backbone step scale of {backbone_scale}: expected a finite number ≥ 0");
         }
+        if hvp.scheme == HvpScheme::Exact
+            && matches!(kind, Kind::OmdHvpCg | Kind::OmdHvpCgAdam | Kind::OmdReference)
+            && !crate::rop::Tape::applies(rm)
+        {
+            candle_core::bail!(
+                "exact HVPs cover a reward model's LoRA adapters and head: this one {} (use central differences)",
+                if rm.model.is_full() {
+                    "trains every weight"
+                } else {
+                    "has no trainable adapters or has adapter dropout"
+                }
+            );
+        }
         let rule = Rule::new(cfg, rm.dim(), planned_steps).map_err(|e| candle_core::Error::Msg(e.to_string()))?;
         Ok(OnePass { rule, hvp, backbone_scale, cg: CgScratch::default() })
     }
@@ -546,8 +559,10 @@ impl OnePass {
             candle_core::bail!("a reward model of {} parameters for an update of {}", rm.dim(), self.rule.dim());
         }
         // the exact products' tape comes from the step's own gradient pass
+        // (only for a step that solves: another rule's gradient stays autograd's, bit for bit)
+        let solves = self.rule.solves_at(self.rule.steps() + 1);
         let (g0, tape) = match self.hvp.scheme {
-            HvpScheme::Exact => {
+            HvpScheme::Exact if solves => {
                 let (g, t) = rm.gradient_tape(pairs)?;
                 (g, Some(t))
             }
@@ -578,6 +593,9 @@ impl OnePass {
                 let hv = unflatten(p, &vars)
                     .and_then(|v| match (scheme, &tape) {
                         (HvpScheme::Exact, Some(t)) => t.hvp(&v),
+                        (HvpScheme::Exact, None) => {
+                            Err(candle_core::Error::Msg("exact HVPs asked for at a step that was not to solve".into()))
+                        }
                         (HvpScheme::GaussNewton, _) => rm.gauss_newton_vp(pairs, &v, eps, curvature),
                         _ => rm.hvp_with(pairs, &v, eps, g_at_w),
                     })

@@ -291,12 +291,11 @@ impl Geo {
     /// grouped query rows.
     fn head_dots(&self, a: &Tensor, b: &Tensor) -> Result<Tensor> {
         let (h, g) = (self.heads, self.heads / self.kv);
-        (a * b)?
-            .reshape((self.b, self.t, h, self.hd))?
-            .sum(D::Minus1)?
-            .transpose(1, 2)?
-            .contiguous()?
-            .reshape((self.b, self.kv, g * self.t))
+        (a * b)?.reshape((self.b, self.t, h, self.hd))?.sum(D::Minus1)?.transpose(1, 2)?.contiguous()?.reshape((
+            self.b,
+            self.kv,
+            g * self.t,
+        ))
     }
 
     /// The layout of the CPU's attention kernels.
@@ -608,12 +607,7 @@ impl Tape {
     }
 
     /// One group's forward and backward pass: its tape, its share of the gradient, its margins.
-    fn pass(
-        &self,
-        m: &PolicyModel,
-        pairs: &[RmPair<'_>],
-        n_total: usize,
-    ) -> Result<(PassTape, Vec<Tensor>, Vec<f64>)> {
+    fn pass(&self, m: &PolicyModel, pairs: &[RmPair<'_>], n_total: usize) -> Result<(PassTape, Vec<Tensor>, Vec<f64>)> {
         let cfg = m.config();
         let n = pairs.len();
         let seqs: Vec<&[u32]> = pairs.iter().map(|p| p.a).chain(pairs.iter().map(|p| p.b)).collect();
@@ -718,8 +712,10 @@ impl Tape {
             }
             dirs.push(d);
         }
-        let theta_d =
-            it.next().ok_or_else(|| candle_core::Error::Msg("exact HVPs: no head direction".into()))?.to_dtype(self.theta.dtype())?;
+        let theta_d = it
+            .next()
+            .ok_or_else(|| candle_core::Error::Msg("exact HVPs: no head direction".into()))?
+            .to_dtype(self.theta.dtype())?;
         let mut out: Option<Vec<Tensor>> = None;
         for pass in &self.passes {
             let hv = self.pass_hvp(pass, &dirs, &theta_d)?;
@@ -827,7 +823,8 @@ fn block_bwd(
     // MLP
     let ga = keep(6, &mlp_out(geo, f)?, &gxn, true)?.ok_or_else(missing)?;
     let (ggate, gup) = mlp_bwd(geo, f, &ga)?;
-    let gh2 = (keep(4, &f.h2, &ggate, true)?.ok_or_else(missing)? + keep(5, &f.h2, &gup, true)?.ok_or_else(missing)?)?;
+    let gh2 =
+        (keep(4, &f.h2, &ggate, true)?.ok_or_else(missing)? + keep(5, &f.h2, &gup, true)?.ok_or_else(missing)?)?;
     let gx1 = (&gxn + norm_bwd(&f.x1, &f.r2, g2, &gh2)?)?;
     // attention
     let gya = keep(3, &f.ya, &gx1, true)?.ok_or_else(missing)?;
@@ -837,7 +834,8 @@ fn block_bwd(
     let gkl = geo.rows(&gk, true)?;
     let gvl = geo.rows(&gv, false)?;
     // the first block's input is the embeddings, which do not learn: no ∂ℓ/∂h1 needed
-    let (gq1, gk1, gv1) = (keep(0, &f.h1, &gql, need_gx)?, keep(1, &f.h1, &gkl, need_gx)?, keep(2, &f.h1, &gvl, need_gx)?);
+    let (gq1, gk1, gv1) =
+        (keep(0, &f.h1, &gql, need_gx)?, keep(1, &f.h1, &gkl, need_gx)?, keep(2, &f.h1, &gvl, need_gx)?);
     let (gh1, gx) = match (gq1, gk1, gv1) {
         (Some(a), Some(b), Some(c)) => {
             let gh1 = ((a + b)? + c)?;
@@ -901,9 +899,21 @@ fn block_tan_bwd(
         let g = match j {
             4 => &ggate,
             5 => &gup,
-            _ => a.lin[j].g.as_ref().ok_or_else(|| candle_core::Error::Msg("exact HVPs: an adjoint not kept".into()))?,
+            _ => {
+                a.lin[j].g.as_ref().ok_or_else(|| candle_core::Error::Msg("exact HVPs: an adjoint not kept".into()))?
+            }
         };
-        let r = lin[j].tan_bwd(x, f.xa[j].as_ref(), xd, td.xa[j].as_ref(), g, a.lin[j].gb.as_ref(), gd, dir[j].as_ref(), need)?;
+        let r = lin[j].tan_bwd(
+            x,
+            f.xa[j].as_ref(),
+            xd,
+            td.xa[j].as_ref(),
+            g,
+            a.lin[j].gb.as_ref(),
+            gd,
+            dir[j].as_ref(),
+            need,
+        )?;
         hv[j] = r.grads;
         Ok(r.gx)
     };

@@ -52,11 +52,18 @@ pub(crate) fn lin_fwd(
     by_dtype!(x, lin_fwd_t(x, w, bias, ad))
 }
 
-fn lin_fwd_t<T: El>(x: &Tensor, w: &Tensor, bias: Option<&Tensor>, ad: Option<Ad<'_>>) -> Result<(Tensor, Option<Tensor>)> {
+fn lin_fwd_t<T: El>(
+    x: &Tensor,
+    w: &Tensor,
+    bias: Option<&Tensor>,
+    ad: Option<Ad<'_>>,
+) -> Result<(Tensor, Option<Tensor>)> {
     let ((rows, inp), (out, _)) = (x.dims2()?, w.dims2()?);
     let mut y = with_slices::<T, _, 2>([x, w], |[x, w]| product(rows, out, inp, Mat::rows(x, inp), Mat::t(w, inp)))?;
     if let Some(b) = bias {
-        with_slices::<T, _, 1>([b], |[b]| y.chunks_exact_mut(out).for_each(|r| r.iter_mut().zip(b).for_each(|(y, &b)| *y = *y + b)))?;
+        with_slices::<T, _, 1>([b], |[b]| {
+            y.chunks_exact_mut(out).for_each(|r| r.iter_mut().zip(b).for_each(|(y, &b)| *y = *y + b))
+        })?;
     }
     let xa = match ad {
         Some((a, b, s)) => {
@@ -95,7 +102,9 @@ fn lin_bwd_t<T: El>(
 ) -> Result<(Option<Tensor>, Option<(Tensor, Tensor)>, Option<Tensor>)> {
     let ((rows, inp), (out, _)) = (x.dims2()?, w.dims2()?);
     let mut gx = match need_gx {
-        true => Some(with_slices::<T, _, 2>([g, w], |[g, w]| product(rows, inp, out, Mat::rows(g, out), Mat::rows(w, inp)))?),
+        true => Some(with_slices::<T, _, 2>([g, w], |[g, w]| {
+            product(rows, inp, out, Mat::rows(g, out), Mat::rows(w, inp))
+        })?),
         false => None,
     };
     let (mut grads, mut gbt) = (None, None);
@@ -134,7 +143,8 @@ fn lin_tan_t<T: El>(
     xd: &Tensor,
 ) -> Result<(Tensor, Option<Tensor>)> {
     let ((rows, inp), (out, _)) = (x.dims2()?, w.dims2()?);
-    let mut yd = with_slices::<T, _, 2>([xd, w], |[xd, w]| product(rows, out, inp, Mat::rows(xd, inp), Mat::t(w, inp)))?;
+    let mut yd =
+        with_slices::<T, _, 2>([xd, w], |[xd, w]| product(rows, out, inp, Mat::rows(xd, inp), Mat::t(w, inp)))?;
     let mut xad = None;
     if let Some(((a, b, s), xa, (av, bv))) = ad {
         let r = a.dim(0)?;
@@ -177,26 +187,31 @@ fn lin_tan_bwd_t<T: El>(
 ) -> Result<(Option<Tensor>, Option<(Tensor, Tensor)>)> {
     let ((rows, inp), (out, _)) = (x.dims2()?, w.dims2()?);
     let mut gx = match need_gx {
-        true => Some(with_slices::<T, _, 2>([gd, w], |[gd, w]| product(rows, inp, out, Mat::rows(gd, out), Mat::rows(w, inp)))?),
+        true => Some(with_slices::<T, _, 2>([gd, w], |[gd, w]| {
+            product(rows, inp, out, Mat::rows(gd, out), Mat::rows(w, inp))
+        })?),
         false => None,
     };
     let mut grads = None;
     if let Some(((a, b, s), xa, (av, bv), xad, (g, gb))) = ad {
         let r = a.dim(0)?;
-        let (da, db) = with_slices::<T, _, 11>([x, xd, a, b, xa, av, bv, xad, g, gb, gd], |[x, xd, a, b, xa, av, bv, xad, g, gb, gd]| {
-            // (g B)˙ = ġ B + g Ḃ
-            let mut gbd = product(rows, r, out, Mat::rows(gd, out), Mat::rows(b, r));
-            mm_add(rows, r, out, &mut gbd, Mat::rows(g, out), Mat::rows(bv, r), T::one());
-            if let Some(gx) = &mut gx {
-                mm_add(rows, inp, r, gx, Mat::rows(&gbd, r), Mat::rows(a, inp), c(s));
-                mm_add(rows, inp, r, gx, Mat::rows(gb, r), Mat::rows(av, inp), c(s));
-            }
-            let mut da = scaled_product(r, inp, rows, Mat::t(&gbd, r), Mat::rows(x, inp), c(s));
-            mm_add(r, inp, rows, &mut da, Mat::t(gb, r), Mat::rows(xd, inp), c(s));
-            let mut db = scaled_product(out, r, rows, Mat::t(gd, out), Mat::rows(xa, r), c(s));
-            mm_add(out, r, rows, &mut db, Mat::t(g, out), Mat::rows(xad, r), c(s));
-            (da, db)
-        })?;
+        let (da, db) = with_slices::<T, _, 11>(
+            [x, xd, a, b, xa, av, bv, xad, g, gb, gd],
+            |[x, xd, a, b, xa, av, bv, xad, g, gb, gd]| {
+                // (g B)˙ = ġ B + g Ḃ
+                let mut gbd = product(rows, r, out, Mat::rows(gd, out), Mat::rows(b, r));
+                mm_add(rows, r, out, &mut gbd, Mat::rows(g, out), Mat::rows(bv, r), T::one());
+                if let Some(gx) = &mut gx {
+                    mm_add(rows, inp, r, gx, Mat::rows(&gbd, r), Mat::rows(a, inp), c(s));
+                    mm_add(rows, inp, r, gx, Mat::rows(gb, r), Mat::rows(av, inp), c(s));
+                }
+                let mut da = scaled_product(r, inp, rows, Mat::t(&gbd, r), Mat::rows(x, inp), c(s));
+                mm_add(r, inp, rows, &mut da, Mat::t(gb, r), Mat::rows(xd, inp), c(s));
+                let mut db = scaled_product(out, r, rows, Mat::t(gd, out), Mat::rows(xa, r), c(s));
+                mm_add(out, r, rows, &mut db, Mat::t(g, out), Mat::rows(xad, r), c(s));
+                (da, db)
+            },
+        )?;
         grads = Some((new(da, &[r, inp], x)?, new(db, &[out, r], x)?));
     }
     let gx = gx.map(|v| new(v, &[rows, inp], x)).transpose()?;
@@ -411,40 +426,43 @@ fn attn_tan_bwd_t<T: El>(
     let mut gqd = vec![T::zero(); groups * qs];
     let mut gkd = vec![T::zero(); groups * ks];
     let mut gvd = vec![T::zero(); groups * ks];
-    with_slices::<T, _, 11>([q, k, v, lse, d, go, qd, kd, vd, dd, god], |[q, k, v, lse, d, go, qd, kd, vd, dd, god]| {
-        gqd.par_chunks_mut(qs).zip(gkd.par_chunks_mut(ks)).zip(gvd.par_chunks_mut(ks)).enumerate().for_each(
-            |(i, ((gqd, gkd), gvd))| {
-                let (qr, kr, rr) = (i * qs..(i + 1) * qs, i * ks..(i + 1) * ks, i * gt..(i + 1) * gt);
-                let (q, go, qd, god) = (&q[qr.clone()], &go[qr.clone()], &qd[qr.clone()], &god[qr]);
-                let (k, v, kd, vd) = (&k[kr.clone()], &v[kr.clone()], &kd[kr.clone()], &vd[kr]);
-                let (lse, d, dd) = (&lse[rr.clone()], &d[rr.clone()], &dd[rr]);
-                let sc = at.scale::<T>();
-                let (mut p, mut gs, mut gsd, mut z) =
-                    (vec![T::zero(); ps], vec![T::zero(); ps], vec![T::zero(); ps], vec![T::zero(); ps]);
-                probs(at, q, k, lse, &mut p);
-                scores_adjoint(at, &p, v, d, go, &mut gs);
-                score_tangent(at, q, k, qd, kd, &p, &mut z);
-                mm(gt, t, hd, &mut gsd, Mat::rows(god, hd), Mat::t(v, hd), T::one());
-                mm_acc(gt, t, hd, &mut gsd, Mat::rows(go, hd), Mat::t(vd, hd), T::one());
-                for (r, sr) in gsd.chunks_exact_mut(t).enumerate() {
-                    let n = visible(r, t);
-                    let (pr, zr, gr) = (&p[r * t..r * t + n], &z[r * t..r * t + n], &gs[r * t..r * t + n]);
-                    for (((s, &p), &z), &g) in sr[..n].iter_mut().zip(pr).zip(zr).zip(gr) {
-                        *s = z * g + sc * p * (*s - dd[r]);
+    with_slices::<T, _, 11>(
+        [q, k, v, lse, d, go, qd, kd, vd, dd, god],
+        |[q, k, v, lse, d, go, qd, kd, vd, dd, god]| {
+            gqd.par_chunks_mut(qs).zip(gkd.par_chunks_mut(ks)).zip(gvd.par_chunks_mut(ks)).enumerate().for_each(
+                |(i, ((gqd, gkd), gvd))| {
+                    let (qr, kr, rr) = (i * qs..(i + 1) * qs, i * ks..(i + 1) * ks, i * gt..(i + 1) * gt);
+                    let (q, go, qd, god) = (&q[qr.clone()], &go[qr.clone()], &qd[qr.clone()], &god[qr]);
+                    let (k, v, kd, vd) = (&k[kr.clone()], &v[kr.clone()], &kd[kr.clone()], &vd[kr]);
+                    let (lse, d, dd) = (&lse[rr.clone()], &d[rr.clone()], &dd[rr]);
+                    let sc = at.scale::<T>();
+                    let (mut p, mut gs, mut gsd, mut z) =
+                        (vec![T::zero(); ps], vec![T::zero(); ps], vec![T::zero(); ps], vec![T::zero(); ps]);
+                    probs(at, q, k, lse, &mut p);
+                    scores_adjoint(at, &p, v, d, go, &mut gs);
+                    score_tangent(at, q, k, qd, kd, &p, &mut z);
+                    mm(gt, t, hd, &mut gsd, Mat::rows(god, hd), Mat::t(v, hd), T::one());
+                    mm_acc(gt, t, hd, &mut gsd, Mat::rows(go, hd), Mat::t(vd, hd), T::one());
+                    for (r, sr) in gsd.chunks_exact_mut(t).enumerate() {
+                        let n = visible(r, t);
+                        let (pr, zr, gr) = (&p[r * t..r * t + n], &z[r * t..r * t + n], &gs[r * t..r * t + n]);
+                        for (((s, &p), &z), &g) in sr[..n].iter_mut().zip(pr).zip(zr).zip(gr) {
+                            *s = z * g + sc * p * (*s - dd[r]);
+                        }
+                        sr[n..].iter_mut().for_each(|s| *s = T::zero());
                     }
-                    sr[n..].iter_mut().for_each(|s| *s = T::zero());
-                }
-                mm(gt, hd, t, gqd, Mat::rows(&gsd, t), Mat::rows(k, hd), T::one());
-                mm_acc(gt, hd, t, gqd, Mat::rows(&gs, t), Mat::rows(kd, hd), T::one());
-                mm(t, hd, gt, gkd, Mat::t(&gsd, t), Mat::rows(q, hd), T::one());
-                mm_acc(t, hd, gt, gkd, Mat::t(&gs, t), Mat::rows(qd, hd), T::one());
-                mm(t, hd, gt, gvd, Mat::t(&p, t), Mat::rows(god, hd), T::one());
-                // Ṗ = P ⊙ Z in P's place
-                p.iter_mut().zip(&z).for_each(|(p, &z)| *p = *p * z);
-                mm_acc(t, hd, gt, gvd, Mat::t(&p, t), Mat::rows(go, hd), T::one());
-            },
-        )
-    })?;
+                    mm(gt, hd, t, gqd, Mat::rows(&gsd, t), Mat::rows(k, hd), T::one());
+                    mm_acc(gt, hd, t, gqd, Mat::rows(&gs, t), Mat::rows(kd, hd), T::one());
+                    mm(t, hd, gt, gkd, Mat::t(&gsd, t), Mat::rows(q, hd), T::one());
+                    mm_acc(t, hd, gt, gkd, Mat::t(&gs, t), Mat::rows(qd, hd), T::one());
+                    mm(t, hd, gt, gvd, Mat::t(&p, t), Mat::rows(god, hd), T::one());
+                    // Ṗ = P ⊙ Z in P's place
+                    p.iter_mut().zip(&z).for_each(|(p, &z)| *p = *p * z);
+                    mm_acc(t, hd, gt, gvd, Mat::t(&p, t), Mat::rows(go, hd), T::one());
+                },
+            )
+        },
+    )?;
     let (b, kv) = (at.b, at.kv);
     Ok((new(gqd, &[b, kv, gt, hd], q)?, new(gkd, &[b, kv, t, hd], q)?, new(gvd, &[b, kv, t, hd], q)?))
 }

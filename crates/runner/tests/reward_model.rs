@@ -100,14 +100,29 @@ fn every_rule_learns_the_features_through_a_run() {
 /// f32 rounding of φ). A learning backbone gives another θ.
 /// `hvp = "forward"` and `hvp = "gauss-newton"`: the CG rules run on one-pass products or on
 /// the Gauss–Newton matrix's; the products differ from central ones, so omd-hvp-cg's θ does
-/// too (sgd's, which takes none, does not).
+/// too (sgd's, which takes none, does not). Absent, a LoRA reward model takes exact products
+/// (the R-operator) and a full-parameter one central differences, and the resolved spec says
+/// which; the exact products are the Hessian's, so omd-hvp-cg's θ is the central run's to the
+/// differences' error, not to the bit.
 #[test]
 fn forward_differences_and_gauss_newton_are_named_choices() {
     let tmp = tempfile::tempdir().unwrap();
     let p = tmp.path();
     setup(p);
     let rules = "[[estimator]]\nkind = \"sgd\"\nlr = 0.05\n[[estimator]]\nkind = \"omd-hvp-cg\"\nlr = 0.05\n";
-    let central = run(p, &spec("lora", "", rules), "central");
+    let central = run(p, &spec("lora", "hvp = \"central\"", rules), "central");
+    let exact = run(p, &spec("lora", "", rules), "exact");
+    let resolved = std::fs::read_to_string(exact.join("spec.resolved.toml")).unwrap();
+    assert!(resolved.contains("hvp = \"exact\""), "a LoRA reward model's default is named: {resolved}");
+    assert_eq!(npy(&central, "c0000"), npy(&exact, "c0000"), "sgd takes no HVP");
+    let (c, e) = (npy(&central, "c0001"), npy(&exact, "c0001"));
+    let rel = c.iter().zip(&e).map(|(a, b)| (a - b).powi(2)).sum::<f64>().sqrt()
+        / c.iter().map(|a| a * a).sum::<f64>().sqrt();
+    eprintln!("omd-hvp-cg θ, exact against central products: relative difference {rel:.2e}");
+    assert!(rel > 0.0 && rel < 1e-2, "exact and central products: θ apart by {rel:e}");
+    let full = run(p, &spec("full", "", rules), "full-default");
+    let resolved = std::fs::read_to_string(full.join("spec.resolved.toml")).unwrap();
+    assert!(resolved.contains("hvp = \"central\""), "a full update's default is named: {resolved}");
     let forward = run(p, &spec("lora", "hvp = \"forward\"", rules), "forward");
     assert_eq!(npy(&central, "c0000"), npy(&forward, "c0000"), "sgd takes no HVP");
     assert_ne!(npy(&central, "c0001"), npy(&forward, "c0001"), "omd-hvp-cg's products differ");
@@ -177,6 +192,8 @@ fn the_plan_refuses_what_a_learning_feature_map_cannot_do() {
         (spec("lora", "", "[[estimator]]\nkind = \"omd-exact\"\n"), "estimator[0].kind", "omd-exact"),
         (spec("lora", "", "[[estimator]]\nkind = \"mle\"\n"), "estimator[0].kind", "d×d"),
         (spec("lora", "hvp_eps = 0.0", RULES), "reward.hvp_eps", "expected a finite number > 0"),
+        (spec("lora", "hvp_eps = 0.001", RULES), "reward.hvp_eps", "take no step"),
+        (spec("full", "hvp = \"exact\"", RULES), "reward.hvp", "LoRA adapters and the head"),
         (spec("lora", "", RULES).replace("rank = 2", "rank = 0"), "reward.rank", "expected at least 1"),
         (spec("full", "targets = [\"w_proj\"]", RULES), "reward.targets", "w_proj"),
         (

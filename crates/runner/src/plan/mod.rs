@@ -362,6 +362,10 @@ impl Plan {
         let mut s = spec.clone();
         s.name = Some(self.name.clone());
         s.policy = self.policy.clone();
+        // the curvature products a learning reward model takes, named
+        if let Some(r) = s.reward.as_mut().filter(|r| r.update != crate::spec::reward::RewardUpdate::Head) {
+            r.hvp = Some(r.hvp_scheme());
+        }
         s.estimators = self
             .configs
             .iter()

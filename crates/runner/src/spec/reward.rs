@@ -47,13 +47,17 @@ pub struct RewardSpec {
     /// computed through the trainable path).
     #[serde(default = "d_one")]
     pub backbone_lr_scale: f64,
-    /// The curvature products of omd-hvp-cg and omd-reference: the Hessian's, by differences of
-    /// gradients — "central" (two passes each, error O(ε²)) or "forward" (one pass from the
-    /// step's own gradient, error O(ε)) — or "gauss-newton": the Gauss–Newton matrix
+    /// The curvature products of omd-hvp-cg and omd-reference: the Hessian's — "exact"
+    /// (Pearlmutter's R-operator on the step's recorded gradient pass: about one gradient pass
+    /// each, no step size; LoRA adapters and the head), or by differences of gradients,
+    /// "central" (two passes each, error O(ε²)) or "forward" (one pass from the step's own
+    /// gradient, error O(ε)) — or "gauss-newton": the Gauss–Newton matrix
     /// (1/B) Σ σ′(mᵢ) ∇mᵢ ∇mᵢᵀ, paper Alg. 5's H_t with the margin's gradient for z, positive
-    /// semi-definite (two forward passes and one backward each).
-    #[serde(default)]
-    pub hvp: HvpScheme,
+    /// semi-definite (two forward passes and one backward each). Absent: "exact" for
+    /// update = "lora", "central" for "full" ([`RewardSpec::hvp_scheme`]; the resolved spec
+    /// records which).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub hvp: Option<HvpScheme>,
     /// ε: how far the parameters move along the direction (absent: the scheme's f32 balance of
     /// truncation and rounding, 3e-3 central and gauss-newton, 3e-4 forward).
     #[serde(default, skip_serializing_if = "Option::is_none")]
@@ -76,7 +80,7 @@ impl Default for RewardSpec {
             alpha: d_alpha(),
             targets: d_targets(),
             backbone_lr_scale: d_one(),
-            hvp: HvpScheme::Central,
+            hvp: None,
             hvp_eps: None,
             eval_batch: d_eval_batch(),
             pairs_per_pass: d_pairs_per_pass(),
@@ -100,6 +104,17 @@ impl RewardSpec {
         if let Some(e) = self.hvp_eps.filter(|e| !(e.is_finite() && *e > 0.0)) {
             return Err(("hvp_eps", format!("{e}: expected a finite number > 0")));
         }
+        if self.hvp_scheme() == HvpScheme::Exact {
+            if self.update == RewardUpdate::Full {
+                return Err((
+                    "hvp",
+                    "\"exact\": the R-operator covers LoRA adapters and the head; update = \"full\" takes \"central\", \"forward\" or \"gauss-newton\"".into(),
+                ));
+            }
+            if let Some(e) = self.hvp_eps {
+                return Err(("hvp_eps", format!("{e}: exact products (hvp = \"exact\") take no step; remove the key")));
+            }
+        }
         if self.eval_batch == 0 {
             return Err(("eval_batch", "0: expected at least 1".into()));
         }
@@ -109,9 +124,20 @@ impl RewardSpec {
         Ok(())
     }
 
+    /// The curvature products' scheme: `hvp`, or absent the update's default — exact products
+    /// where the R-operator applies (LoRA), central differences of gradients where it does not
+    /// (every weight learning).
+    pub fn hvp_scheme(&self) -> HvpScheme {
+        self.hvp.unwrap_or(match self.update {
+            RewardUpdate::Full => HvpScheme::Central,
+            RewardUpdate::Head | RewardUpdate::Lora => HvpScheme::Exact,
+        })
+    }
+
     /// How the update takes Hessian–vector products.
     pub fn hvp_config(&self) -> policy::reward::HvpConfig {
-        policy::reward::HvpConfig { eps: self.hvp_eps.unwrap_or(self.hvp.default_eps()), scheme: self.hvp }
+        let scheme = self.hvp_scheme();
+        policy::reward::HvpConfig { eps: self.hvp_eps.unwrap_or(scheme.default_eps()), scheme }
     }
 
     /// The adapters of update = "lora", their initial draw from `seed`.
