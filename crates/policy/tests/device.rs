@@ -171,6 +171,16 @@ fn a_reward_models_gradient_hvps_and_step_on_the_device_equal_pytorchs_and_the_c
         assert!(g_err < 1e-9, "{case}: gradient relative error {g_err:e}");
         assert!(hv_err < 1e-7, "{case}: f64 HVP relative error {hv_err:e}");
         assert!(hv32_err < 3e-3, "{case}: f32 HVP relative error {hv32_err:e} at the default ε");
+        // the R-operator's exact products (LoRA): the composed ops off the CPU, exact to rounding
+        if !full {
+            let (g_tape, tape) = rm.gradient_tape(&pairs).unwrap();
+            let tg_err = rel_l2(&flat64(&g_tape.grads), &flat64(&fx.get("grad", &names, DType::F64)));
+            let rop_err = rel_l2(&flat64(&tape.hvp(&v_dev).unwrap()), &exact);
+            eprintln!(
+                "{case} {k:?} on {dev:?}: R-operator gradient {tg_err:.1e}, HVP {rop_err:.1e} (vs PyTorch's exact)"
+            );
+            assert!(tg_err < 1e-10 && rop_err < 1e-11, "{case}: R-operator gradient {tg_err:e}, HVP {rop_err:e}");
+        }
         // one step of paper Alg. 5 (K = 3 CG steps on HVPs), f64: the device's and the CPU's
         let cfg = estimators::EstimatorConfig::OmdHvpCg(Default::default());
         let after = |rm: &policy::reward::RewardModel| -> Vec<f64> {
