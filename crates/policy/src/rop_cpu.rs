@@ -62,7 +62,7 @@ fn lin_fwd_t<T: El>(
     let mut y = with_slices::<T, _, 2>([x, w], |[x, w]| product(rows, out, inp, Mat::rows(x, inp), Mat::t(w, inp)))?;
     if let Some(b) = bias {
         with_slices::<T, _, 1>([b], |[b]| {
-            y.chunks_exact_mut(out).for_each(|r| r.iter_mut().zip(b).for_each(|(y, &b)| *y = *y + b))
+            y.chunks_exact_mut(out).for_each(|r| r.iter_mut().zip(b).for_each(|(y, &b)| *y += b))
         })?;
     }
     let xa = match ad {
@@ -255,7 +255,7 @@ fn probs<T: El>(at: Att, q: &[T], k: &[T], lse: &[T], p: &mut [T]) {
     mm(gt, t, hd, p, Mat::rows(q, hd), Mat::t(k, hd), at.scale());
     for (r, pr) in p.chunks_exact_mut(t).enumerate() {
         let n = visible(r, t);
-        pr[..n].iter_mut().for_each(|e| *e = *e - lse[r]);
+        pr[..n].iter_mut().for_each(|e| *e -= lse[r]);
         T::exp_row(&mut pr[..n]);
         pr[n..].iter_mut().for_each(|e| *e = T::zero());
     }
@@ -283,7 +283,7 @@ fn attn_fwd_t<T: El>(at: Att, q: &Tensor, k: &Tensor, v: &Tensor) -> Result<(Ten
                 let n = visible(r, t);
                 let m = pr[..n].iter().fold(T::neg_infinity(), |a, &b| num_traits::Float::max(a, b));
                 let mut e = pr[..n].to_vec();
-                e.iter_mut().for_each(|x| *x = *x - m);
+                e.iter_mut().for_each(|x| *x -= m);
                 T::exp_row(&mut e);
                 lse[r] = m + e.iter().fold(T::zero(), |a, &x| a + x).ln();
             }
@@ -313,7 +313,7 @@ fn score_tangent<T: El>(at: Att, q: &[T], k: &[T], qd: &[T], kd: &[T], p: &[T], 
     mm_acc(gt, t, hd, z, Mat::rows(q, hd), Mat::t(kd, hd), at.scale());
     for (zr, pr) in z.chunks_exact_mut(t).zip(p.chunks_exact(t)) {
         let m = dot(pr, zr);
-        zr.iter_mut().for_each(|z| *z = *z - m);
+        zr.iter_mut().for_each(|z| *z -= m);
     }
 }
 
@@ -389,7 +389,7 @@ fn attn_tan_t<T: El>(
             mm(gt, hd, t, od, Mat::rows(&p, t), Mat::rows(vd, hd), T::one());
             score_tangent(at, q, k, qd, kd, &p, &mut z);
             // Ṗ = P ⊙ Z in P's place (zero past the visible keys, where P is)
-            p.iter_mut().zip(&z).for_each(|(p, &z)| *p = *p * z);
+            p.iter_mut().zip(&z).for_each(|(p, &z)| *p *= z);
             mm_acc(gt, hd, t, od, Mat::rows(&p, t), Mat::rows(v, hd), T::one());
         })
     })?;
@@ -457,7 +457,7 @@ fn attn_tan_bwd_t<T: El>(
                     mm_acc(t, hd, gt, gkd, Mat::t(&gs, t), Mat::rows(qd, hd), T::one());
                     mm(t, hd, gt, gvd, Mat::t(&p, t), Mat::rows(god, hd), T::one());
                     // Ṗ = P ⊙ Z in P's place
-                    p.iter_mut().zip(&z).for_each(|(p, &z)| *p = *p * z);
+                    p.iter_mut().zip(&z).for_each(|(p, &z)| *p *= z);
                     mm_acc(t, hd, gt, gvd, Mat::t(&p, t), Mat::rows(go, hd), T::one());
                 },
             )
