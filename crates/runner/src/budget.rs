@@ -152,6 +152,27 @@ fn reward_terms(spec: &Spec, r: &RewardShape) -> Vec<Term> {
         what: format!("a gradient pass's activations ({seqs} sequences × {len} tokens{on})"),
         bytes,
     });
+    // exact HVPs (`policy::rop`): the tape of every pass of a step, held through its K products
+    // — per token and layer each layer's inputs and adapted products' adjoints, 8h + 4·(q width)
+    // + 4·(kv width) + 3i values (10,288 for SmolLM2-135M: 1.26 GB for 4 × 256 tokens, whose
+    // step peaked at 3.15 GB against 1.87 GB for a gradient; the tangent pass's values are the
+    // activation term's, which the exact path does not hold at the same time)
+    let curvature = spec.estimators.iter().any(|e| {
+        matches!(e.get("kind").and_then(|k| k.as_str()), Some("omd-hvp-cg" | "omd-hvp-cg+adam" | "omd-reference"))
+    });
+    if curvature && rs.hvp_scheme() == policy::reward::HvpScheme::Exact {
+        let batch = 2 * spec.stream.batch_size as u64;
+        let (qw, kvw) = ((cfg.heads * cfg.head_dim) as u64, (cfg.kv_heads * cfg.head_dim) as u64);
+        let per_token = 8 * h + 4 * qw + 4 * kvw + 3 * i;
+        let (bytes, on) = on_device(mul(&[batch, len, per_token, 4, l]), r.on_device, 1.0);
+        t.push(Term {
+            key: "reward.hvp",
+            what: format!(
+                "the exact products' tape (\"exact\"; every pass of a step: {batch} sequences × {len} tokens{on})"
+            ),
+            bytes,
+        });
+    }
     t
 }
 
@@ -489,6 +510,22 @@ mod tests {
         );
         let head = at("head", 2);
         assert!(head.cell.iter().all(|t| !t.key.starts_with("reward.")), "{:?}", head.cell);
+        // exact products (a LoRA reward model's default) keep a tape of the whole batch for the
+        // CG rules; sgd takes none, nor do central differences (negative controls)
+        let with = |update: &str, extra: &str, kind: &str| -> Estimate {
+            let text = spec(update, 2)
+                .replace("[[estimator]]\nkind = \"sgd\"\n", &format!("{extra}[[estimator]]\nkind = \"{kind}\"\n"));
+            std::fs::write(&path, text).unwrap();
+            let plan = crate::load_plan(&path, &[]).unwrap();
+            estimate(&plan.spec, &plan, 1, None, Some(&shape), Memory::Host)
+        };
+        let c = tiny_cfg();
+        let per_token =
+            (8 * c.hidden + 4 * c.heads * c.head_dim + 4 * c.kv_heads * c.head_dim + 3 * c.intermediate) as u64;
+        assert_eq!(term(&with("lora", "", "omd-hvp-cg"), "reward.hvp"), 16 * 64 * per_token * 4 * c.layers as u64);
+        assert_eq!(term(&with("lora", "", "sgd"), "reward.hvp"), 0);
+        assert_eq!(term(&with("lora", "hvp = \"central\"\n", "omd-hvp-cg"), "reward.hvp"), 0);
+        assert_eq!(term(&with("full", "", "omd-hvp-cg"), "reward.hvp"), 0, "a full update takes central differences");
         // on a GPU the same terms count in the device's memory and none in the host's (the
         // H100 run of mini-hh-lora-rm ran out of GPU memory while its estimate sat in the host's)
         let gpu = RewardShape { on_device: true, ..shape.clone() };
@@ -507,12 +544,13 @@ mod tests {
     /// on a GPU with less free memory.
     #[test]
     fn the_gpu_estimate_covers_what_an_h100_held_for_three_lora_reward_cells() {
+        // (that run took central differences, the default then: no exact products' tape)
         let dir = tempfile::tempdir().unwrap();
         let path = dir.path().join("spec.toml");
         std::fs::write(
             &path,
             "setting = \"passive\"\nseeds = 3\n[env]\nkind = \"dataset\"\n[data]\npath = \"p.jsonl\"\nmodel = \"m.gguf\"\n\
-             [stream]\nbatch_size = 8\n[reward]\nupdate = \"lora\"\npairs_per_pass = 4\n[[estimator]]\nkind = \"omd-hvp-cg\"\n",
+             [stream]\nbatch_size = 8\n[reward]\nupdate = \"lora\"\npairs_per_pass = 4\nhvp = \"central\"\n[[estimator]]\nkind = \"omd-hvp-cg\"\n",
         )
         .unwrap();
         let plan = crate::load_plan(&path, &[]).unwrap();
