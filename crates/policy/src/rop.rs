@@ -551,8 +551,8 @@ pub struct Tape {
     theta: Tensor,
 }
 
-/// What [`Tape::record`] gives besides the tape: the batch's gradient in
-/// [`RewardModel::vars`] order, each pair's margin (batch order) and the pass's loss value.
+/// What [`Tape::record`] gives: the tape, the batch's gradient in [`RewardModel::vars`] order
+/// and each pair's margin (batch order), from which the caller computes the loss and accuracy.
 pub struct Recorded {
     pub tape: Tape,
     pub grads: Vec<Tensor>,
