@@ -15,6 +15,23 @@ use candle_core::{DType, Result, Tensor, Var};
 use estimators::cg::{self, CgOptions, CgScratch};
 use estimators::{EstimatorConfig, Rule};
 
+/// `seqs` as one right-padded batch: the ids (n·t, pad 0), each sequence's last row in the
+/// flattened (n·t) layout, and t. An error for no sequences or an empty one.
+pub(crate) fn padded(seqs: &[&[u32]]) -> Result<(Vec<u32>, Vec<u32>, usize)> {
+    let n = seqs.len();
+    if n == 0 || seqs.iter().any(|s| s.is_empty()) {
+        candle_core::bail!("reward model features: expected non-empty sequences, got {n} with an empty one");
+    }
+    let t = seqs.iter().map(|s| s.len()).max().unwrap_or(1);
+    let mut ids = vec![0u32; n * t];
+    let mut last = Vec::with_capacity(n);
+    for (i, s) in seqs.iter().enumerate() {
+        ids[i * t..i * t + s.len()].copy_from_slice(s);
+        last.push((i * t + s.len() - 1) as u32);
+    }
+    Ok((ids, last, t))
+}
+
 /// One labelled comparison: the token ids of the two chat-templated conversations (x, a) and
 /// (x, a′), and y = 1 when a is preferred (Bradley–Terry: P(y = 1) = σ(r(x, a) − r(x, a′))).
 #[derive(Clone, Copy, Debug)]
@@ -94,17 +111,8 @@ impl RewardModel {
     /// sequences run as one right-padded batch; with causal attention the last real token never
     /// sees a pad, so h does not depend on the batch's other sequences.
     pub fn features(&self, seqs: &[&[u32]]) -> Result<Tensor> {
+        let (ids, last, t) = padded(seqs)?;
         let n = seqs.len();
-        if n == 0 || seqs.iter().any(|s| s.is_empty()) {
-            candle_core::bail!("reward model features: expected non-empty sequences, got {n} with an empty one");
-        }
-        let t = seqs.iter().map(|s| s.len()).max().unwrap_or(1);
-        let mut ids = vec![0u32; n * t];
-        let mut last = Vec::with_capacity(n);
-        for (i, s) in seqs.iter().enumerate() {
-            ids[i * t..i * t + s.len()].copy_from_slice(s);
-            last.push((i * t + s.len() - 1) as u32);
-        }
         let dev = self.model.device();
         let ids = Tensor::from_vec(ids, (n, t), dev)?;
         // the last block's projections and MLP, and the final norm, on the last tokens alone

@@ -356,6 +356,8 @@ struct BlockAdj {
     gh2: Tensor,
     ga: Tensor,
     gya: Tensor,
+    /// D = ⟨Ō, O⟩ per query row (b, kv, g·t).
+    d: Tensor,
 }
 
 /// One block's tangents of a direction.
@@ -615,16 +617,8 @@ impl Tape {
         let n = pairs.len();
         let seqs: Vec<&[u32]> = pairs.iter().map(|p| p.a).chain(pairs.iter().map(|p| p.b)).collect();
         let b = seqs.len();
-        let t = seqs.iter().map(|s| s.len()).max().unwrap_or(1);
-        if seqs.iter().any(|s| s.is_empty()) {
-            candle_core::bail!("exact HVPs: an empty sequence");
-        }
-        let mut ids = vec![0u32; b * t];
-        let mut last = Vec::with_capacity(b);
-        for (i, s) in seqs.iter().enumerate() {
-            ids[i * t..i * t + s.len()].copy_from_slice(s);
-            last.push((i * t + s.len() - 1) as u32);
-        }
+        // the batch of `RewardModel::features`
+        let (ids, last, t) = crate::reward::padded(&seqs)?;
         let dev = m.device();
         let dt = m.var_dtype();
         if t > m.cos.dim(0)? {
@@ -832,7 +826,8 @@ fn block_bwd(
     // attention
     let gya = keep(3, &f.ya, &gx1, true)?.ok_or_else(missing)?;
     let go = geo.grouped(&geo.heads(&gya, geo.heads, false)?)?;
-    let (gq, gk, gv) = attn_bwd(geo, f, &go, &geo.head_dots(&gya, &f.ya)?)?;
+    let d = geo.head_dots(&gya, &f.ya)?;
+    let (gq, gk, gv) = attn_bwd(geo, f, &go, &d)?;
     let gql = geo.rows(&geo.ungrouped(&gq)?, true)?;
     let gkl = geo.rows(&gk, true)?;
     let gvl = geo.rows(&gv, false)?;
@@ -849,7 +844,7 @@ fn block_bwd(
     };
     let lin_saved = saved.map(|s| s.expect("every layer's adjoint is kept"));
     let gs_out: Vec<Tensor> = grads.into_iter().flatten().flat_map(|(a, b)| [a, b]).collect();
-    Ok((BlockAdj { lin: lin_saved, gh1, gh2, ga, gya }, gs_out, gx))
+    Ok((BlockAdj { lin: lin_saved, gh1, gh2, ga, gya, d }, gs_out, gx))
 }
 
 /// One block's tangent forward pass along the directions `dir` from the tangent of its input.
@@ -931,10 +926,9 @@ fn block_tan_bwd(
     let gyad = step(3, &f.ya, &td.ya, &gx1d, true)?.ok_or_else(missing)?;
     let god = geo.grouped(&geo.heads(&gyad, geo.heads, false)?)?;
     let go = geo.grouped(&geo.heads(&a.gya, geo.heads, false)?)?;
-    // D = ⟨Ō, O⟩ and its tangent ⟨Ō̇, O⟩ + ⟨Ō, Ȯ⟩ per query row
-    let d = geo.head_dots(&a.gya, &f.ya)?;
+    // D's tangent ⟨Ō̇, O⟩ + ⟨Ō, Ȯ⟩ per query row
     let dd = (geo.head_dots(&gyad, &f.ya)? + geo.head_dots(&a.gya, &td.ya)?)?;
-    let (gqd, gkd, gvd) = attn_tan_bwd(geo, f, (&go, &d), td, &god, &dd)?;
+    let (gqd, gkd, gvd) = attn_tan_bwd(geo, f, (&go, &a.d), td, &god, &dd)?;
     let gqld = geo.rows(&geo.ungrouped(&gqd)?, true)?;
     let gkld = geo.rows(&gkd, true)?;
     let gvld = geo.rows(&gvd, false)?;

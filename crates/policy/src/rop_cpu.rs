@@ -317,6 +317,26 @@ fn score_tangent<T: El>(at: Att, q: &[T], k: &[T], qd: &[T], kd: &[T], p: &[T], 
     }
 }
 
+/// Adjoints of the queries (b, kv, g·t, hd), keys and values (b, kv, t, hd), each group's
+/// filled by `f(group, q̄, k̄, v̄)`, one group per rayon task.
+fn group_adjoints<T: El>(
+    at: Att,
+    like: &Tensor,
+    f: impl Fn(usize, &mut [T], &mut [T], &mut [T]) + Sync,
+) -> Result<(Tensor, Tensor, Tensor)> {
+    let (gt, qs, ks, _) = at.sizes();
+    let groups = at.b * at.kv;
+    let (mut gq, mut gk, mut gv) =
+        (vec![T::zero(); groups * qs], vec![T::zero(); groups * ks], vec![T::zero(); groups * ks]);
+    gq.par_chunks_mut(qs)
+        .zip(gk.par_chunks_mut(ks))
+        .zip(gv.par_chunks_mut(ks))
+        .enumerate()
+        .for_each(|(i, ((gq, gk), gv))| f(i, gq, gk, gv));
+    let (b, kv, t, hd) = (at.b, at.kv, at.t, at.hd);
+    Ok((new(gq, &[b, kv, gt, hd], like)?, new(gk, &[b, kv, t, hd], like)?, new(gv, &[b, kv, t, hd], like)?))
+}
+
 /// Attention's backward pass from Ō = ∂ℓ/∂O (and D = ⟨Ō, O⟩ per query row, (b, kv, g·t)):
 /// with S̄ = c P ⊙ (Ō Vᵀ − D), Q̄ = S̄ K, K̄ = S̄ᵀ Q, V̄ = Pᵀ Ō: (Q̄, K̄, V̄).
 #[allow(clippy::type_complexity)]
@@ -336,27 +356,20 @@ fn attn_bwd_t<T: El>(
 ) -> Result<(Tensor, Tensor, Tensor)> {
     let (gt, qs, ks, ps) = at.sizes();
     let (t, hd) = (at.t, at.hd);
-    let groups = at.b * at.kv;
-    let mut gq = vec![T::zero(); groups * qs];
-    let mut gk = vec![T::zero(); groups * ks];
-    let mut gv = vec![T::zero(); groups * ks];
+    let like = q.clone();
     with_slices::<T, _, 6>([q, k, v, lse, d, go], |[q, k, v, lse, d, go]| {
-        gq.par_chunks_mut(qs).zip(gk.par_chunks_mut(ks)).zip(gv.par_chunks_mut(ks)).enumerate().for_each(
-            |(i, ((gq, gk), gv))| {
-                let (qr, kr) = (i * qs..(i + 1) * qs, i * ks..(i + 1) * ks);
-                let (q, k, v, lse) = (&q[qr.clone()], &k[kr.clone()], &v[kr], &lse[i * gt..(i + 1) * gt]);
-                let (d, go) = (&d[i * gt..(i + 1) * gt], &go[qr]);
-                let (mut p, mut gs) = (vec![T::zero(); ps], vec![T::zero(); ps]);
-                probs(at, q, k, lse, &mut p);
-                scores_adjoint(at, &p, v, d, go, &mut gs);
-                mm(gt, hd, t, gq, Mat::rows(&gs, t), Mat::rows(k, hd), T::one());
-                mm(t, hd, gt, gk, Mat::t(&gs, t), Mat::rows(q, hd), T::one());
-                mm(t, hd, gt, gv, Mat::t(&p, t), Mat::rows(go, hd), T::one());
-            },
-        )
-    })?;
-    let (b, kv) = (at.b, at.kv);
-    Ok((new(gq, &[b, kv, gt, hd], q)?, new(gk, &[b, kv, t, hd], q)?, new(gv, &[b, kv, t, hd], q)?))
+        group_adjoints(at, &like, |i, gq: &mut [T], gk, gv| {
+            let (qr, kr) = (i * qs..(i + 1) * qs, i * ks..(i + 1) * ks);
+            let (q, k, v, lse) = (&q[qr.clone()], &k[kr.clone()], &v[kr], &lse[i * gt..(i + 1) * gt]);
+            let (d, go) = (&d[i * gt..(i + 1) * gt], &go[qr]);
+            let (mut p, mut gs) = (vec![T::zero(); ps], vec![T::zero(); ps]);
+            probs(at, q, k, lse, &mut p);
+            scores_adjoint(at, &p, v, d, go, &mut gs);
+            mm(gt, hd, t, gq, Mat::rows(&gs, t), Mat::rows(k, hd), T::one());
+            mm(t, hd, gt, gk, Mat::t(&gs, t), Mat::rows(q, hd), T::one());
+            mm(t, hd, gt, gv, Mat::t(&p, t), Mat::rows(go, hd), T::one());
+        })
+    })?
 }
 
 /// Attention's tangent: with Ṗ = P ⊙ Z ([`score_tangent`]), Ȯ = Ṗ V + P V̇.
@@ -422,49 +435,39 @@ fn attn_tan_bwd_t<T: El>(
 ) -> Result<(Tensor, Tensor, Tensor)> {
     let (gt, qs, ks, ps) = at.sizes();
     let (t, hd) = (at.t, at.hd);
-    let groups = at.b * at.kv;
-    let mut gqd = vec![T::zero(); groups * qs];
-    let mut gkd = vec![T::zero(); groups * ks];
-    let mut gvd = vec![T::zero(); groups * ks];
-    with_slices::<T, _, 11>(
-        [q, k, v, lse, d, go, qd, kd, vd, dd, god],
-        |[q, k, v, lse, d, go, qd, kd, vd, dd, god]| {
-            gqd.par_chunks_mut(qs).zip(gkd.par_chunks_mut(ks)).zip(gvd.par_chunks_mut(ks)).enumerate().for_each(
-                |(i, ((gqd, gkd), gvd))| {
-                    let (qr, kr, rr) = (i * qs..(i + 1) * qs, i * ks..(i + 1) * ks, i * gt..(i + 1) * gt);
-                    let (q, go, qd, god) = (&q[qr.clone()], &go[qr.clone()], &qd[qr.clone()], &god[qr]);
-                    let (k, v, kd, vd) = (&k[kr.clone()], &v[kr.clone()], &kd[kr.clone()], &vd[kr]);
-                    let (lse, d, dd) = (&lse[rr.clone()], &d[rr.clone()], &dd[rr]);
-                    let sc = at.scale::<T>();
-                    let (mut p, mut gs, mut gsd, mut z) =
-                        (vec![T::zero(); ps], vec![T::zero(); ps], vec![T::zero(); ps], vec![T::zero(); ps]);
-                    probs(at, q, k, lse, &mut p);
-                    scores_adjoint(at, &p, v, d, go, &mut gs);
-                    score_tangent(at, q, k, qd, kd, &p, &mut z);
-                    mm(gt, t, hd, &mut gsd, Mat::rows(god, hd), Mat::t(v, hd), T::one());
-                    mm_acc(gt, t, hd, &mut gsd, Mat::rows(go, hd), Mat::t(vd, hd), T::one());
-                    for (r, sr) in gsd.chunks_exact_mut(t).enumerate() {
-                        let n = visible(r, t);
-                        let (pr, zr, gr) = (&p[r * t..r * t + n], &z[r * t..r * t + n], &gs[r * t..r * t + n]);
-                        for (((s, &p), &z), &g) in sr[..n].iter_mut().zip(pr).zip(zr).zip(gr) {
-                            *s = z * g + sc * p * (*s - dd[r]);
-                        }
-                        sr[n..].iter_mut().for_each(|s| *s = T::zero());
-                    }
-                    mm(gt, hd, t, gqd, Mat::rows(&gsd, t), Mat::rows(k, hd), T::one());
-                    mm_acc(gt, hd, t, gqd, Mat::rows(&gs, t), Mat::rows(kd, hd), T::one());
-                    mm(t, hd, gt, gkd, Mat::t(&gsd, t), Mat::rows(q, hd), T::one());
-                    mm_acc(t, hd, gt, gkd, Mat::t(&gs, t), Mat::rows(qd, hd), T::one());
-                    mm(t, hd, gt, gvd, Mat::t(&p, t), Mat::rows(god, hd), T::one());
-                    // Ṗ = P ⊙ Z in P's place
-                    p.iter_mut().zip(&z).for_each(|(p, &z)| *p *= z);
-                    mm_acc(t, hd, gt, gvd, Mat::t(&p, t), Mat::rows(go, hd), T::one());
-                },
-            )
-        },
-    )?;
-    let (b, kv) = (at.b, at.kv);
-    Ok((new(gqd, &[b, kv, gt, hd], q)?, new(gkd, &[b, kv, t, hd], q)?, new(gvd, &[b, kv, t, hd], q)?))
+    let like = q.clone();
+    with_slices::<T, _, 11>([q, k, v, lse, d, go, qd, kd, vd, dd, god], |[q, k, v, lse, d, go, qd, kd, vd, dd, god]| {
+        group_adjoints(at, &like, |i, gqd: &mut [T], gkd, gvd| {
+            let (qr, kr, rr) = (i * qs..(i + 1) * qs, i * ks..(i + 1) * ks, i * gt..(i + 1) * gt);
+            let (q, go, qd, god) = (&q[qr.clone()], &go[qr.clone()], &qd[qr.clone()], &god[qr]);
+            let (k, v, kd, vd) = (&k[kr.clone()], &v[kr.clone()], &kd[kr.clone()], &vd[kr]);
+            let (lse, d, dd) = (&lse[rr.clone()], &d[rr.clone()], &dd[rr]);
+            let sc = at.scale::<T>();
+            let (mut p, mut gs, mut gsd, mut z) =
+                (vec![T::zero(); ps], vec![T::zero(); ps], vec![T::zero(); ps], vec![T::zero(); ps]);
+            probs(at, q, k, lse, &mut p);
+            scores_adjoint(at, &p, v, d, go, &mut gs);
+            score_tangent(at, q, k, qd, kd, &p, &mut z);
+            mm(gt, t, hd, &mut gsd, Mat::rows(god, hd), Mat::t(v, hd), T::one());
+            mm_acc(gt, t, hd, &mut gsd, Mat::rows(go, hd), Mat::t(vd, hd), T::one());
+            for (r, sr) in gsd.chunks_exact_mut(t).enumerate() {
+                let n = visible(r, t);
+                let (pr, zr, gr) = (&p[r * t..r * t + n], &z[r * t..r * t + n], &gs[r * t..r * t + n]);
+                for (((s, &p), &z), &g) in sr[..n].iter_mut().zip(pr).zip(zr).zip(gr) {
+                    *s = z * g + sc * p * (*s - dd[r]);
+                }
+                sr[n..].iter_mut().for_each(|s| *s = T::zero());
+            }
+            mm(gt, hd, t, gqd, Mat::rows(&gsd, t), Mat::rows(k, hd), T::one());
+            mm_acc(gt, hd, t, gqd, Mat::rows(&gs, t), Mat::rows(kd, hd), T::one());
+            mm(t, hd, gt, gkd, Mat::t(&gsd, t), Mat::rows(q, hd), T::one());
+            mm_acc(t, hd, gt, gkd, Mat::t(&gs, t), Mat::rows(qd, hd), T::one());
+            mm(t, hd, gt, gvd, Mat::t(&p, t), Mat::rows(god, hd), T::one());
+            // Ṗ = P ⊙ Z in P's place
+            p.iter_mut().zip(&z).for_each(|(p, &z)| *p *= z);
+            mm_acc(t, hd, gt, gvd, Mat::t(&p, t), Mat::rows(go, hd), T::one());
+        })
+    })?
 }
 
 /// Elements per rayon task of the elementwise kernels.
