@@ -9,7 +9,8 @@
 //! `just bench-train` (`scripts/bench_train.sh`), which runs PyTorch + PEFT on the same ids
 //! (written to IDS_OUT when given). `ONEPASS_KERNELS=routed` or `composed` runs a GPU's path
 //! (CUDA's default, or candle's composed ops) instead of the CPU's fused kernels: how a GPU
-//! path's memory is measured here.
+//! path's memory is measured here. `ONEPASS_SUBLAYERS=unfused` builds the graph op by op
+//! (`PolicyModel::set_sublayer_fusion(false)`: the same bits, more activations kept).
 
 use candle_core::{DType, Device};
 use policy::adam::{Adam, AdamConfig};
@@ -48,6 +49,10 @@ fn main() {
             o => panic!("ONEPASS_KERNELS={o}: expected fused, routed or composed"),
         };
         m.set_kernels(k).expect("kernels for the CPU");
+    }
+    // ONEPASS_SUBLAYERS=unfused: the graph op by op (the same bits; what the fused sublayers save)
+    if std::env::var("ONEPASS_SUBLAYERS").as_deref() == Ok("unfused") {
+        m.set_sublayer_fusion(false);
     }
     let vars = m.vars();
     let mut opt = Adam::new(AdamConfig::default(), &vars).unwrap();

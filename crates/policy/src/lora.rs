@@ -455,6 +455,45 @@ impl Linear {
         self.shaped(y, dims)
     }
 
+    /// [`Linear::forward`] of rows x (b·t, in) written as heads (b, n, t, hd), RoPE on the way
+    /// ([`crate::ops::HeadsOut`]) — `forward` then [`crate::ops::split_heads`], the same values
+    /// and gradients. On the fused kernels without a bias, an adapted product writes its output
+    /// in heads itself ([`lora_matmul_to`]) and a frozen one is one routed node over x whose
+    /// gradient is the product's (g ↦ g W after split_heads' backward): the rows (n·hd values
+    /// per token) never enter the graph. Otherwise the two ops.
+    pub fn forward_heads(&self, x: &Tensor, pass: Pass<'_>, k: Kernels, heads: crate::ops::HeadsOut) -> Result<Tensor> {
+        let two = || {
+            let (b, t, n, hd) = heads.dims;
+            crate::ops::split_heads(
+                &self.forward(x, pass, k)?,
+                (b, t, n, hd),
+                heads.rope.as_ref().map(|(c, s, i)| (c, s, *i)),
+            )
+        };
+        if k != Kernels::Fused || self.bias.is_some() || x.rank() != 2 || !lora_fuses(x.dtype()) {
+            return two();
+        }
+        if let Some(xg) = self.frozen_x_grad(pass, k) {
+            if !x.track_op() {
+                return two();
+            }
+            let (b, t, n, hd) = heads.dims;
+            let rope = heads.rope.as_ref().map(|(c, s, i)| (c, s, *i));
+            let v = crate::ops::heads_values(&self.forward(&x.detach(), pass, k)?, (b, t, n, hd), rope, true, false)?;
+            return crate::ops::routed(x, v, "frozen-matmul-heads", move |_, _, g| xg.apply(&heads.rows_grad(g)?));
+        }
+        match (&self.adapter, pass.adapters) {
+            (Some(ad), true) if pass.dropout.is_none_or(|d| d.p == 0.0) => {
+                let (a, b) = match pass.no_grad {
+                    true => (ad.a.as_tensor().detach(), ad.b.as_tensor().detach()),
+                    false => (ad.a.as_tensor().clone(), ad.b.as_tensor().clone()),
+                };
+                lora_matmul_to(x, &self.w, self.packed.as_ref(), &a, &b, ad.scale, Some(heads))
+            }
+            _ => two(),
+        }
+    }
+
     /// y (rows, out) in the input's leading dimensions (itself for two-dimensional input).
     fn shaped(&self, y: Tensor, dims: Vec<usize>) -> Result<Tensor> {
         if dims.len() == 2 {
@@ -520,6 +559,34 @@ impl Linear {
         Ok(())
     }
 
+    /// The gradient of x of this layer's product in `pass` when that product is a frozen one
+    /// (no adapter term in the pass: no adapter, or the reference pass of an adapter whose
+    /// reference is W or a merged W₀), with fused kernels and a W that is no variable: what the
+    /// product's own backward computes (the packed kernel's g W, or [`FrozenMatmul`]'s), as an
+    /// owned value a fused op's backward can keep. None otherwise.
+    pub(crate) fn frozen_x_grad(&self, pass: Pass<'_>, k: Kernels) -> Option<XGrad> {
+        let low_rank = match (&self.adapter, pass.adapters, &self.reference) {
+            (Some(_), true, _) => true,
+            (Some(_), false, Reference::Snapshot { .. }) => true,
+            _ => false,
+        };
+        if low_rank
+            || k != Kernels::Fused
+            || self.w.is_variable()
+            || self.bias.as_ref().is_some_and(|b| b.is_variable())
+        {
+            return None;
+        }
+        let (w, packed) = match (&self.reference, pass.adapters) {
+            (Reference::Weight(w0), false) => (w0, &self.packed_reference),
+            _ => (&self.w, &self.packed),
+        };
+        Some(match packed {
+            Some(p) => XGrad::Packed(p.clone()),
+            None => XGrad::Frozen(w.clone()),
+        })
+    }
+
     /// The reference becomes this layer's current function: W itself when B = 0, else a
     /// frozen copy of the adapter.
     pub fn reference_here(&mut self) -> Result<()> {
@@ -538,6 +605,35 @@ impl Linear {
 /// Every element exactly 0.
 pub fn is_zero(t: &Tensor) -> Result<bool> {
     Ok(t.abs()?.max_all()?.to_dtype(candle_core::DType::F64)?.to_scalar::<f64>()? == 0.0)
+}
+
+/// The gradient of x of a frozen product x Wᵀ, g ↦ g W, held by value
+/// ([`Linear::frozen_x_grad`]): the product's own backward, so a fused op that calls it gives
+/// the bits the product's graph node would.
+pub(crate) enum XGrad {
+    /// The packed kernel's backward ([`PackedWeight::backward`]).
+    Packed(std::sync::Arc<PackedWeight>),
+    /// [`FrozenMatmul`]'s backward (f32 or f64 on the CPU; other dtypes candle's matmul, as
+    /// [`frozen_matmul`] routes them).
+    Frozen(Tensor),
+}
+
+impl XGrad {
+    /// g W for g (rows, out).
+    pub(crate) fn apply(&self, g: &Tensor) -> Result<Tensor> {
+        let g = g.contiguous()?;
+        match self {
+            XGrad::Packed(p) => p.backward(&g),
+            XGrad::Frozen(w) => {
+                let op = FrozenMatmul { w: w.contiguous()? };
+                match (g.dtype(), w.dtype()) {
+                    (candle_core::DType::F32, candle_core::DType::F32) => op.bwd_t::<f32>(&g),
+                    (candle_core::DType::F64, candle_core::DType::F64) => op.bwd_t::<f64>(&g),
+                    _ => g.matmul(w),
+                }
+            }
+        }
+    }
 }
 
 /// x Wᵀ for a frozen W (rows, in) × (out, in) whose backward pass computes only ∂/∂x = g W.
@@ -793,7 +889,39 @@ pub fn lora_matmul(
     if packed.is_some() && x.dtype() != candle_core::DType::F32 {
         candle_core::bail!("lora-matmul: bf16 products take f32 inputs, not {:?}", x.dtype());
     }
-    let op = LoraMatmul { w: w.contiguous()?, packed: packed.cloned(), scale, xa: std::sync::Mutex::new(None) };
+    lora_matmul_to(x, w, packed, a, b, scale, None)
+}
+
+/// [`lora_matmul`] with its output written in heads (`heads`: [`crate::ops::HeadsOut`], RoPE
+/// on the way) — split_heads' forward after the product, its backward before the product's,
+/// so the same values and gradients with the rows never in the graph.
+pub(crate) fn lora_matmul_to(
+    x: &Tensor,
+    w: &Tensor,
+    packed: Option<&std::sync::Arc<PackedWeight>>,
+    a: &Tensor,
+    b: &Tensor,
+    scale: f64,
+    heads: Option<crate::ops::HeadsOut>,
+) -> Result<Tensor> {
+    let ((rows, inp), (r, ain), (out, br)) = (x.dims2()?, a.dims2()?, b.dims2()?);
+    if w.dims2()? != (out, inp) || ain != inp || br != r || !x.device().is_cpu() || !lora_fuses(x.dtype()) {
+        candle_core::bail!(
+            "lora-matmul: x ({rows}, {inp}) {:?} on {:?}, W {:?}, A {:?}, B {:?}: expected (rows, in), (out, in), (r, in), (out, r), f32 or f64 on the CPU",
+            x.dtype(),
+            x.device(),
+            w.dims(),
+            a.dims(),
+            b.dims()
+        );
+    }
+    if let Some(h) = &heads {
+        let (hb, ht, hn, hhd) = h.dims;
+        if hb * ht != rows || hn * hhd != out {
+            candle_core::bail!("lora-matmul: ({rows}, {out}) output as heads {:?}", h.dims);
+        }
+    }
+    let op = LoraMatmul { w: w.contiguous()?, packed: packed.cloned(), scale, xa: std::sync::Mutex::new(None), heads };
     x.contiguous()?.apply_op3(&a.contiguous()?, &b.contiguous()?, op)
 }
 
@@ -806,6 +934,8 @@ struct LoraMatmul {
     /// further pass over x per adapted layer. The same values either way (one `gemm` call of
     /// the same operands).
     xa: std::sync::Mutex<Option<SavedXa>>,
+    /// The output written in heads ([`lora_matmul_to`]).
+    heads: Option<crate::ops::HeadsOut>,
 }
 
 /// [`LoraMatmul`]'s saved x Aᵀ in the op's dtype.
@@ -867,7 +997,10 @@ impl LoraMatmul {
         mm_add(rows, out, r, &mut y, Mat::rows(&xa, r), Mat::t(b, r), s);
         *self.xa.lock().map_err(|_| candle_core::Error::Msg("lora-matmul: a poisoned lock".into()))? =
             Some(T::save(xa));
-        Ok(y)
+        match &self.heads {
+            Some(h) => h.to_heads(&y),
+            None => Ok(y),
+        }
     }
 
     #[allow(clippy::type_complexity)]
@@ -946,7 +1079,11 @@ impl candle_core::CustomOp3 for LoraMatmul {
             CpuStorage::F64(_) => CpuStorage::F64(self.fwd(slice(s1, l1)?, slice(s2, l2)?, slice(s3, l3)?, rows)?),
             _ => candle_core::bail!("lora-matmul: the fused op runs in f32 or f64"),
         };
-        Ok((out, candle_core::Shape::from((rows, self.w.dim(0)?))))
+        let shape = match &self.heads {
+            Some(h) => h.shape(),
+            None => candle_core::Shape::from((rows, self.w.dim(0)?)),
+        };
+        Ok((out, shape))
     }
 
     fn bwd(
@@ -957,7 +1094,10 @@ impl candle_core::CustomOp3 for LoraMatmul {
         _: &Tensor,
         g: &Tensor,
     ) -> Result<(Option<Tensor>, Option<Tensor>, Option<Tensor>)> {
-        let g = g.contiguous()?;
+        let g = match &self.heads {
+            Some(h) => h.rows_grad(g)?,
+            None => g.contiguous()?,
+        };
         let (dx, da, db) = match x.dtype() {
             candle_core::DType::F32 => self.bwd_t::<f32>(x, a, b, &g)?,
             candle_core::DType::F64 => self.bwd_t::<f64>(x, a, b, &g)?,

@@ -67,6 +67,9 @@ pub struct PolicyModel {
     device: Device,
     /// Fused CPU kernels or composed differentiable ops ([`Kernels`]): chosen by the device.
     kernels: Kernels,
+    /// Whether the fused kernels run a block's frozen stretches as single graph nodes
+    /// ([`PolicyModel::set_sublayer_fusion`]); true unless turned off.
+    fuse_sublayers: bool,
     /// What happened to the adapters besides training ([`LifeEvent`]), in order: a checkpoint
     /// replays it ([`PolicyModel::replay`]).
     life: Vec<LifeEvent>,
@@ -203,6 +206,7 @@ impl PolicyModel {
             sin,
             device,
             kernels,
+            fuse_sublayers: true,
             life: Vec::new(),
             history: None,
             full: None,
@@ -266,6 +270,20 @@ impl PolicyModel {
     /// The ops' implementation in use (fused on the CPU, composed elsewhere).
     pub fn kernels(&self) -> Kernels {
         self.kernels
+    }
+
+    /// With `on` false the fused kernels build the graph op by op again: each projection's rows
+    /// before its heads, the output projection's rows and the residual sum, and the MLP's
+    /// norm, products and SwiGLU product as nodes of their own. On by default: the fused
+    /// sublayers ([`PolicyModel::mlp_fused`], [`PolicyModel::o_fused`],
+    /// [`crate::lora::Linear::forward_heads`]) give the same values and gradients bit for bit
+    /// and keep fewer activations; off is for tests and memory measurements
+    /// (`ONEPASS_SUBLAYERS=unfused` in the `train_step` example).
+    pub fn set_sublayer_fusion(&mut self, on: bool) {
+        self.fuse_sublayers = on;
+        if let Some(f) = &mut self.full {
+            f.reference.set_sublayer_fusion(on);
+        }
     }
 
     /// Uses `k` from now on: routed or composed on the CPU runs the path a GPU trains with (the
@@ -406,7 +424,7 @@ impl PolicyModel {
         }
         let k = self.kernels;
         let h = crate::ops::rms_norm(&x, &last.norm1, self.cfg.eps, k)?;
-        let (a, _) = self.attention(last, &h, &cos, &sin, &mask, pass, None, false, Some(&idx))?;
+        let (a, _) = self.attention(last, &h, &cos, &sin, &mask, pass, None, false, Some(&idx), None)?;
         let x = (x.index_select(&idx, 0)? + a)?;
         let h = crate::ops::rms_norm(&x, &last.norm2, self.cfg.eps, k)?;
         let m = last.down.forward(
@@ -448,12 +466,54 @@ impl PolicyModel {
     ) -> Result<(Tensor, Option<(Tensor, Tensor)>)> {
         let k = self.kernels;
         let h = crate::ops::rms_norm(&x, &blk.norm1, self.cfg.eps, k)?;
-        let (a, kv) = self.attention(blk, &h, cos, sin, mask, pass, prefix, need_kv, None)?;
-        let x = (x + a)?;
+        let (x, kv) = self.attention(blk, &h, cos, sin, mask, pass, prefix, need_kv, None, Some(&x))?;
+        if let Some(y) = self.mlp_fused(blk, &x, pass)? {
+            return Ok((y, kv));
+        }
         let h = crate::ops::rms_norm(&x, &blk.norm2, self.cfg.eps, k)?;
         let a = crate::ops::silu_mul(&blk.gate.forward(&h, pass, k)?, &blk.up.forward(&h, pass, k)?, k)?;
         let m = blk.down.forward(&a, pass, k)?;
         Ok(((x + m)?, kv))
+    }
+
+    /// The MLP sublayer y = x + down(silu(gate h) ⊙ up h), h = RMSNorm₂(x), as one node of the
+    /// graph when its three products are frozen in `pass` ([`Linear::frozen_x_grad`]: no
+    /// adapter term) on the fused kernels and x carries a gradient; None otherwise (the
+    /// sublayer's ops one by one). The forward is those ops' own, outside the graph; the
+    /// backward calls each op's backward in the graph's order (down, silu ⊙ up, gate + up, the
+    /// norm, + the residual), so values and gradients are theirs bit for bit. What changes is
+    /// what the graph keeps: gate h and up h (the backward's inputs) where it kept h, both
+    /// products, their SwiGLU product, down's output and the residual sum — 2·i + h values per
+    /// token and layer instead of 3·i + 4·h (SmolLM2: 3,648 of 6,912; issue 31's memory item).
+    fn mlp_fused(&self, blk: &Block, x: &Tensor, pass: Pass<'_>) -> Result<Option<Tensor>> {
+        let k = self.kernels;
+        if k != Kernels::Fused
+            || !self.fuse_sublayers
+            || !x.track_op()
+            || !matches!(x.dtype(), DType::F32 | DType::F64)
+            || blk.norm2.is_variable()
+        {
+            return Ok(None);
+        }
+        let (Some(dgate), Some(dup), Some(ddown)) =
+            (blk.gate.frozen_x_grad(pass, k), blk.up.frozen_x_grad(pass, k), blk.down.frozen_x_grad(pass, k))
+        else {
+            return Ok(None);
+        };
+        let xd = x.detach();
+        let eps = self.cfg.eps;
+        let h = crate::ops::rms_norm(&xd, &blk.norm2, eps, k)?;
+        let (g, u) = (blk.gate.forward(&h, pass, k)?, blk.up.forward(&h, pass, k)?);
+        let m = blk.down.forward(&crate::ops::silu_mul(&g, &u, k)?, pass, k)?;
+        let y = (&xd + m)?;
+        let w = blk.norm2.clone();
+        let y = crate::ops::routed(x, y, "mlp", move |x, _, dy| {
+            let da = ddown.apply(dy)?;
+            let (dg, du) = crate::ops::silu_mul_grads(&g, &u, &da)?;
+            let dh = (dgate.apply(&dg)? + dup.apply(&du)?)?;
+            dy + crate::ops::rms_norm_x_grad(x, &w, eps, &dh)?
+        })?;
+        Ok(Some(y))
     }
 
     /// The hidden states that predict a shared-prompt group's response tokens (its `at` rows):
@@ -539,9 +599,9 @@ impl PolicyModel {
     /// Grouped-query causal attention of x (b·t, hidden), t the positions of `cos`; with `prefix` ((b, kv, p, hd) keys
     /// and values of earlier positions), the queries attend to those first (`mask` is then
     /// (t, p + t)). Returns the output — the output projection on the `rows` of (b·t) alone
-    /// when given — and, with `need_kv`, this segment's keys and values. On the routed path
-    /// without a prefix, attention is one node from the projections' rows
-    /// ([`crate::attention::attention_routed`]).
+    /// when given — and, with `need_kv`, this segment's keys and values; with `residual` (the
+    /// block's input), residual + that output. On the routed path without a prefix, attention
+    /// is one node from the projections' rows ([`crate::attention::attention_routed`]).
     #[allow(clippy::too_many_arguments)]
     fn attention(
         &self,
@@ -554,7 +614,14 @@ impl PolicyModel {
         prefix: Option<(&Tensor, &Tensor)>,
         need_kv: bool,
         rows: Option<&Tensor>,
+        residual: Option<&Tensor>,
     ) -> Result<(Tensor, Option<(Tensor, Tensor)>)> {
+        let add = |y: Tensor| -> Result<Tensor> {
+            match residual {
+                Some(x0) => x0 + y,
+                None => Ok(y),
+            }
+        };
         // the attention's output rows that go on: all, or `rows`
         let pick = |y: Tensor| -> Result<Tensor> {
             match rows {
@@ -573,7 +640,7 @@ impl PolicyModel {
             );
             let geo = crate::attention::Geometry { b, t, heads: h, kv, hd, interleaved: self.cfg.rope_interleaved };
             let y = pick(crate::attention::attention_routed(&q, &k, &v, cos, sin, mask, geo)?)?;
-            return Ok((blk.o.forward(&y, pass, self.kernels)?, None));
+            return Ok((add(blk.o.forward(&y, pass, self.kernels)?)?, None));
         }
         let fused = self.kernels == Kernels::Fused;
         // rows (b·t, n·hd) → heads (b, n, t, hd), RoPE on the way for q and k
@@ -591,9 +658,23 @@ impl PolicyModel {
                 false => y.contiguous(),
             }
         };
-        let q = heads(blk.q.forward(x, pass, self.kernels)?, h, true)?;
-        let k = heads(blk.k.forward(x, pass, self.kernels)?, kv, true)?;
-        let v = heads(blk.v.forward(x, pass, self.kernels)?, kv, false)?;
+        let (q, k, v) = if fused && self.fuse_sublayers {
+            // each projection written in heads by its own op: its rows never enter the graph
+            let to = |n: usize, rope: bool| {
+                crate::ops::HeadsOut::new((b, t, n, hd), rope.then_some((cos, sin, self.cfg.rope_interleaved)))
+            };
+            (
+                blk.q.forward_heads(x, pass, self.kernels, to(h, true)?)?,
+                blk.k.forward_heads(x, pass, self.kernels, to(kv, true)?)?,
+                blk.v.forward_heads(x, pass, self.kernels, to(kv, false)?)?,
+            )
+        } else {
+            (
+                heads(blk.q.forward(x, pass, self.kernels)?, h, true)?,
+                heads(blk.k.forward(x, pass, self.kernels)?, kv, true)?,
+                heads(blk.v.forward(x, pass, self.kernels)?, kv, false)?,
+            )
+        };
         let (keys, values) = match prefix {
             // candle's cat along an inner dimension returns a strided view: matmul wants rows
             Some((pk, pv)) => (Tensor::cat(&[pk, &k], 2)?.contiguous()?, Tensor::cat(&[pv, &v], 2)?.contiguous()?),
@@ -612,11 +693,43 @@ impl PolicyModel {
             let p = crate::ops::softmax_last(&s.contiguous()?, self.kernels)?;
             p.reshape((b, kv, g * t, s_len))?.matmul(&values)?.reshape((b, h, t, hd))?
         };
+        if let (Some(x0), None) = (residual, rows) {
+            if let Some(out) = self.o_fused(blk, x0, &y, pass)? {
+                return Ok((out, need_kv.then_some((k, v))));
+            }
+        }
         let y = pick(match fused {
             true => crate::ops::merge_heads(&y)?,
             false => y.transpose(1, 2)?.reshape((b * t, h * hd))?,
         })?;
-        Ok((blk.o.forward(&y, pass, self.kernels)?, need_kv.then_some((k, v))))
+        Ok((add(blk.o.forward(&y, pass, self.kernels)?)?, need_kv.then_some((k, v))))
+    }
+
+    /// The attention's tail x + o(merge(y)), y the heads (b, h, t, hd), as one node of the
+    /// graph over x and y when the output projection is frozen in `pass`
+    /// ([`Linear::frozen_x_grad`]) on the fused kernels and either carries a gradient; None
+    /// otherwise. As [`PolicyModel::mlp_fused`]: the ops' own forward outside the graph, their
+    /// backwards in the graph's order (∂x = g; ∂y = heads(g W_o)), the same bits; the graph no
+    /// longer keeps the merged rows and the projection's output (2·h values per token and layer).
+    fn o_fused(&self, blk: &Block, x: &Tensor, y: &Tensor, pass: Pass<'_>) -> Result<Option<Tensor>> {
+        let k = self.kernels;
+        if k != Kernels::Fused
+            || !self.fuse_sublayers
+            || !(x.track_op() || y.track_op())
+            || !matches!(y.dtype(), DType::F32 | DType::F64)
+            || y.dtype() != x.dtype()
+        {
+            return Ok(None);
+        }
+        let Some(dout) = blk.o.frozen_x_grad(pass, k) else { return Ok(None) };
+        let (b, n, t, hd) = y.dims4()?;
+        let out = blk.o.forward(&crate::ops::merge_heads(&y.detach())?, pass, k)?;
+        let v = (x.detach() + out)?;
+        let out = crate::ops::routed2((x, y), v, "attention-out", move |_, _, _, g| {
+            let dy = crate::ops::heads_values(&dout.apply(g)?, (b, t, n, hd), None, true, true)?;
+            Ok((Some(g.clone()), Some(dy)))
+        })?;
+        Ok(Some(out))
     }
 
     /// The adapters as (PEFT-style name without the `base_model.model.` prefix, A, B), e.g.

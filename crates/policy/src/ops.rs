@@ -121,6 +121,62 @@ fn value_cuda(value: &std::sync::Mutex<Option<Tensor>>, name: &str) -> Result<(c
     Ok((out, l.shape().clone()))
 }
 
+/// The gradients of a two-input routed op: (x, a, y, ∂L/∂y) → (∂L/∂x, ∂L/∂a).
+type Grad2 = Box<dyn Fn(&Tensor, &Tensor, &Tensor, &Tensor) -> Result<Grads2> + Send + Sync>;
+type Grads2 = (Option<Tensor>, Option<Tensor>);
+
+/// [`Routed`] with two inputs.
+struct Routed2 {
+    name: &'static str,
+    value: std::sync::Mutex<Option<Tensor>>,
+    grad: Grad2,
+}
+
+impl candle_core::CustomOp2 for Routed2 {
+    fn name(&self) -> &'static str {
+        self.name
+    }
+
+    fn cpu_fwd(&self, _: &CpuStorage, _: &Layout, _: &CpuStorage, _: &Layout) -> Result<(CpuStorage, Shape)> {
+        value_cpu(&self.value, self.name)
+    }
+
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(
+        &self,
+        _: &candle_core::CudaStorage,
+        _: &Layout,
+        _: &candle_core::CudaStorage,
+        _: &Layout,
+    ) -> Result<(candle_core::CudaStorage, Shape)> {
+        value_cuda(&self.value, self.name)
+    }
+
+    fn bwd(&self, x: &Tensor, a: &Tensor, res: &Tensor, g: &Tensor) -> Result<Grads2> {
+        (self.grad)(x, a, res, g)
+    }
+}
+
+/// `y` (computed from x and a outside the graph) as one node of the graph over the two, their
+/// gradients by `grad`; `y` itself when neither needs a gradient. The CPU and CUDA.
+pub fn routed2(
+    (x, a): (&Tensor, &Tensor),
+    y: Tensor,
+    name: &'static str,
+    grad: impl Fn(&Tensor, &Tensor, &Tensor, &Tensor) -> Result<Grads2> + Send + Sync + 'static,
+) -> Result<Tensor> {
+    if !(x.device().is_cpu() || x.device().is_cuda()) {
+        candle_core::bail!(
+            "{name}: routed gradients run on the CPU and CUDA (use Kernels::Composed on {:?})",
+            x.device()
+        );
+    }
+    if !(x.track_op() || a.track_op()) {
+        return Ok(y);
+    }
+    x.apply_op2(a, Routed2 { name, value: std::sync::Mutex::new(Some(y.contiguous()?)), grad: Box::new(grad) })
+}
+
 /// The gradients of a three-input routed op: (x, a, b, y, ∂L/∂y) → (∂L/∂x, ∂L/∂a, ∂L/∂b).
 type Grad3 = Box<dyn Fn(&Tensor, &Tensor, &Tensor, &Tensor, &Tensor) -> Result<Grads3> + Send + Sync>;
 type Grads3 = (Option<Tensor>, Option<Tensor>, Option<Tensor>);
@@ -238,6 +294,19 @@ pub fn rms_norm(x: &Tensor, w: &Tensor, eps: f64, k: Kernels) -> Result<Tensor> 
         );
     }
     x.contiguous()?.apply_op1(RmsNorm { w: w.contiguous()?, eps })
+}
+
+/// The fused [`rms_norm`]'s gradient of x, ∂L/∂x = r (w ⊙ g) − x r³ ⟨w ⊙ g, x⟩ / d, for a
+/// fused op that holds the norm inside it (its op's backward, the same values); x f32 or f64
+/// on the CPU, w frozen.
+pub(crate) fn rms_norm_x_grad(x: &Tensor, w: &Tensor, eps: f64, g: &Tensor) -> Result<Tensor> {
+    let op = RmsNorm { w: w.contiguous()?, eps };
+    let (x, g) = (x.contiguous()?, g.contiguous()?);
+    match x.dtype() {
+        candle_core::DType::F32 => op.bwd_t::<f32>(&x, &g),
+        candle_core::DType::F64 => op.bwd_t::<f64>(&x, &g),
+        other => candle_core::bail!("rms-norm: no backward in {other:?}"),
+    }
 }
 
 /// [`rms_norm`] with routed kernels: the value by candle's RMSNorm kernel (f32, bf16, f16; its
@@ -427,6 +496,55 @@ pub(crate) fn heads_values(
         other => candle_core::bail!("heads: the fused layout change runs in f32 or f64, not {other:?}"),
     };
     Ok(v)
+}
+
+/// A product's output in [`split_heads`]' layout: rows (b·t, n·hd) become heads (b, n, t, hd),
+/// turned by RoPE (tables (t, hd/2), the layout) when given — for an op that writes its output
+/// in heads directly ([`crate::lora::Linear::forward_heads`]), so the rows never enter the graph.
+#[derive(Clone)]
+pub struct HeadsOut {
+    pub dims: (usize, usize, usize, usize),
+    pub rope: Option<(Tensor, Tensor, bool)>,
+}
+
+impl HeadsOut {
+    /// The layout of (b, t, n, hd), RoPE's tables checked as [`split_heads`] checks them.
+    pub fn new(
+        (b, t, n, hd): (usize, usize, usize, usize),
+        rope: Option<(&Tensor, &Tensor, bool)>,
+    ) -> Result<HeadsOut> {
+        let rope = match rope {
+            Some((c, s, i)) => {
+                if c.dims() != [t, hd / 2] || s.dims() != [t, hd / 2] {
+                    candle_core::bail!("heads: RoPE tables {:?}, {:?} for {t} positions of {hd}", c.dims(), s.dims());
+                }
+                Some((c.contiguous()?, s.contiguous()?, i))
+            }
+            None => None,
+        };
+        Ok(HeadsOut { dims: (b, t, n, hd), rope })
+    }
+
+    fn op(&self, to_heads: bool) -> Heads {
+        let (b, t, n, hd) = self.dims;
+        Heads { b, t, n, hd, rope: self.rope.clone(), split: to_heads }
+    }
+
+    /// Rows to heads (split_heads' forward) on values.
+    pub(crate) fn to_heads<T: num_traits::Float + candle_core::WithDType>(&self, rows: &[T]) -> Result<Vec<T>> {
+        self.op(true).run(rows, true, false)
+    }
+
+    /// The gradient of the rows from the heads' (split_heads' backward).
+    pub(crate) fn rows_grad(&self, g: &Tensor) -> Result<Tensor> {
+        let (b, t, n, hd) = self.dims;
+        heads_values(g, (b, t, n, hd), self.rope.as_ref().map(|(c, s, i)| (c, s, *i)), false, true)
+    }
+
+    /// (b, n, t, hd).
+    pub fn shape(&self) -> Shape {
+        self.op(true).shape(true)
+    }
 }
 
 /// Heads (b, n, t, hd) back into rows (b·t, n·hd) for the output projection ([`Heads`]).
@@ -750,6 +868,15 @@ impl SiluMul {
             }
         });
         (dg, du)
+    }
+}
+
+/// The fused [`silu_mul`]'s gradients (∂L/∂g, ∂L/∂u) of a = silu(g) ⊙ u at ∂L/∂a = `da`: its
+/// op's backward, for a fused op that holds the product inside it.
+pub(crate) fn silu_mul_grads(g: &Tensor, u: &Tensor, da: &Tensor) -> Result<(Tensor, Tensor)> {
+    match candle_core::CustomOp2::bwd(&SiluMul, &g.contiguous()?, &u.contiguous()?, g, da)? {
+        (Some(dg), Some(du)) => Ok((dg, du)),
+        _ => candle_core::bail!("silu-mul: a gradient is missing"),
     }
 }
 

@@ -541,3 +541,77 @@ fn scoring_passes_build_no_graph_and_give_the_tracked_values() {
         assert_ne!(base.to_vec1::<f32>().unwrap(), scored.to_vec1::<f32>().unwrap(), "the adapters are applied");
     }
 }
+
+/// The fused sublayers (`PolicyModel::set_sublayer_fusion`, issue 31's memory): each
+/// projection written in heads by its own op, the attention's output projection and residual
+/// as one node, the MLP (norm, three frozen products, SwiGLU, residual) as one node. With and
+/// without them the log-probabilities and every adapter's gradient are the same bits — on the
+/// plain f32 path, f64, bf16 products, interleaved RoPE, q/k/v biases and every layer adapted —
+/// and the graph holds exactly the nodes the fusions remove fewer: per row and layer the MLP's
+/// 2h + 3i (its norm, gate, up, SwiGLU product and down's output), the output projection's q + h
+/// (the merged heads and its output), and each projection's rows (q or kv) where it fuses — an
+/// adapted one, and a frozen one whose input carries a gradient (not layer 0's k: its input
+/// does not). Nothing is removed where a bias or an adapter keeps an op out (the control).
+#[test]
+fn fused_sublayers_give_the_op_by_op_bits_and_keep_fewer_nodes() {
+    use policy::ops::Kernels;
+    let qv = vec![Target::QProj, Target::VProj];
+    // (family, interleaved, targets, dtype, bf16 products)
+    let cases: [(Family, bool, Vec<Target>, DType, bool); 5] = [
+        (Family::Llama, false, qv.clone(), DType::F32, false),
+        (Family::Llama, true, qv.clone(), DType::F64, false),
+        (Family::Llama, false, qv.clone(), DType::F32, true),
+        (Family::Llama, true, Target::ALL.to_vec(), DType::F32, false),
+        (Family::Qwen2, false, qv.clone(), DType::F64, false),
+    ];
+    for (family, interleaved, targets, dtype, bf16) in cases {
+        let c = cfg(family, interleaved);
+        let w: HashMap<String, Tensor> =
+            weights(&c, 11).into_iter().map(|(k, v)| (k, v.to_dtype(dtype).unwrap())).collect();
+        let lora = LoraConfig { rank: 2, alpha: 4.0, targets: targets.clone(), seed: 5, dropout: 0.0 };
+        let mut m = PolicyModel::new(w, c.clone(), &lora, 32, dtype).unwrap();
+        if bf16 {
+            m.use_bf16_products().unwrap();
+        }
+        assert_eq!(m.kernels(), Kernels::Fused);
+        randomize(&m, 2);
+        let seqs: [(&[u32], &[u32]); 3] =
+            [(&[1, 5, 3], &[9, 2, 4]), (&[4, 2, 2], &[10, 0, 6]), (&[7, 7, 2], &[3, 1, 8])];
+        let b = policy::batch::SeqBatch::new(&seqs, &Device::Cpu).unwrap();
+        let rows = b.padded_ids().unwrap().elem_count();
+        let nodes = |m: &PolicyModel| -> usize {
+            let lp = m.logprobs_at(&b, true).unwrap();
+            let l = lp.sum_all().unwrap();
+            l.sorted_nodes().iter().map(|t| t.elem_count()).sum()
+        };
+        let fused = values_and_gradients(&m, &b);
+        let fused_nodes = nodes(&m);
+        m.set_sublayer_fusion(false);
+        let plain = values_and_gradients(&m, &b);
+        let plain_nodes = nodes(&m);
+        let case = format!("{family:?} interleaved {interleaved} {targets:?} {dtype:?} bf16 {bf16}");
+        assert_eq!(fused.0, plain.0, "{case}: log-probabilities");
+        assert_eq!(fused.1, plain.1, "{case}: gradients");
+        assert!(fused.1.iter().flatten().any(|&g| g != 0.0), "{case}: the gradients are not all zero");
+        let (h, i, q, kv, layers) = (c.hidden, c.intermediate, c.heads * c.head_dim, c.kv_heads * c.head_dim, c.layers);
+        let adapted = |t: Target| targets.contains(&t);
+        let bias = c.qkv_bias;
+        let mut per_row = 0;
+        for layer in 0..layers {
+            if !adapted(Target::GateProj) && !adapted(Target::UpProj) && !adapted(Target::DownProj) {
+                per_row += 2 * h + 3 * i;
+            }
+            if !adapted(Target::OProj) {
+                per_row += q + h;
+            }
+            if !bias {
+                per_row += q + kv; // q and v: adapted, or frozen with an input that carries a gradient…
+                if adapted(Target::KProj) || layer > 0 {
+                    per_row += kv; // …k too, except a frozen k on layer 0's embeddings
+                }
+            }
+        }
+        assert!(adapted(Target::QProj) && adapted(Target::VProj), "the count above assumes q and v adapted");
+        assert_eq!(plain_nodes - fused_nodes, rows * per_row, "{case}: graph elements {plain_nodes} → {fused_nodes}");
+    }
+}
