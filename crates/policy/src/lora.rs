@@ -565,11 +565,10 @@ impl Linear {
     /// product's own backward computes (the packed kernel's g W, or [`FrozenMatmul`]'s), as an
     /// owned value a fused op's backward can keep. None otherwise.
     pub(crate) fn frozen_x_grad(&self, pass: Pass<'_>, k: Kernels) -> Option<XGrad> {
-        let low_rank = match (&self.adapter, pass.adapters, &self.reference) {
-            (Some(_), true, _) => true,
-            (Some(_), false, Reference::Snapshot { .. }) => true,
-            _ => false,
-        };
+        let low_rank = matches!(
+            (&self.adapter, pass.adapters, &self.reference),
+            (Some(_), true, _) | (Some(_), false, Reference::Snapshot { .. })
+        );
         if low_rank
             || k != Kernels::Fused
             || self.w.is_variable()
