@@ -484,7 +484,7 @@ impl PolicyModel {
     /// norm, + the residual), so values and gradients are theirs bit for bit. What changes is
     /// what the graph keeps: gate h and up h (the backward's inputs) where it kept h, both
     /// products, their SwiGLU product, down's output and the residual sum — 2·i + h values per
-    /// token and layer instead of 3·i + 4·h (SmolLM2: 3,648 of 6,912; issue 31's memory item).
+    /// token and layer instead of 3·i + 3·h (SmolLM2: 3,648 of 6,336; issue 31's memory item).
     fn mlp_fused(&self, blk: &Block, x: &Tensor, pass: Pass<'_>) -> Result<Option<Tensor>> {
         let k = self.kernels;
         if k != Kernels::Fused
@@ -710,7 +710,8 @@ impl PolicyModel {
     /// ([`Linear::frozen_x_grad`]) on the fused kernels and either carries a gradient; None
     /// otherwise. As [`PolicyModel::mlp_fused`]: the ops' own forward outside the graph, their
     /// backwards in the graph's order (∂x = g; ∂y = heads(g W_o)), the same bits; the graph no
-    /// longer keeps the merged rows and the projection's output (2·h values per token and layer).
+    /// longer keeps the merged rows and the projection's output (heads·head_dim + hidden values
+    /// per token and layer).
     fn o_fused(&self, blk: &Block, x: &Tensor, y: &Tensor, pass: Pass<'_>) -> Result<Option<Tensor>> {
         let k = self.kernels;
         if k != Kernels::Fused
