@@ -586,6 +586,29 @@ impl Linear {
         })
     }
 
+    /// This layer's product in `pass` for a fused op that holds it ([`Inner`]): frozen as
+    /// [`Linear::frozen_x_grad`], or adapted — the adapted pass of a training or evaluation
+    /// pass that tracks (not a scoring pass), without dropout, on the fused kernels, with no
+    /// bias and a frozen W — as LoRA's op. None otherwise (the layer's own ops then).
+    pub(crate) fn inner(&self, pass: Pass<'_>, k: Kernels) -> Option<Inner> {
+        if let Some(xg) = self.frozen_x_grad(pass, k) {
+            return Some(Inner::Frozen(xg));
+        }
+        let ad = self.adapter.as_ref()?;
+        let plain = pass.adapters && !pass.no_grad && pass.dropout.is_none_or(|d| d.p == 0.0);
+        if !plain || k != Kernels::Fused || self.bias.is_some() || self.w.is_variable() {
+            return None;
+        }
+        let op = LoraMatmul {
+            w: self.w.contiguous().ok()?,
+            packed: self.packed.clone(),
+            scale: ad.scale,
+            xa: std::sync::Mutex::new(None),
+            heads: None,
+        };
+        Some(Inner::Adapted { op, a: ad.a.as_tensor().clone(), b: ad.b.as_tensor().clone() })
+    }
+
     /// The reference becomes this layer's current function: W itself when B = 0, else a
     /// frozen copy of the adapter.
     pub fn reference_here(&mut self) -> Result<()> {
@@ -630,6 +653,76 @@ impl XGrad {
                     (candle_core::DType::F64, candle_core::DType::F64) => op.bwd_t::<f64>(&g),
                     _ => g.matmul(w),
                 }
+            }
+        }
+    }
+}
+
+/// A layer's product in a pass, held by a fused op that computes it outside the graph
+/// ([`Linear::inner`]): frozen (its backward g ↦ g W), or adapted — LoRA's op itself, kept with
+/// the x Aᵀ its forward saved, so its backward is the graph node's, bit for bit.
+pub(crate) enum Inner {
+    Frozen(XGrad),
+    Adapted {
+        op: LoraMatmul,
+        /// A and B as the graph holds them (the variables' tensors).
+        a: Tensor,
+        b: Tensor,
+    },
+}
+
+impl Inner {
+    /// The adapter's (A, B) when adapted: what the fused op's graph node must take as inputs.
+    pub(crate) fn adapter(&self) -> Option<(&Tensor, &Tensor)> {
+        match self {
+            Inner::Frozen(_) => None,
+            Inner::Adapted { a, b, .. } => Some((a, b)),
+        }
+    }
+
+    /// y = x Wᵀ (+ the low-rank term) for x (rows, in) outside the graph: `lin.forward` on a
+    /// detached x when frozen, LoRA's op's forward when adapted (which saves x Aᵀ).
+    pub(crate) fn forward(&self, lin: &Linear, x: &Tensor, pass: Pass<'_>, k: Kernels) -> Result<Tensor> {
+        match self {
+            Inner::Frozen(_) => lin.forward(&x.detach(), pass, k),
+            Inner::Adapted { op, a, b } => {
+                let (x, a, b) = (x.detach().contiguous()?, a.detach().contiguous()?, b.detach().contiguous()?);
+                let rows = x.dim(0)?;
+                let out = op.w.dim(0)?;
+                match x.dtype() {
+                    candle_core::DType::F32 => {
+                        let y = crate::attention::with_slices::<f32, _, 3>([&x, &a, &b], |[x, a, b]| {
+                            op.fwd(x, a, b, rows)
+                        })??;
+                        Tensor::from_vec(y, (rows, out), x.device())
+                    }
+                    candle_core::DType::F64 => {
+                        let y = crate::attention::with_slices::<f64, _, 3>([&x, &a, &b], |[x, a, b]| {
+                            op.fwd(x, a, b, rows)
+                        })??;
+                        Tensor::from_vec(y, (rows, out), x.device())
+                    }
+                    other => candle_core::bail!("lora-matmul: the fused op runs in f32 or f64, not {other:?}"),
+                }
+            }
+        }
+    }
+
+    /// ∂x (and, adapted, (∂A, ∂B)) at ∂L/∂y = g; `x`, the forward's input, is read by an
+    /// adapted product alone (its ∂A), and an error there when missing.
+    pub(crate) fn backward(&self, x: Option<&Tensor>, g: &Tensor) -> Result<(Tensor, Option<(Tensor, Tensor)>)> {
+        match self {
+            Inner::Frozen(xg) => Ok((xg.apply(g)?, None)),
+            Inner::Adapted { op, a, b } => {
+                let Some(x) = x else { candle_core::bail!("lora-matmul: the backward needs the forward's input") };
+                let (x, a, b, g) = (x.detach(), a.detach(), b.detach(), g.contiguous()?);
+                let (dx, da, db) = match x.dtype() {
+                    candle_core::DType::F32 => op.bwd_t::<f32>(&x, &a, &b, &g, true)?,
+                    candle_core::DType::F64 => op.bwd_t::<f64>(&x, &a, &b, &g, true)?,
+                    other => candle_core::bail!("lora-matmul: no backward in {other:?}"),
+                };
+                let dx = dx.ok_or_else(|| candle_core::Error::Msg("lora-matmul: no gradient of x".into()))?;
+                Ok((dx, Some((da, db))))
             }
         }
     }
@@ -924,7 +1017,7 @@ pub(crate) fn lora_matmul_to(
     x.contiguous()?.apply_op3(&a.contiguous()?, &b.contiguous()?, op)
 }
 
-struct LoraMatmul {
+pub(crate) struct LoraMatmul {
     w: Tensor,
     packed: Option<std::sync::Arc<PackedWeight>>,
     scale: f64,
@@ -1009,13 +1102,13 @@ impl LoraMatmul {
         a: &Tensor,
         b: &Tensor,
         g: &Tensor,
+        want_dx: bool,
     ) -> Result<(Option<Tensor>, Tensor, Tensor)> {
         use crate::attention::with_slices;
         use crate::mm::{mm_add, product, scaled_product, Mat};
         let (out, inp) = self.w.dims2()?;
         let (rows, r) = (x.dim(0)?, a.dim(0)?);
         let s = T::from(self.scale).unwrap_or_else(T::nan);
-        let want_dx = x.track_op();
         let saved = self.xa.lock().map_err(|_| candle_core::Error::Msg("lora-matmul: a poisoned lock".into()))?;
         let xa = saved.as_ref().and_then(T::saved).filter(|v| v.len() == rows * r).ok_or_else(|| {
             candle_core::Error::Msg(format!("lora-matmul: no saved x Aᵀ of {rows} × {r} for the backward pass"))
@@ -1098,8 +1191,8 @@ impl candle_core::CustomOp3 for LoraMatmul {
             None => g.contiguous()?,
         };
         let (dx, da, db) = match x.dtype() {
-            candle_core::DType::F32 => self.bwd_t::<f32>(x, a, b, &g)?,
-            candle_core::DType::F64 => self.bwd_t::<f64>(x, a, b, &g)?,
+            candle_core::DType::F32 => self.bwd_t::<f32>(x, a, b, &g, x.track_op())?,
+            candle_core::DType::F64 => self.bwd_t::<f64>(x, a, b, &g, x.track_op())?,
             other => candle_core::bail!("lora-matmul: no backward in {other:?}"),
         };
         Ok((dx, Some(da), Some(db)))

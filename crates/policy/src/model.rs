@@ -477,41 +477,76 @@ impl PolicyModel {
     }
 
     /// The MLP sublayer y = x + down(silu(gate h) ⊙ up h), h = RMSNorm₂(x), as one node of the
-    /// graph when its three products are frozen in `pass` ([`Linear::frozen_x_grad`]: no
-    /// adapter term) on the fused kernels and x carries a gradient; None otherwise (the
-    /// sublayer's ops one by one). The forward is those ops' own, outside the graph; the
-    /// backward calls each op's backward in the graph's order (down, silu ⊙ up, gate + up, the
-    /// norm, + the residual), so values and gradients are theirs bit for bit. What changes is
-    /// what the graph keeps: gate h and up h (the backward's inputs) where it kept h, both
-    /// products, their SwiGLU product, down's output and the residual sum — 2·i + h values per
-    /// token and layer instead of 3·i + 3·h (SmolLM2: 3,648 of 6,336; issue 31's memory item).
+    /// graph when each of its three products is frozen or a plain adapted one in `pass`
+    /// ([`Linear::inner`]) on the fused kernels; None otherwise (the sublayer's ops one by one).
+    /// The node's inputs are x and, when a product is adapted, its A and B (flattened into one
+    /// tensor). The forward is those ops' own, outside the graph; the backward calls each op's
+    /// backward in the graph's order (down, silu ⊙ up, gate + up, the norm, + the residual; the
+    /// SwiGLU product recomputed for an adapted down), so values and gradients are theirs bit
+    /// for bit. What changes is what the graph keeps: gate h and up h (and h where gate or up is
+    /// adapted) where it kept h, both products, their SwiGLU product, down's output and the
+    /// residual sum — 2·i + h values per token and layer instead of 3·i + 3·h (SmolLM2: 3,648 of
+    /// 6,336; issue 31's memory item).
     fn mlp_fused(&self, blk: &Block, x: &Tensor, pass: Pass<'_>) -> Result<Option<Tensor>> {
         let k = self.kernels;
         if k != Kernels::Fused
             || !self.fuse_sublayers
-            || !x.track_op()
             || !matches!(x.dtype(), DType::F32 | DType::F64)
             || blk.norm2.is_variable()
         {
             return Ok(None);
         }
-        let (Some(dgate), Some(dup), Some(ddown)) =
-            (blk.gate.frozen_x_grad(pass, k), blk.up.frozen_x_grad(pass, k), blk.down.frozen_x_grad(pass, k))
+        let (Some(gate), Some(up), Some(down)) =
+            (blk.gate.inner(pass, k), blk.up.inner(pass, k), blk.down.inner(pass, k))
         else {
             return Ok(None);
         };
+        // the adapters' A and B, in the order the backward returns their gradients
+        let params: Vec<Tensor> =
+            [&gate, &up, &down].iter().filter_map(|p| p.adapter()).flat_map(|(a, b)| [a.clone(), b.clone()]).collect();
+        if !x.track_op() && params.is_empty() {
+            return Ok(None);
+        }
         let xd = x.detach();
         let eps = self.cfg.eps;
         let h = crate::ops::rms_norm(&xd, &blk.norm2, eps, k)?;
-        let (g, u) = (blk.gate.forward(&h, pass, k)?, blk.up.forward(&h, pass, k)?);
-        let m = blk.down.forward(&crate::ops::silu_mul(&g, &u, k)?, pass, k)?;
+        let (g, u) = (gate.forward(&blk.gate, &h, pass, k)?, up.forward(&blk.up, &h, pass, k)?);
+        let act = crate::ops::silu_mul(&g, &u, k)?;
+        let m = down.forward(&blk.down, &act, pass, k)?;
+        drop(act);
         let y = (&xd + m)?;
         let w = blk.norm2.clone();
-        let y = crate::ops::routed(x, y, "mlp", move |x, _, dy| {
-            let da = ddown.apply(dy)?;
+        // h is what an adapted gate or up reads in its backward
+        let h = (gate.adapter().is_some() || up.adapter().is_some()).then_some(h);
+        let sizes: Vec<usize> = params.iter().map(|t| t.elem_count()).collect();
+        let backward = move |x: &Tensor, dy: &Tensor| -> Result<(Tensor, Vec<Tensor>)> {
+            let mut grads = Vec::new();
+            let act = match down.adapter() {
+                Some(_) => Some(crate::ops::silu_mul(&g, &u, Kernels::Fused)?),
+                None => None,
+            };
+            let (da, dd) = down.backward(act.as_ref(), dy)?;
             let (dg, du) = crate::ops::silu_mul_grads(&g, &u, &da)?;
-            let dh = (dgate.apply(&dg)? + dup.apply(&du)?)?;
-            dy + crate::ops::rms_norm_x_grad(x, &w, eps, &dh)?
+            let (dh_g, gg) = gate.backward(h.as_ref(), &dg)?;
+            let (dh_u, gu) = up.backward(h.as_ref(), &du)?;
+            for (da, db) in [gg, gu, dd].into_iter().flatten() {
+                grads.push(da.flatten_all()?);
+                grads.push(db.flatten_all()?);
+            }
+            let dh = (dh_g + dh_u)?;
+            Ok(((dy + crate::ops::rms_norm_x_grad(x, &w, eps, &dh)?)?, grads))
+        };
+        if params.is_empty() {
+            let y = crate::ops::routed(x, y, "mlp", move |x, _, dy| Ok(backward(x, dy)?.0))?;
+            return Ok(Some(y));
+        }
+        let flat = Tensor::cat(&params.iter().map(|t| t.flatten_all()).collect::<Result<Vec<_>>>()?, 0)?;
+        let y = crate::ops::routed2((x, &flat), y, "mlp", move |x, _, _, dy| {
+            let (dx, grads) = backward(x, dy)?;
+            if grads.iter().map(|t| t.elem_count()).ne(sizes.iter().copied()) {
+                candle_core::bail!("mlp: the adapters' gradients do not match their sizes");
+            }
+            Ok((Some(dx), Some(Tensor::cat(&grads, 0)?)))
         })?;
         Ok(Some(y))
     }

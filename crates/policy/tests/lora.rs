@@ -544,21 +544,25 @@ fn scoring_passes_build_no_graph_and_give_the_tracked_values() {
 
 /// The fused sublayers (`PolicyModel::set_sublayer_fusion`, issue 31's memory): each
 /// projection written in heads by its own op, the attention's output projection and residual
-/// as one node, the MLP (norm, three frozen products, SwiGLU, residual) as one node. With and
+/// as one node, the MLP (norm, three products frozen or adapted, SwiGLU, residual) as one node. With and
 /// without them the log-probabilities and every adapter's gradient are the same bits — on the
 /// plain f32 path, f64, bf16 products, interleaved RoPE, q/k/v biases and every layer adapted —
 /// and the graph holds exactly the nodes the fusions remove fewer: per row and layer the MLP's
 /// 2h + 3i (its norm, gate, up, SwiGLU product and down's output), the output projection's q + h
 /// (the merged heads and its output), and each projection's rows (q or kv) where it fuses — an
 /// adapted one, and a frozen one whose input carries a gradient (not layer 0's k: its input
-/// does not). Nothing is removed where a bias or an adapter keeps an op out (the control).
+/// does not) — and holds the adapted MLP's A and B once more as one joined input. Nothing is
+/// removed where a bias or an adapter keeps an op out (the control).
 #[test]
 fn fused_sublayers_give_the_op_by_op_bits_and_keep_fewer_nodes() {
     use policy::ops::Kernels;
     let qv = vec![Target::QProj, Target::VProj];
     // (family, interleaved, targets, dtype, bf16 products)
-    let cases: [(Family, bool, Vec<Target>, DType, bool); 5] = [
+    let with = |t: Target| [qv.clone(), vec![t]].concat();
+    let cases: [(Family, bool, Vec<Target>, DType, bool); 7] = [
         (Family::Llama, false, qv.clone(), DType::F32, false),
+        (Family::Llama, false, with(Target::DownProj), DType::F64, false),
+        (Family::Llama, true, with(Target::GateProj), DType::F32, true),
         (Family::Llama, true, qv.clone(), DType::F64, false),
         (Family::Llama, false, qv.clone(), DType::F32, true),
         (Family::Llama, true, Target::ALL.to_vec(), DType::F32, false),
@@ -597,9 +601,18 @@ fn fused_sublayers_give_the_op_by_op_bits_and_keep_fewer_nodes() {
         let adapted = |t: Target| targets.contains(&t);
         let bias = c.qkv_bias;
         let mut per_row = 0;
+        // what the fused MLP adds: its adapters' A and B flattened into one input (both views
+        // of each and the joined tensor are graph nodes), per layer
+        let r = lora.rank;
+        let mut added = 0;
         for layer in 0..layers {
-            if !adapted(Target::GateProj) && !adapted(Target::UpProj) && !adapted(Target::DownProj) {
-                per_row += 2 * h + 3 * i;
+            // the MLP fuses frozen or adapted
+            per_row += 2 * h + 3 * i;
+            for t in [Target::GateProj, Target::UpProj, Target::DownProj] {
+                if adapted(t) {
+                    let (inp, out) = t.dims(&c);
+                    added += 2 * (r * inp + out * r);
+                }
             }
             if !adapted(Target::OProj) {
                 per_row += q + h;
@@ -612,6 +625,10 @@ fn fused_sublayers_give_the_op_by_op_bits_and_keep_fewer_nodes() {
             }
         }
         assert!(adapted(Target::QProj) && adapted(Target::VProj), "the count above assumes q and v adapted");
-        assert_eq!(plain_nodes - fused_nodes, rows * per_row, "{case}: graph elements {plain_nodes} → {fused_nodes}");
+        assert_eq!(
+            plain_nodes + added - fused_nodes,
+            rows * per_row,
+            "{case}: graph elements {plain_nodes} → {fused_nodes}"
+        );
     }
 }
