@@ -6,8 +6,9 @@
 //! evaluation pairs, an active pool — times the cells that run at once. Shared data (pairs read
 //! once) is already allocated when the second check runs, so `MemAvailable` accounts for it. A
 //! learning policy's cell adds its adapters (with their gradient and Adam's two moments), the
-//! f32 copies of the adapted weights its generator merges, the KV cache of a generation batch,
-//! a gradient pass's activations and logits, and a ppo critic's adapters ([`PolicyShape`]); a
+//! f32 copies of the adapted weights its generator merges, on the CPU the frozen weights packed
+//! for its products (and a ppo critic's), the KV cache of a generation batch, a gradient pass's
+//! activations and logits, and a ppo critic's adapters ([`PolicyShape`]); a
 //! full-parameter dpo cell, every weight with its gradient, Adam's moments, the reference, the
 //! generator's copy and a checkpoint's copies of them.
 
@@ -237,6 +238,20 @@ fn policy_terms(ps: &crate::spec::PolicySpec, c: &ConfigPlan, p: &PolicyShape) -
             },
         ]
     };
+    if !arm.full_parameters() && !p.on_device {
+        // `PolicyModel::use_packed_products`: f32 packs W once (4 bytes a weight), bf16 packs W
+        // and Wᵀ (2 + 2): the same bytes; a ppo critic packs its backbone too (taken at the
+        // policy's size)
+        t.push(Term {
+            key: "generate.policy",
+            what: format!(
+                "the frozen weights packed for the CPU's products ({} weights, 4 bytes each{})",
+                p.weights,
+                if critics > 0 { "; and the critic's" } else { "" }
+            ),
+            bytes: mul(&[p.weights, 4, 1 + critics]),
+        });
+    }
     let (len, kv) = (p.seq_len as u64, (cfg.kv_heads * cfg.head_dim) as u64);
     t.push(Term {
         key: "generate.batch_prompts",
@@ -642,6 +657,46 @@ mod tests {
             at(&gpu, Memory::Device) - a_gpu,
             "the other terms are the same"
         );
+    }
+
+    /// A CPU policy that trains adapters holds its frozen weights packed once more for the
+    /// CPU's products (4 bytes a weight, f32 or bf16), a ppo critic likewise; a GPU policy and
+    /// a full-parameter one (nothing frozen to pack) do not.
+    #[test]
+    fn a_cpu_lora_policy_counts_its_packed_weights() {
+        let dir = tempfile::tempdir().unwrap();
+        let terms = |policy: &str, on_device: bool, on: Memory| -> Vec<Term> {
+            let path = dir.path().join(format!("{policy}.toml"));
+            let full = if policy == "dpo-full" { "[policy.dpo]\nparameters = \"full\"\n" } else { "" };
+            let arm = policy.trim_end_matches("-full");
+            let text = format!(
+                "setting = \"deploy\"\n[env]\nkind = \"generated\"\n[generate]\nprompts = \"p.jsonl\"\n\
+                 rows = 4\npolicy = \"m.gguf\"\nn = 2\nmax_new_tokens = 4\n[features]\nmodel = \"m.gguf\"\n\
+                 [oracle]\nkind = \"linear\"\n[deploy]\nchunks = 2\nstrategies = [\"random-pair\"]\n\
+                 policy = [\"{arm}\"]\n{full}[policy]\nsave_adapter = \"none\"\n[[estimator]]\nkind = \"sgd\"\n"
+            );
+            std::fs::write(&path, text).unwrap();
+            let plan = crate::load_plan(&path, &[]).unwrap();
+            let shape = PolicyShape {
+                cfg: tiny_cfg(),
+                seq_len: 64,
+                n: 2,
+                batch_prompts: 2,
+                weights: 1 << 20,
+                on_device,
+                device_free: None,
+                routed: false,
+            };
+            estimate(&plan.spec, &plan, 1, Some(&shape), None, on).cell
+        };
+        let packed = |ts: &[Term]| -> u64 {
+            ts.iter().filter(|t| t.what.starts_with("the frozen weights packed")).map(|t| t.bytes).sum()
+        };
+        assert_eq!(packed(&terms("rloo", false, Memory::Host)), 4 << 20, "rloo on the CPU: 4 bytes a weight");
+        assert_eq!(packed(&terms("ppo", false, Memory::Host)), 8 << 20, "ppo: the critic's packing too");
+        assert_eq!(packed(&terms("rloo", true, Memory::Host)), 0, "a GPU policy: nothing on the host");
+        assert_eq!(packed(&terms("rloo", true, Memory::Device)), 0, "nor on the device (no packing there)");
+        assert_eq!(packed(&terms("dpo-full", false, Memory::Host)), 0, "full-parameter: nothing frozen");
     }
 
     #[test]
