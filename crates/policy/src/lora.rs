@@ -715,12 +715,7 @@ impl Inner {
             Inner::Frozen(xg) => Ok((xg.apply(g)?, None)),
             Inner::Adapted { op, a, b } => {
                 let Some(x) = x else { candle_core::bail!("lora-matmul: the backward needs the forward's input") };
-                let (x, a, b, g) = (x.detach(), a.detach(), b.detach(), g.contiguous()?);
-                let (dx, da, db) = match x.dtype() {
-                    candle_core::DType::F32 => op.bwd_t::<f32>(&x, &a, &b, &g, true)?,
-                    candle_core::DType::F64 => op.bwd_t::<f64>(&x, &a, &b, &g, true)?,
-                    other => candle_core::bail!("lora-matmul: no backward in {other:?}"),
-                };
+                let (dx, da, db) = op.grads(&x.detach(), &a.detach(), &b.detach(), &g.contiguous()?, true)?;
                 let dx = dx.ok_or_else(|| candle_core::Error::Msg("lora-matmul: no gradient of x".into()))?;
                 Ok((dx, Some((da, db))))
             }
@@ -967,20 +962,6 @@ pub fn lora_matmul(
     b: &Tensor,
     scale: f64,
 ) -> Result<Tensor> {
-    let ((rows, inp), (r, ain), (out, br)) = (x.dims2()?, a.dims2()?, b.dims2()?);
-    if w.dims2()? != (out, inp) || ain != inp || br != r || !x.device().is_cpu() || !lora_fuses(x.dtype()) {
-        candle_core::bail!(
-            "lora-matmul: x ({rows}, {inp}) {:?} on {:?}, W {:?}, A {:?}, B {:?}: expected (rows, in), (out, in), (r, in), (out, r), f32 or f64 on the CPU",
-            x.dtype(),
-            x.device(),
-            w.dims(),
-            a.dims(),
-            b.dims()
-        );
-    }
-    if packed.is_some() && x.dtype() != candle_core::DType::F32 {
-        candle_core::bail!("lora-matmul: bf16 products take f32 inputs, not {:?}", x.dtype());
-    }
     lora_matmul_to(x, w, packed, a, b, scale, None)
 }
 
@@ -1006,6 +987,9 @@ pub(crate) fn lora_matmul_to(
             a.dims(),
             b.dims()
         );
+    }
+    if packed.is_some() && x.dtype() != candle_core::DType::F32 {
+        candle_core::bail!("lora-matmul: bf16 products take f32 inputs, not {:?}", x.dtype());
     }
     if let Some(h) = &heads {
         let (hb, ht, hn, hhd) = h.dims;
@@ -1140,6 +1124,24 @@ impl LoraMatmul {
     }
 }
 
+impl LoraMatmul {
+    /// [`LoraMatmul::bwd_t`] in x's dtype: (∂x when `want_dx`, ∂A, ∂B) at ∂L/∂y = `g`.
+    fn grads(
+        &self,
+        x: &Tensor,
+        a: &Tensor,
+        b: &Tensor,
+        g: &Tensor,
+        want_dx: bool,
+    ) -> Result<(Option<Tensor>, Tensor, Tensor)> {
+        match x.dtype() {
+            candle_core::DType::F32 => self.bwd_t::<f32>(x, a, b, g, want_dx),
+            candle_core::DType::F64 => self.bwd_t::<f64>(x, a, b, g, want_dx),
+            other => candle_core::bail!("lora-matmul: no backward in {other:?}"),
+        }
+    }
+}
+
 /// `x` as f32 values (the packed bf16 kernels' input): an error for f64.
 fn f32_values<T: candle_core::WithDType>(x: &[T]) -> Result<&[f32]> {
     if T::DTYPE != candle_core::DType::F32 {
@@ -1190,11 +1192,7 @@ impl candle_core::CustomOp3 for LoraMatmul {
             Some(h) => h.rows_grad(g)?,
             None => g.contiguous()?,
         };
-        let (dx, da, db) = match x.dtype() {
-            candle_core::DType::F32 => self.bwd_t::<f32>(x, a, b, &g, x.track_op())?,
-            candle_core::DType::F64 => self.bwd_t::<f64>(x, a, b, &g, x.track_op())?,
-            other => candle_core::bail!("lora-matmul: no backward in {other:?}"),
-        };
+        let (dx, da, db) = self.grads(x, a, b, &g, x.track_op())?;
         Ok((dx, Some(da), Some(db)))
     }
 }

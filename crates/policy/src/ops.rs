@@ -459,16 +459,10 @@ pub fn split_heads(
             n * hd
         );
     }
-    let rope = match rope {
-        Some((c, s, i)) => {
-            if c.dims() != [t, hd / 2] || s.dims() != [t, hd / 2] || c.dtype() != y.dtype() {
-                candle_core::bail!("split-heads: RoPE tables {:?}, {:?} for {t} positions of {hd}", c.dims(), s.dims());
-            }
-            Some((c.contiguous()?, s.contiguous()?, i))
-        }
-        None => None,
-    };
-    y.contiguous()?.apply_op1(Heads { b, t, n, hd, rope, split: true })
+    if let Some((c, _, _)) = rope.filter(|(c, _, _)| c.dtype() != y.dtype()) {
+        candle_core::bail!("split-heads: {:?} RoPE tables for a {:?} tensor", c.dtype(), y.dtype());
+    }
+    y.contiguous()?.apply_op1(HeadsOut::new((b, t, n, hd), rope)?.op(true))
 }
 
 /// [`split_heads`]' layout change outside the graph, either way: rows (b·t, n·hd) to heads
@@ -516,7 +510,11 @@ impl HeadsOut {
         let rope = match rope {
             Some((c, s, i)) => {
                 if c.dims() != [t, hd / 2] || s.dims() != [t, hd / 2] {
-                    candle_core::bail!("heads: RoPE tables {:?}, {:?} for {t} positions of {hd}", c.dims(), s.dims());
+                    candle_core::bail!(
+                        "split-heads: RoPE tables {:?}, {:?} for {t} positions of {hd}",
+                        c.dims(),
+                        s.dims()
+                    );
                 }
                 Some((c.contiguous()?, s.contiguous()?, i))
             }

@@ -469,6 +469,20 @@ mod tests {
     use super::*;
 
     /// A small decoder's shape for the memory terms.
+    /// A policy of [`tiny_cfg`]'s shape with 1 Mi weights, on the CPU or a GPU.
+    fn tiny_policy(on_device: bool) -> PolicyShape {
+        PolicyShape {
+            cfg: tiny_cfg(),
+            seq_len: 64,
+            n: 2,
+            batch_prompts: 2,
+            weights: 1 << 20,
+            on_device,
+            device_free: None,
+            routed: false,
+        }
+    }
+
     fn tiny_cfg() -> features::model::Config {
         features::model::Config {
             family: features::model::Family::Llama,
@@ -625,18 +639,7 @@ mod tests {
                     save_adapter = \"none\"\n[[estimator]]\nkind = \"sgd\"\n";
         std::fs::write(&path, text).unwrap();
         let plan = crate::load_plan(&path, &[]).unwrap();
-        let cfg = tiny_cfg();
-        let shape = |on_device| PolicyShape {
-            cfg: cfg.clone(),
-            seq_len: 64,
-            n: 2,
-            batch_prompts: 2,
-            weights: 1 << 20,
-            on_device,
-            device_free: None,
-            routed: false,
-        };
-        let (cpu, gpu) = (shape(false), shape(true));
+        let (cpu, gpu) = (tiny_policy(false), tiny_policy(true));
         let at = |p: &PolicyShape, on| estimate(&plan.spec, &plan, 1, Some(p), None, on).per_cell;
         let none = estimate(&plan.spec, &plan, 1, None, None, Memory::Host).per_cell;
         assert_eq!(at(&gpu, Memory::Host), none, "a GPU policy adds nothing to host memory");
@@ -677,17 +680,7 @@ mod tests {
             );
             std::fs::write(&path, text).unwrap();
             let plan = crate::load_plan(&path, &[]).unwrap();
-            let shape = PolicyShape {
-                cfg: tiny_cfg(),
-                seq_len: 64,
-                n: 2,
-                batch_prompts: 2,
-                weights: 1 << 20,
-                on_device,
-                device_free: None,
-                routed: false,
-            };
-            estimate(&plan.spec, &plan, 1, Some(&shape), None, on).cell
+            estimate(&plan.spec, &plan, 1, Some(&tiny_policy(on_device)), None, on).cell
         };
         let packed = |ts: &[Term]| -> u64 {
             ts.iter().filter(|t| t.what.starts_with("the frozen weights packed")).map(|t| t.bytes).sum()
