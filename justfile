@@ -20,6 +20,12 @@ test: fetch-models
 fetch-models:
     scripts/fetch_models.sh
 
+# The measurement tables the book includes (docs/src/results/*.md), rendered from the committed
+# summaries docs/results/*.csv (each row: date, revision, CPU, command, then the figures).
+# `python3 scripts/docs_results.py --check` (CI) fails, naming the file, when one is stale.
+docs-results:
+    python3 scripts/docs_results.py
+
 # Formatting and lints, as CI checks them.
 lint:
     cargo fmt --all --check
