@@ -11,6 +11,7 @@ with the commands listed under the table. The book's pages include the fragments
 
     python3 scripts/docs_results.py           # (re)write every fragment
     python3 scripts/docs_results.py --check   # exit 1 naming each fragment that is stale
+    python3 scripts/docs_results.py --root DIR [--check]   # DIR/docs/... instead (tests)
 
 Bad input (a missing provenance column, a malformed date or revision, a row of the wrong
 length, an empty provenance cell) stops with one line naming the file, the row and the column.
@@ -23,8 +24,6 @@ import re
 import sys
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
-SUMMARIES = ROOT / "docs" / "results"
-FRAGMENTS = ROOT / "docs" / "src" / "results"
 PROVENANCE = ["date", "revision", "cpu", "command"]
 DATE = re.compile(r"^\d{4}-\d{2}-\d{2}$")
 REVISION = re.compile(r"^[0-9a-f]{7,40}$")
@@ -110,16 +109,23 @@ def render(path):
 
 
 def main(argv):
+    global ROOT
     check = False
-    for arg in argv:
+    args = list(argv)
+    while args:
+        arg = args.pop(0)
         if arg == "--check":
             check = True
+        elif arg == "--root" and args:
+            ROOT = pathlib.Path(args.pop(0)).resolve()
         elif arg in ("-h", "--help"):
             print(__doc__.strip())
             return 0
         else:
-            print(f"docs_results.py: unknown argument `{arg}` (expected --check)", file=sys.stderr)
+            print(f"docs_results.py: unknown argument `{arg}` (expected --check, --root DIR)", file=sys.stderr)
             return 2
+    SUMMARIES = ROOT / "docs" / "results"
+    FRAGMENTS = ROOT / "docs" / "src" / "results"
     summaries = sorted(SUMMARIES.glob("*.csv"))
     if not summaries:
         print(f"docs_results.py: no summaries in {rel(SUMMARIES)}", file=sys.stderr)
