@@ -95,6 +95,7 @@ impl OmdExactConfig {
 }
 
 /// The damping shape f of omd-hvp-cg: λ_t = max(λ_min, λ0·f(min(1, t/T))).
+#[cfg_attr(feature = "schema", derive(schemars::JsonSchema))]
 #[derive(Clone, Copy, Debug, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
 #[serde(rename_all = "kebab-case")]
 pub enum DampingSchedule {
@@ -130,6 +131,7 @@ impl FromStr for DampingSchedule {
 
 /// `omd-hvp-cg`: paper Alg. 5. Read straight from an `[[estimator]]` table (its keys are these
 /// fields; a key not among them is an error, a missing one takes the default).
+#[cfg_attr(feature = "schema", derive(schemars::JsonSchema))]
 #[derive(Clone, Copy, Debug, PartialEq, serde::Serialize, serde::Deserialize)]
 #[serde(default, deny_unknown_fields)]
 pub struct HvpCgConfig {
@@ -199,6 +201,7 @@ impl Default for SgdConfig {
 
 /// `adam`, `adam-reference` and the Adam half of `omd-hvp-cg+adam`; read straight from an
 /// `[[estimator]]` table.
+#[cfg_attr(feature = "schema", derive(schemars::JsonSchema))]
 #[derive(Clone, Copy, Debug, PartialEq, serde::Serialize, serde::Deserialize)]
 #[serde(default, deny_unknown_fields)]
 pub struct AdamConfig {
@@ -215,6 +218,7 @@ impl Default for AdamConfig {
 }
 
 /// How `mle` re-fits.
+#[cfg_attr(feature = "schema", derive(schemars::JsonSchema))]
 #[derive(Clone, Copy, Debug, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
 #[serde(rename_all = "kebab-case")]
 pub enum MleSolver {
@@ -246,6 +250,7 @@ impl FromStr for MleSolver {
 
 /// `mle`: argmin Σ_{i≤t} ℓ_i(θ) + ridge·t·‖θ‖², re-fitted every `refit_every` updates; read
 /// straight from an `[[estimator]]` table.
+#[cfg_attr(feature = "schema", derive(schemars::JsonSchema))]
 #[derive(Clone, Copy, Debug, PartialEq, serde::Serialize, serde::Deserialize)]
 #[serde(default, deny_unknown_fields)]
 pub struct MleConfig {

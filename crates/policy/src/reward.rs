@@ -424,6 +424,7 @@ pub fn unflatten(x: &[f32], like: &[&Var]) -> Result<Vec<Tensor>> {
 }
 
 /// The difference quotient of [`RewardModel::hvp_with`] (`"central"`, `"forward"`).
+#[cfg_attr(feature = "schema", derive(schemars::JsonSchema))]
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
 #[serde(rename_all = "kebab-case")]
 pub enum HvpScheme {

@@ -17,6 +17,7 @@ use candle_core::{Result, Tensor};
 use serde::{Deserialize, Serialize};
 
 /// The KL estimator per token, with d = log π_ref − log π: k1 = −d, k3 = e^d − d − 1.
+#[cfg_attr(feature = "schema", derive(schemars::JsonSchema))]
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "lowercase")]
 pub enum KlEstimator {
@@ -74,6 +75,7 @@ impl RewardNorm {
 }
 
 /// Where the KL penalty enters RLOO's advantage.
+#[cfg_attr(feature = "schema", derive(schemars::JsonSchema))]
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "lowercase")]
 pub enum KlPenalty {

@@ -95,8 +95,21 @@ enum Cmd {
         #[arg(required = true)]
         runs: Vec<PathBuf>,
     },
-    /// List the estimator names a spec may use.
-    Estimators,
+    /// List the estimator names a spec may use (with --long: each with its hyper-parameters,
+    /// their defaults and meanings).
+    Estimators {
+        /// Each estimator's hyper-parameters, defaults and meanings (markdown).
+        #[arg(long)]
+        long: bool,
+    },
+    /// Write the reference pages the code defines (spec keys, command line, result tables,
+    /// estimators) into a directory, as the book's docs/src/reference/ holds them; exits 2 naming
+    /// every key, argument or column that has no doc.
+    Reference {
+        /// Where the pages go.
+        #[arg(long, default_value = "docs/src/reference")]
+        out: PathBuf,
+    },
     /// Print the CPU's model, the vector features onepass's kernels choose between and the bf16
     /// kernel in use (`ONEPASS_CPU=avx2` caps onepass's kernels at AVX2 + FMA).
     Cpu,
@@ -269,6 +282,34 @@ fn extract_cmd(a: ExtractArgs, progress: runner::progress::Mode) -> anyhow::Resu
     Ok(())
 }
 
+/// `onepass reference`: the generated pages, or every undocumented item and exit 2.
+fn reference(out: &std::path::Path) -> ExitCode {
+    use clap::CommandFactory;
+    let cli = runner::reference::cli_page(&Cli::command());
+    let pages = runner::reference::pages();
+    let (pages, cli) = match (pages, cli) {
+        (Ok(p), Ok(c)) => (p, c),
+        (p, c) => {
+            for m in p.err().into_iter().flatten().chain(c.err().into_iter().flatten()) {
+                eprintln!("onepass reference: {m}");
+            }
+            return ExitCode::from(2);
+        }
+    };
+    let write = |file: &str, text: &str| -> anyhow::Result<()> {
+        std::fs::create_dir_all(out)?;
+        runner::io::write_atomic(&out.join(file), text.as_bytes())?;
+        Ok(())
+    };
+    for (file, text) in pages.iter().map(|p| (p.file, p.text.as_str())).chain([("cli.md", cli.as_str())]) {
+        if let Err(e) = write(file, text) {
+            eprintln!("onepass reference: writing {}: {e:#}", out.join(file).display());
+            return ExitCode::from(2);
+        }
+    }
+    ExitCode::SUCCESS
+}
+
 fn main() -> ExitCode {
     // a closed stdout (`onepass run … --dry-run | head -1`) ends the process quietly, as it does
     // other Unix tools, instead of a panic in println! (exit 101)
@@ -323,12 +364,18 @@ fn main() -> ExitCode {
             println!("{}", features::cpu::summary());
             ExitCode::SUCCESS
         }
-        Cmd::Estimators => {
+        Cmd::Estimators { long: false } => {
             for k in estimators::Kind::ALL {
                 println!("{k}");
             }
             ExitCode::SUCCESS
         }
+        Cmd::Estimators { long: true } => {
+            let mut missing = Vec::new();
+            print!("{}", runner::reference::estimators_text(&mut missing, false));
+            ExitCode::SUCCESS
+        }
+        Cmd::Reference { out } => reference(&out),
         Cmd::Merge { spec, slices, overrides, out } => finish_run(runner::RunOptions {
             spec,
             overrides,
@@ -359,7 +406,10 @@ fn main() -> ExitCode {
             if dry_run {
                 return match runner::load_plan(&spec, &overrides) {
                     Ok(plan) => {
-                        print!("{}", toml::to_string(&plan.resolved(&plan.spec)).unwrap_or_default());
+                        match runner::plan::record::resolved_text(&plan, &plan.spec) {
+                            Ok(text) => print!("{text}"),
+                            Err(e) => return bad_input(&e),
+                        }
                         for c in &plan.cells {
                             println!("# {} {} seed {}", c.cell_id, plan.configs[c.config].label, c.seed);
                         }

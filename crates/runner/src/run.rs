@@ -327,7 +327,7 @@ fn open_run_dir(
         };
         let dir = results::make_run_dir(&opts.out, &name)?;
         let lock = io::lock_dir(&dir)?;
-        let resolved = toml::to_string(&plan.resolved(&world.spec)).context("serialising the resolved spec")?;
+        let resolved = crate::plan::record::resolved_text(plan, &world.spec).map_err(anyhow::Error::msg)?;
         io::write_atomic(&dir.join("spec.resolved.toml"), resolved.as_bytes())?;
         io::write_atomic(&dir.join("resume.json"), serde_json::to_string_pretty(id)?.as_bytes())?;
         io::write_atomic(&dir.join(crate::results::PLAN_FILE), crate::results::plan_json(plan)?.as_bytes())?;
@@ -374,7 +374,7 @@ fn open_run_dir(
     }
     if forced.is_some() {
         // from here on the run is this spec: cells of another config restart
-        let resolved = toml::to_string(&plan.resolved(&world.spec)).context("serialising the resolved spec")?;
+        let resolved = crate::plan::record::resolved_text(plan, &world.spec).map_err(anyhow::Error::msg)?;
         io::write_atomic(&dir.join("spec.resolved.toml"), resolved.as_bytes())?;
         io::write_atomic(&manifest, serde_json::to_string_pretty(id)?.as_bytes())?;
     }

@@ -6,16 +6,16 @@ use std::path::Path;
 
 /// Layers in order; a module may use its own layer and the ones before it.
 const LAYERS: &[&[&str]] = &[
-    &["io", "progress"],
+    &["io", "progress", "tb"],
     &["spec"],
-    &["rows"],
+    &["rows", "columns"],
     &["plan", "budget"],
     &["world"],
     &["settings"],
     &["results"],
     &["report"],
     &["run", "bench"],
-    &["inspect"],
+    &["inspect", "reference"],
     &["lib", "main"],
 ];
 

@@ -36,6 +36,9 @@ pub enum Strategy {
 }
 
 impl Strategy {
+    /// Every strategy's name, as [`Strategy::name`] gives it and `FromStr` reads it.
+    pub const NAMES: [&'static str; 6] = ["random-pair", "best-random", "best-two", "best-worst", "best-quantile", "ucb"];
+
     pub fn name(&self) -> &'static str {
         match self {
             Strategy::RandomPair => "random-pair",
@@ -215,6 +218,16 @@ mod tests {
     use super::*;
     use rand::SeedableRng;
     use rand_chacha::ChaCha8Rng;
+
+    /// `NAMES` is every strategy: each parses to a strategy of that name, and a name not in it
+    /// does not parse.
+    #[test]
+    fn names_are_the_strategies() {
+        for n in Strategy::NAMES {
+            assert_eq!(n.parse::<Strategy>().unwrap().name(), n);
+        }
+        assert!("best-three".parse::<Strategy>().is_err());
+    }
 
     #[test]
     fn deterministic_strategies_pick_the_documented_ranks() {

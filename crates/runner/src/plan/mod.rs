@@ -5,6 +5,7 @@
 //! stops here.
 
 mod cell;
+pub mod record;
 
 pub use cell::{ActiveCell, CellConfig, CurvatureCell, DeployCell, PassiveCell};
 
@@ -660,8 +661,19 @@ fn check_ranges(spec: &Spec, keys: Locator<'_>) -> Result<(), SpecError> {
     Ok(())
 }
 
-/// The tables of the chosen setting.
+/// The tables of the chosen setting; another setting's table is refused, not ignored.
 fn check_setting(spec: &Spec, keys: Locator<'_>) -> Result<(), SpecError> {
+    for (table, setting) in [("passive", Setting::Passive), ("active", Setting::Active), ("deploy", Setting::Deploy)] {
+        if spec.setting != setting && keys.written(&[table]) {
+            return Err(keys.err(
+                &[table],
+                format!(
+                    "applies to setting = \"{table}\" only; this spec's setting is \"{}\" (remove the table)",
+                    spec.setting.as_str()
+                ),
+            ));
+        }
+    }
     match spec.setting {
         Setting::Passive => {
             if let Beta::Value(b) = spec.passive.beta {

@@ -4,6 +4,7 @@ use super::deploy::d_q;
 use super::passive::{d_beta, d_delta};
 use super::{Beta, Sweep};
 use serde::{de, Deserialize, Deserializer, Serialize, Serializer};
+use schemars::JsonSchema;
 use std::fmt;
 
 /// How the active learner picks the pairs to label. One vocabulary with the deployment
@@ -46,6 +47,24 @@ impl std::str::FromStr for ActiveRule {
     }
 }
 
+/// The key reference lists the rules: the pool rules, then every deployment strategy.
+impl JsonSchema for ActiveRule {
+    fn schema_name() -> std::borrow::Cow<'static, str> {
+        "ActiveRule".into()
+    }
+    fn json_schema(_: &mut schemars::SchemaGenerator) -> schemars::Schema {
+        let mut words = vec![
+            serde_json::json!({ "const": "pool-argmax", "description": "argmax over the pool of ‖φ(x,a) − φ(x,a′)‖_{𝓗⁻¹} (paper Eq. (4))." }),
+            serde_json::json!({ "const": "stream", "description": "The authors' stream: score `candidates` random pool pairs, keep the top `keep`." }),
+            serde_json::json!({ "const": "random", "description": "Uniformly random pool pairs." }),
+        ];
+        for s in selection::Strategy::NAMES {
+            words.push(serde_json::json!({ "const": s, "description": format!("A fresh context per label, two of its arms by the deployment strategy `{s}`.") }));
+        }
+        schemars::json_schema!({ "type": "string", "oneOf": words })
+    }
+}
+
 impl Serialize for ActiveRule {
     fn serialize<S: Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
         s.serialize_str(&self.to_string())
@@ -58,7 +77,7 @@ impl<'de> Deserialize<'de> for ActiveRule {
     }
 }
 
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
 #[serde(rename_all = "kebab-case")]
 pub enum ScoreNorm {
     /// V_t = V₀I + Σzzᵀ with all candidates added before scoring (the authors' uncertainty_score).
@@ -67,7 +86,7 @@ pub enum ScoreNorm {
     H,
 }
 
-#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize, JsonSchema)]
 #[serde(deny_unknown_fields)]
 pub struct ActiveSpec {
     /// One rule, or a list: every estimator runs under each (Rand-MLE, Active-MLE, Rand-OMD and

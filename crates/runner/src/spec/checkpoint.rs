@@ -1,10 +1,11 @@
 //! `[checkpoint]`: when cells save their state.
 
 use serde::{Deserialize, Serialize};
+use schemars::JsonSchema;
 
 /// Periodic checkpoints of every running cell (estimator, curvature, RNG streams, stream
 /// position, rows so far) under `<run>/checkpoints/`; SIGINT/SIGTERM always checkpoint.
-#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize, JsonSchema)]
 #[serde(deny_unknown_fields)]
 pub struct CheckpointSpec {
     /// Seconds of a cell's work between checkpoints (0: only at SIGINT/SIGTERM). Default 120.

@@ -2,8 +2,9 @@
 
 use super::OrAuto;
 use serde::{Deserialize, Serialize};
+use schemars::JsonSchema;
 
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
 #[serde(rename_all = "kebab-case")]
 pub enum CurvaturePoint {
     LookAhead,
@@ -12,7 +13,7 @@ pub enum CurvaturePoint {
 
 /// The uncertainty ‖x‖_{𝓗_t⁻¹} that drives pessimism, UCB and active selection, and the 𝓗_t
 /// tracker every cell keeps (theta_err_H; the uncertainty of estimators without their own 𝓗).
-#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize, JsonSchema)]
 #[serde(deny_unknown_fields)]
 pub struct CurvatureSpec {
     /// The tracker's 𝓗_1 = λI: a number or "auto" (the median ‖z‖² of the first pairs). Unset:
@@ -28,7 +29,7 @@ pub struct CurvatureSpec {
     pub source: CurvatureSource,
 }
 
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
 #[serde(rename_all = "kebab-case")]
 pub enum CurvatureSource {
     #[default]

@@ -2,10 +2,11 @@
 //! selected and split, and the feature model (the φ key block of `phi.rs`).
 
 use serde::{Deserialize, Serialize};
+use schemars::JsonSchema;
 
 super::phi::phi_table! {
     /// The `[data]` table.
-    #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+    #[derive(Clone, Debug, PartialEq, Serialize, Deserialize, JsonSchema)]
     #[serde(deny_unknown_fields)]
     pub struct DataSpec {
         /// The dataset: a file, a `*` pattern in the file name (several files read in name order), or
@@ -52,28 +53,28 @@ super::phi::phi_table! {
     cache = "crate::spec::phi::d_cache"
 }
 
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
 #[serde(rename_all = "kebab-case")]
 pub enum Malformed {
     Error,
     Skip,
 }
 
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
 #[serde(rename_all = "kebab-case")]
 pub enum Select {
     First,
     Random,
 }
 
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
 #[serde(rename_all = "kebab-case")]
 pub enum Degenerate {
     Drop,
     Keep,
 }
 
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
 #[serde(rename_all = "kebab-case")]
 pub enum ScoreTies {
     Keep,
@@ -150,7 +151,7 @@ impl DataSpec {
     }
 }
 
-#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum, Serialize, Deserialize)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum, Serialize, Deserialize, JsonSchema)]
 #[serde(rename_all = "kebab-case")]
 pub enum Format {
     /// From the file name: .jsonl / .jsonl.gz → hh-rlhf, .parquet → ultrafeedback.
@@ -163,7 +164,7 @@ pub enum Format {
 }
 
 /// Column (or JSON key) names of the `generic` format.
-#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize, JsonSchema)]
 #[serde(deny_unknown_fields)]
 pub struct Keys {
     /// The prompt: a string (one user message) or a message list. Absent: the sides are whole
@@ -189,10 +190,13 @@ pub struct Keys {
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub label: Option<String>,
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    #[schemars(with = "Vec<serde_json::Value>")]
     pub label_a: Vec<toml::Value>,
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    #[schemars(with = "Vec<serde_json::Value>")]
     pub label_b: Vec<toml::Value>,
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    #[schemars(with = "Vec<serde_json::Value>")]
     pub label_tie: Vec<toml::Value>,
     /// Instead of `label`: the key of a preference strength (HelpSteer2-Preference's −3…3), a
     /// soft label y that side a wins: `strength_map = "linear"` y = ½ + s/(2·scale), clamped to
@@ -232,7 +236,7 @@ fn d_strength_scale() -> f64 {
     3.0
 }
 
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
 #[serde(rename_all = "kebab-case")]
 pub enum StrengthMap {
     #[default]
@@ -240,7 +244,7 @@ pub enum StrengthMap {
     BradleyTerry,
 }
 
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
 #[serde(rename_all = "kebab-case")]
 pub enum StrengthSign {
     #[default]
@@ -260,7 +264,7 @@ impl Keys {
 }
 
 /// How the ranked form makes pairs of a prompt's scored responses (higher score = chosen).
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
 #[serde(rename_all = "kebab-case")]
 pub enum PairRule {
     /// The best against one other drawn uniformly (seeded by pairs_seed and the row): the
@@ -275,7 +279,7 @@ pub enum PairRule {
 }
 
 fn one_or_many<'de, D: serde::Deserializer<'de>>(d: D) -> Result<Vec<String>, D::Error> {
-    #[derive(Deserialize)]
+    #[derive(Deserialize, JsonSchema)]
     #[serde(untagged)]
     enum OneOrMany {
         One(String),

@@ -3,9 +3,10 @@
 use super::passive::{d_beta, d_delta};
 use super::{Beta, Order, Sweep};
 use serde::{Deserialize, Serialize};
+use schemars::JsonSchema;
 use std::fmt;
 
-#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize, JsonSchema)]
 #[serde(deny_unknown_fields)]
 pub struct DeploySpec {
     /// Swept: every strategy is crossed with every estimator.
@@ -39,7 +40,7 @@ pub struct DeploySpec {
     pub reset_each_chunk: bool,
 }
 
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
 #[serde(rename_all = "kebab-case")]
 pub enum DeployPolicy {
     BestOfN,

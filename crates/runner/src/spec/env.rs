@@ -1,9 +1,10 @@
 //! `[env]`: where the pairs come from.
 
 use serde::{Deserialize, Serialize};
+use schemars::JsonSchema;
 use std::path::PathBuf;
 
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
 #[serde(rename_all = "kebab-case")]
 pub enum FeatureDist {
     /// g ~ N(0, I/d), clipped to ‖g‖ ≤ 1, times L.
@@ -12,7 +13,7 @@ pub enum FeatureDist {
     Sphere,
 }
 
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
 #[serde(rename_all = "kebab-case")]
 pub enum EnvKind {
     /// The synthetic contextual dueling bandit of the theory.
@@ -26,7 +27,7 @@ pub enum EnvKind {
     Generated,
 }
 
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
 #[serde(rename_all = "kebab-case")]
 pub enum Order {
     /// A permutation of the training rows drawn from the seed's data stream.
@@ -40,7 +41,7 @@ pub enum Order {
 
 /// Where the pairs come from: the synthetic contextual dueling bandit (the theory's setting),
 /// or a parquet file of features.
-#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize, JsonSchema)]
 #[serde(deny_unknown_fields)]
 pub struct EnvSpec {
     #[serde(default = "d_env_kind")]

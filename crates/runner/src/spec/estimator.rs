@@ -15,9 +15,26 @@ use estimators::{
     ReplayConfig, SgdConfig,
 };
 use serde::{Deserialize, Serialize};
+use schemars::JsonSchema;
+
+/// The keys every `[[estimator]]` table takes beside its kind's hyper-parameters. [`read`]
+/// takes `init` and `init_std` out of the table before the kind's struct reads the rest; this
+/// type documents them for the generated reference (a test checks [`read`] accepts each).
+#[derive(JsonSchema)]
+#[allow(dead_code)] // read for its schema only
+pub struct CommonKeys {
+    /// The estimator's name (see below).
+    kind: String,
+    /// How θ_1 is drawn: "zero" (the paper's Alg. 2–4) or "normal" (N(0, init_std²) from a
+    /// seeded stream, the authors' head init).
+    #[schemars(extend("enum" = ["zero", "normal"]))]
+    init: Option<String>,
+    /// The standard deviation of init = "normal" (absent: 1/(d+1), the authors' choice).
+    init_std: Option<f64>,
+}
 
 /// One estimator kind with one value per hyper-parameter (`init` and `init_std` are read apart).
-#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize, JsonSchema)]
 #[serde(tag = "kind", rename_all = "kebab-case")]
 pub enum EstimatorSpec {
     /// Paper Alg. 1 / Eq. (3).
@@ -35,7 +52,7 @@ pub enum EstimatorSpec {
     SgdReplay(SgdReplaySpec),
 }
 
-#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize, JsonSchema)]
 #[serde(default, deny_unknown_fields)]
 pub struct OmdExactSpec {
     pub eta: f64,
@@ -55,7 +72,7 @@ impl Default for OmdExactSpec {
 }
 
 /// omd-hvp-cg+adam: the CG direction, Adam's step (its `lr`).
-#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize, JsonSchema)]
 #[serde(default, deny_unknown_fields)]
 pub struct HvpCgAdamSpec {
     pub cg_steps: usize,
@@ -86,7 +103,7 @@ impl Default for HvpCgAdamSpec {
     }
 }
 
-#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize, JsonSchema)]
 #[serde(default, deny_unknown_fields)]
 pub struct OmdReferenceSpec {
     pub lr: f64,
@@ -121,7 +138,7 @@ impl Default for OmdReferenceSpec {
     }
 }
 
-#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize, JsonSchema)]
 #[serde(default, deny_unknown_fields)]
 pub struct SgdSpec {
     pub lr: f64,
@@ -135,7 +152,7 @@ impl Default for SgdSpec {
     }
 }
 
-#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize, JsonSchema)]
 #[serde(default, deny_unknown_fields)]
 pub struct SgdReplaySpec {
     pub lr: f64,
@@ -372,6 +389,17 @@ mod tests {
             again.insert("kind".into(), toml::Value::String(k.to_string()));
             again.extend(s.hparams());
             assert_eq!(read(&again).unwrap().1, s, "{k}: round trip");
+        }
+    }
+
+    /// The keys [`CommonKeys`] documents are read for every kind.
+    #[test]
+    fn every_kind_takes_the_common_keys() {
+        let v = schemars::schema_for!(CommonKeys).to_value();
+        let keys: Vec<String> = v["properties"].as_object().unwrap().keys().cloned().collect();
+        assert_eq!(keys, ["kind", "init", "init_std"]);
+        for k in estimators::Kind::ALL {
+            read(&table(&format!("kind = \"{k}\"\ninit = \"normal\"\ninit_std = 0.5"))).unwrap();
         }
     }
 

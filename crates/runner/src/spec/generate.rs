@@ -6,10 +6,11 @@ use super::phi::{d_batch, d_device, d_dtype};
 use super::phi::{DType, Device, PhiSpec};
 use features::generate::SampleOptions;
 use serde::{Deserialize, Serialize};
+use schemars::JsonSchema;
 use std::path::PathBuf;
 
 /// How an oracle turns a reward difference m = r(a) − r(a′) into a label.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, serde::Serialize, serde::Deserialize, JsonSchema)]
 #[serde(rename_all = "kebab-case")]
 pub enum LabelRule {
     /// y ~ Bernoulli(σ(m)) (the paper's model).
@@ -19,7 +20,7 @@ pub enum LabelRule {
 }
 
 /// The `[generate]` table: prompts, policy and sampling.
-#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize, JsonSchema)]
 #[serde(deny_unknown_fields)]
 pub struct GenerateSpec {
     /// Prompts: a .jsonl(.gz) or .parquet file, a `*` pattern, or `hf:datasets/<o>/<n>[@rev]:<file>`.
@@ -78,7 +79,7 @@ pub struct GenerateSpec {
 }
 
 /// Where generated samples come from.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
 #[serde(rename_all = "kebab-case")]
 pub enum GenBackend {
     /// onepass's sampler on the policy's weights (candle).
@@ -100,13 +101,13 @@ fn d_retries() -> u32 {
 
 super::phi::phi_table! {
     /// The `[features]` table: the learner's φ over (prompt, response).
-    #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+    #[derive(Clone, Debug, PartialEq, Serialize, Deserialize, JsonSchema)]
     #[serde(deny_unknown_fields)]
     pub struct FeatureSpec {}
     cache = "d_feat_cache"
 }
 
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
 #[serde(rename_all = "kebab-case")]
 pub enum OracleKind {
     /// θ* over the learner's φ from `seed` (realizable Bradley–Terry, the paper's Assumption 1),
@@ -121,7 +122,7 @@ pub enum OracleKind {
 }
 
 /// The `[oracle]` table.
-#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize, JsonSchema)]
 #[serde(deny_unknown_fields)]
 pub struct OracleSpec {
     pub kind: OracleKind,

@@ -21,6 +21,7 @@ pub mod phi;
 pub mod policy;
 pub mod reward;
 pub mod stream;
+pub mod track;
 mod words;
 
 pub use data::{DataSpec, Format, Keys};
@@ -37,11 +38,13 @@ pub use env::{EnvKind, EnvSpec, FeatureDist, Order};
 pub use file::{apply_overrides, is_written, line_of, load, locate, override_at, override_key, parse, SpecError};
 pub use passive::{PassiveSpec, Pessimism, PessimismReference};
 pub use stream::StreamSpec;
+pub use track::TrackSpec;
 pub use words::{Beta, DataScale, OrAuto, OrNone, Sweep};
 
 use serde::{Deserialize, Serialize};
+use schemars::JsonSchema;
 
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
 #[serde(rename_all = "kebab-case")]
 pub enum Setting {
     Passive,
@@ -60,7 +63,7 @@ impl Setting {
 }
 
 /// The whole spec file.
-#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize, JsonSchema)]
 #[serde(deny_unknown_fields)]
 pub struct Spec {
     pub setting: Setting,
@@ -94,9 +97,13 @@ pub struct Spec {
     /// When cells save their state for `onepass run --resume` (not part of a run's identity).
     #[serde(default)]
     pub checkpoint: CheckpointSpec,
+    /// What the run logs while it runs (TensorBoard event files; not part of a run's identity).
+    #[serde(default)]
+    pub track: TrackSpec,
     /// The raw `[[estimator]]` tables: swept keys are expanded and each combination read by
     /// [`estimator::read`] in the plan.
     #[serde(rename = "estimator", default)]
+    #[schemars(skip)] // the estimators reference documents them from EstimatorSpec
     pub estimators: Vec<toml::Table>,
     /// env.kind = "dataset": the preference data and the feature model.
     #[serde(default, skip_serializing_if = "Option::is_none")]

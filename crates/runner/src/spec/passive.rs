@@ -2,8 +2,9 @@
 
 use super::Beta;
 use serde::{Deserialize, Serialize};
+use schemars::JsonSchema;
 
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
 #[serde(rename_all = "kebab-case")]
 pub enum Pessimism {
     /// argmax_a φᵀθ − β‖φ‖_{𝓗⁻¹} in every context.
@@ -12,7 +13,7 @@ pub enum Pessimism {
     Policy,
 }
 
-#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize, JsonSchema)]
 #[serde(deny_unknown_fields)]
 pub struct PassiveSpec {
     #[serde(default = "d_pessimism")]
@@ -30,7 +31,7 @@ pub struct PassiveSpec {
     pub pessimism_reference: PessimismReference,
 }
 
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
 #[serde(rename_all = "kebab-case")]
 pub enum PessimismReference {
     #[default]

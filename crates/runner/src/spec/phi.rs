@@ -2,10 +2,11 @@
 //! `[oracle]`) and for `onepass features extract`: [`PhiSpec`], with typed dtype and device.
 
 use serde::{Deserialize, Serialize};
+use schemars::JsonSchema;
 use std::path::PathBuf;
 
 /// Weights and activations of a feature or policy model.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize, clap::ValueEnum)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize, clap::ValueEnum, JsonSchema)]
 #[serde(rename_all = "kebab-case")]
 pub enum DType {
     F32,
@@ -14,7 +15,7 @@ pub enum DType {
 }
 
 /// Where a model runs: `auto` takes CUDA, else Metal, else the CPU.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize, clap::ValueEnum)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize, clap::ValueEnum, JsonSchema)]
 #[serde(rename_all = "kebab-case")]
 pub enum Device {
     Cpu,

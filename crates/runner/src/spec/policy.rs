@@ -5,10 +5,11 @@
 use super::Sweep;
 use policy::train::{KlEstimator, KlPenalty};
 use serde::{Deserialize, Serialize};
+use schemars::JsonSchema;
 
 /// What reward drives a learning arm's policy update (rloo): the paper's learned reward, or one
 /// of the two controls a policy-level claim needs.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize, JsonSchema)]
 #[serde(rename_all = "kebab-case")]
 pub enum RewardSource {
     /// φᵀθ_t, the reward model learned in one pass (the paper's method).
@@ -32,7 +33,7 @@ impl std::fmt::Display for RewardSource {
 }
 
 /// How rloo scales its reward before the KL penalty.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
 #[serde(rename_all = "kebab-case")]
 pub enum RewardNormKind {
     /// (r − mean)/sd over the chunk's rewards, clipped to ±reward_clip (OpenRLHF's convention).
@@ -42,7 +43,7 @@ pub enum RewardNormKind {
 }
 
 /// The learning-rate schedule of the policy's Adam.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
 #[serde(rename_all = "kebab-case")]
 pub enum LrScheduleKind {
     Constant,
@@ -52,7 +53,7 @@ pub enum LrScheduleKind {
 }
 
 /// Which steps the learning-rate schedule spans.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
 #[serde(rename_all = "kebab-case")]
 pub enum LrRestart {
     /// Each chunk's update (the authors' loop builds a new optimiser per chunk).
@@ -62,7 +63,7 @@ pub enum LrRestart {
 }
 
 /// An adapter's life across chunks.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
 #[serde(rename_all = "kebab-case")]
 pub enum AdapterLife {
     /// One adapter and one Adam state over the whole run.
@@ -83,7 +84,7 @@ impl std::fmt::Display for AdapterLife {
 }
 
 /// The arithmetic of a learning policy's frozen products in its updates (`[policy] dtype`).
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
 #[serde(rename_all = "kebab-case")]
 pub enum TrainDtype {
     /// f32 throughout.
@@ -105,7 +106,7 @@ impl std::fmt::Display for TrainDtype {
 }
 
 /// Where a learning arm's rollouts (the sequences its update scores) come from.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
 #[serde(rename_all = "kebab-case")]
 pub enum RolloutSource {
     /// The first `rollouts_per_prompt` of the chunk's n samples — the ones the reward model's
@@ -118,7 +119,7 @@ pub enum RolloutSource {
 }
 
 /// The pairs the dpo arm learns from.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
 #[serde(rename_all = "kebab-case")]
 pub enum DpoPairs {
     /// The pair the deploy strategy picked among a prompt's n samples, with its label.
@@ -130,7 +131,7 @@ pub enum DpoPairs {
 }
 
 /// What the dpo arm trains.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
 #[serde(rename_all = "kebab-case")]
 pub enum DpoParameters {
     /// LoRA adapters (`[policy]` rank, alpha, targets, dropout).
@@ -145,7 +146,7 @@ pub enum DpoParameters {
 /// first chunk (the authors' DPO arm: 1,000 UltraFeedback train_prefs pairs), read as `[data]`
 /// reads (`path`, `format`, `keys`). Prompts are templated by the policy; each response is
 /// tokenised and cut to generate.max_new_tokens (an end-of-turn token closes the ones not cut).
-#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize, JsonSchema)]
 #[serde(deny_unknown_fields)]
 pub struct WarmStart {
     pub path: String,
@@ -164,7 +165,7 @@ fn d_format() -> super::Format {
 }
 
 /// The policy the KL penalty (and the evaluation's KL) is measured against.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
 #[serde(rename_all = "kebab-case")]
 pub enum KlReference {
     /// The base policy before any update.
@@ -185,7 +186,7 @@ impl RewardNormKind {
 }
 
 /// What a learning policy's run saves of its adapters (PEFT layout, under `adapters/`).
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
 #[serde(rename_all = "kebab-case")]
 pub enum SaveAdapter {
     /// After the last chunk.
@@ -195,7 +196,7 @@ pub enum SaveAdapter {
     None,
 }
 
-#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize, JsonSchema)]
 #[serde(deny_unknown_fields)]
 pub struct PolicySpec {
     /// LoRA rank r and α (the update is scaled by α/r).
@@ -286,7 +287,7 @@ pub struct PolicySpec {
 }
 
 /// Where a PPO critic's value head starts each chunk.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
 #[serde(rename_all = "kebab-case")]
 pub enum CriticHead {
     /// v = θ_t: the critic starts as the learned reward model (OpenRLHF initialises the critic
@@ -302,7 +303,7 @@ pub enum CriticHead {
 /// plus the sequence's reward at its last token; GAE (`gamma`, `lambda`); the ratio clipped to
 /// 1 ± `clip`, the value loss clipped to ± `value_clip` around the old values (0: no clip);
 /// the critic's learning rate and value head's start; advantages divided by their sd.
-#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize, JsonSchema)]
 #[serde(deny_unknown_fields)]
 pub struct PpoSpec {
     #[serde(default = "d_reward")]
@@ -342,7 +343,7 @@ impl Default for PpoSpec {
 /// normalised before the KL penalty (`reward_norm`, `reward_clip`), β of the KL penalty and
 /// where it enters (`kl_penalty`: per sequence as TRL's RLOO, or per token as OpenRLHF), the PPO
 /// clip ε of the ratio (0: none), advantages divided by their sd.
-#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize, JsonSchema)]
 #[serde(deny_unknown_fields)]
 pub struct RlooSpec {
     #[serde(default = "d_reward")]
@@ -371,7 +372,7 @@ impl Default for RlooSpec {
 }
 
 /// `[policy.dpo]`: β of the DPO loss, the pairs it learns from, and a warm start.
-#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize, JsonSchema)]
 #[serde(deny_unknown_fields)]
 pub struct DpoSpec {
     #[serde(default = "d_dpo_beta")]
@@ -391,7 +392,7 @@ impl Default for DpoSpec {
 }
 
 /// PEFT's `target_modules`: names, or "all-linear".
-#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize, JsonSchema)]
 #[serde(untagged)]
 pub enum Targets {
     All(String),

@@ -7,8 +7,9 @@
 use super::policy::{d_alpha, d_rank, Targets};
 use policy::reward::HvpScheme;
 use serde::{Deserialize, Serialize};
+use schemars::JsonSchema;
 
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
 #[serde(rename_all = "kebab-case")]
 pub enum RewardUpdate {
     /// θ on frozen φ (cached features).
@@ -30,7 +31,7 @@ impl std::fmt::Display for RewardUpdate {
     }
 }
 
-#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize, JsonSchema)]
 #[serde(deny_unknown_fields)]
 pub struct RewardSpec {
     #[serde(default)]

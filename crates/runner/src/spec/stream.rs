@@ -1,9 +1,10 @@
 //! `[stream]`: the stream's length, batch and evaluation cadence.
 
 use serde::{Deserialize, Serialize};
+use schemars::JsonSchema;
 
 /// Stream length and evaluation cadence.
-#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize, JsonSchema)]
 #[serde(deny_unknown_fields)]
 pub struct StreamSpec {
     /// T: labelled samples (passive: pairs seen; active: the label budget; deploy: rounds).

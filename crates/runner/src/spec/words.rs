@@ -1,7 +1,9 @@
 //! The words a number may be given as (`"none"`, `"auto"`, `"theory"`: one macro), a swept
 //! key ([`Sweep`]), and the data's scale that λ = "auto" resolves from ([`DataScale`]).
 
+use schemars::{json_schema, JsonSchema, Schema, SchemaGenerator};
 use serde::{de, Deserialize, Deserializer, Serialize, Serializer};
+use std::borrow::Cow;
 use std::fmt;
 
 /// One value or an array of values to sweep over.
@@ -21,6 +23,20 @@ impl<T: Serialize> Serialize for Sweep<T> {
         } else {
             self.0.serialize(s)
         }
+    }
+}
+
+/// The key reference shows a swept key as its value's type, marked sweepable (`x-sweep`).
+impl<T: JsonSchema> JsonSchema for Sweep<T> {
+    fn schema_name() -> Cow<'static, str> {
+        format!("Sweep_{}", T::schema_name()).into()
+    }
+    fn inline_schema() -> bool {
+        true
+    }
+    fn json_schema(g: &mut SchemaGenerator) -> Schema {
+        let one = g.subschema_for::<T>();
+        json_schema!({ "anyOf": [one, { "type": "array", "items": one }], "x-sweep": true })
     }
 }
 
@@ -71,6 +87,18 @@ macro_rules! number_or_word {
         pub enum $name {
             $word,
             Value(f64),
+        }
+
+        impl JsonSchema for $name {
+            fn schema_name() -> Cow<'static, str> {
+                stringify!($name).into()
+            }
+            fn inline_schema() -> bool {
+                true
+            }
+            fn json_schema(_: &mut SchemaGenerator) -> Schema {
+                json_schema!({ "anyOf": [{ "type": "number" }, { "const": $text }] })
+            }
         }
 
         impl Serialize for $name {
@@ -163,7 +191,7 @@ number_or_word!(
 /// The scale of the data's differences z = φ(x, a) − φ(x, a′): ‖z‖² over the first
 /// [`DataScale::PAIRS`] training pairs in file order (bandits: arms 0 and 1 of the first
 /// contexts). λ = "auto" is the median; meta.json and the report show it beside each λ.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Serialize, Deserialize)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Serialize, Deserialize, JsonSchema)]
 pub struct DataScale {
     pub pairs: usize,
     pub median_z_sq: f64,
@@ -204,7 +232,7 @@ impl DataScale {
 mod tests {
     use super::*;
 
-    #[derive(Debug, Deserialize, Serialize)]
+    #[derive(Debug, Deserialize, Serialize, JsonSchema)]
     struct T {
         clip: OrNone,
         lambda: OrAuto,
