@@ -105,7 +105,7 @@ print(cells.groupby("label", sort=False)["seed"].count().rename("seeds").to_stri
 
 # %%
 if chunked:
-    x, x_title, y, y_title = "chunk", "chunk", "cum_pair_reward", "cumulative pair reward Σ mean r(a) + r(a′)"
+    x, x_title, y, y_title = "chunk", "chunk", "cum_pair_reward", "Σ over chunks of mean r(a) + r(a′)"
 else:
     x, x_title, y, y_title = "samples_seen", "rounds", "regret", "cumulative regret"
 # the label's estimator part (before the first " / ") is the panel; the rest names the line
@@ -117,8 +117,10 @@ colors = plt.get_cmap("tab10" if len(lines) <= 10 else "tab20")
 color = {l: colors(i) for i, l in enumerate(lines)}
 curves = metrics.groupby(["panel", "line", x])[y].agg(["mean", "std"]).reset_index()
 
-fig, axes = plt.subplots(1, len(panels) + 1, figsize=(4.8 * (len(panels) + 1), 4.4), squeeze=False)
-axes = axes[0]
+ncols = min(3, len(panels) + 1)
+nrows = -(-(len(panels) + 1) // ncols)
+fig, grid = plt.subplots(nrows, ncols, figsize=(5.4 * ncols, 4.3 * nrows), squeeze=False)
+axes = list(grid.flat)
 for k, (ax, panel) in enumerate(zip(axes, panels)):
     for line in lines:
         g = curves[(curves["panel"] == panel) & (curves["line"] == line)]
@@ -133,36 +135,39 @@ for k, (ax, panel) in enumerate(zip(axes, panels)):
     ax.grid(alpha=0.3)
     if chunked:
         ax.xaxis.get_major_locator().set_params(integer=True)
-# the sharing of a y axis across estimators makes them comparable at a glance
+# one y range for every estimator: they compare at a glance
 lo = min(a.get_ylim()[0] for a in axes[: len(panels)])
 hi = max(a.get_ylim()[1] for a in axes[: len(panels)])
 for a in axes[: len(panels)]:
     a.set_ylim(lo, hi)
 
-last = axes[-1]
+# the last panel: every estimator × strategy at once, as a grid
+last = axes[len(panels)]
+for a in axes[len(panels) + 1 :]:
+    a.set_visible(False)
 final = metrics.sort_values(x).groupby(["label", "seed"]).last().reset_index()
 order = list(dict.fromkeys(metrics["label"]))
+key = metrics.drop_duplicates("label").set_index("label")[["panel", "line"]]
 if chunked:
     wins = pd.read_parquet(RUN / "winrates.parquet").set_index("label").reindex(order)
-    vals, errs, what = wins["chunk_win_rate"], None, "chunk win rate (chance: 1 / configs)"
-    last.axvline(1 / len(order), color="grey", ls=":", lw=1)
+    value, what, cmap = wins["chunk_win_rate"], f"chunk win rate (chance: 1/{len(order)})", "viridis"
 else:
-    fin = final.groupby("label")[y].agg(["mean", "std"]).reindex(order)
-    vals, errs, what = fin["mean"], fin["std"].fillna(0.0), f"final {y_title} (mean ± 1 std)"
-yy = np.arange(len(order))
-line_of = dict(zip(metrics["label"], metrics["line"]))
-last.barh(yy, vals, xerr=errs, color=[color[line_of[l]] for l in order], alpha=0.8)
-last.set_yticks(yy, order, fontsize=8)
-last.invert_yaxis()
-last.set_xlabel(what)
-last.set_title(f"({chr(97 + len(panels))}) " + ("win rate per configuration" if chunked else "final regret per configuration"))
-last.grid(alpha=0.3, axis="x")
+    value, what, cmap = final.groupby("label")[y].mean().reindex(order), f"final {y_title}, mean", "viridis_r"
+heat = pd.DataFrame({"v": value}).join(key).pivot(index="panel", columns="line", values="v").reindex(index=panels, columns=lines)
+im = last.imshow(heat.to_numpy(dtype=float), cmap=cmap, aspect="auto")
+last.set_xticks(range(len(lines)), lines, rotation=30, ha="right", fontsize=8)
+last.set_yticks(range(len(panels)), panels, fontsize=8)
+for (i, j), v in np.ndenumerate(heat.to_numpy(dtype=float)):
+    if np.isfinite(v):
+        last.text(j, i, f"{v:.2f}" if chunked else f"{v:.0f}", ha="center", va="center", fontsize=8, color="k" if np.dot(im.cmap(im.norm(v))[:3], [0.299, 0.587, 0.114]) > 0.5 else "w")
+fig.colorbar(im, ax=last, shrink=0.85)
+last.set_title(f"({chr(97 + len(panels))}) {what}", fontsize=10)
 
 seeds = metrics["seed"].nunique()
 fig.suptitle(f"{RUN.name}: deployment-time adaptation, mean ± 1 std over {seeds} seed{'s' * (seeds > 1)}")
 handles, names = axes[0].get_legend_handles_labels()
 fig.legend(handles, names, title="strategy", loc="lower center", ncol=min(len(lines), 6), frameon=False)
-fig.tight_layout(rect=(0, 0.1 + 0.04 * ((len(lines) - 1) // 6), 1, 0.95))
+fig.tight_layout(rect=(0, (0.1 + 0.04 * ((len(lines) - 1) // 6)) / nrows, 1, 1 - 0.05 / nrows))
 out = RUN / "notebook-deploy.png"
 fig.savefig(out, dpi=110)
 print(f"wrote {out}")
