@@ -1,8 +1,8 @@
 //! The `onepass` runner. Data flows one way through its layers, each importing only from the
 //! ones before it (a test checks the `use crate::…` lines against this order):
 //!
-//! 1. [`io`], [`progress`] — atomic writes, `.npy`, the checkpoint file format, signals,
-//!    failpoints; progress bars and log lines;
+//! 1. [`io`], [`progress`], [`tb`] — atomic writes, `.npy`, the checkpoint file format, signals,
+//!    failpoints; progress bars and log lines; TensorBoard event files;
 //! 2. [`spec`] — every TOML table type, `--set`, errors naming file, line and key;
 //! 3. [`rows`], [`columns`] — the output schema: the rows the loops write and the tables hold;
 //!    what each table and column means;
@@ -33,6 +33,7 @@ pub mod rows;
 pub mod run;
 pub mod settings;
 pub mod spec;
+pub mod tb;
 pub mod world;
 
 pub use run::{load_plan, run, RunOptions, RunSummary};

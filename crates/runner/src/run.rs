@@ -10,7 +10,7 @@
 use crate::plan::{CellPlan, ConfigPlan, Plan};
 use crate::progress::Meter;
 use crate::rows::{CellResult, MetricRow};
-use crate::settings::{CellCtx, CellSaver};
+use crate::settings::{CellCtx, CellSaver, Live};
 use crate::world::World;
 use crate::{io, plan, results, settings, spec, world};
 use anyhow::{Context, Result};
@@ -457,6 +457,7 @@ fn shared_digest(world: &World) -> Result<String> {
     s.estimators.clear();
     s.threads = 0;
     s.checkpoint = Default::default();
+    s.track = Default::default();
     let text = toml::to_string(&s).context("serialising the resolved spec")?;
     Ok(blake3::hash(text.as_bytes()).to_hex()[..16].to_string())
 }
@@ -498,8 +499,12 @@ fn run_one<'p>(
     if io::stop_requested() {
         return Err(io::Interrupted.into());
     }
+    let live = match plan.spec.track.tensorboard {
+        true => Live::to(dir.join("tb").join(&cell.cell_id)),
+        false => Live::off(),
+    };
     let mut ctx =
-        CellCtx { saver: CellSaver::new(ckpt_path.clone(), fingerprint, &what, &plan.spec.checkpoint), resume: None };
+        CellCtx { saver: CellSaver::new(ckpt_path.clone(), fingerprint, &what, &plan.spec.checkpoint), resume: None, live };
     if ckpt_path.exists() {
         ctx.resume = io::decode_unless_stale(&ckpt_path, fingerprint, &what, force)?;
         if ctx.resume.is_none() {
@@ -1059,7 +1064,7 @@ fn backbone_cost(plan: &Plan, world: &World) -> Option<serde_json::Value> {
 }
 
 /// What a run is, for refusing a resume of a different one: the resolved spec without the
-/// keys that do not change the numbers (`threads`, `[checkpoint]`), the code revision, and
+/// keys that do not change the numbers (`threads`, `[checkpoint]`, `[track]`), the code revision, and
 /// digests of the data files the plan read.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub struct RunIdentity {
@@ -1074,6 +1079,7 @@ impl RunIdentity {
         let mut s = plan.resolved(&world.spec);
         s.threads = 0;
         s.checkpoint = Default::default();
+        s.track = Default::default();
         let mut data = Vec::new();
         if let Some(d) = &world.data {
             data.push((d.train_path.display().to_string(), d.train.digest.clone()));

@@ -6,12 +6,13 @@ use super::arms::Labelled;
 use super::choose;
 use super::deploy_rm::LearnedRm;
 use super::learner::Learner;
+use super::live::{Completion, Live, Snapshot, COMPLETIONS};
 use super::online::PolicyCell;
 use super::state::{drive, CellCtx, DeployProgress, Progress};
 use crate::plan::{CellConfig, ConfigPlan};
 use crate::rows::{CellResult, MetricRow, PolicyTiming, RoundRow};
 use crate::spec::Order;
-use crate::world::env::{Context, Env};
+use crate::world::env::{dot, Context, Env};
 use crate::world::generated::Generated;
 use crate::world::online::Online;
 use crate::world::reward::RewardBase;
@@ -127,7 +128,10 @@ pub(super) fn deploy_chunked(
     if let (Some(pc), true) = (&mut pc, pr.policy.rows.is_empty()) {
         before_first_chunk(pc, lrm.as_ref(), l, &mut pr, env.d, chunks)?;
     }
-    drive(chunks as u64, &mut pr, l, ctx, |t, last, pr, l| {
+    // the live curves, written per chunk from inside it (its completions) and at its end
+    let mut live = std::mem::replace(&mut ctx.live, Live::off());
+    live.publish(Snapshot::of(l, &pr));
+    let ran = drive(chunks as u64, &mut pr, l, ctx, |t, last, pr, l| {
         let c = (t - 1) as usize;
         if c > 0 && cell.deploy.reset_each_chunk {
             l.reset_estimator(cell, seed)?;
@@ -140,6 +144,7 @@ pub(super) fn deploy_chunked(
         };
         let mut chunk = responses(pc.as_ref(), lrm.as_ref(), env, g, online, xs, &mut time)?;
         let labels = label_chunk(env, &strategy, l, pr, pc.as_ref(), &chunk, xs, t);
+        live.completions(t, &completions(g, env, &chunk, xs, l.theta()));
         let t0 = Instant::now();
         update_reward(lrm.as_mut(), l, pr, &labels, &chunk.ids, cell.stream.batch_size, env.d)?;
         time.estimator_s = t0.elapsed().as_secs_f64();
@@ -158,8 +163,11 @@ pub(super) fn deploy_chunked(
             };
             policy_step(pc, lrm.as_ref(), l, pr, &mut chunk, &labels, step, g, env.d, time)?;
         }
+        live.publish(Snapshot::of(l, pr));
         Ok(())
-    })?;
+    });
+    ctx.live = live;
+    ran?;
     // the reward model's adapter and head (LoRA) beside the policy's adapters
     if let Some(a) = lrm.as_ref().map(|m| m.adapter()).transpose()?.flatten() {
         pr.policy.adapters.push(a);
@@ -248,6 +256,31 @@ fn responses(
         time.phi_s += t0.elapsed().as_secs_f64();
     }
     Ok(ChunkResponses { contexts, samples, ids })
+}
+
+/// The first [`COMPLETIONS`] prompts of a chunk with the policy's first response to each, its
+/// oracle reward and its learned reward under `theta` (the `completions` text of the live
+/// curves).
+fn completions<'a>(
+    g: &'a Generated,
+    env: &Env,
+    chunk: &'a ChunkResponses,
+    xs: &[usize],
+    theta: &[f64],
+) -> Vec<Completion<'a>> {
+    xs.iter()
+        .enumerate()
+        .take(COMPLETIONS)
+        .filter_map(|(i, &x)| {
+            let sample = chunk.samples.get(i).or_else(|| g.samples.get(x))?.first()?;
+            let c = chunk.context(env, i, x);
+            let reward = *c.reward.as_ref()?.first()?;
+            let learned = dot(c.phi.get(..env.d)?, theta);
+            let messages = g.prompts.get(x)?;
+            let prompt = messages.iter().rev().find(|m| m.role == "user").or(messages.last())?;
+            Some(Completion { prompt: &prompt.content, completion: &sample.text, reward, learned })
+        })
+        .collect()
 }
 
 /// What a chunk labelled: the pairs (and their z, y for the update), and the sums its metric

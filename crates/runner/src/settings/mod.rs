@@ -8,6 +8,7 @@ mod arms;
 mod deploy;
 mod deploy_rm;
 mod learner;
+mod live;
 mod online;
 mod passive;
 mod passive_rm;
@@ -15,6 +16,7 @@ pub mod pessimism;
 mod state;
 
 pub use learner::Learner;
+pub use live::Live;
 pub use state::{CellCtx, CellSaver, CellState};
 
 use crate::plan::CellConfig;
@@ -98,6 +100,8 @@ pub fn run_cell_with(world: &World, cell: &CellConfig, seed: u32, ctx: &mut Cell
         }
         None => (vec![Learner::new(cell, seed)?], None),
     };
+    // the live curves start afresh, or again from what the checkpoint holds
+    ctx.live.start(resumed.as_ref().map(|pr| live::Snapshot::of(&learners[0], pr)));
     let mut learner = learners.remove(0);
     let mut out = match (cell.setting, &src) {
         (Setting::Passive, Source::Pairs(_)) if cell.stream.ranks > 1 => {
@@ -118,5 +122,6 @@ pub fn run_cell_with(world: &World, cell: &CellConfig, seed: u32, ctx: &mut Cell
         (Setting::Deploy, Source::Pairs(_)) => return Err(anyhow!("deploy needs the synthetic environment")),
     };
     learner.finish(&mut out);
+    ctx.live.finish(&out);
     Ok(out)
 }

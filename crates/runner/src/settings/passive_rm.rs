@@ -270,6 +270,7 @@ pub(super) fn passive_features(
             st.bucket_clock = BucketClock::start();
         }
         pr.done = t;
+        ctx.live.publish(super::live::Snapshot::of(l, &pr));
         let due = ctx.saver.due();
         if due {
             st.params = rm.flat()?;

@@ -3,6 +3,7 @@
 //! ([`CellState`]).
 
 use super::learner::Learner;
+use super::live::{Live, Snapshot};
 use crate::io::{encode, stop_requested, write_atomic_at, Interrupted};
 use crate::rows::{AdapterFiles, MetricRow, PolicyRow, PolicyTiming, RoundRow, UpdateRow};
 use crate::spec::CheckpointSpec;
@@ -189,16 +190,18 @@ impl CellState {
     }
 }
 
-/// What a cell needs besides the plan: where to checkpoint, and the state to resume from.
+/// What a cell needs besides the plan: where to checkpoint, the state to resume from, and
+/// where its live curves go.
 pub struct CellCtx {
     pub saver: CellSaver,
     pub resume: Option<CellState>,
+    pub live: Live,
 }
 
 impl CellCtx {
-    /// No checkpoints, a fresh start.
+    /// No checkpoints, a fresh start, no live curves.
     pub fn none() -> Self {
-        CellCtx { saver: CellSaver::disabled(), resume: None }
+        CellCtx { saver: CellSaver::disabled(), resume: None, live: Live::off() }
     }
 
     /// A checkpoint now (the caller asked [`CellSaver::due`]).
@@ -207,8 +210,11 @@ impl CellCtx {
         self.saver.save(&StateRef { learners, progress, wall_s })
     }
 
-    /// After each loop unit: a checkpoint when one is due.
+    /// After each loop unit: the new rows to the live curves, a checkpoint when one is due.
     pub(super) fn tick(&mut self, learners: &[&Learner], progress: &Progress) -> Result<()> {
+        if let Some(l) = learners.first() {
+            self.live.publish(Snapshot::of(l, progress));
+        }
         if self.saver.due() {
             let wall_s = self.saver.wall_s();
             self.saver.save(&StateRef { learners, progress, wall_s })?;
