@@ -30,6 +30,11 @@ import matplotlib.pyplot as plt
 import numpy as np
 import pandas as pd
 
+def over(seeds):
+    """The figure's subtitle for its bands."""
+    return f"mean ± 1 std over {seeds} seeds" if seeds > 1 else "one seed (no band)"
+
+
 SETTING = "active"
 
 
@@ -134,13 +139,15 @@ y = np.arange(len(labels))
 axes[2].barh(y, fin["mean"], xerr=fin["std"].fillna(0.0), color=[colors(i) for i in range(len(labels))], alpha=0.8)
 axes[2].set_yticks(y, [f"{label}\n{wall.get(label, np.nan):.2f} s a cell" for label in labels], fontsize=8)
 axes[2].invert_yaxis()
+if main == "eval_accuracy" and (fin["mean"] > 0.5).all():
+    axes[2].set_xlim(left=0.5)  # chance
 axes[2].set_xlabel(f"final {main_title} (mean ± 1 std)")
 axes[2].set_title("(c) final value, and wall time per cell")
 axes[2].grid(alpha=0.3, axis="x")
 
 seeds = metrics["seed"].nunique()
 rules = ", ".join(dict.fromkeys(metrics["strategy"].dropna()))
-fig.suptitle(f"{RUN.name}: active data collection ({rules}), mean ± 1 std over {seeds} seed{'s' * (seeds > 1)}")
+fig.suptitle(f"{RUN.name}: active data collection ({rules}), {over(seeds)}")
 handles, names = axes[0].get_legend_handles_labels()
 fig.legend(handles, names, loc="lower center", ncol=min(len(labels), 6), frameon=False)
 fig.tight_layout(rect=(0, 0.07 + 0.04 * ((len(labels) - 1) // 6), 1, 0.96))

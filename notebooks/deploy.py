@@ -38,6 +38,11 @@ import matplotlib.pyplot as plt
 import numpy as np
 import pandas as pd
 
+def over(seeds):
+    """The figure's subtitle for its bands."""
+    return f"mean ± 1 std over {seeds} seeds" if seeds > 1 else "one seed (no band)"
+
+
 SETTING = "deploy"
 
 
@@ -164,9 +169,9 @@ fig.colorbar(im, ax=last, shrink=0.85)
 last.set_title(f"({chr(97 + len(panels))}) {what}", fontsize=10)
 
 seeds = metrics["seed"].nunique()
-fig.suptitle(f"{RUN.name}: deployment-time adaptation, mean ± 1 std over {seeds} seed{'s' * (seeds > 1)}")
+fig.suptitle(f"{RUN.name}: deployment-time adaptation, {over(seeds)}")
 handles, names = axes[0].get_legend_handles_labels()
-fig.legend(handles, names, title="strategy", loc="lower center", ncol=min(len(lines), 6), frameon=False)
+fig.legend(handles, names, title="strategy / policy arm" if any(" / " in l for l in lines) else "strategy", loc="lower center", ncol=min(len(lines), 6), frameon=False)
 fig.tight_layout(rect=(0, (0.1 + 0.04 * ((len(lines) - 1) // 6)) / nrows, 1, 1 - 0.05 / nrows))
 out = RUN / "notebook-deploy.png"
 fig.savefig(out, dpi=110)
@@ -221,7 +226,7 @@ if (RUN / "policy.parquet").is_file():
         ax.xaxis.get_major_locator().set_params(integer=True)
         ax.grid(alpha=0.3)
     pseeds = policy["seed"].nunique()
-    fig.suptitle(f"{RUN.name}: the deployed policy, mean ± 1 std over {pseeds} seed{'s' * (pseeds > 1)}")
+    fig.suptitle(f"{RUN.name}: the deployed policy, {over(pseeds)}")
     handles, names = axes[0].get_legend_handles_labels()
     fig.legend(handles, names, loc="lower center", ncol=min(len(arms), 4), frameon=False, fontsize=8)
     fig.tight_layout(rect=(0, 0.08 + 0.05 * ((len(arms) - 1) // 4), 1, 0.95))

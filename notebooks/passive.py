@@ -30,6 +30,11 @@ import matplotlib.pyplot as plt
 import numpy as np
 import pandas as pd
 
+def over(seeds):
+    """The figure's subtitle for its bands."""
+    return f"mean ± 1 std over {seeds} seeds" if seeds > 1 else "one seed (no band)"
+
+
 SETTING = "passive"
 
 
@@ -127,7 +132,7 @@ for k, (ax, (col, title)) in enumerate(zip(axes.flat, panels)):
 for ax in axes.flat[len(panels) :]:
     ax.set_visible(False)
 seeds = metrics["seed"].nunique()
-fig.suptitle(f"{RUN.name}: passive data collection, mean ± 1 std over {seeds} seed{'s' * (seeds > 1)}")
+fig.suptitle(f"{RUN.name}: passive data collection, {over(seeds)}")
 handles, names = axes.flat[0].get_legend_handles_labels()
 fig.legend(handles, names, loc="lower center", ncol=min(len(labels), 5), frameon=False)
 fig.tight_layout(rect=(0, 0.04 + 0.035 * ((len(labels) - 1) // 5), 1, 0.97))
