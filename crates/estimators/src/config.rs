@@ -141,6 +141,7 @@ pub struct HvpCgConfig {
     pub cg_steps: usize,
     /// λ0 (default 0.8).
     pub lambda0: f64,
+    /// The damping shape f of λ_t = max(λ_min, λ0·f(min(1, t/T))).
     pub schedule: DampingSchedule,
     /// Floor of λ_t (default 1e-6), so the system stays positive definite at t = 1.
     pub lambda_min: f64,
@@ -205,9 +206,13 @@ impl Default for SgdConfig {
 #[derive(Clone, Copy, Debug, PartialEq, serde::Serialize, serde::Deserialize)]
 #[serde(default, deny_unknown_fields)]
 pub struct AdamConfig {
+    /// Step size.
     pub lr: f64,
+    /// β₁ of the first moment.
     pub beta1: f64,
+    /// β₂ of the second moment.
     pub beta2: f64,
+    /// ε of the denominator.
     pub eps: f64,
 }
 

@@ -86,7 +86,7 @@ const ARMS: &[&str] = &[CELLS, METRICS, POLICY, UPDATES];
 /// Every column, the key columns first.
 pub const COLUMNS: &[ColumnDoc] = &[
     // the cell's key
-    ColumnDoc { tables: &[CELLS, METRICS, ROUNDS, POLICY, UPDATES, PTIMINGS, STEPS, TIMINGS], column: "cell_id", ty: "string", unit: "", doc: "The cell's id: `<config_id>-<seed>` (and the strategy / policy in a deployment); its θ is `theta/<cell_id>.npy`." },
+    ColumnDoc { tables: &[CELLS, METRICS, ROUNDS, POLICY, UPDATES, PTIMINGS, STEPS, TIMINGS], column: "cell_id", ty: "string", unit: "", doc: "The cell's id (`c0000`, `c0001`, … in the plan's order); its θ is `theta/<cell_id>.npy`, its adapters under `adapters/<cell_id>/`." },
     ColumnDoc { tables: &[CELLS, METRICS, ROUNDS, POLICY, UPDATES, STEPS, WINRATES], column: "config_id", ty: "u32", unit: "", doc: "Index of the estimator config (after sweeps are expanded) in the run's plan." },
     ColumnDoc { tables: &[CELLS, METRICS, ROUNDS, POLICY, UPDATES, STEPS, TIMINGS, WINRATES], column: "estimator", ty: "string", unit: "", doc: "The estimator kind (see the estimators reference)." },
     ColumnDoc { tables: &[CELLS, METRICS, POLICY, UPDATES, PTIMINGS, STEPS, TIMINGS, WINRATES], column: "label", ty: "string", unit: "", doc: "The config's label: what plots and tables group by." },

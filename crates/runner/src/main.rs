@@ -64,7 +64,8 @@ enum Cmd {
         cells: Option<String>,
     },
     /// Assemble a run from the slice directories of `onepass run --cells i/N` (the same spec and
-    /// --set): the run's tables, meta.json and report are those of a run in one process.
+    /// --set): the run's tables and meta.json are those of a run in one process (no report:
+    /// `onepass report RUN_DIR` writes it).
     Merge {
         /// The spec the slices ran.
         spec: PathBuf,
@@ -82,6 +83,7 @@ enum Cmd {
     /// accuracy, read from its checkpoint before any merge), failed, checkpointed, not started —
     /// from the directory alone: nothing is read beside it, written or locked.
     Cells {
+        /// Run or slice directories.
         #[arg(required = true)]
         dirs: Vec<PathBuf>,
         /// One JSON object per directory and its cells instead of the text table.
@@ -89,9 +91,13 @@ enum Cmd {
         json: bool,
     },
     /// Write <run-dir>/report/: report.md (final metrics, mean ± std over seeds) and figures.
-    Report { run: PathBuf },
+    Report {
+        /// The run directory.
+        run: PathBuf,
+    },
     /// Print the final metrics of several runs side by side (markdown).
     Compare {
+        /// Run directories.
         #[arg(required = true)]
         runs: Vec<PathBuf>,
     },
@@ -144,6 +150,7 @@ struct ExtractArgs {
     /// HH-RLHF jsonl(.gz) or UltraFeedback-binarized parquet.
     #[arg(long)]
     dataset: PathBuf,
+    /// How rows are read (as `[data] format`).
     #[arg(long, value_enum, default_value = "auto")]
     format: runner::spec::Format,
     /// Only the first N pairs.
@@ -162,18 +169,25 @@ struct BenchArgs {
     /// A .gguf file or a model directory.
     #[arg(long)]
     model: String,
+    /// Sequences per forward pass.
     #[arg(long, default_value_t = 8)]
     batch: usize,
+    /// Tokens per sequence.
     #[arg(long, default_value_t = 256)]
     len: usize,
+    /// Timed passes.
     #[arg(long, default_value_t = 3)]
     reps: usize,
+    /// Untimed passes first.
     #[arg(long, default_value_t = 1)]
     warmup: usize,
+    /// Seed of the random token ids.
     #[arg(long, default_value_t = 0)]
     seed: u64,
+    /// The weights' dtype in the products.
     #[arg(long, value_enum, default_value = "f32")]
     dtype: runner::spec::DType,
+    /// Where the model runs.
     #[arg(long, value_enum, default_value = "cpu")]
     device: runner::spec::Device,
     /// Write the token ids (JSON) for the PyTorch side of the benchmark.

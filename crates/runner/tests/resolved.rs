@@ -2,6 +2,8 @@
 //! cells to the same bytes (every parquet table but the timings, θ, adapters) — on each
 //! setting's synthetic preset, a deployment on generated responses and an online run; the
 //! negative control (one value edited) gives other bytes. `--dry-run`'s output is a spec too.
+//! Every table and column these runs write is documented (`runner::columns`, the reference's
+//! result tables).
 
 use std::path::{Path, PathBuf};
 
@@ -35,6 +37,9 @@ fn run(cwd: &Path, spec: &str, out: &str, sets: &[&str]) -> PathBuf {
 /// `edit` (the negative control) and checks the bytes differ.
 fn round_trip(cwd: &Path, spec: &str, sets: &[&str], edit: &str) {
     let first = run(cwd, spec, "a", sets);
+    let schema = std::fs::read_to_string(first.join("schema.json")).unwrap();
+    let undocumented = runner::columns::undocumented(&schema).unwrap();
+    assert!(undocumented.is_empty(), "{spec}: columns with no doc in columns.rs:\n{}", undocumented.join("\n"));
     let resolved = first.join("spec.resolved.toml");
     let text = std::fs::read_to_string(&resolved).unwrap();
     let again = run(cwd, resolved.to_str().unwrap(), "b", &[]);
@@ -58,7 +63,7 @@ fn preset(setting: &str) -> String {
 #[test]
 fn passive_synthetic_reruns_from_its_resolved_spec() {
     let dir = tempfile::tempdir().unwrap();
-    round_trip(dir.path(), &preset("passive"), &["seeds=2", "stream.samples=400"], "master_seed=7");
+    round_trip(dir.path(), &preset("passive"), &["seeds=2", "stream.samples=400", "stream.record_steps=true"], "master_seed=7");
 }
 
 #[test]

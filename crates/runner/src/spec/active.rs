@@ -101,10 +101,14 @@ pub struct ActiveSpec {
     /// choosing the pairs whose σ' is small.
     #[serde(default)]
     pub replacement: bool,
+    /// rule = "stream": the random pool pairs scored per draw.
     #[serde(default = "d_candidates")]
     pub candidates: usize,
+    /// rule = "stream": the best-scored candidates kept (labelled) per draw.
     #[serde(default = "d_keep")]
     pub keep: usize,
+    /// rule = "stream": the norm that scores candidates ("v": the authors' V-norm, "h": the cell's
+    /// 𝓗_t).
     #[serde(default = "d_score_norm")]
     pub score_norm: ScoreNorm,
     /// V₀ of the V-norm.
@@ -116,6 +120,7 @@ pub struct ActiveSpec {
     /// β of the ucb rule (a number or "theory", with `delta`).
     #[serde(default = "d_beta")]
     pub beta: Beta,
+    /// δ of β = "theory".
     #[serde(default = "d_delta")]
     pub delta: f64,
 }

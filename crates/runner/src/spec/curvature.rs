@@ -7,7 +7,9 @@ use schemars::JsonSchema;
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
 #[serde(rename_all = "kebab-case")]
 pub enum CurvaturePoint {
+    /// σ′(zᵀθ_{t+1}), after the update: the paper's look-ahead 𝓗_t.
     LookAhead,
+    /// σ′(zᵀθ_t), before the update.
     Current,
 }
 
@@ -20,6 +22,8 @@ pub struct CurvatureSpec {
     /// the estimator's own λ (`lambda` of omd-exact), else 1.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub lambda: Option<OrAuto>,
+    /// Where the tracker evaluates σ′: "look-ahead" (σ′(zᵀθ_{t+1}), after the update: the paper's
+    /// 𝓗_t) or "current" (σ′(zᵀθ_t), before it).
     #[serde(default = "d_point")]
     pub point: CurvaturePoint,
     /// Whose 𝓗_t gives the uncertainty: `auto` (the estimator's own when it keeps one — omd-exact,

@@ -16,6 +16,8 @@ super::phi::phi_table! {
         /// Held-out pairs from other files (e.g. UltraFeedback test_prefs); default: a seeded split.
         #[serde(default, skip_serializing_if = "Option::is_none")]
         pub eval_path: Option<String>,
+        /// How rows are read: from the file name ("auto"), a named dataset's layout, or
+        /// `[data.keys]` ("generic").
         #[serde(default = "d_format")]
         pub format: Format,
         /// Key names of the `generic` format.
@@ -31,6 +33,7 @@ super::phi::phi_table! {
         /// Which `rows`: the first ones (the authors' code) or a seeded random sample (the paper).
         #[serde(default = "d_select")]
         pub select: Select,
+        /// Seed of select = "random" (part of the preset, not of the run's seeds).
         #[serde(default)]
         pub select_seed: u64,
         /// Held-out share of the selected pairs when there is no `eval_path`.
@@ -156,8 +159,11 @@ impl DataSpec {
 pub enum Format {
     /// From the file name: .jsonl / .jsonl.gz → hh-rlhf, .parquet → ultrafeedback.
     Auto,
+    /// Anthropic HH-RLHF jsonl(.gz): `chosen` / `rejected` transcripts.
     HhRlhf,
+    /// UltraFeedback-binarized parquet: `chosen` / `rejected` message lists with scores.
     Ultrafeedback,
+    /// The Mixture2 layout (the paper's appendix): `chosen` / `rejected` message lists.
     Mixture2,
     /// Key names from `[data.keys]` (jsonl(.gz) or parquet).
     Generic,
@@ -171,12 +177,16 @@ pub struct Keys {
     /// conversations (message lists). Present: it is put before each side.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub prompt: Option<String>,
+    /// The preferred side (a string response, or a message list when `prompt` is absent).
     #[serde(default = "d_chosen")]
     pub chosen: String,
+    /// The other side.
     #[serde(default = "d_rejected")]
     pub rejected: String,
+    /// The preferred side's score, when the file has one (score_ties reads it).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub score_chosen: Option<String>,
+    /// The other side's score.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub score_rejected: Option<String>,
     /// The label form (a winner column over two responses, Chatbot Arena / PKU-SafeRLHF style):
@@ -185,16 +195,21 @@ pub struct Keys {
     /// a file mixes them. Used instead of `chosen`/`rejected` when `label` is set.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub side_a: Option<String>,
+    /// The label form's second side (see side_a).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub side_b: Option<String>,
+    /// The label form's key of the winner (see side_a).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub label: Option<String>,
+    /// The label values that mean "side a wins".
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     #[schemars(with = "Vec<serde_json::Value>")]
     pub label_a: Vec<toml::Value>,
+    /// The label values that mean "side b wins".
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     #[schemars(with = "Vec<serde_json::Value>")]
     pub label_b: Vec<toml::Value>,
+    /// The label values that mean a tie (a soft label ½).
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     #[schemars(with = "Vec<serde_json::Value>")]
     pub label_tie: Vec<toml::Value>,
@@ -204,10 +219,13 @@ pub struct Keys {
     /// side a ("positive", the default, or "negative"). s = 0 is a tie.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub strength: Option<String>,
+    /// The strength form's scale (see strength).
     #[serde(default = "d_strength_scale")]
     pub strength_scale: f64,
+    /// How a strength becomes a soft label (see strength).
     #[serde(default)]
     pub strength_map: StrengthMap,
+    /// Which sign of the strength favours side a (see strength).
     #[serde(default)]
     pub strength_a_wins: StrengthSign,
     /// The ranked form (several rated completions per prompt, UltraFeedback raw / Nectar /
@@ -228,6 +246,7 @@ pub struct Keys {
     /// ... and how pairs are formed from the ranking.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub pairs: Option<PairRule>,
+    /// Seed of a ranked form's random pairs (part of the preset, not of the run's seeds).
     #[serde(default)]
     pub pairs_seed: u64,
 }

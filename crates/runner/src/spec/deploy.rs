@@ -18,6 +18,7 @@ pub struct DeploySpec {
     /// β of ucb.
     #[serde(default = "d_beta")]
     pub beta: Beta,
+    /// δ of β = "theory".
     #[serde(default = "d_delta")]
     pub delta: f64,
     /// env.kind = "generated": the prompts are split into this many chunks, in order; the learned

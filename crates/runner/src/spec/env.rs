@@ -44,6 +44,7 @@ pub enum Order {
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize, JsonSchema)]
 #[serde(deny_unknown_fields)]
 pub struct EnvSpec {
+    /// Where the pairs come from.
     #[serde(default = "d_env_kind")]
     pub kind: EnvKind,
     /// d (features: read from the file; an explicit value must agree with it).
@@ -71,6 +72,7 @@ pub struct EnvSpec {
     /// K arms per context.
     #[serde(default = "d_arms")]
     pub arms: usize,
+    /// kind = "synthetic": how the arms' features are drawn.
     #[serde(default = "d_features")]
     pub features: FeatureDist,
     /// L: ‖φ‖ ≤ L.

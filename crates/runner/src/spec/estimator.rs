@@ -43,21 +43,30 @@ pub enum EstimatorSpec {
     OmdHvpCg(HvpCgConfig),
     /// The authors' coded update (reference-code.md §2.3).
     OmdReference(OmdReferenceSpec),
+    /// One-pass SGD with global-norm clipping (the paper's baseline): θ ← θ − lr·clip(g).
     Sgd(SgdSpec),
+    /// Maximum likelihood re-fitted on the full history (the paper's MLE baseline; memory O(t)).
     Mle(MleConfig),
+    /// Adam on the logistic loss, one pass.
     Adam(AdamConfig),
+    /// The authors' coded Adam (reference-code.md §2.4).
     AdamReference(AdamConfig),
+    /// Alg. 5's CG direction with Adam's step on it.
     #[serde(rename = "omd-hvp-cg+adam")]
     OmdHvpCgAdam(HvpCgAdamSpec),
+    /// The authors' SGD with replay: SGD, plus one SGD pass over every stored batch every
+    /// replay_every steps (memory O(t)).
     SgdReplay(SgdReplaySpec),
 }
 
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize, JsonSchema)]
 #[serde(default, deny_unknown_fields)]
 pub struct OmdExactSpec {
+    /// η of Alg. 1 (the step of the mirror descent).
     pub eta: f64,
     /// A number, or "auto" (the median ‖z‖² of the first pairs, resolved by the world).
     pub lambda: OrAuto,
+    /// Projection radius of θ (a number, or "none": no projection).
     pub radius: OrNone,
     /// Lemma 1's η, λ and radius from env.theta_norm and env.feature_norm.
     #[serde(skip_serializing)]
@@ -75,14 +84,23 @@ impl Default for OmdExactSpec {
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize, JsonSchema)]
 #[serde(default, deny_unknown_fields)]
 pub struct HvpCgAdamSpec {
+    /// K, the CG steps.
     pub cg_steps: usize,
+    /// λ0 of the damping schedule.
     pub lambda0: f64,
+    /// The damping shape f of λ_t = max(λ_min, λ0·f(min(1, t/T))).
     pub schedule: DampingSchedule,
+    /// Floor of λ_t.
     pub lambda_min: f64,
+    /// ε of CG's relative stopping rule ‖r‖ ≤ ε‖g‖.
     pub cg_tol: f64,
+    /// Adam's learning rate.
     pub lr: f64,
+    /// Adam's β₁.
     pub beta1: f64,
+    /// Adam's β₂.
     pub beta2: f64,
+    /// Adam's ε.
     pub eps: f64,
 }
 
@@ -106,17 +124,25 @@ impl Default for HvpCgAdamSpec {
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize, JsonSchema)]
 #[serde(default, deny_unknown_fields)]
 pub struct OmdReferenceSpec {
+    /// Step size of θ ← θ − lr·v (with adam = true: Adam's learning rate).
     pub lr: f64,
+    /// `--damping` λ0: the constant damping inside CG and the mixing weight.
     pub lambda0: f64,
+    /// `--damping_growth_rate` G: c_t = min((1 − λ0)·t/G + λ0, 1), plain SGD once c_t ≥ 1.
     pub growth: f64,
+    /// `--num_cg_steps` K.
     pub cg_steps: usize,
+    /// Round θ to bf16 after every update (the authors updated bf16 weights in place).
     pub bf16_weights: bool,
     /// The authors' Adam on the mixed direction (`--use_momentum`), with `lr`.
     pub adam: bool,
+    /// adam = true: Adam's β₁ (absent: 0.9).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub beta1: Option<f64>,
+    /// adam = true: Adam's β₂ (absent: 0.999).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub beta2: Option<f64>,
+    /// adam = true: Adam's ε (absent: 1e-8).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub eps: Option<f64>,
 }
@@ -141,7 +167,9 @@ impl Default for OmdReferenceSpec {
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize, JsonSchema)]
 #[serde(default, deny_unknown_fields)]
 pub struct SgdSpec {
+    /// Step size.
     pub lr: f64,
+    /// Global-norm clipping threshold (a number, or "none").
     pub clip: OrNone,
 }
 
@@ -155,8 +183,12 @@ impl Default for SgdSpec {
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize, JsonSchema)]
 #[serde(default, deny_unknown_fields)]
 pub struct SgdReplaySpec {
+    /// Step size.
     pub lr: f64,
+    /// Global-norm clipping threshold (a number, or "none").
     pub clip: OrNone,
+    /// R: after every R-th step, one SGD pass over every stored batch (the authors'
+    /// `--retrain_step`).
     pub replay_every: u64,
 }
 
@@ -295,7 +327,7 @@ pub fn expand(raw: &toml::Table) -> Result<Vec<Combo>, (String, String)> {
     let mut swept = Vec::new();
     for (k, v) in raw {
         let vals: Vec<toml::Value> = match v {
-            toml::Value::Array(_) if ["kind", "init", "init_std", "theory"].contains(&k.as_str()) => {
+            toml::Value::Array(_) if ["kind", "name", "init", "init_std", "theory"].contains(&k.as_str()) => {
                 return Err((k.clone(), "cannot be swept: give one value".into()))
             }
             toml::Value::Array(a) if a.is_empty() => {

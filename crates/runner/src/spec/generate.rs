@@ -33,12 +33,16 @@ pub struct GenerateSpec {
     pub rows: Option<usize>,
     /// The policy: a .gguf file, a model directory or hf:<owner>/<name>.
     pub policy: String,
+    /// Responses sampled per prompt (the arms a strategy picks two from).
     #[serde(default = "d_n")]
     pub n: usize,
+    /// Sampling temperature (0: greedy).
     #[serde(default = "d_one")]
     pub temperature: f64,
+    /// Nucleus sampling: the smallest set of tokens whose probability reaches top_p (1: off).
     #[serde(default = "d_one")]
     pub top_p: f64,
+    /// Tokens per response at most (a response cut here is counted in cut_fraction).
     #[serde(default = "d_max_new")]
     pub max_new_tokens: usize,
     /// Seed of the sampling streams (one per prompt × sample; the same for every run seed, so
@@ -55,6 +59,8 @@ pub struct GenerateSpec {
     pub dtype: DType,
     #[serde(default = "d_device")]
     pub device: Device,
+    /// The generation cache: a bank of samples is generated once per (policy, prompts, sampling
+    /// options) and read back after.
     #[serde(default = "d_gen_cache")]
     pub cache: PathBuf,
     /// Where the samples come from: onepass's own sampler, or an OpenAI-compatible server
@@ -72,8 +78,11 @@ pub struct GenerateSpec {
     /// transient failure.
     #[serde(default = "d_concurrency")]
     pub concurrency: usize,
+    /// backend = "openai": seconds one request may take before it is retried.
     #[serde(default = "d_timeout_s")]
     pub timeout_s: f64,
+    /// backend = "openai": retries of a transient failure (a timeout, a refused connection, a 5xx)
+    /// before the run stops.
     #[serde(default = "d_retries")]
     pub retries: u32,
 }
@@ -125,6 +134,9 @@ pub enum OracleKind {
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize, JsonSchema)]
 #[serde(deny_unknown_fields)]
 pub struct OracleSpec {
+    /// The oracle that scores responses: "linear" (a random θ* on the learner's φ), "head" (a
+    /// trained score head on φ, from `path`) or "reward-model" (a sequence-classifier checkpoint,
+    /// `model`).
     pub kind: OracleKind,
     /// linear: the direction's seed.
     #[serde(default)]
@@ -142,12 +154,16 @@ pub struct OracleSpec {
     /// reward-model: the checkpoint (a directory or hf:<owner>/<name>).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub model: Option<String>,
+    /// reward-model: tokens per scored conversation.
     #[serde(default = "d_rm_max_len")]
     pub max_len: usize,
+    /// reward-model: the checkpoint's dtype.
     #[serde(default = "d_dtype")]
     pub dtype: DType,
+    /// reward-model: where it runs.
     #[serde(default = "d_device")]
     pub device: Device,
+    /// reward-model: conversations per forward pass.
     #[serde(default = "d_batch")]
     pub batch: usize,
     /// Bradley–Terry labels (the paper's model) or the oracle's argmax (the authors' pipeline).

@@ -66,6 +66,9 @@ impl Setting {
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize, JsonSchema)]
 #[serde(deny_unknown_fields)]
 pub struct Spec {
+    /// Which setting runs: "passive" (a stream of labelled pairs), "active" (the learner picks the
+    /// pairs to label) or "deploy" (the policy deploys, the learner picks two responses, an oracle
+    /// labels them).
     pub setting: Setting,
     /// Run name (default: the file stem).
     #[serde(default)]
@@ -82,16 +85,25 @@ pub struct Spec {
     /// Worker threads for the cells (0: one per core).
     #[serde(default)]
     pub threads: usize,
+    /// `[env]`: where the pairs come from (the synthetic bandit, a features file, a dataset, or
+    /// generated responses).
     #[serde(default)]
     pub env: EnvSpec,
+    /// `[stream]`: the labelled stream: its length, batch size and evaluation points.
     #[serde(default)]
     pub stream: StreamSpec,
+    /// `[curvature]`: the 𝓗_t behind uncertainty (pessimism, UCB, active selection) and the tracker
+    /// every cell keeps.
     #[serde(default)]
     pub curvature: CurvatureSpec,
+    /// `[passive]`: the pessimistic policy of the passive setting (setting = "passive" only).
     #[serde(default)]
     pub passive: PassiveSpec,
+    /// `[active]`: how the active learner picks the pairs to label (setting = "active" only).
     #[serde(default)]
     pub active: ActiveSpec,
+    /// `[deploy]`: chunks, selection strategies and the deployed policies (setting = "deploy"
+    /// only).
     #[serde(default)]
     pub deploy: DeploySpec,
     /// When cells save their state for `onepass run --resume` (not part of a run's identity).

@@ -16,8 +16,10 @@ pub enum Pessimism {
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize, JsonSchema)]
 #[serde(deny_unknown_fields)]
 pub struct PassiveSpec {
+    /// The pessimistic policy the final θ is scored by (SubOpt of metrics.parquet's last row).
     #[serde(default = "d_pessimism")]
     pub pessimism: Pessimism,
+    /// β of the pessimistic policy: a number or "theory" (√d·log(T/δ), the order of Lemma 1).
     #[serde(default = "d_beta")]
     pub beta: Beta,
     /// δ of β = "theory".

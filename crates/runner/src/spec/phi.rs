@@ -36,22 +36,29 @@ pub struct PhiSpec {
     /// Tokens per sequence; longer conversations are truncated (see --truncation).
     #[arg(long, default_value_t = d_max_len())]
     pub max_len: usize,
+    /// How the sequence ends: "reference" (the authors': `" " + eos` appended, the last token
+    /// forced to eos after truncation) or "plain" (the rendered template as is).
     #[arg(long, default_value = "reference", value_parser = by_name::<features::EosRule>)]
     pub eos_rule: features::EosRule,
+    /// What a too-long conversation loses first (as the spec's `truncation`).
     #[arg(long, default_value = "prompt-first", value_parser = by_name::<features::Truncation>)]
     pub truncation: features::Truncation,
     /// hidden_states[layer]; negative counts from the end (-1: after the final norm).
     #[arg(long, default_value_t = d_layer(), allow_hyphen_values = true)]
     pub layer: i64,
+    /// How hidden states become φ: "last" (the last token's, the paper) or "mean".
     #[arg(long, default_value = "last", value_parser = by_name::<features::Pool>)]
     pub pool: features::Pool,
+    /// The weights' dtype in the products.
     #[arg(long, value_enum, default_value = "f32")]
     pub dtype: DType,
+    /// Where the model runs.
     #[arg(long, value_enum, default_value = "cpu")]
     pub device: Device,
     /// Sequences per forward pass.
     #[arg(long, default_value_t = d_batch())]
     pub batch: usize,
+    /// The feature cache (content-addressed: model, options and text).
     #[arg(long, default_value = ".cache/features")]
     pub cache: PathBuf,
 }
@@ -95,14 +102,18 @@ macro_rules! phi_table {
             $($own)*
             /// The feature model: a .gguf file, a model directory or hf:<owner>/<name>.
             pub model: String,
+            /// Tokens per sequence; longer conversations are truncated (`truncation`).
             #[serde(default = "crate::spec::phi::d_max_len")]
             pub max_len: usize,
             #[serde(default = "crate::spec::phi::d_eos_rule")]
             pub eos_rule: features::EosRule,
             #[serde(default = "crate::spec::phi::d_truncation")]
             pub truncation: features::Truncation,
+            /// hidden_states[layer]; negative counts from the end (-1: after the final norm, the
+            /// paper's φ).
             #[serde(default = "crate::spec::phi::d_layer")]
             pub layer: i64,
+            /// How a sequence's hidden states become φ (the paper: the last token's).
             #[serde(default = "crate::spec::phi::d_pool")]
             pub pool: features::Pool,
             /// f32, bf16 or f16.
@@ -111,8 +122,10 @@ macro_rules! phi_table {
             /// cpu, cuda, metal or auto.
             #[serde(default = "crate::spec::phi::d_device")]
             pub device: crate::spec::Device,
+            /// Sequences per forward pass.
             #[serde(default = "crate::spec::phi::d_batch")]
             pub batch: usize,
+            /// The feature cache (content-addressed: model, options and text; shared by runs).
             #[serde(default = $cache)]
             pub cache: std::path::PathBuf,
         }

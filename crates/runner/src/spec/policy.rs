@@ -46,6 +46,7 @@ pub enum RewardNormKind {
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
 #[serde(rename_all = "kebab-case")]
 pub enum LrScheduleKind {
+    /// lr at every step.
     Constant,
     /// transformers' `cosine_with_min_lr` (OpenRLHF's actor and critic): linear warm-up over
     /// ⌈warmup_ratio·steps⌉ steps from 0, then a cosine down to min_lr_ratio·lr.
@@ -149,11 +150,15 @@ pub enum DpoParameters {
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize, JsonSchema)]
 #[serde(deny_unknown_fields)]
 pub struct WarmStart {
+    /// The dataset's file (as `[data] path`).
     pub path: String,
+    /// How its rows are read (as `[data] format`).
     #[serde(default = "d_format")]
     pub format: super::Format,
+    /// Key names of the generic format (as `[data.keys]`).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub keys: Option<super::data::Keys>,
+    /// The first rows used (pairs).
     pub rows: usize,
     /// Passes over the pairs (mini-batches of `[policy] minibatch`).
     #[serde(default = "d_epochs")]
@@ -193,6 +198,7 @@ pub enum SaveAdapter {
     Last,
     /// After every chunk (`chunk-01/`, …).
     EveryChunk,
+    /// Nothing.
     None,
 }
 
@@ -202,6 +208,7 @@ pub struct PolicySpec {
     /// LoRA rank r and α (the update is scaled by α/r).
     #[serde(default = "d_rank")]
     pub rank: usize,
+    /// LoRA α: the adapters' update is scaled by α/r.
     #[serde(default = "d_alpha")]
     pub alpha: f64,
     /// PEFT's target_modules: a list of q_proj, k_proj, v_proj, o_proj, gate_proj, up_proj,
@@ -221,11 +228,13 @@ pub struct PolicySpec {
     /// rate of the schedule.
     #[serde(default = "d_lr")]
     pub lr: f64,
+    /// Gradients are clipped to this global norm before each Adam step.
     #[serde(default = "d_one")]
     pub max_grad_norm: f64,
     /// Adam's β₁, β₂ and ε (PyTorch's defaults; the authors' actor and critic use [0.9, 0.95]).
     #[serde(default = "d_betas")]
     pub adam_betas: [f64; 2],
+    /// Adam's ε.
     #[serde(default = "d_adam_eps")]
     pub adam_eps: f64,
     /// "constant" or "cosine-with-min-lr" (warm-up over ⌈warmup_ratio·steps⌉ steps, then a
@@ -233,10 +242,14 @@ pub struct PolicySpec {
     /// (`lr_restart = "chunk"`, the authors') or spanning the run (`"run"`).
     #[serde(default = "d_schedule")]
     pub lr_schedule: LrScheduleKind,
+    /// cosine-with-min-lr: the warm-up's share of the schedule's steps (from lr 0).
     #[serde(default = "d_warmup_ratio")]
     pub warmup_ratio: f64,
+    /// cosine-with-min-lr: the floor of the cosine, as a fraction of lr.
     #[serde(default = "d_min_lr_ratio")]
     pub min_lr_ratio: f64,
+    /// Which steps the schedule spans: each chunk's update ("chunk", the authors') or the whole
+    /// run's ("run").
     #[serde(default = "d_restart")]
     pub lr_restart: LrRestart,
     /// "persistent" (one adapter over the run) or "fresh-per-chunk" (merged after each chunk,
@@ -244,6 +257,7 @@ pub struct PolicySpec {
     /// A list sweeps: one cell per life (e.g. ["persistent", "fresh-per-chunk"]).
     #[serde(default = "d_adapter")]
     pub adapter: Sweep<AdapterLife>,
+    /// The policy the KL penalty (and policy.parquet's `kl`) is measured against.
     #[serde(default = "d_kl_reference")]
     pub kl_reference: KlReference,
     /// Passes over a chunk's samples (pairs, for dpo), in mini-batches of `minibatch`
@@ -251,6 +265,7 @@ pub struct PolicySpec {
     /// (a multiple of generate.n makes every mini-batch whole groups, each prompt computed once).
     #[serde(default = "d_epochs")]
     pub epochs: usize,
+    /// Sequences (dpo: pairs) per mini-batch; each mini-batch is one Adam step.
     #[serde(default = "d_minibatch")]
     pub minibatch: usize,
     /// The rollouts a learning arm's update sees (rloo and ppo: `rollouts_per_prompt` of their
@@ -259,6 +274,7 @@ pub struct PolicySpec {
     /// (default: all; the authors' PPO: 16 of a chunk's 20).
     #[serde(default = "d_rollouts")]
     pub rollouts: RolloutSource,
+    /// The first prompts of each chunk the update learns from (absent: all).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub prompts_per_update: Option<usize>,
     /// The KL estimator of the evaluation's KL to the reference (and of rloo's penalty).
@@ -269,10 +285,13 @@ pub struct PolicySpec {
     /// groups of n; default n), and how often (in chunks) they are evaluated.
     #[serde(default = "d_eval_prompts")]
     pub eval_prompts: usize,
+    /// The policy's samples per held-out prompt, a multiple of generate.n (absent: n).
     #[serde(default)]
     pub eval_samples: Option<usize>,
+    /// Evaluate the policy on the held-out prompts every this many chunks (and after the last).
     #[serde(default = "d_one_usize")]
     pub eval_every_chunks: usize,
+    /// What the run saves of a learning policy's adapters (PEFT layout, under `adapters/`).
     #[serde(default = "d_save")]
     pub save_adapter: SaveAdapter,
     /// `[policy.rloo]`: the rloo arm's own keys.
@@ -306,26 +325,38 @@ pub enum CriticHead {
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize, JsonSchema)]
 #[serde(deny_unknown_fields)]
 pub struct PpoSpec {
+    /// The reward that drives the update: "learned" (φᵀθ_t), or the controls "oracle" (the ceiling)
+    /// and "null" (the floor). A list sweeps: one cell per source.
     #[serde(default = "d_reward")]
     pub reward: Sweep<RewardSource>,
+    /// How the sequence reward is scaled before the KL penalty.
     #[serde(default = "d_reward_norm")]
     pub reward_norm: RewardNormKind,
+    /// reward_norm = "chunk": the normalised reward is clipped to ±reward_clip.
     #[serde(default = "d_reward_clip")]
     pub reward_clip: f64,
+    /// β of the per-token KL penalty in the reward.
     #[serde(default = "d_ppo_kl")]
     pub kl_coef: f64,
+    /// The clip ε of the probability ratio.
     #[serde(default = "d_clip")]
     pub clip: f64,
+    /// The value loss is clipped to ± value_clip around the old values (0: no clip).
     #[serde(default = "d_clip")]
     pub value_clip: f64,
+    /// γ of GAE.
     #[serde(default = "d_one")]
     pub gamma: f64,
+    /// λ of GAE.
     #[serde(default = "d_lambda")]
     pub lambda: f64,
+    /// The critic's Adam learning rate.
     #[serde(default = "d_lr")]
     pub critic_lr: f64,
+    /// Where the critic's value head starts each chunk.
     #[serde(default = "d_critic_head")]
     pub critic_head: CriticHead,
+    /// Divide the advantages by their standard deviation.
     #[serde(default = "d_true")]
     pub normalize_advantages: bool,
     /// Rollouts per prompt (default generate.n; the authors' PPO: 1).
@@ -346,18 +377,26 @@ impl Default for PpoSpec {
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize, JsonSchema)]
 #[serde(deny_unknown_fields)]
 pub struct RlooSpec {
+    /// The reward that drives the update: "learned" (φᵀθ_t), or the controls "oracle" (the ceiling)
+    /// and "null" (the floor). A list sweeps: one cell per source.
     #[serde(default = "d_reward")]
     pub reward: Sweep<RewardSource>,
+    /// How the reward is scaled before the KL penalty.
     #[serde(default = "d_reward_norm")]
     pub reward_norm: RewardNormKind,
+    /// reward_norm = "chunk": the normalised reward is clipped to ±reward_clip.
     #[serde(default = "d_reward_clip")]
     pub reward_clip: f64,
+    /// β of the KL penalty.
     #[serde(default = "d_kl_coef")]
     pub kl_coef: f64,
+    /// Where the KL penalty enters: per sequence (TRL's RLOO) or per token (OpenRLHF).
     #[serde(default = "d_kl_penalty")]
     pub kl_penalty: KlPenalty,
+    /// The PPO clip ε of the probability ratio (0: no clip).
     #[serde(default = "d_clip")]
     pub clip: f64,
+    /// Divide the leave-one-out advantages by their standard deviation.
     #[serde(default = "d_true")]
     pub normalize_advantages: bool,
     /// Rollouts per prompt, ≥ 2 (the leave-one-out baseline; default generate.n).
@@ -375,12 +414,16 @@ impl Default for RlooSpec {
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize, JsonSchema)]
 #[serde(deny_unknown_fields)]
 pub struct DpoSpec {
+    /// β of the DPO loss (TRL's default 0.1).
     #[serde(default = "d_dpo_beta")]
     pub beta: f64,
+    /// The pairs the dpo arm learns from.
     #[serde(default = "d_dpo_pairs")]
     pub pairs: DpoPairs,
+    /// What the dpo arm trains: LoRA adapters or every weight.
     #[serde(default = "d_dpo_parameters")]
     pub parameters: DpoParameters,
+    /// `[policy.dpo.warm_start]`: DPO on a preference dataset before the first chunk.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub warm_start: Option<WarmStart>,
 }

@@ -34,13 +34,17 @@ impl std::fmt::Display for RewardUpdate {
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize, JsonSchema)]
 #[serde(deny_unknown_fields)]
 pub struct RewardSpec {
+    /// What of the reward model learns: θ on frozen φ ("head", the default), θ and LoRA adapters on
+    /// the feature model ("lora"), or θ and every weight ("full").
     #[serde(default)]
     pub update: RewardUpdate,
     /// LoRA rank r and α of update = "lora" (as `[policy]`'s).
     #[serde(default = "d_rank")]
     pub rank: usize,
+    /// LoRA α of update = "lora" (the adapters' update is scaled by α/r).
     #[serde(default = "d_alpha")]
     pub alpha: f64,
+    /// PEFT's target_modules of update = "lora": a list of module names or "all-linear".
     #[serde(default = "d_targets")]
     pub targets: Targets,
     /// The backbone's step relative to θ's: ψ ← ψ + s·(the rule's step of ψ). 1: the rule over

@@ -10,6 +10,7 @@ pub struct StreamSpec {
     /// T: labelled samples (passive: pairs seen; active: the label budget; deploy: rounds).
     #[serde(default = "d_samples")]
     pub samples: u64,
+    /// Pairs per update (B).
     #[serde(default = "d_batch")]
     pub batch_size: usize,
     /// Evaluate every this many samples (and at the end).
