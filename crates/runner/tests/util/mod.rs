@@ -226,13 +226,17 @@ pub fn npy_i64(v: &[i64]) -> Vec<u8> {
 }
 
 /// Every file of a run directory that does not hold wall-clock times (timings.parquet,
-/// policy_timings.parquet and meta.json do), by path relative to it.
+/// policy_timings.parquet, meta.json and the TensorBoard event files under tb/ do), by path
+/// relative to it.
 pub fn result_files(dir: &Path) -> Vec<(PathBuf, Vec<u8>)> {
     fn walk(root: &Path, d: &Path, out: &mut Vec<(PathBuf, Vec<u8>)>) {
         for e in std::fs::read_dir(d).unwrap() {
             let p = e.unwrap().path();
             let name = p.file_name().unwrap().to_string_lossy().into_owned();
             if p.is_dir() {
+                if d == root && name == "tb" {
+                    continue;
+                }
                 walk(root, &p, out);
             } else if !["timings.parquet", "policy_timings.parquet", "meta.json", ".lock"].contains(&name.as_str()) {
                 out.push((p.strip_prefix(root).unwrap().to_path_buf(), std::fs::read(&p).unwrap()));
