@@ -12,7 +12,8 @@ pub struct TableDoc {
 }
 
 /// A column: the tables that have it, its type as the reference shows it (`string`, `u32`,
-/// `u64`, `f64`, `bool`; `?` when it may be null), its unit ("" when it has none) and meaning.
+/// `u64`, `i64`, `f64`, `bool`; `?` when it may be null; `varies` for a family of columns), its
+/// unit ("" when it has none) and meaning.
 pub struct ColumnDoc {
     pub tables: &'static [&'static str],
     pub column: &'static str,
@@ -98,7 +99,8 @@ pub const COLUMNS: &[ColumnDoc] = &[
     ColumnDoc { tables: ARMS, column: "reward", ty: "string", unit: "", doc: "Runs with a learning policy: the reward the policy update reads (`learned`, or the controls `oracle` and `null`)." },
     ColumnDoc { tables: ARMS, column: "adapter", ty: "string", unit: "", doc: "Runs with a learning policy: the adapter's life (`persistent`, `fresh-per-chunk`; empty for arms that do not learn)." },
     // cells.parquet
-    ColumnDoc { tables: &[CELLS], column: "hparams", ty: "string", unit: "", doc: "The config's hyper-parameters as a JSON object." },
+    ColumnDoc { tables: &[CELLS], column: "hparams", ty: "string", unit: "", doc: "The config's hyper-parameters as one JSON object, typed as the spec gives them (numbers as numbers)." },
+    ColumnDoc { tables: &[CELLS], column: "hp.*", ty: "varies", unit: "", doc: "One column per hyper-parameter of any config in the run (`hp.lr`, `hp.eta`, …), typed as the spec gives it (numbers as numbers, words as strings); null for a config whose estimator has no such key." },
     ColumnDoc { tables: &[CELLS], column: "curvature", ty: "string", unit: "", doc: "Whose 𝓗_t scored uncertainty (pessimism, UCB, active selection): the estimator's own or a tracker's, with its λ." },
     ColumnDoc { tables: &[CELLS], column: "status", ty: "string", unit: "", doc: "`ok` or `failed`." },
     ColumnDoc { tables: &[CELLS], column: "err", ty: "string?", unit: "", doc: "A failed cell's error in one line (null when ok)." },
@@ -213,9 +215,14 @@ pub const COLUMNS: &[ColumnDoc] = &[
     ColumnDoc { tables: &[TIMINGS], column: "cell_estimator_s", ty: "f64", unit: "s", doc: "The cell's time inside `Estimator::update` (repeated on each of its rows)." },
 ];
 
-/// The doc of `column` in `table`.
+/// The doc of `column` in `table`; a doc whose name ends in `*` covers every column with that
+/// prefix (the hyper-parameters' `hp.<key>`).
 pub fn column_doc(table: &str, column: &str) -> Option<&'static ColumnDoc> {
-    COLUMNS.iter().find(|c| c.column == column && c.tables.contains(&table))
+    let matches = |c: &ColumnDoc| match c.column.strip_suffix('*') {
+        Some(prefix) => column.starts_with(prefix),
+        None => c.column == column,
+    };
+    COLUMNS.iter().find(|c| matches(c) && c.tables.contains(&table))
 }
 
 /// The columns of `table` in the reference's order: (name, type).
@@ -229,6 +236,7 @@ pub fn type_word(arrow: &str, nullable: bool) -> String {
         "Utf8" | "LargeUtf8" | "Utf8View" => "string",
         "UInt32" => "u32",
         "UInt64" => "u64",
+        "Int64" => "i64",
         "Float64" => "f64",
         "Boolean" => "bool",
         other => other,
@@ -259,7 +267,7 @@ pub fn undocumented(schema_json: &str) -> Result<Vec<String>, String> {
             let word = type_word(ty, nullable);
             match column_doc(table, name) {
                 None => out.push(format!("{table}:{name} ({word}): no doc in columns::COLUMNS")),
-                Some(d) if d.ty != word && d.ty.trim_end_matches('?') != word => {
+                Some(d) if d.ty != "varies" && d.ty != word && d.ty.trim_end_matches('?') != word => {
                     out.push(format!("{table}:{name}: written as {word}, documented as {}", d.ty))
                 }
                 Some(_) => {}
