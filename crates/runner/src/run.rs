@@ -503,8 +503,11 @@ fn run_one<'p>(
         true => Live::to(dir.join("tb").join(&cell.cell_id)),
         false => Live::off(),
     };
-    let mut ctx =
-        CellCtx { saver: CellSaver::new(ckpt_path.clone(), fingerprint, &what, &plan.spec.checkpoint), resume: None, live };
+    let mut ctx = CellCtx {
+        saver: CellSaver::new(ckpt_path.clone(), fingerprint, &what, &plan.spec.checkpoint),
+        resume: None,
+        live,
+    };
     if ckpt_path.exists() {
         ctx.resume = io::decode_unless_stale(&ckpt_path, fingerprint, &what, force)?;
         if ctx.resume.is_none() {
@@ -571,6 +574,10 @@ pub fn run(opts: &RunOptions) -> Result<RunSummary> {
         let to = dir.join("checkpoints").join(format!("{cell}.done"));
         let bytes = std::fs::read(from).with_context(|| format!("merge: reading {}", from.display()))?;
         io::write_atomic(&to, &bytes)?;
+        // the cell's live curves come along (`<slice>/tb/<cell>/`, beside its checkpoints/)
+        if let Some(slice) = from.parent().and_then(Path::parent) {
+            copy_tb(&slice.join("tb").join(cell), &dir.join("tb").join(cell))?;
+        }
     }
     if let Some(done) = already_complete(&plan, &dir)? {
         return Ok(done);
@@ -626,6 +633,20 @@ pub fn run(opts: &RunOptions) -> Result<RunSummary> {
     remove_checkpoints(&dir)?;
     print_summary(&plan, &world, &outcomes);
     Ok(RunSummary { dir, failed, cells: outcomes.len(), interrupted: false })
+}
+
+/// `onepass merge`: a slice's event files of one cell into the merged run (none: nothing).
+fn copy_tb(from: &Path, to: &Path) -> Result<()> {
+    let files = crate::tb::event_files(from).with_context(|| format!("merge: reading {}", from.display()))?;
+    if files.is_empty() {
+        return Ok(());
+    }
+    std::fs::create_dir_all(to).with_context(|| format!("merge: creating {}", to.display()))?;
+    for f in files {
+        let dest = to.join(f.file_name().expect("a file"));
+        std::fs::copy(&f, &dest).with_context(|| format!("merge: copying {} to {}", f.display(), dest.display()))?;
+    }
+    Ok(())
 }
 
 /// What can be refused before any data is read or model run: an `--out` that is a file, more

@@ -170,9 +170,7 @@ pub fn read_events(path: &Path) -> Result<Vec<Event>, String> {
     let recs = records(&bytes).map_err(|e| format!("{}: {e}", path.display()))?;
     recs.iter()
         .enumerate()
-        .map(|(i, r)| {
-            <Event as prost::Message>::decode(*r).map_err(|e| format!("{}: event {i}: {e}", path.display()))
-        })
+        .map(|(i, r)| <Event as prost::Message>::decode(*r).map_err(|e| format!("{}: event {i}: {e}", path.display())))
         .collect()
 }
 

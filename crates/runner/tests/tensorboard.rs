@@ -147,11 +147,14 @@ fn a_killed_and_resumed_run_holds_each_point_once() {
 
     // off: no tb/, the same tables
     let (code, stdout, err) =
-        onepass(p, &["run", "passive.toml", "--out", "f", "--threads", "1", "--set", "track.tensorboard=false"]).parts();
+        onepass(p, &["run", "passive.toml", "--out", "f", "--threads", "1", "--set", "track.tensorboard=false"])
+            .parts();
     assert_eq!(code, 0, "{err}");
     let off = p.join(stdout.lines().last().unwrap().trim());
     assert!(!off.join("tb").exists(), "track.tensorboard = false wrote tb/");
-    assert!(std::fs::read(want_dir.join("metrics.parquet")).unwrap() == std::fs::read(off.join("metrics.parquet")).unwrap());
+    assert!(
+        std::fs::read(want_dir.join("metrics.parquet")).unwrap() == std::fs::read(off.join("metrics.parquet")).unwrap()
+    );
 }
 
 /// The online loop on the tiny model: rloo's policy evaluation, its update per chunk, stage
@@ -213,7 +216,9 @@ lr = 0.1
         assert_eq!(steps, (from..=3).collect::<Vec<_>>(), "{tag}");
     }
     // chunk 0's times are its evaluation's (the policy before any update)
-    for (tag, from) in [("train/loss", 1), ("train/grad_norm", 1), ("completions", 1), ("time/eval_s", 0), ("time/policy_s", 0)] {
+    for (tag, from) in
+        [("train/loss", 1), ("train/grad_norm", 1), ("completions", 1), ("time/eval_s", 0), ("time/policy_s", 0)]
+    {
         let steps: Vec<i64> = c.keys().filter(|k| k.0 == tag).map(|k| k.1).collect();
         assert_eq!(steps, (from..=3).collect::<Vec<_>>(), "{tag}");
     }
@@ -237,4 +242,29 @@ lr = 0.1
 
 fn want_dir_cell(p: &Path, out: &str) -> PathBuf {
     only_dir(&p.join(out)).join("tb/c0000")
+}
+
+/// `onepass merge` brings each cell's event files from its slice: the merged run holds the
+/// points of a one-process run.
+#[test]
+fn a_merged_run_holds_its_slices_curves() {
+    let tmp = tempfile::tempdir().unwrap();
+    let p = tmp.path();
+    util::write(p, "passive.toml", PASSIVE);
+    let want = run_points(&run(p, "passive.toml", "a"));
+    let mut slices = Vec::new();
+    for i in 0..2 {
+        let cells = format!("{i}/2");
+        let (code, stdout, err) =
+            onepass(p, &["run", "passive.toml", "--out", "s", "--cells", &cells, "--threads", "1"]).parts();
+        assert_eq!(code, 0, "slice {i}: {err}");
+        slices.push(stdout.trim().lines().last().unwrap().to_string());
+    }
+    let mut args = vec!["merge", "passive.toml"];
+    args.extend(slices.iter().map(String::as_str));
+    args.extend(["--out", "m"]);
+    let (code, stdout, err) = onepass(p, &args).parts();
+    assert_eq!(code, 0, "{err}");
+    let merged = p.join(stdout.trim().lines().last().unwrap());
+    assert_like(&want, &run_points(&merged), "merged from two slices");
 }

@@ -130,7 +130,10 @@ impl Live {
     /// A write failed: say so once and write nothing more (the run and its tables go on).
     fn fail(&mut self, e: impl std::fmt::Display) {
         if let Some(d) = self.dir.take() {
-            eprintln!("onepass: warning: {}: {e}; this cell's live curves stop here (its tables are not affected)", d.display());
+            eprintln!(
+                "onepass: warning: {}: {e}; this cell's live curves stop here (its tables are not affected)",
+                d.display()
+            );
         }
         self.w = None;
     }
@@ -244,7 +247,8 @@ impl Live {
     fn write_new(&mut self, s: &Snapshot<'_>) -> std::io::Result<()> {
         let Some(w) = self.w.as_mut() else { return Ok(()) };
         let walls = &self.walls;
-        let mut put = |tag: &str, step: i64, v: f64| w.scalar(tag, step, v, walls.get(&(tag.to_string(), step)).copied());
+        let mut put =
+            |tag: &str, step: i64, v: f64| w.scalar(tag, step, v, walls.get(&(tag.to_string(), step)).copied());
         for r in s.rows.iter().skip(self.done[0]) {
             let t = step_of(r);
             put("eval/loss", t, r.eval_loss)?;
@@ -337,13 +341,8 @@ impl Live {
                 put(tag, t, v)?;
             }
         }
-        self.done = [
-            rows_now,
-            s.buckets.len().min(rows_now).max(self.done[1]),
-            s.policy.len(),
-            s.updates.len(),
-            s.times.len(),
-        ];
+        self.done =
+            [rows_now, s.buckets.len().min(rows_now).max(self.done[1]), s.policy.len(), s.updates.len(), s.times.len()];
         Ok(())
     }
 }
