@@ -417,9 +417,27 @@ fn main() -> ExitCode {
                 Ok(m) => m,
                 Err(e) => return bad_input(&format!("--max-gpu-memory {e}")),
             };
+            let opts = runner::RunOptions {
+                spec,
+                overrides,
+                out,
+                threads,
+                resume,
+                force,
+                progress,
+                max_memory,
+                max_gpu_memory,
+                slice,
+                merge: Vec::new(),
+                cap_library_threads: true,
+            };
             if dry_run {
-                return match runner::load_plan(&spec, &overrides) {
+                return match runner::load_plan(&opts.spec, &opts.overrides) {
                     Ok(plan) => {
+                        // sizes the spec asks for are checked before anything is built
+                        if let Err(e) = runner::run::dry_run_preflight(&opts, &plan) {
+                            return bad_input(&format!("{e:#}"));
+                        }
                         match runner::plan::record::resolved_text(&plan, &plan.spec) {
                             Ok(text) => print!("{text}"),
                             Err(e) => return bad_input(&e),
@@ -436,20 +454,7 @@ fn main() -> ExitCode {
                     Err(e) => bad_input(&e.to_string()),
                 };
             }
-            finish_run(runner::RunOptions {
-                spec,
-                overrides,
-                out,
-                threads,
-                resume,
-                force,
-                progress,
-                max_memory,
-                max_gpu_memory,
-                slice,
-                merge: Vec::new(),
-                cap_library_threads: true,
-            })
+            finish_run(opts)
         }
     }
 }

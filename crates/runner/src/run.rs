@@ -657,6 +657,19 @@ fn preflight(opts: &RunOptions, plan: &Plan) -> Result<usize> {
     if opts.resume.is_none() && opts.out.exists() && !opts.out.is_dir() {
         anyhow::bail!("--out {}: not a directory (a file of that name is in the way)", opts.out.display());
     }
+    preflight_sizes(opts, plan)
+}
+
+/// `--dry-run`'s checks, before it prints or resolves anything: the run's own [`preflight`]
+/// (threads; a synthetic bandit's memory) but `--out`, which a dry run does not write. The
+/// notes build the bandit's world ([`dry_run_notes`]), so a size this refuses is never
+/// allocated (an `env.dim` of 2³² took 32 GiB, one of 2⁶⁴ − 1 panicked).
+pub fn dry_run_preflight(opts: &RunOptions, plan: &Plan) -> Result<()> {
+    preflight_sizes(opts, plan).map(|_| ())
+}
+
+/// [`preflight`]'s threads and memory.
+fn preflight_sizes(opts: &RunOptions, plan: &Plan) -> Result<usize> {
     let threads = opts.threads.unwrap_or(plan.spec.threads);
     let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
     if threads > 8 * cores {
