@@ -13,6 +13,13 @@ with the commands listed under the table. The book's pages include the fragments
     python3 scripts/docs_results.py --check   # exit 1 naming each fragment that is stale
     python3 scripts/docs_results.py --root DIR [--check]   # DIR/docs/... instead (tests)
 
+README.md's tables come from the same summaries: a block opened by
+`<!-- table: NAME.csv columns=a,b,c [known=col] [latest=col] [where=col:v1|v2] -->` and closed
+by `<!-- end table -->` is rewritten with the summary's columns a, b, c (rows whose `known`
+column says `unknown` left out; with `latest`, the newest row per value of that column; with
+`where`, only rows whose column holds one of the values), each row's date, CPU and revision
+after them.
+
 Bad input (a missing provenance column, a malformed date or revision, a row of the wrong
 length, an empty provenance cell) stops with one line naming the file, the row and the column.
 Python 3 standard library only.
@@ -108,6 +115,51 @@ def render(path):
     return "\n".join(lines) + "\n"
 
 
+BLOCK = re.compile(r"(<!-- table: (\S+\.csv)([^>]*)-->\n)(.*?)(<!-- end table -->)", re.S)
+
+
+def readme_table(summary, params, where_from):
+    """One README block's table (see the module doc)."""
+    header, body = read_summary(summary)
+    opts = dict(p.split("=", 1) for p in params.split())
+    cols = opts.get("columns", "").split(",")
+    for c in cols + [opts[k].split(":")[0] for k in ("known", "latest", "where") if k in opts]:
+        if c not in header:
+            raise BadSummary(f"{where_from}: column `{c}` is not in {rel(summary)} ({', '.join(header)})")
+    rows = [dict(zip(header, r)) for r in body]
+    if "known" in opts:
+        rows = [r for r in rows if r[opts["known"]] != "unknown"]
+    if "where" in opts:
+        col, vals = opts["where"].split(":", 1)
+        rows = [r for r in rows if r[col] in vals.split("|")]
+    if "latest" in opts:
+        newest = {}
+        for r in rows:
+            k = r[opts["latest"]]
+            if k not in newest or r["date"] >= newest[k]["date"]:
+                newest[k] = r
+        rows = [r for r in rows if newest.get(r[opts["latest"]]) is r]
+    if not rows:
+        raise BadSummary(f"{where_from}: no row of {rel(summary)} is left by `{params.strip()}`")
+    out = ["| " + " | ".join(cols + ["CPU", "date", "revision"]) + " |", "|" + "---|" * (len(cols) + 3)]
+    for r in rows:
+        out.append("| " + " | ".join([cell(r[c]) for c in cols] + [cell(r["cpu"]), r["date"], f"`{r['revision']}`"]) + " |")
+    return "\n".join(out) + "\n"
+
+
+def render_readme(readme, summaries_dir):
+    """README.md with its table blocks rewritten from the summaries."""
+    text = readme.read_text(encoding="utf-8")
+
+    def fill(m):
+        summary = summaries_dir / m.group(2)
+        if not summary.exists():
+            raise BadSummary(f"{rel(readme)}: a table block names {rel(summary)}, which does not exist")
+        return m.group(1) + readme_table(summary, m.group(3), rel(readme)) + m.group(5)
+
+    return BLOCK.sub(fill, text)
+
+
 def main(argv):
     global ROOT
     check = False
@@ -132,6 +184,8 @@ def main(argv):
         return 2
     try:
         rendered = {FRAGMENTS / f"{p.stem}.md": render(p) for p in summaries}
+        readme = ROOT / "README.md"
+        readme_text = render_readme(readme, SUMMARIES) if readme.exists() else None
     except BadSummary as e:
         print(f"docs_results.py: {e}", file=sys.stderr)
         return 2
@@ -146,6 +200,8 @@ def main(argv):
         for out in sorted(FRAGMENTS.glob("*.md")):
             if out not in expected:
                 stale.append(f"{rel(out)}: no summary docs/results/{out.stem}.csv renders it")
+        if readme_text is not None and readme.read_text(encoding="utf-8") != readme_text:
+            stale.append("README.md: a table block differs from what its summary renders")
         for line in stale:
             print(f"docs_results.py: {line}", file=sys.stderr)
         if stale:
@@ -159,6 +215,9 @@ def main(argv):
         if not out.exists() or out.read_text(encoding="utf-8") != text:
             out.write_text(text, encoding="utf-8")
             print(f"wrote {rel(out)}")
+    if readme_text is not None and readme.read_text(encoding="utf-8") != readme_text:
+        readme.write_text(readme_text, encoding="utf-8")
+        print("wrote README.md's table blocks")
     for out in sorted(FRAGMENTS.glob("*.md")):
         if out not in expected:
             out.unlink()

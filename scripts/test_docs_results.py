@@ -41,6 +41,27 @@ class DocsResults(unittest.TestCase):
         rc, out = self.check()
         self.assertEqual(rc, 0, out)
 
+    def test_a_readme_table_is_rendered_from_its_summary(self):
+        shutil.copy(REPO / "README.md", self.tmp / "README.md")
+        rc, out = self.check()
+        self.assertEqual(rc, 0, out)
+        readme = self.tmp / "README.md"
+        text = readme.read_text(encoding="utf-8")
+        self.assertIn("| rloo, learned reward − base | +0.117 |", text)
+        # a number typed into the block by hand is caught, and rendering puts the summary's back
+        readme.write_text(text.replace("| +0.117 |", "| +0.217 |", 1), encoding="utf-8")
+        rc, out = self.check()
+        self.assertEqual(rc, 1, out)
+        self.assertIn("README.md", out)
+        rc, out = run("--root", str(self.tmp))
+        self.assertEqual(rc, 0, out)
+        self.assertEqual(readme.read_text(encoding="utf-8"), text)
+        # a block naming a column the summary lacks is one line naming it
+        readme.write_text(text.replace("columns=comparison,", "columns=comparisons,", 1), encoding="utf-8")
+        rc, out = self.check()
+        self.assertEqual(rc, 2, out)
+        self.assertIn("column `comparisons`", out)
+
     def test_an_edited_value_makes_the_check_fail_naming_the_fragment(self):
         csv = self.tmp / "docs" / "results" / "online-proof.csv"
         text = csv.read_text(encoding="utf-8")
