@@ -74,11 +74,12 @@ def read_summary(path):
         if len(row) != len(header):
             raise BadSummary(f"{name}: row {i}: {len(row)} fields, the header has {len(header)}")
         for col, value in zip(PROVENANCE, row):
-            if not value.strip():
-                raise BadSummary(f"{name}: row {i}: column `{col}` is empty (write `unknown` if it is)")
+            if not value.strip() or (col in ("revision", "cpu") and value.strip().lower() == "unknown"):
+                raise BadSummary(f"{name}: row {i}: column `{col}` is {'empty' if not value.strip() else '`unknown`'}: "
+                                 "a number in the book names the revision and the CPU that produced it")
         if not DATE.match(row[0]):
             raise BadSummary(f"{name}: row {i}: column `date`: `{row[0]}` is not YYYY-MM-DD")
-        if row[1] != "unknown" and not REVISION.match(row[1]):
+        if not REVISION.match(row[1]):
             raise BadSummary(f"{name}: row {i}: column `revision`: `{row[1]}` is not a short git hash")
     return header, body
 
@@ -104,7 +105,7 @@ def render(path):
     ]
     for row in body:
         date, revision, cpu, command = row[:4]
-        rev = "unknown" if revision == "unknown" else f"`{revision}`"
+        rev = f"`{revision}`"
         values = [date, cell(cpu), rev] + [cell(v) for v in row[4:]] + [f"[{commands.index(command) + 1}]"]
         lines.append("| " + " | ".join(values) + " |")
     lines += ["", "Commands:", ""]
