@@ -47,9 +47,37 @@ pub struct Completion {
     pub logprobs: Vec<f32>,
 }
 
+/// The longest a connection may take to open (a request's whole time is `timeout_s`).
+const CONNECT_TIMEOUT_S: f64 = 10.0;
+/// The longest the start's `GET /v1/models` may take: a server that lists nothing in that long
+/// is not answering (an accepted connection that never answers waited `timeout_s`, 600 s by
+/// default, times each retry).
+const MODELS_TIMEOUT_S: f64 = 10.0;
+/// After this long without an answer (at most half of `timeout_s`), one line on stderr says
+/// what the run waits for.
+const NOTICE_AFTER_S: f64 = 15.0;
+
+/// When the last "waiting for the server" line was printed: one line per [`NOTICE_AFTER_S`] for
+/// the process, however many requests are in flight.
+static LAST_NOTICE: std::sync::Mutex<Option<std::time::Instant>> = std::sync::Mutex::new(None);
+
 impl Server {
-    fn agent(&self) -> ureq::Agent {
-        ureq::AgentBuilder::new().timeout(Duration::from_secs_f64(self.timeout_s.max(1.0))).build()
+    /// A client whose request — connect, send, the whole answer read — takes at most
+    /// `timeout_s` (ureq's overall deadline; connecting at most [`CONNECT_TIMEOUT_S`] of it).
+    fn agent_for(&self, timeout_s: f64) -> ureq::Agent {
+        let total = Duration::from_secs_f64(timeout_s.max(1.0));
+        ureq::AgentBuilder::new()
+            .timeout(total)
+            .timeout_connect(total.min(Duration::from_secs_f64(CONNECT_TIMEOUT_S)))
+            .build()
+    }
+
+    /// The line printed when a request of `what` has waited `waited_s` seconds.
+    pub fn waiting_line(&self, what: &str, waited_s: f64, timeout_s: f64) -> String {
+        format!(
+            "onepass: waiting for the server at {} to answer {what} ({waited_s:.0} s so far; an attempt gives up after {timeout_s} s (generate.timeout_s), then up to {} retries (generate.retries))",
+            self.base_url, self.retries
+        )
     }
 
     fn url(&self, path: &str) -> String {
@@ -59,7 +87,13 @@ impl Server {
     /// The model names the server lists (`GET /v1/models`): the base model and the adapters
     /// loaded on it.
     pub fn models(&self) -> Result<Vec<String>, Error> {
-        let v = self.call(|a| a.get(&self.url("models")).call().map_err(Box::new))?;
+        let text = self.call_text_within(
+            self.timeout_s.min(MODELS_TIMEOUT_S),
+            "GET /v1/models",
+            |a| a.get(&self.url("models")).call().map_err(Box::new),
+        )?;
+        let v: serde_json::Value = serde_json::from_str(&text)
+            .map_err(|e| Error::Format(format!("{}: not JSON ({e}): {}", self.base_url, clip(&text))))?;
         let data = v.get("data").and_then(|d| d.as_array()).ok_or_else(|| self.odd("models", &v))?;
         Ok(data.iter().filter_map(|m| m.get("id").and_then(|i| i.as_str()).map(String::from)).collect())
     }
@@ -186,11 +220,43 @@ impl Server {
         &self,
         send: impl Fn(&ureq::Agent) -> Result<ureq::Response, Box<ureq::Error>>,
     ) -> Result<String, Error> {
-        let agent = self.agent();
+        self.call_text_within(self.timeout_s, "a request", send)
+    }
+
+    /// [`Server::call_text`] with each attempt bounded by `timeout_s`; past [`NOTICE_AFTER_S`]
+    /// (or half of `timeout_s`) without an answer, one line on stderr says what it waits for.
+    fn call_text_within(
+        &self,
+        timeout_s: f64,
+        what: &str,
+        send: impl Fn(&ureq::Agent) -> Result<ureq::Response, Box<ureq::Error>>,
+    ) -> Result<String, Error> {
+        let agent = self.agent_for(timeout_s);
+        let notice_after = Duration::from_secs_f64(NOTICE_AFTER_S.min(timeout_s / 2.0).max(0.5));
         let mut attempt = 0;
         loop {
-            let transient = match send(&agent).map_err(|e| *e) {
-                Ok(resp) => return resp.into_string().map_err(|e| Error::Io(format!("{}: {e}", self.base_url))),
+            let sent = std::time::Instant::now();
+            let (tx, rx) = std::sync::mpsc::channel::<()>();
+            let answer = std::thread::scope(|sc| {
+                let me = self;
+                sc.spawn(move || {
+                    // the sender dropped: answered (or failed) in time
+                    if let Err(std::sync::mpsc::RecvTimeoutError::Timeout) = rx.recv_timeout(notice_after) {
+                        let mut last = LAST_NOTICE.lock().unwrap_or_else(|e| e.into_inner());
+                        if last.is_none_or(|t| t.elapsed() >= notice_after) {
+                            *last = Some(std::time::Instant::now());
+                            eprintln!("{}", me.waiting_line(what, sent.elapsed().as_secs_f64(), timeout_s));
+                        }
+                    }
+                });
+                let r = send(&agent).map_err(|e| *e).and_then(|resp| {
+                    resp.into_string().map_err(|e| Box::new(ureq::Error::from(e))).map_err(|e| *e)
+                });
+                drop(tx);
+                r
+            });
+            let transient = match answer {
+                Ok(text) => return Ok(text),
                 Err(ureq::Error::Status(code, resp)) => {
                     let said = resp.into_string().unwrap_or_default();
                     if code != 429 && code < 500 {
@@ -372,6 +438,43 @@ mod tests {
                 assert!(calls == 1 && e.contains("HTTP 400"), "{calls} calls: {e}");
             }
         }
+    }
+
+    /// A server that accepts the connection and never answers: the start's model check gives
+    /// up after its own bound, not after `timeout_s` (600 s by default) per attempt, and a
+    /// completion request after `timeout_s`; each is one error naming the server.
+    #[test]
+    fn a_server_that_never_answers_is_given_up_on_in_bounded_time() {
+        let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        let addr = listener.local_addr().unwrap();
+        // holds every accepted connection open, answering nothing, until the test ends
+        std::thread::spawn(move || {
+            let mut held = Vec::new();
+            for c in listener.incoming() {
+                held.push(c);
+            }
+        });
+        let s = Server {
+            base_url: format!("http://{addr}"),
+            model: "m".into(),
+            concurrency: 1,
+            timeout_s: 600.0,
+            retries: 0,
+        };
+        let t = std::time::Instant::now();
+        let e = s.check().unwrap_err().to_string();
+        let took = t.elapsed().as_secs_f64();
+        assert!(took < MODELS_TIMEOUT_S + 5.0, "the model check waited {took:.1} s: {e}");
+        assert!(e.contains(&s.base_url) && e.contains("1 time(s)"), "{e}");
+        let s = Server { timeout_s: 2.0, ..s };
+        let t = std::time::Instant::now();
+        let opts = SampleOptions { n: 1, temperature: 1.0, top_p: 1.0, max_new_tokens: 4, seed: 0 };
+        let e = s.complete("m", &[Request { ids: &[1, 2], seed: 0 }], &opts, &[], &|_| {}).unwrap_err().to_string();
+        let took = t.elapsed().as_secs_f64();
+        assert!((1.5..10.0).contains(&took), "a completion waited {took:.1} s: {e}");
+        assert!(e.contains(&s.base_url), "{e}");
+        let line = s.waiting_line("a request", 15.0, 600.0);
+        assert!(line.contains("generate.timeout_s") && line.contains(&s.base_url), "{line}");
     }
 
     /// A server that is not there fails after its retries with one error naming it.

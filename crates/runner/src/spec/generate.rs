@@ -78,7 +78,10 @@ pub struct GenerateSpec {
     /// transient failure.
     #[serde(default = "d_concurrency")]
     pub concurrency: usize,
-    /// backend = "openai": seconds one request may take before it is retried.
+    /// backend = "openai": seconds one request may take — connecting (at most 10 s of it),
+    /// sending, the whole answer read — before it is retried; the start's `GET /v1/models`
+    /// takes at most 10 s. A request waiting 15 s (or half of this) prints one line saying
+    /// what it waits for.
     #[serde(default = "d_timeout_s")]
     pub timeout_s: f64,
     /// backend = "openai": retries of a transient failure (a timeout, a refused connection, a 5xx)
