@@ -127,7 +127,9 @@ for k, (ax, (col, title)) in enumerate(zip(axes.flat, panels)):
     ax.set_xlabel("samples seen")
     ax.set_ylabel(title)
     ax.grid(alpha=0.3)
-    if col in ("theta_err", "subopt") and (metrics[col] > 0).all():
+    v = metrics[col].dropna()
+    # log scale where a transient (an early divergence) would flatten the other curves
+    if (v > 0).all() and (col in ("theta_err", "subopt") or v.max() > 5 * v.median()):
         ax.set_yscale("log")
 for ax in axes.flat[len(panels) :]:
     ax.set_visible(False)
