@@ -180,8 +180,16 @@ fn show_default(v: Option<&Value>) -> String {
     }
 }
 
+/// Text for a table cell: pipes escaped, one line, and `<` outside code spans escaped (so
+/// `hf:<owner>/<name>` is text, not an HTML tag).
 fn cell(s: &str) -> String {
-    s.replace('|', "\\|").replace('\n', " ")
+    text(&s.replace('|', "\\|").replace('\n', " "))
+}
+
+/// Markdown text with `<` outside code spans escaped.
+fn text(s: &str) -> String {
+    let parts = s.split('`').enumerate();
+    parts.map(|(i, part)| if i % 2 == 0 { part.replace('<', "\\<") } else { part.to_string() }).collect::<Vec<_>>().join("`")
 }
 
 /// One TOML table: its heading, its doc, a row per key, then the tables nested in it.
@@ -197,7 +205,7 @@ fn table(out: &mut String, path: &str, schema: &Value, defs: &Map<String, Value>
     if d.is_empty() {
         missing.push(format!("spec table {heading}: no doc (a doc comment on the field or its type)"));
     } else {
-        let _ = writeln!(out, "{d}\n");
+        let _ = writeln!(out, "{}\n", text(&d));
     }
     let mut nested = Vec::new();
     key_rows(out, path, schema, defs, missing, &mut nested);
@@ -251,9 +259,9 @@ fn key_rows(
         let allowed = if ws.is_empty() {
             String::new()
         } else if ws.iter().all(|(_, d)| d.is_empty()) {
-            ws.iter().map(|(w, _)| format!("`{w}`")).collect::<Vec<_>>().join(", ")
+            cell(&ws.iter().map(|(w, _)| format!("`{w}`")).collect::<Vec<_>>().join(", "))
         } else {
-            ws.iter().map(|(w, d)| format!("`{w}`: {d}")).collect::<Vec<_>>().join("<br>")
+            ws.iter().map(|(w, d)| cell(&format!("`{w}`: {d}"))).collect::<Vec<_>>().join("<br>")
         };
         let default = if required.contains(&key.as_str()) {
             "required".to_string()
@@ -266,7 +274,7 @@ fn key_rows(
             "| `{key}` | {}{sweep} | {} | {} | {} |",
             cell(&type_of(v, defs)),
             cell(&default),
-            cell(&allowed),
+            allowed,
             cell(&d)
         );
     }
@@ -337,7 +345,7 @@ pub fn estimators_text(missing: &mut Vec<String>, page: bool) -> String {
         if d.is_empty() {
             missing.push(format!("estimator `{kind}`: no doc comment on its EstimatorSpec variant"));
         } else {
-            let _ = writeln!(out, "{d}\n");
+            let _ = writeln!(out, "{}\n", text(&d));
         }
         let mut a = alt.clone();
         if let Some(p) = a.get_mut("properties").and_then(Value::as_object_mut) {
@@ -432,7 +440,7 @@ fn command(out: &mut String, cmd: &clap::Command, parents: &mut Vec<String>, mis
     let _ = writeln!(out, "{} `{name}`\n", "#".repeat(depth));
     match cmd.get_long_about().or(cmd.get_about()) {
         Some(a) => {
-            let _ = writeln!(out, "{}\n", a.to_string().trim());
+            let _ = writeln!(out, "{}\n", text(a.to_string().trim()));
         }
         None if parents.len() > 1 => missing.push(format!("command `{name}`: no doc")),
         None => {}
