@@ -109,6 +109,20 @@ fn gather_slices(
 ) -> Result<(Vec<io::DirLock>, std::collections::BTreeMap<String, PathBuf>)> {
     let mut locks = Vec::new();
     let mut done: std::collections::BTreeMap<String, PathBuf> = Default::default();
+    // the same directory twice would meet its own lock ("in use by another onepass process"
+    // with this process's pid)
+    let mut seen: Vec<(PathBuf, &PathBuf)> = Vec::new();
+    for s in slices {
+        let real = s.canonicalize().unwrap_or_else(|_| s.clone());
+        if let Some((_, first)) = seen.iter().find(|(r, _)| *r == real) {
+            anyhow::bail!(
+                "merge: {}: the same slice directory as {}, given twice: give each slice once",
+                s.display(),
+                first.display()
+            );
+        }
+        seen.push((real, s));
+    }
     for s in slices {
         let text = std::fs::read_to_string(s.join("resume.json"))
             .with_context(|| format!("merge: {}: no resume.json there (not a run or slice directory)", s.display()))?;
@@ -566,9 +580,16 @@ pub fn run(opts: &RunOptions) -> Result<RunSummary> {
     let id = RunIdentity::of(&plan, &world)?;
     let fingerprint = id.fingerprint();
     let shared = shared_digest(&world)?;
-    // a merge checks its slices before it makes its directory
+    // a merge checks its slices before it makes its directory — each finished cell's file
+    // too: a corrupt one is named before anything is created
     let (_slice_locks, merged) =
         if opts.merge.is_empty() { (Vec::new(), Default::default()) } else { gather_slices(&opts.merge, &plan, &id)? };
+    for (cell_id, from) in &merged {
+        if let Some(cell) = plan.cells.iter().find(|c| &c.cell_id == cell_id) {
+            io::verify(from, &fingerprint, &cell_what(&shared, &plan.configs[cell.config], cell), opts.force)
+                .context("merge")?;
+        }
+    }
     let (dir, _lock, forced) = open_run_dir(opts, &plan, &world, &id, claimed)?;
     for (cell, from) in &merged {
         let to = dir.join("checkpoints").join(format!("{cell}.done"));
