@@ -796,11 +796,22 @@ fn run_cells<'p>(
         }
     }
     if let Some(e) = storage {
+        // what the disk holds, not what was meant to be written: a failed first checkpoint
+        // leaves its cell with none
+        let ck = dir.join("checkpoints");
+        let unfinished: Vec<&&CellPlan> =
+            mine.iter().filter(|c| !ck.join(format!("{}.done", c.cell_id)).exists()).collect();
+        let kept = unfinished.iter().filter(|c| ck.join(format!("{}.ckpt", c.cell_id)).exists()).count();
+        let others = match (kept, unfinished.len()) {
+            (_, 0) => String::new(),
+            (k, n) if k == n => format!(", the others are checkpointed in {}", ck.display()),
+            (0, n) => format!(", none of the other {n} has a checkpoint (they start over)"),
+            (k, n) => format!(", {k} of the other {n} are checkpointed in {} (the rest start over)", ck.display()),
+        };
         return Err(e.context(format!(
-            "{} of {} cells finished, the others are checkpointed in {}/checkpoints: free the space, then `{}`",
-            ok.len(),
+            "{} of {} cells finished{others}: free the space, then `{}`",
+            mine.len() - unfinished.len(),
             mine.len(),
-            dir.display(),
             resume_command(opts, dir)
         )));
     }
