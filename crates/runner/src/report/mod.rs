@@ -691,8 +691,8 @@ fn safetensors_one(name: &str, n: usize, bytes: &[u8], metadata: &std::collectio
 
 /// Writes `<run>/report/`; returns the report directory.
 pub fn report(run: &Path) -> Result<PathBuf> {
-    // one writer: a running `onepass run` or another `report` of this directory holds the lock
-    let _lock = if run.is_dir() { Some(crate::io::lock_dir(run)?) } else { None };
+    // nothing is written (not even the lock file) before the checks pass: a directory that is
+    // not a run is refused as it was found
     if run.is_dir() && !run.join("metrics.parquet").exists() {
         let why = if run.join("checkpoints").is_dir() {
             "the run has not finished (its cells are in checkpoints/): continue it with `onepass run <its spec, its --set flags> --resume DIR`, then report"
@@ -705,6 +705,11 @@ pub fn report(run: &Path) -> Result<PathBuf> {
     if rows.is_empty() {
         bail!("{}: no metric rows (did every cell fail? see cells.parquet)", run.display());
     }
+    if !run.join("cells.parquet").exists() {
+        bail!("{}: no cells.parquet beside metrics.parquet: the run's tables are incomplete", run.display());
+    }
+    // one writer: a running `onepass run` or another `report` of this directory holds the lock
+    let _lock = crate::io::lock_dir(run)?;
     // a run with a learning policy writes policy.parquet beside metrics.parquet: its absence
     // is a lost file, not a run without a policy
     let learns = std::fs::read_to_string(run.join("spec.resolved.toml"))
@@ -725,6 +730,38 @@ pub fn report(run: &Path) -> Result<PathBuf> {
         std::fs::remove_dir_all(&out).with_context(|| format!("removing {}", out.display()))?;
     }
     std::fs::create_dir_all(&out).with_context(|| format!("creating {}", out.display()))?;
+    let written = write_report(run, &out, &rows);
+    if written.is_err() {
+        // a failed report leaves no report.tmp/ behind
+        let _ = std::fs::remove_dir_all(&out);
+    }
+    written?;
+    if done.exists() {
+        std::fs::remove_dir_all(&done).with_context(|| format!("removing the old {}", done.display()))?;
+    }
+    std::fs::rename(&out, &done).with_context(|| format!("renaming {} to {}", out.display(), done.display()))?;
+    Ok(done)
+}
+
+/// meta.json, or None where it is missing (an unfinished run); one warning line naming it
+/// when it exists but does not read as JSON (the sections from it are left out).
+fn read_meta(run: &Path) -> Option<serde_json::Value> {
+    let path = run.join("meta.json");
+    let text = std::fs::read_to_string(&path).ok()?;
+    match serde_json::from_str(&text) {
+        Ok(v) => Some(v),
+        Err(e) => {
+            eprintln!(
+                "onepass: warning: {}: not JSON ({e}): the report leaves out what it holds (the data and its scale)",
+                path.display()
+            );
+            None
+        }
+    }
+}
+
+/// report.md and the figures into `out` (report.tmp/).
+fn write_report(run: &Path, out: &Path, rows: &[Row]) -> Result<()> {
     let mut md = format!("# {}\n\n", run.file_name().unwrap_or_default().to_string_lossy());
     if !run.join("meta.json").exists() {
         md.push_str("**This run is unfinished** (no meta.json): the tables below cover what it wrote.\n\n");
@@ -735,7 +772,7 @@ pub fn report(run: &Path) -> Result<PathBuf> {
         md.push_str(&format!("{}\n\n", d.trim()));
     }
     md.push_str("Final metrics, mean ± std over seeds.\n\n");
-    md.push_str(&final_table(&[(String::new(), rows.clone())]));
+    md.push_str(&final_table(&[(String::new(), rows.to_vec())]));
     if run.join("winrates.parquet").exists() {
         md.push_str("\n## Win rates\n\nPer (seed, chunk), the cell with the highest chunk mean of oracle r(a) + r(a′) wins (ties share the win); per (seed, prompt), the same on the pair each cell chose. Over every estimator × strategy cell of the run, so chance is 1 / configs.\n\n");
         md.push_str(&win_table(run)?);
@@ -747,9 +784,8 @@ pub fn report(run: &Path) -> Result<PathBuf> {
     }
     let times = cell_times(run).unwrap_or_default();
     md.push_str("\n## Time and κ\n\nPer cell, mean ± std over seeds. κ over the samples each estimator trained on (windows between evaluations, all seeds); the paper's appendix reports κ = 171.6 ± 85.5 (Llama-3-8B, UltraFeedback).\n\n");
-    md.push_str(&time_and_kappa_table(&rows, &times));
-    let meta: Option<serde_json::Value> =
-        std::fs::read_to_string(run.join("meta.json")).ok().and_then(|t| serde_json::from_str(&t).ok());
+    md.push_str(&time_and_kappa_table(rows, &times));
+    let meta = read_meta(run);
     if let Some(s) = meta.as_ref().and_then(data_summary) {
         md.push('\n');
         md.push_str(&s);
@@ -758,13 +794,13 @@ pub fn report(run: &Path) -> Result<PathBuf> {
         md.push('\n');
         md.push_str(&s);
     }
-    let heads = export_heads(run, &out)?;
+    let heads = export_heads(run, out)?;
     md.push_str("\n## Reward heads\n\nθ of the first seed of each config as `score.weight` ([1, d], f32, no bias), the head of transformers' `*ForSequenceClassification` on the feature model:\n\n");
     for h in &heads {
         md.push_str(&format!("- `heads/{}`\n", h.file_name().unwrap_or_default().to_string_lossy()));
     }
     let figures = match register_font() {
-        Ok(_) => draw_figures(run, &out, &rows, &policy, &times, spec.as_ref())?,
+        Ok(_) => draw_figures(run, out, rows, &policy, &times, spec.as_ref())?,
         Err(e) => {
             eprintln!("onepass: {e:#}; writing the tables only");
             Vec::new()
@@ -776,11 +812,7 @@ pub fn report(run: &Path) -> Result<PathBuf> {
     }
     md.push_str(&failed_cells(run)?);
     crate::io::write_atomic(&out.join("report.md"), md.as_bytes())?;
-    if done.exists() {
-        std::fs::remove_dir_all(&done).with_context(|| format!("removing the old {}", done.display()))?;
-    }
-    std::fs::rename(&out, &done).with_context(|| format!("renaming {} to {}", out.display(), done.display()))?;
-    Ok(done)
+    Ok(())
 }
 
 /// A section naming every failed cell and its error (a failed config is missing from the
