@@ -32,10 +32,12 @@ pub enum LrSchedule {
     /// f = 1.
     Constant,
     /// transformers' `cosine_with_min_lr` (OpenRLHF: warm-up ⌈ratio·total⌉ steps, min_lr =
-    /// 0.1·lr): f(k) = k / w for k < w = ⌈warmup_ratio·total⌉ (so the first step of a window
-    /// with warm-up has f = 0, as in transformers), then m + (1 − m)·½(1 + cos π p) with
-    /// p = (k − w) / max(1, total − w) and m = `min_lr_ratio`. Past the window's end p stays at
-    /// 1 (transformers would let the cosine rise again; an update never gets there).
+    /// 0.1·lr): f(k) = (k + 1) / w for k < w = ⌈warmup_ratio·total⌉, then m + (1 − m)·½(1 +
+    /// cos π p) with p = (k − w) / max(1, total − w) and m = `min_lr_ratio`. One difference from
+    /// transformers, whose warm-up is k / w: there the first step of a window has f = 0 and
+    /// does not move the weights (a 1-step update would be a silent non-update); here the
+    /// warm-up's first step is 1/w and its last reaches the peak. Past the window's end p stays
+    /// at 1 (transformers would let the cosine rise again; an update never gets there).
     CosineWithMinLr { warmup_ratio: f64, min_lr_ratio: f64 },
 }
 
@@ -47,7 +49,7 @@ impl LrSchedule {
             LrSchedule::CosineWithMinLr { warmup_ratio, min_lr_ratio } => {
                 let w = (warmup_ratio * total as f64).ceil() as u64;
                 if k < w {
-                    return k as f64 / w.max(1) as f64;
+                    return (k + 1) as f64 / w as f64;
                 }
                 let p = ((k - w) as f64 / total.saturating_sub(w).max(1) as f64).min(1.0);
                 let f = 0.5 * (1.0 + (std::f64::consts::PI * p).cos());
@@ -73,6 +75,9 @@ pub enum LrWindow {
 #[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
 pub struct AdamState {
     pub t: u64,
+    /// Steps of the optimisers this one continues ([`Adam::continuing`]; 0 for the first).
+    #[serde(default)]
+    pub before: u64,
     pub m: Vec<Vec<f32>>,
     pub v: Vec<Vec<f32>>,
 }
@@ -84,6 +89,9 @@ pub struct Adam {
     t: u64,
     /// The schedule's window: its first step and its length ([`Adam::begin`]).
     window: (u64, u64),
+    /// Steps earlier optimisers of the same run took ([`Adam::continuing`]): a fresh optimiser
+    /// per chunk keeps the run's step count for its schedule and mini-batch order.
+    before: u64,
     m: Vec<Tensor>,
     v: Vec<Tensor>,
 }
@@ -104,6 +112,7 @@ impl Adam {
             names: (0..vars.len()).map(|i| format!("variable {i}")).collect(),
             t: 0,
             window: (0, 0),
+            before: 0,
             m: vars.iter().map(zeros).collect::<Result<_>>()?,
             v: vars.iter().map(zeros).collect::<Result<_>>()?,
         })
@@ -118,13 +127,33 @@ impl Adam {
         Ok(self)
     }
 
+    /// This fresh optimiser continues the run of `prev` (the one it replaces: a fresh adapter
+    /// per chunk, a ppo critic per chunk): its moments and bias correction start anew, but its
+    /// step count in the run ([`Adam::run_steps`]) goes on from `prev`'s, so a schedule over the
+    /// run (`LrWindow::Run`) does not restart and each chunk's mini-batch order is its own.
+    pub fn continuing(mut self, prev_run_steps: u64) -> Adam {
+        self.before = prev_run_steps;
+        self
+    }
+
+    /// Steps taken in the run: this optimiser's and those of the optimisers it continues.
+    pub fn run_steps(&self) -> u64 {
+        self.before + self.t
+    }
+
     /// Starts an update of `steps` optimiser steps: the schedule's window becomes this update's
     /// steps ([`LrWindow::Update`]) or the run's ([`LrWindow::Run`]).
     pub fn begin(&mut self, window: LrWindow, steps: u64) {
         self.window = match window {
-            LrWindow::Update => (self.t, steps),
+            LrWindow::Update => (self.before + self.t, steps),
             LrWindow::Run { total } => (0, total),
         };
+    }
+
+    /// The step within the schedule's window of the next step: from the update's first step
+    /// (`Update`), or the run's step count (`Run`).
+    fn window_step(&self) -> u64 {
+        (self.before + self.t).saturating_sub(self.window.0)
     }
 
     /// The learning rate of the next step: lr·f(t − window start) ([`LrSchedule::factor`]).
@@ -132,7 +161,7 @@ impl Adam {
         match self.cfg.schedule {
             // exactly lr, not lr·1.0 through the window's arithmetic
             LrSchedule::Constant => self.cfg.lr,
-            s => self.cfg.lr * s.factor(self.t.saturating_sub(self.window.0), self.window.1),
+            s => self.cfg.lr * s.factor(self.window_step(), self.window.1),
         }
     }
 
@@ -215,7 +244,7 @@ impl Adam {
         let flat = |ts: &[Tensor]| {
             ts.iter().map(|t| t.flatten_all()?.to_dtype(DType::F32)?.to_vec1::<f32>()).collect::<Result<Vec<_>>>()
         };
-        Ok(AdamState { t: self.t, m: flat(&self.m)?, v: flat(&self.v)? })
+        Ok(AdamState { t: self.t, before: self.before, m: flat(&self.m)?, v: flat(&self.v)? })
     }
 
     /// Restores a state saved by [`Adam::state`] for the same variables.
@@ -227,6 +256,7 @@ impl Adam {
             *dst = Tensor::from_vec(src.clone(), dst.shape(), dst.device())?.to_dtype(dst.dtype())?;
         }
         self.t = s.t;
+        self.before = s.before;
         Ok(())
     }
 }

@@ -101,8 +101,8 @@ pub struct RlooConfig {
     pub clip: Option<f64>,
     pub epochs: usize,
     pub minibatch: usize,
-    /// Divide the advantages by their standard deviation over the chunk (TRL's
-    /// `normalize_advantages`).
+    /// Centre the advantages on their mean and divide them by their sample standard deviation
+    /// over the chunk (TRL's `normalize_advantage`: [`whiten`]).
     pub normalize_advantages: bool,
     /// The steps the optimiser's learning-rate schedule spans.
     pub lr_window: LrWindow,
@@ -274,6 +274,23 @@ pub fn score_tokens(
     Ok(out)
 }
 
+/// TRL's `normalize_advantage` of RLOO: every advantage (per sequence, or per token) centred
+/// on their mean and divided by their sample standard deviation (n − 1, torch's `std`) + 1e-8,
+/// over the whole update. Fewer than 2 advantages: centred only.
+pub fn whiten(adv: &mut [Vec<f64>]) {
+    let n = adv.iter().map(Vec::len).sum::<usize>();
+    if n == 0 {
+        return;
+    }
+    let mean = adv.iter().flatten().sum::<f64>() / n as f64;
+    let sd = if n < 2 {
+        0.0
+    } else {
+        (adv.iter().flatten().map(|a| (a - mean).powi(2)).sum::<f64>() / (n - 1) as f64).sqrt()
+    };
+    adv.iter_mut().flatten().for_each(|a| *a = (*a - mean) / (sd + 1e-8));
+}
+
 /// The global norm of the gradients of `vars` (0 for a variable without one).
 fn grad_norm(vars: &[&candle_core::Var], grads: &candle_core::backprop::GradStore) -> Result<f64> {
     let mut sq = 0.0;
@@ -364,11 +381,7 @@ pub fn rloo_update(
             .collect(),
     };
     if cfg.normalize_advantages {
-        let all: Vec<f64> = adv.iter().flatten().copied().collect();
-        let n = all.len() as f64;
-        let mean = all.iter().sum::<f64>() / n;
-        let sd = (all.iter().map(|a| (a - mean).powi(2)).sum::<f64>() / n).sqrt();
-        adv.iter_mut().flatten().for_each(|a| *a /= sd + 1e-8);
+        whiten(&mut adv);
     }
     let tokens: usize = before.iter().map(|t| t.logprobs.len()).sum();
     let mut st = UpdateStats {
@@ -382,12 +395,13 @@ pub fn rloo_update(
     let mb = cfg.minibatch.max(1);
     opt.begin(cfg.lr_window, update_steps(rollouts.len(), mb, cfg.epochs));
     for _ in 0..cfg.epochs {
-        let order = group_order(rollouts.len(), k, cfg.seed, opt.steps());
+        // the run's step count: a fresh optimiser per chunk does not repeat the first chunk's order
+        let order = group_order(rollouts.len(), k, cfg.seed, opt.run_steps());
         for idx in order.chunks(mb) {
             let part: Vec<Rollout> = idx.iter().map(|&i| rollouts[i].clone()).collect();
             let b = batch(m, &part)?;
             // the gradient pass: the adapters' dropout, if any, with this step's masks
-            let lp = m.logprobs_train(&b, opt.steps())?;
+            let lp = m.logprobs_train(&b, opt.run_steps())?;
             let loss = match cfg.kl_penalty {
                 KlPenalty::Sequence => {
                     let old: Vec<f32> = idx.iter().map(|&i| seq_lp[i] as f32).collect();
@@ -468,12 +482,12 @@ pub fn dpo_update(m: &PolicyModel, opt: &mut Adam, pairs: &[Preference<'_>], cfg
     let mb = cfg.minibatch.max(1);
     opt.begin(cfg.lr_window, update_steps(n, mb, cfg.epochs));
     for _ in 0..cfg.epochs {
-        let order = epoch_order(n, cfg.seed, opt.steps());
+        let order = epoch_order(n, cfg.seed, opt.run_steps());
         for idx in order.chunks(mb) {
             let c = idx.len();
             let part: Vec<Preference> = idx.iter().map(|&i| pairs[i].clone()).collect();
             let b = batch(m, &flat(&part))?;
-            let seq = b.seq_sum(&m.logprobs_train(&b, opt.steps())?)?.reshape((c, 2))?;
+            let seq = b.seq_sum(&m.logprobs_train(&b, opt.run_steps())?)?.reshape((c, 2))?;
             let (w, l) = (seq.narrow(1, 0, 1)?.squeeze(1)?, seq.narrow(1, 1, 1)?.squeeze(1)?);
             let rw: Vec<f32> = idx.iter().map(|&i| refs[2 * i] as f32).collect();
             let rl: Vec<f32> = idx.iter().map(|&i| refs[2 * i + 1] as f32).collect();
@@ -599,13 +613,13 @@ pub fn ppo_update(
     actor_opt.begin(cfg.lr_window, steps);
     critic_opt.begin(cfg.lr_window, steps);
     for _ in 0..cfg.epochs {
-        let order = group_order(rollouts.len(), k, cfg.seed, actor_opt.steps());
+        let order = group_order(rollouts.len(), k, cfg.seed, actor_opt.run_steps());
         for idx in order.chunks(mb) {
             let part: Vec<Rollout> = idx.iter().map(|&i| rollouts[i].clone()).collect();
             let b = batch(actor, &part)?;
             let w = token_weights(idx, &before, dev)?;
             let old = per_token(idx, &before, |t| &t.logprobs, dev)?;
-            let lp = actor.logprobs_train(&b, actor_opt.steps())?;
+            let lp = actor.logprobs_train(&b, actor_opt.run_steps())?;
             let loss = token_pg_loss(&lp, &old, &per_token(idx, &adv, |a| a, dev)?, &w, cfg.clip)?;
             st.actor.loss += loss.to_dtype(candle_core::DType::F64)?.to_scalar::<f64>()?;
             let grads = loss.backward()?;

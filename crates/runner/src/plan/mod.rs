@@ -139,8 +139,9 @@ impl ArmPlan {
                 }
             }
             DeployPolicy::Ppo => {
-                let critic = CriticPlan { lr: ps.ppo.critic_lr, head: ps.ppo.critic_head };
                 for &reward in &ps.ppo.reward.0 {
+                    // θ for the learned reward, 0 for the controls (unless written)
+                    let critic = CriticPlan { lr: ps.ppo.critic_lr, head: ps.ppo.critic_head_for(reward) };
                     for learning in learning(ps.ppo.rollouts_per_prompt.unwrap_or(n)) {
                         out.push(ArmPlan::Ppo { reward, update: ps.ppo_update(), critic: critic.clone(), learning });
                     }
@@ -862,6 +863,8 @@ fn check_policy(spec: &Spec, keys: Locator<'_>) -> Result<Option<PolicySpec>, Sp
     let resolved = spec.policy.clone().unwrap_or_default();
     let p = &resolved;
     p.check().map_err(|(k, m)| keys.err(&[&["policy"], k.as_slice()].concat(), m))?;
+    let (rloo, ppo) = (spec.deploy.policy.0.contains(&DeployPolicy::Rloo), spec.deploy.policy.0.contains(&DeployPolicy::Ppo));
+    p.check_arms(rloo, ppo).map_err(|(k, m)| keys.err(&[&["policy"], k.as_slice()].concat(), m))?;
     if let Some(g) = &spec.generate {
         // the update's log-probabilities are those of the untransformed policy: samples drawn
         // at another temperature or from a nucleus are not its samples
@@ -876,7 +879,8 @@ fn check_policy(spec: &Spec, keys: Locator<'_>) -> Result<Option<PolicySpec>, Sp
         let has = |a| spec.deploy.policy.0.contains(&a);
         let ppo = has(crate::spec::DeployPolicy::Ppo);
         let same_model = spec.features.as_ref().is_some_and(|f| f.model == g.policy);
-        if ppo && p.ppo.critic_head == crate::spec::CriticHead::Theta && !same_model {
+        let theta_critic = p.ppo.reward.0.iter().any(|&r| p.ppo.critic_head_for(r) == crate::spec::CriticHead::Theta);
+        if ppo && theta_critic && !same_model {
             return Err(keys.err(
                 &["policy", "ppo", "critic_head"],
                 "\"theta\": the critic runs on the policy's backbone, θ is over features.model's φ, and they differ: expected \"zero\" (or features.model = generate.policy)".into(),
