@@ -43,6 +43,23 @@ table = final.groupby("label")[["eval_accuracy", "eval_loss"]].agg(["mean", "std
 print(table.round(4).to_string())
 
 # %% [markdown]
+# ## Hyper-parameters: one typed `hp.<key>` column each
+#
+# cells.parquet has a column per hyper-parameter of any config in the run (`hp.lr`, `hp.eta`, …;
+# numbers as numbers, null for an estimator without that key; a key mixing numbers and words, as
+# λ = "auto" and 2.0, is text), so a sweep groups by its key directly. `hparams` keeps the whole
+# config as one JSON object with typed values.
+
+# %%
+hp = [c for c in cells.columns if c.startswith("hp.")]
+print("hyper-parameter columns:", {c: str(cells[c].dtype) for c in hp})
+by_cell = final.merge(cells[["cell_id", *hp]], on="cell_id")
+numeric = [c for c in hp if pd.api.types.is_numeric_dtype(cells[c])]
+if numeric:
+    print(by_cell.groupby(["estimator", numeric[0]], dropna=False)["eval_accuracy"].mean().round(4).to_string())
+assert all(isinstance(v, (int, float, str, bool)) for v in json.loads(cells["hparams"].iloc[0]).values())
+
+# %% [markdown]
 # ## polars: the same numbers
 
 # %%

@@ -18,7 +18,8 @@ pub struct CellStatus {
     pub config: String,
     pub seed: u32,
     /// "finished", "failed", "checkpointed", "not started", "another slice" or "in the tables"
-    /// (a complete run: its checkpoints are gone, its tables hold the cell).
+    /// (a complete run whose cells.parquet could not be read; else a complete run's cells are
+    /// finished or failed as cells.parquet says, with metrics.parquet's last evaluation).
     pub state: &'static str,
     /// A failed cell's error, or why a `.done` file could not be read.
     pub error: Option<String>,
@@ -63,6 +64,7 @@ pub fn cells(dir: &Path) -> Result<DirStatus> {
         Err(e) => return Err(e).with_context(|| format!("reading {}/slice.json", dir.display())),
     };
     let complete = dir.join("meta.json").exists();
+    let tables = if complete { from_tables(dir) } else { None };
     let mut out = Vec::with_capacity(cells.len());
     for (k, cell) in cells.iter().enumerate() {
         let mut st = CellStatus {
@@ -81,6 +83,10 @@ pub fn cells(dir: &Path) -> Result<DirStatus> {
         let (done, ckpt) = (ck.join(format!("{}.done", cell.cell_id)), ck.join(format!("{}.ckpt", cell.cell_id)));
         if complete {
             st.state = "in the tables";
+            if let Some(t) = tables.as_ref().and_then(|t| t.get(&cell.cell_id)) {
+                let config = std::mem::take(&mut st.config);
+                st = CellStatus { config, ..t.clone() };
+            }
         } else if done.exists() {
             match crate::io::read_any::<DoneCell>(&done) {
                 Ok((_, d)) => {
@@ -126,6 +132,43 @@ pub fn cells(dir: &Path) -> Result<DirStatus> {
         complete,
         cells: out,
     })
+}
+
+/// A complete run's cells as its tables hold them (cells.parquet: finished or failed, the
+/// error; metrics.parquet: the last evaluation; timings.parquet: the cell's times), by cell id;
+/// None when cells.parquet cannot be read (the cells then say "in the tables").
+fn from_tables(dir: &Path) -> Option<std::collections::BTreeMap<String, CellStatus>> {
+    let mut out: std::collections::BTreeMap<String, CellStatus> = crate::results::read_cells(dir)
+        .ok()?
+        .into_iter()
+        .map(|(k, c)| {
+            let ok = c.status == "ok";
+            let st = CellStatus {
+                cell_id: k.cell_id.clone(),
+                config: k.label,
+                seed: k.seed,
+                state: if ok { "finished" } else { "failed" },
+                error: c.err,
+                step: None,
+                eval_loss: None,
+                eval_accuracy: None,
+                wall_s: None,
+                estimator_s: None,
+            };
+            (k.cell_id, st)
+        })
+        .collect();
+    for (k, m) in crate::results::read_metrics(dir).unwrap_or_default() {
+        if let Some(st) = out.get_mut(&k.cell_id).filter(|st| st.step.is_none_or(|s| s <= m.step)) {
+            (st.step, st.eval_loss, st.eval_accuracy) = (Some(m.step), Some(m.eval_loss), Some(m.eval_accuracy));
+        }
+    }
+    for (k, t) in crate::results::read_timings(dir).unwrap_or_default() {
+        if let Some(st) = out.get_mut(&k.cell_id) {
+            (st.wall_s, st.estimator_s) = (Some(t.wall_s), Some(t.estimator_s));
+        }
+    }
+    Some(out)
 }
 
 /// The directory's cells: plan.json's, or — for a directory made before plan.json existed —

@@ -11,7 +11,9 @@ use crate::rows::{
 };
 use crate::world::World;
 use anyhow::{anyhow, Context, Result};
-use arrow_array::{Array, ArrayRef, BooleanArray, Float64Array, RecordBatch, StringArray, UInt32Array, UInt64Array};
+use arrow_array::{
+    Array, ArrayRef, BooleanArray, Float64Array, Int64Array, RecordBatch, StringArray, UInt32Array, UInt64Array,
+};
 use arrow_schema::{DataType, Field, Schema};
 use parquet::arrow::arrow_reader::ParquetRecordBatchReaderBuilder;
 use parquet::arrow::ArrowWriter;
@@ -80,6 +82,16 @@ impl Table {
     fn opt_f64(mut self, name: &str, v: impl IntoIterator<Item = Option<f64>>) -> Self {
         self.fields.push(Field::new(name, DataType::Float64, true));
         self.cols.push(Arc::new(Float64Array::from(v.into_iter().collect::<Vec<_>>())));
+        self
+    }
+    fn opt_i64(mut self, name: &str, v: impl IntoIterator<Item = Option<i64>>) -> Self {
+        self.fields.push(Field::new(name, DataType::Int64, true));
+        self.cols.push(Arc::new(Int64Array::from(v.into_iter().collect::<Vec<_>>())));
+        self
+    }
+    fn opt_bool(mut self, name: &str, v: impl IntoIterator<Item = Option<bool>>) -> Self {
+        self.fields.push(Field::new(name, DataType::Boolean, true));
+        self.cols.push(Arc::new(BooleanArray::from(v.into_iter().collect::<Vec<_>>())));
         self
     }
     fn bool(mut self, name: &str, v: impl IntoIterator<Item = bool>) -> Self {
@@ -180,13 +192,57 @@ fn arm_cols<X>(t: Table, rows: &[X], config: impl Fn(&X) -> &ConfigPlan) -> Tabl
         .str("adapter", rows.iter().map(|x| adapter_life(config(x))))
 }
 
+/// A hyper-parameter as JSON, typed as the spec's TOML: numbers as numbers, words ("auto",
+/// "none", a schedule) as strings, booleans as booleans.
+fn hparam_json(v: &toml::Value) -> serde_json::Value {
+    match v {
+        toml::Value::Integer(i) => serde_json::Value::from(*i),
+        toml::Value::Float(f) => serde_json::Number::from_f64(*f).map_or(serde_json::Value::Null, serde_json::Value::Number),
+        toml::Value::Boolean(b) => serde_json::Value::Bool(*b),
+        toml::Value::String(s) => serde_json::Value::String(s.clone()),
+        other => serde_json::Value::String(crate::spec::estimator::show(other)),
+    }
+}
+
+/// cells.parquet's `hparams`: every hyper-parameter of the cell's estimator as one JSON object
+/// with typed values (`{"lr":0.1,"clip":"none"}`): the whole config in one cell, for the record.
 fn hparams_json(c: &ConfigPlan) -> String {
-    let m: serde_json::Map<String, serde_json::Value> = c
-        .hparams
-        .iter()
-        .map(|(k, v)| (k.to_string(), serde_json::Value::String(crate::spec::estimator::show(v))))
-        .collect();
+    let m: serde_json::Map<String, serde_json::Value> =
+        c.hparams.iter().map(|(k, v)| (k.to_string(), hparam_json(v))).collect();
     serde_json::Value::Object(m).to_string()
+}
+
+/// cells.parquet's `hp.<key>` columns, one per hyper-parameter of any config of the run (in
+/// order of first appearance), null for a config of a kind without it: what a pandas or polars
+/// user groups by (`cells.groupby("hp.lr")`, joined to metrics.parquet on `cell_id`), typed
+/// from the run's values — Int64 where every value is a whole number of an integer key, Float64
+/// where every value is a number, Boolean where every value is one, else (a key whose values
+/// mix numbers and words, as λ = ["auto", 2.0] or clip = ["none", 1.0]) text as labels show it.
+fn hparam_cols(mut t: Table, cells: &[CellOutcome<'_>]) -> Table {
+    let mut keys: Vec<&str> = Vec::new();
+    for c in cells {
+        for (k, _) in &c.config.hparams {
+            if !keys.contains(&k.as_str()) {
+                keys.push(k);
+            }
+        }
+    }
+    for k in keys {
+        let vals: Vec<Option<&toml::Value>> =
+            cells.iter().map(|c| c.config.hparams.iter().find(|(kk, _)| kk == k).map(|(_, v)| v)).collect();
+        let present = || vals.iter().flatten();
+        let name = format!("hp.{k}");
+        t = if present().all(|v| v.is_integer()) {
+            t.opt_i64(&name, vals.iter().map(|v| v.and_then(|v| v.as_integer())))
+        } else if present().all(|v| v.is_integer() || v.is_float()) {
+            t.opt_f64(&name, vals.iter().map(|v| v.and_then(|v| v.as_float().or(v.as_integer().map(|i| i as f64)))))
+        } else if present().all(|v| v.is_bool()) {
+            t.opt_bool(&name, vals.iter().map(|v| v.and_then(|v| v.as_bool())))
+        } else {
+            t.opt_str(&name, vals.iter().map(|v| v.map(crate::spec::estimator::show)))
+        };
+    }
+    t
 }
 
 /// Writes the tables of a finished run; returns the schema of every table.
@@ -237,8 +293,9 @@ impl Tables<'_> {
     }
 }
 
-/// cells.parquet: one row per cell — its config, seed, curvature source, status, stream hash
-/// and, with a learning policy, the deployed arm.
+/// cells.parquet: one row per cell — its config, seed, hyper-parameters (JSON), curvature
+/// source, status, stream hash, with a learning policy the deployed arm, then one typed
+/// `hp.<key>` column per hyper-parameter ([`hparam_cols`]).
 fn cells_table(world: &World, cells: &[CellOutcome<'_>]) -> Table {
     let status: Vec<CellStatus> = cells
         .iter()
@@ -263,11 +320,9 @@ fn cells_table(world: &World, cells: &[CellOutcome<'_>]) -> Table {
             cells.iter().map(|c| c.result.as_ref().ok().map(|r| format!("{:016x}", r.stream_hash))),
         );
     // runs with a learning policy: the deployed policy of each cell
-    if world.online.is_some() {
-        arm_cols(t, cells, |c| c.config)
-    } else {
-        t
-    }
+    let t = if world.online.is_some() { arm_cols(t, cells, |c| c.config) } else { t };
+    // last: the typed hyper-parameters, whose columns depend on the run's estimators
+    hparam_cols(t, cells)
 }
 
 /// metrics.parquet: one row per cell × evaluation point (a chunked deployment's columns after).

@@ -231,7 +231,11 @@ pub fn cell_error(e: &anyhow::Error) -> String {
 /// Parses and validates a spec (errors are [`spec::SpecError`]); reads nothing else.
 pub fn load_plan(path: &Path, overrides: &[String]) -> Result<Plan, spec::SpecError> {
     let (s, text) = spec::load(path, overrides)?;
-    plan::build(s, path, &text, overrides)
+    let plan = plan::build(s, path, &text, overrides)?;
+    for w in &plan.warnings {
+        eprintln!("onepass: warning: {w}");
+    }
+    Ok(plan)
 }
 
 /// What `--dry-run` says after the spec and the cells, as `#` lines: what each config resolves
@@ -336,8 +340,8 @@ fn open_run_dir(
     let Some(dir) = &opts.resume else {
         // a slice's directory says which slice it is
         let name = match opts.slice {
-            Some(sl) => format!("{}-cells-{}-of-{}", plan.name, sl.index, sl.count),
-            None => plan.name.clone(),
+            Some(sl) => format!("{}-cells-{}-of-{}", plan.dir_name(), sl.index, sl.count),
+            None => plan.dir_name(),
         };
         let dir = results::make_run_dir(&opts.out, &name)?;
         let lock = io::lock_dir(&dir)?;
@@ -762,10 +766,11 @@ fn run_cells<'p>(
     let slice_note =
         opts.slice.map_or(String::new(), |s| format!(", slice {}/{}: {} of them", s.index, s.count, mine.len()));
     eprintln!(
-        "onepass: {} cells ({} configs × {} seeds{slice_note}) → {}{}",
+        "onepass: {} cells ({} configs × {} seed{}{slice_note}) → {}{}",
         plan.cells.len(),
         plan.configs.len(),
         plan.spec.seeds,
+        if plan.spec.seeds == 1 { "" } else { "s" },
         dir.display(),
         if opts.resume.is_some() { " (resumed)" } else { "" }
     );
@@ -1025,7 +1030,11 @@ fn finals<'a>(outcomes: &'a [results::CellOutcome<'_>], c: &ConfigPlan, width: u
 /// Final metrics per config, mean over seeds.
 fn print_summary(plan: &Plan, world: &World, outcomes: &[results::CellOutcome<'_>]) {
     if world.generated.is_some() && world.spec.setting == spec::Setting::Deploy {
-        return print_deploy_summary(plan, outcomes);
+        print_deploy_summary(plan, outcomes, world.online.is_none());
+        if world.online.is_some() {
+            eprint!("{}", policy_summary(outcomes));
+        }
+        return;
     }
     eprintln!("{:<44} {:>8} {:>10} {:>10} {:>12}", "config", "eval_acc", "theta_err", "subopt", "regret");
     for c in &plan.configs {
@@ -1050,12 +1059,33 @@ fn print_summary(plan: &Plan, world: &World, outcomes: &[results::CellOutcome<'_
     }
 }
 
-/// Chunked deployment: cumulative metrics at the last chunk (mean over seeds) and win rates.
-fn print_deploy_summary(plan: &Plan, outcomes: &[results::CellOutcome<'_>]) {
+/// A run with a learning policy: the held-out policy reward per arm, chunk 0 → the last
+/// evaluation, over seeds with its t-interval ([`crate::report::policy_console`]).
+fn policy_summary(outcomes: &[results::CellOutcome<'_>]) -> String {
+    let rows: Vec<crate::report::Row> = outcomes
+        .iter()
+        .filter_map(|o| o.result.as_ref().ok().map(|r| (o, r)))
+        .flat_map(|(o, r)| {
+            r.policy.iter().map(move |p| crate::report::Row {
+                label: o.config.label.clone(),
+                seed: o.seed,
+                samples: p.chunk,
+                values: [("policy_reward", p.policy_reward)].into(),
+            })
+        })
+        .collect();
+    crate::report::policy_console(&rows)
+}
+
+/// Chunked deployment: cumulative metrics at the last chunk (mean over seeds) and win rates;
+/// `chunk_policy`: the mean over chunks of the oracle reward of the chunk's samples (a run
+/// with a learning policy prints the held-out policy reward instead).
+fn print_deploy_summary(plan: &Plan, outcomes: &[results::CellOutcome<'_>], chunk_policy: bool) {
     let wins = results::win_rates(plan, outcomes);
+    let policy_head = if chunk_policy { format!(" {:>8}", "policy") } else { String::new() };
     eprintln!(
-        "{:<34} {:>9} {:>9} {:>9} {:>8} {:>8} {:>7} {:>7}",
-        "config", "cum_pair", "mean_rew", "regret", "policy", "tau", "win/ch", "win/pr"
+        "{:<34} {:>9} {:>9} {:>9}{policy_head} {:>8} {:>7} {:>7}",
+        "config", "cum_pair", "mean_rew", "regret", "tau", "win/ch", "win/pr"
     );
     for c in &plan.configs {
         let Some(finals) = finals(outcomes, c, 34) else { continue };
@@ -1072,13 +1102,13 @@ fn print_deploy_summary(plan: &Plan, outcomes: &[results::CellOutcome<'_>]) {
             all.iter().filter_map(|r| f(r)).sum::<f64>() / all.len().max(1) as f64
         };
         let w = &wins[c.config_id];
+        let policy = if chunk_policy { format!(" {:>8.4}", avg(&|r| r.policy_reward)) } else { String::new() };
         eprintln!(
-            "{:<34} {:>9.3} {:>9.4} {:>9.2} {:>8.4} {:>8.3} {:>7.3} {:>7.3}",
+            "{:<34} {:>9.3} {:>9.4} {:>9.2}{policy} {:>8.3} {:>7.3} {:>7.3}",
             c.label,
             mean(&|r| r.cum_pair_reward),
             mean(&|r| r.mean_reward),
             mean(&|r| r.regret),
-            avg(&|r| r.policy_reward),
             avg(&|r| r.kendall_tau),
             w.chunk_wins / w.chunks.max(1) as f64,
             w.prompt_wins / w.prompts.max(1) as f64

@@ -309,13 +309,27 @@ fn report_and_compare_read_a_run() {
     let rep = onepass(tmp.path(), &["report", dir.to_str().unwrap()]);
     assert_eq!(rep.code, 0, "{}", rep.stderr);
     let md = std::fs::read_to_string(dir.join("report/report.md")).unwrap();
-    for label in ["omd-exact", "sgd lr=0.1", "sgd lr=0.5", "mle"] {
+    for label in ["omd-exact", "sgd lr=0.1", "sgd lr=0.5", "mle refit_every=10"] {
         assert!(md.contains(&format!("| {label} | 2 |")), "{label} row in:\n{md}");
     }
     assert!(md.contains("subopt_pessimistic"));
     assert!(md.contains("A tiny run: plumbing only."), "{md}");
     assert!(md.contains("| sgd lr=0.5 | ") && md.contains("authors' κ"), "{md}");
-    // the learned head of omd-exact, seed 0 (cell c0000) as score.weight [1, d] f32
+    // θ over a synthetic bandit's features is the head of no model: no heads
+    assert!(!md.contains("Reward heads") && !dir.join("report/heads").exists(), "{md}");
+    // on a features file: the learned head of omd-exact, seed 0 (cell c0000) as score.weight
+    // [1, d] f32
+    let synthetic = dir.clone();
+    write_pairs(&tmp.path().join("pairs.parquet"), 400, 6, true);
+    let head = FEATURES.split("[[estimator]]").next().unwrap();
+    let text = format!("{head}[[estimator]]\nkind = \"omd-exact\"\n[[estimator]]\nkind = \"sgd\"\nlr = [0.1, 0.5]\n");
+    let spec = write(tmp.path(), "features.toml", &text);
+    let r = onepass(tmp.path(), &["run", spec.to_str().unwrap(), "--out", "out"]);
+    assert_eq!(r.code, 0, "{}", r.stderr);
+    let dir = tmp.path().join(run_dir(&r.stdout));
+    let rep = onepass(tmp.path(), &["report", dir.to_str().unwrap()]);
+    assert_eq!(rep.code, 0, "{}", rep.stderr);
+    assert!(std::fs::read_to_string(dir.join("report/report.md")).unwrap().contains("## Reward heads"));
     let bytes = std::fs::read(dir.join("report/heads/omd-exact.safetensors")).unwrap();
     let st = safetensors::SafeTensors::deserialize(&bytes).unwrap();
     let w = st.tensor("score.weight").unwrap();
@@ -334,6 +348,7 @@ fn report_and_compare_read_a_run() {
         assert_eq!(again.code, 0, "{}", again.stderr);
         assert_eq!(std::fs::read(dir.join("report/heads/omd-exact.safetensors")).unwrap(), bytes);
     }
+    let dir = synthetic;
     if Path::new("/usr/share/fonts/truetype/dejavu/DejaVuSans.ttf").exists() {
         for f in ["eval_accuracy.png", "theta_err.svg", "cost.png"] {
             assert!(dir.join("report").join(f).metadata().unwrap().len() > 1000, "{f}");
@@ -892,8 +907,9 @@ fn lambda_auto_follows_the_scale_of_the_data() {
         let dir = tmp.path().join(r.dir());
         let m = util::table(&dir.join("metrics.parquet"));
         let (labels, loss, err) = (util::strs(&m, "label"), util::f64s(&m, "eval_loss"), util::f64s(&m, "theta_err"));
+        // by kind: omd-exact's label shows λ when it is not the default 1
         let last = |l: &str| {
-            let i = labels.iter().rposition(|x| x == l).unwrap();
+            let i = labels.iter().rposition(|x| x.split(' ').next() == Some(l)).unwrap();
             (loss[i], err[i])
         };
         let meta: serde_json::Value =
@@ -908,7 +924,8 @@ fn lambda_auto_follows_the_scale_of_the_data() {
     assert!(stderr1.contains("warning: median ‖z‖² / λ ="), "{stderr1}");
     assert!(loss1 > 2.0 && err1 > 1.0, "λ = 1 should overshoot here: loss {loss1}, θ-error {err1}");
     let ((loss, err), (mle_loss, mle_err), scale, _) = run("auto");
-    let omd = scale["lambdas"].as_array().unwrap().iter().find(|l| l["config"] == "omd-exact").unwrap().clone();
+    let omd =
+        scale["lambdas"].as_array().unwrap().iter().find(|l| l["config"] == "omd-exact lambda=auto").unwrap().clone();
     assert_eq!(omd["auto"], true);
     assert_eq!(omd["lambda"].as_f64(), Some(median), "auto = the median ‖z‖²");
     assert!(
@@ -975,7 +992,7 @@ fn every_setting_draws_readable_figures() {
     .unwrap();
     // a panel title per estimator, the strategies once each in the legend
     let texts: Vec<&str> = svg.lines().map(str::trim).collect();
-    assert!(texts.contains(&"omd-exact") && texts.contains(&"mle"), "panel captions");
+    assert!(texts.contains(&"omd-exact") && texts.contains(&"mle refit_every=100"), "panel captions");
     assert_eq!(texts.iter().filter(|t| **t == "best-two").count(), 1, "one legend entry per strategy");
 }
 
@@ -1020,7 +1037,7 @@ fn dry_run_names_what_it_resolves_and_what_waits_for_the_data() {
     let line = r
         .stdout
         .lines()
-        .find(|l| l.starts_with("# resolved: omd-exact / ucb"))
+        .find(|l| l.starts_with("# resolved: omd-exact lambda=auto / ucb"))
         .unwrap_or_else(|| panic!("{}", r.stdout));
     let num = |after: &str| -> f64 {
         let rest = &line[line.find(after).unwrap_or_else(|| panic!("{after}: {line}")) + after.len()..];
@@ -1038,5 +1055,5 @@ fn dry_run_names_what_it_resolves_and_what_waits_for_the_data() {
     let r = onepass(tmp.path(), &["run", spec.to_str().unwrap(), "--dry-run"]);
     assert_eq!(r.code, 0, "{}", r.stderr);
     assert!(r.stdout.contains("# waits for the data: env.dim"), "{}", r.stdout);
-    assert!(r.stdout.contains("# waits for the data: omd-exact: λ"), "{}", r.stdout);
+    assert!(r.stdout.contains("# waits for the data: omd-exact lambda=auto: λ"), "{}", r.stdout);
 }

@@ -39,9 +39,14 @@ pub struct ConfigPlan {
     pub arm: Option<ArmPlan>,
     /// Index of the expanded estimator config (shared by the strategies of a deploy run).
     pub estimator_index: usize,
+    /// Index of the `[[estimator]]` table it was expanded from.
+    pub table: usize,
     /// Index of the strategy in `deploy.strategies` or of the rule in `active.rule` (else 0).
     pub strategy_index: usize,
-    /// e.g. `sgd lr=0.1` or `omd-exact / ucb`.
+    /// The estimator's part of the label ([`estimator_label`]): `name`, or the kind with the
+    /// hyper-parameters that differ from its defaults or that the table sweeps.
+    pub estimator_label: String,
+    /// The estimator's part, then the arm's: e.g. `sgd lr=0.1` or `omd-exact / ucb`.
     pub label: String,
     /// Passive: β of the pessimistic policy, "theory" resolved from d and T — None until the
     /// config is resolved for its cells ([`ConfigPlan::for_cells`]).
@@ -302,6 +307,9 @@ pub struct Plan {
     pub policy: Option<PolicySpec>,
     pub configs: Vec<ConfigPlan>,
     pub cells: Vec<CellPlan>,
+    /// What the plan ignored, a line each (`load_plan` prints them): `[policy]` tables of arms
+    /// that deploy.policy does not deploy.
+    pub warnings: Vec<String>,
 }
 
 /// Builds errors that name the spec file, the dotted key and its line.
@@ -358,6 +366,18 @@ impl Plan {
         Locator { file: &self.file, text: &self.text, overrides: &self.overrides }
     }
 
+    /// The run directory's name before its time stamp: the setting, then the spec's `name` (or
+    /// file stem) — `deploy-synthetic`, so that the passive, active and deploy runs of one data
+    /// set are told apart — unless the name already begins with the setting and a `-`.
+    pub fn dir_name(&self) -> String {
+        let setting = self.spec.setting.as_str();
+        if self.name.strip_prefix(setting).is_some_and(|rest| rest.starts_with('-')) {
+            self.name.clone()
+        } else {
+            format!("{setting}-{}", self.name)
+        }
+    }
+
     /// `spec` (the plan's, or the world's with what the data told) with every default filled and
     /// every sweep expanded: one `[[estimator]]` per config.
     pub fn resolved(&self, spec: &Spec) -> Spec {
@@ -387,6 +407,12 @@ impl Plan {
                     }
                 }
                 t.extend(c.hparams.iter().cloned());
+                // the label this table alone would give differs (a swept default, "theory",
+                // a `name`): the resolved spec names it, so that it runs to the same labels
+                let own = estimator::read(&t).map(|(init, es)| estimator_label(None, &es, false, init, &[]));
+                if own.as_deref().ok() != Some(c.estimator_label.as_str()) {
+                    t.insert("name".into(), c.estimator_label.clone().into());
+                }
                 t
             })
             .collect();
@@ -456,12 +482,13 @@ pub fn build(spec: Spec, file: &Path, text: &str, overrides: &[String]) -> Resul
     check_env_kind(&spec, keys)?;
     check_ranges(&spec, keys)?;
     check_setting(&spec, keys)?;
-    let policy = check_policy(&spec, keys)?;
+    let mut warnings = Vec::new();
+    let policy = check_policy(&spec, keys, &mut warnings)?;
     let arms = arms(&spec, keys)?;
-    let mut configs = configs(&spec, keys, &arms)?;
+    let configs = configs(&spec, keys, &arms)?;
     check_reward(&spec, keys, &configs)?;
     check_backend(&spec, keys, &configs)?;
-    disambiguate_labels(&mut configs);
+    check_labels(&configs, keys)?;
     if spec.curvature.source == CurvatureSource::Estimator {
         if let Some(c) = configs.iter().find(|c| !c.kind.keeps_curvature()) {
             return Err(keys.err(
@@ -488,6 +515,7 @@ pub fn build(spec: Spec, file: &Path, text: &str, overrides: &[String]) -> Resul
         policy,
         configs,
         cells,
+        warnings,
     })
 }
 
@@ -780,7 +808,7 @@ fn check_reward(spec: &Spec, keys: Locator<'_>, configs: &[ConfigPlan]) -> Resul
     }
     use estimators::Kind as K;
     if let Some(c) = configs.iter().find(|c| matches!(c.kind, K::OmdExact | K::Mle | K::SgdReplay)) {
-        let i = c.estimator_index;
+        let i = c.table;
         return Err(keys.err(
             &["estimator", &i.to_string(), "kind"],
             format!("{}: with [reward] update = \"{}\" the estimator updates every parameter one batch at a time; its state would grow with t or be d×d: use sgd, adam, adam-reference, omd-hvp-cg, omd-hvp-cg+adam or omd-reference", c.kind, r.update),
@@ -844,14 +872,48 @@ fn check_active(spec: &Spec, keys: Locator<'_>) -> Result<(), SpecError> {
 /// `[policy]` and the learning arms of `deploy.policy`: both or neither; they need deployment
 /// on generated responses and an oracle over the learner's φ. Returns the table with its
 /// defaults when an arm learns (what the resolved spec shows), None when none does.
-fn check_policy(spec: &Spec, keys: Locator<'_>) -> Result<Option<PolicySpec>, SpecError> {
+/// `[policy]` resolved with its defaults when an arm learns. Tables of arms the spec does not
+/// deploy (`[policy]` with no learning arm, `[policy.rloo]` without rloo, `[policy.dpo]` without
+/// dpo, `[policy.ppo]` without ppo) are ignored with one warning naming them, so that
+/// `--set 'deploy.policy=["best-of-n"]'` subsets a preset's arms; `[policy]` where no arm could
+/// ever learn (a setting other than deploy, an env other than generated) is refused.
+fn check_policy(spec: &Spec, keys: Locator<'_>, warnings: &mut Vec<String>) -> Result<Option<PolicySpec>, SpecError> {
+    use crate::spec::DeployPolicy as P;
     let learns = spec.deploy.policy.0.iter().any(|p| p.learns());
-    if !learns {
-        if spec.policy.is_some() {
-            return Err(
-                keys.err(&["policy"], "applies only when deploy.policy includes \"rloo\", \"dpo\" or \"ppo\"".into())
-            );
+    let generated_deploy = spec.setting == Setting::Deploy && spec.env.kind == EnvKind::Generated;
+    if spec.policy.is_some() && !generated_deploy {
+        return Err(keys.err(
+            &["policy"],
+            "applies only to setting = \"deploy\" with env.kind = \"generated\", where deploy.policy may include \"rloo\", \"dpo\" or \"ppo\"".into(),
+        ));
+    }
+    if spec.policy.is_some() {
+        let has = |a| spec.deploy.policy.0.contains(&a);
+        let mut unused: Vec<&str> = Vec::new();
+        if !learns {
+            unused.push("[policy]");
         }
+        for (table, arm) in [("rloo", P::Rloo), ("dpo", P::Dpo), ("ppo", P::Ppo)] {
+            if keys.written(&["policy", table]) && (!learns || !has(arm)) {
+                unused.push(match table {
+                    "rloo" => "[policy.rloo]",
+                    "dpo" => "[policy.dpo]",
+                    _ => "[policy.ppo]",
+                });
+            }
+        }
+        if !unused.is_empty() {
+            let arms: Vec<String> = spec.deploy.policy.0.iter().map(|p| format!("\"{p}\"")).collect();
+            warnings.push(format!(
+                "{}: {} ignored: deploy.policy = [{}] deploys no arm that reads {}",
+                keys.file.display(),
+                unused.join(", "),
+                arms.join(", "),
+                if unused.len() == 1 { "it" } else { "them" }
+            ));
+        }
+    }
+    if !learns {
         return Ok(None);
     }
     if spec.setting != Setting::Deploy || spec.env.kind != EnvKind::Generated {
@@ -863,8 +925,9 @@ fn check_policy(spec: &Spec, keys: Locator<'_>) -> Result<Option<PolicySpec>, Sp
     let resolved = spec.policy.clone().unwrap_or_default();
     let p = &resolved;
     p.check().map_err(|(k, m)| keys.err(&[&["policy"], k.as_slice()].concat(), m))?;
-    let (rloo, ppo) = (spec.deploy.policy.0.contains(&DeployPolicy::Rloo), spec.deploy.policy.0.contains(&DeployPolicy::Ppo));
+    let (rloo, ppo) = (spec.deploy.policy.0.contains(&P::Rloo), spec.deploy.policy.0.contains(&P::Ppo));
     p.check_arms(rloo, ppo).map_err(|(k, m)| keys.err(&[&["policy"], k.as_slice()].concat(), m))?;
+    warnings.extend(p.warnings(rloo, ppo).into_iter().map(|w| format!("{}: {w}", keys.file.display())));
     if let Some(g) = &spec.generate {
         // the update's log-probabilities are those of the untransformed policy: samples drawn
         // at another temperature or from a nucleus are not its samples
@@ -912,11 +975,6 @@ fn check_policy(spec: &Spec, keys: Locator<'_>) -> Result<Option<PolicySpec>, Sp
                 &["policy", "dpo", "parameters"],
                 "\"full\" trains every weight: there is no LoRA adapter to save; expected policy.save_adapter = \"none\" (or parameters = \"lora\")".into(),
             ));
-        }
-        if p.dpo.warm_start.is_some() && !has(crate::spec::DeployPolicy::Dpo) {
-            return Err(
-                keys.err(&["policy", "dpo", "warm_start"], "applies only when deploy.policy includes \"dpo\"".into())
-            );
         }
         // rollouts from the chunk's samples are the first k of its n
         let samples = p.rollouts == crate::spec::policy::RolloutSource::Samples;
@@ -997,8 +1055,13 @@ fn configs(spec: &Spec, keys: Locator<'_>, arms: &[Arm]) -> Result<Vec<ConfigPla
     }
     let several_rules = spec.setting == Setting::Active && spec.active.rule.0.len() > 1;
     let several_policies = spec.deploy.policy.0.len() > 1;
-    let several_sources = spec.policy.as_ref().is_some_and(|p| p.rloo.reward.0.len() > 1 || p.ppo.reward.0.len() > 1);
-    let several_lives = spec.policy.as_ref().is_some_and(|p| p.adapter.0.len() > 1);
+    // of the arms deployed: a table of an arm not deployed is ignored (check_policy)
+    let has = |a| spec.deploy.policy.0.contains(&a);
+    let several_sources = spec.policy.as_ref().is_some_and(|p| {
+        (has(DeployPolicy::Rloo) && p.rloo.reward.0.len() > 1) || (has(DeployPolicy::Ppo) && p.ppo.reward.0.len() > 1)
+    });
+    let learns = spec.deploy.policy.0.iter().any(|p| p.learns());
+    let several_lives = learns && spec.policy.as_ref().is_some_and(|p| p.adapter.0.len() > 1);
     let bounds = Bounds {
         theta_norm_feature_norm_dim: (spec.env.kind == EnvKind::Synthetic).then_some((
             spec.env.theta_norm,
@@ -1011,8 +1074,15 @@ fn configs(spec: &Spec, keys: Locator<'_>, arms: &[Arm]) -> Result<Vec<ConfigPla
     for (ei, raw) in spec.estimators.iter().enumerate() {
         let eis = ei.to_string();
         let at = |k: &str, m: String| keys.err(&["estimator", eis.as_str(), k], m);
-        for combo in estimator::expand(raw).map_err(|(k, m)| at(&k, m))? {
+        for mut combo in estimator::expand(raw).map_err(|(k, m)| at(&k, m))? {
+            let name = match combo.table.remove("name") {
+                None => None,
+                Some(toml::Value::String(n)) if !n.trim().is_empty() && !n.contains(" / ") => Some(n),
+                Some(v) => return Err(at("name", format!("{v}: expected a non-empty string without \" / \" (it labels the config)"))),
+            };
             let (init, mut es) = estimator::read(&combo.table).map_err(|(k, m)| at(&k, m))?;
+            let theory = combo.table.get("theory").and_then(|v| v.as_bool()) == Some(true);
+            let estimator_label = estimator_label(name.as_deref(), &es, theory, init, &combo.swept);
             let cfg = es.resolve(bounds).map_err(|(k, m)| at(&k, m))?;
             let setup = Setup { dim: spec.env.dim, init, seed: 0, planned_steps: Some(planned_steps) };
             cfg.validate(&setup).map_err(|e| match &e {
@@ -1021,15 +1091,9 @@ fn configs(spec: &Spec, keys: Locator<'_>, arms: &[Arm]) -> Result<Vec<ConfigPla
             })?;
             let hparams = es.hparams();
             let lambda_auto = es.lambda_auto();
-            let show = |k: &String| hparams.iter().find(|(kk, _)| kk == k).map(|(_, v)| estimator::show(v));
-            let sweep_label: Vec<String> =
-                combo.swept.iter().map(|k| format!("{k}={}", show(k).unwrap_or_default())).collect();
             let estimator_index = configs.len() / arms.len();
             for (strategy_index, (strategy, rule, policy)) in arms.iter().enumerate() {
-                let mut label = cfg.kind().to_string();
-                if !sweep_label.is_empty() {
-                    label = format!("{label} {}", sweep_label.join(" "));
-                }
+                let mut label = estimator_label.clone();
                 if let Some(s) = strategy {
                     label = format!("{label} / {s}");
                 }
@@ -1057,7 +1121,9 @@ fn configs(spec: &Spec, keys: Locator<'_>, arms: &[Arm]) -> Result<Vec<ConfigPla
                     rule: *rule,
                     arm: policy.clone(),
                     estimator_index,
+                    table: ei,
                     strategy_index,
+                    estimator_label: estimator_label.clone(),
                     label,
                     pessimism_beta: None,
                 });
@@ -1067,33 +1133,58 @@ fn configs(spec: &Spec, keys: Locator<'_>, arms: &[Arm]) -> Result<Vec<ConfigPla
     Ok(configs)
 }
 
-/// Two `[[estimator]]` entries of one kind (e.g. sgd with and without clipping) would share a
-/// label: append the hyper-parameters whose values differ within each such group, or the entry's
-/// index when none does.
-fn disambiguate_labels(configs: &mut [ConfigPlan]) {
-    let mut groups: std::collections::BTreeMap<String, Vec<usize>> = std::collections::BTreeMap::new();
-    for (i, c) in configs.iter().enumerate() {
-        groups.entry(c.label.clone()).or_default().push(i);
-    }
-    for (_, members) in groups.into_iter().filter(|(_, m)| m.len() > 1) {
-        let first: Vec<String> = configs[members[0]].hparams.iter().map(|(k, _)| k.clone()).collect();
-        let differing: Vec<String> = first
-            .into_iter()
-            .filter(|k| members.iter().any(|&i| configs[i].hparam(k) != configs[members[0]].hparam(k)))
-            .collect();
-        for &i in &members {
-            let extra: Vec<String> = if differing.is_empty() {
-                vec![format!("#{}", configs[i].estimator_index)]
-            } else {
-                differing.iter().filter_map(|k| configs[i].hparam(k).map(|v| format!("{k}={v}"))).collect()
-            };
-            let c = &mut configs[i];
-            c.label = match c.label.split_once(" / ") {
-                Some((head, strategy)) => format!("{head} {} / {strategy}", extra.join(" ")),
-                None => format!("{} {}", c.label, extra.join(" ")),
-            };
+/// The estimator's part of a config's label, from its own `[[estimator]]` table alone (another
+/// table of the spec never changes it): `name` when the table gives one, else the kind; then
+/// each hyper-parameter, in the kind's order, whose value differs from the kind's default or
+/// that the table sweeps (`key=value`: `sgd lr=0.1`, `omd-exact lambda=100`; a table of
+/// defaults is its kind alone: `omd-exact`); then, without a `name`, `theory` under
+/// `theory = true` and `init=normal` (with `init_std`) for a drawn θ_1. A `name` keeps the swept
+/// keys (`fast lr=0.1`, `fast lr=0.5`). The arm's parts follow (`label`). Two configs of one
+/// label are refused ([`check_labels`]).
+pub fn estimator_label(name: Option<&str>, es: &estimator::EstimatorSpec, theory: bool, init: Init, swept: &[String]) -> String {
+    let kind = toml::Value::try_from(es).ok().and_then(|v| v.get("kind").and_then(|k| k.as_str()).map(String::from));
+    let kind = kind.unwrap_or_default();
+    let mut only_kind = toml::Table::new();
+    only_kind.insert("kind".into(), toml::Value::String(kind.clone()));
+    let defaults = estimator::read(&only_kind).map(|(_, d)| d.hparams()).unwrap_or_default();
+    let default_of = |k: &str| defaults.iter().find(|(d, _)| d == k).map(|(_, v)| v);
+    let mut parts = vec![name.map_or(kind, String::from)];
+    for (k, v) in es.hparams() {
+        if swept.contains(&k) || (name.is_none() && default_of(&k) != Some(&v)) {
+            parts.push(format!("{k}={}", estimator::show(&v)));
         }
     }
+    if name.is_none() {
+        if theory {
+            parts.push("theory".into());
+        }
+        if let Init::Normal { std } = init {
+            parts.push("init=normal".into());
+            if let Some(s) = std {
+                parts.push(format!("init_std={s}"));
+            }
+        }
+    }
+    parts.join(" ")
+}
+
+/// Refuses two configs of one label (their rows would be one curve, their heads one file), in
+/// one line naming both tables.
+fn check_labels(configs: &[ConfigPlan], keys: Locator<'_>) -> Result<(), SpecError> {
+    let mut seen: std::collections::BTreeMap<&str, usize> = std::collections::BTreeMap::new();
+    for c in configs {
+        if let Some(&first) = seen.get(c.label.as_str()) {
+            let (a, b) = (first, c.table);
+            let why = if a == b {
+                format!("gives the label `{}` twice (a swept key repeats a value)", c.label)
+            } else {
+                format!("has the label `{}` of estimator[{a}] too: give one of them a `name = \"…\"`", c.label)
+            };
+            return Err(keys.err(&["estimator", &b.to_string()], why));
+        }
+        seen.insert(&c.label, c.table);
+    }
+    Ok(())
 }
 
 #[cfg(test)]

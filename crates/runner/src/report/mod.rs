@@ -89,13 +89,145 @@ fn first_last(rows: &[Row]) -> BTreeMap<String, BTreeMap<u32, (f64, f64)>> {
         .collect()
 }
 
+/// ln Γ(x) for x > 0 (Lanczos, g = 7, 9 terms: ~15 digits).
+fn ln_gamma(x: f64) -> f64 {
+    const C: [f64; 9] = [
+        0.999_999_999_999_809_9,
+        676.520_368_121_885_1,
+        -1_259.139_216_722_402_8,
+        771.323_428_777_653_1,
+        -176.615_029_162_140_6,
+        12.507_343_278_686_905,
+        -0.138_571_095_265_720_12,
+        9.984_369_578_019_572e-6,
+        1.505_632_735_149_311_6e-7,
+    ];
+    if x < 0.5 {
+        // reflection
+        let pi = std::f64::consts::PI;
+        return (pi / (pi * x).sin()).ln() - ln_gamma(1.0 - x);
+    }
+    let x = x - 1.0;
+    let t = x + 7.5;
+    let a = C[0] + C[1..].iter().enumerate().map(|(i, c)| c / (x + i as f64 + 1.0)).sum::<f64>();
+    0.5 * (2.0 * std::f64::consts::PI).ln() + (x + 0.5) * t.ln() - t + a.ln()
+}
+
+/// The regularised incomplete beta function I_x(a, b) (continued fraction, Lentz).
+fn incomplete_beta(x: f64, a: f64, b: f64) -> f64 {
+    if x <= 0.0 {
+        return 0.0;
+    }
+    if x >= 1.0 {
+        return 1.0;
+    }
+    if x > (a + 1.0) / (a + b + 2.0) {
+        return 1.0 - incomplete_beta(1.0 - x, b, a);
+    }
+    let front = (ln_gamma(a + b) - ln_gamma(a) - ln_gamma(b) + a * x.ln() + b * (1.0 - x).ln()).exp() / a;
+    let tiny = 1e-300;
+    let (mut c, mut d) = (1.0, 1.0 - (a + b) * x / (a + 1.0));
+    d = 1.0 / if d.abs() < tiny { tiny } else { d };
+    let mut f = d;
+    for m in 1..300 {
+        let m = m as f64;
+        for num in [
+            m * (b - m) * x / ((a + 2.0 * m - 1.0) * (a + 2.0 * m)),
+            -(a + m) * (a + b + m) * x / ((a + 2.0 * m) * (a + 2.0 * m + 1.0)),
+        ] {
+            d = 1.0 + num * d;
+            d = 1.0 / if d.abs() < tiny { tiny } else { d };
+            c = 1.0 + num / c;
+            c = if c.abs() < tiny { tiny } else { c };
+            f *= c * d;
+        }
+        if (c * d - 1.0).abs() < 1e-15 {
+            break;
+        }
+    }
+    front * f
+}
+
+/// Student's t quantile: the t with P(T ≤ t) = p for T ~ t(df), by bisection on the CDF
+/// (P(|T| > t) = I_{df/(df+t²)}(df/2, 1/2)).
+pub fn t_quantile(p: f64, df: f64) -> f64 {
+    assert!(p > 0.0 && p < 1.0 && df > 0.0, "t_quantile({p}, {df})");
+    let cdf = |t: f64| {
+        let tail = 0.5 * incomplete_beta(df / (df + t * t), df / 2.0, 0.5);
+        if t >= 0.0 {
+            1.0 - tail
+        } else {
+            tail
+        }
+    };
+    let (mut lo, mut hi) = (-1e6, 1e6);
+    for _ in 0..200 {
+        let mid = 0.5 * (lo + hi);
+        if cdf(mid) < p {
+            lo = mid;
+        } else {
+            hi = mid;
+        }
+    }
+    0.5 * (lo + hi)
+}
+
+/// Mean of `v` and the half-width of its 95% t-interval (df = n − 1); None for the half-width
+/// of one value.
+fn mean_t95(v: &[f64]) -> (f64, Option<f64>) {
+    let (m, se) = mean_se(v);
+    let hw = (v.len() > 1).then(|| t_quantile(0.975, (v.len() - 1) as f64) * se);
+    (m, hw)
+}
+
+/// The console's account of a run with a learning policy: per arm the held-out oracle reward of
+/// what it deploys (policy.parquet's `policy_reward`) at chunk 0 (the base policy) and at the
+/// last evaluation, and their paired change, each the mean over seeds with its 95% Student-t
+/// interval (df = seeds − 1); one seed says "1 seed: no interval".
+pub fn policy_console(rows: &[Row]) -> String {
+    let fl = first_last(rows);
+    let last_chunk = rows.iter().map(|r| r.samples).max().unwrap_or(0);
+    let w = fl.keys().map(|l| l.chars().count()).max().unwrap_or(3).max(3);
+    let mut out = format!(
+        "held-out policy reward (mean over seeds ± 95% t-interval, df = seeds − 1), chunk 0 → chunk {last_chunk}\n{:<w$} {:>5}  {:>18}  {:>18}  {:>18}\n",
+        "arm", "seeds", "base (chunk 0)", "last", "last − base"
+    );
+    for (label, seeds) in &fl {
+        let base: Vec<f64> = seeds.values().map(|p| p.0).collect();
+        let last: Vec<f64> = seeds.values().map(|p| p.1).collect();
+        let diff: Vec<f64> = seeds.values().map(|p| p.1 - p.0).collect();
+        let show = |v: &[f64], sign: bool| {
+            let (m, hw) = mean_t95(v);
+            let m = if sign { format!("{m:+.4}") } else { format!("{m:.4}") };
+            hw.map_or(m.clone(), |h| format!("{m} ± {h:.4}"))
+        };
+        let note = if seeds.len() == 1 { "  (1 seed: no interval)" } else { "" };
+        out.push_str(&format!(
+            "{label:<w$} {:>5}  {:>18}  {:>18}  {:>18}{note}\n",
+            seeds.len(),
+            show(&base, false),
+            show(&last, false),
+            show(&diff, true)
+        ));
+    }
+    out
+}
+
 /// The policy on the held-out prompts: per arm the base policy (chunk 0, the same prompts and
 /// sampling streams as every later evaluation of that seed), the last evaluation, their paired
 /// difference; then every pair of arms that share an estimator and strategy, paired by seed at
 /// the last evaluation. ± is the paired standard error over seeds; "detectable" is 2 paired SE,
 /// the smallest difference the evaluation resolves.
 pub fn policy_table(rows: &[Row]) -> String {
-    let show = |(m, se): (f64, f64)| format!("{m:+.3} ± {se:.3}");
+    // one seed: a difference with no interval
+    let show = |(m, se): (f64, f64), n: usize| {
+        if n < 2 {
+            format!("{m:+.3} (1 seed: no interval)")
+        } else {
+            format!("{m:+.3} ± {se:.3}")
+        }
+    };
+    let detectable = |se: f64, n: usize| if n < 2 { "–".to_string() } else { format!("{:.3}", 2.0 * se) };
     let fl = first_last(rows);
     let mut out = String::from(
         "| arm | seeds | base (chunk 0) | last | last − base | detectable | best of n under θ, last | KL, last |\n|---|---|---|---|---|---|---|---|\n",
@@ -111,12 +243,12 @@ pub fn policy_table(rows: &[Row]) -> String {
             m.get(label).and_then(|x| x.values().last()).map_or("—".to_string(), |v| format!("{:.3}", mean_std(v).0))
         };
         out.push_str(&format!(
-            "| {label} | {} | {:.3} | {:.3} | {} | {:.3} | {} | {} |\n",
+            "| {label} | {} | {:.3} | {:.3} | {} | {} | {} | {} |\n",
             seeds.len(),
             mean_std(&base).0,
             mean_std(&last).0,
-            show(mean_se(&diff)),
-            2.0 * se,
+            show(mean_se(&diff), diff.len()),
+            detectable(se, diff.len()),
             at_last(&bon),
             at_last(&kl)
         ));
@@ -138,10 +270,10 @@ pub fn policy_table(rows: &[Row]) -> String {
             }
             let (_, se) = mean_se(&d);
             pairs.push_str(&format!(
-                "| {ga} | {arm_a} − {arm_b} | {} | {} | {:.3} |\n",
+                "| {ga} | {arm_a} − {arm_b} | {} | {} | {} |\n",
                 d.len(),
-                show(mean_se(&d)),
-                2.0 * se
+                show(mean_se(&d), d.len()),
+                detectable(se, d.len())
             ));
         }
     }
@@ -269,7 +401,12 @@ pub fn final_table(runs: &[(String, Vec<Row>)]) -> String {
                     s.push_str(" – |");
                 } else {
                     let (mu, sd) = mean_std(&v);
-                    s.push_str(&format!(" {mu:.4} ± {sd:.4} |"));
+                    // one seed has no spread to show: its value alone
+                    if v.len() == 1 {
+                        s.push_str(&format!(" {mu:.4} |"));
+                    } else {
+                        s.push_str(&format!(" {mu:.4} ± {sd:.4} |"));
+                    }
                 }
             }
             s.push('\n');
@@ -510,7 +647,13 @@ fn time_and_kappa_table(rows: &[Row], times: &BTreeMap<String, Vec<(f64, f64)>>)
             "∞".to_string()
         } else {
             let (m, sd) = mean_std(&finite);
-            if m.abs() < 1e5 {
+            if finite.len() == 1 {
+                if m.abs() < 1e5 {
+                    format!("{m:.3}")
+                } else {
+                    format!("{m:.3e}")
+                }
+            } else if m.abs() < 1e5 {
                 format!("{m:.3} ± {sd:.3}")
             } else {
                 format!("{m:.3e} ± {sd:.3e}")
@@ -542,7 +685,8 @@ fn time_and_kappa_table(rows: &[Row], times: &BTreeMap<String, Vec<(f64, f64)>>)
 
 /// The `data` block of meta.json in words (kind = "dataset" and "features").
 fn data_summary(meta: &serde_json::Value) -> Option<String> {
-    let d = meta.get("data")?;
+    // a synthetic run reads no data: no section
+    let d = meta.get("data").filter(|d| !d.is_null())?;
     let ds = d.get("dataset");
     let g =
         |v: Option<&serde_json::Value>, k: &str| v.and_then(|x| x.get(k)).map(|x| x.to_string()).unwrap_or("–".into());
@@ -771,7 +915,12 @@ fn write_report(run: &Path, out: &Path, rows: &[Row]) -> Result<()> {
     if let Some(d) = spec.as_ref().and_then(|s| s.description.as_ref()) {
         md.push_str(&format!("{}\n\n", d.trim()));
     }
-    md.push_str("Final metrics, mean ± std over seeds.\n\n");
+    let seeds = rows.iter().map(|r| r.seed).collect::<std::collections::BTreeSet<_>>().len();
+    md.push_str(if seeds == 1 {
+        "Final metrics of 1 seed (1 seed: no interval).\n\n"
+    } else {
+        "Final metrics, mean ± std over seeds.\n\n"
+    });
     md.push_str(&final_table(&[(String::new(), rows.to_vec())]));
     if run.join("winrates.parquet").exists() {
         md.push_str("\n## Win rates\n\nPer (seed, chunk), the cell with the highest chunk mean of oracle r(a) + r(a′) wins (ties share the win); per (seed, prompt), the same on the pair each cell chose. Over every estimator × strategy cell of the run, so chance is 1 / configs.\n\n");
@@ -794,10 +943,14 @@ fn write_report(run: &Path, out: &Path, rows: &[Row]) -> Result<()> {
         md.push('\n');
         md.push_str(&s);
     }
-    let heads = export_heads(run, out)?;
-    md.push_str("\n## Reward heads\n\nθ of the first seed of each config as `score.weight` ([1, d], f32, no bias), the head of transformers' `*ForSequenceClassification` on the feature model:\n\n");
-    for h in &heads {
-        md.push_str(&format!("- `heads/{}`\n", h.file_name().unwrap_or_default().to_string_lossy()));
+    // θ over a synthetic bandit's features is the head of no model: no heads
+    let synthetic = spec.as_ref().is_some_and(|s| s.env.kind == crate::spec::EnvKind::Synthetic);
+    if !synthetic {
+        let heads = export_heads(run, out)?;
+        md.push_str("\n## Reward heads\n\nθ of the first seed of each config as `score.weight` ([1, d], f32, no bias), the head of transformers' `*ForSequenceClassification` on the feature model:\n\n");
+        for h in &heads {
+            md.push_str(&format!("- `heads/{}`\n", h.file_name().unwrap_or_default().to_string_lossy()));
+        }
     }
     let figures = match register_font() {
         Ok(_) => draw_figures(run, out, rows, &policy, &times, spec.as_ref())?,
@@ -840,25 +993,84 @@ fn failed_cells(run: &Path) -> Result<String> {
     ))
 }
 
-/// Final metrics of several runs side by side, as markdown.
+/// A run as `compare` introduces it: its setting and preset (the spec file and its `--set`
+/// flags, from meta.json); "?" where meta.json is missing (an unfinished run).
+fn run_line(run: &Path, name: &str) -> String {
+    let meta: Option<serde_json::Value> =
+        std::fs::read_to_string(run.join("meta.json")).ok().and_then(|t| serde_json::from_str(&t).ok());
+    let get = |k: &str| meta.as_ref().and_then(|m| m.get(k)).and_then(|v| v.as_str()).unwrap_or("?").to_string();
+    let sets: Vec<String> = meta
+        .as_ref()
+        .and_then(|m| m.get("overrides"))
+        .and_then(|v| v.as_array())
+        .map(|a| a.iter().filter_map(|v| v.as_str()).map(|o| format!("--set {o}")).collect())
+        .unwrap_or_default();
+    let sets = if sets.is_empty() { String::new() } else { format!(" with `{}`", sets.join(" ")) };
+    format!("- `{name}`: setting {}, preset `{}`{sets}\n", get("setting"), get("spec_file"))
+}
+
+/// Final metrics of several runs side by side, as markdown, after a line per run naming its
+/// setting and preset.
 pub fn compare(runs: &[PathBuf]) -> Result<String> {
     let mut all = Vec::new();
     let mut policies = String::new();
+    let mut intro = String::new();
     for r in runs {
         let name = r.file_name().unwrap_or_default().to_string_lossy().into_owned();
+        intro.push_str(&run_line(r, &name));
         all.push((name.clone(), read_metrics(r)?));
         if r.join("policy.parquet").exists() {
             policies.push_str(&format!("\n{name}: the policy on held-out prompts, paired over seeds\n\n"));
             policies.push_str(&policy_table(&read_policy(r)?));
         }
     }
-    Ok(final_table(&all) + &policies)
+    Ok(intro + "\n" + &final_table(&all) + &policies)
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
     use crate::rows::{Col, METRICS, METRICS_CHUNKED};
+
+    /// Student's t quantiles against the printed tables (two-sided 95%: 12.706 at df 1, 4.303
+    /// at 2, 3.182 at 3, 2.262 at 9, 2.042 at 30; 1.960 as df grows), and the normal's 1.645 is
+    /// not df 3's (a control).
+    #[test]
+    fn t_quantiles_match_the_tables() {
+        for (df, want) in [(1.0, 12.7062), (2.0, 4.3027), (3.0, 3.1824), (9.0, 2.2622), (30.0, 2.0423), (1e6, 1.9600)] {
+            let got = t_quantile(0.975, df);
+            assert!((got - want).abs() < 1e-3, "df {df}: {got} vs {want}");
+        }
+        assert!((t_quantile(0.95, 3.0) - 2.3534).abs() < 1e-3);
+        assert!((t_quantile(0.025, 4.0) + 2.7764).abs() < 1e-3, "symmetric");
+        assert!((t_quantile(0.95, 3.0) - 1.645).abs() > 0.5);
+    }
+
+    /// The console table: base → last per arm with a t-interval over seeds (df = seeds − 1);
+    /// one seed prints no interval.
+    #[test]
+    fn policy_console_gives_t_intervals_and_says_when_there_is_none() {
+        let row = |label: &str, seed: u32, chunk: u64, v: f64| Row {
+            label: label.into(),
+            seed,
+            samples: chunk,
+            values: [("policy_reward", v)].into(),
+        };
+        let rows = vec![
+            row("sgd / rloo", 0, 0, 1.0),
+            row("sgd / rloo", 0, 2, 2.0),
+            row("sgd / rloo", 1, 0, 1.0),
+            row("sgd / rloo", 1, 2, 3.0),
+            row("one", 0, 0, 1.0),
+            row("one", 0, 2, 1.5),
+        ];
+        let t = policy_console(&rows);
+        // last: mean 2.5, sd √0.5, se 0.5, t(0.975, 1) = 12.706 → 6.3531
+        assert!(t.contains("2.5000 ± 6.3531") && t.contains("+1.5000 ± 6.3531"), "{t}");
+        assert!(t.contains("chunk 0 → chunk 2"), "{t}");
+        let one = t.lines().find(|l| l.starts_with("one")).unwrap();
+        assert!(one.contains("1 seed: no interval") && !one.contains('±'), "{one}");
+    }
 
     /// The report's metrics are columns of the schema in `rows` under their own names (its
     /// figures are named after them), every figure but the computed `cost` has its value, and
