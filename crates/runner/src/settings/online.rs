@@ -410,7 +410,10 @@ impl<'a> PolicyCell<'a> {
                 self.merged_adapter = Some(policy::peft::encode(m, &self.base_model)?);
             }
             m.merge_and_reset(per_chunk_seed(b"onepass-fresh-adapter", self.policy_seed, chunk))?;
-            *adam = m.adam(ps.adam())?;
+            // fresh moments, the run's step count kept (a schedule over the run goes on, and
+            // the next chunk's mini-batch order is its own)
+            let steps = adam.run_steps();
+            *adam = m.adam(ps.adam())?.continuing(steps);
         }
         if ps.kl_reference == KlReference::ChunkStart {
             m.reference_here()?;

@@ -216,7 +216,8 @@ pub struct PolicySpec {
     #[serde(default = "d_targets")]
     pub targets: Targets,
     /// PEFT's lora_dropout: the chance of dropping an input of the adapters' branch in a
-    /// gradient pass (kept inputs scaled by 1/(1 − p)); 0 turns it off.
+    /// gradient pass (kept inputs scaled by 1/(1 − p)); 0 turns it off. dpo only: rloo and ppo
+    /// refuse p > 0 (their ratio's old log-probabilities are taken without dropout).
     #[serde(default)]
     pub dropout: f64,
     /// "f32" or "bf16": the frozen products of the policy's updates and scoring passes
@@ -242,14 +243,16 @@ pub struct PolicySpec {
     /// (`lr_restart = "chunk"`, the authors') or spanning the run (`"run"`).
     #[serde(default = "d_schedule")]
     pub lr_schedule: LrScheduleKind,
-    /// cosine-with-min-lr: the warm-up's share of the schedule's steps (from lr 0).
+    /// cosine-with-min-lr: the warm-up's share of the schedule's steps (step k of w at
+    /// (k + 1)/w·lr: the first step moves the weights).
     #[serde(default = "d_warmup_ratio")]
     pub warmup_ratio: f64,
     /// cosine-with-min-lr: the floor of the cosine, as a fraction of lr.
     #[serde(default = "d_min_lr_ratio")]
     pub min_lr_ratio: f64,
     /// Which steps the schedule spans: each chunk's update ("chunk", the authors') or the whole
-    /// run's ("run").
+    /// run's ("run"; a fresh optimiser per chunk — adapter = "fresh-per-chunk", the ppo
+    /// critic's — continues the run's step count, so the schedule never restarts).
     #[serde(default = "d_restart")]
     pub lr_restart: LrRestart,
     /// "persistent" (one adapter over the run) or "fresh-per-chunk" (merged after each chunk,
@@ -257,7 +260,10 @@ pub struct PolicySpec {
     /// A list sweeps: one cell per life (e.g. ["persistent", "fresh-per-chunk"]).
     #[serde(default = "d_adapter")]
     pub adapter: Sweep<AdapterLife>,
-    /// The policy the KL penalty (and policy.parquet's `kl`) is measured against.
+    /// The policy the KL penalty (and policy.parquet's `kl`) is measured against;
+    /// policy.parquet's `kl_initial` is always to the initial policy. "chunk-start" makes rloo's
+    /// and ppo's penalty exactly 0 (each chunk's rollouts are scored before its update, when
+    /// the policy is its reference): the plan warns.
     #[serde(default = "d_kl_reference")]
     pub kl_reference: KlReference,
     /// Passes over a chunk's samples (pairs, for dpo), in mini-batches of `minibatch`
@@ -277,7 +283,9 @@ pub struct PolicySpec {
     /// The first prompts of each chunk the update learns from (absent: all).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub prompts_per_update: Option<usize>,
-    /// The KL estimator of the evaluation's KL to the reference (and of rloo's penalty).
+    /// The KL estimator of the evaluation's KL to the reference (and of rloo's and ppo's
+    /// penalty). "k3" is refused as a penalty in the reward (rloo or ppo with kl_coef > 0): the
+    /// policy gradient of a k3 reward is not the KL's gradient (biased); k1 is.
     #[serde(default = "d_kl")]
     pub kl_estimator: KlEstimator,
     /// Held-out prompts (the ones after the training prompts in generate.prompts), the
@@ -353,15 +361,28 @@ pub struct PpoSpec {
     /// The critic's Adam learning rate.
     #[serde(default = "d_lr")]
     pub critic_lr: f64,
-    /// Where the critic's value head starts each chunk.
-    #[serde(default = "d_critic_head")]
-    pub critic_head: CriticHead,
+    /// Where the critic's value head starts each chunk. Absent: per reward source — "theta"
+    /// for reward = "learned", "zero" for the controls "oracle" and "null" (a control's critic
+    /// must carry no learned signal); "theta" written with a control source is refused.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub critic_head: Option<CriticHead>,
     /// Divide the advantages by their standard deviation.
     #[serde(default = "d_true")]
     pub normalize_advantages: bool,
     /// Rollouts per prompt (default generate.n; the authors' PPO: 1).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub rollouts_per_prompt: Option<usize>,
+}
+
+impl PpoSpec {
+    /// The critic's head for the reward source `reward`: `critic_head` when written, else θ for
+    /// the learned reward and 0 for the controls (which must carry no learned signal).
+    pub fn critic_head_for(&self, reward: RewardSource) -> CriticHead {
+        self.critic_head.unwrap_or(match reward {
+            RewardSource::Learned => CriticHead::Theta,
+            RewardSource::Oracle | RewardSource::Null => CriticHead::Zero,
+        })
+    }
 }
 
 impl Default for PpoSpec {
@@ -373,7 +394,7 @@ impl Default for PpoSpec {
 /// `[policy.rloo]`: which reward drives the update (a sweep: one cell per source), how it is
 /// normalised before the KL penalty (`reward_norm`, `reward_clip`), β of the KL penalty and
 /// where it enters (`kl_penalty`: per sequence as TRL's RLOO, or per token as OpenRLHF), the PPO
-/// clip ε of the ratio (0: none), advantages divided by their sd.
+/// clip ε of the ratio (0: none), advantages centred and divided by their sd.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize, JsonSchema)]
 #[serde(deny_unknown_fields)]
 pub struct RlooSpec {
@@ -396,7 +417,8 @@ pub struct RlooSpec {
     /// The PPO clip ε of the probability ratio (0: no clip).
     #[serde(default = "d_clip")]
     pub clip: f64,
-    /// Divide the leave-one-out advantages by their standard deviation.
+    /// Centre the leave-one-out advantages on their mean over the chunk and divide them by
+    /// their sample standard deviation (TRL's `normalize_advantage`).
     #[serde(default = "d_true")]
     pub normalize_advantages: bool,
     /// Rollouts per prompt, ≥ 2 (the leave-one-out baseline; default generate.n).
@@ -524,6 +546,13 @@ impl PolicySpec {
         let p = &self.ppo;
         let at = |k: &'static str| move |m: String| (vec!["ppo", k], m);
         sources(&p.reward, REWARDS).map_err(at("reward"))?;
+        if p.critic_head == Some(CriticHead::Theta) {
+            if let Some(c) = p.reward.0.iter().find(|&&r| r != RewardSource::Learned) {
+                return Err(at("critic_head")(format!(
+                    "\"theta\" with reward = \"{c}\": a control's critic must not start from the learned θ: expected \"zero\" (or leave critic_head out: zero for the controls, theta for learned)"
+                )));
+            }
+        }
         positive(p.reward_clip).map_err(at("reward_clip"))?;
         nonnegative(p.kl_coef).map_err(at("kl_coef"))?;
         nonnegative(p.clip).map_err(at("clip"))?;
@@ -538,6 +567,48 @@ impl PolicySpec {
             }
         }
         Ok(())
+    }
+
+    /// Checks that depend on the arms deployed (`rloo`, `ppo`): (key path under `[policy]`,
+    /// message).
+    pub fn check_arms(&self, rloo: bool, ppo: bool) -> Result<(), (Vec<&'static str>, String)> {
+        if (rloo || ppo) && self.dropout > 0.0 {
+            let arm = if rloo { "rloo" } else { "ppo" };
+            return Err((
+                vec!["dropout"],
+                format!("{} with {arm}: its ratio's old log-probabilities are taken without dropout, so the first step's ratio is not 1: expected 0 (dropout is dpo's)", self.dropout),
+            ));
+        }
+        if self.kl_estimator == KlEstimator::K3 {
+            for (on, arm, coef) in [(rloo, "rloo", self.rloo.kl_coef), (ppo, "ppo", self.ppo.kl_coef)] {
+                if on && coef > 0.0 {
+                    return Err((
+                        vec!["kl_estimator"],
+                        format!("\"k3\" as {arm}'s KL penalty in the reward (policy.{arm}.kl_coef = {coef}): the policy gradient of a k3 reward is a biased estimate of the KL's: expected \"k1\" (or kl_coef = 0)"),
+                    ));
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// Warnings that depend on the arms deployed, one line each (without the file's name).
+    pub fn warnings(&self, rloo: bool, ppo: bool) -> Vec<String> {
+        let mut out = Vec::new();
+        if self.kl_reference == KlReference::ChunkStart {
+            let on: Vec<String> = [(rloo, "rloo", self.rloo.kl_coef), (ppo, "ppo", self.ppo.kl_coef)]
+                .iter()
+                .filter(|(on, _, c)| *on && *c > 0.0)
+                .map(|(_, a, c)| format!("policy.{a}.kl_coef = {c}"))
+                .collect();
+            if !on.is_empty() {
+                out.push(format!(
+                    "policy.kl_reference = \"chunk-start\": the KL penalty is identically 0 ({} has no effect: each chunk's rollouts are scored before its update, when the policy is its reference); policy.parquet's kl_initial is the KL to the initial policy",
+                    on.join(", ")
+                ));
+            }
+        }
+        out
     }
 
     fn check_shared(&self) -> Result<(), (&'static str, String)> {
@@ -674,9 +745,6 @@ fn d_ppo_kl() -> f64 {
 }
 fn d_lambda() -> f64 {
     0.95
-}
-fn d_critic_head() -> CriticHead {
-    CriticHead::Theta
 }
 fn d_adapter() -> Sweep<AdapterLife> {
     Sweep::one(AdapterLife::Persistent)

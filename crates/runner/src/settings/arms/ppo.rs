@@ -3,8 +3,9 @@
 //! critic starts every chunk as the authors' loop starts it — from the reward model of that
 //! chunk, normalised as the rewards are (OpenRLHF's critic loaded with `normalize_reward`
 //! returns (r − μ)/σ): V_t = (h_tᵀθ_t − μ)/σ with μ, σ the learned rewards' mean and sd over
-//! the update's rollouts (`critic_head = "theta"`; μ = 0, σ = 1 without normalisation; or
-//! V = 0 with "zero"), h the policy backbone's final-norm hidden states, with fresh adapters
+//! the update's rollouts (`critic_head = "theta"`, the learned source's default; μ = 0, σ = 1
+//! without normalisation; or V = 0 with "zero", the oracle and null controls' default: they
+//! carry no learned signal), h the policy backbone's final-norm hidden states, with fresh adapters
 //! (rank, α and targets of `[policy]`, A drawn from the cell's critic stream and the chunk) and
 //! a fresh Adam at `critic_lr`. So it carries no state from chunk to chunk, and a checkpoint
 //! needs none.
@@ -86,13 +87,15 @@ impl Arm for Ppo {
 
     fn update(&self, m: &PolicyModel, adam: &mut Adam, c: &Chunk<'_>) -> Result<Update> {
         let (rollouts, rewards, k) = rewarded(c, self.reward, self.null_seed)?;
-        // the critic starts as the learned reward model whatever drives the update
+        // a θ head starts as the learned reward model (the plan gives the controls a zero head)
         let learned = || match self.reward {
             RewardSource::Learned => Ok(rewards.clone()),
             _ => Ok(rewarded(c, RewardSource::Learned, self.null_seed)?.1),
         };
         let critic = self.critic(c.index, c.theta, learned)?;
-        let mut copt = critic.adam(policy::adam::AdamConfig { lr: self.critic.lr, ..adam.cfg })?;
+        // a fresh Adam per chunk on the run's step count (one critic step per actor step), so
+        // a schedule over the run does not restart
+        let mut copt = critic.adam(policy::adam::AdamConfig { lr: self.critic.lr, ..adam.cfg })?.continuing(adam.run_steps());
         let st = ppo_update(m, adam, &critic, &mut copt, &rollouts, &rewards, k, &self.update)?;
         Ok(Update {
             stats: st.actor,
