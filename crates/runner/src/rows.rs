@@ -121,6 +121,9 @@ pub struct PolicyRow {
     /// Mean over samples of the sequence KL to the reference policy (policy.kl_estimator;
     /// 0 for a policy that does not learn).
     pub kl: f64,
+    /// The same to the initial policy, whatever policy.kl_reference (with "chunk-start" `kl`
+    /// is to the policy after the last update: 0).
+    pub kl_initial: f64,
     /// −mean log π(y_t) over the sampled tokens (None for a policy that does not learn).
     pub entropy: Option<f64>,
     pub response_tokens: f64,
@@ -347,6 +350,7 @@ pub const POLICY: &[Col<PolicyRow>] = &[
     col!(F64 "bon_reward" => bon_reward),
     col!(F64 "learned_reward" => learned_reward),
     col!(F64 "kl" => kl),
+    col!(F64 "kl_initial" => kl_initial),
     col!(OptF64 "entropy" => entropy),
     col!(F64 "response_tokens" => response_tokens),
     col!(F64 "cut_fraction" => cut_fraction),

@@ -69,6 +69,8 @@ pub(super) struct PolicyCell<'a> {
     /// and the adapter the server holds for it now.
     served_tag: String,
     served: std::cell::RefCell<Option<String>>,
+    /// The initial policy for `kl_initial` ([`PolicyCell::initial`]).
+    initial: std::cell::OnceCell<PolicyModel>,
 }
 
 impl<'a> PolicyCell<'a> {
@@ -134,6 +136,7 @@ impl<'a> PolicyCell<'a> {
                 h.finalize().to_hex()[..12].to_string()
             },
             served: std::cell::RefCell::new(None),
+            initial: std::cell::OnceCell::new(),
         };
         if learns {
             let (base, cfg) = (online.base.clone(), online.cfg.clone());
@@ -161,6 +164,18 @@ impl<'a> PolicyCell<'a> {
             cell.learner = Some((m, adam));
         }
         Ok(cell)
+    }
+
+    /// The initial policy (the base weights, no adapters), built on first use: what
+    /// policy.parquet's `kl_initial` is measured against when the KL reference moves.
+    fn initial(&self) -> Result<&PolicyModel> {
+        if let Some(m) = self.initial.get() {
+            return Ok(m);
+        }
+        let o = self.online;
+        let none = policy::LoraConfig { rank: 1, alpha: 1.0, targets: Vec::new(), seed: 0, dropout: 0.0 };
+        let m = PolicyModel::new(o.base.clone(), o.cfg.clone(), &none, o.max_len, DType::F32)?;
+        Ok(self.initial.get_or_init(|| m))
     }
 
     /// What a checkpoint keeps of the policy (None when it does not learn).
@@ -562,6 +577,26 @@ impl<'a> PolicyCell<'a> {
             // are not cached): the policy's pass is not run again. The base's samples (cached,
             // their log-probabilities dropped) and a server's are scored here.
             let recorded: Option<Vec<&[f32]>> = all.iter().map(|s| s.recorded_logprobs()).collect();
+            // the KL to the initial policy when the reference has moved away from it (a
+            // chunk-start reference of a moved policy): the policy's per-token log π (recorded,
+            // or scored) against the base weights' pass
+            let kl_initial = if o.spec.kl_reference == KlReference::ChunkStart && self.moved {
+                let scored: Vec<Vec<f32>>;
+                let lps: Vec<&[f32]> = match &recorded {
+                    Some(r) => r.clone(),
+                    None => {
+                        scored = policy::train::score_tokens(m, &rollouts, o.spec.kl_estimator, o.spec.minibatch)?
+                            .into_iter()
+                            .map(|t| t.logprobs.iter().map(|&x| x as f32).collect())
+                            .collect();
+                        scored.iter().map(|v| v.as_slice()).collect()
+                    }
+                };
+                let sc = score_recorded(self.initial()?, &rollouts, &lps, o.spec.kl_estimator, o.spec.minibatch)?;
+                Some(sc.iter().map(|s| s.1).sum::<f64>() / sc.len() as f64)
+            } else {
+                None
+            };
             // per sequence (Σ log π, Σ KL, tokens); at its reference (unmoved, or every B still
             // exactly 0) the policy's KL is exactly 0
             let sc: Vec<(f64, f64, usize)> = match (!self.moved || m.at_reference()?, recorded) {
@@ -576,6 +611,7 @@ impl<'a> PolicyCell<'a> {
             let kl = sc.iter().map(|s| s.1).sum::<f64>() / sc.len() as f64;
             let (lp, tokens) = (sc.iter().map(|s| s.0).sum::<f64>(), sc.iter().map(|s| s.2).sum::<usize>());
             row.kl = kl;
+            row.kl_initial = kl_initial.unwrap_or(kl);
             row.entropy = Some(-lp / tokens as f64);
             times.score_s = t2.elapsed().as_secs_f64();
         }
