@@ -160,7 +160,7 @@ pub fn apply_overrides(text: &str, overrides: &[String]) -> Result<String, (Stri
         text.parse().map_err(|e: toml_edit::TomlError| (String::new(), e.message().to_string()))?;
     for o in overrides {
         let (key, raw) = o.split_once('=').ok_or_else(|| (o.clone(), "--set expects key=value".to_string()))?;
-        let value: toml_edit::Value = raw.parse().unwrap_or_else(|_| toml_edit::Value::from(raw));
+        let value = override_value(key, raw)?;
         let segs: Vec<&str> = key.split('.').collect();
         if let Some(bad) =
             segs.iter().find(|s| s.is_empty() || !s.chars().all(|c| c.is_ascii_alphanumeric() || "_-".contains(c)))
@@ -174,6 +174,36 @@ pub fn apply_overrides(text: &str, overrides: &[String]) -> Result<String, (Stri
         set_in_table(doc.as_table_mut(), &segs, value).map_err(|m| (key.to_string(), m))?;
     }
     Ok(doc.to_string())
+}
+
+/// A `--set` value: TOML, else a bare word read as a string (`--set deploy.policy=rloo`). What
+/// reads as a number, list, table, quoted string or comment but is not valid TOML is refused:
+/// `99999999999999999999` (past i64), `1 ` (a space after it), `64 # comment` became strings,
+/// then "invalid type: string, expected usize" far from the argument.
+fn override_value(key: &str, raw: &str) -> Result<toml_edit::Value, (String, String)> {
+    let err = match raw.parse::<toml_edit::Value>() {
+        Ok(v) if raw.trim() == raw => return Ok(v),
+        Ok(_) => None,
+        Err(e) => Some(e.message().trim().to_string()),
+    };
+    let word = !raw.is_empty()
+        && raw.trim() == raw
+        && !raw.contains('#')
+        && !raw.starts_with(|c: char| c.is_ascii_digit() || "+-.[{\"'".contains(c));
+    if word {
+        return Ok(toml_edit::Value::from(raw));
+    }
+    let why = if raw.trim() != raw {
+        "spaces around the value".to_string()
+    } else if raw.contains('#') {
+        "a comment (`#`) in the value".to_string()
+    } else {
+        err.unwrap_or_else(|| "not a TOML value".into())
+    };
+    Err((
+        key.to_string(),
+        format!("`{raw}`: not a TOML value ({why}): expected a number, true/false, a [list], an {{inline table}} or a quoted string"),
+    ))
 }
 
 fn set_in_table(t: &mut toml_edit::Table, segs: &[&str], value: toml_edit::Value) -> Result<(), String> {
@@ -224,5 +254,31 @@ fn set_in_table(t: &mut toml_edit::Table, segs: &[&str], value: toml_edit::Value
             set_in_table(child, rest, value)
         }
         _ => Err(format!("`{seg}` is not a table")),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A `--set` value that is not TOML is refused naming what is wrong with it, where it used
+    /// to become a string (and a type error far from the argument); bare words stay strings.
+    #[test]
+    fn a_set_value_that_is_not_toml_is_refused() {
+        let text = "seeds = 2\n[env]\ndim = 4\n";
+        for (o, why) in [
+            ("seeds=99999999999999999999", "not a TOML value"),
+            ("seeds=1 ", "spaces around the value"),
+            ("env.dim=64 # comment", "a comment"),
+            ("env.dim=[1, 2", "not a TOML value"),
+        ] {
+            let (key, msg) = apply_overrides(text, &[o.to_string()]).unwrap_err();
+            assert_eq!(key, override_key(o), "{o}");
+            assert!(msg.contains(why) && msg.contains(o.split_once('=').unwrap().1), "{o}: {msg}");
+        }
+        for (o, want) in [("deploy.policy=rloo", "policy = \"rloo\""), ("env.dim=64", "dim = 64"), ("seeds=[1, 2]", "seeds = [1, 2]")] {
+            let out = apply_overrides(text, &[o.to_string()]).unwrap();
+            assert!(out.contains(want), "{o}: {out}");
+        }
     }
 }
