@@ -201,19 +201,22 @@ with pd.option_context("display.width", 220, "display.max_columns", 40):
 # `policy.parquet`: after each chunk, `policy.eval_samples` samples per held-out prompt from each
 # arm's current policy, on the seed's own sampling streams (the same for every arm and chunk).
 # `policy_reward` is the oracle reward of what the arm deploys — a learning policy's samples,
-# best-of-n its pick under θ_t — so arms compare on it; `kl` is the sequence KL to the initial
-# policy (0 for arms that do not learn).
+# best-of-n its pick under θ_t — so arms compare on it; `kl_initial` is the sequence KL to the
+# initial policy (0 for arms that do not learn; `kl` is to the KL penalty's reference, which
+# `kl_reference = "chunk-start"` moves to the policy after each update).
 
 # %%
 if (RUN / "policy.parquet").is_file():
     policy = pd.read_parquet(RUN / "policy.parquet")
+    if "kl_initial" not in policy:  # a run written before the column: its kl was to the initial policy only with kl_reference = "initial"
+        policy["kl_initial"] = policy["kl"]
     arms = list(dict.fromkeys(policy["label"]))
-    pc = policy.groupby(["label", "chunk"])[["policy_reward", "kl"]].agg(["mean", "std"]).reset_index()
+    pc = policy.groupby(["label", "chunk"])[["policy_reward", "kl_initial"]].agg(["mean", "std"]).reset_index()
     fig, axes = plt.subplots(1, 2, figsize=(12, 4.6))
     cmap = plt.get_cmap("tab10" if len(arms) <= 10 else "tab20")
     for i, arm in enumerate(arms):
         g = pc[pc["label"] == arm]
-        for ax, col in zip(axes, ("policy_reward", "kl")):
+        for ax, col in zip(axes, ("policy_reward", "kl_initial")):
             mean, sd = g[(col, "mean")], g[(col, "std")].fillna(0.0)
             ax.plot(g["chunk"], mean, color=cmap(i), lw=1.8, marker="o", ms=3, label=arm)
             ax.fill_between(g["chunk"], mean - sd, mean + sd, color=cmap(i), alpha=0.13, lw=0)
@@ -243,7 +246,7 @@ if (RUN / "policy.parquet").is_file():
             "last": lastp.groupby("label")["policy_reward"].mean(),
             "last_std": lastp.groupby("label")["policy_reward"].std(),
             "last_minus_base": (lastp["policy_reward"] - first).groupby("label").mean(),
-            "kl_last": lastp.groupby("label")["kl"].mean(),
+            "kl_last": lastp.groupby("label")["kl_initial"].mean(),
         }
     ).reindex(arms)
     with pd.option_context("display.width", 220, "display.max_columns", 40):

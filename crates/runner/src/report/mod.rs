@@ -41,7 +41,7 @@ pub const FIGURES: [(&str, &str); 11] = [
 pub const POLICY_FIGURES: [(&str, &str); 3] = [
     ("policy_reward", "Oracle reward of what each arm deploys on held-out prompts (best-of-n: its pick)"),
     ("bon_reward", "Oracle reward of the best of n samples under θ on held-out prompts"),
-    ("kl", "KL divergence to the initial policy, per sequence"),
+    ("kl_initial", "KL divergence to the initial policy, per sequence"),
 ];
 
 /// A named value of a typed row.
@@ -50,7 +50,7 @@ type Value<R, T> = (&'static str, fn(&R) -> T);
 /// The policy.parquet values that get a figure, by column name (the typed row: a renamed field
 /// is a compile error here).
 const POLICY_VALUES: [Value<PolicyRow, f64>; 3] =
-    [("policy_reward", |r| r.policy_reward), ("bon_reward", |r| r.bon_reward), ("kl", |r| r.kl)];
+    [("policy_reward", |r| r.policy_reward), ("bon_reward", |r| r.bon_reward), ("kl_initial", |r| r.kl_initial)];
 
 /// A run's policy.parquet as rows whose x is the chunk.
 pub fn read_policy(run: &Path) -> Result<Vec<Row>> {
@@ -233,7 +233,7 @@ pub fn policy_table(rows: &[Row]) -> String {
         "| arm | seeds | base (chunk 0) | last | last − base | detectable | best of n under θ, last | KL, last |\n|---|---|---|---|---|---|---|---|\n",
     );
     let bon = series(rows, "bon_reward");
-    let kl = series(rows, "kl");
+    let kl = series(rows, "kl_initial");
     for (label, seeds) in &fl {
         let base: Vec<f64> = seeds.values().map(|p| p.0).collect();
         let last: Vec<f64> = seeds.values().map(|p| p.1).collect();
@@ -481,7 +481,7 @@ fn axis_name(metric: &str) -> &'static str {
         "cum_pair_reward" => "cumulative reward",
         "policy_reward" | "bon_reward" => "oracle reward",
         "kendall_tau" => "Kendall τ",
-        "kl" => "KL (nats)",
+        "kl" | "kl_initial" => "KL (nats)",
         _ => "value",
     }
 }
