@@ -34,7 +34,7 @@ enum Cmd {
         #[arg(long, default_value = "results")]
         out: PathBuf,
         /// Worker threads (default: the spec's `threads`, 0 = one per core).
-        #[arg(long)]
+        #[arg(long, allow_negative_numbers = true, value_parser = threads_arg)]
         threads: Option<usize>,
         /// Only parse and validate the spec (no data or model is read), print the resolved spec
         /// and the cells.
@@ -50,17 +50,17 @@ enum Cmd {
         force: bool,
         /// The memory the cells may take, e.g. 8G or 512M (default: what the machine has
         /// available); a run whose estimate is larger is refused before it allocates.
-        #[arg(long, value_name = "SIZE")]
+        #[arg(long, value_name = "SIZE", allow_hyphen_values = true)]
         max_memory: Option<String>,
         /// The GPU memory a learning policy (generate.device = "cuda") or a reward model whose
         /// features learn (data.device / features.device = "cuda") may take (default: the
         /// device's free memory); their terms are counted there, not in host memory.
-        #[arg(long, value_name = "SIZE")]
+        #[arg(long, value_name = "SIZE", allow_hyphen_values = true)]
         max_gpu_memory: Option<String>,
         /// Run only slice i of N of the run's cells (cells k with k mod N = i), e.g. one task of
         /// a SLURM array: `--cells $SLURM_ARRAY_TASK_ID/$SLURM_ARRAY_TASK_COUNT`. The slice's
         /// directory keeps its cells' results; `onepass merge` assembles the run from the slices.
-        #[arg(long, value_name = "i/N")]
+        #[arg(long, value_name = "i/N", allow_hyphen_values = true)]
         cells: Option<String>,
     },
     /// Assemble a run from the slice directories of `onepass run --cells i/N` (the same spec and
@@ -217,6 +217,12 @@ fn one_line(msg: &str) -> String {
 }
 
 /// Prints an error as one line and gives exit code 2 (bad input).
+/// `--threads N`: a count of threads (a negative number is named as such, not taken for an
+/// unknown flag).
+fn threads_arg(s: &str) -> Result<usize, String> {
+    s.parse().map_err(|_| format!("expected a whole number of threads ≥ 0 (0: one per core), not `{s}`"))
+}
+
 fn bad_input(msg: &str) -> ExitCode {
     eprintln!("onepass: {}", one_line(msg));
     ExitCode::from(2)

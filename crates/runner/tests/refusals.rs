@@ -119,3 +119,17 @@ fn merge_checks_its_slices_before_it_creates_anything() {
     let r = onepass(p, &["merge", "run.toml", &slices[0], &slices[1], "--out", "m"]);
     assert_eq!(r.code, 0, "{}", r.stderr);
 }
+
+/// A negative number for `--threads`, `--cells`, `--max-memory` or `--max-gpu-memory` is named
+/// as a bad value of that flag (it was "unexpected argument '-1' found"), exit 2.
+#[test]
+fn a_negative_count_or_size_is_a_bad_value_of_its_flag() {
+    let tmp = tempfile::tempdir().unwrap();
+    write(tmp.path(), "run.toml", TINY);
+    for (flag, value) in [("--threads", "-1"), ("--cells", "-1"), ("--max-memory", "-1"), ("--max-gpu-memory", "-1G")] {
+        let r = onepass(tmp.path(), &["run", "run.toml", "--dry-run", flag, value]);
+        assert_eq!(r.code, 2, "{flag} {value}: {}", r.stderr);
+        let first = r.stderr.lines().next().unwrap_or_default();
+        assert!(!first.contains("unexpected argument") && first.contains(flag), "{flag} {value}: {first}");
+    }
+}
