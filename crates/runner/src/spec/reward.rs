@@ -64,11 +64,11 @@ pub struct RewardSpec {
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub hvp: Option<HvpScheme>,
     /// ε: how far the parameters move along the direction (absent: the scheme's f32 balance of
-    /// truncation and rounding, 3e-3 central and gauss-newton, 3e-4 forward). Refused outside
-    /// [`HVP_EPS_RANGE`], 1e-5 ≤ ε ≤ 0.1: on the tiny test Llama in f32 the products' relative
-    /// error is already 3e-3–4e-2 at ε = 1e-4 and 2e-2–1.1 at ε = 0.3 (`RewardModel::hvp`), and
-    /// a step far outside (ε = 1e308) makes every product infinite or noise, so every step
-    /// silently fell back to steepest descent.
+    /// truncation and rounding, 3e-3 central and gauss-newton, 3e-4 forward). Taken in
+    /// 1e-5 ≤ ε ≤ 0.1 only: on the tiny test Llama in f32 the products' relative error is
+    /// already 3e-3–4e-2 at ε = 1e-4 and 2e-2–1.1 at ε = 0.3, and far outside that range
+    /// (e.g. 1e308) every product is infinite or noise and each step falls back to steepest
+    /// descent.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub hvp_eps: Option<f64>,
     /// Sequences per forward pass when the held-out pairs are scored.
