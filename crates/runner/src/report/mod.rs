@@ -11,6 +11,7 @@ use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 
 mod figures;
+pub mod stats;
 use figures::{Layout, LineFigure};
 
 /// The metrics.parquet columns the report uses.
