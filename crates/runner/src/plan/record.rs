@@ -23,8 +23,8 @@ pub fn resolved_text(plan: &Plan, spec: &Spec) -> Result<String, String> {
     prune(&mut t, &s, facts);
     let body = toml::to_string(&t).map_err(|e| format!("serialising the resolved spec: {e}"))?;
     let mut head = String::from(
-        "# The spec as it ran: every key that applied, defaults filled in, one [[estimator]] per\n\
-         # config. `onepass run` of this file runs the same cells to the same tables.\n",
+        "# The spec as it ran: every key that applied, defaults filled in, one [[estimator]]\n\
+         # per config; `onepass run` of this file runs the same cells to the same tables.\n",
     );
     if let Some(scale) = spec.data_scale.filter(|d| d.pairs > 0) {
         head.push_str(&format!(

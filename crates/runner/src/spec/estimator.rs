@@ -18,13 +18,18 @@ use serde::{Deserialize, Serialize};
 use schemars::JsonSchema;
 
 /// The keys every `[[estimator]]` table takes beside its kind's hyper-parameters. [`read`]
-/// takes `init` and `init_std` out of the table before the kind's struct reads the rest; this
-/// type documents them for the generated reference (a test checks [`read`] accepts each).
+/// takes `init` and `init_std` out of the table before the kind's struct reads the rest (the
+/// plan takes `name`); this type documents them for the generated reference (a test checks
+/// [`read`] accepts each).
 #[derive(JsonSchema)]
 #[allow(dead_code)] // read for its schema only
 pub struct CommonKeys {
     /// The estimator's name (see below).
     kind: String,
+    /// The config's label in every table and figure (absent: the kind and the hyper-parameters
+    /// that differ from its defaults or are swept, e.g. `sgd lr=0.5`); two configs of one spec
+    /// may not share a label.
+    name: Option<String>,
     /// How θ_1 is drawn: "zero" (the paper's Alg. 2–4) or "normal" (N(0, init_std²) from a
     /// seeded stream, the authors' head init).
     #[schemars(extend("enum" = ["zero", "normal"]))]
@@ -429,8 +434,11 @@ mod tests {
     fn every_kind_takes_the_common_keys() {
         let v = schemars::schema_for!(CommonKeys).to_value();
         let keys: Vec<String> = v["properties"].as_object().unwrap().keys().cloned().collect();
-        assert_eq!(keys, ["kind", "init", "init_std"]);
+        let mut keys = keys;
+        keys.sort();
+        assert_eq!(keys, ["init", "init_std", "kind", "name"]);
         for k in estimators::Kind::ALL {
+            // `name` is taken out by the plan before `read` (plan::configs; tests/records.rs)
             read(&table(&format!("kind = \"{k}\"\ninit = \"normal\"\ninit_std = 0.5"))).unwrap();
         }
     }
