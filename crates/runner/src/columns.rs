@@ -84,7 +84,8 @@ pub const TABLES: &[TableDoc] = &[
 
 const ARMS: &[&str] = &[CELLS, METRICS, POLICY, UPDATES];
 
-/// Every column, the key columns first.
+/// Every column, the key columns first (one per line, as a table reads).
+#[rustfmt::skip]
 pub const COLUMNS: &[ColumnDoc] = &[
     // the cell's key
     ColumnDoc { tables: &[CELLS, METRICS, ROUNDS, POLICY, UPDATES, PTIMINGS, STEPS, TIMINGS], column: "cell_id", ty: "string", unit: "", doc: "The cell's id (`c0000`, `c0001`, … in the plan's order); its θ is `theta/<cell_id>.npy`, its adapters under `adapters/<cell_id>/`." },
