@@ -217,21 +217,24 @@ pub fn policy_console(rows: &[Row]) -> String {
 /// The policy on the held-out prompts: per arm the base policy (chunk 0, the same prompts and
 /// sampling streams as every later evaluation of that seed), the last evaluation, their paired
 /// difference; then every pair of arms that share an estimator and strategy, paired by seed at
-/// the last evaluation. ± is the paired standard error over seeds; "detectable" is 2 paired SE,
-/// the smallest difference the evaluation resolves.
+/// the last evaluation. Each difference is [`stats::paired`]'s: its 95% t-interval (df = seeds −
+/// 1) and two-sided p; "detectable" is the smallest true difference found with 80% power.
 pub fn policy_table(rows: &[Row]) -> String {
-    // one seed: a difference with no interval
-    let show = |(m, se): (f64, f64), n: usize| {
-        if n < 2 {
-            format!("{m:+.3} (1 seed: no interval)")
-        } else {
-            format!("{m:+.3} ± {se:.3}")
+    // the paired comparison over seeds (stats::paired on the differences d): mean with its 95%
+    // t-interval and p; one seed: a difference with no interval
+    let show = |d: &[f64]| {
+        let p = stats::paired(&vec![0.0; d.len()], d).expect("at least one seed");
+        match (p.ci95, p.p) {
+            (Some((lo, hi)), Some(pv)) => format!("{:+.3} [{lo:+.3}, {hi:+.3}], p = {pv:.3}", p.mean),
+            _ => format!("{:+.3} (1 seed: no interval)", p.mean),
         }
     };
-    let detectable = |se: f64, n: usize| if n < 2 { "–".to_string() } else { format!("{:.3}", 2.0 * se) };
+    let detectable = |d: &[f64]| {
+        stats::paired(&vec![0.0; d.len()], d).and_then(|p| p.mdd80).map_or("–".to_string(), |m| format!("{m:.3}"))
+    };
     let fl = first_last(rows);
     let mut out = String::from(
-        "| arm | seeds | base (chunk 0) | last | last − base | detectable | best of n under θ, last | KL, last |\n|---|---|---|---|---|---|---|---|\n",
+        "| arm | seeds | base (chunk 0) | last | last − base [95% t-interval], p | detectable (80% power) | best of n under θ, last | KL to initial, last |\n|---|---|---|---|---|---|---|---|\n",
     );
     let bon = series(rows, "bon_reward");
     let kl = series(rows, "kl_initial");
@@ -239,7 +242,6 @@ pub fn policy_table(rows: &[Row]) -> String {
         let base: Vec<f64> = seeds.values().map(|p| p.0).collect();
         let last: Vec<f64> = seeds.values().map(|p| p.1).collect();
         let diff: Vec<f64> = seeds.values().map(|p| p.1 - p.0).collect();
-        let (_, se) = mean_se(&diff);
         let at_last = |m: &BTreeMap<String, BTreeMap<u64, Vec<f64>>>| {
             m.get(label).and_then(|x| x.values().last()).map_or("—".to_string(), |v| format!("{:.3}", mean_std(v).0))
         };
@@ -248,8 +250,8 @@ pub fn policy_table(rows: &[Row]) -> String {
             seeds.len(),
             mean_std(&base).0,
             mean_std(&last).0,
-            show(mean_se(&diff), diff.len()),
-            detectable(se, diff.len()),
+            show(&diff),
+            detectable(&diff),
             at_last(&bon),
             at_last(&kl)
         ));
@@ -269,17 +271,16 @@ pub fn policy_table(rows: &[Row]) -> String {
             if d.is_empty() {
                 continue;
             }
-            let (_, se) = mean_se(&d);
             pairs.push_str(&format!(
                 "| {ga} | {arm_a} − {arm_b} | {} | {} | {} |\n",
                 d.len(),
-                show(mean_se(&d), d.len()),
-                detectable(se, d.len())
+                show(&d),
+                detectable(&d)
             ));
         }
     }
     if !pairs.is_empty() {
-        out.push_str("\nPaired differences between arms at the last evaluation (same seed: same held-out prompts and streams).\n\n| estimator / strategy | difference | seeds | mean ± paired SE | detectable |\n|---|---|---|---|---|\n");
+        out.push_str("\nPaired differences between arms at the last evaluation (same seed: same held-out prompts and streams).\n\n| estimator / strategy | difference | seeds | mean [95% t-interval], p | detectable (80% power) |\n|---|---|---|---|---|\n");
         out.push_str(&pairs);
     }
     out
@@ -929,7 +930,7 @@ fn write_report(run: &Path, out: &Path, rows: &[Row]) -> Result<()> {
     }
     let policy = if run.join("policy.parquet").exists() { read_policy(run)? } else { Vec::new() };
     if !policy.is_empty() {
-        md.push_str("\n## The policy\n\nOn the held-out prompts, the oracle reward of what each arm deploys (`policy_reward`: a learning policy's samples, best-of-n its pick under θ): the base policy at chunk 0 and after the last chunk, both on the seed's sampling streams, their difference with its paired standard error over seeds and the smallest detectable difference (2 paired SE); best of n under θ and the sequence KL to the initial policy after the last chunk (means over seeds).\n\n");
+        md.push_str("\n## The policy\n\nOn the held-out prompts, the oracle reward of what each arm deploys (`policy_reward`: a learning policy's samples, best-of-n its pick under θ): the base policy at chunk 0 and after the last chunk, both on the seed's sampling streams, their paired difference over seeds with its 95% t-interval (df = seeds − 1) and two-sided p, and the smallest difference detectable at 80% power ((t₀.₉₇₅ + t₀.₈₀)·SE); best of n under θ and the sequence KL to the initial policy after the last chunk (means over seeds).\n\n");
         md.push_str(&policy_table(&policy));
     }
     let times = cell_times(run).unwrap_or_default();
