@@ -895,7 +895,8 @@ fn bf16_training_moves_the_policy_and_resumes_to_the_same_bytes() {
     assert!(resolved.contains("dtype = \"bf16\""), "{resolved}");
     for ((arm, seed, strat), v) in curves(&want) {
         if arm != "best-of-n" {
-            assert!(v.last().unwrap().2 > 0.0, "{arm} {seed} {strat} did not move: {v:?}");
+            // a k1 estimate: either sign, exactly 0 only for an unmoved policy
+            assert!(v.last().unwrap().2 != 0.0, "{arm} {seed} {strat} did not move: {v:?}");
         }
     }
     let two = run(p, "c", "2");
