@@ -87,11 +87,9 @@ impl Server {
     /// The model names the server lists (`GET /v1/models`): the base model and the adapters
     /// loaded on it.
     pub fn models(&self) -> Result<Vec<String>, Error> {
-        let text = self.call_text_within(
-            self.timeout_s.min(MODELS_TIMEOUT_S),
-            "GET /v1/models",
-            |a| a.get(&self.url("models")).call().map_err(Box::new),
-        )?;
+        let text = self.call_text_within(self.timeout_s.min(MODELS_TIMEOUT_S), "GET /v1/models", |a| {
+            a.get(&self.url("models")).call().map_err(Box::new)
+        })?;
         let v: serde_json::Value = serde_json::from_str(&text)
             .map_err(|e| Error::Format(format!("{}: not JSON ({e}): {}", self.base_url, clip(&text))))?;
         let data = v.get("data").and_then(|d| d.as_array()).ok_or_else(|| self.odd("models", &v))?;
@@ -249,9 +247,9 @@ impl Server {
                         }
                     }
                 });
-                let r = send(&agent).map_err(|e| *e).and_then(|resp| {
-                    resp.into_string().map_err(|e| Box::new(ureq::Error::from(e))).map_err(|e| *e)
-                });
+                let r = send(&agent)
+                    .map_err(|e| *e)
+                    .and_then(|resp| resp.into_string().map_err(|e| Box::new(ureq::Error::from(e))).map_err(|e| *e));
                 drop(tx);
                 r
             });

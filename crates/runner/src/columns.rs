@@ -68,13 +68,20 @@ pub const TABLES: &[TableDoc] = &[
         doc: "One row per learning cell × chunk: the samples the policy drew on the chunk's training \
               prompts and the update they drove.",
     },
-    TableDoc { file: PTIMINGS, doc: "One row per cell × chunk of a run with a learning policy: wall seconds by stage." },
+    TableDoc {
+        file: PTIMINGS,
+        doc: "One row per cell × chunk of a run with a learning policy: wall seconds by stage.",
+    },
     TableDoc {
         file: GENERATIONS,
         doc: "One row per response of the generated bank (`env.kind = \"generated\"`): the prompt, \
               the response and its oracle reward.",
     },
-    TableDoc { file: STEPS, doc: "One row per cell × update (with `stream.record_steps = true`): the estimator's own report of each update." },
+    TableDoc {
+        file: STEPS,
+        doc:
+            "One row per cell × update (with `stream.record_steps = true`): the estimator's own report of each update.",
+    },
     TableDoc {
         file: TIMINGS,
         doc: "One row per cell × evaluation bucket: wall time inside and outside the estimator's \

@@ -189,19 +189,32 @@ fn cell(s: &str) -> String {
 /// Markdown text with `<` outside code spans escaped.
 fn text(s: &str) -> String {
     let parts = s.split('`').enumerate();
-    parts.map(|(i, part)| if i % 2 == 0 { part.replace('<', "\\<") } else { part.to_string() }).collect::<Vec<_>>().join("`")
+    parts
+        .map(|(i, part)| if i % 2 == 0 { part.replace('<', "\\<") } else { part.to_string() })
+        .collect::<Vec<_>>()
+        .join("`")
 }
 
 /// One TOML table: its heading, its doc, a row per key, then the tables nested in it.
-fn table(out: &mut String, path: &str, schema: &Value, defs: &Map<String, Value>, array: bool, missing: &mut Vec<String>) {
+fn table(
+    out: &mut String,
+    path: &str,
+    schema: &Value,
+    defs: &Map<String, Value>,
+    array: bool,
+    missing: &mut Vec<String>,
+) {
     let heading = if array { format!("[[{path}]]") } else { format!("[{path}]") };
     let _ = writeln!(out, "## {heading}\n");
     let d = doc(schema);
     // "`[policy.rloo]`: the rloo arm's own keys." under the heading [policy.rloo]: the rest
-    let d = d.strip_prefix(&format!("`{heading}`: ")).map(|r| {
-        let mut c = r.chars();
-        c.next().map(|f| f.to_uppercase().collect::<String>() + c.as_str()).unwrap_or_default()
-    }).unwrap_or(d);
+    let d = d
+        .strip_prefix(&format!("`{heading}`: "))
+        .map(|r| {
+            let mut c = r.chars();
+            c.next().map(|f| f.to_uppercase().collect::<String>() + c.as_str()).unwrap_or_default()
+        })
+        .unwrap_or(d);
     if d.is_empty() {
         missing.push(format!("spec table {heading}: no doc (a doc comment on the field or its type)"));
     } else {
@@ -263,11 +276,8 @@ fn key_rows(
         } else {
             ws.iter().map(|(w, d)| cell(&format!("`{w}`: {d}"))).collect::<Vec<_>>().join("<br>")
         };
-        let default = if required.contains(&key.as_str()) {
-            "required".to_string()
-        } else {
-            show_default(inner.get("default"))
-        };
+        let default =
+            if required.contains(&key.as_str()) { "required".to_string() } else { show_default(inner.get("default")) };
         let sweep = if deref(v, defs).get("x-sweep").is_some() { " (sweepable)" } else { "" };
         let _ = writeln!(
             rows,
@@ -449,7 +459,8 @@ fn command(out: &mut String, cmd: &clap::Command, parents: &mut Vec<String>, mis
     let usage = c.render_usage().to_string();
     let usage = usage.trim_start_matches("Usage: ").trim();
     let _ = writeln!(out, "```text\n{}\n```\n", usage.replace(cmd.get_name(), &name).trim());
-    let args: Vec<&clap::Arg> = cmd.get_arguments().filter(|a| !a.is_hide_set() && a.get_id() != "help" && a.get_id() != "version").collect();
+    let args: Vec<&clap::Arg> =
+        cmd.get_arguments().filter(|a| !a.is_hide_set() && a.get_id() != "help" && a.get_id() != "version").collect();
     if !args.is_empty() {
         out.push_str("| argument | default | meaning |\n|---|---|---|\n");
         for a in args {
@@ -457,14 +468,25 @@ fn command(out: &mut String, cmd: &clap::Command, parents: &mut Vec<String>, mis
                 (Some(l), Some(s)) => format!("`-{s}`, `--{l}`"),
                 (Some(l), None) => format!("`--{l}`"),
                 (None, Some(s)) => format!("`-{s}`"),
-                (None, None) => format!("`{}`", a.get_value_names().and_then(|v| v.first()).map(|v| v.to_string()).unwrap_or_else(|| a.get_id().to_string().to_uppercase())),
+                (None, None) => format!(
+                    "`{}`",
+                    a.get_value_names()
+                        .and_then(|v| v.first())
+                        .map(|v| v.to_string())
+                        .unwrap_or_else(|| a.get_id().to_string().to_uppercase())
+                ),
             };
             let help = a.get_long_help().or(a.get_help()).map(|h| h.to_string()).unwrap_or_default();
             if help.trim().is_empty() {
                 missing.push(format!("`{name}` argument {flag}: no doc"));
             }
             let mut help = help.split_whitespace().collect::<Vec<_>>().join(" ");
-            let values: Vec<String> = a.get_possible_values().iter().filter(|v| !v.is_hide_set()).map(|v| format!("`{}`", v.get_name())).collect();
+            let values: Vec<String> = a
+                .get_possible_values()
+                .iter()
+                .filter(|v| !v.is_hide_set())
+                .map(|v| format!("`{}`", v.get_name()))
+                .collect();
             if !values.is_empty() && a.get_action().takes_values() {
                 let _ = write!(help, " Values: {}.", values.join(", "));
             }

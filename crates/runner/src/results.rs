@@ -197,7 +197,9 @@ fn arm_cols<X>(t: Table, rows: &[X], config: impl Fn(&X) -> &ConfigPlan) -> Tabl
 fn hparam_json(v: &toml::Value) -> serde_json::Value {
     match v {
         toml::Value::Integer(i) => serde_json::Value::from(*i),
-        toml::Value::Float(f) => serde_json::Number::from_f64(*f).map_or(serde_json::Value::Null, serde_json::Value::Number),
+        toml::Value::Float(f) => {
+            serde_json::Number::from_f64(*f).map_or(serde_json::Value::Null, serde_json::Value::Number)
+        }
         toml::Value::Boolean(b) => serde_json::Value::Bool(*b),
         toml::Value::String(s) => serde_json::Value::String(s.clone()),
         other => serde_json::Value::String(crate::spec::estimator::show(other)),

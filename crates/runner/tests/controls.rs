@@ -66,7 +66,8 @@ const POLICY: &str = "policy = [\"ppo\"]\n[policy]\nrank = 2\nalpha = 4.0\ntarge
 /// Before, every source's critic started at θ: the controls' value_mean was the learned arm's.
 #[test]
 fn the_controls_critic_starts_at_zero_the_learned_one_at_theta() {
-    let (_tmp, dir, _) = run(&format!("{POLICY}[policy.ppo]\nreward = [\"learned\", \"oracle\", \"null\"]\ncritic_lr = 0.01\n"));
+    let (_tmp, dir, _) =
+        run(&format!("{POLICY}[policy.ppo]\nreward = [\"learned\", \"oracle\", \"null\"]\ncritic_lr = 0.01\n"));
     let u = table(&dir.join("policy_updates.parquet"));
     let (src, v) = (strs(&u, "reward"), util::opt_f64s(&u, "value_mean"));
     let mut seen = std::collections::BTreeSet::new();

@@ -36,11 +36,8 @@ fn book_pages() -> Vec<PathBuf> {
 #[test]
 fn the_reference_pages_are_what_the_code_writes() {
     let dir = tempfile::tempdir().unwrap();
-    let out = Command::new(env!("CARGO_BIN_EXE_onepass"))
-        .args(["reference", "--out"])
-        .arg(dir.path())
-        .output()
-        .unwrap();
+    let out =
+        Command::new(env!("CARGO_BIN_EXE_onepass")).args(["reference", "--out"]).arg(dir.path()).output().unwrap();
     assert!(out.status.success(), "onepass reference failed:\n{}", String::from_utf8_lossy(&out.stderr));
     let committed = root().join("docs/src/reference");
     let mut stale = Vec::new();
@@ -48,7 +45,11 @@ fn the_reference_pages_are_what_the_code_writes() {
         let new = std::fs::read_to_string(dir.path().join(f)).unwrap();
         let old = std::fs::read_to_string(committed.join(f)).unwrap_or_default();
         if new != old {
-            let line = new.lines().zip(old.lines()).position(|(a, b)| a != b).unwrap_or(new.lines().count().min(old.lines().count()));
+            let line = new
+                .lines()
+                .zip(old.lines())
+                .position(|(a, b)| a != b)
+                .unwrap_or(new.lines().count().min(old.lines().count()));
             stale.push(format!("docs/src/reference/{f}: differs from line {}", line + 1));
         }
     }
@@ -110,7 +111,8 @@ fn links(text: &str) -> Vec<(usize, String)> {
             continue;
         }
         // inline code spans hold no links
-        let code_free: String = line.split('`').enumerate().filter(|(k, _)| k % 2 == 0).map(|(_, s)| s).collect::<Vec<_>>().join(" ");
+        let code_free: String =
+            line.split('`').enumerate().filter(|(k, _)| k % 2 == 0).map(|(_, s)| s).collect::<Vec<_>>().join(" ");
         let mut rest = code_free.as_str();
         while let Some(at) = rest.find("](") {
             let after = &rest[at + 2..];
@@ -242,7 +244,11 @@ fn user_documents_carry_no_work_log_labels() {
             found.push(format!("{}: {l}", f.strip_prefix(root()).unwrap().display()));
         }
     }
-    assert!(found.is_empty(), "work-log labels in user documents (use dates, CPUs and revisions):\n{}", found.join("\n"));
+    assert!(
+        found.is_empty(),
+        "work-log labels in user documents (use dates, CPUs and revisions):\n{}",
+        found.join("\n")
+    );
     // the negative control
     assert_eq!(work_log_labels("as of session 12 and Issue-30; sessions are fine; tissue 3").len(), 2);
 }

@@ -152,8 +152,19 @@ fn run_directories_name_the_setting_and_compare_names_the_preset() {
     assert!(b.file_name().unwrap().to_string_lossy().starts_with("passive-b-2"), "{}", b.display());
     let cmp = onepass(tmp.path(), &["compare", a.to_str().unwrap(), b.to_str().unwrap()]);
     assert_eq!(cmp.code, 0, "{}", cmp.stderr);
-    assert!(cmp.stdout.contains(&format!("- `{name}`: setting passive, preset `{}`", spec.with_file_name("synthetic.toml").display())), "{}", cmp.stdout);
-    assert!(cmp.stdout.contains("setting passive, preset") && cmp.stdout.contains("with `--set seeds=1`"), "{}", cmp.stdout);
+    assert!(
+        cmp.stdout.contains(&format!(
+            "- `{name}`: setting passive, preset `{}`",
+            spec.with_file_name("synthetic.toml").display()
+        )),
+        "{}",
+        cmp.stdout
+    );
+    assert!(
+        cmp.stdout.contains("setting passive, preset") && cmp.stdout.contains("with `--set seeds=1`"),
+        "{}",
+        cmp.stdout
+    );
 }
 
 /// One seed: the console says "1 seed", the report prints no "± 0.0000" and says there is no
@@ -163,7 +174,8 @@ fn run_directories_name_the_setting_and_compare_names_the_preset() {
 #[test]
 fn one_seed_synthetic_reports_and_finished_cells_say_what_applies() {
     let tmp = tempfile::tempdir().unwrap();
-    let spec = write(tmp.path(), "one.toml", &format!("{BASE}[[estimator]]\nkind = \"sgd\"\n[[estimator]]\nkind = \"mle\"\n"));
+    let spec =
+        write(tmp.path(), "one.toml", &format!("{BASE}[[estimator]]\nkind = \"sgd\"\n[[estimator]]\nkind = \"mle\"\n"));
     let r = onepass(tmp.path(), &["run", spec.to_str().unwrap(), "--out", "out", "--set", "seeds=1"]);
     let dir = tmp.path().join(r.dir());
     assert!(r.stderr.contains("(2 configs × 1 seed)"), "{}", r.stderr);
@@ -298,5 +310,9 @@ fn deploy_policy_subsets_a_specs_arms_with_one_warning() {
     );
     let r = onepass(tmp.path(), &["run", synthetic.to_str().unwrap(), "--dry-run"]);
     assert_eq!(r.code, 2);
-    assert!(r.stderr.contains("`policy`: applies only to setting = \"deploy\" with env.kind = \"generated\""), "{}", r.stderr);
+    assert!(
+        r.stderr.contains("`policy`: applies only to setting = \"deploy\" with env.kind = \"generated\""),
+        "{}",
+        r.stderr
+    );
 }

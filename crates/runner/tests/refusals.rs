@@ -106,7 +106,8 @@ fn merge_checks_its_slices_before_it_creates_anything() {
     assert!(!p.join("m").exists(), "a refused merge made {:?}", entries(&p.join("m")));
 
     let ck = p.join(&slices[1]).join("checkpoints");
-    let done = std::fs::read_dir(&ck).unwrap().map(|e| e.unwrap().path()).find(|f| f.extension().is_some_and(|x| x == "done"));
+    let done =
+        std::fs::read_dir(&ck).unwrap().map(|e| e.unwrap().path()).find(|f| f.extension().is_some_and(|x| x == "done"));
     let done = done.expect("a slice keeps its finished cells");
     let good = std::fs::read(&done).unwrap();
     std::fs::write(&done, b"not a checkpoint").unwrap();

@@ -63,7 +63,12 @@ fn preset(setting: &str) -> String {
 #[test]
 fn passive_synthetic_reruns_from_its_resolved_spec() {
     let dir = tempfile::tempdir().unwrap();
-    round_trip(dir.path(), &preset("passive"), &["seeds=2", "stream.samples=400", "stream.record_steps=true"], "master_seed=7");
+    round_trip(
+        dir.path(),
+        &preset("passive"),
+        &["seeds=2", "stream.samples=400", "stream.record_steps=true"],
+        "master_seed=7",
+    );
 }
 
 #[test]

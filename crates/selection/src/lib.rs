@@ -37,7 +37,8 @@ pub enum Strategy {
 
 impl Strategy {
     /// Every strategy's name, as [`Strategy::name`] gives it and `FromStr` reads it.
-    pub const NAMES: [&'static str; 6] = ["random-pair", "best-random", "best-two", "best-worst", "best-quantile", "ucb"];
+    pub const NAMES: [&'static str; 6] =
+        ["random-pair", "best-random", "best-two", "best-worst", "best-quantile", "ucb"];
 
     pub fn name(&self) -> &'static str {
         match self {

@@ -1078,7 +1078,12 @@ fn configs(spec: &Spec, keys: Locator<'_>, arms: &[Arm]) -> Result<Vec<ConfigPla
             let name = match combo.table.remove("name") {
                 None => None,
                 Some(toml::Value::String(n)) if !n.trim().is_empty() && !n.contains(" / ") => Some(n),
-                Some(v) => return Err(at("name", format!("{v}: expected a non-empty string without \" / \" (it labels the config)"))),
+                Some(v) => {
+                    return Err(at(
+                        "name",
+                        format!("{v}: expected a non-empty string without \" / \" (it labels the config)"),
+                    ))
+                }
             };
             let (init, mut es) = estimator::read(&combo.table).map_err(|(k, m)| at(&k, m))?;
             let theory = combo.table.get("theory").and_then(|v| v.as_bool()) == Some(true);
@@ -1141,7 +1146,13 @@ fn configs(spec: &Spec, keys: Locator<'_>, arms: &[Arm]) -> Result<Vec<ConfigPla
 /// `theory = true` and `init=normal` (with `init_std`) for a drawn θ_1. A `name` keeps the swept
 /// keys (`fast lr=0.1`, `fast lr=0.5`). The arm's parts follow (`label`). Two configs of one
 /// label are refused ([`check_labels`]).
-pub fn estimator_label(name: Option<&str>, es: &estimator::EstimatorSpec, theory: bool, init: Init, swept: &[String]) -> String {
+pub fn estimator_label(
+    name: Option<&str>,
+    es: &estimator::EstimatorSpec,
+    theory: bool,
+    init: Init,
+    swept: &[String],
+) -> String {
     let kind = toml::Value::try_from(es).ok().and_then(|v| v.get("kind").and_then(|k| k.as_str()).map(String::from));
     let kind = kind.unwrap_or_default();
     let mut only_kind = toml::Table::new();

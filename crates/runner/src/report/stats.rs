@@ -45,7 +45,13 @@ pub fn paired(a: &[f64], b: &[f64]) -> Option<Paired> {
     let sd = (d.iter().map(|x| (x - mean).powi(2)).sum::<f64>() / df).sqrt();
     let se = sd / (n as f64).sqrt();
     let t975 = t_quantile(0.975, df);
-    let p = if se > 0.0 { two_sided_p(mean / se, df) } else if mean == 0.0 { 1.0 } else { 0.0 };
+    let p = if se > 0.0 {
+        two_sided_p(mean / se, df)
+    } else if mean == 0.0 {
+        1.0
+    } else {
+        0.0
+    };
     Some(Paired {
         n,
         mean,

@@ -3,8 +3,8 @@
 use super::deploy::d_q;
 use super::passive::{d_beta, d_delta};
 use super::{Beta, Sweep};
-use serde::{de, Deserialize, Deserializer, Serialize, Serializer};
 use schemars::JsonSchema;
+use serde::{de, Deserialize, Deserializer, Serialize, Serializer};
 use std::fmt;
 
 /// How the active learner picks the pairs to label. One vocabulary with the deployment

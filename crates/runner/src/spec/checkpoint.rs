@@ -1,7 +1,7 @@
 //! `[checkpoint]`: when cells save their state.
 
-use serde::{Deserialize, Serialize};
 use schemars::JsonSchema;
+use serde::{Deserialize, Serialize};
 
 /// Periodic checkpoints of every running cell (estimator, curvature, RNG streams, stream
 /// position, rows so far) under `<run>/checkpoints/`; SIGINT/SIGTERM always checkpoint.

@@ -1,8 +1,8 @@
 //! `[curvature]`: the 𝓗_t behind uncertainty.
 
 use super::OrAuto;
-use serde::{Deserialize, Serialize};
 use schemars::JsonSchema;
+use serde::{Deserialize, Serialize};
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
 #[serde(rename_all = "kebab-case")]

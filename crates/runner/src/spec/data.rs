@@ -1,8 +1,8 @@
 //! The `[data]` table (`env.kind = "dataset"`): a preference dataset, how its rows are read,
 //! selected and split, and the feature model (the φ key block of `phi.rs`).
 
-use serde::{Deserialize, Serialize};
 use schemars::JsonSchema;
+use serde::{Deserialize, Serialize};
 
 super::phi::phi_table! {
     /// The `[data]` table.

@@ -2,8 +2,8 @@
 
 use super::passive::{d_beta, d_delta};
 use super::{Beta, Order, Sweep};
-use serde::{Deserialize, Serialize};
 use schemars::JsonSchema;
+use serde::{Deserialize, Serialize};
 use std::fmt;
 
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize, JsonSchema)]

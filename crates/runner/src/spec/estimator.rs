@@ -14,8 +14,8 @@ use estimators::{
     AdamConfig, DampingSchedule, EstimatorConfig, HvpCgConfig, Init, MleConfig, OmdExactConfig, OmdReferenceConfig,
     ReplayConfig, SgdConfig,
 };
-use serde::{Deserialize, Serialize};
 use schemars::JsonSchema;
+use serde::{Deserialize, Serialize};
 
 /// The keys every `[[estimator]]` table takes beside its kind's hyper-parameters. [`read`]
 /// takes `init` and `init_std` out of the table before the kind's struct reads the rest (the

@@ -276,7 +276,11 @@ mod tests {
             assert_eq!(key, override_key(o), "{o}");
             assert!(msg.contains(why) && msg.contains(o.split_once('=').unwrap().1), "{o}: {msg}");
         }
-        for (o, want) in [("deploy.policy=rloo", "policy = \"rloo\""), ("env.dim=64", "dim = 64"), ("seeds=[1, 2]", "seeds = [1, 2]")] {
+        for (o, want) in [
+            ("deploy.policy=rloo", "policy = \"rloo\""),
+            ("env.dim=64", "dim = 64"),
+            ("seeds=[1, 2]", "seeds = [1, 2]"),
+        ] {
             let out = apply_overrides(text, &[o.to_string()]).unwrap();
             assert!(out.contains(want), "{o}: {out}");
         }

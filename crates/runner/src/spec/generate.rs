@@ -5,8 +5,8 @@ use super::data::expand_env;
 use super::phi::{d_batch, d_device, d_dtype};
 use super::phi::{DType, Device, PhiSpec};
 use features::generate::SampleOptions;
-use serde::{Deserialize, Serialize};
 use schemars::JsonSchema;
+use serde::{Deserialize, Serialize};
 use std::path::PathBuf;
 
 /// How an oracle turns a reward difference m = r(a) − r(a′) into a label.

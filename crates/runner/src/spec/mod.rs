@@ -41,8 +41,8 @@ pub use stream::StreamSpec;
 pub use track::TrackSpec;
 pub use words::{Beta, DataScale, OrAuto, OrNone, Sweep};
 
-use serde::{Deserialize, Serialize};
 use schemars::JsonSchema;
+use serde::{Deserialize, Serialize};
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
 #[serde(rename_all = "kebab-case")]

@@ -1,8 +1,8 @@
 //! How φ is computed, once for every table that names a feature model (`[data]`, `[features]`,
 //! `[oracle]`) and for `onepass features extract`: [`PhiSpec`], with typed dtype and device.
 
-use serde::{Deserialize, Serialize};
 use schemars::JsonSchema;
+use serde::{Deserialize, Serialize};
 use std::path::PathBuf;
 
 /// Weights and activations of a feature or policy model.

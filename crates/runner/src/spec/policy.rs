@@ -4,8 +4,8 @@
 
 use super::Sweep;
 use policy::train::{KlEstimator, KlPenalty};
-use serde::{Deserialize, Serialize};
 use schemars::JsonSchema;
+use serde::{Deserialize, Serialize};
 
 /// What reward drives a learning arm's policy update (rloo): the paper's learned reward, or one
 /// of the two controls a policy-level claim needs.

@@ -6,8 +6,8 @@
 
 use super::policy::{d_alpha, d_rank, Targets};
 use policy::reward::HvpScheme;
-use serde::{Deserialize, Serialize};
 use schemars::JsonSchema;
+use serde::{Deserialize, Serialize};
 
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
 #[serde(rename_all = "kebab-case")]

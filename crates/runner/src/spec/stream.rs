@@ -1,7 +1,7 @@
 //! `[stream]`: the stream's length, batch and evaluation cadence.
 
-use serde::{Deserialize, Serialize};
 use schemars::JsonSchema;
+use serde::{Deserialize, Serialize};
 
 /// Stream length and evaluation cadence.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize, JsonSchema)]

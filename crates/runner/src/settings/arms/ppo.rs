@@ -95,7 +95,8 @@ impl Arm for Ppo {
         let critic = self.critic(c.index, c.theta, learned)?;
         // a fresh Adam per chunk on the run's step count (one critic step per actor step), so
         // a schedule over the run does not restart
-        let mut copt = critic.adam(policy::adam::AdamConfig { lr: self.critic.lr, ..adam.cfg })?.continuing(adam.run_steps());
+        let mut copt =
+            critic.adam(policy::adam::AdamConfig { lr: self.critic.lr, ..adam.cfg })?.continuing(adam.run_steps());
         let st = ppo_update(m, adam, &critic, &mut copt, &rollouts, &rewards, k, &self.update)?;
         Ok(Update {
             stats: st.actor,
