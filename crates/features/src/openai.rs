@@ -223,6 +223,8 @@ impl Server {
 
     /// [`Server::call_text`] with each attempt bounded by `timeout_s`; past [`NOTICE_AFTER_S`]
     /// (or half of `timeout_s`) without an answer, one line on stderr says what it waits for.
+    // the closures return ureq's own error, which the match below takes apart by variant
+    #[allow(clippy::result_large_err)]
     fn call_text_within(
         &self,
         timeout_s: f64,

@@ -89,7 +89,7 @@ mod tests {
         let p = paired(&[0.0; 5], &[1.0, 2.0, 3.0, 4.0, 5.0]).unwrap();
         assert_eq!(p.n, 5);
         assert!((p.mean - 3.0).abs() < 1e-12);
-        assert!((p.se.unwrap() - 0.707_106_78).abs() < 1e-6);
+        assert!((p.se.unwrap() - 0.5f64.sqrt()).abs() < 1e-12);
         let (lo, hi) = p.ci95.unwrap();
         assert!((lo - 1.0368).abs() < 1e-3 && (hi - 4.9632).abs() < 1e-3, "{lo} {hi}");
         assert!((p.p.unwrap() - 0.013_235_6).abs() < 1e-5, "p = {}", p.p.unwrap());
