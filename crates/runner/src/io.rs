@@ -232,6 +232,29 @@ pub fn lock_dir(dir: &Path) -> Result<DirLock> {
     Ok(DirLock { _file: f })
 }
 
+/// Refuses a run directory another process holds, without creating anything: a reader that
+/// must not leave a lock file behind (a `report` of a directory that is not a run) asks this
+/// before its own checks, so a running run is named as such rather than as one without tables.
+pub fn refuse_if_locked(dir: &Path) -> Result<()> {
+    use std::io::Read;
+    use std::os::unix::io::AsRawFd;
+    let path = dir.join(".lock");
+    let Ok(mut f) = std::fs::File::open(&path) else { return Ok(()) };
+    // SAFETY: flock(2) on a descriptor we own; a shared probe, released at once
+    if unsafe { libc::flock(f.as_raw_fd(), libc::LOCK_SH | libc::LOCK_NB) } != 0 {
+        let mut holder = String::new();
+        let _ = f.read_to_string(&mut holder);
+        bail!(
+            "{} is in use by another onepass process ({}); wait for it to finish or stop it first",
+            dir.display(),
+            holder.split_whitespace().take(2).collect::<Vec<_>>().join(" ")
+        );
+    }
+    // SAFETY: as above
+    unsafe { libc::flock(f.as_raw_fd(), libc::LOCK_UN) };
+    Ok(())
+}
+
 /// Removes what a killed process may have left half-written (`*.tmp`) in a run directory.
 pub fn remove_temporaries(dir: &Path) -> Result<usize> {
     let mut n = 0;

@@ -838,7 +838,8 @@ fn safetensors_one(name: &str, n: usize, bytes: &[u8], metadata: &std::collectio
 /// Writes `<run>/report/`; returns the report directory.
 pub fn report(run: &Path) -> Result<PathBuf> {
     // nothing is written (not even the lock file) before the checks pass: a directory that is
-    // not a run is refused as it was found
+    // not a run is refused as it was found; a running run is named as one
+    crate::io::refuse_if_locked(run)?;
     if run.is_dir() && !run.join("metrics.parquet").exists() {
         let why = if run.join("checkpoints").is_dir() {
             "the run has not finished (its cells are in checkpoints/): continue it with `onepass run <its spec, its --set flags> --resume DIR`, then report"
