@@ -151,6 +151,7 @@ pub const COLUMNS: &[ColumnDoc] = &[
     ColumnDoc { tables: &[ROUNDS], column: "reward_first", ty: "f64", unit: "reward", doc: "The oracle's reward of the first response." },
     ColumnDoc { tables: &[ROUNDS], column: "reward_second", ty: "f64", unit: "reward", doc: "The oracle's reward of the second response." },
     ColumnDoc { tables: &[ROUNDS], column: "label", ty: "f64", unit: "", doc: "The label: 1 when the first response is preferred, 0 when the second (½ for a tie where the oracle allows it)." },
+    ColumnDoc { tables: &[METRICS], column: "flipped_labels", ty: "u64?", unit: "labels", doc: "`[oracle] flip` > 0 (the column is absent otherwise): the labels the noisy labeller has flipped so far, of the labels given to the learner (held-out labels are never flipped)." },
     ColumnDoc { tables: &[ROUNDS], column: "policy_pick", ty: "u32", unit: "", doc: "The response the deployed policy picks (best under θ at the chunk's start)." },
     ColumnDoc { tables: &[ROUNDS], column: "policy_reward", ty: "f64", unit: "reward", doc: "The oracle's reward of the policy's pick." },
     ColumnDoc { tables: &[ROUNDS], column: "best_reward", ty: "f64", unit: "reward", doc: "max over the prompt's samples of the oracle's reward." },

@@ -337,6 +337,9 @@ fn metrics_table(world: &World, cells: &[CellOutcome<'_>], chunked: bool) -> Tab
         |(_, m)| m,
     );
     let t = if chunked { t.cols(METRICS_CHUNKED, &rows, |(_, m)| m) } else { t };
+    // a noisy labeller: its flips so far (absent at flip = 0, so those runs keep their bytes)
+    let flips = world.generated.is_some() && world.spec.oracle.as_ref().is_some_and(|o| o.flip > 0.0);
+    let t = if flips { t.cols(crate::rows::METRICS_FLIP, &rows, |(_, m)| m) } else { t };
     if world.online.is_some() {
         arm_cols(t, &rows, |(c, _)| c.config)
     } else {

@@ -42,6 +42,9 @@ pub struct MetricRow {
     pub policy_reward: Option<f64>,
     pub kendall_tau: Option<f64>,
     pub oracle_ties: Option<u64>,
+    /// `[oracle] flip` > 0: the labels the noisy labeller has flipped so far.
+    #[serde(default)]
+    pub flipped_labels: Option<u64>,
     /// max 1/σ'(zᵀθ_t) over the samples since the previous row (the paper's κ on the data seen).
     pub kappa: f64,
     /// Mean over those batches of the authors' 1/(min σ' + 1e-3).
@@ -358,6 +361,9 @@ pub const POLICY: &[Col<PolicyRow>] = &[
 ];
 
 /// policy.parquet's last column, after the deployed policy's (`results`).
+/// metrics.parquet's columns of a run whose oracle flips labels (`[oracle] flip` > 0).
+pub const METRICS_FLIP: &[Col<MetricRow>] = &[col!(OptU64 "flipped_labels" => flipped_labels)];
+
 pub const POLICY_DIGEST: &[Col<PolicyRow>] =
     &[col!(Str "policy_digest" => policy_digest), col!(Str "served_as" => served_as)];
 

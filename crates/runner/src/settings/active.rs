@@ -41,7 +41,7 @@ pub(super) fn active(
     let (mut z, mut y) = (Vec::with_capacity(b * d), Vec::with_capacity(b));
     let rule = cell.config.rule.ok_or_else(|| anyhow!("an active cell without its rule"))?;
     drive(steps, &mut pr, l, ctx, |s, last, pr, l| {
-        let Progress { data, labels, select, active: super::state::ActiveProgress { used, vtrack }, ties, .. } =
+        let Progress { data, labels, select, active: super::state::ActiveProgress { used, vtrack }, ties, flips, .. } =
             &mut *pr;
         z.clear();
         y.clear();
@@ -56,7 +56,7 @@ pub(super) fn active(
                 let (_, pair) = choose(env, &c, &strategy, l, select);
                 *ties += u64::from(pair.ties);
                 let zi = env.diff(&c, pair.first, pair.second);
-                y.push(env.label(&c, pair.first, pair.second, &zi, labels.random()));
+                y.push(env.give(&c, pair.first, pair.second, &zi, labels.random(), flips));
                 z.extend(zi);
             }
         } else {
@@ -79,6 +79,7 @@ pub(super) fn active(
             let mut row = l.row(src);
             row.subopt_avg = src.truth().map(|env| env.subopt_of(&env.greedy(&l.averaged())));
             row.ties = *ties;
+            row.flipped_labels = src.truth().and_then(|e| e.flipped(&pr.flips));
             pr.rows.push(row);
         }
         Ok(())
@@ -96,7 +97,8 @@ fn draw_pool<'a>(src: &'a Source<'_>, n: usize, d: usize, fresh: &mut Progress) 
                 let c = env.draw_context(&mut fresh.data);
                 let (a1, a2) = two_arms(&mut fresh.data, env.k);
                 let z = env.diff(&c, a1, a2);
-                pool_y.push(env.label(&c, a1, a2, &z, fresh.labels.random()));
+                let u = fresh.labels.random();
+                pool_y.push(env.give(&c, a1, a2, &z, u, &mut fresh.flips));
                 pool_z.extend(z);
             }
             (pool_z.into(), pool_y.into())

@@ -44,7 +44,7 @@ pub(super) fn deploy(
     drive(steps, &mut pr, l, ctx, |_, last, pr, l| {
         z.clear();
         y.clear();
-        let Progress { data, labels, select, hash: h, ties, deploy, .. } = &mut *pr;
+        let Progress { data, labels, select, hash: h, ties, deploy, flips, .. } = &mut *pr;
         let DeployProgress { regret, reward_sum, seen: rounds, .. } = deploy;
         for _ in 0..b {
             let c = env.draw_context(data);
@@ -54,7 +54,7 @@ pub(super) fn deploy(
             let (_, pair) = choose(env, &c, &strategy, l, select);
             *ties += u64::from(pair.ties);
             let zi = env.diff(&c, pair.first, pair.second);
-            y.push(env.label(&c, pair.first, pair.second, &zi, u));
+            y.push(env.give(&c, pair.first, pair.second, &zi, u, flips));
             z.extend(zi);
             let best = (0..k).map(|a| env.reward(&c, a)).fold(f64::NEG_INFINITY, f64::max);
             let got = 0.5 * (env.reward(&c, pair.first) + env.reward(&c, pair.second));
@@ -68,6 +68,7 @@ pub(super) fn deploy(
             row.regret = Some(pr.deploy.regret);
             row.mean_reward = Some(pr.deploy.reward_sum / pr.deploy.seen as f64);
             row.ties = pr.ties;
+            row.flipped_labels = env.flipped(&pr.flips);
             pr.rows.push(row);
         }
         Ok(())
@@ -316,7 +317,7 @@ fn label_chunk(
         deployed_sum: 0.0,
         tau_sum: 0.0,
     };
-    let Progress { labels, select, hash: h, ties, deploy, .. } = pr;
+    let Progress { labels, select, hash: h, ties, deploy, flips, .. } = pr;
     let DeployProgress { regret, reward_sum, oracle_ties, rounds, .. } = deploy;
     for (i, &x) in xs.iter().enumerate() {
         let ctx = chunk.context(env, i, x);
@@ -327,7 +328,7 @@ fn label_chunk(
         let u: f64 = labels.random();
         h.bytes(&(x as u64).to_le_bytes());
         h.bytes(&u.to_le_bytes());
-        let label = env.label(ctx, pair.first, pair.second, &zi, u);
+        let label = env.give(ctx, pair.first, pair.second, &zi, u, flips);
         let tie = truth[pair.first] == truth[pair.second];
         let coin = tie && env.labels == crate::spec::LabelRule::Argmax;
         out.labelled.push(Labelled { at: i, first: pair.first, second: pair.second, label, tie: coin });
@@ -429,6 +430,7 @@ fn chunk_row(
     row.oracle_ties = Some(pr.deploy.oracle_ties);
     Ok(row)
 }
+    row.flipped_labels = env.flipped(&pr.flips);
 
 /// Where the policy's step of a chunk is.
 struct PolicyStep<'a> {

@@ -143,7 +143,8 @@ pub(super) fn passive(
                     let c = env.draw_context(&mut pr.data);
                     let (a1, a2) = two_arms(&mut pr.data, env.k);
                     let zi = env.diff(&c, a1, a2);
-                    y.push(env.label(&c, a1, a2, &zi, pr.labels.random()));
+                    let u = pr.labels.random();
+                    y.push(env.give(&c, a1, a2, &zi, u, &mut pr.flips));
                     z.extend(zi);
                 }
                 Source::Pairs(p) => {
@@ -159,7 +160,9 @@ pub(super) fn passive(
         pr.hash.f32s(&y);
         l.update(&z, &y)?;
         if l.due(cell.stream.eval_every, last) {
-            pr.rows.push(l.row(src));
+            let mut row = l.row(src);
+            row.flipped_labels = src.truth().and_then(|e| e.flipped(&pr.flips));
+            pr.rows.push(row);
         }
         Ok(())
     })?;

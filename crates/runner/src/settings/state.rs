@@ -94,6 +94,9 @@ pub struct Progress {
     pub(super) deploy: DeployProgress,
     pub(super) active: ActiveProgress,
     pub(super) policy: PolicyProgress,
+    /// The labels the cell's labeller has given and flipped (`[oracle] flip`).
+    #[serde(default)]
+    pub(super) flips: crate::world::env::LabelCount,
     /// `[reward] update = "lora" | "full"`: the reward model's parameters and update state.
     #[serde(default)]
     pub(super) reward_state: Option<super::passive_rm::RmState>,
@@ -145,6 +148,7 @@ impl Progress {
             active: ActiveProgress::default(),
             policy: PolicyProgress::default(),
             reward_state: None,
+            flips: Default::default(),
         }
     }
 }

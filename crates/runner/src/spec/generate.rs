@@ -172,6 +172,18 @@ pub struct OracleSpec {
     /// Bradley–Terry labels (the paper's model) or the oracle's argmax (the authors' pipeline).
     #[serde(default = "d_labels")]
     pub labels: LabelRule,
+    /// A noisy labeller (0 ≤ flip < 0.5): each label the oracle gives a learner is flipped with
+    /// this probability, independently, from a stream of its own per label (named by `seed`,
+    /// the run's and cell's seeds and the label's index in the cell, so a resumed run or a
+    /// slice flips the same labels). Held-out pairs, rewards, regret and every score keep the
+    /// oracle's noiseless preference. metrics.parquet's `flipped_labels` counts the flips
+    /// (written only when flip > 0). oat's `preference_flip_prob`.
+    #[serde(default, skip_serializing_if = "is_zero")]
+    pub flip: f64,
+}
+
+fn is_zero(v: &f64) -> bool {
+    *v == 0.0
 }
 
 fn d_prompt_key() -> String {
@@ -295,6 +307,9 @@ impl FeatureSpec {
 
 impl OracleSpec {
     pub fn check(&self) -> Result<(), (&'static str, String)> {
+        if !(self.flip.is_finite() && (0.0..0.5).contains(&self.flip)) {
+            return Err(("flip", format!("{}: expected a probability 0 ≤ flip < 0.5 (at 0.5 a label carries no preference)", self.flip)));
+        }
         let pos = |v: Option<f64>| v.is_none_or(|x| x.is_finite() && x > 0.0);
         if !pos(self.reward_std) {
             return Err(("reward_std", format!("{:?}: expected a finite number > 0", self.reward_std)));

@@ -85,6 +85,38 @@ pub struct Bank {
     /// The oracle's θ* when it is linear in the learner's φ (realizable); else empty.
     pub theta_star: Vec<f64>,
     pub labels: LabelRule,
+    /// `[oracle] flip` and `[oracle] seed`: the labeller's flip probability and its stream's seed.
+    pub flip: f64,
+    pub flip_seed: u64,
+}
+
+/// A noisy labeller (`[oracle] flip = p`): each label given is flipped with probability p, the
+/// draw of label i from a stream named by (`seed`, i) alone — the labels given before it do not
+/// move it, so a resumed cell flips the same labels.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct Flip {
+    pub p: f64,
+    /// From the oracle's seed and the run's and cell's seeds.
+    pub seed: u64,
+}
+
+impl Flip {
+    /// Whether label `index` is flipped: u < p, u uniform on [0, 1) from its own ChaCha20 stream.
+    pub fn flips(&self, index: u64) -> bool {
+        let mut h = blake3::Hasher::new();
+        h.update(b"onepass-label-flip");
+        h.update(&self.seed.to_le_bytes());
+        h.update(&index.to_le_bytes());
+        let mut rng = ChaCha20Rng::from_seed(*h.finalize().as_bytes());
+        rng.random::<f64>() < self.p
+    }
+}
+
+/// The labels a cell's labeller has given (each one's index) and flipped so far.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+pub struct LabelCount {
+    pub given: u64,
+    pub flipped: u64,
 }
 
 pub struct Env {
@@ -98,6 +130,9 @@ pub struct Env {
     /// Empty when the oracle is not linear in φ (a reward model over another backbone).
     pub theta_star: Vec<f64>,
     pub labels: LabelRule,
+    /// A noisy labeller (`[oracle] flip` > 0), for the labels a learner is given; the held-out
+    /// pairs' labels, rewards and regret keep the noiseless preference.
+    pub flip: Option<Flip>,
     /// Held-out pairs: z rows and labels.
     pub eval_z: Vec<f32>,
     pub eval_y: Vec<f32>,
@@ -140,6 +175,7 @@ impl Env {
             contexts: std::sync::Arc::new(contexts),
             theta_star,
             labels: LabelRule::BradleyTerry,
+            flip: None,
             eval_z: Vec::new(),
             eval_y: Vec::new(),
             eval_at: Vec::new(),
@@ -160,6 +196,7 @@ impl Env {
             contexts: bank.contexts.clone(),
             theta_star: bank.theta_star.clone(),
             labels: bank.labels,
+            flip: (bank.flip > 0.0).then(|| Flip { p: bank.flip, seed: flip_seed(bank.flip_seed, master, seed) }),
             eval_z: Vec::new(),
             eval_y: Vec::new(),
             eval_at: Vec::new(),
@@ -242,6 +279,26 @@ impl Env {
         }
     }
 
+    /// The label a learner is given: [`Env::label`]'s, flipped when the labeller is noisy and
+    /// its draw for this label (the cell's `count.given`-th) says so; `count` advances.
+    pub fn give(&self, c: &Context, a: usize, b: usize, z: &[f32], u: f64, count: &mut LabelCount) -> f32 {
+        let y = self.label(c, a, b, z, u);
+        let index = count.given;
+        count.given += 1;
+        match self.flip {
+            Some(f) if f.flips(index) => {
+                count.flipped += 1;
+                1.0 - y
+            }
+            _ => y,
+        }
+    }
+
+    /// The labels flipped so far, for a metric row (None without a noisy labeller).
+    pub fn flipped(&self, count: &LabelCount) -> Option<u64> {
+        self.flip.map(|_| count.flipped)
+    }
+
     /// SubOpt of the policy choosing `choice[i]` in context i: E_x[r(x,π*) − r(x,π)].
     pub fn subopt_of(&self, choice: &[usize]) -> f64 {
         let v: f64 = self.contexts.iter().zip(choice).map(|(c, &a)| self.reward(c, a)).sum::<f64>();
@@ -252,6 +309,16 @@ impl Env {
     pub fn greedy(&self, theta: &[f64]) -> Vec<usize> {
         self.contexts.iter().map(|c| argmax((0..self.k).map(|a| dot(self.arm(c, a), theta)))).collect()
     }
+}
+
+/// The flip stream's seed of a cell: the oracle's seed with the run's and the cell's.
+fn flip_seed(oracle: u64, master: u64, seed: u32) -> u64 {
+    let mut h = blake3::Hasher::new();
+    h.update(b"onepass-flip-seed");
+    h.update(&oracle.to_le_bytes());
+    h.update(&master.to_le_bytes());
+    h.update(&seed.to_le_bytes());
+    u64::from_le_bytes(h.finalize().as_bytes()[..8].try_into().expect("8 bytes"))
 }
 
 pub fn dot(a: &[f32], b: &[f64]) -> f64 {
