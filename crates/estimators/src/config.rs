@@ -16,10 +16,11 @@ pub enum Kind {
     AdamReference,
     OmdHvpCgAdam,
     SgdReplay,
+    Ensemble,
 }
 
 impl Kind {
-    pub const ALL: [Kind; 9] = [
+    pub const ALL: [Kind; 10] = [
         Kind::OmdExact,
         Kind::OmdHvpCg,
         Kind::OmdReference,
@@ -29,6 +30,7 @@ impl Kind {
         Kind::AdamReference,
         Kind::OmdHvpCgAdam,
         Kind::SgdReplay,
+        Kind::Ensemble,
     ];
 
     /// Whether the estimator keeps the paper's 𝓗_t (Alg. 1's 𝓗_{t+1} = 𝓗_t + H_t(θ_{t+1})) and
@@ -48,6 +50,7 @@ impl Kind {
             Kind::AdamReference => "adam-reference",
             Kind::OmdHvpCgAdam => "omd-hvp-cg+adam",
             Kind::SgdReplay => "sgd-replay",
+            Kind::Ensemble => "ensemble",
         }
     }
 }
@@ -291,6 +294,56 @@ impl Default for ReplayConfig {
     }
 }
 
+/// `ensemble`: K linear heads θ_1..θ_K over the same φ, each trained with Adam on minibatches
+/// of a replay buffer that keeps every labelled pair (memory O(t)), after oat's `EnnEETS`
+/// reward model (sail-sg/oat, `oat/rm/model.py`, `oat/rm/networks.py`); its θ is the heads'
+/// mean. Read straight from an `[[estimator]]` table.
+#[cfg_attr(feature = "schema", derive(schemars::JsonSchema))]
+#[derive(Clone, Copy, Debug, PartialEq, serde::Serialize, serde::Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct EnsembleConfig {
+    /// K, the number of heads (oat's `num_ensemble`, default 20).
+    pub heads: usize,
+    /// Adam's learning rate (oat's `rm_lr`, default 1e-3); β₁ = 0.9, β₂ = 0.999, ε = 1e-8 as
+    /// torch's Adam.
+    pub lr: f64,
+    /// L2 weight decay added to the gradient, as torch's `Adam(weight_decay=…)` (oat's `rm_wd`,
+    /// default 5e-5).
+    pub weight_decay: f64,
+    /// λ of oat's prior term λ·(m/t)·mean over all weights of (θ − θ⁰)², which anchors each
+    /// head to its own random start (oat's `enn_lambda`, default 0.5; m the minibatch, t the
+    /// labels so far). 0 switches it off.
+    pub prior: f64,
+    /// Adam steps per update, each on a fresh minibatch of the buffer (oat's `rm_sgd_steps`,
+    /// default 5).
+    pub steps_per_update: u32,
+    /// Minibatch size m (oat's `train_bs`, default 128); while the buffer holds fewer pairs,
+    /// the minibatch is the whole buffer (oat skips training until it holds m).
+    pub batch: usize,
+    /// Head k starts at θ_1 + ε_k, ε_k drawn per head from N(0, (init_scale/√d)²) truncated at
+    /// ±2 standard deviations: oat's init of a linear layer is init_scale = 0.5 (the default).
+    pub init_scale: f64,
+    /// false (oat's, the default): one minibatch drawn without replacement, shared by every
+    /// head, so the heads differ by their random starts and prior only; true: each head draws
+    /// its own minibatch with replacement (a bootstrap resample of the buffer).
+    pub bootstrap: bool,
+}
+
+impl Default for EnsembleConfig {
+    fn default() -> Self {
+        EnsembleConfig {
+            heads: 20,
+            lr: 1e-3,
+            weight_decay: 5e-5,
+            prior: 0.5,
+            steps_per_update: 5,
+            batch: 128,
+            init_scale: 0.5,
+            bootstrap: false,
+        }
+    }
+}
+
 /// One estimator with its hyper-parameters.
 #[derive(Clone, Copy, Debug, PartialEq, serde::Serialize, serde::Deserialize)]
 pub enum EstimatorConfig {
@@ -303,6 +356,7 @@ pub enum EstimatorConfig {
     AdamReference(AdamConfig),
     OmdHvpCgAdam { cg: HvpCgConfig, adam: AdamConfig },
     SgdReplay(ReplayConfig),
+    Ensemble(EnsembleConfig),
 }
 
 impl EstimatorConfig {
@@ -318,6 +372,7 @@ impl EstimatorConfig {
             Kind::AdamReference => EstimatorConfig::AdamReference(Default::default()),
             Kind::OmdHvpCgAdam => EstimatorConfig::OmdHvpCgAdam { cg: Default::default(), adam: Default::default() },
             Kind::SgdReplay => EstimatorConfig::SgdReplay(Default::default()),
+            Kind::Ensemble => EstimatorConfig::Ensemble(Default::default()),
         }
     }
 
@@ -332,6 +387,7 @@ impl EstimatorConfig {
             EstimatorConfig::AdamReference(_) => Kind::AdamReference,
             EstimatorConfig::OmdHvpCgAdam { .. } => Kind::OmdHvpCgAdam,
             EstimatorConfig::SgdReplay(_) => Kind::SgdReplay,
+            EstimatorConfig::Ensemble(_) => Kind::Ensemble,
         }
     }
 
@@ -448,6 +504,24 @@ impl EstimatorConfig {
                 }
                 if m.lbfgs_memory == 0 {
                     return bad("lbfgs_memory", "0".into(), "≥ 1");
+                }
+                Ok(())
+            }
+            EstimatorConfig::Ensemble(e) => {
+                if e.heads < 2 {
+                    return bad("heads", e.heads.to_string(), "K ≥ 2 (one head has no spread)");
+                }
+                positive("lr", e.lr)?;
+                for (f, v) in [("weight_decay", e.weight_decay), ("prior", e.prior), ("init_scale", e.init_scale)] {
+                    if !(v.is_finite() && v >= 0.0) {
+                        return bad(f, v.to_string(), "a finite number ≥ 0");
+                    }
+                }
+                if e.steps_per_update == 0 {
+                    return bad("steps_per_update", "0".into(), "≥ 1");
+                }
+                if e.batch == 0 {
+                    return bad("batch", "0".into(), "≥ 1");
                 }
                 Ok(())
             }

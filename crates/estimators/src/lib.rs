@@ -16,6 +16,7 @@
 //! | `omd-hvp-cg+adam` | [`FirstOrder`] | Adam on the Alg. 5 direction |
 //! | `sgd-replay` | [`FirstOrder`] | SGD plus a replay pass every R steps (the authors' Active-MLE) |
 //! | `mle` | [`Mle`] | Eq. (1) with a ridge, re-fit on the whole history (Newton or L-BFGS) |
+//! | `ensemble` | [`Ensemble`] | K linear heads, Adam over a replay buffer (oat's `EnnEETS` reward model); θ = the heads' mean |
 //!
 //! [`build`] turns an [`EstimatorConfig`] into a boxed estimator. [`Curvature`] tracks 𝓗_t or
 //! V_t for selection rules, whatever the estimator. Kernels ([`linalg`]) are plain loops with
@@ -31,6 +32,7 @@ pub const VERSION: &str = env!("CARGO_PKG_VERSION");
 pub mod cg;
 mod config;
 pub mod curvature;
+mod ensemble;
 mod first_order;
 pub mod linalg;
 pub mod logistic;
@@ -40,6 +42,7 @@ pub mod rule;
 
 pub use config::*;
 pub use curvature::{Curvature, CurvatureKind, HessianPoint};
+pub use ensemble::Ensemble;
 pub use first_order::FirstOrder;
 pub use logistic::BatchStats;
 pub use mle::Mle;
@@ -199,6 +202,11 @@ pub trait Estimator: Send {
     fn inverse_norm(&mut self, _x: &[f64]) -> Option<f64> {
         None
     }
+    /// The heads θ_1..θ_K of an ensemble, K × d head-major (what Thompson sampling and the
+    /// ensemble's uncertainty rules draw from); `None` for an estimator of one θ.
+    fn heads(&self) -> Option<&[f64]> {
+        None
+    }
     /// Everything the estimator holds, borrowed for serialisation (checkpoints): deserialised
     /// as a [`Snapshot`], it continues bit for bit as this estimator would.
     fn snapshot(&self) -> SnapshotRef<'_>;
@@ -210,6 +218,7 @@ pub enum SnapshotRef<'a> {
     OmdExact(&'a OmdExact),
     FirstOrder(&'a FirstOrder),
     Mle(&'a Mle),
+    Ensemble(&'a Ensemble),
 }
 
 /// An estimator's whole state, owned (what a [`SnapshotRef`] serialised).
@@ -218,6 +227,7 @@ pub enum Snapshot {
     OmdExact(Box<OmdExact>),
     FirstOrder(Box<FirstOrder>),
     Mle(Box<Mle>),
+    Ensemble(Box<Ensemble>),
 }
 
 impl Snapshot {
@@ -227,6 +237,7 @@ impl Snapshot {
             Snapshot::OmdExact(e) => e,
             Snapshot::FirstOrder(e) => e,
             Snapshot::Mle(e) => e,
+            Snapshot::Ensemble(e) => e,
         }
     }
 }
@@ -275,6 +286,7 @@ pub fn build(cfg: &EstimatorConfig, setup: &Setup) -> Result<Box<dyn Estimator>,
     Ok(match cfg {
         EstimatorConfig::OmdExact(c) => Box::new(OmdExact::new(*c, theta0)?),
         EstimatorConfig::Mle(c) => Box::new(Mle::new(*c, theta0)),
+        EstimatorConfig::Ensemble(c) => Box::new(Ensemble::new(*c, theta0, setup.seed)),
         other => Box::new(FirstOrder::new(other, theta0, setup.planned_steps)?),
     })
 }

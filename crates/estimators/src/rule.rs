@@ -130,7 +130,7 @@ impl Rule {
             EstimatorConfig::SgdReplay(r) => (Direction::Gradient, sgd(&r.sgd), false),
             EstimatorConfig::Adam(a) => (Direction::Gradient, adam_state(*a, false, d), false),
             EstimatorConfig::AdamReference(a) => (Direction::Gradient, adam_state(*a, true, d), false),
-            EstimatorConfig::OmdExact(_) | EstimatorConfig::Mle(_) => {
+            EstimatorConfig::OmdExact(_) | EstimatorConfig::Mle(_) | EstimatorConfig::Ensemble(_) => {
                 return Err(EstimatorError::BadConfig {
                     kind: cfg.kind().as_str(),
                     field: "kind",

@@ -238,6 +238,7 @@ fn every_estimator_learns_on_a_realizable_stream() {
             EstimatorConfig::SgdReplay(c) => (c.sgd.lr, c.every) = (0.5, 50),
             EstimatorConfig::Adam(c) | EstimatorConfig::AdamReference(c) => c.lr = 0.05,
             EstimatorConfig::Mle(c) => c.refit_every = 25,
+            EstimatorConfig::Ensemble(c) => c.lr = 0.05,
             EstimatorConfig::OmdExact(_) => {}
         }
         let setup = Setup { dim: d, init: Init::Zero, seed: 0, planned_steps: Some(steps as u64) };
@@ -274,7 +275,12 @@ fn a_zero_gradient_reports_a_zero_step_and_cosine() {
     let y = [1f32, 0.0];
     for kind in Kind::ALL {
         let setup = Setup { dim: d, init: Init::Zero, seed: 0, planned_steps: Some(3) };
-        let mut e = build(&EstimatorConfig::default_for(kind), &setup).unwrap();
+        let mut cfg = EstimatorConfig::default_for(kind);
+        if let EstimatorConfig::Ensemble(c) = &mut cfg {
+            // the ensemble's objective has terms besides the loss: weight decay and the prior
+            (c.weight_decay, c.prior) = (0.0, 0.0);
+        }
+        let mut e = build(&cfg, &setup).unwrap();
         let rep = e.update(&Batch::new(&z, &y, d).unwrap()).unwrap();
         assert_eq!(rep.grad_norm, 0.0, "{kind}");
         assert_eq!(rep.step_norm, 0.0, "{kind}");

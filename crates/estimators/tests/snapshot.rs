@@ -22,6 +22,10 @@ fn configs() -> Vec<EstimatorConfig> {
         c.every = 5;
         out.push(EstimatorConfig::SgdReplay(c));
     }
+    // minibatches smaller than the buffer, shared and bootstrapped
+    for bootstrap in [false, true] {
+        out.push(EstimatorConfig::Ensemble(EnsembleConfig { heads: 3, batch: 5, bootstrap, ..Default::default() }));
+    }
     if let EstimatorConfig::OmdReference(mut c) = EstimatorConfig::default_for(Kind::OmdReference) {
         c.bf16_weights = true;
         out.push(EstimatorConfig::OmdReference(c));
