@@ -31,6 +31,7 @@ const WINRATES: &str = "winrates.parquet";
 const GENERATIONS: &str = "generations.parquet";
 const POLICY: &str = "policy.parquet";
 const UPDATES: &str = "policy_updates.parquet";
+const SAMPLES: &str = "policy_samples.parquet";
 const PTIMINGS: &str = "policy_timings.parquet";
 
 /// Every table, in the order a run writes them.
@@ -64,6 +65,13 @@ pub const TABLES: &[TableDoc] = &[
               arm of a seed.",
     },
     TableDoc {
+        file: SAMPLES,
+        doc: "One row per cell × evaluation × held-out prompt × sample: the samples policy.parquet's \
+              row averages (the same prompts for every seed, the seed's sampling streams), so that a \
+              difference can be analysed over seeds and prompts (the report's prompt-clustered \
+              interval reads it).",
+    },
+    TableDoc {
         file: UPDATES,
         doc: "One row per learning cell × chunk: the samples the policy drew on the chunk's training \
               prompts and the update they drove.",
@@ -89,18 +97,18 @@ pub const TABLES: &[TableDoc] = &[
     },
 ];
 
-const ARMS: &[&str] = &[CELLS, METRICS, POLICY, UPDATES];
+const ARMS: &[&str] = &[CELLS, METRICS, POLICY, SAMPLES, UPDATES];
 
 /// Every column, the key columns first (one per line, as a table reads).
 #[rustfmt::skip]
 pub const COLUMNS: &[ColumnDoc] = &[
     // the cell's key
-    ColumnDoc { tables: &[CELLS, METRICS, ROUNDS, POLICY, UPDATES, PTIMINGS, STEPS, TIMINGS], column: "cell_id", ty: "string", unit: "", doc: "The cell's id (`c0000`, `c0001`, … in the plan's order); its θ is `theta/<cell_id>.npy`, its adapters under `adapters/<cell_id>/`." },
-    ColumnDoc { tables: &[CELLS, METRICS, ROUNDS, POLICY, UPDATES, STEPS, WINRATES], column: "config_id", ty: "u32", unit: "", doc: "Index of the estimator config (after sweeps are expanded) in the run's plan." },
-    ColumnDoc { tables: &[CELLS, METRICS, ROUNDS, POLICY, UPDATES, STEPS, TIMINGS, WINRATES], column: "estimator", ty: "string", unit: "", doc: "The estimator kind (see the estimators reference)." },
-    ColumnDoc { tables: &[CELLS, METRICS, POLICY, UPDATES, PTIMINGS, STEPS, TIMINGS, WINRATES], column: "label", ty: "string", unit: "", doc: "The config's label: what plots and tables group by." },
-    ColumnDoc { tables: &[CELLS, METRICS, ROUNDS, POLICY, UPDATES, STEPS, WINRATES], column: "strategy", ty: "string?", unit: "", doc: "Deployment: the pair-selection strategy; active: the selection rule; null in passive runs." },
-    ColumnDoc { tables: &[CELLS, METRICS, ROUNDS, POLICY, UPDATES, PTIMINGS, STEPS, TIMINGS], column: "seed", ty: "u32", unit: "", doc: "Seed index (0 … seeds − 1); every random stream derives from (master_seed, seed, component)." },
+    ColumnDoc { tables: &[CELLS, METRICS, ROUNDS, POLICY, SAMPLES, UPDATES, PTIMINGS, STEPS, TIMINGS], column: "cell_id", ty: "string", unit: "", doc: "The cell's id (`c0000`, `c0001`, … in the plan's order); its θ is `theta/<cell_id>.npy`, its adapters under `adapters/<cell_id>/`." },
+    ColumnDoc { tables: &[CELLS, METRICS, ROUNDS, POLICY, SAMPLES, UPDATES, STEPS, WINRATES], column: "config_id", ty: "u32", unit: "", doc: "Index of the estimator config (after sweeps are expanded) in the run's plan." },
+    ColumnDoc { tables: &[CELLS, METRICS, ROUNDS, POLICY, SAMPLES, UPDATES, STEPS, TIMINGS, WINRATES], column: "estimator", ty: "string", unit: "", doc: "The estimator kind (see the estimators reference)." },
+    ColumnDoc { tables: &[CELLS, METRICS, POLICY, SAMPLES, UPDATES, PTIMINGS, STEPS, TIMINGS, WINRATES], column: "label", ty: "string", unit: "", doc: "The config's label: what plots and tables group by." },
+    ColumnDoc { tables: &[CELLS, METRICS, ROUNDS, POLICY, SAMPLES, UPDATES, STEPS, WINRATES], column: "strategy", ty: "string?", unit: "", doc: "Deployment: the pair-selection strategy; active: the selection rule; null in passive runs." },
+    ColumnDoc { tables: &[CELLS, METRICS, ROUNDS, POLICY, SAMPLES, UPDATES, PTIMINGS, STEPS, TIMINGS], column: "seed", ty: "u32", unit: "", doc: "Seed index (0 … seeds − 1); every random stream derives from (master_seed, seed, component)." },
     ColumnDoc { tables: &[METRICS], column: "setting", ty: "string", unit: "", doc: "`passive`, `active` or `deploy`." },
     ColumnDoc { tables: ARMS, column: "policy", ty: "string", unit: "", doc: "Runs with a learning policy: the cell's deployed policy (`best-of-n`, `rloo`, `dpo`, `ppo`, …)." },
     ColumnDoc { tables: &[PTIMINGS], column: "policy", ty: "string", unit: "", doc: "The cell's deployed policy." },
@@ -143,15 +151,15 @@ pub const COLUMNS: &[ColumnDoc] = &[
     ColumnDoc { tables: &[METRICS], column: "policy_reward", ty: "f64?", unit: "reward", doc: "Chunked deployment: mean oracle reward of the deployed response (best-of-n under θ at the chunk's start, or the fixed first sample)." },
     ColumnDoc { tables: &[METRICS], column: "kendall_tau", ty: "f64?", unit: "", doc: "Chunked deployment: mean Kendall τ_b between the learned and the oracle ranking of each prompt's samples." },
     ColumnDoc { tables: &[METRICS], column: "oracle_ties", ty: "u64?", unit: "", doc: "Chunked deployment: label ties of the argmax oracle so far." },
+    ColumnDoc { tables: &[METRICS], column: "flipped_labels", ty: "u64?", unit: "labels", doc: "`[oracle] flip` > 0 (the column is absent otherwise): the labels the noisy labeller has flipped so far, of the labels given to the learner (held-out labels are never flipped)." },
     // rounds.parquet
-    ColumnDoc { tables: &[ROUNDS, UPDATES, PTIMINGS, POLICY], column: "chunk", ty: "u64", unit: "", doc: "The chunk (policy tables: 0 is the evaluation before any update)." },
+    ColumnDoc { tables: &[ROUNDS, UPDATES, PTIMINGS, POLICY, SAMPLES], column: "chunk", ty: "u64", unit: "", doc: "The chunk (policy tables: 0 is the evaluation before any update)." },
     ColumnDoc { tables: &[ROUNDS], column: "prompt", ty: "u64", unit: "", doc: "Index of the prompt in the prompt file (as in generations.parquet)." },
     ColumnDoc { tables: &[ROUNDS], column: "first", ty: "u32", unit: "", doc: "The first response the strategy picked (its index among the prompt's samples)." },
     ColumnDoc { tables: &[ROUNDS], column: "second", ty: "u32", unit: "", doc: "The second response picked." },
     ColumnDoc { tables: &[ROUNDS], column: "reward_first", ty: "f64", unit: "reward", doc: "The oracle's reward of the first response." },
     ColumnDoc { tables: &[ROUNDS], column: "reward_second", ty: "f64", unit: "reward", doc: "The oracle's reward of the second response." },
     ColumnDoc { tables: &[ROUNDS], column: "label", ty: "f64", unit: "", doc: "The label: 1 when the first response is preferred, 0 when the second (½ for a tie where the oracle allows it)." },
-    ColumnDoc { tables: &[METRICS], column: "flipped_labels", ty: "u64?", unit: "labels", doc: "`[oracle] flip` > 0 (the column is absent otherwise): the labels the noisy labeller has flipped so far, of the labels given to the learner (held-out labels are never flipped)." },
     ColumnDoc { tables: &[ROUNDS], column: "policy_pick", ty: "u32", unit: "", doc: "The response the deployed policy picks (best under θ at the chunk's start)." },
     ColumnDoc { tables: &[ROUNDS], column: "policy_reward", ty: "f64", unit: "reward", doc: "The oracle's reward of the policy's pick." },
     ColumnDoc { tables: &[ROUNDS], column: "best_reward", ty: "f64", unit: "reward", doc: "max over the prompt's samples of the oracle's reward." },
@@ -174,6 +182,16 @@ pub const COLUMNS: &[ColumnDoc] = &[
     ColumnDoc { tables: &[POLICY], column: "merge_error", ty: "f64", unit: "", doc: "‖W_gen − (W + (α/r)BA)‖_F / ‖(α/r)BA‖_F over the adapted layers: the generating weights against the trained policy (0 when exact or unmoved)." },
     ColumnDoc { tables: &[POLICY], column: "policy_digest", ty: "string", unit: "", doc: "blake3 of the adapters that generated the samples (`base` for an arm that does not learn)." },
     ColumnDoc { tables: &[POLICY], column: "served_as", ty: "string", unit: "", doc: "`generate.backend = \"openai\"`: the model name the samples were requested under; empty for onepass's sampler." },
+    // policy_samples.parquet
+    ColumnDoc { tables: &[SAMPLES], column: "prompt", ty: "u64", unit: "", doc: "The held-out prompt (0-based, in the order of the prompts after generate.rows: the same prompt for every seed and arm)." },
+    ColumnDoc { tables: &[SAMPLES], column: "sample", ty: "u32", unit: "", doc: "The sample's index among the prompt's policy.eval_samples." },
+    ColumnDoc { tables: &[SAMPLES], column: "oracle_reward", ty: "f64", unit: "reward", doc: "The oracle's reward of the sample." },
+    ColumnDoc { tables: &[SAMPLES], column: "learned_reward", ty: "f64", unit: "reward", doc: "φᵀθ_t of the sample." },
+    ColumnDoc { tables: &[SAMPLES], column: "deployed", ty: "bool", unit: "", doc: "Whether the arm deploys the sample (every sample of a policy that deploys what it draws; best-of-n the one θ_t ranks first in its group of n): the prompt's policy_reward is the mean oracle_reward of its deployed samples." },
+    ColumnDoc { tables: &[SAMPLES], column: "tokens", ty: "u64", unit: "tokens", doc: "The sample's length." },
+    ColumnDoc { tables: &[SAMPLES], column: "kl", ty: "f64?", unit: "nats", doc: "The sample's sequence KL to the KL penalty's reference (policy.kl_estimator; null for a policy that does not learn)." },
+    ColumnDoc { tables: &[SAMPLES], column: "kl_initial", ty: "f64?", unit: "nats", doc: "The same to the initial policy." },
+    ColumnDoc { tables: &[SAMPLES], column: "logprob", ty: "f64?", unit: "nats", doc: "Σ log π of the sample's tokens under the evaluated policy (null for a policy that does not learn)." },
     // policy_updates.parquet
     ColumnDoc { tables: &[UPDATES], column: "rollout_oracle_reward", ty: "f64", unit: "reward", doc: "Mean oracle reward of the chunk's training samples." },
     ColumnDoc { tables: &[UPDATES], column: "rollout_learned_reward", ty: "f64", unit: "reward", doc: "Mean learned reward φᵀθ_t of the chunk's samples, after θ's update on the chunk." },

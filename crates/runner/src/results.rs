@@ -5,9 +5,9 @@
 use crate::io::{npy_f64, write_atomic, write_atomic_at};
 use crate::plan::{ConfigPlan, Plan};
 use crate::rows::{
-    Bucket, CellResult, CellStatus, CellTotals, Col, Key, MetricRow, PolicyRow, PolicyTiming, RoundRow, StepRow,
+    Bucket, CellResult, CellStatus, CellTotals, Col, Key, MetricRow, PolicyRow, PolicyTiming, RoundRow, SampleRow, StepRow,
     UpdateRow, WinRow, BUCKETS, CELL_STATUS, CELL_TOTALS, KEY, LABEL, METRICS, METRICS_CHUNKED, POLICY, POLICY_DIGEST,
-    POLICY_TIMINGS, POLICY_UPDATES, ROUNDS, STEPS, WINRATES,
+    POLICY_SAMPLES, POLICY_TIMINGS, POLICY_UPDATES, ROUNDS, STEPS, WINRATES,
 };
 use crate::world::World;
 use anyhow::{anyhow, Context, Result};
@@ -387,6 +387,9 @@ fn policy_tables(out: &mut Tables<'_>, cells: &[CellOutcome<'_>]) -> Result<()> 
         |(_, m)| m,
     );
     out.put("policy.parquet", t)?;
+    let rows: Vec<(&CellOutcome<'_>, &SampleRow)> = rows_of(cells, |r| &r.policy_samples);
+    let t = arm_cols(keyed(Table::default(), &rows), &rows, |(c, _)| c.config).cols(POLICY_SAMPLES, &rows, |(_, m)| m);
+    out.put("policy_samples.parquet", t)?;
     let rows: Vec<(&CellOutcome<'_>, &UpdateRow)> = rows_of(cells, |r| &r.policy_updates);
     let t = arm_cols(keyed(Table::default(), &rows), &rows, |(c, _)| c.config)
         .cols(POLICY_UPDATES, &rows, |(_, m)| m)
@@ -484,6 +487,11 @@ pub fn read_metrics(run: &Path) -> Result<Vec<(Key, MetricRow)>> {
 /// policy.parquet: a learning policy's evaluations.
 pub fn read_policy(run: &Path) -> Result<Vec<(Key, PolicyRow)>> {
     read_keyed(&run.join("policy.parquet"), &[POLICY, POLICY_DIGEST])
+}
+
+/// policy_samples.parquet: a learning policy's evaluations, one row per held-out sample.
+pub fn read_policy_samples(run: &Path) -> Result<Vec<(Key, SampleRow)>> {
+    read_keyed(&run.join("policy_samples.parquet"), &[POLICY_SAMPLES])
 }
 
 /// timings.parquet: each bucket's cell with its totals.

@@ -98,6 +98,8 @@ pub struct CellResult {
     /// (policy.parquet), its wall time per chunk (policy_timings.parquet), and its adapters in
     /// PEFT's layout (`adapters/<cell>/[chunk-NN/]`).
     pub policy: Vec<PolicyRow>,
+    /// The evaluations' samples (policy_samples.parquet).
+    pub policy_samples: Vec<SampleRow>,
     pub policy_updates: Vec<UpdateRow>,
     pub policy_times: Vec<PolicyTiming>,
     pub adapters: Vec<AdapterFiles>,
@@ -142,6 +144,35 @@ pub struct PolicyRow {
     /// `generate.backend = "openai"`: the name the samples were requested under on the server
     /// (the cell's adapter once it has moved, else the served model); "" for onepass's sampler.
     pub served_as: String,
+}
+
+/// One held-out sample of a policy evaluation (policy_samples.parquet): the rows a
+/// [`PolicyRow`] averages, kept so that a claim can be checked against prompt sampling (a
+/// seed × prompt analysis) after the run.
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+pub struct SampleRow {
+    pub chunk: u64,
+    /// The held-out prompt's index (0-based, in policy.eval_prompts' order: the same prompt for
+    /// every seed and arm).
+    pub prompt: u64,
+    /// The sample's index among the prompt's policy.eval_samples (the seed's held-out stream).
+    pub sample: u32,
+    /// The oracle's reward of the sample.
+    pub oracle_reward: f64,
+    /// φᵀθ_t of the sample.
+    pub learned_reward: f64,
+    /// Whether the arm deploys this sample: every sample of a policy that deploys what it
+    /// draws; best-of-n the one θ_t ranks first in its group of n. The prompt's
+    /// `policy_reward` is the mean oracle reward of its deployed samples.
+    pub deployed: bool,
+    pub tokens: u64,
+    /// The sample's sequence KL to the reference policy (policy.kl_estimator; None for a policy
+    /// that does not learn).
+    pub kl: Option<f64>,
+    /// The same to the initial policy.
+    pub kl_initial: Option<f64>,
+    /// Σ log π of the sample's tokens under the policy (None for a policy that does not learn).
+    pub logprob: Option<f64>,
 }
 
 /// A learning policy's chunk (policy_updates.parquet): the samples it drew on the chunk's
@@ -330,6 +361,9 @@ pub const METRICS_CHUNKED: &[Col<MetricRow>] = &[
     col!(OptU64 "oracle_ties" => oracle_ties),
 ];
 
+/// metrics.parquet's columns of a run whose oracle flips labels (`[oracle] flip` > 0).
+pub const METRICS_FLIP: &[Col<MetricRow>] = &[col!(OptU64 "flipped_labels" => flipped_labels)];
+
 /// rounds.parquet: one row per prompt of a chunked deployment run.
 pub const ROUNDS: &[Col<RoundRow>] = &[
     col!(U64 "chunk" => chunk),
@@ -360,10 +394,21 @@ pub const POLICY: &[Col<PolicyRow>] = &[
     col!(F64 "merge_error" => merge_error),
 ];
 
-/// policy.parquet's last column, after the deployed policy's (`results`).
-/// metrics.parquet's columns of a run whose oracle flips labels (`[oracle] flip` > 0).
-pub const METRICS_FLIP: &[Col<MetricRow>] = &[col!(OptU64 "flipped_labels" => flipped_labels)];
+/// policy_samples.parquet: one row per cell × evaluation × held-out prompt × sample.
+pub const POLICY_SAMPLES: &[Col<SampleRow>] = &[
+    col!(U64 "chunk" => chunk),
+    col!(U64 "prompt" => prompt),
+    col!(U32 "sample" => sample),
+    col!(F64 "oracle_reward" => oracle_reward),
+    col!(F64 "learned_reward" => learned_reward),
+    col!(Bool "deployed" => deployed),
+    col!(U64 "tokens" => tokens),
+    col!(OptF64 "kl" => kl),
+    col!(OptF64 "kl_initial" => kl_initial),
+    col!(OptF64 "logprob" => logprob),
+];
 
+/// policy.parquet's last column, after the deployed policy's (`results`).
 pub const POLICY_DIGEST: &[Col<PolicyRow>] =
     &[col!(Str "policy_digest" => policy_digest), col!(Str "served_as" => served_as)];
 

@@ -1066,12 +1066,7 @@ fn policy_summary(outcomes: &[results::CellOutcome<'_>]) -> String {
         .iter()
         .filter_map(|o| o.result.as_ref().ok().map(|r| (o, r)))
         .flat_map(|(o, r)| {
-            r.policy.iter().map(move |p| crate::report::Row {
-                label: o.config.label.clone(),
-                seed: o.seed,
-                samples: p.chunk,
-                values: [("policy_reward", p.policy_reward)].into(),
-            })
+            r.policy.iter().map(move |p| crate::report::policy_row(o.config.label.clone(), o.seed, p))
         })
         .collect();
     crate::report::policy_console(&rows)

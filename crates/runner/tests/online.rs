@@ -154,11 +154,97 @@ fn learning_policies_move_the_fixed_one_does_not_and_every_arm_starts_alike() {
             assert!(st.names().iter().any(|n| n.ends_with("self_attn.q_proj.lora_B.weight")));
         }
     }
+    policy_samples_are_the_rows_policy_averages(&dir);
     // same spec, one thread: the same bytes
     let one = run(p, "b", "1");
-    for f in ["policy.parquet", "metrics.parquet", "rounds.parquet", "cells.parquet"] {
+    for f in ["policy.parquet", "policy_samples.parquet", "metrics.parquet", "rounds.parquet", "cells.parquet"] {
         assert!(std::fs::read(dir.join(f)).unwrap() == std::fs::read(one.join(f)).unwrap(), "{f}: 1 vs 2 threads");
     }
+}
+
+/// policy_samples.parquet holds, per cell and evaluation, eval_prompts × eval_samples rows whose
+/// means are policy.parquet's row (recomputed here from the samples: the oracle reward of all
+/// and of the deployed ones, the learned reward, length, KL to the reference and to the initial
+/// policy); every arm of a seed sees the same base samples at chunk 0; best-of-n deploys one
+/// sample per group of n, a learning arm all. The report gives the seeds × prompts interval.
+fn policy_samples_are_the_rows_policy_averages(dir: &Path) {
+    let t = table(&dir.join("policy.parquet"));
+    let s = table(&dir.join("policy_samples.parquet"));
+    let (cell, chunk, prompt, sample) = (strs(&s, "cell_id"), u64s(&s, "chunk"), u64s(&s, "prompt"), u32s(&s, "sample"));
+    let (oracle, learned, deployed) =
+        (f64s(&s, "oracle_reward"), f64s(&s, "learned_reward"), util::bools(&s, "deployed"));
+    let (tokens, kl, kl0) = (u64s(&s, "tokens"), util::opt_f64s(&s, "kl"), util::opt_f64s(&s, "kl_initial"));
+    let (seed, arm) = (u32s(&s, "seed"), strs(&s, "policy"));
+    // (cell, chunk) → its samples' indices
+    let mut by: BTreeMap<(String, u64), Vec<usize>> = BTreeMap::new();
+    for i in 0..cell.len() {
+        by.entry((cell[i].clone(), chunk[i])).or_default().push(i);
+    }
+    let (tc, tk) = (strs(&t, "cell_id"), u64s(&t, "chunk"));
+    assert_eq!(by.len(), tc.len(), "one group of samples per policy.parquet row");
+    let mean = |v: &[f64]| v.iter().sum::<f64>() / v.len() as f64;
+    let close = |a: f64, b: f64, what: &str| assert!((a - b).abs() <= 1e-9 * (1.0 + b.abs()), "{what}: {a} vs {b}");
+    let mut base: BTreeMap<u32, Vec<f64>> = BTreeMap::new();
+    for r in 0..tc.len() {
+        let ix = &by[&(tc[r].clone(), tk[r])];
+        assert_eq!(ix.len(), 3 * 3, "{} chunk {}: eval_prompts 3 × eval_samples n = 3", tc[r], tk[r]);
+        let got: Vec<(u64, u32)> = ix.iter().map(|&i| (prompt[i], sample[i])).collect();
+        let want: Vec<(u64, u32)> = (0..3u64).flat_map(|p| (0..3u32).map(move |j| (p, j))).collect();
+        assert_eq!(got, want, "{}: prompts and samples in order", tc[r]);
+        let pick = |v: &[f64]| ix.iter().map(|&i| v[i]).collect::<Vec<f64>>();
+        close(mean(&pick(&oracle)), f64s(&t, "sample_reward")[r], "sample_reward");
+        close(mean(&pick(&learned)), f64s(&t, "learned_reward")[r], "learned_reward");
+        let dep: Vec<f64> = ix.iter().filter(|&&i| deployed[i]).map(|&i| oracle[i]).collect();
+        close(mean(&dep), f64s(&t, "policy_reward")[r], "policy_reward");
+        let n_dep = if arm[ix[0]] == "best-of-n" { 3 } else { 9 };
+        assert_eq!(dep.len(), n_dep, "{}: deployed samples", arm[ix[0]]);
+        let toks: Vec<f64> = ix.iter().map(|&i| tokens[i] as f64).collect();
+        close(mean(&toks), f64s(&t, "response_tokens")[r], "response_tokens");
+        if arm[ix[0]] == "best-of-n" {
+            assert!(ix.iter().all(|&i| kl[i].is_none() && kl0[i].is_none()), "a fixed policy has no KL");
+        } else {
+            let k: Vec<f64> = ix.iter().map(|&i| kl[i].unwrap()).collect();
+            let k0: Vec<f64> = ix.iter().map(|&i| kl0[i].unwrap()).collect();
+            close(mean(&k), f64s(&t, "kl")[r], "kl");
+            close(mean(&k0), f64s(&t, "kl_initial")[r], "kl_initial");
+        }
+        if tk[r] == 0 {
+            let b = pick(&oracle);
+            let first = base.entry(seed[ix[0]]).or_insert_with(|| b.clone());
+            assert_eq!(*first, b, "{}: chunk 0's samples differ from another arm's of its seed", tc[r]);
+        }
+    }
+    let (code, _, err) = onepass(dir, &["report", dir.to_str().unwrap()]).parts();
+    assert_eq!(code, 0, "{err}");
+    let md = std::fs::read_to_string(dir.join("report").join("report.md")).unwrap();
+    assert!(md.contains("seeds × prompts bootstrap 95%") && md.contains("(2×3)"), "{md}");
+    // policy_comparisons.csv: each arm against the base, recomputed here from policy.parquet
+    // (the base: chunk 0's sample_reward; the arm: policy_reward after the last chunk)
+    let csv = std::fs::read_to_string(dir.join("report").join("policy_comparisons.csv")).unwrap();
+    let (lab, ch, seeds) = (strs(&t, "label"), u64s(&t, "chunk"), u32s(&t, "seed"));
+    let (pr, sr) = (f64s(&t, "policy_reward"), f64s(&t, "sample_reward"));
+    let mut against_base = 0;
+    for line in csv.lines().skip(1) {
+        let f: Vec<&str> = line.split(',').collect();
+        if f[2] != "base" {
+            continue;
+        }
+        against_base += 1;
+        let label = format!("{} / {}", f[0], f[1]);
+        let mut d = Vec::new();
+        for sd in 0..2u32 {
+            let at = |c: u64| (0..lab.len()).find(|&i| lab[i] == label && seeds[i] == sd && ch[i] == c).unwrap();
+            d.push(pr[at(3)] - sr[at(0)]);
+        }
+        assert_eq!(f[3], "2", "{line}");
+        let want = (d[0] + d[1]) / 2.0;
+        let got: f64 = f[6].parse().unwrap();
+        assert!((got - want).abs() < 1e-12, "{label}: report {got} vs policy.parquet {want}");
+        // the bootstrap over 2 seeds × 3 prompts brackets its own mean
+        let (lo, hi): (f64, f64) = (f[13].parse().unwrap(), f[14].parse().unwrap());
+        assert!(lo <= want && want <= hi, "{line}");
+    }
+    assert_eq!(against_base, 3 * 2, "3 arms × 2 strategies against the base: {csv}");
 }
 
 /// The deployed policy of a cell.
@@ -612,6 +698,35 @@ fn a_policy_that_diverges_fails_its_cell_on_one_line() {
     let tmp = setup(0.05);
     let (code, _, err) = onepass(tmp.path(), &["run", "run.toml", "--out", "a", "--threads", "2"]).parts();
     assert_eq!(code, 0, "{err}");
+}
+
+/// A finite policy its update overwrote passes every other check: policy.max_kl's guard fails
+/// its cell naming policy.lr (here a bound no update can meet, so the tiny random model need
+/// not collapse); the cells that do not learn finish, and the run exits non-zero. The default
+/// bound passes the same run (the negative control is the test above, with the same lr).
+#[test]
+fn a_policy_past_max_kl_fails_its_cell_naming_the_lr() {
+    let tmp = setup(0.05);
+    let p = tmp.path();
+    let text = spec(0.05)
+        .replace("chunks = 3", "chunks = 1")
+        .replace(r#"strategies = ["random-pair", "best-quantile"]"#, r#"strategies = ["best-quantile"]"#)
+        .replace(r#"policy = ["best-of-n", "rloo", "dpo"]"#, r#"policy = ["best-of-n", "rloo"]"#)
+        .replace("lr = 0.05\n", "lr = 0.05\nmax_kl = 1e-12\n");
+    assert!(text.contains("max_kl = 1e-12"));
+    std::fs::write(p.join("run.toml"), text).unwrap();
+    let (code, _, err) = onepass(p, &["run", "run.toml", "--out", "a", "--threads", "2"]).parts();
+    assert_ne!(code, 0, "a policy past max_kl exited 0");
+    let cells = table(&only_run(p, "a").join("cells.parquet"));
+    let (status, arm, msg) = (strs(&cells, "status"), strs(&cells, "policy"), strs(&cells, "err"));
+    for i in 0..status.len() {
+        let learns = arm[i] != "best-of-n";
+        assert_eq!(status[i] == "failed", learns, "{}: {} ({})", arm[i], status[i], msg[i]);
+        if learns {
+            assert!(msg[i].contains("destroyed") && msg[i].contains("policy.lr (now 0.05)") && msg[i].contains("policy.max_kl = 0.000000000001"), "{}", msg[i]);
+        }
+    }
+    assert!(err.contains("policy.max_kl"), "{err}");
 }
 
 /// The run directory `onepass run run.toml --out out` made under `p` (its only entry).

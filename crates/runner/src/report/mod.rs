@@ -50,20 +50,62 @@ type Value<R, T> = (&'static str, fn(&R) -> T);
 
 /// The policy.parquet values that get a figure, by column name (the typed row: a renamed field
 /// is a compile error here).
-const POLICY_VALUES: [Value<PolicyRow, f64>; 3] =
-    [("policy_reward", |r| r.policy_reward), ("bon_reward", |r| r.bon_reward), ("kl_initial", |r| r.kl_initial)];
+const POLICY_VALUES: [Value<PolicyRow, f64>; 4] = [
+    ("policy_reward", |r| r.policy_reward),
+    ("bon_reward", |r| r.bon_reward),
+    ("kl_initial", |r| r.kl_initial),
+    ("sample_reward", |r| r.sample_reward),
+];
+
+/// Per label and seed: per held-out prompt the base policy's mean oracle reward at the first
+/// evaluation (chunk 0: all its samples) and the arm's deployed reward at the last
+/// (policy_samples.parquet; see [`first_last`] for the seed-level means of the same).
+pub type PromptGrid = BTreeMap<String, BTreeMap<u32, (Vec<f64>, Vec<f64>)>>;
+
+/// A run's policy_samples.parquet as a [`PromptGrid`]; None for a run written before the table
+/// existed.
+pub fn read_prompt_grid(run: &Path) -> Result<Option<PromptGrid>> {
+    if !run.join("policy_samples.parquet").exists() {
+        return Ok(None);
+    }
+    // label → seed → chunk → prompt → (deployed sum, deployed n, all sum, all n)
+    type Sums = BTreeMap<u64, (f64, usize, f64, usize)>;
+    let mut at: BTreeMap<String, BTreeMap<u32, BTreeMap<u64, Sums>>> = BTreeMap::new();
+    for (k, r) in results::read_policy_samples(run)? {
+        let e = at.entry(k.label).or_default().entry(k.seed).or_default().entry(r.chunk).or_default();
+        let e = e.entry(r.prompt).or_default();
+        if r.deployed {
+            (e.0, e.1) = (e.0 + r.oracle_reward, e.1 + 1);
+        }
+        (e.2, e.3) = (e.2 + r.oracle_reward, e.3 + 1);
+    }
+    let mean = |s: f64, n: usize| if n == 0 { f64::NAN } else { s / n as f64 };
+    Ok(Some(
+        at.into_iter()
+            .map(|(l, seeds)| {
+                let seeds = seeds
+                    .into_iter()
+                    .filter_map(|(s, chunks)| {
+                        let base = chunks.values().next()?.values().map(|e| mean(e.2, e.3)).collect();
+                        let last = chunks.values().last()?.values().map(|e| mean(e.0, e.1)).collect();
+                        Some((s, (base, last)))
+                    })
+                    .collect();
+                (l, seeds)
+            })
+            .collect(),
+    ))
+}
+
+/// A policy evaluation as the report's row (x: the chunk): the console's table, built from
+/// the cells in memory, and the report's, read from policy.parquet, see the same values.
+pub fn policy_row(label: String, seed: u32, r: &PolicyRow) -> Row {
+    Row { label, seed, samples: r.chunk, values: POLICY_VALUES.iter().map(|(n, get)| (*n, get(r))).collect() }
+}
 
 /// A run's policy.parquet as rows whose x is the chunk.
 pub fn read_policy(run: &Path) -> Result<Vec<Row>> {
-    Ok(results::read_policy(run)?
-        .into_iter()
-        .map(|(k, r)| Row {
-            label: k.label,
-            seed: k.seed,
-            samples: r.chunk,
-            values: POLICY_VALUES.iter().map(|(n, get)| (*n, get(&r))).collect(),
-        })
-        .collect())
+    Ok(results::read_policy(run)?.into_iter().map(|(k, r)| policy_row(k.label, k.seed, &r)).collect())
 }
 
 /// Mean and standard error of the mean (sd/√n; 0 for one value).
@@ -72,19 +114,25 @@ fn mean_se(v: &[f64]) -> (f64, f64) {
     (m, sd / (v.len() as f64).sqrt())
 }
 
-/// Per label and seed: the held-out policy reward at the first evaluation (chunk 0: the base
-/// policy on the seed's streams) and at the last.
+/// Per label and seed: the base policy at the first evaluation (chunk 0, on the seed's
+/// streams: the mean oracle reward of its samples, `sample_reward`, the same for every arm of
+/// the seed — a reranking arm is compared with the base policy as drawn, not with its own pick
+/// under θ_0) and the arm's deployed reward (`policy_reward`) at the last.
 fn first_last(rows: &[Row]) -> BTreeMap<String, BTreeMap<u32, (f64, f64)>> {
-    let mut at: BTreeMap<String, BTreeMap<u32, BTreeMap<u64, f64>>> = BTreeMap::new();
+    let mut at: BTreeMap<String, BTreeMap<u32, BTreeMap<u64, (f64, f64)>>> = BTreeMap::new();
     for r in rows {
         if let Some(&v) = r.values.get("policy_reward") {
-            at.entry(r.label.clone()).or_default().entry(r.seed).or_default().insert(r.samples, v);
+            // rows without sample_reward (a table of one column): the deployed reward is the base
+            let base = r.values.get("sample_reward").copied().unwrap_or(v);
+            at.entry(r.label.clone()).or_default().entry(r.seed).or_default().insert(r.samples, (base, v));
         }
     }
     at.into_iter()
         .map(|(l, seeds)| {
-            let fl =
-                seeds.into_iter().filter_map(|(s, c)| Some((s, (*c.values().next()?, *c.values().last()?)))).collect();
+            let fl = seeds
+                .into_iter()
+                .filter_map(|(s, c)| Some((s, (c.values().next()?.0, c.values().last()?.1))))
+                .collect();
             (l, fl)
         })
         .collect()
@@ -219,69 +267,178 @@ pub fn policy_console(rows: &[Row]) -> String {
 /// difference; then every pair of arms that share an estimator and strategy, paired by seed at
 /// the last evaluation. Each difference is [`stats::paired`]'s: its 95% t-interval (df = seeds −
 /// 1) and two-sided p; "detectable" is the smallest true difference found with 80% power.
-pub fn policy_table(rows: &[Row]) -> String {
-    // the paired comparison over seeds (stats::paired on the differences d): mean with its 95%
-    // t-interval and p; one seed: a difference with no interval
-    let show = |d: &[f64]| {
-        let p = stats::paired(&vec![0.0; d.len()], d).expect("at least one seed");
-        match (p.ci95, p.p) {
-            (Some((lo, hi)), Some(pv)) => format!("{:+.3} [{lo:+.3}, {hi:+.3}], p = {pv:.3}", p.mean),
-            _ => format!("{:+.3} (1 seed: no interval)", p.mean),
-        }
+pub fn policy_table(cs: &[Comparison]) -> String {
+    let show = |c: &Comparison| match (c.paired.ci95, c.paired.p) {
+        (Some((lo, hi)), Some(pv)) => format!("{:+.3} [{lo:+.3}, {hi:+.3}], p = {pv:.3}", c.paired.mean),
+        _ => format!("{:+.3} (1 seed: no interval)", c.paired.mean),
     };
-    let detectable = |d: &[f64]| {
-        stats::paired(&vec![0.0; d.len()], d).and_then(|p| p.mdd80).map_or("–".to_string(), |m| format!("{m:.3}"))
+    let detectable = |c: &Comparison| c.paired.mdd80.map_or("–".to_string(), |m| format!("{m:.3}"));
+    let crossed = |c: &Comparison| {
+        c.crossed.map_or("–".to_string(), |x| format!("[{:+.3}, {:+.3}] ({}×{})", x.ci95.0, x.ci95.1, x.seeds, x.prompts))
     };
-    let fl = first_last(rows);
+    let num = |v: Option<f64>| v.map_or("—".to_string(), |x| format!("{x:.3}"));
     let mut out = String::from(
-        "| arm | seeds | base (chunk 0) | last | last − base [95% t-interval], p | detectable (80% power) | best of n under θ, last | KL to initial, last |\n|---|---|---|---|---|---|---|---|\n",
+        "| arm | seeds | base (chunk 0) | last | last − base [95% t-interval], p | detectable (80% power) | seeds × prompts bootstrap 95% | best of n under θ, last | KL to initial, last |\n|---|---|---|---|---|---|---|---|---|\n",
     );
+    let mut pairs = String::new();
+    for c in cs {
+        match &c.against {
+            None => out.push_str(&format!(
+                "| {} | {} | {} | {} | {} | {} | {} | {} | {} |\n",
+                c.label,
+                c.paired.n,
+                num(c.base),
+                num(c.last),
+                show(c),
+                detectable(c),
+                crossed(c),
+                num(c.bon_last),
+                num(c.kl_last)
+            )),
+            Some(b) => pairs.push_str(&format!(
+                "| {} | {} − {b} | {} | {} | {} | {} |\n",
+                c.group,
+                c.arm,
+                c.paired.n,
+                show(c),
+                detectable(c),
+                crossed(c)
+            )),
+        }
+    }
+    if !pairs.is_empty() {
+        out.push_str("\nPaired differences between arms at the last evaluation (same seed: same held-out prompts and streams).\n\n| estimator / strategy | difference | seeds | mean [95% t-interval], p | detectable (80% power) | seeds × prompts bootstrap 95% |\n|---|---|---|---|---|---|\n");
+        out.push_str(&pairs);
+    }
+    out
+}
+
+/// One comparison of the policy table: an arm after its last chunk against the base policy
+/// (`against` None), or against another arm of its estimator × strategy at the last evaluation.
+#[derive(Clone, Debug)]
+pub struct Comparison {
+    /// The arm's full label, its estimator × strategy (the label up to its last " / ") and its
+    /// arm (the rest).
+    pub label: String,
+    pub group: String,
+    pub arm: String,
+    /// The other arm (its part of the label), or None: the base policy.
+    pub against: Option<String>,
+    /// Means over seeds of the base (chunk 0) and of the arm after the last chunk (vs the base).
+    pub base: Option<f64>,
+    pub last: Option<f64>,
+    /// Over seeds ([`stats::paired`]).
+    pub paired: stats::Paired,
+    /// Over seeds and prompts ([`stats::crossed_bootstrap`]; None without per-prompt rows).
+    pub crossed: Option<stats::Crossed>,
+    pub bon_last: Option<f64>,
+    pub kl_last: Option<f64>,
+}
+
+/// Every comparison of the policy table, computed once: the markdown table
+/// ([`policy_table`]) and `report/policy_comparisons.csv` ([`policy_csv`]) render the same
+/// values. Replicates are seeds (every arm of a seed shares its streams and base samples, so
+/// two cells of one seed are never pooled as two replicates).
+pub fn policy_comparisons(rows: &[Row], grid: Option<&PromptGrid>) -> Vec<Comparison> {
+    let fl = first_last(rows);
+    let cell = |label: &str| grid.and_then(|g| g.get(label));
+    let crossed = |d: Vec<Vec<f64>>| stats::crossed_bootstrap(&d, stats::RESAMPLES);
+    let group =
+        |l: &str| l.rsplit_once(" / ").map_or((String::new(), l.to_string()), |(g, a)| (g.to_string(), a.to_string()));
     let bon = series(rows, "bon_reward");
     let kl = series(rows, "kl_initial");
+    let at_last = |m: &BTreeMap<String, BTreeMap<u64, Vec<f64>>>, label: &str| {
+        m.get(label).and_then(|x| x.values().last()).map(|v| mean_std(v).0)
+    };
+    let mut out = Vec::new();
     for (label, seeds) in &fl {
         let base: Vec<f64> = seeds.values().map(|p| p.0).collect();
         let last: Vec<f64> = seeds.values().map(|p| p.1).collect();
-        let diff: Vec<f64> = seeds.values().map(|p| p.1 - p.0).collect();
-        let at_last = |m: &BTreeMap<String, BTreeMap<u64, Vec<f64>>>| {
-            m.get(label).and_then(|x| x.values().last()).map_or("—".to_string(), |v| format!("{:.3}", mean_std(v).0))
-        };
-        out.push_str(&format!(
-            "| {label} | {} | {:.3} | {:.3} | {} | {} | {} | {} |\n",
-            seeds.len(),
-            mean_std(&base).0,
-            mean_std(&last).0,
-            show(&diff),
-            detectable(&diff),
-            at_last(&bon),
-            at_last(&kl)
-        ));
+        let Some(paired) = stats::paired(&base, &last) else { continue };
+        let (group, arm) = group(label);
+        // per (seed, prompt): the arm's deployed reward after its last chunk − the base's
+        let d: Vec<Vec<f64>> = cell(label)
+            .map(|s| s.values().map(|(b, l)| l.iter().zip(b).map(|(x, y)| x - y).collect()).collect())
+            .unwrap_or_default();
+        out.push(Comparison {
+            label: label.clone(),
+            group,
+            arm,
+            against: None,
+            base: Some(mean_std(&base).0),
+            last: Some(mean_std(&last).0),
+            paired,
+            crossed: crossed(d),
+            bon_last: at_last(&bon, label),
+            kl_last: at_last(&kl, label),
+        });
     }
-    // arms of one estimator × strategy: the label up to its last " / " (the arm follows it)
-    let group =
-        |l: &str| l.rsplit_once(" / ").map_or((String::new(), l.to_string()), |(g, a)| (g.to_string(), a.to_string()));
     let labels: Vec<&String> = fl.keys().collect();
-    let mut pairs = String::new();
     for (i, a) in labels.iter().enumerate() {
         for b in &labels[i + 1..] {
             let ((ga, arm_a), (gb, arm_b)) = (group(a), group(b));
             if ga != gb {
                 continue;
             }
-            let d: Vec<f64> = fl[*a].iter().filter_map(|(s, pa)| fl[*b].get(s).map(|pb| pa.1 - pb.1)).collect();
-            if d.is_empty() {
-                continue;
-            }
-            pairs.push_str(&format!(
-                "| {ga} | {arm_a} − {arm_b} | {} | {} | {} |\n",
-                d.len(),
-                show(&d),
-                detectable(&d)
-            ));
+            let (xa, xb): (Vec<f64>, Vec<f64>) =
+                fl[*a].iter().filter_map(|(s, pa)| fl[*b].get(s).map(|pb| (pb.1, pa.1))).unzip();
+            let Some(paired) = stats::paired(&xa, &xb) else { continue };
+            let d: Vec<Vec<f64>> = match (cell(a), cell(b)) {
+                (Some(sa), Some(sb)) => sa
+                    .iter()
+                    .filter_map(|(s, (_, la))| sb.get(s).map(|(_, lb)| la.iter().zip(lb).map(|(x, y)| x - y).collect()))
+                    .collect(),
+                _ => Vec::new(),
+            };
+            out.push(Comparison {
+                label: (*a).clone(),
+                group: ga,
+                arm: arm_a,
+                against: Some(arm_b),
+                base: None,
+                last: None,
+                paired,
+                crossed: crossed(d),
+                bon_last: None,
+                kl_last: None,
+            });
         }
     }
-    if !pairs.is_empty() {
-        out.push_str("\nPaired differences between arms at the last evaluation (same seed: same held-out prompts and streams).\n\n| estimator / strategy | difference | seeds | mean [95% t-interval], p | detectable (80% power) |\n|---|---|---|---|---|\n");
-        out.push_str(&pairs);
+    out
+}
+
+/// The policy table's comparisons as CSV (`report/policy_comparisons.csv`), one row each: what
+/// is compared, seeds, the mean difference, its 95% t-interval (df = seeds − 1), p, the
+/// difference detectable at 80% power, and the seeds × prompts bootstrap interval (empty where
+/// a value does not exist: one seed, or a run without policy_samples.parquet).
+pub fn policy_csv(cs: &[Comparison]) -> String {
+    let f = |v: Option<f64>| v.map_or(String::new(), |x| format!("{x}"));
+    let q = |s: &str| if s.contains([',', '"']) { format!("\"{}\"", s.replace('"', "\"\"")) } else { s.to_string() };
+    let mut out = String::from(
+        "group,arm,against,seeds,base,last,mean,se,ci95_lo,ci95_hi,p,detectable_80,prompts,boot95_lo,boot95_hi,bon_last,kl_initial_last\n",
+    );
+    for c in cs {
+        let p = &c.paired;
+        out.push_str(&format!(
+            "{},{},{},{},{},{},{},{},{},{},{},{},{},{},{},{},{}\n",
+            q(&c.group),
+            q(&c.arm),
+            q(c.against.as_deref().unwrap_or("base")),
+            p.n,
+            f(c.base),
+            f(c.last),
+            p.mean,
+            f(p.se),
+            f(p.ci95.map(|x| x.0)),
+            f(p.ci95.map(|x| x.1)),
+            f(p.p),
+            f(p.mdd80),
+            c.crossed.map_or(String::new(), |x| x.prompts.to_string()),
+            f(c.crossed.map(|x| x.ci95.0)),
+            f(c.crossed.map(|x| x.ci95.1)),
+            f(c.bon_last),
+            f(c.kl_last)
+        ));
     }
     out
 }
@@ -931,8 +1088,10 @@ fn write_report(run: &Path, out: &Path, rows: &[Row]) -> Result<()> {
     }
     let policy = if run.join("policy.parquet").exists() { read_policy(run)? } else { Vec::new() };
     if !policy.is_empty() {
-        md.push_str("\n## The policy\n\nOn the held-out prompts, the oracle reward of what each arm deploys (`policy_reward`: a learning policy's samples, best-of-n its pick under θ): the base policy at chunk 0 and after the last chunk, both on the seed's sampling streams, their paired difference over seeds with its 95% t-interval (df = seeds − 1) and two-sided p, and the smallest difference detectable at 80% power ((t₀.₉₇₅ + t₀.₈₀)·SE); best of n under θ and the sequence KL to the initial policy after the last chunk (means over seeds).\n\n");
-        md.push_str(&policy_table(&policy));
+        md.push_str(&format!("\n## The policy\n\nOn the held-out prompts, the oracle reward of what each arm deploys (`policy_reward`: a learning policy's samples, best-of-n its pick under θ) after the last chunk against the base policy (chunk 0: the mean of its samples, `sample_reward`, the same for every arm of a seed), both on the seed's sampling streams; their paired difference over seeds with its 95% t-interval (df = seeds − 1) and two-sided p, and the smallest difference detectable at 80% power ((t₀.₉₇₅ + t₀.₈₀)·SE). The t-interval treats the held-out prompts as fixed; the seeds × prompts column resamples seeds and prompts together (the pigeonhole bootstrap, {} resamples, percentile interval; from policy_samples.parquet), so it also covers which prompts were drawn. Best of n under θ and the sequence KL to the initial policy after the last chunk are means over seeds.\n\n", stats::RESAMPLES));
+        let cs = policy_comparisons(&policy, read_prompt_grid(run)?.as_ref());
+        md.push_str(&policy_table(&cs));
+        crate::io::write_atomic(&out.join("policy_comparisons.csv"), policy_csv(&cs).as_bytes())?;
     }
     let times = cell_times(run).unwrap_or_default();
     md.push_str("\n## Time and κ\n\nPer cell, mean ± std over seeds. κ over the samples each estimator trained on (windows between evaluations, all seeds); the paper's appendix reports κ = 171.6 ± 85.5 (Llama-3-8B, UltraFeedback).\n\n");
@@ -1024,7 +1183,7 @@ pub fn compare(runs: &[PathBuf]) -> Result<String> {
         all.push((name.clone(), read_metrics(r)?));
         if r.join("policy.parquet").exists() {
             policies.push_str(&format!("\n{name}: the policy on held-out prompts, paired over seeds\n\n"));
-            policies.push_str(&policy_table(&read_policy(r)?));
+            policies.push_str(&policy_table(&policy_comparisons(&read_policy(r)?, read_prompt_grid(r)?.as_ref())));
         }
     }
     Ok(intro + "\n" + &final_table(&all) + &policies)

@@ -178,6 +178,7 @@ pub(super) fn deploy_chunked(
         rounds: pr.deploy.rounds,
         stream_hash: pr.hash.0,
         policy: pr.policy.rows,
+        policy_samples: pr.policy.samples,
         policy_updates: pr.policy.updates,
         policy_times: pr.policy.times,
         adapters: pr.policy.adapters,
@@ -196,8 +197,9 @@ fn before_first_chunk(
     chunks: usize,
 ) -> Result<()> {
     let t0 = Instant::now();
-    let (row, e) = pc.evaluate(0, l.theta(), d, lrm.map(|m| m.features()))?;
+    let (row, samples, e) = pc.evaluate(0, l.theta(), d, lrm.map(|m| m.features()))?;
     pr.policy.rows.push(row);
+    pr.policy.samples.extend(samples);
     let mut time = PolicyTiming { chunk: 0, eval_s: t0.elapsed().as_secs_f64(), ..Default::default() };
     time.record_eval(e);
     let (digest, t1) = (pc.digest()?, Instant::now());
@@ -428,9 +430,9 @@ fn chunk_row(
     row.policy_reward = Some(labels.deployed_sum / n);
     row.kendall_tau = Some(labels.tau_sum / n);
     row.oracle_ties = Some(pr.deploy.oracle_ties);
+    row.flipped_labels = env.flipped(&pr.flips);
     Ok(row)
 }
-    row.flipped_labels = env.flipped(&pr.flips);
 
 /// Where the policy's step of a chunk is.
 struct PolicyStep<'a> {
@@ -484,8 +486,10 @@ fn policy_step(
     let every = pc.online.spec.eval_every_chunks as u64;
     if t.is_multiple_of(every) || s.last {
         let t2 = Instant::now();
-        let (row, e) = pc.evaluate(t, l.theta(), d, learned)?;
+        let (row, samples, e) = pc.evaluate(t, l.theta(), d, learned)?;
+        pc.check_not_destroyed(&row, pr.policy.rows.first())?;
         pr.policy.rows.push(row);
+        pr.policy.samples.extend(samples);
         time.eval_s = t2.elapsed().as_secs_f64();
         time.record_eval(e);
     }

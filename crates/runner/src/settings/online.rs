@@ -16,7 +16,7 @@ use super::arms::{self, Arm, Chunk, Labelled, Rollouts, Update};
 use super::passive_rm::CurrentFeatures;
 use crate::plan::CellConfig;
 use crate::plan::{ArmPlan, Learning};
-use crate::rows::{AdapterFiles, EvalTimes, PolicyRow, PolicyTiming, UpdateRow};
+use crate::rows::{AdapterFiles, EvalTimes, PolicyRow, PolicyTiming, SampleRow, UpdateRow};
 use crate::spec::policy::RolloutSource;
 use crate::spec::{AdapterLife, KlReference, LrRestart, SaveAdapter};
 use crate::world::env::{argmax, dot, per_chunk_seed, seed_of, Component, Context, Env};
@@ -520,7 +520,7 @@ impl<'a> PolicyCell<'a> {
         theta: &[f64],
         d: usize,
         learned: Option<&CurrentFeatures>,
-    ) -> Result<(PolicyRow, EvalTimes)> {
+    ) -> Result<(PolicyRow, Vec<SampleRow>, EvalTimes)> {
         crate::io::failpoint("evaluate");
         let o = self.online;
         let mut times = EvalTimes::default();
@@ -535,18 +535,40 @@ impl<'a> PolicyCell<'a> {
         let n = o.opts.n;
         let (mut oracle, mut learned, mut bon, mut deployed) = (0.0, 0.0, 0.0, 0.0);
         let (mut count, mut groups) = (0usize, 0usize);
-        for c in &contexts {
+        let mut rows: Vec<SampleRow> = Vec::new();
+        for ((p, c), ss) in contexts.iter().enumerate().zip(&samples) {
             let truth = c.reward.as_ref().expect("scored");
             let est: Vec<f64> = c.phi.chunks_exact(d).map(|p| dot(p, theta)).collect();
             oracle += truth.iter().sum::<f64>();
             learned += est.iter().sum::<f64>();
-            if truth.len() % n != 0 {
-                return Err(anyhow!("{} held-out samples of a prompt: expected a multiple of n = {n}", truth.len()));
+            if truth.len() % n != 0 || truth.len() != ss.len() {
+                return Err(anyhow!(
+                    "{} held-out samples of a prompt ({} scored): expected a multiple of n = {n}",
+                    ss.len(),
+                    truth.len()
+                ));
             }
-            for (t, e) in truth.chunks_exact(n).zip(est.chunks_exact(n)) {
+            for (i, (t, e)) in truth.chunks_exact(n).zip(est.chunks_exact(n)).enumerate() {
                 bon += t[argmax(e.iter().copied())];
-                deployed += self.arm.deploy(t, e).1;
+                let (pick, value) = self.arm.deploy(t, e);
+                deployed += value;
                 groups += 1;
+                // an arm that deploys its samples as drawn is valued at their mean: all of
+                // them are deployed; a reranking arm deploys its pick
+                let all = self.arm.deploys_all();
+                for j in 0..n {
+                    let k = i * n + j;
+                    rows.push(SampleRow {
+                        chunk,
+                        prompt: p as u64,
+                        sample: k as u32,
+                        oracle_reward: t[j],
+                        learned_reward: e[j],
+                        deployed: all || j == pick,
+                        tokens: ss[k].tokens as u64,
+                        ..Default::default()
+                    });
+                }
             }
             count += truth.len();
         }
@@ -593,7 +615,7 @@ impl<'a> PolicyCell<'a> {
                     }
                 };
                 let sc = score_recorded(self.initial()?, &rollouts, &lps, o.spec.kl_estimator, o.spec.minibatch)?;
-                Some(sc.iter().map(|s| s.1).sum::<f64>() / sc.len() as f64)
+                Some(sc.iter().map(|s| s.1).collect::<Vec<f64>>())
             } else {
                 None
             };
@@ -608,14 +630,51 @@ impl<'a> PolicyCell<'a> {
                     .map(|(lp, n)| (lp, 0.0, n))
                     .collect(),
             };
+            if sc.len() != rows.len() {
+                return Err(anyhow!("{} held-out samples scored for {} drawn", sc.len(), rows.len()));
+            }
             let kl = sc.iter().map(|s| s.1).sum::<f64>() / sc.len() as f64;
             let (lp, tokens) = (sc.iter().map(|s| s.0).sum::<f64>(), sc.iter().map(|s| s.2).sum::<usize>());
+            for (i, (r, s)) in rows.iter_mut().zip(&sc).enumerate() {
+                r.kl = Some(s.1);
+                r.kl_initial = Some(kl_initial.as_ref().map_or(s.1, |k| k[i]));
+                r.logprob = Some(s.0);
+            }
             row.kl = kl;
-            row.kl_initial = kl_initial.unwrap_or(kl);
+            row.kl_initial = kl_initial.map_or(kl, |k| k.iter().sum::<f64>() / k.len() as f64);
             row.entropy = Some(-lp / tokens as f64);
             times.score_s = t2.elapsed().as_secs_f64();
         }
-        Ok((row, times))
+        Ok((row, rows, times))
+    }
+
+    /// policy.max_kl's guard on an evaluation `row` after an update (`base`: the chunk-0 row):
+    /// a learning policy whose mean sequence KL to the initial policy passes the bound, or
+    /// whose entropy per token comes within 10 % of the uniform ln |V| while the base's was
+    /// below 75 % of it, has been overwritten by its update — a finite policy that every other
+    /// check passes. The cell fails, naming the learning rate.
+    pub(super) fn check_not_destroyed(&self, row: &PolicyRow, base: Option<&PolicyRow>) -> Result<()> {
+        let Some((m, _)) = &self.learner else { return Ok(()) };
+        let ps = &self.online.spec;
+        let chunk = row.chunk;
+        if row.kl_initial > ps.max_kl {
+            return Err(anyhow!(
+                "the policy was destroyed, not tuned: after chunk {chunk} its mean sequence KL to the initial policy on the held-out prompts is {:.1} nats, past policy.max_kl = {}: lower policy.lr (now {}) or raise policy.max_kl",
+                row.kl_initial,
+                ps.max_kl,
+                ps.lr
+            ));
+        }
+        let uniform = (m.config().vocab as f64).ln();
+        if let (Some(h), Some(h0)) = (row.entropy, base.and_then(|b| b.entropy)) {
+            if h >= 0.9 * uniform && h0 < 0.75 * uniform {
+                return Err(anyhow!(
+                    "the policy was destroyed, not tuned: after chunk {chunk} its entropy is {h:.2} nats per token, near the uniform ln |V| = {uniform:.2} (the base policy's: {h0:.2}): lower policy.lr (now {})",
+                    ps.lr
+                ));
+            }
+        }
+        Ok(())
     }
 
     /// The adapters after chunk `chunk` (of `chunks`; 0: after a warm start) when

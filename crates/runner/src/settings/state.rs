@@ -5,7 +5,7 @@
 use super::learner::Learner;
 use super::live::{Live, Snapshot};
 use crate::io::{encode, stop_requested, write_atomic_at, Interrupted};
-use crate::rows::{AdapterFiles, MetricRow, PolicyRow, PolicyTiming, RoundRow, UpdateRow};
+use crate::rows::{AdapterFiles, MetricRow, PolicyRow, PolicyTiming, RoundRow, SampleRow, UpdateRow};
 use crate::spec::CheckpointSpec;
 use crate::world::env::{stream, Component};
 use anyhow::Result;
@@ -126,6 +126,7 @@ pub(super) struct ActiveProgress {
 #[derive(Default, Serialize, Deserialize)]
 pub(super) struct PolicyProgress {
     pub(super) rows: Vec<PolicyRow>,
+    pub(super) samples: Vec<SampleRow>,
     pub(super) updates: Vec<UpdateRow>,
     pub(super) times: Vec<PolicyTiming>,
     pub(super) state: Option<super::online::PolicyState>,
@@ -147,8 +148,8 @@ impl Progress {
             deploy: DeployProgress::default(),
             active: ActiveProgress::default(),
             policy: PolicyProgress::default(),
-            reward_state: None,
             flips: Default::default(),
+            reward_state: None,
         }
     }
 }

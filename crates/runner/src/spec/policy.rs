@@ -299,6 +299,14 @@ pub struct PolicySpec {
     /// Evaluate the policy on the held-out prompts every this many chunks (and after the last).
     #[serde(default = "d_one_usize")]
     pub eval_every_chunks: usize,
+    /// The evaluation's guard against a destroyed policy: a learning cell fails (naming
+    /// policy.lr) when its mean sequence KL to the initial policy on the held-out samples
+    /// exceeds this many nats, or when its entropy per token comes within 10 % of the uniform
+    /// ln |V| while the base policy's was below 75 % of it. A finite policy this far from its
+    /// start has been overwritten, not tuned (online-proof's rloo ends near 2 nats; lr = 1e30
+    /// gives > 100). `inf` turns the KL bound off.
+    #[serde(default = "d_max_kl")]
+    pub max_kl: f64,
     /// What the run saves of a learning policy's adapters (PEFT layout, under `adapters/`).
     #[serde(default = "d_save")]
     pub save_adapter: SaveAdapter,
@@ -641,6 +649,9 @@ impl PolicySpec {
             return Err(("eval_samples", "expected at least 1".into()));
         }
         one("eval_every_chunks", self.eval_every_chunks)?;
+        if self.max_kl.is_nan() || self.max_kl <= 0.0 {
+            return Err(("max_kl", format!("{}: expected a positive number of nats (inf: no bound)", self.max_kl)));
+        }
         if self.prompts_per_update == Some(0) {
             return Err(("prompts_per_update", "expected at least 1".into()));
         }
@@ -829,6 +840,9 @@ fn d_true() -> bool {
 }
 fn d_dpo_beta() -> f64 {
     0.1
+}
+fn d_max_kl() -> f64 {
+    50.0
 }
 fn d_eval_prompts() -> usize {
     16

@@ -99,6 +99,11 @@ pub fn opt_f64s(b: &arrow_array::RecordBatch, c: &str) -> Vec<Option<f64>> {
     let a = col::<Float64Array>(b, c);
     (0..a.len()).map(|i| (!a.is_null(i)).then(|| a.value(i))).collect()
 }
+/// A boolean column.
+pub fn bools(b: &arrow_array::RecordBatch, c: &str) -> Vec<bool> {
+    let a = col::<arrow_array::BooleanArray>(b, c);
+    (0..a.len()).map(|i| a.value(i)).collect()
+}
 pub fn u64s(b: &arrow_array::RecordBatch, c: &str) -> Vec<u64> {
     col::<UInt64Array>(b, c).values().to_vec()
 }

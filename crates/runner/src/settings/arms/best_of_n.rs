@@ -18,6 +18,10 @@ impl Arm for BestOfN {
         super::best_of_n(truth, est)
     }
 
+    fn deploys_all(&self) -> bool {
+        false
+    }
+
     fn update(&self, _: &PolicyModel, _: &mut Adam, _: &Chunk<'_>) -> Result<Update> {
         Err(does_not_learn("best-of-n"))
     }

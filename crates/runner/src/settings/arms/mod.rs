@@ -89,6 +89,12 @@ pub(in crate::settings) trait Arm: Send + Sync {
     /// (0 for an arm that deploys its samples as drawn).
     fn deploy(&self, truth: &[f64], est: &[f64]) -> (usize, f64);
 
+    /// Whether the arm deploys every sample it draws (its [`Arm::deploy`] is their mean), as
+    /// every arm but a reranking one does.
+    fn deploys_all(&self) -> bool {
+        true
+    }
+
     /// The policy step on a chunk (called for learning arms only).
     fn update(&self, m: &PolicyModel, adam: &mut Adam, chunk: &Chunk<'_>) -> Result<Update>;
 }
