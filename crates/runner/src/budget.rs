@@ -324,6 +324,18 @@ fn cell_terms(spec: &Spec, c: &ConfigPlan) -> Vec<Term> {
                 });
             }
         }
+        EstimatorConfig::Ensemble(e) => {
+            t.push(Term {
+                key: "stream.samples",
+                what: format!("the ensemble's replay buffer ({history} pairs × d = {d}, f32)"),
+                bytes: f32s(history),
+            });
+            t.push(Term {
+                key: dk,
+                what: format!("the ensemble's {} heads, their starts and Adam moments (f64) at d = {d}", e.heads),
+                bytes: (e.heads as u64).saturating_mul(d).saturating_mul(32),
+            });
+        }
         _ if c.kind == Kind::SgdReplay => {
             t.push(Term {
                 key: "stream.samples",

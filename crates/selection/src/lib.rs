@@ -9,6 +9,11 @@
 //! β·‖φ(a′) − φ(a)‖_{𝓗⁻¹}, the first arm excluded). [`top_k`] ranks scores for the active
 //! rules. Ties are broken by a seeded draw and reported, so runs are reproducible and the
 //! number of ties is visible.
+//!
+//! [`select_ensemble`] implements the strategies that read an ensemble's K reward estimates per
+//! candidate (oat's explorers, sail-sg/oat `oat/rm/model.py`, revision c1a074c): `thompson`,
+//! `double-thompson` (oat's `EnnEETS`), `ensemble-uncertainty` (`EnnUncertainty`) and `baits`
+//! (`EnnBAITS`); see [`Strategy`] for each.
 
 /// This crate's version (a run's meta.json records it).
 pub const VERSION: &str = env!("CARGO_PKG_VERSION");
@@ -33,12 +38,36 @@ pub enum Strategy {
     BestQuantile { q: f64 },
     /// Rank 1, then argmax_{a′ ≠ a} r(a′) + β·bonus(a′) (paper Eq. (6)).
     Ucb { beta: f64 },
+    /// Thompson sampling with one draw: a head k uniformly at random, its best and its second
+    /// best candidate.
+    Thompson,
+    /// Double Thompson sampling (oat's `EnnEETS`, "E&E Thompson sampling"; Dwaracherla et al.
+    /// 2024): a head k₁ uniformly at random gives the first arm, its argmax; the other heads in
+    /// a uniformly random order give the second, the first whose argmax differs (a redraw
+    /// whenever a head picks the first arm again); when every head agrees, k₁'s second best.
+    DoubleThompson,
+    /// The pair {a, a′} of largest ensemble variance of the reward difference,
+    /// Var_k(r_k(a) − r_k(a′)) (oat's `EnnUncertainty` with `logits_variance`).
+    EnsembleUncertainty,
+    /// oat's `EnnBAITS`: the first arm by one Thompson draw (a random head's argmax), the second
+    /// the arm a′ ≠ a of largest Var_k(r_k(a) − r_k(a′)).
+    Baits,
 }
 
 impl Strategy {
     /// Every strategy's name, as [`Strategy::name`] gives it and `FromStr` reads it.
-    pub const NAMES: [&'static str; 6] =
-        ["random-pair", "best-random", "best-two", "best-worst", "best-quantile", "ucb"];
+    pub const NAMES: [&'static str; 10] = [
+        "random-pair",
+        "best-random",
+        "best-two",
+        "best-worst",
+        "best-quantile",
+        "ucb",
+        "thompson",
+        "double-thompson",
+        "ensemble-uncertainty",
+        "baits",
+    ];
 
     pub fn name(&self) -> &'static str {
         match self {
@@ -48,7 +77,17 @@ impl Strategy {
             Strategy::BestWorst => "best-worst",
             Strategy::BestQuantile { .. } => "best-quantile",
             Strategy::Ucb { .. } => "ucb",
+            Strategy::Thompson => "thompson",
+            Strategy::DoubleThompson => "double-thompson",
+            Strategy::EnsembleUncertainty => "ensemble-uncertainty",
+            Strategy::Baits => "baits",
         }
+    }
+
+    /// Whether the strategy reads an ensemble's heads ([`select_ensemble`]) rather than one
+    /// reward per candidate.
+    pub fn needs_ensemble(&self) -> bool {
+        matches!(self, Strategy::Thompson | Strategy::DoubleThompson | Strategy::EnsembleUncertainty | Strategy::Baits)
     }
 
     /// Whether `select_pair` needs the per-arm uncertainty bonus.
@@ -90,11 +129,11 @@ impl FromStr for Strategy {
             "best-worst" => Strategy::BestWorst,
             "best-quantile" => Strategy::BestQuantile { q: 16.0 },
             "ucb" => Strategy::Ucb { beta: 1.0 },
-            _ => {
-                return Err(format!(
-                "unknown strategy `{s}`: expected random-pair, best-random, best-two, best-worst, best-quantile or ucb"
-            ))
-            }
+            "thompson" => Strategy::Thompson,
+            "double-thompson" => Strategy::DoubleThompson,
+            "ensemble-uncertainty" => Strategy::EnsembleUncertainty,
+            "baits" => Strategy::Baits,
+            _ => return Err(format!("unknown strategy `{s}`: expected one of {}", Strategy::NAMES.join(", "))),
         })
     }
 }
@@ -151,11 +190,15 @@ pub fn select_pair<R: Rng + ?Sized>(strategy: &Strategy, rewards: &[f64], bonus:
         }
         return Pair { first, second, ties: 0 };
     }
+    assert!(!strategy.needs_ensemble(), "{strategy} reads an ensemble's heads: call select_ensemble");
     let order = rank_desc(rewards, rng);
     let first = order[0];
     let first_tie = u32::from(tied_at(rewards, &order, 0));
     let (second, second_tie) = match *strategy {
         Strategy::RandomPair => unreachable!("handled above"),
+        Strategy::Thompson | Strategy::DoubleThompson | Strategy::EnsembleUncertainty | Strategy::Baits => {
+            unreachable!("asserted above")
+        }
         Strategy::BestRandom => {
             let k = rng.random_range(1..n);
             (order[k], 0)
@@ -175,6 +218,67 @@ pub fn select_pair<R: Rng + ?Sized>(strategy: &Strategy, rewards: &[f64], bonus:
         }
     };
     Pair { first, second, ties: first_tie + second_tie }
+}
+
+/// Chooses the two arms of a round from an ensemble's rewards: `heads` is K × n, head-major
+/// (`heads[k·n + a]` = r_k(a)), for the strategies with [`Strategy::needs_ensemble`]. Every
+/// random draw (the head, the other heads' order, ties) comes from `rng`.
+pub fn select_ensemble<R: Rng + ?Sized>(strategy: &Strategy, heads: &[f64], k: usize, rng: &mut R) -> Pair {
+    assert!(k >= 1 && heads.len().is_multiple_of(k), "{} rewards for {k} heads", heads.len());
+    let n = heads.len() / k;
+    assert!(n >= 2, "select_ensemble needs at least 2 candidates (validate the strategy first)");
+    let head = |h: usize| &heads[h * n..(h + 1) * n];
+    // argmax of one head, ties by the seeded draw: (arm, tied)
+    let best = |h: usize, rng: &mut R| {
+        let order = rank_desc(head(h), rng);
+        (order[0], tied_at(head(h), &order, 0))
+    };
+    // the sample variance over heads (divisor K − 1, as torch's var) of r_k(a) − r_k(b)
+    let var = |a: usize, b: usize| {
+        let diffs: Vec<f64> = (0..k).map(|h| head(h)[a] - head(h)[b]).collect();
+        let mean = diffs.iter().sum::<f64>() / k as f64;
+        diffs.iter().map(|x| (x - mean) * (x - mean)).sum::<f64>() / (k.max(2) - 1) as f64
+    };
+    match strategy {
+        Strategy::Thompson => {
+            let h = rng.random_range(0..k);
+            let order = rank_desc(head(h), rng);
+            let ties = u32::from(tied_at(head(h), &order, 0)) + u32::from(tied_at(head(h), &order, 1));
+            Pair { first: order[0], second: order[1], ties }
+        }
+        Strategy::DoubleThompson => {
+            let h1 = rng.random_range(0..k);
+            let (first, t1) = best(h1, rng);
+            let mut others: Vec<usize> = (0..k).filter(|&h| h != h1).collect();
+            others.shuffle(rng);
+            for h in others {
+                let (a, t) = best(h, rng);
+                if a != first {
+                    return Pair { first, second: a, ties: u32::from(t1) + u32::from(t) };
+                }
+            }
+            // every head agrees: the first head's second best
+            let scores: Vec<f64> =
+                head(h1).iter().enumerate().map(|(a, &r)| if a == first { f64::NEG_INFINITY } else { r }).collect();
+            let o = rank_desc(&scores, rng);
+            Pair { first, second: o[0], ties: u32::from(t1) + u32::from(tied_at(&scores, &o, 0)) }
+        }
+        Strategy::EnsembleUncertainty => {
+            let pairs: Vec<(usize, usize)> = (0..n).flat_map(|a| (a + 1..n).map(move |b| (a, b))).collect();
+            let scores: Vec<f64> = pairs.iter().map(|&(a, b)| var(a, b)).collect();
+            let o = rank_desc(&scores, rng);
+            let (first, second) = pairs[o[0]];
+            Pair { first, second, ties: u32::from(tied_at(&scores, &o, 0)) }
+        }
+        Strategy::Baits => {
+            let h = rng.random_range(0..k);
+            let (first, t1) = best(h, rng);
+            let scores: Vec<f64> = (0..n).map(|b| if b == first { f64::NEG_INFINITY } else { var(first, b) }).collect();
+            let o = rank_desc(&scores, rng);
+            Pair { first, second: o[0], ties: u32::from(t1) + u32::from(tied_at(&scores, &o, 0)) }
+        }
+        other => panic!("{other} does not read an ensemble: call select_pair"),
+    }
 }
 
 /// The first arm alone (argmax of the learned reward, ties by the seeded draw): `ucb` needs it
@@ -352,5 +456,148 @@ mod tests {
         let a = [0.3, -1.0, 2.0, 0.5];
         assert_eq!(kendall_tau_b(&a, &a), 1.0);
         assert_eq!(kendall_tau_b(&a, &a.map(|x| -x)), -1.0);
+    }
+
+    /// A fixed ensemble of K = 5 heads over n = 5 candidates, no ties within a head.
+    /// Heads' (best, second best): 0 → (0, 1), 1 → (0, 2), 2 → (3, 0), 3 → (4, 3), 4 → (0, 1).
+    const ENS: [[f64; 5]; 5] = [
+        [0.9, 0.5, 0.1, 0.0, -0.3],
+        [0.8, -0.2, 0.6, 0.1, 0.0],
+        [0.4, -1.0, 0.2, 0.7, 0.3],
+        [-0.5, 0.1, 0.0, 0.6, 0.9],
+        [1.2, 1.1, -0.4, 0.3, 0.2],
+    ];
+
+    fn flat(e: &[[f64; 5]]) -> Vec<f64> {
+        e.iter().flatten().copied().collect()
+    }
+
+    fn argmax(r: &[f64]) -> usize {
+        (0..r.len()).fold(0, |b, a| if r[a] > r[b] { a } else { b })
+    }
+
+    /// Empirical pair frequencies over `draws` seeds against exact probabilities from the
+    /// definition: every pair seen has positive probability and every frequency is within
+    /// 4.5 binomial standard deviations of it.
+    fn check_frequencies(s: &Strategy, want: &std::collections::BTreeMap<(usize, usize), f64>, draws: u64) {
+        let h = flat(&ENS);
+        let mut got = std::collections::BTreeMap::<(usize, usize), f64>::new();
+        for seed in 0..draws {
+            let mut rng = ChaCha8Rng::seed_from_u64(seed);
+            let p = select_ensemble(s, &h, 5, &mut rng);
+            assert_eq!(p.ties, 0, "no ties in this ensemble");
+            *got.entry((p.first, p.second)).or_default() += 1.0 / draws as f64;
+        }
+        for pair in got.keys() {
+            assert!(want.contains_key(pair), "{s}: {pair:?} has probability 0 by the definition");
+        }
+        for (pair, p) in want {
+            let f = got.get(pair).copied().unwrap_or(0.0);
+            let sd = (p * (1.0 - p) / draws as f64).sqrt();
+            assert!((f - p).abs() <= 4.5 * sd + 1e-12, "{s}: {pair:?} drawn {f}, definition {p}");
+        }
+    }
+
+    /// Thompson: one head uniformly at random, its best and second best. The probability of a
+    /// pair is the share of heads whose top two it is.
+    #[test]
+    fn thompson_choices_match_their_definition() {
+        let mut want = std::collections::BTreeMap::new();
+        for r in &ENS {
+            let a = argmax(r);
+            let rest: Vec<f64> =
+                r.iter().enumerate().map(|(i, &v)| if i == a { f64::NEG_INFINITY } else { v }).collect();
+            *want.entry((a, argmax(&rest))).or_insert(0.0) += 1.0 / 5.0;
+        }
+        assert_eq!(want.len(), 4, "heads 0 and 4 share their top two");
+        check_frequencies(&Strategy::Thompson, &want, 20_000);
+    }
+
+    /// Double Thompson: P(first = a, second = b) = Σ over heads h₁ with argmax a of
+    /// (1/K)·#{h ≠ h₁: argmax h = b} / #{h ≠ h₁: argmax h ≠ a}; when no other head differs,
+    /// h₁'s second best.
+    #[test]
+    fn double_thompson_choices_match_their_definition() {
+        let best: Vec<usize> = ENS.iter().map(|r| argmax(r)).collect();
+        let mut want = std::collections::BTreeMap::new();
+        for (h1, &a) in best.iter().enumerate() {
+            let differ: Vec<usize> = (0..5).filter(|&h| h != h1 && best[h] != a).collect();
+            for &h in &differ {
+                *want.entry((a, best[h])).or_insert(0.0) += 0.2 / differ.len() as f64;
+            }
+        }
+        check_frequencies(&Strategy::DoubleThompson, &want, 20_000);
+        // all heads agree on the best: the second is the drawn head's second best
+        let agree = [[1.0, 0.5, 0.0], [1.0, 0.0, 0.5], [1.0, 0.5, 0.0]];
+        let h: Vec<f64> = agree.iter().flatten().copied().collect();
+        let mut seconds = std::collections::BTreeSet::new();
+        for seed in 0..200 {
+            let p = select_ensemble(&Strategy::DoubleThompson, &h, 3, &mut ChaCha8Rng::seed_from_u64(seed));
+            assert_eq!(p.first, 0);
+            seconds.insert(p.second);
+        }
+        assert_eq!(seconds, [1, 2].into(), "each head's second best, by the head drawn");
+        // a different ensemble gives other probabilities: the check can fail
+        let mut wrong = want.clone();
+        let (k0, v0) = wrong.iter().next().map(|(k, v)| (*k, *v)).unwrap();
+        wrong.insert(k0, v0 + 0.05);
+        let r = std::panic::catch_unwind(|| check_frequencies(&Strategy::DoubleThompson, &wrong, 20_000));
+        assert!(r.is_err(), "a probability off by 0.05 passed");
+    }
+
+    /// Var_k of r_k(a) − r_k(b) by E[x²] − E[x]², rescaled to the K − 1 divisor.
+    fn brute_var(h: &[Vec<f64>], a: usize, b: usize) -> f64 {
+        let k = h.len() as f64;
+        let (mut s, mut s2) = (0.0, 0.0);
+        for r in h {
+            let x = r[a] - r[b];
+            s += x;
+            s2 += x * x;
+        }
+        (s2 / k - (s / k) * (s / k)) * k / (k - 1.0)
+    }
+
+    /// ensemble-uncertainty picks the pair of largest variance, baits the first arm of a head's
+    /// argmax and the partner of largest variance with it: against a brute force on random
+    /// ensembles.
+    #[test]
+    fn uncertainty_rules_match_a_brute_force_variance() {
+        let mut g = ChaCha8Rng::seed_from_u64(11);
+        for trial in 0..200 {
+            let (k, n) = (g.random_range(2..8), g.random_range(2..9));
+            let h: Vec<Vec<f64>> = (0..k).map(|_| (0..n).map(|_| g.random_range(-2.0..2.0)).collect()).collect();
+            let flat: Vec<f64> = h.iter().flatten().copied().collect();
+            let mut best = (0, 1, f64::NEG_INFINITY);
+            for a in 0..n {
+                for b in 0..n {
+                    if a != b && brute_var(&h, a, b) > best.2 {
+                        best = (a, b, brute_var(&h, a, b));
+                    }
+                }
+            }
+            let mut rng = ChaCha8Rng::seed_from_u64(trial);
+            let p = select_ensemble(&Strategy::EnsembleUncertainty, &flat, k, &mut rng);
+            let v = brute_var(&h, p.first, p.second);
+            assert!((v - best.2).abs() <= 1e-9 * (1.0 + best.2), "trial {trial}: var {v}, max {}", best.2);
+            assert_ne!(p.first, p.second);
+            let q = select_ensemble(&Strategy::Baits, &flat, k, &mut rng);
+            assert!(h.iter().any(|r| argmax(r) == q.first), "trial {trial}: baits' first is no head's argmax");
+            let partner =
+                (0..n).filter(|&b| b != q.first).map(|b| brute_var(&h, q.first, b)).fold(f64::NEG_INFINITY, f64::max);
+            let v = brute_var(&h, q.first, q.second);
+            assert!(
+                q.second != q.first && (v - partner).abs() <= 1e-9 * (1.0 + partner),
+                "trial {trial}: baits' second"
+            );
+        }
+    }
+
+    #[test]
+    fn ensemble_strategies_parse_and_say_they_need_an_ensemble() {
+        for n in ["thompson", "double-thompson", "ensemble-uncertainty", "baits"] {
+            let s: Strategy = n.parse().unwrap();
+            assert!(s.needs_ensemble(), "{n}");
+        }
+        assert!(!Strategy::BestTwo.needs_ensemble() && !Strategy::Ucb { beta: 1.0 }.needs_ensemble());
     }
 }

@@ -1098,6 +1098,21 @@ fn configs(spec: &Spec, keys: Locator<'_>, arms: &[Arm]) -> Result<Vec<ConfigPla
             let lambda_auto = es.lambda_auto();
             let estimator_index = configs.len() / arms.len();
             for (strategy_index, (strategy, rule, policy)) in arms.iter().enumerate() {
+                // thompson, double-thompson, ensemble-uncertainty and baits read an ensemble's heads
+                let needs = match (strategy, rule) {
+                    (Some(s), _) if s.needs_ensemble() => Some((s, ["deploy", "strategies"])),
+                    (_, Some(ActiveRule::Fresh(s))) if s.needs_ensemble() => Some((s, ["active", "rule"])),
+                    _ => None,
+                };
+                if let (Some((s, path)), false) = (needs, cfg.kind() == Kind::Ensemble) {
+                    return Err(keys.err(
+                        &path,
+                        format!(
+                            "strategy `{s}` draws from an ensemble's heads: estimator {ei} is `{}`, expected kind = \"ensemble\"",
+                            cfg.kind()
+                        ),
+                    ));
+                }
                 let mut label = estimator_label.clone();
                 if let Some(s) = strategy {
                     label = format!("{label} / {s}");

@@ -102,6 +102,11 @@ impl Learner {
         }
     }
 
+    /// The estimator's heads θ_1..θ_K (K × d, head-major) when it is an ensemble.
+    pub fn heads(&self) -> Option<&[f64]> {
+        self.est.heads()
+    }
+
     fn tracker(&mut self) -> &mut Curvature {
         self.curv.as_mut().expect("a cell that scores uncertainty keeps a tracker (budget::needs_tracker)")
     }

@@ -55,7 +55,9 @@ impl Source<'_> {
 
 /// The learned rewards φ(x,a)ᵀθ of context `c`'s arms and the two arms `strategy` picks from
 /// them; ucb's bonus of an arm a is ‖φ(x,a) − φ(x,first)‖_{𝓗⁻¹} with `first` the arm ranked
-/// first (paper Eq. (6)). Deployment and the fresh-context active rules share it.
+/// first (paper Eq. (6)); the ensemble strategies read every head's rewards φ(x,a)ᵀθ_k (the
+/// plan admits them only with an ensemble). Deployment and the fresh-context active rules
+/// share it.
 pub(crate) fn choose(
     env: &Env,
     c: &Context,
@@ -64,6 +66,14 @@ pub(crate) fn choose(
     select: &mut ChaCha20Rng,
 ) -> (Vec<f64>, selection::Pair) {
     let est: Vec<f64> = (0..env.k).map(|a| dot(env.arm(c, a), l.theta())).collect();
+    if strategy.needs_ensemble() {
+        let heads = l.heads().unwrap_or_else(|| panic!("{strategy} without an ensemble (the plan refuses it)"));
+        let d = l.theta().len();
+        let k = heads.len() / d;
+        let rewards: Vec<f64> =
+            heads.chunks_exact(d).flat_map(|h| (0..env.k).map(move |a| dot(env.arm(c, a), h))).collect();
+        return (est, selection::select_ensemble(strategy, &rewards, k, select));
+    }
     let bonus: Option<Vec<f64>> = strategy.needs_bonus().then(|| {
         let first = selection::first_arm(&est, &*select);
         (0..env.k).map(|a| l.inv_norm(&env.diff(c, a, first))).collect()

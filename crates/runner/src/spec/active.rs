@@ -9,8 +9,9 @@ use std::fmt;
 
 /// How the active learner picks the pairs to label. One vocabulary with the deployment
 /// strategies: besides the pool rules, every `selection::Strategy` name (random-pair,
-/// best-random, best-two, best-worst, best-quantile, ucb) is a rule that draws a fresh context
-/// (prompt) per label and picks two of its arms (responses) by the current θ.
+/// best-random, best-two, best-worst, best-quantile, ucb, and with an ensemble thompson,
+/// double-thompson, ensemble-uncertainty, baits) is a rule that draws a fresh context (prompt)
+/// per label and picks two of its arms (responses) by the current θ or heads.
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub enum ActiveRule {
     /// argmax over the pool of ‖φ(x,a) − φ(x,a′)‖_{𝓗⁻¹} (paper Eq. (4)).
@@ -41,7 +42,10 @@ impl std::str::FromStr for ActiveRule {
             "stream" => Ok(ActiveRule::Stream),
             "random" => Ok(ActiveRule::Random),
             other => other.parse().map(ActiveRule::Fresh).map_err(|_| {
-                format!("unknown rule `{other}`: expected pool-argmax, stream, random, or a strategy (random-pair, best-random, best-two, best-worst, best-quantile, ucb)")
+                format!(
+                    "unknown rule `{other}`: expected pool-argmax, stream, random, or a strategy ({})",
+                    selection::Strategy::NAMES.join(", ")
+                )
             }),
         }
     }

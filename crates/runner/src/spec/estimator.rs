@@ -11,8 +11,8 @@
 
 use super::{OrAuto, OrNone};
 use estimators::{
-    AdamConfig, DampingSchedule, EstimatorConfig, HvpCgConfig, Init, MleConfig, OmdExactConfig, OmdReferenceConfig,
-    ReplayConfig, SgdConfig,
+    AdamConfig, DampingSchedule, EnsembleConfig, EstimatorConfig, HvpCgConfig, Init, MleConfig, OmdExactConfig,
+    OmdReferenceConfig, ReplayConfig, SgdConfig,
 };
 use schemars::JsonSchema;
 use serde::{Deserialize, Serialize};
@@ -62,6 +62,10 @@ pub enum EstimatorSpec {
     /// The authors' SGD with replay: SGD, plus one SGD pass over every stored batch every
     /// replay_every steps (memory O(t)).
     SgdReplay(SgdReplaySpec),
+    /// K linear heads over φ, each trained by Adam on minibatches of a replay buffer of every
+    /// label seen (memory O(t)), after oat's ensemble reward model; θ is the heads' mean. The
+    /// strategies thompson, double-thompson, ensemble-uncertainty and baits read its heads.
+    Ensemble(EnsembleConfig),
 }
 
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize, JsonSchema)]
@@ -276,6 +280,7 @@ impl EstimatorSpec {
             EstimatorSpec::Adam(c) => E::Adam(*c),
             EstimatorSpec::AdamReference(c) => E::AdamReference(*c),
             EstimatorSpec::Mle(c) => E::Mle(*c),
+            EstimatorSpec::Ensemble(c) => E::Ensemble(*c),
         })
     }
 
