@@ -62,6 +62,97 @@ pub fn token_pg_loss(lp: &Tensor, old: &Tensor, adv: &Tensor, w: &Tensor, clip: 
     (clipped_pg(lp, old, adv, clip)? * w.detach())?.sum_all()
 }
 
+/// GRPO's loss (TRL's `GRPOTrainer`): per token max(−A ρ_t, −A clip(ρ_t, 1 − ε, 1 + ε)) + β·k3_t
+/// with k3_t = e^{log π_ref − log π} − (log π_ref − log π) − 1 (no KL term at β = 0, as TRL),
+/// summed with the tokens' weights `w` (TRL's default `loss_type = "dapo"`: 1/(the mini-batch's
+/// tokens) each). `lp` (P,) carries the gradient; `old`, `lp_ref`, `adv` and `w` are constants.
+pub fn grpo_loss(
+    lp: &Tensor,
+    old: &Tensor,
+    lp_ref: &Tensor,
+    adv: &Tensor,
+    w: &Tensor,
+    clip: Option<f64>,
+    beta: f64,
+) -> Result<Tensor> {
+    let pg = clipped_pg(lp, old, adv, clip)?;
+    let per = if beta != 0.0 { (pg + (kl_k3(lp, &lp_ref.detach())? * beta)?)? } else { pg };
+    (per * w.detach())?.sum_all()
+}
+
+/// How GRPO scales its group-centred rewards (TRL's `scale_rewards`).
+#[cfg_attr(feature = "schema", derive(schemars::JsonSchema))]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum GroupScale {
+    /// Divided by the group's sample standard deviation + 1e-4 (TRL's default).
+    Group,
+    /// Divided by the sample standard deviation of every reward of the update + 1e-4.
+    Batch,
+    /// Centred only (Dr. GRPO).
+    None,
+}
+
+/// GRPO's advantages (TRL's `GRPOTrainer`): in groups of `k` consecutive samples (one prompt
+/// each), A_i = r_i − mean of the group, divided by (sd + 1e-4) with sd the sample standard
+/// deviation (n − 1) of the group or of the whole update (`scale`). Needs k ≥ 2.
+pub fn grpo_advantages(rewards: &[f64], k: usize, scale: GroupScale) -> Vec<f64> {
+    assert!(k >= 2 && rewards.len().is_multiple_of(k), "grpo_advantages: {} rewards in groups of {k}", rewards.len());
+    let sample_sd = |x: &[f64]| {
+        let m = x.iter().sum::<f64>() / x.len() as f64;
+        (x.iter().map(|v| (v - m).powi(2)).sum::<f64>() / (x.len() - 1) as f64).sqrt()
+    };
+    let batch_sd = sample_sd(rewards);
+    rewards
+        .chunks_exact(k)
+        .flat_map(|g| {
+            let mean = g.iter().sum::<f64>() / k as f64;
+            let sd = match scale {
+                GroupScale::Group => Some(sample_sd(g)),
+                GroupScale::Batch => Some(batch_sd),
+                GroupScale::None => None,
+            };
+            g.iter().map(move |r| sd.map_or(r - mean, |sd| (r - mean) / (sd + 1e-4)))
+        })
+        .collect()
+}
+
+/// REINFORCE++'s advantages (OpenRLHF's `advantage_estimator = "reinforce"`): per response, the
+/// token rewards −β·KL_t plus the sequence's reward `r` at its last token ([`token_rewards`]),
+/// their discounted returns G_t = Σ_{s≥t} γ^{s−t} r_s; then over every token of the update
+/// centred on their mean and, with `std_norm`, multiplied by 1/√max(var, 1e-8) (population
+/// variance over the tokens).
+pub fn reinforce_pp_advantages(r: &[f64], kl: &[Vec<f64>], beta: f64, gamma: f64, std_norm: bool) -> Vec<Vec<f64>> {
+    assert_eq!(r.len(), kl.len(), "reinforce_pp_advantages: one KL row per reward");
+    let mut adv: Vec<Vec<f64>> = r
+        .iter()
+        .zip(kl)
+        .map(|(&ri, k)| {
+            let rew = token_rewards(ri, k, beta);
+            let mut g = vec![0.0; rew.len()];
+            let mut acc = 0.0;
+            for t in (0..rew.len()).rev() {
+                acc = rew[t] + gamma * acc;
+                g[t] = acc;
+            }
+            g
+        })
+        .collect();
+    let n = adv.iter().map(Vec::len).sum::<usize>();
+    if n == 0 {
+        return adv;
+    }
+    let mean = adv.iter().flatten().sum::<f64>() / n as f64;
+    let rstd = if std_norm {
+        let var = adv.iter().flatten().map(|a| (a - mean).powi(2)).sum::<f64>() / n as f64;
+        1.0 / var.max(1e-8).sqrt()
+    } else {
+        1.0
+    };
+    adv.iter_mut().flatten().for_each(|a| *a = (*a - mean) * rstd);
+    adv
+}
+
 /// PPO's clipped surrogate per element: max(−A·ρ, −A·clip(ρ, 1 − ε, 1 + ε)), ρ = exp(lp − old);
 /// `old` and `adv` are constants.
 fn clipped_pg(lp: &Tensor, old: &Tensor, adv: &Tensor, clip: Option<f64>) -> Result<Tensor> {

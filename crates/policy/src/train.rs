@@ -383,50 +383,87 @@ pub fn rloo_update(
     if cfg.normalize_advantages {
         whiten(&mut adv);
     }
+    let mut st = before_stats(&before, rewards);
+    let dev = m.device();
+    let sched = Epochs { epochs: cfg.epochs, minibatch: cfg.minibatch, lr_window: cfg.lr_window, seed: cfg.seed };
+    pg_epochs("rloo", m, opt, rollouts, k, sched, &adv, &mut st, |idx, b, lp| match cfg.kl_penalty {
+        KlPenalty::Sequence => {
+            let old: Vec<f32> = idx.iter().map(|&i| seq_lp[i] as f32).collect();
+            let a: Vec<f32> = idx.iter().map(|&i| adv[i][0] as f32).collect();
+            let old = Tensor::from_vec(old, idx.len(), dev)?;
+            let a = Tensor::from_vec(a, idx.len(), dev)?;
+            rloo_loss(&b.seq_sum(lp)?, &old, &a, cfg.clip)
+        }
+        KlPenalty::Token => {
+            let old = per_token(idx, &before, |t| &t.logprobs, dev)?;
+            let a = per_token(idx, &adv, |a| a, dev)?;
+            token_pg_loss(lp, &old, &a, &token_weights(idx, &before, dev)?, cfg.clip)
+        }
+    })?;
+    Ok(st)
+}
+
+/// The statistics of an update's rollouts before it: the mean sequence KL (the scoring's
+/// estimator), the entropy estimate −mean log π over the tokens, the mean reward.
+fn before_stats(before: &[TokenScores], rewards: &[f64]) -> UpdateStats {
     let tokens: usize = before.iter().map(|t| t.logprobs.len()).sum();
-    let mut st = UpdateStats {
-        kl: seq_kl.iter().sum::<f64>() / seq_kl.len() as f64,
-        entropy: -seq_lp.iter().sum::<f64>() / tokens as f64,
+    UpdateStats {
+        kl: before.iter().map(|t| t.kl.iter().sum::<f64>()).sum::<f64>() / before.len() as f64,
+        entropy: -before.iter().map(|t| t.logprobs.iter().sum::<f64>()).sum::<f64>() / tokens as f64,
         reward: rewards.iter().sum::<f64>() / rewards.len() as f64,
         ..Default::default()
-    };
+    }
+}
+
+/// How a policy-gradient update walks its rollouts: `epochs` passes in mini-batches of
+/// `minibatch` sequences (whole prompt groups in a seeded order), the schedule's window.
+#[derive(Clone, Copy, Debug)]
+struct Epochs {
+    epochs: usize,
+    minibatch: usize,
+    lr_window: LrWindow,
+    seed: u64,
+}
+
+/// The epochs of a policy-gradient update (rloo, grpo, reinforce++): each epoch orders the
+/// prompt groups of `k` rollouts ([`group_order`], seeded by the run's step count so a fresh
+/// optimiser per chunk does not repeat the first chunk's order), cuts mini-batches, takes the
+/// gradient pass's per-token log π and `loss_of(indices, batch, log π)`, and one Adam step per
+/// mini-batch. The first step's gradient must not be exactly 0 while a mini-batch's advantages
+/// `adv` are not (the first step has ratio 1: nothing clipped, so a zero gradient means the graph
+/// does not reach the adapters; later steps may be clipped to an exact 0 legitimately).
+/// `st` gets the mean loss and ‖g‖ and the steps.
+#[allow(clippy::too_many_arguments)]
+fn pg_epochs(
+    name: &str,
+    m: &PolicyModel,
+    opt: &mut Adam,
+    rollouts: &[Rollout<'_>],
+    k: usize,
+    e: Epochs,
+    adv: &[Vec<f64>],
+    st: &mut UpdateStats,
+    mut loss_of: impl FnMut(&[usize], &SeqBatch, &Tensor) -> Result<Tensor>,
+) -> Result<()> {
     let vars = m.vars();
-    let dev = m.device();
-    let mb = cfg.minibatch.max(1);
-    opt.begin(cfg.lr_window, update_steps(rollouts.len(), mb, cfg.epochs));
-    for _ in 0..cfg.epochs {
-        // the run's step count: a fresh optimiser per chunk does not repeat the first chunk's order
-        let order = group_order(rollouts.len(), k, cfg.seed, opt.run_steps());
+    let mb = e.minibatch.max(1);
+    opt.begin(e.lr_window, update_steps(rollouts.len(), mb, e.epochs));
+    for _ in 0..e.epochs {
+        let order = group_order(rollouts.len(), k, e.seed, opt.run_steps());
         for idx in order.chunks(mb) {
             let part: Vec<Rollout> = idx.iter().map(|&i| rollouts[i].clone()).collect();
             let b = batch(m, &part)?;
             // the gradient pass: the adapters' dropout, if any, with this step's masks
             let lp = m.logprobs_train(&b, opt.run_steps())?;
-            let loss = match cfg.kl_penalty {
-                KlPenalty::Sequence => {
-                    let old: Vec<f32> = idx.iter().map(|&i| seq_lp[i] as f32).collect();
-                    let a: Vec<f32> = idx.iter().map(|&i| adv[i][0] as f32).collect();
-                    let old = Tensor::from_vec(old, part.len(), dev)?;
-                    let a = Tensor::from_vec(a, part.len(), dev)?;
-                    rloo_loss(&b.seq_sum(&lp)?, &old, &a, cfg.clip)?
-                }
-                KlPenalty::Token => {
-                    let old = per_token(idx, &before, |t| &t.logprobs, dev)?;
-                    let a = per_token(idx, &adv, |a| a, dev)?;
-                    token_pg_loss(&lp, &old, &a, &token_weights(idx, &before, dev)?, cfg.clip)?
-                }
-            };
+            let loss = loss_of(idx, &b, &lp)?;
             st.loss += loss.to_dtype(candle_core::DType::F64)?.to_scalar::<f64>()?;
             let grads = loss.backward()?;
-            // the update's first step has ratio 1 (nothing clipped, no earlier step): a zero
-            // gradient there with non-zero advantages means the graph does not reach the adapters
-            // (later steps may be clipped to an exact 0 legitimately)
             if st.steps == 0
                 && idx.iter().any(|&i| adv[i].iter().any(|&a| a != 0.0))
                 && grad_norm(&vars, &grads)? == 0.0
             {
                 candle_core::bail!(
-                    "rloo: the policy gradient is exactly 0 while the advantages are not: no gradient reaches the adapters"
+                    "{name}: the policy gradient is exactly 0 while the advantages are not: no gradient reaches the adapters"
                 );
             }
             let info = opt.step(&vars, &grads)?;
@@ -438,6 +475,133 @@ pub fn rloo_update(
         st.loss /= st.steps as f64;
         st.grad_norm /= st.steps as f64;
     }
+    Ok(())
+}
+
+/// Token weights of TRL's default GRPO aggregation (`loss_type = "dapo"`) and OpenRLHF's
+/// `token_level_loss`: every token of the mini-batch `idx` weighs 1/(its tokens), so the loss is
+/// the mini-batch's masked sum over its token count.
+fn batch_token_weights(idx: &[usize], seqs: &[TokenScores], dev: &candle_core::Device) -> Result<Tensor> {
+    let tokens: usize = idx.iter().map(|&i| seqs[i].logprobs.len()).sum();
+    let w = vec![1.0 / tokens.max(1) as f32; tokens];
+    Tensor::from_vec(w, tokens, dev)
+}
+
+/// Rollouts and rewards of a group-wise update: equal numbers, groups of `k` (at least
+/// `min_k`), finite rewards.
+fn check_rollouts(name: &str, rollouts: &[Rollout<'_>], rewards: &[f64], k: usize, min_k: usize) -> Result<()> {
+    if rollouts.is_empty() || rollouts.len() != rewards.len() || k < min_k || !rollouts.len().is_multiple_of(k) {
+        candle_core::bail!("{name}: {} rollouts, {} rewards, in groups of {k}", rollouts.len(), rewards.len());
+    }
+    if let Some(i) = rewards.iter().position(|r| !r.is_finite()) {
+        candle_core::bail!("{name}: reward {i} is {}: expected a finite number", rewards[i]);
+    }
+    Ok(())
+}
+
+/// GRPO (Shao et al. 2024) as TRL's `GRPOTrainer` runs it by default: group-normalised
+/// advantages ([`crate::loss::grpo_advantages`], `scale_rewards`), one per sequence and the same
+/// at each of its tokens; the per-token ratio clipped to [1 − ε, 1 + ε] against the
+/// log-probabilities before the update; β·k3 per token in the loss (not in the reward); the
+/// token losses summed over the mini-batch's token count (`loss_type = "dapo"`).
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct GrpoConfig {
+    /// β of the k3 KL term in the loss (TRL's `beta`; 0: no KL term).
+    pub kl_coef: f64,
+    /// The estimator of the update's reported KL (its loss always uses k3).
+    pub kl: KlEstimator,
+    pub scale: crate::loss::GroupScale,
+    pub clip: Option<f64>,
+    pub epochs: usize,
+    pub minibatch: usize,
+    pub lr_window: LrWindow,
+    /// Seed of the mini-batch shuffles (whole prompt groups, as RLOO's).
+    pub seed: u64,
+}
+
+/// GRPO on `rollouts` (k ≥ 2 consecutive samples per prompt) with rewards `rewards`.
+pub fn grpo_update(
+    m: &PolicyModel,
+    opt: &mut Adam,
+    rollouts: &[Rollout<'_>],
+    rewards: &[f64],
+    k: usize,
+    cfg: &GrpoConfig,
+) -> Result<UpdateStats> {
+    check_rollouts("grpo", rollouts, rewards, k, 2)?;
+    // k1 recovers the reference's log-probabilities: log π_ref = log π − k1
+    let before = score_tokens(m, rollouts, KlEstimator::K1, cfg.minibatch)?;
+    let refs: Vec<Vec<f64>> =
+        before.iter().map(|t| t.logprobs.iter().zip(&t.kl).map(|(lp, k1)| lp - k1).collect()).collect();
+    let seq_adv = crate::loss::grpo_advantages(rewards, k, cfg.scale);
+    let adv: Vec<Vec<f64>> = seq_adv.iter().zip(&before).map(|(&a, t)| vec![a; t.logprobs.len()]).collect();
+    let reported: Vec<TokenScores> = before
+        .iter()
+        .zip(&refs)
+        .map(|(t, r)| TokenScores {
+            logprobs: t.logprobs.clone(),
+            kl: t.logprobs.iter().zip(r).map(|(&lp, &lr)| cfg.kl.per_token(lp, lr)).collect(),
+        })
+        .collect();
+    let mut st = before_stats(&reported, rewards);
+    let dev = m.device();
+    let sched = Epochs { epochs: cfg.epochs, minibatch: cfg.minibatch, lr_window: cfg.lr_window, seed: cfg.seed };
+    pg_epochs("grpo", m, opt, rollouts, k, sched, &adv, &mut st, |idx, _, lp| {
+        let old = per_token(idx, &before, |t| &t.logprobs, dev)?;
+        let lr = per_token(idx, &refs, |r| r, dev)?;
+        let a = per_token(idx, &adv, |a| a, dev)?;
+        crate::loss::grpo_loss(lp, &old, &lr, &a, &batch_token_weights(idx, &before, dev)?, cfg.clip, cfg.kl_coef)
+    })?;
+    Ok(st)
+}
+
+/// REINFORCE++ (Hu 2025) as OpenRLHF runs `advantage_estimator = "reinforce"`: the sequence
+/// reward (normalised by [`RewardNorm`], then clipped to ±`reward_clip`) at the last token and
+/// −β·KL_t at every token (KL_t clamped to ±10, as OpenRLHF's `compute_approx_kl`), their
+/// discounted returns as advantages normalised over every token of the update
+/// ([`crate::loss::reinforce_pp_advantages`]); the per-token ratio clipped to [1 − ε, 1 + ε];
+/// the token losses summed over the mini-batch's token count (`token_level_loss`). No critic.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct ReinforcePpConfig {
+    pub kl_coef: f64,
+    pub kl: KlEstimator,
+    pub reward_norm: RewardNorm,
+    pub reward_clip: f64,
+    pub clip: Option<f64>,
+    pub gamma: f64,
+    /// Divide the centred advantages by their standard deviation (OpenRLHF's default; its
+    /// `no_std_norm` turns it off).
+    pub std_norm: bool,
+    pub epochs: usize,
+    pub minibatch: usize,
+    pub lr_window: LrWindow,
+    /// Seed of the mini-batch shuffles (whole prompt groups, as RLOO's).
+    pub seed: u64,
+}
+
+/// REINFORCE++ on `rollouts` (k ≥ 1 consecutive samples per prompt) with rewards `rewards`.
+pub fn reinforce_pp_update(
+    m: &PolicyModel,
+    opt: &mut Adam,
+    rollouts: &[Rollout<'_>],
+    rewards: &[f64],
+    k: usize,
+    cfg: &ReinforcePpConfig,
+) -> Result<UpdateStats> {
+    check_rollouts("reinforce-pp", rollouts, rewards, k, 1)?;
+    let before = score_tokens(m, rollouts, cfg.kl, cfg.minibatch)?;
+    let r: Vec<f64> =
+        cfg.reward_norm.apply(rewards).iter().map(|x| x.clamp(-cfg.reward_clip, cfg.reward_clip)).collect();
+    let kl: Vec<Vec<f64>> = before.iter().map(|t| t.kl.iter().map(|x| x.clamp(-10.0, 10.0)).collect()).collect();
+    let adv = crate::loss::reinforce_pp_advantages(&r, &kl, cfg.kl_coef, cfg.gamma, cfg.std_norm);
+    let mut st = before_stats(&before, rewards);
+    let dev = m.device();
+    let sched = Epochs { epochs: cfg.epochs, minibatch: cfg.minibatch, lr_window: cfg.lr_window, seed: cfg.seed };
+    pg_epochs("reinforce-pp", m, opt, rollouts, k, sched, &adv, &mut st, |idx, _, lp| {
+        let old = per_token(idx, &before, |t| &t.logprobs, dev)?;
+        let a = per_token(idx, &adv, |a| a, dev)?;
+        token_pg_loss(lp, &old, &a, &batch_token_weights(idx, &before, dev)?, cfg.clip)
+    })?;
     Ok(st)
 }
 
