@@ -264,8 +264,8 @@ pub fn policy_console(rows: &[Row]) -> String {
 
 /// The policy on the held-out prompts: per arm the base policy (chunk 0, the same prompts and
 /// sampling streams as every later evaluation of that seed), the last evaluation, their paired
-/// difference; then every pair of arms that share an estimator and strategy, paired by seed at
-/// the last evaluation. Each difference is [`stats::paired`]'s: its 95% t-interval (df = seeds −
+/// difference; then every pair of arms that share an estimator and strategy, and every arm
+/// driven by two estimators (or strategies), paired by seed at the last evaluation. Each difference is [`stats::paired`]'s: its 95% t-interval (df = seeds −
 /// 1) and two-sided p; "detectable" is the smallest true difference found with 80% power.
 pub fn policy_table(cs: &[Comparison]) -> String {
     let show = |c: &Comparison| match (c.paired.ci95, c.paired.p) {
@@ -307,7 +307,7 @@ pub fn policy_table(cs: &[Comparison]) -> String {
         }
     }
     if !pairs.is_empty() {
-        out.push_str("\nPaired differences between arms at the last evaluation (same seed: same held-out prompts and streams).\n\n| estimator / strategy | difference | seeds | mean [95% t-interval], p | detectable (80% power) | seeds × prompts bootstrap 95% |\n|---|---|---|---|---|---|\n");
+        out.push_str("\nPaired differences at the last evaluation between arms of one estimator × strategy, and between estimators (or strategies) driving one arm (same seed: same held-out prompts and streams).\n\n| shared | difference | seeds | mean [95% t-interval], p | detectable (80% power) | seeds × prompts bootstrap 95% |\n|---|---|---|---|---|---|\n");
         out.push_str(&pairs);
     }
     out
@@ -376,10 +376,17 @@ pub fn policy_comparisons(rows: &[Row], grid: Option<&PromptGrid>) -> Vec<Compar
     let labels: Vec<&String> = fl.keys().collect();
     for (i, a) in labels.iter().enumerate() {
         for b in &labels[i + 1..] {
+            // arms of one estimator × strategy (the same head), or one arm driven by two
+            // estimators or strategies (the same last part: the estimators' question at the
+            // policy level); the shared part names the comparison
             let ((ga, arm_a), (gb, arm_b)) = (group(a), group(b));
-            if ga != gb {
+            let (ga, arm_a, arm_b) = if ga == gb {
+                (ga, arm_a, arm_b)
+            } else if arm_a == arm_b {
+                (arm_a, ga, gb)
+            } else {
                 continue;
-            }
+            };
             let (xa, xb): (Vec<f64>, Vec<f64>) =
                 fl[*a].iter().filter_map(|(s, pa)| fl[*b].get(s).map(|pb| (pb.1, pa.1))).unzip();
             let Some(paired) = stats::paired(&xa, &xb) else { continue };
@@ -1206,6 +1213,44 @@ mod tests {
         assert!((t_quantile(0.95, 3.0) - 2.3534).abs() < 1e-3);
         assert!((t_quantile(0.025, 4.0) + 2.7764).abs() < 1e-3, "symmetric");
         assert!((t_quantile(0.95, 3.0) - 1.645).abs() > 0.5);
+    }
+
+    /// Comparisons: each arm against the base (chunk 0's sample_reward, not its own chunk-0
+    /// pick), arms of one estimator paired by seed, and one arm driven by two estimators paired
+    /// by seed; labels that share neither part are not compared (negative control).
+    #[test]
+    fn comparisons_pair_arms_and_estimators_by_seed() {
+        let row = |label: &str, seed: u32, chunk: u64, pr: f64, sr: f64| Row {
+            label: label.into(),
+            seed,
+            samples: chunk,
+            values: [("policy_reward", pr), ("sample_reward", sr)].into(),
+        };
+        let mut rows = Vec::new();
+        for (seed, base) in [(0u32, 1.0), (1, 2.0), (2, 4.0)] {
+            for (l, gain) in [("omd / bq / rloo", 0.5), ("omd / bq / best-of-n", 2.0), ("mle / bq / rloo", 0.25 * seed as f64)] {
+                // chunk 0: the arm's own pick differs from the base's samples (best-of-n)
+                rows.push(row(l, seed, 0, base + 10.0, base));
+                rows.push(row(l, seed, 3, base + gain, base + gain));
+            }
+            rows.push(row("sgd / ucb / dpo", seed, 0, base, base));
+            rows.push(row("sgd / ucb / dpo", seed, 3, base, base));
+        }
+        let cs = policy_comparisons(&rows, None);
+        let find = |g: &str, a: &str, b: Option<&str>| {
+            cs.iter().find(|c| c.group == g && c.arm == a && c.against.as_deref() == b).unwrap_or_else(|| panic!("{g} {a} {b:?}"))
+        };
+        assert_eq!(find("omd / bq", "best-of-n", None).paired.mean, 2.0);
+        assert_eq!(find("omd / bq", "best-of-n", None).base, Some(7.0 / 3.0));
+        let c = find("omd / bq", "best-of-n", Some("rloo"));
+        assert_eq!((c.paired.n, c.paired.mean), (3, 1.5));
+        let e = find("rloo", "mle / bq", Some("omd / bq"));
+        // per seed: 0.25·s − 0.5 → −0.5, −0.25, 0
+        assert!((e.paired.mean + 0.25).abs() < 1e-12 && e.paired.se.is_some());
+        assert!(!cs.iter().any(|c| c.against.is_some() && (c.label.starts_with("sgd") || c.against.as_deref() == Some("sgd / ucb"))));
+        let csv = policy_csv(&cs);
+        assert_eq!(csv.lines().count(), 1 + cs.len());
+        assert!(csv.lines().any(|l| l.starts_with("rloo,mle / bq,omd / bq,3,")), "{csv}");
     }
 
     /// The console table: base → last per arm with a t-interval over seeds (df = seeds − 1);
