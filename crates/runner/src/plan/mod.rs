@@ -81,6 +81,16 @@ pub enum ArmPlan {
         critic: CriticPlan,
         learning: Learning,
     },
+    Grpo {
+        reward: RewardSource,
+        update: ::policy::train::GrpoConfig,
+        learning: Learning,
+    },
+    ReinforcePp {
+        reward: RewardSource,
+        update: ::policy::train::ReinforcePpConfig,
+        learning: Learning,
+    },
 }
 
 /// What every learning arm resolves once: its adapter's life across chunks and the rollouts its
@@ -152,6 +162,20 @@ impl ArmPlan {
                     }
                 }
             }
+            DeployPolicy::Grpo => {
+                for &reward in &ps.grpo.reward.0 {
+                    for learning in learning(ps.grpo.rollouts_per_prompt.unwrap_or(n)) {
+                        out.push(ArmPlan::Grpo { reward, update: ps.grpo_update(), learning });
+                    }
+                }
+            }
+            DeployPolicy::ReinforcePp => {
+                for &reward in &ps.reinforce_pp.reward.0 {
+                    for learning in learning(ps.reinforce_pp.rollouts_per_prompt.unwrap_or(n)) {
+                        out.push(ArmPlan::ReinforcePp { reward, update: ps.reinforce_pp_update(), learning });
+                    }
+                }
+            }
         }
         out
     }
@@ -163,6 +187,8 @@ impl ArmPlan {
             ArmPlan::Rloo { .. } => DeployPolicy::Rloo,
             ArmPlan::Dpo { .. } => DeployPolicy::Dpo,
             ArmPlan::Ppo { .. } => DeployPolicy::Ppo,
+            ArmPlan::Grpo { .. } => DeployPolicy::Grpo,
+            ArmPlan::ReinforcePp { .. } => DeployPolicy::ReinforcePp,
         }
     }
 
@@ -170,7 +196,10 @@ impl ArmPlan {
     /// it, dpo learns from the pairs it picks) or nothing (fixed).
     pub fn reward(&self) -> RewardSource {
         match self {
-            ArmPlan::Rloo { reward, .. } | ArmPlan::Ppo { reward, .. } => *reward,
+            ArmPlan::Rloo { reward, .. }
+            | ArmPlan::Ppo { reward, .. }
+            | ArmPlan::Grpo { reward, .. }
+            | ArmPlan::ReinforcePp { reward, .. } => *reward,
             ArmPlan::BestOfN | ArmPlan::Fixed | ArmPlan::Dpo { .. } => RewardSource::Learned,
         }
     }
@@ -178,9 +207,11 @@ impl ArmPlan {
     /// A learning arm's adapter life and rollouts (None for an arm that does not learn).
     pub fn learning(&self) -> Option<&Learning> {
         match self {
-            ArmPlan::Rloo { learning, .. } | ArmPlan::Dpo { learning, .. } | ArmPlan::Ppo { learning, .. } => {
-                Some(learning)
-            }
+            ArmPlan::Rloo { learning, .. }
+            | ArmPlan::Dpo { learning, .. }
+            | ArmPlan::Ppo { learning, .. }
+            | ArmPlan::Grpo { learning, .. }
+            | ArmPlan::ReinforcePp { learning, .. } => Some(learning),
             ArmPlan::BestOfN | ArmPlan::Fixed => None,
         }
     }
@@ -195,7 +226,10 @@ impl ArmPlan {
     /// window over a run counts them.
     pub fn items_per_prompt(&self) -> usize {
         match self {
-            ArmPlan::Rloo { learning, .. } | ArmPlan::Ppo { learning, .. } => learning.rollouts.per_prompt,
+            ArmPlan::Rloo { learning, .. }
+            | ArmPlan::Ppo { learning, .. }
+            | ArmPlan::Grpo { learning, .. }
+            | ArmPlan::ReinforcePp { learning, .. } => learning.rollouts.per_prompt,
             ArmPlan::Dpo { .. } => 1,
             ArmPlan::BestOfN | ArmPlan::Fixed => 0,
         }
@@ -893,12 +927,20 @@ fn check_policy(spec: &Spec, keys: Locator<'_>, warnings: &mut Vec<String>) -> R
         if !learns {
             unused.push("[policy]");
         }
-        for (table, arm) in [("rloo", P::Rloo), ("dpo", P::Dpo), ("ppo", P::Ppo)] {
+        for (table, arm) in [
+            ("rloo", P::Rloo),
+            ("dpo", P::Dpo),
+            ("ppo", P::Ppo),
+            ("grpo", P::Grpo),
+            ("reinforce_pp", P::ReinforcePp),
+        ] {
             if keys.written(&["policy", table]) && (!learns || !has(arm)) {
                 unused.push(match table {
                     "rloo" => "[policy.rloo]",
                     "dpo" => "[policy.dpo]",
-                    _ => "[policy.ppo]",
+                    "ppo" => "[policy.ppo]",
+                    "grpo" => "[policy.grpo]",
+                    _ => "[policy.reinforce_pp]",
                 });
             }
         }
@@ -925,9 +967,9 @@ fn check_policy(spec: &Spec, keys: Locator<'_>, warnings: &mut Vec<String>) -> R
     let resolved = spec.policy.clone().unwrap_or_default();
     let p = &resolved;
     p.check().map_err(|(k, m)| keys.err(&[&["policy"], k.as_slice()].concat(), m))?;
-    let (rloo, ppo) = (spec.deploy.policy.0.contains(&P::Rloo), spec.deploy.policy.0.contains(&P::Ppo));
-    p.check_arms(rloo, ppo).map_err(|(k, m)| keys.err(&[&["policy"], k.as_slice()].concat(), m))?;
-    warnings.extend(p.warnings(rloo, ppo).into_iter().map(|w| format!("{}: {w}", keys.file.display())));
+    let arms = &spec.deploy.policy.0;
+    p.check_arms(arms).map_err(|(k, m)| keys.err(&[&["policy"], k.as_slice()].concat(), m))?;
+    warnings.extend(p.warnings(arms).into_iter().map(|w| format!("{}: {w}", keys.file.display())));
     if let Some(g) = &spec.generate {
         // the update's log-probabilities are those of the untransformed policy: samples drawn
         // at another temperature or from a nucleus are not its samples
@@ -968,7 +1010,7 @@ fn check_policy(spec: &Spec, keys: Locator<'_>, warnings: &mut Vec<String>) -> R
         }
         // save_adapter saves the LoRA cells' adapters; a full-parameter cell has none, so a run
         // whose only learning arm is full-parameter dpo would save nothing it was asked to
-        let lora_arm = has(crate::spec::DeployPolicy::Rloo) || has(crate::spec::DeployPolicy::Ppo);
+        let lora_arm = [P::Rloo, P::Ppo, P::Grpo, P::ReinforcePp].into_iter().any(has);
         if full && has(crate::spec::DeployPolicy::Dpo) && !lora_arm && p.save_adapter != crate::spec::SaveAdapter::None
         {
             return Err(keys.err(
@@ -982,6 +1024,8 @@ fn check_policy(spec: &Spec, keys: Locator<'_>, warnings: &mut Vec<String>) -> R
         for (key, k) in [
             (["policy", "rloo", "rollouts_per_prompt"], p.rloo.rollouts_per_prompt),
             (["policy", "ppo", "rollouts_per_prompt"], p.ppo.rollouts_per_prompt),
+            (["policy", "grpo", "rollouts_per_prompt"], p.grpo.rollouts_per_prompt),
+            (["policy", "reinforce_pp", "rollouts_per_prompt"], p.reinforce_pp.rollouts_per_prompt),
             (["policy", "dpo", "pairs"], dpo_two.then_some(2)),
         ] {
             if let Some(k) = k.filter(|&k| samples && k > g.n) {
@@ -991,11 +1035,15 @@ fn check_policy(spec: &Spec, keys: Locator<'_>, warnings: &mut Vec<String>) -> R
                 ));
             }
         }
-        if has(crate::spec::DeployPolicy::Rloo) && p.rloo.rollouts_per_prompt.is_none() && g.n < 2 {
-            return Err(keys.err(
-                &["policy", "rloo", "rollouts_per_prompt"],
-                format!("defaults to generate.n = {}: rloo needs at least 2 rollouts per prompt", g.n),
-            ));
+        for (arm, table, k) in
+            [(P::Rloo, "rloo", p.rloo.rollouts_per_prompt), (P::Grpo, "grpo", p.grpo.rollouts_per_prompt)]
+        {
+            if has(arm) && k.is_none() && g.n < 2 {
+                return Err(keys.err(
+                    &["policy", table, "rollouts_per_prompt"],
+                    format!("defaults to generate.n = {}: {arm} needs at least 2 rollouts per prompt", g.n),
+                ));
+            }
         }
         if let Some(m) = p.eval_samples.filter(|m| !m.is_multiple_of(g.n)) {
             return Err(keys.err(
@@ -1058,7 +1106,10 @@ fn configs(spec: &Spec, keys: Locator<'_>, arms: &[Arm]) -> Result<Vec<ConfigPla
     // of the arms deployed: a table of an arm not deployed is ignored (check_policy)
     let has = |a| spec.deploy.policy.0.contains(&a);
     let several_sources = spec.policy.as_ref().is_some_and(|p| {
-        (has(DeployPolicy::Rloo) && p.rloo.reward.0.len() > 1) || (has(DeployPolicy::Ppo) && p.ppo.reward.0.len() > 1)
+        (has(DeployPolicy::Rloo) && p.rloo.reward.0.len() > 1)
+            || (has(DeployPolicy::Ppo) && p.ppo.reward.0.len() > 1)
+            || (has(DeployPolicy::Grpo) && p.grpo.reward.0.len() > 1)
+            || (has(DeployPolicy::ReinforcePp) && p.reinforce_pp.reward.0.len() > 1)
     });
     let learns = spec.deploy.policy.0.iter().any(|p| p.learns());
     let several_lives = learns && spec.policy.as_ref().is_some_and(|p| p.adapter.0.len() > 1);
@@ -1123,7 +1174,16 @@ fn configs(spec: &Spec, keys: Locator<'_>, arms: &[Arm]) -> Result<Vec<ConfigPla
                 if let (Some(a), true) = (policy, several_policies || several_sources) {
                     label = format!("{label} / {}", a.kind());
                 }
-                if let (Some(a @ (ArmPlan::Rloo { .. } | ArmPlan::Ppo { .. })), true) = (policy, several_sources) {
+                if let (
+                    Some(
+                        a @ (ArmPlan::Rloo { .. }
+                        | ArmPlan::Ppo { .. }
+                        | ArmPlan::Grpo { .. }
+                        | ArmPlan::ReinforcePp { .. }),
+                    ),
+                    true,
+                ) = (policy, several_sources)
+                {
                     label = format!("{label} ({} reward)", a.reward());
                 }
                 if let (Some(l), true) = (policy.as_ref().and_then(|a| a.learning()), several_lives) {

@@ -33,7 +33,9 @@ pub struct DeploySpec {
     /// the learned reward (the policy itself fixed); "fixed": the policy's first sample;
     /// "rloo": the policy learns from the learned reward (RLOO on the chunk's n samples per
     /// prompt, `[policy]`); "dpo": online DPO on the chunk's labelled pairs (reward-free);
-    /// "ppo": PPO with a critic on the chunk's n samples per prompt (`[policy.ppo]`).
+    /// "ppo": PPO with a critic on the chunk's n samples per prompt (`[policy.ppo]`); "grpo":
+    /// GRPO with TRL's defaults (`[policy.grpo]`); "reinforce-pp": REINFORCE++ with OpenRLHF's
+    /// defaults (`[policy.reinforce_pp]`).
     #[serde(default = "d_policy")]
     pub policy: Sweep<DeployPolicy>,
     /// Re-initialise the estimator at every chunk (the authors' pipeline did, by accident).
@@ -49,13 +51,19 @@ pub enum DeployPolicy {
     Rloo,
     Dpo,
     Ppo,
+    Grpo,
+    ReinforcePp,
 }
 
 impl DeployPolicy {
     /// The policy's weights change between chunks (its responses are generated anew).
     pub fn learns(&self) -> bool {
         match self {
-            DeployPolicy::Rloo | DeployPolicy::Dpo | DeployPolicy::Ppo => true,
+            DeployPolicy::Rloo
+            | DeployPolicy::Dpo
+            | DeployPolicy::Ppo
+            | DeployPolicy::Grpo
+            | DeployPolicy::ReinforcePp => true,
             DeployPolicy::BestOfN | DeployPolicy::Fixed => false,
         }
     }
@@ -69,6 +77,8 @@ impl fmt::Display for DeployPolicy {
             DeployPolicy::Rloo => "rloo",
             DeployPolicy::Dpo => "dpo",
             DeployPolicy::Ppo => "ppo",
+            DeployPolicy::Grpo => "grpo",
+            DeployPolicy::ReinforcePp => "reinforce-pp",
         })
     }
 }

@@ -319,6 +319,94 @@ pub struct PolicySpec {
     /// `[policy.ppo]`: the ppo arm's own keys.
     #[serde(default)]
     pub ppo: PpoSpec,
+    /// `[policy.grpo]`: the grpo arm's own keys.
+    #[serde(default)]
+    pub grpo: GrpoSpec,
+    /// `[policy.reinforce_pp]`: the reinforce-pp arm's own keys.
+    #[serde(default)]
+    pub reinforce_pp: ReinforcePpSpec,
+}
+
+/// `[policy.grpo]`: GRPO as TRL's `GRPOTrainer` runs it by default (TRL 1.10.0.dev0, revision
+/// f2cd577): the reward (a sweep of sources, as rloo's) centred on its prompt group's mean and
+/// divided by the group's sample standard deviation + 1e-4 (`scale_rewards = "group"`), the
+/// same advantage at every token of a response, the per-token ratio clipped to 1 ± `clip`
+/// (`epsilon` 0.2), β·k3 per token in the loss (`beta`, TRL's default 0: no KL term), the token
+/// losses summed over the mini-batch's token count (`loss_type = "dapo"`). The `[policy]` keys
+/// `epochs` (TRL's `num_iterations`, 1) and `minibatch` apply.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize, JsonSchema)]
+#[serde(deny_unknown_fields)]
+pub struct GrpoSpec {
+    /// The reward that drives the update: "learned" (φᵀθ_t), or the controls "oracle" (the ceiling)
+    /// and "null" (the floor). A list sweeps: one cell per source.
+    #[serde(default = "d_reward")]
+    pub reward: Sweep<RewardSource>,
+    /// β of the per-token k3 KL to the reference in the loss (TRL's `beta`, default 0: no KL
+    /// term).
+    #[serde(default)]
+    pub kl_coef: f64,
+    /// The clip ε of the per-token probability ratio (TRL's `epsilon`; 0: no clip).
+    #[serde(default = "d_clip")]
+    pub clip: f64,
+    /// What the group-centred rewards are divided by (TRL's `scale_rewards`): "group" (the
+    /// group's sample sd + 1e-4, TRL's default), "batch" (the update's) or "none" (Dr. GRPO).
+    #[serde(default = "d_group_scale")]
+    pub scale_rewards: policy::loss::GroupScale,
+    /// Rollouts per prompt, ≥ 2 (TRL's `num_generations`; default generate.n).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub rollouts_per_prompt: Option<usize>,
+}
+
+impl Default for GrpoSpec {
+    fn default() -> Self {
+        toml::from_str("").expect("defaults")
+    }
+}
+
+/// `[policy.reinforce_pp]`: REINFORCE++ as OpenRLHF runs `advantage_estimator = "reinforce"`
+/// (OpenRLHF 0.11.0, revision 3c3be62): the reward (a sweep of sources) clipped to
+/// ±`reward_clip` (OpenRLHF's `reward.clip_range`, ±10; not normalised, its
+/// `normalize_enable` default) at the last token, −`kl_coef`·KL_t at every token (k1, clamped
+/// to ±10; `init_coef` 0.01), discounted returns (`gamma` 1) as advantages, centred and divided
+/// by their standard deviation over every token of the update; the per-token ratio clipped to
+/// 1 ± `clip` (`eps_clip` 0.2); the token losses summed over the mini-batch's token count
+/// (`token_level_loss`). No critic.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize, JsonSchema)]
+#[serde(deny_unknown_fields)]
+pub struct ReinforcePpSpec {
+    /// The reward that drives the update: "learned" (φᵀθ_t), or the controls "oracle" (the ceiling)
+    /// and "null" (the floor). A list sweeps: one cell per source.
+    #[serde(default = "d_reward")]
+    pub reward: Sweep<RewardSource>,
+    /// How the reward is scaled before it is clipped and the KL penalty added: "none"
+    /// (OpenRLHF's default) or "chunk" ((r − mean)/sd over the update).
+    #[serde(default = "d_reward_norm_none")]
+    pub reward_norm: RewardNormKind,
+    /// The reward is clipped to ±reward_clip (OpenRLHF's `reward.clip_range`).
+    #[serde(default = "d_reward_clip")]
+    pub reward_clip: f64,
+    /// β of the per-token KL penalty in the reward (OpenRLHF's `kl.init_coef`).
+    #[serde(default = "d_ppo_kl")]
+    pub kl_coef: f64,
+    /// The clip ε of the per-token probability ratio (OpenRLHF's `eps_clip`; 0: no clip).
+    #[serde(default = "d_clip")]
+    pub clip: f64,
+    /// The discount γ of the returns (OpenRLHF's `advantage.gamma`).
+    #[serde(default = "d_one")]
+    pub gamma: f64,
+    /// Divide the centred advantages by their standard deviation over the update's tokens
+    /// (OpenRLHF's default; its `no_std_norm` turns it off).
+    #[serde(default = "d_true")]
+    pub normalize_advantages: bool,
+    /// Rollouts per prompt, ≥ 1 (default generate.n).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub rollouts_per_prompt: Option<usize>,
+}
+
+impl Default for ReinforcePpSpec {
+    fn default() -> Self {
+        toml::from_str("").expect("defaults")
+    }
 }
 
 /// Where a PPO critic's value head starts each chunk.
@@ -574,22 +662,57 @@ impl PolicySpec {
                 return Err(at(k)(format!("{v}: expected 0 ≤ {k} ≤ 1")));
             }
         }
+        let g = &self.grpo;
+        let at = |k: &'static str| move |m: String| (vec!["grpo", k], m);
+        sources(&g.reward, REWARDS).map_err(at("reward"))?;
+        nonnegative(g.kl_coef).map_err(at("kl_coef"))?;
+        nonnegative(g.clip).map_err(at("clip"))?;
+        if g.rollouts_per_prompt.is_some_and(|k| k < 2) {
+            return Err(at("rollouts_per_prompt")("expected at least 2 (a group's mean and standard deviation)".into()));
+        }
+        let r = &self.reinforce_pp;
+        let at = |k: &'static str| move |m: String| (vec!["reinforce_pp", k], m);
+        sources(&r.reward, REWARDS).map_err(at("reward"))?;
+        positive(r.reward_clip).map_err(at("reward_clip"))?;
+        nonnegative(r.kl_coef).map_err(at("kl_coef"))?;
+        nonnegative(r.clip).map_err(at("clip"))?;
+        if !(r.gamma.is_finite() && (0.0..=1.0).contains(&r.gamma)) {
+            return Err(at("gamma")(format!("{}: expected 0 ≤ gamma ≤ 1", r.gamma)));
+        }
+        if r.rollouts_per_prompt == Some(0) {
+            return Err(at("rollouts_per_prompt")("expected at least 1".into()));
+        }
         Ok(())
     }
 
-    /// Checks that depend on the arms deployed (`rloo`, `ppo`): (key path under `[policy]`,
-    /// message).
-    pub fn check_arms(&self, rloo: bool, ppo: bool) -> Result<(), (Vec<&'static str>, String)> {
-        if (rloo || ppo) && self.dropout > 0.0 {
-            let arm = if rloo { "rloo" } else { "ppo" };
+    /// The policy-gradient arms among `arms` with their KL penalty's β and whether it enters
+    /// the reward (rloo, ppo, reinforce-pp) or the loss (grpo).
+    fn kl_arms(&self, arms: &[super::DeployPolicy]) -> Vec<(&'static str, f64, bool)> {
+        use super::DeployPolicy as P;
+        [
+            (P::Rloo, "rloo", self.rloo.kl_coef, true),
+            (P::Ppo, "ppo", self.ppo.kl_coef, true),
+            (P::Grpo, "grpo", self.grpo.kl_coef, false),
+            (P::ReinforcePp, "reinforce_pp", self.reinforce_pp.kl_coef, true),
+        ]
+        .into_iter()
+        .filter(|(p, ..)| arms.contains(p))
+        .map(|(_, a, c, r)| (a, c, r))
+        .collect()
+    }
+
+    /// Checks that depend on the arms deployed: (key path under `[policy]`, message).
+    pub fn check_arms(&self, arms: &[super::DeployPolicy]) -> Result<(), (Vec<&'static str>, String)> {
+        let pg = self.kl_arms(arms);
+        if let (Some(&(arm, ..)), true) = (pg.first(), self.dropout > 0.0) {
             return Err((
                 vec!["dropout"],
                 format!("{} with {arm}: its ratio's old log-probabilities are taken without dropout, so the first step's ratio is not 1: expected 0 (dropout is dpo's)", self.dropout),
             ));
         }
         if self.kl_estimator == KlEstimator::K3 {
-            for (on, arm, coef) in [(rloo, "rloo", self.rloo.kl_coef), (ppo, "ppo", self.ppo.kl_coef)] {
-                if on && coef > 0.0 {
+            for (arm, coef, in_reward) in pg {
+                if in_reward && coef > 0.0 {
                     return Err((
                         vec!["kl_estimator"],
                         format!("\"k3\" as {arm}'s KL penalty in the reward (policy.{arm}.kl_coef = {coef}): the policy gradient of a k3 reward is a biased estimate of the KL's: expected \"k1\" (or kl_coef = 0)"),
@@ -601,13 +724,14 @@ impl PolicySpec {
     }
 
     /// Warnings that depend on the arms deployed, one line each (without the file's name).
-    pub fn warnings(&self, rloo: bool, ppo: bool) -> Vec<String> {
+    pub fn warnings(&self, arms: &[super::DeployPolicy]) -> Vec<String> {
         let mut out = Vec::new();
         if self.kl_reference == KlReference::ChunkStart {
-            let on: Vec<String> = [(rloo, "rloo", self.rloo.kl_coef), (ppo, "ppo", self.ppo.kl_coef)]
+            let on: Vec<String> = self
+                .kl_arms(arms)
                 .iter()
-                .filter(|(on, _, c)| *on && *c > 0.0)
-                .map(|(_, a, c)| format!("policy.{a}.kl_coef = {c}"))
+                .filter(|(_, c, _)| *c > 0.0)
+                .map(|(a, c, _)| format!("policy.{a}.kl_coef = {c}"))
                 .collect();
             if !on.is_empty() {
                 out.push(format!(
@@ -711,6 +835,41 @@ impl PolicySpec {
             epochs: self.epochs,
             minibatch: self.minibatch,
             normalize_advantages: p.normalize_advantages,
+            lr_window: policy::adam::LrWindow::Update,
+            seed: 0,
+        }
+    }
+
+    /// grpo's update (its mini-batch seed 0 and its schedule's window per update: each cell
+    /// sets its own).
+    pub fn grpo_update(&self) -> policy::train::GrpoConfig {
+        let g = &self.grpo;
+        policy::train::GrpoConfig {
+            kl_coef: g.kl_coef,
+            kl: self.kl_estimator,
+            scale: g.scale_rewards,
+            clip: (g.clip > 0.0).then_some(g.clip),
+            epochs: self.epochs,
+            minibatch: self.minibatch,
+            lr_window: policy::adam::LrWindow::Update,
+            seed: 0,
+        }
+    }
+
+    /// reinforce-pp's update (its mini-batch seed 0 and its schedule's window per update: each
+    /// cell sets its own).
+    pub fn reinforce_pp_update(&self) -> policy::train::ReinforcePpConfig {
+        let r = &self.reinforce_pp;
+        policy::train::ReinforcePpConfig {
+            kl_coef: r.kl_coef,
+            kl: self.kl_estimator,
+            reward_norm: r.reward_norm.resolve(r.reward_clip),
+            reward_clip: r.reward_clip,
+            clip: (r.clip > 0.0).then_some(r.clip),
+            gamma: r.gamma,
+            std_norm: r.normalize_advantages,
+            epochs: self.epochs,
+            minibatch: self.minibatch,
             lr_window: policy::adam::LrWindow::Update,
             seed: 0,
         }
@@ -828,6 +987,12 @@ fn d_reward() -> Sweep<RewardSource> {
 }
 fn d_reward_norm() -> RewardNormKind {
     RewardNormKind::Chunk
+}
+fn d_reward_norm_none() -> RewardNormKind {
+    RewardNormKind::None
+}
+fn d_group_scale() -> policy::loss::GroupScale {
+    policy::loss::GroupScale::Group
 }
 fn d_reward_clip() -> f64 {
     10.0

@@ -10,7 +10,9 @@
 mod best_of_n;
 mod dpo;
 mod fixed;
+mod grpo;
 mod ppo;
+mod reinforce_pp;
 mod rloo;
 
 use crate::plan::ArmPlan;
@@ -129,6 +131,16 @@ pub(in crate::settings) fn build(
             critic: critic.clone(),
             critic_seed: seed_of(master, seed, Component::Critic),
             backbone: ppo::Backbone::of(online),
+        }),
+        ArmPlan::Grpo { reward, update, .. } => Box::new(grpo::Grpo {
+            reward: *reward,
+            update: policy::train::GrpoConfig { seed: policy_seed, lr_window: window, ..update.clone() },
+            null_seed: seed_of(master, seed, Component::NullReward),
+        }),
+        ArmPlan::ReinforcePp { reward, update, .. } => Box::new(reinforce_pp::ReinforcePp {
+            reward: *reward,
+            update: policy::train::ReinforcePpConfig { seed: policy_seed, lr_window: window, ..update.clone() },
+            null_seed: seed_of(master, seed, Component::NullReward),
         }),
     }
 }
