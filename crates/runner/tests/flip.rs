@@ -24,8 +24,9 @@ fn binomial_interval(n: u64, p: f64, alpha: f64) -> (u64, u64) {
         }))
         .collect();
     let lf = |k: u64| ln_fact[k as usize];
-    let pmf: Vec<f64> =
-        (0..=n).map(|k| (lf(n) - lf(k) - lf(n - k) + k as f64 * p.ln() + (n - k) as f64 * (1.0 - p).ln()).exp()).collect();
+    let pmf: Vec<f64> = (0..=n)
+        .map(|k| (lf(n) - lf(k) - lf(n - k) + k as f64 * p.ln() + (n - k) as f64 * (1.0 - p).ln()).exp())
+        .collect();
     let (mut lo, mut below) = (0, 0.0);
     while below + pmf[lo as usize] <= alpha / 2.0 {
         below += pmf[lo as usize];
@@ -65,7 +66,15 @@ fn the_flip_rate_over_10000_labels_is_within_its_binomial_interval() {
 /// labeller prefers the first every time, so each label of 0 is a flip.
 fn bank(prompts: usize, flip: f64) -> Bank {
     let contexts = (0..prompts).map(|_| Context { phi: vec![1.0, 0.0], reward: Some(vec![1.0, 0.0]) }).collect();
-    Bank { d: 1, k: 2, contexts: Arc::new(contexts), theta_star: Vec::new(), labels: LabelRule::Argmax, flip, flip_seed: 5 }
+    Bank {
+        d: 1,
+        k: 2,
+        contexts: Arc::new(contexts),
+        theta_star: Vec::new(),
+        labels: LabelRule::Argmax,
+        flip,
+        flip_seed: 5,
+    }
 }
 
 #[test]
