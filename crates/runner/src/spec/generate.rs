@@ -177,7 +177,8 @@ pub struct OracleSpec {
     /// the run's and cell's seeds and the label's index in the cell, so a resumed run or a
     /// slice flips the same labels). Held-out pairs, rewards, regret and every score keep the
     /// oracle's noiseless preference. metrics.parquet's `flipped_labels` counts the flips
-    /// (written only when flip > 0). oat's `preference_flip_prob`.
+    /// (written only when flip > 0). oat's `preference_flip_prob`. Default 0: every label as the
+    /// oracle gives it (and the spec's bytes as without the key).
     #[serde(default, skip_serializing_if = "is_zero")]
     pub flip: f64,
 }
