@@ -1,0 +1,107 @@
+#!/usr/bin/env python3
+"""Rows of docs/results/ensemble-vs-onepass.csv from finished runs of
+experiments/active/ensemble-vs-onepass*.toml: per run and estimator, the final held-out accuracy,
+θ-error and SubOpt (mean over seeds with a 95% Student-t half-width, df = seeds − 1), the
+estimator's milliseconds per query (timings.parquet's cell_estimator_s over the labels bought),
+and its held-out accuracy minus omd-exact's, paired by seed (the same queries), after the
+provenance columns (date, revision, cpu, command). It computes nothing else and types no
+number: every figure is read from the run directory.
+
+    python3 scripts/ensemble_table.py --cpu "2-core AMD EPYC Zen 3 (AVX2+FMA)" \\
+        --command "onepass run experiments/active/ensemble-vs-onepass.toml --threads 1" RUN_DIR \\
+        [--command ... RUN_DIR ...] >> docs/results/ensemble-vs-onepass.csv
+    python3 scripts/ensemble_table.py --header   # the header line
+
+A run directory without metrics.parquet or meta.json stops with one line naming it.
+"""
+import csv
+import json
+import math
+import pathlib
+import sys
+
+import pandas as pd
+
+# two-sided 95% quantiles of Student's t, df = 1..30 (a fixed table)
+T975 = [12.706, 4.303, 3.182, 2.776, 2.571, 2.447, 2.365, 2.306, 2.262, 2.228, 2.201, 2.179, 2.160, 2.145,
+        2.131, 2.120, 2.110, 2.101, 2.093, 2.086, 2.080, 2.074, 2.069, 2.064, 2.060, 2.056, 2.052, 2.048,
+        2.045, 2.042]
+
+HEADER = ["date", "revision", "cpu", "command", "preset", "flip", "estimator", "seeds", "labels",
+          "eval_accuracy", "eval_accuracy_ci95", "theta_err", "theta_err_ci95", "subopt", "subopt_ci95",
+          "estimator_ms_per_query",
+          "accuracy_minus_omd_exact", "accuracy_minus_omd_exact_ci95", "note"]
+
+
+def mean_ci(x):
+    x = [v for v in x if v == v]
+    n = len(x)
+    if n == 0:
+        return "", ""
+    m = sum(x) / n
+    if n < 2:
+        return f"{m:.4f}", "1 seed"
+    sd = math.sqrt(sum((v - m) ** 2 for v in x) / (n - 1))
+    t = T975[n - 2] if n - 1 <= len(T975) else 1.960
+    return f"{m:.4f}", f"{t * sd / math.sqrt(n):.4f}"
+
+
+def flip_of(resolved):
+    text = resolved.read_text()
+    try:
+        import tomllib
+        return tomllib.loads(text).get("oracle", {}).get("flip", 0.0)
+    except ImportError:
+        return ""
+
+
+def rows(run, cpu, command):
+    for f in ["metrics.parquet", "meta.json", "timings.parquet"]:
+        if not (run / f).exists():
+            sys.exit(f"{run}: no {f} (a finished run directory is expected)")
+    meta = json.loads((run / "meta.json").read_text())
+    m = pd.read_parquet(run / "metrics.parquet")
+    last = m.loc[m.groupby(["label", "seed"]).step.idxmax()]
+    t = pd.read_parquet(run / "timings.parquet").groupby("cell_id").cell_estimator_s.max()
+    last = last.assign(est_s=last.cell_id.map(t))
+    date = meta["finished"][:10]
+    dirty = meta.get("git_dirty") not in ("false", False)
+    note = "built from a tree with uncommitted changes" if dirty else ""
+    preset = pathlib.Path(meta["spec_file"]).stem
+    # paired by seed against omd-exact: the same queries (the run's rule does not read θ)
+    omd = last[last.label.str.startswith("omd-exact")].set_index("seed").eval_accuracy
+    for label, g in last.groupby("label", sort=False):
+        labels = int(g.samples_seen.max())
+        acc, acc_ci = mean_ci(list(g.eval_accuracy))
+        err, err_ci = mean_ci(list(g.theta_err))
+        sub, sub_ci = mean_ci(list(g.subopt))
+        ms = 1000 * g.est_s.mean() / labels
+        if label.startswith("omd-exact") or omd.empty:
+            diff, diff_ci = "", ""
+        else:
+            diff, diff_ci = mean_ci([a - omd[s] for s, a in zip(g.seed, g.eval_accuracy) if s in omd.index])
+        yield [date, meta["git_revision"][:7], cpu, command, preset, flip_of(run / "spec.resolved.toml"), label,
+               len(g), labels, acc, acc_ci, err, err_ci, sub, sub_ci, f"{ms:.3f}", diff, diff_ci, note]
+
+
+def main(argv):
+    w = csv.writer(sys.stdout, lineterminator="\n")
+    if argv == ["--header"]:
+        w.writerow(HEADER)
+        return
+    cpu, command = None, None
+    it = iter(argv)
+    for a in it:
+        if a == "--cpu":
+            cpu = next(it)
+        elif a == "--command":
+            command = next(it)
+        else:
+            if not cpu or not command:
+                sys.exit(f"{a}: give --cpu and --command before the run directory")
+            for r in rows(pathlib.Path(a), cpu, command):
+                w.writerow(r)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
