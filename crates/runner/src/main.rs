@@ -199,7 +199,7 @@ struct BenchArgs {
     trace: Option<PathBuf>,
 }
 
-/// An error as one line: candle appends a captured backtrace (lines `   0: …`) to its messages
+/// An error as one line (long digit runs cut, [`runner::spec::shorten_numbers`]): candle appends a captured backtrace (lines `   0: …`) to its messages
 /// when RUST_BACKTRACE is set; the error itself is what the user needs.
 fn one_line(msg: &str) -> String {
     let mut out = Vec::new();
@@ -213,7 +213,8 @@ fn one_line(msg: &str) -> String {
             out.push(t.to_string());
         }
     }
-    out.join(" ")
+    // a 300-digit number from the input is not echoed back in full
+    runner::spec::shorten_numbers(&out.join(" "))
 }
 
 /// Prints an error as one line and gives exit code 2 (bad input).

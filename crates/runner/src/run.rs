@@ -698,8 +698,17 @@ fn preflight_sizes(opts: &RunOptions, plan: &Plan) -> Result<usize> {
     let threads = opts.threads.unwrap_or(plan.spec.threads);
     let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
     if threads > 8 * cores {
+        // named where it was given: the flag, a --set, or the spec's own `threads`
+        let given = match opts.threads {
+            Some(_) => format!("--threads {threads}"),
+            None => match plan.overrides.iter().rev().find(|o| spec::override_key(o) == "threads") {
+                Some(o) => format!("--set {o}"),
+                None => format!("{}: `threads`: {threads}", plan.file.display()),
+            },
+        };
         anyhow::bail!(
-            "--threads {threads}: more than 8 threads per core of this machine; cells beyond the cores only wait, and starting that many threads takes the machine"
+            "{given}: at most {max} threads on this machine (8 per core, {cores} cores): cells beyond the cores only wait, and starting that many threads takes the machine; 0 runs one per core",
+            max = 8 * cores
         );
     }
     if plan.spec.env.kind == spec::EnvKind::Synthetic {

@@ -133,6 +133,12 @@ fn every_bad_input_is_one_clear_line_and_exit_2() {
             })
             .collect::<Vec<_>>()
             .join("-");
+        // the thread limit is the machine's: 8 per core
+        let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
+        let stderr = stderr.replace(
+            &format!("at most {} threads on this machine (8 per core, {cores} cores)", 8 * cores),
+            "at most <8×CORES> threads on this machine (8 per core, <CORES> cores)",
+        );
         // informational lines (a run that started: "onepass: N cells … → dir") may come first;
         // the error is the last line
         let all: Vec<&str> = stderr.trim_end().lines().collect();

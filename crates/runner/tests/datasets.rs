@@ -46,7 +46,7 @@ fn ultrafeedback_parquet_zstd() {
     let e = format!("{:#}", read_pairs(&bad, Format::Auto, None).unwrap_err());
     assert!(
         e.contains("bad.parquet")
-            && e.contains("row 1")
+            && e.contains("row 2")
             && e.contains("`chosen`")
             && e.contains("message 1 has a null"),
         "{e}"
@@ -54,7 +54,7 @@ fn ultrafeedback_parquet_zstd() {
     let bad2 = tmp.path().join("bad2.parquet");
     write_uf(&bad2, &[vec![("user", Some("q"))]], &[vec![("user", Some("q")), ("assistant", Some("a"))]]);
     let e = format!("{:#}", read_pairs(&bad2, Format::Auto, None).unwrap_err());
-    assert!(e.contains("row 0") && e.contains("does not end with an assistant message"), "{e}");
+    assert!(e.contains("row 1,") && e.contains("does not end with an assistant message"), "{e}");
 }
 
 /// Score ties (UltraFeedback pairs whose sides scored the same) are counted, and dropped when the
@@ -162,10 +162,10 @@ fn mixture2_shards_generic_jsonl_and_malformed_rows() {
         Keys { prompt: Some("question".into()), chosen: "pos".into(), rejected: "neg".into(), ..Keys::default() };
     let g = ReadOptions { format: Some(Format::Generic), keys, ..Default::default() };
     let e = format!("{:#}", read_dataset(std::slice::from_ref(&j), &g).unwrap_err());
-    assert!(e.contains("g.jsonl: row 1, field `neg`: missing or null"), "{e}");
+    assert!(e.contains("g.jsonl: line 2, field `neg` (data.keys.rejected): missing or null"), "{e}");
     let r = read_dataset(std::slice::from_ref(&j), &ReadOptions { skip_malformed: true, ..g }).unwrap();
     assert_eq!((r.pairs.len(), r.rows_read, r.skipped), (2, 4, 2));
-    assert!(r.skipped_examples[1].contains("row 2: not JSON"), "{:?}", r.skipped_examples);
+    assert!(r.skipped_examples[1].contains("line 3: not JSON"), "{:?}", r.skipped_examples);
     assert_eq!(r.pairs[1].chosen.len(), 3);
     assert_eq!(r.pairs[1].chosen[0].role, "system");
     assert_eq!(r.pairs[1].row, 3);
@@ -185,7 +185,7 @@ fn an_overlong_jsonl_row_is_malformed_not_a_memory_blowup() {
     std::fs::write(&p, [row("a", "yes"), huge, row("b", "yes")].join("\n") + "\n").unwrap();
     let o = ReadOptions { format: Some(Format::HhRlhf), ..Default::default() };
     let e = format!("{:#}", read_dataset(std::slice::from_ref(&p), &o).unwrap_err());
-    assert!(e.contains("long.jsonl: row 1") && e.contains("over the 4 MiB a row may hold"), "{e}");
+    assert!(e.contains("long.jsonl: line 2") && e.contains("over the 4 MiB a row may hold"), "{e}");
     let r = read_dataset(&[p], &ReadOptions { skip_malformed: true, ..o }).unwrap();
     assert_eq!((r.pairs.len(), r.rows_read, r.skipped), (2, 3, 1));
     assert_eq!(r.pairs[1].chosen.last().unwrap().content, "yes");
@@ -225,7 +225,7 @@ fn winner_column_labels_map_to_chosen_and_rejected() {
     let o = ReadOptions { format: Some(Format::Generic), keys, ..Default::default() };
     // "tie (bothbad)" is not mapped: an error naming the file, the row and the value
     let e = format!("{:#}", read_dataset(std::slice::from_ref(&j), &o).unwrap_err());
-    assert!(e.contains("arena.jsonl: row 5, field `winner`: \"tie (bothbad)\" is not a mapped label value"), "{e}");
+    assert!(e.contains("arena.jsonl: line 6, field `winner` (data.keys.label): \"tie (bothbad)\" is not a mapped label value"), "{e}");
     let r = read_dataset(std::slice::from_ref(&j), &ReadOptions { skip_malformed: true, ..o.clone() }).unwrap();
     assert_eq!((r.pairs.len(), r.skipped), (5, 1));
     let last = |p: &runner::world::datasets::Pair, side: &str| -> String {
@@ -243,7 +243,7 @@ fn winner_column_labels_map_to_chosen_and_rejected() {
     // negative control: the integer 1 is not the mapped string "1"
     std::fs::write(&j, r#"{"q": "x", "response_a": "a", "response_b": "b", "winner": 1}"#).unwrap();
     let e = format!("{:#}", read_dataset(std::slice::from_ref(&j), &o).unwrap_err());
-    assert!(e.contains("field `winner`: 1 is not a mapped label value"), "{e}");
+    assert!(e.contains("field `winner` (data.keys.label): 1 is not a mapped label value"), "{e}");
     // integers compare as integers (issue 34): 2^53 + 1 is not the mapped 2^53, which f64
     // would round it to; 2^53 itself and the float 3.0 against the integer 3 match
     let big = Keys {
@@ -378,7 +378,7 @@ fn ranked_completions_make_pairs_by_rule() {
     let e = format!("{:#}", read_dataset(std::slice::from_ref(&j), &o).unwrap_err());
     assert!(
         e.contains(
-            "ranked.jsonl: row 0, field `completions[0].annotations.truthfulness.Rating`: missing or not a number"
+            "ranked.jsonl: line 1, field `completions[0].annotations.truthfulness.Rating` (data.keys.responses): missing or not a number"
         ),
         "{e}"
     );
@@ -607,7 +607,7 @@ fn a_bom_and_blank_lines_in_jsonl() {
     // negative control: a BOM in the middle of the file is still not JSON
     std::fs::write(&j, format!("{}\n\u{feff}{}\n", row("yes"), row("sure"))).unwrap();
     let e = format!("{:#}", read_pairs(&j, Format::HhRlhf, None).unwrap_err());
-    assert!(e.contains("row 1") && e.contains("not JSON"), "{e}");
+    assert!(e.contains("line 2") && e.contains("not JSON"), "{e}");
     std::fs::write(&j, "\n  \n\n").unwrap();
     let e = format!("{:#}", read_pairs(&j, Format::HhRlhf, None).unwrap_err());
     assert!(e.contains("hh.jsonl: no rows"), "{e}");
@@ -630,7 +630,7 @@ fn a_named_score_field_is_required_in_jsonl_too() {
     };
     let o = |c: &str| ReadOptions { format: Some(Format::Generic), keys: keys(c), ..Default::default() };
     let e = format!("{:#}", read_dataset(std::slice::from_ref(&j), &o("score_chsen")).unwrap_err());
-    assert!(e.contains("field `score_chsen`: missing"), "{e}");
+    assert!(e.contains("field `score_chsen` (data.keys.score_chosen): missing"), "{e}");
     let r = read_dataset(std::slice::from_ref(&j), &o("score_chosen")).unwrap();
     assert_eq!(r.pairs[0].scores, Some((5.0, 1.0)));
 }

@@ -96,7 +96,7 @@ fn extract_twice_hits_the_cache_and_feeds_a_features_run() {
     a4[5] = "bad.jsonl".into();
     let (code, _, stderr) = onepass(tmp.path(), &a4.iter().map(String::as_str).collect::<Vec<_>>()).parts();
     assert_eq!(code, 2);
-    assert!(stderr.contains("bad.jsonl: row 1") && stderr.contains("`chosen`"), "{stderr}");
+    assert!(stderr.contains("bad.jsonl: line 2") && stderr.contains("`chosen`"), "{stderr}");
 }
 
 #[test]

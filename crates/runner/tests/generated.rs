@@ -193,7 +193,7 @@ fn generated_specs_are_checked() {
     std::fs::write(p.join("prompts.jsonl"), "{\"prompt\": \"ok\"}\n{\"prompt\": null}\n").unwrap();
     std::fs::write(p.join("bad.toml"), spec("kind = \"linear\"")).unwrap();
     let (code, _, err) = onepass(p, &["run", "bad.toml", "--out", "runs"]).parts();
-    assert!(code == 2 && err.contains("prompts.jsonl: row 1"), "{err}");
+    assert!(code == 2 && err.contains("prompts.jsonl: line 2"), "{err}");
 }
 
 /// Chunked deployment killed (SIGKILL) in an update of its second cell and resumed: the same

@@ -21,14 +21,14 @@ pub struct SpecError {
 impl fmt::Display for SpecError {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         match (&self.set, self.line) {
-            (Some(s), _) => write!(f, "--set {s} (over {})", self.file.display())?,
+            (Some(s), _) => write!(f, "--set {} (over {})", shorten_numbers(s), self.file.display())?,
             (None, Some(l)) => write!(f, "{}:{l}", self.file.display())?,
             (None, None) => write!(f, "{}", self.file.display())?,
         }
         if !self.key.is_empty() {
             write!(f, ": `{}`", self.key)?;
         }
-        write!(f, ": {}", self.message)
+        write!(f, ": {}", shorten_numbers(&self.message))
     }
 }
 
@@ -117,13 +117,16 @@ pub fn parse(text: &str, path: &Path, overrides: &[String]) -> Result<(Spec, Str
         // or the table when it sits on a `[table]` header (a table written twice)
         let at = line.and_then(|l| text.lines().nth(l - 1)).map(str::trim);
         let header = at.and_then(|l| l.strip_prefix('[')).and_then(|l| l.trim_start_matches('[').split(']').next());
-        let key = at
+        let written = at
             .and_then(|l| l.split_once('='))
             .map(|(k, _)| k.trim())
             .or(header.map(str::trim))
             .filter(|k| !k.is_empty() && k.chars().all(|c| c.is_ascii_alphanumeric() || "_-.\"".contains(c)))
             .unwrap_or("");
-        let mut e = err(key, line, e.message().trim().to_string());
+        // the whole dotted path of the value the error sits on (`deploy.policy`, not `policy`)
+        let path = e.span().and_then(|s| key_at(&text, s.start));
+        let key = path.as_deref().filter(|p| p.ends_with(written) || written.is_empty()).unwrap_or(written);
+        let mut e = err(key, line, user_words(e.message()));
         // an error on a line that a `--set` wrote cites the argument (its line is not the file's)
         if let Some(o) = line.and_then(|l| override_at(&text, overrides, l)) {
             e.key = override_key(o).to_string();
@@ -132,6 +135,149 @@ pub fn parse(text: &str, path: &Path, overrides: &[String]) -> Result<(Spec, Str
         e
     })?;
     Ok((spec, text))
+}
+
+/// The dotted path (`deploy.policy`, `estimator[1].lr`) of the innermost key whose `key = value`
+/// holds byte `at` of `text`, if any.
+pub fn key_at(text: &str, at: usize) -> Option<String> {
+    fn in_table(t: &toml_edit::Table, at: usize, path: &mut Vec<String>) -> bool {
+        for (k, item) in t.iter() {
+            path.push(k.to_string());
+            let start = t.key(k).and_then(|k| k.span()).map(|s| s.start);
+            let end = item.span().map(|s| s.end);
+            if let (Some(a), Some(b), true) = (start, end, item.is_value()) {
+                if (a..b).contains(&at) {
+                    if let toml_edit::Item::Value(toml_edit::Value::InlineTable(it)) = item {
+                        in_inline(it, at, path);
+                    }
+                    return true;
+                }
+            }
+            let found = match item {
+                toml_edit::Item::Table(c) => in_table(c, at, path),
+                toml_edit::Item::ArrayOfTables(a) => a.iter().enumerate().any(|(i, c)| {
+                    let last = path.pop().unwrap_or_default();
+                    path.push(format!("{last}[{i}]"));
+                    in_table(c, at, path) || {
+                        path.pop();
+                        path.push(last);
+                        false
+                    }
+                }),
+                _ => false,
+            };
+            if found {
+                return true;
+            }
+            path.pop();
+        }
+        false
+    }
+    fn in_inline(t: &toml_edit::InlineTable, at: usize, path: &mut Vec<String>) {
+        for (k, v) in t.iter() {
+            let start = t.key(k).and_then(|k| k.span()).or_else(|| v.span()).map(|s| s.start);
+            if let (Some(a), Some(b)) = (start, v.span().map(|s| s.end)) {
+                if !(a..b.max(a + 1)).contains(&at) {
+                    continue;
+                }
+                path.push(k.to_string());
+                if let toml_edit::Value::InlineTable(it) = v {
+                    in_inline(it, at, path);
+                }
+                return;
+            }
+        }
+    }
+    let doc = toml_edit::Document::parse(text.to_string()).ok()?;
+    let mut path = Vec::new();
+    in_table(doc.as_table(), at, &mut path).then(|| path.join("."))
+}
+
+/// serde's words in a spec error made the user's: what was written, then what the key takes
+/// ("`1`: expected a table", not "invalid type: integer `1`, expected struct WarmStart";
+/// "a whole number ≥ 0", not "u32"; no "as i128", no Rust type names), and long numbers cut.
+pub fn user_words(message: &str) -> String {
+    let m = message.trim().replace(" as i128", "").replace(" as u128", "");
+    let rest = m.strip_prefix("invalid type: ").or_else(|| m.strip_prefix("invalid value: "));
+    let out = match rest.and_then(|r| r.rsplit_once(", expected ")) {
+        Some((got, want)) => {
+            let got = match got {
+                "map" => "a table".to_string(),
+                "sequence" => "a list".to_string(),
+                g => {
+                    let g = ["integer ", "floating point ", "boolean "].iter().fold(g, |g, p| g.strip_prefix(p).unwrap_or(g));
+                    match g.strip_prefix("string ") {
+                        Some(s) => format!("the string {s}"),
+                        None => g.to_string(),
+                    }
+                }
+            };
+            format!("{got}: expected {}", expected_words(want))
+        }
+        None => match m.strip_prefix("data did not match any variant of untagged enum ") {
+            Some(name) => format!("expected {}", expected_words(name)),
+            None => {
+                if let Some(f) = m.strip_prefix("missing field ") {
+                    format!("the key {f} is missing")
+                } else if let Some((k, takes)) = m.strip_prefix("unknown field ").and_then(|r| r.split_once(", expected ")) {
+                    let takes = takes.strip_prefix("one of ").unwrap_or(takes);
+                    format!("unknown key {k}; this table takes {takes}")
+                } else if let Some((v, choices)) = m.strip_prefix("unknown variant ").and_then(|r| r.split_once(", expected ")) {
+                    format!("{v}: expected {choices}")
+                } else {
+                    m.clone()
+                }
+            }
+        },
+    };
+    shorten_numbers(&out)
+}
+
+/// What a key takes, for serde's name of a type.
+fn expected_words(want: &str) -> String {
+    let want = want.trim();
+    let whole = |max: &str| format!("a whole number from 0 to {max}");
+    match want {
+        "u8" => whole("255"),
+        "u16" => whole("65535"),
+        "u32" => whole("4294967295"),
+        "u64" | "usize" => whole("18446744073709551615"),
+        "i8" | "i16" | "i32" | "i64" | "isize" => "a whole number".into(),
+        "f32" | "f64" => "a number".into(),
+        "a boolean" => "true or false".into(),
+        "a sequence" => "a list [ … ]".into(),
+        "a map" => "a table".into(),
+        "Targets" | "enum Targets" => "a list of module names or \"all-linear\"".into(),
+        "OneOrMany" | "enum OneOrMany" => "a name or a list of names".into(),
+        w if w.starts_with("struct ") => "a table ([section] or { key = … })".into(),
+        w if w.starts_with("enum ") || w.starts_with("untagged enum ") => "one of the forms this key takes (see the key reference)".into(),
+        w => w.to_string(),
+    }
+}
+
+/// Runs of more than 24 digits cut to their first 12 and a count ("123456789012… (300 digits)"):
+/// a 300-digit number is not echoed back in full.
+pub fn shorten_numbers(s: &str) -> String {
+    let mut out = String::with_capacity(s.len());
+    let mut run = String::new();
+    let flush = |run: &mut String, out: &mut String| {
+        if run.len() > 24 {
+            out.push_str(&format!("{}… ({} digits)", &run[..12], run.len()));
+        } else {
+            out.push_str(run);
+        }
+        run.clear();
+    };
+    for c in s.chars() {
+        if c.is_ascii_digit() {
+            run.push(c);
+        } else {
+            flush(&mut run, &mut out);
+            out.push(c);
+        }
+    }
+    flush(&mut run, &mut out);
+    out
 }
 
 /// The key of a `--set key=value` argument.
@@ -260,6 +406,31 @@ fn set_in_table(t: &mut toml_edit::Table, segs: &[&str], value: toml_edit::Value
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// serde's words become the user's: no Rust type or struct names, no "as i128", the whole
+    /// key path, and a 300-digit number cut.
+    #[test]
+    fn serde_words_become_the_users() {
+        for (serde, want) in [
+            ("invalid type: integer `1`, expected struct WarmStart", "`1`: expected a table ([section] or { key = … })"),
+            ("invalid type: map, expected a sequence", "a table: expected a list [ … ]"),
+            ("invalid type: integer `18446744073709551616` as i128, expected u32", "`18446744073709551616`: expected a whole number from 0 to 4294967295"),
+            ("invalid type: string \"two\", expected usize", "the string \"two\": expected a whole number from 0 to 18446744073709551615"),
+            ("invalid type: floating point `1.5`, expected u64", "`1.5`: expected a whole number from 0 to 18446744073709551615"),
+            ("data did not match any variant of untagged enum Targets", "expected a list of module names or \"all-linear\""),
+            ("unknown variant `fp8`, expected `f32` or `bf16`", "`fp8`: expected `f32` or `bf16`"),
+            ("unknown field `sampels`, expected one of `samples`, `ranks`", "unknown key `sampels`; this table takes `samples`, `ranks`"),
+        ] {
+            assert_eq!(user_words(serde), want, "{serde}");
+        }
+        let big = "7".repeat(300);
+        assert_eq!(shorten_numbers(&format!("`{big}` and 12345")), "`777777777777… (300 digits)` and 12345");
+        let text = "seeds = 2\n[deploy]\npolicy = [\"rloo\", \"rloo\"]\n[[estimator]]\nkind = \"sgd\"\nlr = 1\n[[estimator]]\nlr = { a = 1 }\n";
+        assert_eq!(key_at(text, text.find("\"rloo\"").unwrap()).as_deref(), Some("deploy.policy"));
+        assert_eq!(key_at(text, text.rfind("a = 1").unwrap()).as_deref(), Some("estimator[1].lr.a"));
+        assert_eq!(key_at(text, text.find("lr = 1").unwrap()).as_deref(), Some("estimator[0].lr"));
+        assert_eq!(key_at(text, 0).as_deref(), Some("seeds"));
+    }
 
     /// A `--set` value that is not TOML is refused naming what is wrong with it, where it used
     /// to become a string (and a type error far from the argument); bare words stay strings.

@@ -113,6 +113,17 @@ impl RewardSpec {
         if !(self.backbone_lr_scale.is_finite() && self.backbone_lr_scale >= 0.0) {
             return Err(("backbone_lr_scale", format!("{}: expected a finite number ≥ 0", self.backbone_lr_scale)));
         }
+        // θ on frozen φ has an exact curvature and takes no Hessian–vector products: hvp and
+        // hvp_eps would be read by nothing
+        if self.update == RewardUpdate::Head {
+            if let Some(e) = self.hvp_eps {
+                let e = if (1e-4..1e6).contains(&e.abs()) { e.to_string() } else { format!("{e:e}") };
+                return Err(("hvp_eps", format!("{e}: update = \"head\" (θ on frozen φ) takes no Hessian–vector products, so no step; hvp_eps applies to update = \"lora\" or \"full\": remove the key")));
+            }
+            if let Some(h) = self.hvp {
+                return Err(("hvp", format!("\"{}\": update = \"head\" (θ on frozen φ) takes no Hessian–vector products; hvp applies to update = \"lora\" or \"full\": remove the key", toml::Value::try_from(h).map(|v| v.as_str().unwrap_or("?").to_string()).unwrap_or_default())));
+            }
+        }
         if let Some(e) = self.hvp_eps.filter(|e| !(e.is_finite() && *e > 0.0)) {
             return Err(("hvp_eps", format!("{e}: expected a finite number > 0")));
         }

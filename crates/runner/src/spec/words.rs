@@ -40,7 +40,16 @@ impl<T: JsonSchema> JsonSchema for Sweep<T> {
     }
 }
 
-impl<'de, T: Deserialize<'de>> Deserialize<'de> for Sweep<T> {
+/// A swept value as the user wrote it (`rloo`, `0.1`).
+fn written<T: Serialize>(x: &T) -> String {
+    match toml::Value::try_from(x) {
+        Ok(toml::Value::String(s)) => s,
+        Ok(v) => v.to_string(),
+        Err(_) => "a value".into(),
+    }
+}
+
+impl<'de, T: Deserialize<'de> + PartialEq + Serialize> Deserialize<'de> for Sweep<T> {
     fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
         struct V<T>(std::marker::PhantomData<T>);
         macro_rules! scalar {
@@ -50,7 +59,7 @@ impl<'de, T: Deserialize<'de>> Deserialize<'de> for Sweep<T> {
                 }
             };
         }
-        impl<'de, T: Deserialize<'de>> de::Visitor<'de> for V<T> {
+        impl<'de, T: Deserialize<'de> + PartialEq + Serialize> de::Visitor<'de> for V<T> {
             type Value = Sweep<T>;
             fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
                 f.write_str("a value or a non-empty array of values to sweep over")
@@ -64,7 +73,16 @@ impl<'de, T: Deserialize<'de>> Deserialize<'de> for Sweep<T> {
             }
             fn visit_seq<A: de::SeqAccess<'de>>(self, mut seq: A) -> Result<Self::Value, A::Error> {
                 let mut out = Vec::new();
-                while let Some(x) = seq.next_element()? {
+                while let Some(x) = seq.next_element::<T>()? {
+                    // a value twice would be the same cells twice
+                    if let Some(i) = out.iter().position(|y| *y == x) {
+                        return Err(de::Error::custom(format!(
+                            "`{}` is listed twice (entries {} and {}): each value of a list is swept once",
+                            written(&x),
+                            i + 1,
+                            out.len() + 1
+                        )));
+                    }
                     out.push(x);
                 }
                 if out.is_empty() {

@@ -126,7 +126,8 @@ pub fn read_dataset(files: &[PathBuf], o: &ReadOptions) -> Result<ReadOut> {
             match v.and_then(|v| to_pairs(&v, format, &keys, form, row)) {
                 Ok(ps) => out.pairs.extend(ps),
                 Err(why) => {
-                    let msg = format!("{name}: row {row_in_file}{why}");
+                    let why = if format == Format::Generic { with_user_key(&why, &keys) } else { why };
+                    let msg = format!("{name}: {}{why}", place(&name, row_in_file));
                     if !o.skip_malformed {
                         bail!("{msg}");
                     }
@@ -147,6 +148,115 @@ pub fn read_dataset(files: &[PathBuf], o: &ReadOptions) -> Result<ReadOut> {
         }
     }
     Ok(out)
+}
+
+/// Where a row is, 1-based: a jsonl file's line (blank lines counted, as an editor does), a
+/// parquet file's row.
+fn place(name: &str, row: usize) -> String {
+    if name.ends_with(".parquet") {
+        format!("row {}", row + 1)
+    } else {
+        format!("line {}", row + 1)
+    }
+}
+
+/// A generic row's error ", field `good`: …" with the `[data.keys]` entry that names the field
+/// (", field `good` (data.keys.chosen): …"): the user wrote the key, not the field.
+fn with_user_key(why: &str, k: &Keys) -> String {
+    let Some(rest) = why.strip_prefix(", field `") else { return why.to_string() };
+    let Some((field, tail)) = rest.split_once('`') else { return why.to_string() };
+    let base = field.split(['[', '.']).next().unwrap_or(field);
+    let named: [(&str, Option<&String>); 10] = [
+        ("prompt", k.prompt.as_ref()),
+        ("chosen", Some(&k.chosen)),
+        ("rejected", Some(&k.rejected)),
+        ("score_chosen", k.score_chosen.as_ref()),
+        ("score_rejected", k.score_rejected.as_ref()),
+        ("side_a", k.side_a.as_ref()),
+        ("side_b", k.side_b.as_ref()),
+        ("label", k.label.as_ref()),
+        ("strength", k.strength.as_ref()),
+        ("responses", k.responses.as_ref()),
+    ];
+    match named.iter().find(|(_, v)| v.is_some_and(|v| v == base)) {
+        Some((name, _)) => format!(", field `{field}` (data.keys.{name}){tail}"),
+        None => why.to_string(),
+    }
+}
+
+/// A JSON row as a value, with a key written twice in one object refused (serde_json keeps the
+/// last silently: a row `{"chosen": "a", "chosen": "b"}` would be read as "b").
+fn json_row(bytes: &[u8]) -> Result<Value, String> {
+    struct Strict;
+    impl<'de> serde::de::DeserializeSeed<'de> for Strict {
+        type Value = Value;
+        fn deserialize<D: serde::Deserializer<'de>>(self, d: D) -> Result<Value, D::Error> {
+            d.deserialize_any(Strict)
+        }
+    }
+    impl<'de> serde::de::Visitor<'de> for Strict {
+        type Value = Value;
+        fn expecting(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+            f.write_str("a JSON value")
+        }
+        fn visit_bool<E>(self, v: bool) -> Result<Value, E> {
+            Ok(Value::Bool(v))
+        }
+        fn visit_i64<E>(self, v: i64) -> Result<Value, E> {
+            Ok(Value::from(v))
+        }
+        fn visit_u64<E>(self, v: u64) -> Result<Value, E> {
+            Ok(Value::from(v))
+        }
+        fn visit_f64<E>(self, v: f64) -> Result<Value, E> {
+            Ok(serde_json::Number::from_f64(v).map_or(Value::Null, Value::Number))
+        }
+        fn visit_str<E>(self, v: &str) -> Result<Value, E> {
+            Ok(Value::String(v.to_string()))
+        }
+        fn visit_string<E>(self, v: String) -> Result<Value, E> {
+            Ok(Value::String(v))
+        }
+        fn visit_unit<E>(self) -> Result<Value, E> {
+            Ok(Value::Null)
+        }
+        fn visit_none<E>(self) -> Result<Value, E> {
+            Ok(Value::Null)
+        }
+        fn visit_some<D: serde::Deserializer<'de>>(self, d: D) -> Result<Value, D::Error> {
+            d.deserialize_any(Strict)
+        }
+        fn visit_seq<A: serde::de::SeqAccess<'de>>(self, mut a: A) -> Result<Value, A::Error> {
+            let mut out = Vec::new();
+            while let Some(v) = a.next_element_seed(Strict)? {
+                out.push(v);
+            }
+            Ok(Value::Array(out))
+        }
+        fn visit_map<A: serde::de::MapAccess<'de>>(self, mut a: A) -> Result<Value, A::Error> {
+            let mut out = serde_json::Map::new();
+            while let Some(k) = a.next_key::<String>()? {
+                let v = a.next_value_seed(Strict)?;
+                if out.contains_key(&k) {
+                    return Err(serde::de::Error::custom(format!("DUPLICATE:{k}")));
+                }
+                out.insert(k, v);
+            }
+            Ok(Value::Object(out))
+        }
+    }
+    let mut de = serde_json::Deserializer::from_slice(bytes);
+    let v = serde::de::DeserializeSeed::deserialize(Strict, &mut de).and_then(|v| de.end().map(|_| v));
+    v.map_err(|e| {
+        let m = e.to_string();
+        match m.strip_prefix("DUPLICATE:") {
+            Some(rest) => {
+                let key = rest.rsplit_once(" at line ").map_or(rest, |(k, _)| k);
+                format!(", field `{key}`: written twice in one object (JSON would keep the last silently): keep one")
+            }
+            None => format!(": not JSON: {m}"),
+        }
+    })
 }
 
 fn is_jsonl(name: &str) -> bool {
@@ -446,7 +556,7 @@ fn jsonl_rows(path: &Path, visit: &mut Visit<'_>) -> Result<()> {
     let mut rows = 0usize;
     for row in 0.. {
         buf.clear();
-        let n = read(&mut r, &mut buf).with_context(|| format!("{}: reading row {row}", path.display()))?;
+        let n = read(&mut r, &mut buf).with_context(|| format!("{}: reading line {}", path.display(), row + 1))?;
         if n == 0 {
             break;
         }
@@ -464,7 +574,7 @@ fn jsonl_rows(path: &Path, visit: &mut Visit<'_>) -> Result<()> {
             let mut total = buf.len();
             loop {
                 buf.clear();
-                let m = read(&mut r, &mut buf).with_context(|| format!("{}: reading row {row}", path.display()))?;
+                let m = read(&mut r, &mut buf).with_context(|| format!("{}: reading line {}", path.display(), row + 1))?;
                 total += m;
                 if m == 0 || buf.last() == Some(&b'\n') {
                     break;
@@ -475,7 +585,7 @@ fn jsonl_rows(path: &Path, visit: &mut Visit<'_>) -> Result<()> {
             while matches!(buf.last(), Some(b'\n' | b'\r')) {
                 buf.pop();
             }
-            serde_json::from_slice::<Value>(&buf).map_err(|e| format!(": not JSON: {e}"))
+            json_row(&buf)
         };
         if !visit(row, v)? {
             break;
@@ -629,19 +739,21 @@ pub fn read_prompts(files: &[PathBuf], key: &str, limit: Option<usize>) -> Resul
             if limit.is_some_and(|l| out.len() >= l) {
                 return Ok(false);
             }
-            let v = v.map_err(|e| anyhow::anyhow!("{name}: row {row}{e}"))?;
+            // 1-based, a jsonl file's line or a parquet file's row
+            let row = place(&name, row);
+            let v = v.map_err(|e| anyhow::anyhow!("{name}: {row}{e}"))?;
             let msgs = match v.get(key) {
                 Some(Value::String(s)) if !s.trim().is_empty() => vec![Message::new("user", s)],
                 Some(l @ Value::Array(_)) => {
-                    let m = messages(l).map_err(|e| anyhow::anyhow!("{name}: row {row}, field `{key}`: {e}"))?;
+                    let m = messages(l).map_err(|e| anyhow::anyhow!("{name}: {row}, field `{key}` (generate.prompt_key): {e}"))?;
                     if m.is_empty() || m.iter().all(|m| m.content.trim().is_empty()) {
-                        bail!("{name}: row {row}, field `{key}`: an empty conversation");
+                        bail!("{name}: {row}, field `{key}` (generate.prompt_key): an empty conversation");
                     }
                     m
                 }
-                Some(Value::String(_)) => bail!("{name}: row {row}, field `{key}`: a blank prompt"),
-                Some(Value::Null) | None => bail!("{name}: row {row}: no `{key}` (null or missing)"),
-                Some(_) => bail!("{name}: row {row}, field `{key}`: expected a string or a list of messages"),
+                Some(Value::String(_)) => bail!("{name}: {row}, field `{key}` (generate.prompt_key): a blank prompt"),
+                Some(Value::Null) | None => bail!("{name}: {row}: no `{key}` (generate.prompt_key; null or missing)"),
+                Some(_) => bail!("{name}: {row}, field `{key}` (generate.prompt_key): expected a string or a list of messages"),
             };
             out.push(msgs);
             Ok(true)
