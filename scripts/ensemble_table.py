@@ -3,13 +3,15 @@
 experiments/active/ensemble-vs-onepass*.toml: per run and estimator, the final held-out accuracy,
 θ-error and SubOpt (mean over seeds with a 95% Student-t half-width, df = seeds − 1), the
 estimator's milliseconds per query (timings.parquet's cell_estimator_s over the labels bought),
-and its held-out accuracy minus omd-exact's, paired by seed (the same queries), after the
-provenance columns (date, revision, cpu, command). It computes nothing else and types no
+and its held-out accuracy minus a baseline config's (the first whose label starts with
+`--baseline`, default omd-exact), paired by seed, after the provenance columns (date, revision,
+cpu, command). It computes nothing else and types no
 number: every figure is read from the run directory.
 
     python3 scripts/ensemble_table.py --cpu "2-core AMD EPYC Zen 3 (AVX2+FMA)" \\
         --command "onepass run experiments/active/ensemble-vs-onepass.toml --threads 1" RUN_DIR \\
         [--command ... RUN_DIR ...] >> docs/results/ensemble-vs-onepass.csv
+    python3 scripts/ensemble_table.py --baseline "ensemble / random" --cpu ... --command ... RUN_DIR
     python3 scripts/ensemble_table.py --header   # the header line
 
 A run directory without metrics.parquet or meta.json stops with one line naming it.
@@ -30,7 +32,7 @@ T975 = [12.706, 4.303, 3.182, 2.776, 2.571, 2.447, 2.365, 2.306, 2.262, 2.228, 2
 HEADER = ["date", "revision", "cpu", "command", "preset", "flip", "estimator", "seeds", "labels",
           "eval_accuracy", "eval_accuracy_ci95", "theta_err", "theta_err_ci95", "subopt", "subopt_ci95",
           "estimator_ms_per_query",
-          "accuracy_minus_omd_exact", "accuracy_minus_omd_exact_ci95", "note"]
+          "baseline", "accuracy_minus_baseline", "accuracy_minus_baseline_ci95", "note"]
 
 
 def mean_ci(x):
@@ -55,7 +57,7 @@ def flip_of(resolved):
         return ""
 
 
-def rows(run, cpu, command):
+def rows(run, cpu, command, baseline):
     for f in ["metrics.parquet", "meta.json", "timings.parquet"]:
         if not (run / f).exists():
             sys.exit(f"{run}: no {f} (a finished run directory is expected)")
@@ -68,20 +70,22 @@ def rows(run, cpu, command):
     dirty = meta.get("git_dirty") not in ("false", False)
     note = "built from a tree with uncommitted changes" if dirty else ""
     preset = pathlib.Path(meta["spec_file"]).stem
-    # paired by seed against omd-exact: the same queries (the run's rule does not read θ)
-    omd = last[last.label.str.startswith("omd-exact")].set_index("seed").eval_accuracy
+    # paired by seed against the baseline config (its label starts with `baseline`)
+    base = last[last.label.str.startswith(baseline)]
+    base_label = base.label.iloc[0] if len(base) else ""
+    omd = base[base.label == base_label].set_index("seed").eval_accuracy
     for label, g in last.groupby("label", sort=False):
         labels = int(g.samples_seen.max())
         acc, acc_ci = mean_ci(list(g.eval_accuracy))
         err, err_ci = mean_ci(list(g.theta_err))
         sub, sub_ci = mean_ci(list(g.subopt))
         ms = 1000 * g.est_s.mean() / labels
-        if label.startswith("omd-exact") or omd.empty:
+        if label == base_label or omd.empty:
             diff, diff_ci = "", ""
         else:
             diff, diff_ci = mean_ci([a - omd[s] for s, a in zip(g.seed, g.eval_accuracy) if s in omd.index])
         yield [date, meta["git_revision"][:7], cpu, command, preset, flip_of(run / "spec.resolved.toml"), label,
-               len(g), labels, acc, acc_ci, err, err_ci, sub, sub_ci, f"{ms:.3f}", diff, diff_ci, note]
+               len(g), labels, acc, acc_ci, err, err_ci, sub, sub_ci, f"{ms:.3f}", base_label, diff, diff_ci, note]
 
 
 def main(argv):
@@ -89,17 +93,19 @@ def main(argv):
     if argv == ["--header"]:
         w.writerow(HEADER)
         return
-    cpu, command = None, None
+    cpu, command, baseline = None, None, "omd-exact"
     it = iter(argv)
     for a in it:
-        if a == "--cpu":
+        if a == "--baseline":
+            baseline = next(it)
+        elif a == "--cpu":
             cpu = next(it)
         elif a == "--command":
             command = next(it)
         else:
             if not cpu or not command:
                 sys.exit(f"{a}: give --cpu and --command before the run directory")
-            for r in rows(pathlib.Path(a), cpu, command):
+            for r in rows(pathlib.Path(a), cpu, command, baseline):
                 w.writerow(r)
 
 
