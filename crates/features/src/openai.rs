@@ -268,6 +268,18 @@ impl Server {
                     }
                     format!("HTTP {code}: {}", clip(&said))
                 }
+                // a refused connection: no server at the address (named as such after the
+                // retries, not blamed on the model's name)
+                Err(ureq::Error::Transport(t)) if t.kind() == ureq::ErrorKind::ConnectionFailed => {
+                    if attempt >= self.retries {
+                        return Err(Error::Io(format!(
+                            "nothing listens at {} (connection refused, {} attempt(s)): start the server there or fix generate.base_url",
+                            self.base_url,
+                            attempt + 1
+                        )));
+                    }
+                    ureq::Error::Transport(t).to_string()
+                }
                 Err(e) => e.to_string(),
             };
             if attempt >= self.retries {

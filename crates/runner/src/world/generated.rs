@@ -178,7 +178,11 @@ pub(super) fn generate_as(
     rep.generation_cache_hits = prompts.len() - todo.len();
     rep.generated_prompts = todo.len();
     match (&server, todo.is_empty(), adapter) {
-        (Some(s), false, None) => s.check().map_err(|e| anyhow!("generate.server_model: {e}"))?,
+        // the model's name is blamed only when the server answered without it
+        (Some(s), false, None) => s.check().map_err(|e| match e {
+            features::Error::Input(_) => anyhow!("generate.server_model: {e}"),
+            _ => anyhow!("generate.base_url: {e}"),
+        })?,
         (Some(_), false, Some((_, push))) => push()?,
         _ => {}
     }
