@@ -221,3 +221,57 @@ fn a_flip_of_one_half_or_more_is_refused_naming_the_key() {
         assert!(err.contains("oracle.flip") && err.trim().lines().count() == 1, "flip = {bad}: {err}");
     }
 }
+
+/// Active collection on the generated responses with a noisy labeller: the pool's labels (drawn
+/// once) and the fresh rule's are flipped and counted; three slices of the run merge to the bytes
+/// of one process (each label's flip is named by its cell's seeds and index, not by the process).
+#[test]
+fn active_labels_flip_too_and_slices_merge_to_the_bytes_of_one_process() {
+    let tmp = tempfile::tempdir().unwrap();
+    let p = tmp.path();
+    util::write_prompts(p);
+    let text = spec("flip = 0.3")
+        .replace("setting = \"deploy\"", "setting = \"active\"")
+        .replace("[checkpoint]\nevery_steps = 1\n", "")
+        .replace(
+            "[deploy]\nchunks = 3\nstrategies = [\"random-pair\"]\n",
+            "[active]\nrule = [\"random\", \"best-worst\"]\npool = 30\n",
+        )
+        .replace("batch_size = 2\n", "batch_size = 2\nsamples = 20\neval_every = 10\n");
+    std::fs::write(p.join("run.toml"), text).unwrap();
+    let (code, stdout, err) = onepass(p, &["run", "run.toml", "--out", "one", "--threads", "2"]).parts();
+    assert_eq!(code, 0, "{err}");
+    let one = p.join(stdout.trim().lines().last().unwrap());
+    let m = table(&one.join("metrics.parquet"));
+    let (flipped, samples) = (u64s(&m, "flipped_labels"), u64s(&m, "samples_seen"));
+    // random buys from the pool, whose labels were drawn (and flipped) once, from a stream of the
+    // pool's own, and are counted as they are bought; best-worst labels each fresh pair: in both,
+    // at most one flip a label given, and the count only grows
+    let (rule, cell) = (strs(&m, "strategy"), strs(&m, "cell_id"));
+    for r in ["random", "best-worst"] {
+        let last: u64 = (0..flipped.len()).filter(|&i| rule[i] == r && samples[i] == 20).map(|i| flipped[i]).sum();
+        assert!(last > 0, "{r}: no label flipped of 40 at p = 0.3: {flipped:?}");
+    }
+    for i in 0..flipped.len() {
+        assert!(flipped[i] <= samples[i], "{}: {} flips of {} labels", cell[i], flipped[i], samples[i]);
+        assert!(i == 0 || cell[i] != cell[i - 1] || flipped[i] >= flipped[i - 1], "{}: the count fell", cell[i]);
+    }
+    let parts: Vec<String> = (0..3)
+        .map(|i| {
+            let cells = format!("{i}/3");
+            let (code, stdout, err) =
+                onepass(p, &["run", "run.toml", "--out", "s", "--threads", "1", "--cells", &cells]).parts();
+            assert_eq!(code, 0, "slice {i}: {err}");
+            p.join(stdout.trim().lines().last().unwrap()).display().to_string()
+        })
+        .collect();
+    let mut args = vec!["merge", "run.toml"];
+    args.extend(parts.iter().map(String::as_str));
+    args.extend(["--out", "m"]);
+    let (code, stdout, err) = onepass(p, &args).parts();
+    assert_eq!(code, 0, "{err}");
+    let merged = p.join(stdout.trim().lines().last().unwrap());
+    for f in ["metrics.parquet", "cells.parquet"] {
+        assert!(std::fs::read(one.join(f)).unwrap() == std::fs::read(merged.join(f)).unwrap(), "merged: {f} differs");
+    }
+}

@@ -28,7 +28,7 @@ pub(super) fn active(
     let (b, d) = (cell.stream.batch_size, cell.d);
     let steps = cell.stream.samples / b as u64;
     let mut fresh = Progress::fresh(cell.master_seed, seed);
-    let (pool_z, pool_y) = draw_pool(src, a.pool, d, &mut fresh);
+    let (pool_z, pool_y, pool_flipped) = draw_pool(src, a.pool, d, &mut fresh);
     let pool = pool_y.len();
     fresh.hash.f32s(&pool_z);
     fresh.hash.f32s(&pool_y);
@@ -72,6 +72,11 @@ pub(super) fn active(
                 used[i] = true;
                 z.extend_from_slice(pool.row(i));
                 y.push(pool_y[i]);
+                // a pool label is given (and its flip counted) when it is bought
+                if let Some(&f) = pool_flipped.get(i) {
+                    flips.given += 1;
+                    flips.flipped += u64::from(f);
+                }
             }
         }
         l.update(&z, &y)?;
@@ -87,23 +92,33 @@ pub(super) fn active(
     Ok(CellResult { rows: pr.rows, stream_hash: pr.hash.0, ..Default::default() })
 }
 
+/// A pool's z rows, labels, and whether a noisy labeller flipped each label (empty without one).
+type PoolDraw<'a> = (Cow<'a, [f32]>, Cow<'a, [f32]>, Vec<bool>);
+
 /// The pool of Alg. 3: on the bandit, `n` pairs drawn once per seed, each with its label drawn
-/// once (a re-queried pair keeps it); on pairs, every training row with the file's label.
-fn draw_pool<'a>(src: &'a Source<'_>, n: usize, d: usize, fresh: &mut Progress) -> (Cow<'a, [f32]>, Cow<'a, [f32]>) {
+/// once (a re-queried pair keeps it; a noisy labeller's flip of pair i comes from the pool's own
+/// stream, and counts when the pair is bought); on pairs, every training row with the file's label.
+fn draw_pool<'a>(src: &'a Source<'_>, n: usize, d: usize, fresh: &mut Progress) -> PoolDraw<'a> {
     match src {
         Source::Synthetic(env) => {
             let (mut pool_z, mut pool_y) = (Vec::with_capacity(n * d), Vec::with_capacity(n));
-            for _ in 0..n {
+            let mut flipped = Vec::with_capacity(n);
+            for i in 0..n {
                 let c = env.draw_context(&mut fresh.data);
                 let (a1, a2) = two_arms(&mut fresh.data, env.k);
                 let z = env.diff(&c, a1, a2);
-                let u = fresh.labels.random();
-                pool_y.push(env.give(&c, a1, a2, &z, u, &mut fresh.flips));
+                let (y, f) = env.pool_label(&c, a1, a2, &z, fresh.labels.random(), i as u64);
+                pool_y.push(y);
+                flipped.push(f);
                 pool_z.extend(z);
             }
-            (pool_z.into(), pool_y.into())
+            // without a noisy labeller nothing is counted
+            if env.flip.is_none() {
+                flipped.clear();
+            }
+            (pool_z.into(), pool_y.into(), flipped)
         }
-        Source::Pairs(p) => (Cow::Borrowed(&p.train.z[..]), Cow::Borrowed(&p.train.y[..])),
+        Source::Pairs(p) => (Cow::Borrowed(&p.train.z[..]), Cow::Borrowed(&p.train.y[..]), Vec::new()),
     }
 }
 

@@ -110,6 +110,15 @@ impl Flip {
         let mut rng = ChaCha20Rng::from_seed(*h.finalize().as_bytes());
         rng.random::<f64>() < self.p
     }
+
+    /// The flips of active collection's pool: a stream of its own (pool pair i's label is drawn
+    /// once, before any is bought), so the labels given one by one keep their indices.
+    pub fn pool(&self) -> Flip {
+        let mut h = blake3::Hasher::new();
+        h.update(b"onepass-pool-flip");
+        h.update(&self.seed.to_le_bytes());
+        Flip { p: self.p, seed: u64::from_le_bytes(h.finalize().as_bytes()[..8].try_into().expect("8 bytes")) }
+    }
 }
 
 /// The labels a cell's labeller has given (each one's index) and flipped so far.
@@ -291,6 +300,17 @@ impl Env {
                 1.0 - y
             }
             _ => y,
+        }
+    }
+
+    /// The label of active collection's pool pair `index`, drawn once: [`Env::label`]'s, flipped
+    /// when the pool's flip stream says so; (label, flipped). The learner is given it (and it
+    /// counts) only when it buys the pair.
+    pub fn pool_label(&self, c: &Context, a: usize, b: usize, z: &[f32], u: f64, index: u64) -> (f32, bool) {
+        let y = self.label(c, a, b, z, u);
+        match self.flip {
+            Some(f) if f.pool().flips(index) => (1.0 - y, true),
+            _ => (y, false),
         }
     }
 
