@@ -145,6 +145,7 @@ pub const COLUMNS: &[ColumnDoc] = &[
     ColumnDoc { tables: &[METRICS], column: "negative_quad_forms", ty: "u64", unit: "", doc: "Quadratic forms xᵀ𝓗⁻¹x that came out negative and were taken as 0 (rounding drift of a maintained inverse); 0 in a healthy run." },
     ColumnDoc { tables: &[METRICS], column: "flops", ty: "u64", unit: "FLOPs", doc: "Floating-point operations of the estimator's updates so far (counted from the shapes)." },
     ColumnDoc { tables: &[METRICS], column: "converged", ty: "bool", unit: "", doc: "mle: every re-fit so far reached its tolerance (true for the other estimators)." },
+    ColumnDoc { tables: &[METRICS], column: "estimator_bytes", ty: "u64?", unit: "bytes", doc: "Bytes of state the estimator holds at this point (parameters, matrices, Adam moments, the labels a re-fit keeps): flat in t for one-pass estimators, growing for mle; summed over heads with stream.ranks > 1; null for a reward model whose features learn." },
     ColumnDoc { tables: &[METRICS], column: "chunk", ty: "u64?", unit: "", doc: "Chunked deployment: the chunk (1-based)." },
     ColumnDoc { tables: &[METRICS], column: "pair_reward", ty: "f64?", unit: "reward", doc: "Chunked deployment: the chunk's mean of r(a) + r(a′) over its prompts (the authors' number)." },
     ColumnDoc { tables: &[METRICS], column: "cum_pair_reward", ty: "f64?", unit: "reward", doc: "Chunked deployment: the running sum of pair_reward over chunks." },

@@ -59,6 +59,10 @@ pub struct MetricRow {
     pub flops: u64,
     /// Every re-fit so far reached its tolerance (mle; true otherwise).
     pub converged: bool,
+    /// Bytes of state the estimator holds at this point (parameters, matrices, moments, the
+    /// history a re-fit keeps): flat in t for one-pass estimators, growing for mle (None: a
+    /// run written before the column, or a reward model whose features learn).
+    pub estimator_bytes: Option<u64>,
 }
 
 /// One row of steps.parquet: the estimator's own report of one update.
@@ -349,6 +353,7 @@ pub const METRICS: &[Col<MetricRow>] = &[
     col!(U64 "negative_quad_forms" => negative_quad_forms),
     col!(U64 "flops" => flops),
     col!(Bool "converged" => converged),
+    col!(OptU64 "estimator_bytes" => estimator_bytes),
 ];
 
 /// metrics.parquet of a chunked deployment run, after [`METRICS`].

@@ -134,6 +134,33 @@ fn cells_parquet_keeps_hyper_parameters_typed() {
     assert!(bf16.value(0) && !bf16.value(1));
 }
 
+/// metrics.parquet's estimator_bytes: a one-pass estimator's state is the same size at every
+/// evaluation point; mle's grows by the labels it keeps, (d + 1) f32 per pair (z and y),
+/// computed here from the rows' samples_seen.
+#[test]
+fn estimator_bytes_are_flat_for_one_pass_and_grow_with_mle() {
+    let tmp = tempfile::tempdir().unwrap();
+    let text = format!("{BASE}[[estimator]]\nkind = \"sgd\"\n[[estimator]]\nkind = \"omd-exact\"\n[[estimator]]\nkind = \"mle\"\n");
+    let spec = write(tmp.path(), "bytes.toml", &text);
+    let r = onepass(tmp.path(), &["run", spec.to_str().unwrap(), "--out", "out", "--set", "seeds=1", "-q"]);
+    let m = table(&tmp.path().join(r.dir()).join("metrics.parquet"));
+    let (est, seen) = (util::strs(&m, "estimator"), util::u64s(&m, "samples_seen"));
+    let bytes = util::u64s(&m, "estimator_bytes");
+    let of = |k: &str| (0..est.len()).filter(|&i| est[i] == k).map(|i| (seen[i], bytes[i])).collect::<Vec<_>>();
+    for k in ["sgd", "omd-exact"] {
+        let v = of(k);
+        assert!(v.len() >= 2 && v.iter().all(|x| x.1 == v[0].1 && x.1 > 0), "{k}: {v:?}");
+    }
+    let mle = of("mle");
+    assert!(mle.len() >= 2, "{mle:?}");
+    for w in mle.windows(2) {
+        // dim = 4: each labelled pair keeps 4 + 1 f32
+        assert_eq!(w[1].1 - w[0].1, (w[1].0 - w[0].0) * 5 * 4, "{mle:?}");
+    }
+    // the negative control: the omd-exact state (a d × d inverse) is larger than sgd's
+    assert!(of("omd-exact")[0].1 > of("sgd")[0].1);
+}
+
 /// A run directory begins with its setting (the three synthetic presets' used to share
 /// `synthetic-<time>`), a name that already begins with it is kept, and `compare` names each
 /// run's setting and preset.

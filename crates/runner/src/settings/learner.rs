@@ -296,6 +296,7 @@ impl Learner {
             negative_quad_forms: c.negative_quad_forms + self.curv.as_ref().map_or(0, |c| c.negative_quad_forms()),
             flops: c.flops,
             converged: self.converged,
+            estimator_bytes: Some(self.est.state_bytes() as u64),
             ..Default::default()
         };
         self.win_loss = 0.0;

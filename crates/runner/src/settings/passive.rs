@@ -46,6 +46,7 @@ fn mean_rows(rows: &[MetricRow]) -> MetricRow {
         hvp_evals: sum(|r| r.hvp_evals),
         flops: sum(|r| r.flops),
         converged: rows.iter().all(|r| r.converged),
+        estimator_bytes: rows.iter().map(|r| r.estimator_bytes).sum(),
         ..Default::default()
     }
 }
