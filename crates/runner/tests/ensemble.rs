@@ -1,5 +1,5 @@
-//! The ensemble estimator through the command line: passive and active runs with it, killed
-//! mid-run and resumed, write the same bytes as uninterrupted runs; a strategy that draws from
+//! The ensemble estimator through the command line: passive, active and deployment runs with
+//! it, killed mid-run and resumed, write the same bytes (rounds.parquet too) as uninterrupted runs; a strategy that draws from
 //! an ensemble's heads is refused in one line with any other estimator.
 
 use std::os::unix::process::ExitStatusExt;
@@ -59,6 +59,29 @@ batch = 16
 lr = 0.05
 "#;
 
+const DEPLOY: &str = r#"
+setting = "deploy"
+seeds = 2
+[env]
+dim = 5
+contexts = 12
+arms = 6
+eval_pairs = 100
+[stream]
+samples = 80
+batch_size = 2
+eval_every = 20
+[deploy]
+strategies = ["thompson", "double-thompson", "baits", "ucb"]
+[checkpoint]
+every_steps = 5
+[[estimator]]
+kind = "ensemble"
+heads = 4
+batch = 16
+lr = 0.05
+"#;
+
 fn write(dir: &Path, name: &str, text: &str) -> PathBuf {
     let p = dir.join(name);
     std::fs::write(&p, text).unwrap();
@@ -77,7 +100,7 @@ fn run(dir: &Path, args: &[&str], failpoint: Option<&str>) -> std::process::Outp
 /// Every file that must not depend on interruptions, with θ's bytes.
 fn fingerprint(dir: &Path) -> Vec<(String, Vec<u8>)> {
     let mut out = Vec::new();
-    for f in ["metrics.parquet", "cells.parquet", "steps.parquet", "spec.resolved.toml"] {
+    for f in ["metrics.parquet", "cells.parquet", "steps.parquet", "rounds.parquet", "spec.resolved.toml"] {
         if let Ok(b) = std::fs::read(dir.join(f)) {
             out.push((f.to_string(), b));
         }
@@ -109,9 +132,11 @@ fn kill_then_resume(tmp: &Path, spec: &Path, failpoint: &str, out: &str) -> Path
 fn ensemble_runs_killed_then_resumed_give_the_same_bytes() {
     let tmp = tempfile::tempdir().unwrap();
     let tmp = tmp.path();
-    for (name, text, fps) in
-        [("passive.toml", PASSIVE, ["update:3", "update:100"]), ("active.toml", ACTIVE, ["update:50", "update:300"])]
-    {
+    for (name, text, fps) in [
+        ("passive.toml", PASSIVE, ["update:3", "update:100"]),
+        ("active.toml", ACTIVE, ["update:50", "update:300"]),
+        ("deploy.toml", DEPLOY, ["update:70", "update:250"]),
+    ] {
         let spec = write(tmp, name, text);
         let o = run(tmp, &["run", spec.to_str().unwrap(), "--out", "ref", "--threads", "1"], None);
         let stdout = String::from_utf8_lossy(&o.stdout);

@@ -9,7 +9,9 @@ use std::fmt;
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize, JsonSchema)]
 #[serde(deny_unknown_fields)]
 pub struct DeploySpec {
-    /// Swept: every strategy is crossed with every estimator.
+    /// Swept: every strategy is crossed with every estimator. random-pair, best-random,
+    /// best-two, best-worst, best-quantile, ucb; with an ensemble estimator also thompson,
+    /// double-thompson, ensemble-uncertainty and baits (they draw from its heads).
     #[serde(default = "d_strategies")]
     pub strategies: Sweep<String>,
     /// q of best-quantile.
