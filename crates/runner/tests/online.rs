@@ -15,29 +15,7 @@ use util::{command, f64s, finish, onepass, strs, table, u32s, u64s};
 fn spec(lr: f64) -> String {
     format!(
         r#"
-setting = "deploy"
-seeds = 2
-[env]
-kind = "generated"
-eval_pairs = 50
-[generate]
-prompts = "prompts.jsonl"
-rows = 6
-policy = "{g}"
-n = 3
-max_new_tokens = 5
-batch_prompts = 2
-cache = "cache/gen"
-[features]
-model = "{g}"
-max_len = 64
-cache = "cache/phi"
-[oracle]
-kind = "linear"
-seed = 3
-[stream]
-batch_size = 2
-[deploy]
+{world}[deploy]
 chunks = 3
 strategies = ["random-pair", "best-quantile"]
 q = 2
@@ -55,7 +33,7 @@ save_adapter = "every-chunk"
 kind = "sgd"
 lr = 0.1
 "#,
-        g = util::tiny_gguf().display()
+        world = util::tiny_world(2, 50)
     )
 }
 

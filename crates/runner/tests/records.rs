@@ -222,29 +222,8 @@ fn one_seed_synthetic_reports_and_finished_cells_say_what_applies() {
     assert!(!help.stdout.contains("and report are") && help.stdout.contains("onepass report"), "{}", help.stdout);
 }
 
+/// An online run's tables after [`util::tiny_world`].
 const ONLINE: &str = r#"
-setting = "deploy"
-seeds = 2
-[env]
-kind = "generated"
-eval_pairs = 50
-[generate]
-prompts = "prompts.jsonl"
-rows = 6
-policy = "{g}"
-n = 3
-max_new_tokens = 5
-batch_prompts = 2
-cache = "cache/gen"
-[features]
-model = "{g}"
-max_len = 64
-cache = "cache/phi"
-[oracle]
-kind = "linear"
-seed = 3
-[stream]
-batch_size = 2
 [deploy]
 chunks = 2
 strategies = ["best-quantile"]
@@ -269,7 +248,7 @@ lr = 0.1
 
 fn online_spec(dir: &Path) -> std::path::PathBuf {
     util::write_prompts(dir);
-    write(dir, "online.toml", &ONLINE.replace("{g}", &util::tiny_gguf().display().to_string()))
+    write(dir, "online.toml", &format!("{}{ONLINE}", util::tiny_world(2, 50)))
 }
 
 /// An online run ends with the held-out policy reward per arm (policy.parquet's policy_reward,
@@ -291,7 +270,11 @@ fn an_online_run_ends_with_the_held_out_policy_reward() {
         let at = |c: u64| -> Vec<f64> {
             (0..labels.len()).filter(|&i| labels[i] == arm && chunks[i] == c).map(|i| reward[i]).collect()
         };
-        let (base, last) = (at(0), at(last_chunk));
+        // the base is the base policy as drawn (chunk 0's sample_reward), whatever the arm deploys
+        let sample = util::f64s(&p, "sample_reward");
+        let base: Vec<f64> =
+            (0..labels.len()).filter(|&i| labels[i] == arm && chunks[i] == 0).map(|i| sample[i]).collect();
+        let last = at(last_chunk);
         assert_eq!((base.len(), last.len()), (2, 2), "{arm}");
         assert!(seeds.contains(&1));
         let m = (last[0] + last[1]) / 2.0;

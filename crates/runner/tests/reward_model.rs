@@ -219,29 +219,7 @@ fn the_plan_refuses_what_a_learning_feature_map_cannot_do() {
 /// none for the bank's responses), with `[reward] update` and `extra` lines in `[reward]`.
 fn deploy_spec(update: &str, extra: &str, policy: &str) -> String {
     format!(
-        r#"setting = "deploy"
-seeds = 1
-[env]
-kind = "generated"
-eval_pairs = 50
-[generate]
-prompts = "prompts.jsonl"
-rows = 6
-policy = "{g}"
-n = 3
-max_new_tokens = 5
-batch_prompts = 2
-cache = "cache/gen"
-[features]
-model = "{g}"
-max_len = 64
-cache = "cache/phi"
-[oracle]
-kind = "linear"
-seed = 3
-[stream]
-batch_size = 2
-[curvature]
+        r#"{world}[curvature]
 lambda = 1.0
 [deploy]
 chunks = 3
@@ -257,7 +235,7 @@ kind = "sgd"
 lr = 0.1
 clip = "none"
 "#,
-        g = tiny_gguf().display()
+        world = util::tiny_world(1, 50)
     )
 }
 

@@ -297,3 +297,37 @@ pub fn write_prompts(dir: &Path) {
     .collect();
     std::fs::write(dir.join("prompts.jsonl"), prompts).unwrap();
 }
+
+/// The head of an online spec on the tiny random Llama GGUF ([`tiny_gguf`]) — policy, φ model,
+/// 6 training prompts of [`write_prompts`], n = 3, ≤ 5 new tokens, a linear oracle, batches of
+/// 2, caches under `cache/` — up to `[stream]`; a test appends its `[deploy]`, `[policy]` and
+/// `[[estimator]]` tables.
+pub fn tiny_world(seeds: u32, eval_pairs: u32) -> String {
+    format!(
+        r#"
+setting = "deploy"
+seeds = {seeds}
+[env]
+kind = "generated"
+eval_pairs = {eval_pairs}
+[generate]
+prompts = "prompts.jsonl"
+rows = 6
+policy = "{g}"
+n = 3
+max_new_tokens = 5
+batch_prompts = 2
+cache = "cache/gen"
+[features]
+model = "{g}"
+max_len = 64
+cache = "cache/phi"
+[oracle]
+kind = "linear"
+seed = 3
+[stream]
+batch_size = 2
+"#,
+        g = tiny_gguf().display()
+    )
+}
