@@ -108,13 +108,18 @@ pub fn cells(dir: &Path) -> Result<DirStatus> {
                     }
                 }
                 Err(e) => {
-                    st.state = "finished";
+                    // a .done that cannot be read is not a finished cell: corrupt (or, from
+                    // another revision, unreadable here), named with its file
                     let other = if id.git_revision != env!("ONEPASS_GIT_REV") {
+                        st.state = "unreadable";
                         format!(" (written by revision {}: read it with a build of that revision)", id.git_revision)
                     } else {
+                        st.state = "corrupt";
                         String::new()
                     };
-                    st.error = Some(format!("{e:#}{other}"));
+                    let e = format!("{e:#}");
+                    let named = if e.contains(&done.display().to_string()) { e } else { format!("{}: {e}", done.display()) };
+                    st.error = Some(format!("{named}{other}"));
                 }
             }
         } else if ckpt.exists() {

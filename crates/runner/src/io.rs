@@ -177,7 +177,11 @@ fn check<'a>(path: &Path, b: &'a [u8], fingerprint: &str, what: &str, force: boo
 /// the body's bytes.
 fn open<'a>(path: &Path, b: &'a [u8]) -> Result<(String, String, &'a [u8])> {
     if !b.starts_with(MAGIC) || b.len() < MAGIC.len() + 32 {
-        bail!("{}: not a onepass checkpoint (expected the header {:?}); {HINT}", path.display(), MAGIC);
+        bail!(
+            "{}: not a onepass checkpoint (expected the header `{}`); {HINT}",
+            path.display(),
+            String::from_utf8_lossy(MAGIC).trim_end()
+        );
     }
     let (hash, payload) = b[MAGIC.len()..].split_at(32);
     if blake3::hash(payload).as_bytes() != hash {

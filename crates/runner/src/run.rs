@@ -626,8 +626,15 @@ pub fn run(opts: &RunOptions) -> Result<RunSummary> {
     if let Some(sl) = opts.slice {
         // a slice keeps its cells' results in checkpoints/ for the merge: no tables of its own
         let failed = outcomes.iter().filter(|o| o.result.is_err()).count();
+        // the merge takes the slices' --set flags too: the hint keeps them
+        let sets: String = opts.overrides.iter().map(|o| format!(" --set {}", shell_word(o))).collect();
+        let empty = if outcomes.is_empty() {
+            format!(" (the run has {} cells: slices {}/{} and above hold none)", plan.cells.len(), plan.cells.len(), sl.count)
+        } else {
+            String::new()
+        };
         eprintln!(
-            "onepass: slice {}/{}: {} cells finished ({failed} failed) in {}; when every slice is done: onepass merge {} SLICE_DIR…",
+            "onepass: slice {}/{}: {} cells finished ({failed} failed){empty} in {}; when every slice is done: onepass merge {}{sets} SLICE_DIR…",
             sl.index,
             sl.count,
             outcomes.len(),

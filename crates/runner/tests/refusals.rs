@@ -134,3 +134,36 @@ fn a_negative_count_or_size_is_a_bad_value_of_its_flag() {
         assert!(!first.contains("unexpected argument") && first.contains(flag), "{flag} {value}: {first}");
     }
 }
+
+/// `onepass cells` shows a corrupt `.done` as corrupt, naming the file, with the expected header
+/// as text (it was counted "finished", the header a byte list); an empty slice's merge hint
+/// keeps the slice's `--set` flags.
+#[test]
+fn cells_names_a_corrupt_done_and_an_empty_slice_keeps_its_sets() {
+    let tmp = tempfile::tempdir().unwrap();
+    let p = tmp.path();
+    write(p, "tiny.toml", TINY);
+    let (code, stdout, stderr) =
+        onepass(p, &["run", "tiny.toml", "--out", "sl", "--cells", "0/2", "--set", "stream.samples=10", "--threads", "1"])
+            .parts();
+    assert_eq!(code, 0, "{stderr}");
+    assert!(stderr.contains("onepass merge tiny.toml --set stream.samples=10 SLICE_DIR"), "{stderr}");
+    let dir = p.join(stdout.trim().lines().last().unwrap());
+    let done = dir.join("checkpoints/c0000.done");
+    assert!(done.exists());
+    std::fs::write(&done, "not a checkpoint").unwrap();
+    let (code, out, err) = onepass(p, &["cells", dir.to_str().unwrap()]).parts();
+    assert_eq!(code, 0, "{err}");
+    assert!(out.contains("2 cells, 0 finished"), "{out}");
+    let line = out.lines().find(|l| l.trim_start().starts_with("c0000 ")).unwrap();
+    assert!(line.contains("corrupt") && !line.contains("finished"), "{out}");
+    assert!(out.contains("checkpoints/c0000.done: not a onepass checkpoint"), "{out}");
+    assert!(out.contains("expected the header `ONEPASS-CKPT-1`") && !out.contains("[79, 78"), "{out}");
+    // a slice past the run's cells: empty, said so, and its hint keeps the --set flags
+    let (code, _, stderr) =
+        onepass(p, &["run", "tiny.toml", "--out", "sl", "--cells", "50/100", "--set", "stream.samples=10", "--threads", "1"])
+            .parts();
+    assert_eq!(code, 0, "{stderr}");
+    assert!(stderr.contains("0 cells finished") && stderr.contains("the run has 2 cells"), "{stderr}");
+    assert!(stderr.contains("onepass merge tiny.toml --set stream.samples=10 SLICE_DIR"), "{stderr}");
+}
