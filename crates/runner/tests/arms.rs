@@ -11,29 +11,7 @@ use util::{command, f64s, onepass, strs, table, u64s};
 fn spec(lr: f64, extra: &str) -> String {
     format!(
         r#"
-setting = "deploy"
-seeds = 1
-[env]
-kind = "generated"
-eval_pairs = 20
-[generate]
-prompts = "prompts.jsonl"
-rows = 6
-policy = "{g}"
-n = 3
-max_new_tokens = 5
-batch_prompts = 2
-cache = "cache/gen"
-[features]
-model = "{g}"
-max_len = 64
-cache = "cache/phi"
-[oracle]
-kind = "linear"
-seed = 3
-[stream]
-batch_size = 2
-[checkpoint]
+{world}[checkpoint]
 every_steps = 1
 [deploy]
 chunks = 3
@@ -53,7 +31,7 @@ save_adapter = "none"
 kind = "sgd"
 lr = 0.1
 "#,
-        g = util::tiny_gguf().display()
+        world = util::tiny_world(1, 20)
     )
 }
 
