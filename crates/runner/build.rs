@@ -30,7 +30,14 @@ fn main() {
     println!("cargo:rerun-if-changed=../../Cargo.lock");
     // re-run when HEAD, a branch or the index moves, and when a source file changes (an edit
     // that is not staged leaves the index alone, and meta.json's git_dirty would go stale)
-    for p in ["../../.git/HEAD", "../../.git/index", "../../.git/refs", "../../.git/packed-refs", "../../crates", "../../Cargo.toml"] {
+    for p in [
+        "../../.git/HEAD",
+        "../../.git/index",
+        "../../.git/refs",
+        "../../.git/packed-refs",
+        "../../crates",
+        "../../Cargo.toml",
+    ] {
         if std::path::Path::new(p).exists() {
             println!("cargo:rerun-if-changed={p}");
         }

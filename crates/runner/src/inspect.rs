@@ -118,7 +118,8 @@ pub fn cells(dir: &Path) -> Result<DirStatus> {
                         String::new()
                     };
                     let e = format!("{e:#}");
-                    let named = if e.contains(&done.display().to_string()) { e } else { format!("{}: {e}", done.display()) };
+                    let named =
+                        if e.contains(&done.display().to_string()) { e } else { format!("{}: {e}", done.display()) };
                     st.error = Some(format!("{named}{other}"));
                 }
             }

@@ -5,9 +5,9 @@
 use crate::io::{npy_f64, write_atomic, write_atomic_at};
 use crate::plan::{ConfigPlan, Plan};
 use crate::rows::{
-    Bucket, CellResult, CellStatus, CellTotals, Col, Key, MetricRow, PolicyRow, PolicyTiming, RoundRow, SampleRow, StepRow,
-    UpdateRow, WinRow, BUCKETS, CELL_STATUS, CELL_TOTALS, KEY, LABEL, METRICS, METRICS_CHUNKED, POLICY, POLICY_DIGEST,
-    POLICY_SAMPLES, POLICY_TIMINGS, POLICY_UPDATES, ROUNDS, STEPS, WINRATES,
+    Bucket, CellResult, CellStatus, CellTotals, Col, Key, MetricRow, PolicyRow, PolicyTiming, RoundRow, SampleRow,
+    StepRow, UpdateRow, WinRow, BUCKETS, CELL_STATUS, CELL_TOTALS, KEY, LABEL, METRICS, METRICS_CHUNKED, POLICY,
+    POLICY_DIGEST, POLICY_SAMPLES, POLICY_TIMINGS, POLICY_UPDATES, ROUNDS, STEPS, WINRATES,
 };
 use crate::world::World;
 use anyhow::{anyhow, Context, Result};

@@ -629,7 +629,12 @@ pub fn run(opts: &RunOptions) -> Result<RunSummary> {
         // the merge takes the slices' --set flags too: the hint keeps them
         let sets: String = opts.overrides.iter().map(|o| format!(" --set {}", shell_word(o))).collect();
         let empty = if outcomes.is_empty() {
-            format!(" (the run has {} cells: slices {}/{} and above hold none)", plan.cells.len(), plan.cells.len(), sl.count)
+            format!(
+                " (the run has {} cells: slices {}/{} and above hold none)",
+                plan.cells.len(),
+                plan.cells.len(),
+                sl.count
+            )
         } else {
             String::new()
         };
@@ -1081,9 +1086,7 @@ fn policy_summary(outcomes: &[results::CellOutcome<'_>]) -> String {
     let rows: Vec<crate::report::Row> = outcomes
         .iter()
         .filter_map(|o| o.result.as_ref().ok().map(|r| (o, r)))
-        .flat_map(|(o, r)| {
-            r.policy.iter().map(move |p| crate::report::policy_row(o.config.label.clone(), o.seed, p))
-        })
+        .flat_map(|(o, r)| r.policy.iter().map(move |p| crate::report::policy_row(o.config.label.clone(), o.seed, p)))
         .collect();
     crate::report::policy_console(&rows)
 }

@@ -48,11 +48,14 @@ fn run(p: &Path, out: &str) -> PathBuf {
     p.join(stdout.lines().last().unwrap().trim())
 }
 
+/// Per arm: (chunk, sample_reward, kl) at each evaluation.
+type Curves = Vec<(String, Vec<(u64, f64, f64)>)>;
+
 /// policy.parquet per arm: (chunk, sample_reward, kl) in order.
-fn curves(dir: &Path) -> Vec<(String, Vec<(u64, f64, f64)>)> {
+fn curves(dir: &Path) -> Curves {
     let t = table(&dir.join("policy.parquet"));
     let (arm, chunk, reward, kl) = (strs(&t, "policy"), u64s(&t, "chunk"), f64s(&t, "sample_reward"), f64s(&t, "kl"));
-    let mut out: Vec<(String, Vec<(u64, f64, f64)>)> = Vec::new();
+    let mut out: Curves = Vec::new();
     for i in 0..arm.len() {
         match out.iter_mut().find(|(a, _)| *a == arm[i]) {
             Some((_, v)) => v.push((chunk[i], reward[i], kl[i])),

@@ -225,7 +225,12 @@ fn winner_column_labels_map_to_chosen_and_rejected() {
     let o = ReadOptions { format: Some(Format::Generic), keys, ..Default::default() };
     // "tie (bothbad)" is not mapped: an error naming the file, the row and the value
     let e = format!("{:#}", read_dataset(std::slice::from_ref(&j), &o).unwrap_err());
-    assert!(e.contains("arena.jsonl: line 6, field `winner` (data.keys.label): \"tie (bothbad)\" is not a mapped label value"), "{e}");
+    assert!(
+        e.contains(
+            "arena.jsonl: line 6, field `winner` (data.keys.label): \"tie (bothbad)\" is not a mapped label value"
+        ),
+        "{e}"
+    );
     let r = read_dataset(std::slice::from_ref(&j), &ReadOptions { skip_malformed: true, ..o.clone() }).unwrap();
     assert_eq!((r.pairs.len(), r.skipped), (5, 1));
     let last = |p: &runner::world::datasets::Pair, side: &str| -> String {

@@ -148,7 +148,8 @@ fn learning_policies_move_the_fixed_one_does_not_and_every_arm_starts_alike() {
 fn policy_samples_are_the_rows_policy_averages(dir: &Path) {
     let t = table(&dir.join("policy.parquet"));
     let s = table(&dir.join("policy_samples.parquet"));
-    let (cell, chunk, prompt, sample) = (strs(&s, "cell_id"), u64s(&s, "chunk"), u64s(&s, "prompt"), u32s(&s, "sample"));
+    let (cell, chunk, prompt, sample) =
+        (strs(&s, "cell_id"), u64s(&s, "chunk"), u64s(&s, "prompt"), u32s(&s, "sample"));
     let (oracle, learned, deployed) =
         (f64s(&s, "oracle_reward"), f64s(&s, "learned_reward"), util::bools(&s, "deployed"));
     let (tokens, kl, kl0) = (u64s(&s, "tokens"), util::opt_f64s(&s, "kl"), util::opt_f64s(&s, "kl_initial"));
@@ -701,7 +702,13 @@ fn a_policy_past_max_kl_fails_its_cell_naming_the_lr() {
         let learns = arm[i] != "best-of-n";
         assert_eq!(status[i] == "failed", learns, "{}: {} ({})", arm[i], status[i], msg[i]);
         if learns {
-            assert!(msg[i].contains("destroyed") && msg[i].contains("policy.lr (now 0.05)") && msg[i].contains("policy.max_kl = 0.000000000001"), "{}", msg[i]);
+            assert!(
+                msg[i].contains("destroyed")
+                    && msg[i].contains("policy.lr (now 0.05)")
+                    && msg[i].contains("policy.max_kl = 0.000000000001"),
+                "{}",
+                msg[i]
+            );
         }
     }
     assert!(err.contains("policy.max_kl"), "{err}");

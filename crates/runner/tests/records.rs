@@ -140,7 +140,9 @@ fn cells_parquet_keeps_hyper_parameters_typed() {
 #[test]
 fn estimator_bytes_are_flat_for_one_pass_and_grow_with_mle() {
     let tmp = tempfile::tempdir().unwrap();
-    let text = format!("{BASE}[[estimator]]\nkind = \"sgd\"\n[[estimator]]\nkind = \"omd-exact\"\n[[estimator]]\nkind = \"mle\"\n");
+    let text = format!(
+        "{BASE}[[estimator]]\nkind = \"sgd\"\n[[estimator]]\nkind = \"omd-exact\"\n[[estimator]]\nkind = \"mle\"\n"
+    );
     let spec = write(tmp.path(), "bytes.toml", &text);
     let r = onepass(tmp.path(), &["run", spec.to_str().unwrap(), "--out", "out", "--set", "seeds=1", "-q"]);
     let m = table(&tmp.path().join(r.dir()).join("metrics.parquet"));

@@ -143,9 +143,11 @@ fn cells_names_a_corrupt_done_and_an_empty_slice_keeps_its_sets() {
     let tmp = tempfile::tempdir().unwrap();
     let p = tmp.path();
     write(p, "tiny.toml", TINY);
-    let (code, stdout, stderr) =
-        onepass(p, &["run", "tiny.toml", "--out", "sl", "--cells", "0/2", "--set", "stream.samples=10", "--threads", "1"])
-            .parts();
+    let (code, stdout, stderr) = onepass(
+        p,
+        &["run", "tiny.toml", "--out", "sl", "--cells", "0/2", "--set", "stream.samples=10", "--threads", "1"],
+    )
+    .parts();
     assert_eq!(code, 0, "{stderr}");
     assert!(stderr.contains("onepass merge tiny.toml --set stream.samples=10 SLICE_DIR"), "{stderr}");
     let dir = p.join(stdout.trim().lines().last().unwrap());
@@ -160,9 +162,11 @@ fn cells_names_a_corrupt_done_and_an_empty_slice_keeps_its_sets() {
     assert!(out.contains("checkpoints/c0000.done: not a onepass checkpoint"), "{out}");
     assert!(out.contains("expected the header `ONEPASS-CKPT-1`") && !out.contains("[79, 78"), "{out}");
     // a slice past the run's cells: empty, said so, and its hint keeps the --set flags
-    let (code, _, stderr) =
-        onepass(p, &["run", "tiny.toml", "--out", "sl", "--cells", "50/100", "--set", "stream.samples=10", "--threads", "1"])
-            .parts();
+    let (code, _, stderr) = onepass(
+        p,
+        &["run", "tiny.toml", "--out", "sl", "--cells", "50/100", "--set", "stream.samples=10", "--threads", "1"],
+    )
+    .parts();
     assert_eq!(code, 0, "{stderr}");
     assert!(stderr.contains("0 cells finished") && stderr.contains("the run has 2 cells"), "{stderr}");
     assert!(stderr.contains("onepass merge tiny.toml --set stream.samples=10 SLICE_DIR"), "{stderr}");

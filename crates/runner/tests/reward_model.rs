@@ -203,7 +203,11 @@ fn the_plan_refuses_what_a_learning_feature_map_cannot_do() {
         ),
         (spec("lora", "", RULES).replace("[data.keys]", "pool = \"mean\"\n[data.keys]"), "data.pool", "last"),
         (spec("lora", "", RULES).replace("batch_size = 4", "batch_size = 4\nranks = 2"), "stream.ranks", "ranks = 1"),
-        (spec("lora", "", RULES).replace("update = \"lora\"", "update = \"all\""), "`reward.update`", "`all`: expected"),
+        (
+            spec("lora", "", RULES).replace("update = \"lora\"", "update = \"all\""),
+            "`reward.update`",
+            "`all`: expected",
+        ),
         (spec("lora", "hvp = \"backward\"", RULES), "`reward.hvp`", "`backward`: expected"),
     ];
     for (text, key, says) in cases {

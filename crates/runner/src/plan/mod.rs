@@ -927,13 +927,9 @@ fn check_policy(spec: &Spec, keys: Locator<'_>, warnings: &mut Vec<String>) -> R
         if !learns {
             unused.push("[policy]");
         }
-        for (table, arm) in [
-            ("rloo", P::Rloo),
-            ("dpo", P::Dpo),
-            ("ppo", P::Ppo),
-            ("grpo", P::Grpo),
-            ("reinforce_pp", P::ReinforcePp),
-        ] {
+        for (table, arm) in
+            [("rloo", P::Rloo), ("dpo", P::Dpo), ("ppo", P::Ppo), ("grpo", P::Grpo), ("reinforce_pp", P::ReinforcePp)]
+        {
             if keys.written(&["policy", table]) && (!learns || !has(arm)) {
                 unused.push(match table {
                     "rloo" => "[policy.rloo]",

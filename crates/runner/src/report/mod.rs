@@ -119,7 +119,9 @@ fn mean_se(v: &[f64]) -> (f64, f64) {
 /// the seed — a reranking arm is compared with the base policy as drawn, not with its own pick
 /// under θ_0) and the arm's deployed reward (`policy_reward`) at the last.
 fn first_last(rows: &[Row]) -> BTreeMap<String, BTreeMap<u32, (f64, f64)>> {
-    let mut at: BTreeMap<String, BTreeMap<u32, BTreeMap<u64, (f64, f64)>>> = BTreeMap::new();
+    // label → seed → chunk → (base, deployed)
+    type AtChunk = BTreeMap<u64, (f64, f64)>;
+    let mut at: BTreeMap<String, BTreeMap<u32, AtChunk>> = BTreeMap::new();
     for r in rows {
         if let Some(&v) = r.values.get("policy_reward") {
             // rows without sample_reward (a table of one column): the deployed reward is the base
@@ -274,7 +276,8 @@ pub fn policy_table(cs: &[Comparison]) -> String {
     };
     let detectable = |c: &Comparison| c.paired.mdd80.map_or("–".to_string(), |m| format!("{m:.3}"));
     let crossed = |c: &Comparison| {
-        c.crossed.map_or("–".to_string(), |x| format!("[{:+.3}, {:+.3}] ({}×{})", x.ci95.0, x.ci95.1, x.seeds, x.prompts))
+        c.crossed
+            .map_or("–".to_string(), |x| format!("[{:+.3}, {:+.3}] ({}×{})", x.ci95.0, x.ci95.1, x.seeds, x.prompts))
     };
     let num = |v: Option<f64>| v.map_or("—".to_string(), |x| format!("{x:.3}"));
     let mut out = String::from(
@@ -1228,7 +1231,9 @@ mod tests {
         };
         let mut rows = Vec::new();
         for (seed, base) in [(0u32, 1.0), (1, 2.0), (2, 4.0)] {
-            for (l, gain) in [("omd / bq / rloo", 0.5), ("omd / bq / best-of-n", 2.0), ("mle / bq / rloo", 0.25 * seed as f64)] {
+            for (l, gain) in
+                [("omd / bq / rloo", 0.5), ("omd / bq / best-of-n", 2.0), ("mle / bq / rloo", 0.25 * seed as f64)]
+            {
                 // chunk 0: the arm's own pick differs from the base's samples (best-of-n)
                 rows.push(row(l, seed, 0, base + 10.0, base));
                 rows.push(row(l, seed, 3, base + gain, base + gain));
@@ -1238,7 +1243,9 @@ mod tests {
         }
         let cs = policy_comparisons(&rows, None);
         let find = |g: &str, a: &str, b: Option<&str>| {
-            cs.iter().find(|c| c.group == g && c.arm == a && c.against.as_deref() == b).unwrap_or_else(|| panic!("{g} {a} {b:?}"))
+            cs.iter()
+                .find(|c| c.group == g && c.arm == a && c.against.as_deref() == b)
+                .unwrap_or_else(|| panic!("{g} {a} {b:?}"))
         };
         assert_eq!(find("omd / bq", "best-of-n", None).paired.mean, 2.0);
         assert_eq!(find("omd / bq", "best-of-n", None).base, Some(7.0 / 3.0));
@@ -1247,7 +1254,9 @@ mod tests {
         let e = find("rloo", "mle / bq", Some("omd / bq"));
         // per seed: 0.25·s − 0.5 → −0.5, −0.25, 0
         assert!((e.paired.mean + 0.25).abs() < 1e-12 && e.paired.se.is_some());
-        assert!(!cs.iter().any(|c| c.against.is_some() && (c.label.starts_with("sgd") || c.against.as_deref() == Some("sgd / ucb"))));
+        assert!(!cs
+            .iter()
+            .any(|c| c.against.is_some() && (c.label.starts_with("sgd") || c.against.as_deref() == Some("sgd / ucb"))));
         let csv = policy_csv(&cs);
         assert_eq!(csv.lines().count(), 1 + cs.len());
         assert!(csv.lines().any(|l| l.starts_with("rloo,mle / bq,omd / bq,3,")), "{csv}");

@@ -41,8 +41,9 @@ pub(super) fn active(
     let (mut z, mut y) = (Vec::with_capacity(b * d), Vec::with_capacity(b));
     let rule = cell.config.rule.ok_or_else(|| anyhow!("an active cell without its rule"))?;
     drive(steps, &mut pr, l, ctx, |s, last, pr, l| {
-        let Progress { data, labels, select, active: super::state::ActiveProgress { used, vtrack }, ties, flips, .. } =
-            &mut *pr;
+        let Progress {
+            data, labels, select, active: super::state::ActiveProgress { used, vtrack }, ties, flips, ..
+        } = &mut *pr;
         z.clear();
         y.clear();
         if let ActiveRule::Fresh(strategy) = rule {

@@ -205,7 +205,9 @@ pub fn user_words(message: &str) -> String {
                 "map" => "a table".to_string(),
                 "sequence" => "a list".to_string(),
                 g => {
-                    let g = ["integer ", "floating point ", "boolean "].iter().fold(g, |g, p| g.strip_prefix(p).unwrap_or(g));
+                    let g = ["integer ", "floating point ", "boolean "]
+                        .iter()
+                        .fold(g, |g, p| g.strip_prefix(p).unwrap_or(g));
                     match g.strip_prefix("string ") {
                         Some(s) => format!("the string {s}"),
                         None => g.to_string(),
@@ -219,10 +221,14 @@ pub fn user_words(message: &str) -> String {
             None => {
                 if let Some(f) = m.strip_prefix("missing field ") {
                     format!("the key {f} is missing")
-                } else if let Some((k, takes)) = m.strip_prefix("unknown field ").and_then(|r| r.split_once(", expected ")) {
+                } else if let Some((k, takes)) =
+                    m.strip_prefix("unknown field ").and_then(|r| r.split_once(", expected "))
+                {
                     let takes = takes.strip_prefix("one of ").unwrap_or(takes);
                     format!("unknown key {k}; this table takes {takes}")
-                } else if let Some((v, choices)) = m.strip_prefix("unknown variant ").and_then(|r| r.split_once(", expected ")) {
+                } else if let Some((v, choices)) =
+                    m.strip_prefix("unknown variant ").and_then(|r| r.split_once(", expected "))
+                {
                     format!("{v}: expected {choices}")
                 } else {
                     m.clone()
@@ -250,7 +256,9 @@ fn expected_words(want: &str) -> String {
         "Targets" | "enum Targets" => "a list of module names or \"all-linear\"".into(),
         "OneOrMany" | "enum OneOrMany" => "a name or a list of names".into(),
         w if w.starts_with("struct ") => "a table ([section] or { key = … })".into(),
-        w if w.starts_with("enum ") || w.starts_with("untagged enum ") => "one of the forms this key takes (see the key reference)".into(),
+        w if w.starts_with("enum ") || w.starts_with("untagged enum ") => {
+            "one of the forms this key takes (see the key reference)".into()
+        }
         w => w.to_string(),
     }
 }
@@ -412,14 +420,32 @@ mod tests {
     #[test]
     fn serde_words_become_the_users() {
         for (serde, want) in [
-            ("invalid type: integer `1`, expected struct WarmStart", "`1`: expected a table ([section] or { key = … })"),
+            (
+                "invalid type: integer `1`, expected struct WarmStart",
+                "`1`: expected a table ([section] or { key = … })",
+            ),
             ("invalid type: map, expected a sequence", "a table: expected a list [ … ]"),
-            ("invalid type: integer `18446744073709551616` as i128, expected u32", "`18446744073709551616`: expected a whole number from 0 to 4294967295"),
-            ("invalid type: string \"two\", expected usize", "the string \"two\": expected a whole number from 0 to 18446744073709551615"),
-            ("invalid type: floating point `1.5`, expected u64", "`1.5`: expected a whole number from 0 to 18446744073709551615"),
-            ("data did not match any variant of untagged enum Targets", "expected a list of module names or \"all-linear\""),
+            (
+                "invalid type: integer `18446744073709551616` as i128, expected u32",
+                "`18446744073709551616`: expected a whole number from 0 to 4294967295",
+            ),
+            (
+                "invalid type: string \"two\", expected usize",
+                "the string \"two\": expected a whole number from 0 to 18446744073709551615",
+            ),
+            (
+                "invalid type: floating point `1.5`, expected u64",
+                "`1.5`: expected a whole number from 0 to 18446744073709551615",
+            ),
+            (
+                "data did not match any variant of untagged enum Targets",
+                "expected a list of module names or \"all-linear\"",
+            ),
             ("unknown variant `fp8`, expected `f32` or `bf16`", "`fp8`: expected `f32` or `bf16`"),
-            ("unknown field `sampels`, expected one of `samples`, `ranks`", "unknown key `sampels`; this table takes `samples`, `ranks`"),
+            (
+                "unknown field `sampels`, expected one of `samples`, `ranks`",
+                "unknown key `sampels`; this table takes `samples`, `ranks`",
+            ),
         ] {
             assert_eq!(user_words(serde), want, "{serde}");
         }

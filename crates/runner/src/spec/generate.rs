@@ -309,7 +309,10 @@ impl FeatureSpec {
 impl OracleSpec {
     pub fn check(&self) -> Result<(), (&'static str, String)> {
         if !(self.flip.is_finite() && (0.0..0.5).contains(&self.flip)) {
-            return Err(("flip", format!("{}: expected a probability 0 ≤ flip < 0.5 (at 0.5 a label carries no preference)", self.flip)));
+            return Err((
+                "flip",
+                format!("{}: expected a probability 0 ≤ flip < 0.5 (at 0.5 a label carries no preference)", self.flip),
+            ));
         }
         let pos = |v: Option<f64>| v.is_none_or(|x| x.is_finite() && x > 0.0);
         if !pos(self.reward_std) {

@@ -36,8 +36,8 @@ pub use curvature::{CurvaturePoint, CurvatureSource, CurvatureSpec};
 pub use deploy::{DeployPolicy, DeploySpec};
 pub use env::{EnvKind, EnvSpec, FeatureDist, Order};
 pub use file::{
-    apply_overrides, is_written, key_at, line_of, load, locate, override_at, override_key, parse, shorten_numbers, user_words,
-    SpecError,
+    apply_overrides, is_written, key_at, line_of, load, locate, override_at, override_key, parse, shorten_numbers,
+    user_words, SpecError,
 };
 pub use passive::{PassiveSpec, Pessimism, PessimismReference};
 pub use stream::StreamSpec;

@@ -668,7 +668,9 @@ impl PolicySpec {
         nonnegative(g.kl_coef).map_err(at("kl_coef"))?;
         nonnegative(g.clip).map_err(at("clip"))?;
         if g.rollouts_per_prompt.is_some_and(|k| k < 2) {
-            return Err(at("rollouts_per_prompt")("expected at least 2 (a group's mean and standard deviation)".into()));
+            return Err(at("rollouts_per_prompt")(
+                "expected at least 2 (a group's mean and standard deviation)".into(),
+            ));
         }
         let r = &self.reinforce_pp;
         let at = |k: &'static str| move |m: String| (vec!["reinforce_pp", k], m);

@@ -574,7 +574,8 @@ fn jsonl_rows(path: &Path, visit: &mut Visit<'_>) -> Result<()> {
             let mut total = buf.len();
             loop {
                 buf.clear();
-                let m = read(&mut r, &mut buf).with_context(|| format!("{}: reading line {}", path.display(), row + 1))?;
+                let m =
+                    read(&mut r, &mut buf).with_context(|| format!("{}: reading line {}", path.display(), row + 1))?;
                 total += m;
                 if m == 0 || buf.last() == Some(&b'\n') {
                     break;
@@ -745,7 +746,8 @@ pub fn read_prompts(files: &[PathBuf], key: &str, limit: Option<usize>) -> Resul
             let msgs = match v.get(key) {
                 Some(Value::String(s)) if !s.trim().is_empty() => vec![Message::new("user", s)],
                 Some(l @ Value::Array(_)) => {
-                    let m = messages(l).map_err(|e| anyhow::anyhow!("{name}: {row}, field `{key}` (generate.prompt_key): {e}"))?;
+                    let m = messages(l)
+                        .map_err(|e| anyhow::anyhow!("{name}: {row}, field `{key}` (generate.prompt_key): {e}"))?;
                     if m.is_empty() || m.iter().all(|m| m.content.trim().is_empty()) {
                         bail!("{name}: {row}, field `{key}` (generate.prompt_key): an empty conversation");
                     }
@@ -753,7 +755,9 @@ pub fn read_prompts(files: &[PathBuf], key: &str, limit: Option<usize>) -> Resul
                 }
                 Some(Value::String(_)) => bail!("{name}: {row}, field `{key}` (generate.prompt_key): a blank prompt"),
                 Some(Value::Null) | None => bail!("{name}: {row}: no `{key}` (generate.prompt_key; null or missing)"),
-                Some(_) => bail!("{name}: {row}, field `{key}` (generate.prompt_key): expected a string or a list of messages"),
+                Some(_) => {
+                    bail!("{name}: {row}, field `{key}` (generate.prompt_key): expected a string or a list of messages")
+                }
             };
             out.push(msgs);
             Ok(true)

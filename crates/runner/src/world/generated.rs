@@ -298,7 +298,8 @@ pub fn build(g: &GenerateSpec, f: &FeatureSpec, o: &OracleSpec, holdout: usize, 
         .zip(rewards.chunks_exact(g.n))
         .map(|(p, r)| Context { phi: p.concat(), reward: Some(r.to_vec()) })
         .collect();
-    let bank = Bank { d, k: g.n, contexts: Arc::new(contexts), theta_star, labels: o.labels, flip: o.flip, flip_seed: o.seed };
+    let bank =
+        Bank { d, k: g.n, contexts: Arc::new(contexts), theta_star, labels: o.labels, flip: o.flip, flip_seed: o.seed };
     Ok(Generated { bank, prompts, samples, report: rep, eval_prompts, scorer })
 }
 
