@@ -504,6 +504,56 @@ pub fn read_cells(run: &Path) -> Result<Vec<(Key, CellStatus)>> {
     read_keyed(&run.join("cells.parquet"), &[CELL_STATUS])
 }
 
+/// rounds.parquet, each row with its cell, seed and label (the table has no label column:
+/// cells.parquet names each cell's); a cell missing from cells.parquet is an error naming it.
+pub fn read_rounds(run: &Path) -> Result<Vec<(Key, RoundRow)>> {
+    const CELL_SEED: &[Col<Key>] = &[
+        Col::Str("cell_id", |k| k.cell_id.clone(), |k, v| k.cell_id = v),
+        Col::U32("seed", |k| k.seed, |k, v| k.seed = v),
+    ];
+    let path = run.join("rounds.parquet");
+    let labels: std::collections::BTreeMap<String, String> =
+        read_cells(run)?.into_iter().map(|(k, _)| (k.cell_id, k.label)).collect();
+    let keys = read_rows(&path, &[CELL_SEED])?;
+    let rows = read_rows(&path, &[ROUNDS])?;
+    keys.into_iter()
+        .zip(rows)
+        .map(|(mut k, r)| {
+            k.label = labels
+                .get(&k.cell_id)
+                .cloned()
+                .ok_or_else(|| anyhow!("{}: cell `{}` is not in cells.parquet", path.display(), k.cell_id))?;
+            Ok((k, r))
+        })
+        .collect()
+}
+
+/// generations.parquet's oracle rewards: per prompt, the reward of each sample by its index
+/// (NaN for an index the table lacks).
+pub fn read_generation_rewards(run: &Path) -> Result<std::collections::BTreeMap<u64, Vec<f64>>> {
+    #[derive(Default)]
+    struct G {
+        prompt: u64,
+        sample: u32,
+        reward: f64,
+    }
+    const COLS: &[Col<G>] = &[
+        Col::U64("prompt", |g| g.prompt, |g, v| g.prompt = v),
+        Col::U32("sample", |g| g.sample, |g, v| g.sample = v),
+        Col::F64("oracle_reward", |g| g.reward, |g, v| g.reward = v),
+    ];
+    let mut out: std::collections::BTreeMap<u64, Vec<f64>> = std::collections::BTreeMap::new();
+    for g in read_rows(&run.join("generations.parquet"), &[COLS])? {
+        let v = out.entry(g.prompt).or_default();
+        let j = g.sample as usize;
+        if v.len() <= j {
+            v.resize(j + 1, f64::NAN);
+        }
+        v[j] = g.reward;
+    }
+    Ok(out)
+}
+
 /// winrates.parquet: each config's label and win rates.
 pub fn read_winrates(run: &Path) -> Result<Vec<(String, WinRow)>> {
     let path = run.join("winrates.parquet");

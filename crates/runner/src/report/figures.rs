@@ -8,7 +8,7 @@
 //! is the part before the first " / ", the colour the rest. The colours are assigned once per run
 //! ([`Layout`]) so a strategy keeps its colour in every figure of the run.
 
-use super::{mean_std, series, Row};
+use super::{mean_std, mean_t95, series, Row};
 use anyhow::{anyhow, bail, Result};
 use plotters::coord::Shift;
 use plotters::prelude::*;
@@ -98,6 +98,40 @@ pub fn tick_formatter(lo: f64, hi: f64) -> impl Fn(&f64) -> String {
     }
 }
 
+/// What a line figure's band around the mean over seeds is.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Band {
+    /// ± 1 sample standard deviation over seeds (0 for one seed).
+    Sd,
+    /// ± the half-width of the 95% Student-t interval of the mean (df = seeds − 1; none for one
+    /// seed).
+    T95,
+}
+
+impl Band {
+    /// The mean of `v` and the band's half-width (0 where there is none: one value).
+    pub fn of(self, v: &[f64]) -> (f64, f64) {
+        match self {
+            Band::Sd => mean_std(v),
+            Band::T95 => {
+                let (m, hw) = mean_t95(v);
+                (m, hw.unwrap_or(0.0))
+            }
+        }
+    }
+}
+
+/// One line of a figure as drawn: per x, (x, mean, half-width of the band), x ascending,
+/// non-finite means left out.
+pub fn curve(by: &BTreeMap<u64, Vec<f64>>, band: Band) -> Vec<(f64, f64, f64)> {
+    by.iter()
+        .filter_map(|(&x, v)| {
+            let (m, s) = band.of(v);
+            m.is_finite().then_some((x as f64, m, if s.is_finite() { s } else { 0.0 }))
+        })
+        .collect()
+}
+
 /// What a line figure shows.
 pub struct LineFigure<'a> {
     pub metric: &'a str,
@@ -110,6 +144,8 @@ pub struct LineFigure<'a> {
     pub x_title: &'a str,
     pub rows: &'a [Row],
     pub layout: &'a Layout,
+    /// the band around each line
+    pub band: Band,
 }
 
 /// label → x → values over seeds, grouped by panel (panels and lines in first-appearance order).
@@ -209,7 +245,7 @@ where
     Ok(())
 }
 
-/// Mean ± 1 sd over seeds against x, small multiples (see the module doc).
+/// The mean over seeds against x with the figure's band, small multiples (see the module doc).
 pub fn lines<DB: DrawingBackend>(root: DrawingArea<DB, Shift>, fig: &LineFigure<'_>) -> Result<()>
 where
     DB::ErrorType: 'static,
@@ -223,7 +259,8 @@ where
     let (mut x0, mut x1) = (u64::MAX, 0u64);
     for by in data.values() {
         for (&x, v) in by.iter() {
-            let (m, s) = mean_std(v);
+            let (m, s) = fig.band.of(v);
+            let s = if s.is_finite() { s } else { 0.0 };
             if m.is_finite() {
                 y0 = y0.min(m - s);
                 y1 = y1.max(m + s);
@@ -281,13 +318,7 @@ where
             if !used.contains(key) {
                 used.push(key.clone());
             }
-            let stats: Vec<(f64, f64, f64)> = by
-                .iter()
-                .filter_map(|(&x, v)| {
-                    let (m, s) = mean_std(v);
-                    m.is_finite().then_some((x as f64, m, if s.is_finite() { s } else { 0.0 }))
-                })
-                .collect();
+            let stats = curve(by, fig.band);
             if stats.iter().any(|p| p.2 > 0.0) {
                 let band: Vec<(f64, f64)> = stats
                     .iter()

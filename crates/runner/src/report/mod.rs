@@ -2,9 +2,12 @@
 //! The report is `report/report.md` (final metrics, mean ± std over seeds) and one PNG + SVG
 //! figure per metric against samples seen, with a ±1 std band over seeds; `cost` plots the
 //! flops per sample between evaluation points, flat for one-pass estimators and growing for mle.
+//! Active and deployment runs add `sample-efficiency.{png,svg,csv}`: held-out reward accuracy
+//! (and, in a deployment, the win rate against the base policy) against oracle queries, with a
+//! 95% t-interval band over seeds ([`sample_efficiency`]).
 
 use crate::results;
-use crate::rows::{MetricRow, PolicyRow};
+use crate::rows::{Key, MetricRow, PolicyRow, RoundRow, SampleRow};
 use anyhow::{bail, Context, Result};
 use plotters::prelude::*;
 use std::collections::BTreeMap;
@@ -12,7 +15,7 @@ use std::path::{Path, PathBuf};
 
 mod figures;
 pub mod stats;
-use figures::{Layout, LineFigure};
+use figures::{Band, Layout, LineFigure};
 
 /// The metrics.parquet columns the report uses.
 #[derive(Clone, Debug)]
@@ -521,6 +524,160 @@ fn series(rows: &[Row], metric: &str) -> BTreeMap<String, BTreeMap<u64, Vec<f64>
     out
 }
 
+/// The sample-efficiency figure's panels: the part of its rows' labels before the first " / ".
+pub const SE_ACCURACY: &str = "held-out reward accuracy";
+pub const SE_WIN: &str = "win rate against the base policy";
+
+/// The chance of winning against one of `base` (ties ½; non-finite entries left out): the
+/// oracle's noiseless preference of a reward `r` over a uniform draw from `base`.
+fn win_share(r: f64, base: &[f64]) -> Option<f64> {
+    let b: Vec<f64> = base.iter().copied().filter(|x| x.is_finite()).collect();
+    (!b.is_empty()).then(|| {
+        b.iter()
+            .map(|&x| {
+                if r > x {
+                    1.0
+                } else if r == x {
+                    0.5
+                } else {
+                    0.0
+                }
+            })
+            .sum::<f64>()
+            / b.len() as f64
+    })
+}
+
+/// A deployment on generated responses without a learning policy: per cell and chunk, the win
+/// rate of what the cell deploys (its best-of-n pick under θ at the chunk's start,
+/// rounds.parquet's `policy_reward`) against the base policy — the oracle's preference over a
+/// response drawn uniformly from the prompt's n base samples (generations.parquet), ties ½ —
+/// averaged over the chunk's prompts (chance: ½). x is the oracle queries θ had seen when it
+/// picked: the labelled pairs of the cell's earlier chunks (one per prompt).
+pub fn win_vs_base(rounds: &[(Key, RoundRow)], rewards: &BTreeMap<u64, Vec<f64>>) -> Result<Vec<Row>> {
+    // cell → chunk → (label, seed, Σ win, prompts)
+    type Chunks = BTreeMap<u64, (String, u32, f64, usize)>;
+    let mut at: BTreeMap<&str, Chunks> = BTreeMap::new();
+    for (k, r) in rounds {
+        let base = rewards.get(&r.prompt).ok_or_else(|| {
+            anyhow::anyhow!("rounds.parquet: prompt {} of cell {} is not in generations.parquet", r.prompt, k.cell_id)
+        })?;
+        let Some(w) = win_share(r.policy_reward, base) else { continue };
+        let e = at.entry(&k.cell_id).or_default().entry(r.chunk).or_insert((k.label.clone(), k.seed, 0.0, 0));
+        (e.2, e.3) = (e.2 + w, e.3 + 1);
+    }
+    let mut out = Vec::new();
+    for chunks in at.values() {
+        let mut before = 0u64;
+        for (label, seed, sum, n) in chunks.values() {
+            let values = [("value", sum / *n as f64)].into();
+            out.push(Row { label: label.clone(), seed: *seed, samples: before, values });
+            before += *n as u64;
+        }
+    }
+    Ok(out)
+}
+
+/// A deployment with a learning policy: per cell and evaluation (policy_samples.parquet, the
+/// held-out prompts), the win rate of what the arm deploys after chunk c against the base policy
+/// — the chunk-0 samples of the same prompt, every deployed × base pair, ties ½ — averaged over
+/// the prompts; x is the oracle queries so far (`queries`: label, seed → chunk → samples_seen;
+/// chunk 0: none).
+pub fn win_vs_base_online(
+    samples: &[(Key, SampleRow)],
+    queries: &BTreeMap<(String, u32), BTreeMap<u64, u64>>,
+) -> Vec<Row> {
+    // (label, seed) → chunk → prompt → (deployed rewards, all rewards)
+    type Prompts = BTreeMap<u64, (Vec<f64>, Vec<f64>)>;
+    let mut at: BTreeMap<(String, u32), BTreeMap<u64, Prompts>> = BTreeMap::new();
+    for (k, r) in samples {
+        let e = at.entry((k.label.clone(), k.seed)).or_default().entry(r.chunk).or_default();
+        let e = e.entry(r.prompt).or_default();
+        if r.deployed {
+            e.0.push(r.oracle_reward);
+        }
+        e.1.push(r.oracle_reward);
+    }
+    let mut out = Vec::new();
+    for ((label, seed), chunks) in &at {
+        let Some(base) = chunks.get(&0) else { continue };
+        for (&c, prompts) in chunks {
+            let x =
+                if c == 0 { Some(0) } else { queries.get(&(label.clone(), *seed)).and_then(|q| q.get(&c)).copied() };
+            let Some(x) = x else { continue };
+            let per: Vec<f64> = prompts
+                .iter()
+                .filter_map(|(p, (dep, _))| {
+                    let b = &base.get(p)?.1;
+                    let w: Vec<f64> = dep.iter().filter_map(|&d| win_share(d, b)).collect();
+                    (!w.is_empty()).then(|| w.iter().sum::<f64>() / w.len() as f64)
+                })
+                .collect();
+            if per.is_empty() {
+                continue;
+            }
+            let values = [("value", per.iter().sum::<f64>() / per.len() as f64)].into();
+            out.push(Row { label: label.clone(), seed: *seed, samples: x, values });
+        }
+    }
+    out
+}
+
+/// The sample-efficiency figure's rows (value `value`, x the oracle queries so far): held-out
+/// reward accuracy from metrics.parquet (`samples_seen` is the labelled pairs so far: one
+/// oracle query each) labelled `"{SE_ACCURACY} / <config>"`, then in a deployment the win rate
+/// against the base policy ([`win_vs_base`] on generated responses, [`win_vs_base_online`] with
+/// a learning policy) labelled `"{SE_WIN} / <config>"`. The second value says why a
+/// deployment has no win rate (None: it has one, or the run is not a deployment).
+pub fn sample_efficiency(run: &Path, metrics: &[Row], deploy: bool) -> Result<(Vec<Row>, Option<&'static str>)> {
+    let tag = |panel: &str, rows: Vec<Row>| {
+        rows.into_iter().map(move |r| Row { label: format!("{panel} / {}", r.label), ..r }).collect::<Vec<_>>()
+    };
+    let acc: Vec<Row> = metrics
+        .iter()
+        .filter_map(|r| {
+            let v = *r.values.get("eval_accuracy")?;
+            Some(Row { label: r.label.clone(), seed: r.seed, samples: r.samples, values: [("value", v)].into() })
+        })
+        .collect();
+    let mut out = tag(SE_ACCURACY, acc);
+    if !deploy {
+        return Ok((out, None));
+    }
+    let wins = if run.join("policy_samples.parquet").exists() {
+        let mut queries: BTreeMap<(String, u32), BTreeMap<u64, u64>> = BTreeMap::new();
+        for (k, m) in results::read_metrics(run)? {
+            if let Some(c) = m.chunk {
+                queries.entry((k.label, k.seed)).or_default().insert(c, m.samples_seen);
+            }
+        }
+        win_vs_base_online(&results::read_policy_samples(run)?, &queries)
+    } else if run.join("rounds.parquet").exists() && run.join("generations.parquet").exists() {
+        win_vs_base(&results::read_rounds(run)?, &results::read_generation_rewards(run)?)?
+    } else {
+        return Ok((out, Some("no win rate: a deployment on the synthetic bandit has no base policy's responses (rounds.parquet and generations.parquet are written on generated responses)")));
+    };
+    out.extend(tag(SE_WIN, wins));
+    Ok((out, None))
+}
+
+/// The sample-efficiency figure's points as CSV (`report/sample-efficiency.csv`): per panel,
+/// config and x, the seeds, their mean and its 95% Student-t interval (df = seeds − 1; empty for
+/// one seed) — the values the figure draws ([`figures::curve`] with [`Band::T95`]).
+pub fn sample_efficiency_csv(rows: &[Row]) -> String {
+    let q = |s: &str| if s.contains([',', '"']) { format!("\"{}\"", s.replace('"', "\"\"")) } else { s.to_string() };
+    let mut out = String::from("panel,config,queries,seeds,mean,ci95_lo,ci95_hi\n");
+    for (label, by) in series(rows, "value") {
+        let (panel, config) = label.split_once(" / ").unwrap_or(("", &label));
+        for (x, m, hw) in figures::curve(&by, Band::T95) {
+            let n = by[&(x as u64)].len();
+            let (lo, hi) = if n > 1 { (format!("{}", m - hw), format!("{}", m + hw)) } else { Default::default() };
+            out.push_str(&format!("{},{},{},{n},{m},{lo},{hi}\n", q(panel), q(config), x as u64));
+        }
+    }
+    out
+}
+
 /// The final row of every cell, grouped by label.
 fn finals(rows: &[Row]) -> BTreeMap<String, Vec<&Row>> {
     let mut last: BTreeMap<(String, u32), &Row> = BTreeMap::new();
@@ -697,6 +854,7 @@ fn draw_figures(
     out: &Path,
     rows: &[Row],
     policy: &[Row],
+    se: &[Row],
     times: &BTreeMap<String, Vec<(f64, f64)>>,
     spec: Option<&crate::spec::Spec>,
 ) -> Result<Vec<String>> {
@@ -736,12 +894,41 @@ fn draw_figures(
                 x_title,
                 rows,
                 layout: &layout,
+                band: Band::Sd,
             };
             let size = figures::line_size(figures::panel_count(&fig));
             let file = format!("{prefix}{metric}");
             png_and_svg!(out, file, size, |root| figures::lines(root, &fig));
             made.push(file);
         }
+    }
+    if !se.is_empty() {
+        // a panel per quantity (accuracy; win rate), a colour per config (estimator × strategy)
+        let se_layout = Layout::new(se.iter().map(|r| r.label.as_str()), "config");
+        let win = se.iter().any(|r| r.label.starts_with(SE_WIN));
+        let band = if seeds == 1 {
+            "1 seed: no band".to_string()
+        } else {
+            format!("mean ± 95% t-interval over {seeds} seeds (bands, df = {})", seeds - 1)
+        };
+        let sub = format!("{name} · {data} · {band}");
+        let fig = LineFigure {
+            metric: "value",
+            y_title: if win { "accuracy / win rate" } else { "accuracy" },
+            title: if win {
+                "Sample efficiency: held-out reward accuracy and win rate against the base policy".to_string()
+            } else {
+                "Sample efficiency: held-out reward accuracy".to_string()
+            },
+            subtitle: &sub,
+            x_title: "oracle queries (labelled pairs so far)",
+            rows: se,
+            layout: &se_layout,
+            band: Band::T95,
+        };
+        let size = figures::line_size(figures::panel_count(&fig));
+        png_and_svg!(out, "sample-efficiency", size, |root| figures::lines(root, &fig));
+        made.push("sample-efficiency".to_string());
     }
     // Fig. 3c: configs in the plan's order
     let mut order: Vec<&str> = Vec::new();
@@ -1124,8 +1311,29 @@ fn write_report(run: &Path, out: &Path, rows: &[Row]) -> Result<()> {
             md.push_str(&format!("- `heads/{}`\n", h.file_name().unwrap_or_default().to_string_lossy()));
         }
     }
+    // active and deployment runs: the sample-efficiency figure and its points
+    let setting = spec.as_ref().map(|s| s.setting);
+    let se = match setting {
+        Some(crate::spec::Setting::Active | crate::spec::Setting::Deploy) => {
+            let (se, why) = sample_efficiency(run, rows, setting == Some(crate::spec::Setting::Deploy))?;
+            crate::io::write_atomic(&out.join("sample-efficiency.csv"), sample_efficiency_csv(&se).as_bytes())?;
+            let win = if se.iter().any(|r| r.label.starts_with(SE_WIN)) {
+                ", and the win rate of what each config deploys against the base policy (the oracle's noiseless preference between the deployed response and one drawn from the base policy on the same prompt, ties ½, averaged over prompts: chance ½; on generated responses the chunk's prompts and the prompt's n base samples, with a learning policy the held-out prompts against chunk 0's samples) at the oracle queries θ had seen when it picked"
+            } else {
+                ""
+            };
+            let band = if seeds == 1 {
+                "one seed: no band"
+            } else {
+                "mean over seeds ± the 95% Student-t interval, df = seeds − 1"
+            };
+            md.push_str(&format!("\n## Sample efficiency\n\nHeld-out reward accuracy against the number of oracle queries (labelled pairs so far){win} ({band}); the points are `sample-efficiency.csv`.{}\n", why.map_or(String::new(), |w| format!(" {w}."))));
+            se
+        }
+        _ => Vec::new(),
+    };
     let figures = match register_font() {
-        Ok(_) => draw_figures(run, out, rows, &policy, &times, spec.as_ref())?,
+        Ok(_) => draw_figures(run, out, rows, &policy, &se, &times, spec.as_ref())?,
         Err(e) => {
             eprintln!("onepass: {e:#}; writing the tables only");
             Vec::new()
