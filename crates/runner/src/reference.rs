@@ -501,3 +501,72 @@ fn command(out: &mut String, cmd: &clap::Command, parents: &mut Vec<String>, mis
     }
     parents.pop();
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A documented table of the shape the spec's are.
+    #[derive(schemars::JsonSchema)]
+    #[allow(dead_code)]
+    struct Documented {
+        /// The step size.
+        lr: f64,
+        /// How labels are drawn.
+        labels: Labels,
+    }
+
+    /// Label forms.
+    #[derive(schemars::JsonSchema)]
+    #[allow(dead_code)]
+    enum Labels {
+        /// The oracle's preferred side.
+        Argmax,
+        /// A Bradley–Terry draw.
+        Bt,
+    }
+
+    /// The same table with one key's doc and one word's doc left out.
+    #[derive(schemars::JsonSchema)]
+    #[allow(dead_code)]
+    struct Undocumented {
+        /// The step size.
+        lr: f64,
+        seeds: u32,
+        /// How labels are drawn.
+        labels: HalfLabels,
+    }
+
+    /// Label forms, one without a doc.
+    #[derive(schemars::JsonSchema)]
+    #[allow(dead_code)]
+    enum HalfLabels {
+        /// The oracle's preferred side.
+        Argmax,
+        Bt,
+    }
+
+    fn missing_of(schema: Value) -> (String, Vec<String>) {
+        let defs = schema.get("$defs").and_then(Value::as_object).cloned().unwrap_or_default();
+        let (mut out, mut missing, mut later) = (String::new(), Vec::new(), Vec::new());
+        key_rows(&mut out, "t", &schema, &defs, &mut missing, &mut later);
+        (out, missing)
+    }
+
+    /// The check the reference test relies on: a documented table gives its rows and no
+    /// complaint; the negative control — a key and an enum word without doc comments — is
+    /// named, key by key (this is what `onepass reference` prints before it exits 2).
+    #[test]
+    fn an_undocumented_key_or_word_is_named() {
+        let (rows, missing) = missing_of(schema_of::<Documented>());
+        assert!(missing.is_empty(), "{missing:?}");
+        assert!(rows.contains("| `lr` |") && rows.contains("The step size."), "{rows}");
+        assert!(rows.contains("A Bradley–Terry draw."), "{rows}");
+        let (_, missing) = missing_of(schema_of::<Undocumented>());
+        assert_eq!(
+            missing,
+            ["spec key `t.labels`: the word `Bt` has no doc", "spec key `t.seeds`: no doc comment"],
+            "{missing:?}"
+        );
+    }
+}

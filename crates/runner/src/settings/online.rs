@@ -364,7 +364,8 @@ impl<'a> PolicyCell<'a> {
             RolloutSource::Samples => {
                 if let Some(i) = at.iter().position(|&i| samples[i].len() < k) {
                     return Err(anyhow!(
-                        "{k} rollouts per prompt, but prompt {i} of the chunk has {}",
+                        "{k} rollouts per prompt, but prompt {} of the chunk has {}",
+                        i + 1,
                         samples[i].len()
                     ));
                 }
@@ -656,25 +657,10 @@ impl<'a> PolicyCell<'a> {
     pub(super) fn check_not_destroyed(&self, row: &PolicyRow, base: Option<&PolicyRow>) -> Result<()> {
         let Some((m, _)) = &self.learner else { return Ok(()) };
         let ps = &self.online.spec;
-        let chunk = row.chunk;
-        if row.kl_initial > ps.max_kl {
-            return Err(anyhow!(
-                "the policy was destroyed, not tuned: after chunk {chunk} its mean sequence KL to the initial policy on the held-out prompts is {:.1} nats, past policy.max_kl = {}: lower policy.lr (now {}) or raise policy.max_kl",
-                row.kl_initial,
-                ps.max_kl,
-                ps.lr
-            ));
+        match destroyed(row, base, m.config().vocab, ps.max_kl, ps.lr) {
+            Some(why) => Err(anyhow!(why)),
+            None => Ok(()),
         }
-        let uniform = (m.config().vocab as f64).ln();
-        if let (Some(h), Some(h0)) = (row.entropy, base.and_then(|b| b.entropy)) {
-            if h >= 0.9 * uniform && h0 < 0.75 * uniform {
-                return Err(anyhow!(
-                    "the policy was destroyed, not tuned: after chunk {chunk} its entropy is {h:.2} nats per token, near the uniform ln |V| = {uniform:.2} (the base policy's: {h0:.2}): lower policy.lr (now {})",
-                    ps.lr
-                ));
-            }
-        }
-        Ok(())
     }
 
     /// The adapters after chunk `chunk` (of `chunks`; 0: after a warm start) when
@@ -700,5 +686,67 @@ impl<'a> PolicyCell<'a> {
             None => policy::peft::encode(m, &self.base_model)?,
         };
         Ok(Some(AdapterFiles { dir, safetensors, config }))
+    }
+}
+
+/// [`PolicyCell::check_not_destroyed`]'s rule on one evaluation `row` (`base`: the chunk-0
+/// row) of a policy over a vocabulary of `vocab` tokens: the reason its cell fails, naming
+/// policy.lr, or None. Destroyed: the mean sequence KL to the initial policy past `max_kl`, or
+/// an entropy per token within 10 % of the uniform ln |V| where the base's was below 75 % of it
+/// (a policy that was already near uniform is not called destroyed for staying so).
+fn destroyed(row: &PolicyRow, base: Option<&PolicyRow>, vocab: usize, max_kl: f64, lr: f64) -> Option<String> {
+    let chunk = row.chunk;
+    if row.kl_initial > max_kl {
+        return Some(format!(
+            "the policy was destroyed, not tuned: after chunk {chunk} its mean sequence KL to the initial policy on the held-out prompts is {:.1} nats, past policy.max_kl = {max_kl}: lower policy.lr (now {lr}) or raise policy.max_kl",
+            row.kl_initial
+        ));
+    }
+    let uniform = (vocab as f64).ln();
+    if let (Some(h), Some(h0)) = (row.entropy, base.and_then(|b| b.entropy)) {
+        if h >= 0.9 * uniform && h0 < 0.75 * uniform {
+            return Some(format!(
+                "the policy was destroyed, not tuned: after chunk {chunk} its entropy is {h:.2} nats per token, near the uniform ln |V| = {uniform:.2} (the base policy's: {h0:.2}): lower policy.lr (now {lr})"
+            ));
+        }
+    }
+    None
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn row(chunk: u64, kl_initial: f64, entropy: Option<f64>) -> PolicyRow {
+        PolicyRow { chunk, kl_initial, entropy, ..Default::default() }
+    }
+
+    /// Both branches of the guard by hand: ln 49,152 = 10.80 nats is SmolLM2's uniform entropy
+    /// (the 1e30 learning rate's policy read 10.80); each failure names policy.lr with its value.
+    /// Negative controls: a KL at the bound, an entropy below 90 % of uniform, and a base that
+    /// was already near uniform (a random tiny model) pass.
+    #[test]
+    fn a_destroyed_policy_is_named_by_its_kl_or_its_entropy() {
+        let (v, lr) = (49_152, 1e30);
+        let uniform = (v as f64).ln();
+        let base = row(0, 0.0, Some(2.5));
+        let why = destroyed(&row(1, 116.7, Some(10.8)), Some(&base), v, 50.0, lr).unwrap();
+        assert!(
+            why.contains("116.7 nats, past policy.max_kl = 50")
+                && why.contains("policy.lr (now 1000000000000000000000000000000)"),
+            "{why}"
+        );
+        let why = destroyed(&row(1, 3.0, Some(0.95 * uniform)), Some(&base), v, 50.0, lr).unwrap();
+        assert!(
+            why.contains("entropy is 10.26 nats per token")
+                && why.contains("ln |V| = 10.80")
+                && why.contains("policy.lr"),
+            "{why}"
+        );
+        assert_eq!(destroyed(&row(1, 50.0, Some(2.6)), Some(&base), v, 50.0, lr), None);
+        assert_eq!(destroyed(&row(1, 3.0, Some(0.89 * uniform)), Some(&base), v, 50.0, lr), None);
+        let near_uniform_base = row(0, 0.0, Some(0.8 * uniform));
+        assert_eq!(destroyed(&row(1, 3.0, Some(0.95 * uniform)), Some(&near_uniform_base), v, 50.0, lr), None);
+        assert_eq!(destroyed(&row(1, 3.0, Some(0.95 * uniform)), None, v, 50.0, lr), None);
     }
 }
