@@ -14,6 +14,18 @@ number: every figure is read from the run directory.
     python3 scripts/ensemble_table.py --baseline "ensemble / random" --cpu ... --command ... RUN_DIR
     python3 scripts/ensemble_table.py --header   # the header line
 
+With --deploy, rows of docs/results/ensemble-deploy.csv from runs of
+experiments/deploy/ensemble-mini*.toml instead: per config (estimator / strategy), the run's wall
+time (meta.json's finished − started), the final held-out accuracy and cumulative regret, the
+deployed best-of-n's oracle reward averaged over the chunks, the win rate against the base policy
+in the last chunk (read from the report's sample-efficiency.csv: run `onepass report RUN_DIR`
+first), the estimator's milliseconds and final state (KiB) per query, and held-out accuracy minus
+the baseline's paired by seed — the baseline being the config under the same strategy whose
+label starts with --baseline (default omd-exact), or the config named exactly by --baseline.
+
+    python3 scripts/ensemble_table.py --deploy --cpu ... --command ... RUN_DIR >> docs/results/ensemble-deploy.csv
+    python3 scripts/ensemble_table.py --deploy --header
+
 A run directory without metrics.parquet or meta.json stops with one line naming it.
 """
 import csv
@@ -88,10 +100,74 @@ def rows(run, cpu, command, baseline):
                len(g), labels, acc, acc_ci, err, err_ci, sub, sub_ci, f"{ms:.3f}", base_label, diff, diff_ci, note]
 
 
+DEPLOY_HEADER = ["date", "revision", "cpu", "command", "preset", "flip", "config", "seeds", "labels", "wall_s",
+                 "eval_accuracy", "eval_accuracy_ci95", "regret", "regret_ci95",
+                 "policy_reward_mean", "policy_reward_mean_ci95", "win_rate_last", "win_rate_last_ci95",
+                 "estimator_ms_per_query", "estimator_kib", "baseline", "accuracy_minus_baseline",
+                 "accuracy_minus_baseline_ci95", "note"]
+
+
+def seconds(stamp):
+    from datetime import datetime
+    return datetime.strptime(stamp, "%Y-%m-%dT%H:%M:%SZ").timestamp()
+
+
+def deploy_rows(run, cpu, command, baseline):
+    for f in ["metrics.parquet", "meta.json", "timings.parquet", "report/sample-efficiency.csv"]:
+        if not (run / f).exists():
+            hint = " (run `onepass report` on it first)" if f.startswith("report/") else ""
+            sys.exit(f"{run}: no {f}{hint} (a finished, reported run directory is expected)")
+    meta = json.loads((run / "meta.json").read_text())
+    m = pd.read_parquet(run / "metrics.parquet")
+    last = m.loc[m.groupby(["label", "seed"]).step.idxmax()]
+    deployed = m.groupby(["label", "seed"]).policy_reward.mean()
+    t = pd.read_parquet(run / "timings.parquet").groupby("cell_id").cell_estimator_s.max()
+    last = last.assign(est_s=last.cell_id.map(t))
+    se = pd.read_csv(run / "report/sample-efficiency.csv")
+    win = se[se.panel == "win rate against the base policy"]
+    date = meta["finished"][:10]
+    wall = f"{seconds(meta['finished']) - seconds(meta['started']):.0f}"
+    dirty = meta.get("git_dirty") not in ("false", False)
+    note = "built from a tree with uncommitted changes" if dirty else ""
+    preset = pathlib.Path(meta["spec_file"]).stem
+    labels = list(dict.fromkeys(last.label))
+
+    def base_of(label):
+        if baseline in labels:
+            return baseline
+        strategy = label.rsplit(" / ", 1)[-1]
+        return next((l for l in labels if l.startswith(baseline) and l.endswith(" / " + strategy)), "")
+
+    for label, g in last.groupby("label", sort=False):
+        n = int(g.samples_seen.max())
+        acc, acc_ci = mean_ci(list(g.eval_accuracy))
+        reg, reg_ci = mean_ci(list(g.regret))
+        pol, pol_ci = mean_ci([deployed[(label, s)] for s in g.seed])
+        w = win[win.config == label].sort_values("queries")
+        wr, wr_ci = ("", "")
+        if len(w):
+            row = w.iloc[-1]
+            wr = f"{row['mean']:.4f}"
+            wr_ci = f"{(row.ci95_hi - row.ci95_lo) / 2:.4f}" if row.ci95_hi == row.ci95_hi else "1 seed"
+        ms = 1000 * g.est_s.mean() / n
+        kib = g.estimator_bytes.mean() / 1024
+        b = base_of(label)
+        if not b or b == label:
+            diff, diff_ci = "", ""
+        else:
+            ref = last[last.label == b].set_index("seed").eval_accuracy
+            diff, diff_ci = mean_ci([a - ref[s] for s, a in zip(g.seed, g.eval_accuracy) if s in ref.index])
+        yield [date, meta["git_revision"][:7], cpu, command, preset, flip_of(run / "spec.resolved.toml"), label,
+               len(g), n, wall, acc, acc_ci, reg, reg_ci, pol, pol_ci, wr, wr_ci, f"{ms:.3f}", f"{kib:.1f}", b,
+               diff, diff_ci, note]
+
+
 def main(argv):
     w = csv.writer(sys.stdout, lineterminator="\n")
+    deploy = "--deploy" in argv
+    argv = [a for a in argv if a != "--deploy"]
     if argv == ["--header"]:
-        w.writerow(HEADER)
+        w.writerow(DEPLOY_HEADER if deploy else HEADER)
         return
     cpu, command, baseline = None, None, "omd-exact"
     it = iter(argv)
@@ -105,7 +181,7 @@ def main(argv):
         else:
             if not cpu or not command:
                 sys.exit(f"{a}: give --cpu and --command before the run directory")
-            for r in rows(pathlib.Path(a), cpu, command, baseline):
+            for r in (deploy_rows if deploy else rows)(pathlib.Path(a), cpu, command, baseline):
                 w.writerow(r)
 
 

@@ -58,3 +58,43 @@ fn dry_run_needs_no_models_or_data() {
     let r = util::onepass(tmp.path(), &["run", spec.to_str().unwrap(), "--set", "generate.rows=2"]);
     assert_eq!(r.code, 2, "{}", r.stderr);
 }
+
+/// The ensemble deployment presets: deploy/ensemble-mini crosses omd-exact, the ensemble and mle
+/// with random-pair (the same queries) and best-two; deploy/ensemble-mini-explore runs the
+/// ensemble alone under its explorers, because a strategy that draws from the heads is refused
+/// with any other estimator (the negative control: thompson added to ensemble-mini names
+/// omd-exact); `--set oracle.flip=0.2` is the noisy-label variant of both.
+#[test]
+fn the_ensemble_deployment_presets_plan_their_comparison() {
+    let root = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../experiments/deploy");
+    let labels = |name: &str, sets: &[String]| {
+        let plan = runner::load_plan(&root.join(name), sets).unwrap_or_else(|e| panic!("{name}: {e}"));
+        let mut l: Vec<String> = plan.configs.iter().map(|c| c.label.clone()).collect();
+        l.dedup();
+        (l, plan.spec.oracle.as_ref().map(|o| o.flip))
+    };
+    let (mini, flip) = labels("ensemble-mini.toml", &[]);
+    assert_eq!(
+        mini,
+        [
+            "omd-exact lambda=100 / random-pair",
+            "omd-exact lambda=100 / best-two",
+            "ensemble / random-pair",
+            "ensemble / best-two",
+            "mle ridge=0.3 / random-pair",
+            "mle ridge=0.3 / best-two"
+        ]
+    );
+    assert_eq!(flip, Some(0.0));
+    let (explore, _) = labels("ensemble-mini-explore.toml", &[]);
+    assert_eq!(
+        explore,
+        ["ensemble / random-pair", "ensemble / best-two", "ensemble / thompson", "ensemble / ensemble-uncertainty"]
+    );
+    for name in ["ensemble-mini.toml", "ensemble-mini-explore.toml"] {
+        assert_eq!(labels(name, &["oracle.flip=0.2".into()]).1, Some(0.2), "{name}");
+    }
+    let e =
+        runner::load_plan(&root.join("ensemble-mini.toml"), &["deploy.strategies=[\"thompson\"]".into()]).unwrap_err();
+    assert!(e.message.contains("`thompson` draws from an ensemble's heads") && e.message.contains("omd-exact"), "{e}");
+}
