@@ -216,6 +216,18 @@ where
     Ok(rest)
 }
 
+/// `key` in at most `max` characters: its head and its tail around an ellipsis, so that labels
+/// that share a long estimator part and differ in their strategy (the end) stay apart.
+fn shorten(key: &str, max: usize) -> String {
+    let n = key.chars().count();
+    if n <= max {
+        return key.to_string();
+    }
+    let tail = (max - 1) / 2 + 1;
+    let head = max - 1 - tail;
+    key.chars().take(head).chain(['…']).chain(key.chars().skip(n - tail)).collect()
+}
+
 /// The legend: one row per colour key used in the figure, in the run's order.
 fn legend<DB: DrawingBackend>(area: &DrawingArea<DB, Shift>, layout: &Layout, used: &[String]) -> Result<()>
 where
@@ -233,8 +245,7 @@ where
         } else {
             area.draw(&PathElement::new(vec![(12, y), (44, y)], line)).map_err(err)?;
         }
-        let shown: String =
-            if key.chars().count() > 24 { key.chars().take(23).chain(['…']).collect() } else { key.clone() };
+        let shown = shorten(key, 24);
         let style = ("sans-serif", 14).into_text_style(area).pos(plotters::style::text_anchor::Pos::new(
             plotters::style::text_anchor::HPos::Left,
             plotters::style::text_anchor::VPos::Center,
@@ -536,6 +547,19 @@ mod tests {
         assert_eq!(f(&20.0), "20");
         let f = tick_formatter(0.0, 3.0e6);
         assert_eq!(f(&1.5e6), "1.5e6");
+    }
+
+    /// Long legend keys keep their ends: two configs of one estimator stay apart (cutting the
+    /// tail, as the legend used to, made both `omd-exact lambda=100 / …`).
+    #[test]
+    fn long_legend_keys_keep_their_head_and_tail() {
+        assert_eq!(shorten("omd-exact", 24), "omd-exact");
+        let a = shorten("omd-exact lambda=100 / random-pair", 24);
+        let b = shorten("omd-exact lambda=100 / best-two", 24);
+        assert_eq!(a.chars().count(), 24);
+        assert_eq!(a, "omd-exact l… random-pair");
+        assert_ne!(a, b);
+        assert!(b.starts_with("omd-exact") && b.ends_with("best-two"), "{b}");
     }
 
     #[test]
