@@ -26,6 +26,9 @@ label starts with --baseline (default omd-exact), or the config named exactly by
     python3 scripts/ensemble_table.py --deploy --cpu ... --command ... RUN_DIR >> docs/results/ensemble-deploy.csv
     python3 scripts/ensemble_table.py --deploy --header
 
+--note TEXT adds TEXT to each row's note (e.g. "generation and φ cached": what the wall time
+covers).
+
 A run directory without metrics.parquet or meta.json stops with one line naming it.
 """
 import csv
@@ -112,7 +115,7 @@ def seconds(stamp):
     return datetime.strptime(stamp, "%Y-%m-%dT%H:%M:%SZ").timestamp()
 
 
-def deploy_rows(run, cpu, command, baseline):
+def deploy_rows(run, cpu, command, baseline, extra=""):
     for f in ["metrics.parquet", "meta.json", "timings.parquet", "report/sample-efficiency.csv"]:
         if not (run / f).exists():
             hint = " (run `onepass report` on it first)" if f.startswith("report/") else ""
@@ -128,7 +131,7 @@ def deploy_rows(run, cpu, command, baseline):
     date = meta["finished"][:10]
     wall = f"{seconds(meta['finished']) - seconds(meta['started']):.0f}"
     dirty = meta.get("git_dirty") not in ("false", False)
-    note = "built from a tree with uncommitted changes" if dirty else ""
+    note = "; ".join(x for x in ["built from a tree with uncommitted changes" if dirty else "", extra] if x)
     preset = pathlib.Path(meta["spec_file"]).stem
     labels = list(dict.fromkeys(last.label))
 
@@ -169,10 +172,12 @@ def main(argv):
     if argv == ["--header"]:
         w.writerow(DEPLOY_HEADER if deploy else HEADER)
         return
-    cpu, command, baseline = None, None, "omd-exact"
+    cpu, command, baseline, note = None, None, "omd-exact", ""
     it = iter(argv)
     for a in it:
-        if a == "--baseline":
+        if a == "--note":
+            note = next(it)
+        elif a == "--baseline":
             baseline = next(it)
         elif a == "--cpu":
             cpu = next(it)
@@ -181,7 +186,13 @@ def main(argv):
         else:
             if not cpu or not command:
                 sys.exit(f"{a}: give --cpu and --command before the run directory")
-            for r in (deploy_rows if deploy else rows)(pathlib.Path(a), cpu, command, baseline):
+            if deploy:
+                table = deploy_rows(pathlib.Path(a), cpu, command, baseline, note)
+            else:
+                if note:
+                    sys.exit("--note: only with --deploy")
+                table = rows(pathlib.Path(a), cpu, command, baseline)
+            for r in table:
                 w.writerow(r)
 
 
