@@ -82,6 +82,49 @@ pub fn stop_requested() -> bool {
     stop_flag().load(Ordering::Relaxed)
 }
 
+/// The failpoints `ONEPASS_FAILPOINT` may name (module docs).
+pub const FAILPOINTS: &[&str] = &[
+    "update",
+    "cell-end",
+    "meta-written",
+    "policy-update",
+    "evaluate",
+    "write",
+    "checkpoint-write",
+    "parquet-write",
+    "adapter-write",
+];
+
+/// The write points `ONEPASS_FAIL_WRITE` may name (module docs; `feature-cache` is the features
+/// crate's).
+pub const FAIL_WRITES: &[&str] = &["write", "checkpoint-write", "parquet-write", "adapter-write", "feature-cache"];
+
+/// The environment's onepass variables, checked before anything runs: a value the code would
+/// silently ignore (a misspelt `ONEPASS_CPU`, or a test hook naming no point, which would let
+/// a test pass without injecting its failure) is an error naming the variable and what it takes.
+pub fn check_env() -> Result<()> {
+    let var = |k: &str| std::env::var(k).ok().filter(|v| !v.is_empty());
+    if let Some(v) = var("ONEPASS_CPU") {
+        if !v.eq_ignore_ascii_case("avx2") {
+            bail!("ONEPASS_CPU={v}: expected avx2 (cap onepass's kernels at AVX2 + FMA) or unset");
+        }
+    }
+    if let Some(v) = var("ONEPASS_FAILPOINT") {
+        let ok = v.rsplit_once(':').is_some_and(|(n, at)| {
+            FAILPOINTS.contains(&n) && at.parse::<u64>().is_ok_and(|a| a >= 1)
+        });
+        if !ok {
+            bail!("ONEPASS_FAILPOINT={v}: expected <name>:<n ≥ 1>, the name one of {}", FAILPOINTS.join(", "));
+        }
+    }
+    if let Some(v) = var("ONEPASS_FAIL_WRITE") {
+        if !FAIL_WRITES.contains(&v.as_str()) {
+            bail!("ONEPASS_FAIL_WRITE={v}: expected one of {}", FAIL_WRITES.join(", "));
+        }
+    }
+    Ok(())
+}
+
 /// A test hook: see the module docs.
 pub fn failpoint(name: &str) {
     static POINT: OnceLock<Option<(String, u64)>> = OnceLock::new();

@@ -341,6 +341,9 @@ fn main() -> ExitCode {
     // a LoRA step's large tensors are reused, not handed back and zeroed again
     policy::keep_freed_memory();
     let cli = Cli::parse();
+    if let Err(e) = runner::io::check_env() {
+        return bad_input(&format!("{e:#}"));
+    }
     let progress = runner::progress::Mode::for_stderr(cli.quiet);
     match cli.cmd {
         Cmd::Report { run } => match runner::report::report(&run) {
