@@ -488,6 +488,10 @@ struct Rope {
     interleaved: bool,
 }
 
+/// The most positions (`max_len`) a model is loaded for: 128 Ki, the longest context of the
+/// models onepass reads (Llama 3.1's); its rotary table then takes 128 Ki × head_dim × 6 bytes.
+pub const MAX_POSITIONS: usize = 1 << 17;
+
 impl Rope {
     fn new(cfg: &Config, max_len: usize, dev: &Device, dtype: DType) -> candle_core::Result<Rope> {
         let half = cfg.head_dim / 2;
@@ -861,6 +865,13 @@ impl Model {
     /// else `lm_head.weight` must be present.
     pub fn load_with(vb: VarBuilder, cfg: Config, max_len: usize, lm_head: Option<bool>) -> Result<Model, Error> {
         cfg.check()?;
+        // the rotary table holds max_len positions, allocated here: an unbounded max_len would
+        // abort the process on the allocation (or wrap the u32 positions)
+        if max_len > MAX_POSITIONS {
+            return Err(Error::Input(format!(
+                "max_len {max_len}: expected at most {MAX_POSITIONS} tokens (the positions a rotary table is built for)"
+            )));
+        }
         let ctx = |what: String| move |e: candle_core::Error| Error::Weights(format!("{what}: {e}"));
         let m = vb.pp("model");
         let store = Store::of(&vb);

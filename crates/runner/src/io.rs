@@ -110,9 +110,9 @@ pub fn check_env() -> Result<()> {
         }
     }
     if let Some(v) = var("ONEPASS_FAILPOINT") {
-        let ok = v.rsplit_once(':').is_some_and(|(n, at)| {
-            FAILPOINTS.contains(&n) && at.parse::<u64>().is_ok_and(|a| a >= 1)
-        });
+        let ok = v
+            .rsplit_once(':')
+            .is_some_and(|(n, at)| FAILPOINTS.contains(&n) && at.parse::<u64>().is_ok_and(|a| a >= 1));
         if !ok {
             bail!("ONEPASS_FAILPOINT={v}: expected <name>:<n ≥ 1>, the name one of {}", FAILPOINTS.join(", "));
         }

@@ -227,6 +227,22 @@ impl GenerateSpec {
         if self.max_new_tokens == 0 {
             return Err(("max_new_tokens", "expected at least 1".into()));
         }
+        // the policy is loaded for prompt + response positions (its rotary table): past the
+        // most a model is loaded for, the load would be refused after the data was read
+        let most = features::model::MAX_POSITIONS;
+        if self.max_prompt_tokens.saturating_add(self.max_new_tokens) > most {
+            let (key, v) = match self.max_new_tokens > self.max_prompt_tokens {
+                true => ("max_new_tokens", self.max_new_tokens),
+                false => ("max_prompt_tokens", self.max_prompt_tokens),
+            };
+            return Err((
+                key,
+                format!(
+                    "{v}: generate.max_prompt_tokens + generate.max_new_tokens is {}, expected at most {most} tokens",
+                    self.max_prompt_tokens.saturating_add(self.max_new_tokens)
+                ),
+            ));
+        }
         if !(self.temperature.is_finite() && self.temperature >= 0.0) {
             return Err(("temperature", format!("{}: expected a finite number ≥ 0", self.temperature)));
         }

@@ -77,6 +77,10 @@ impl PhiSpec {
         if self.max_len < 8 {
             return Err(("max_len", format!("{}: expected at least 8 tokens", self.max_len)));
         }
+        if self.max_len > features::model::MAX_POSITIONS {
+            let most = features::model::MAX_POSITIONS;
+            return Err(("max_len", format!("{}: expected at most {most} tokens", self.max_len)));
+        }
         Ok(())
     }
 
