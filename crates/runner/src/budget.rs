@@ -19,7 +19,8 @@ use estimators::{EstimatorConfig, Kind, MleSolver};
 /// One term of the estimate: the key that sets it, what it is, bytes.
 #[derive(Clone, Debug, PartialEq)]
 pub struct Term {
-    pub key: &'static str,
+    /// The key to blame (its spec line is named): a fixed key, or one with the table's index.
+    pub key: std::borrow::Cow<'static, str>,
     pub what: String,
     pub bytes: u64,
 }
@@ -126,7 +127,7 @@ fn reward_terms(spec: &Spec, r: &RewardShape) -> Vec<Term> {
     } + cfg.hidden as u64;
     let mut t = vec![
         Term {
-            key: "reward.update",
+            key: "reward.update".into(),
             what: format!(
                 "{params} trainable parameters (\"{}\"; f32: value, gradient, Adam's two moments)",
                 rs.update
@@ -134,7 +135,7 @@ fn reward_terms(spec: &Spec, r: &RewardShape) -> Vec<Term> {
             bytes: mul(&[params, 4, 4]),
         },
         Term {
-            key: "reward.update",
+            key: "reward.update".into(),
             what: "the one-pass update's flat vectors over the parameters (10 copies)".into(),
             bytes: mul(&[params, 4, 10]),
         },
@@ -149,7 +150,7 @@ fn reward_terms(spec: &Spec, r: &RewardShape) -> Vec<Term> {
     let factor = if r.routed { DEVICE_REWARD_ACTIVATIONS_ROUTED } else { DEVICE_REWARD_ACTIVATIONS };
     let (bytes, on) = on_device(mul(&[per_layer, l]), r.on_device, factor);
     t.push(Term {
-        key: "reward.pairs_per_pass",
+        key: "reward.pairs_per_pass".into(),
         what: format!("a gradient pass's activations ({seqs} sequences × {len} tokens{on})"),
         bytes,
     });
@@ -167,7 +168,7 @@ fn reward_terms(spec: &Spec, r: &RewardShape) -> Vec<Term> {
         let per_token = 8 * h + 4 * qw + 4 * kvw + 3 * i;
         let (bytes, on) = on_device(mul(&[batch, len, per_token, 4, l]), r.on_device, 1.0);
         t.push(Term {
-            key: "reward.hvp",
+            key: "reward.hvp".into(),
             what: format!(
                 "the exact products' tape (\"exact\"; every pass of a step: {batch} sequences × {len} tokens{on})"
             ),
@@ -202,20 +203,20 @@ fn policy_terms(ps: &crate::spec::PolicySpec, c: &ConfigPlan, p: &PolicyShape) -
         let w = p.weights;
         vec![
             Term {
-                key: "policy.dpo.parameters",
+                key: "policy.dpo.parameters".into(),
                 what: format!(
                     "every weight trains ({w} weights, f32: value, gradient, Adam's two moments, the moved reference)"
                 ),
                 bytes: mul(&[w, 4, 5]),
             },
             Term {
-                key: "generate.policy",
+                key: "generate.policy".into(),
                 what: "the generator's f32 copy of the weights".into(),
                 bytes: mul(&[w, 4]),
             },
             // a checkpoint copies the weights and Adam's moments out as vectors, then encodes them
             Term {
-                key: "policy.dpo.parameters",
+                key: "policy.dpo.parameters".into(),
                 what: "a checkpoint of every weight and Adam's two moments (copied, then encoded)".into(),
                 bytes: mul(&[w, 4, 3, 2]),
             },
@@ -223,7 +224,7 @@ fn policy_terms(ps: &crate::spec::PolicySpec, c: &ConfigPlan, p: &PolicyShape) -
     } else {
         vec![
             Term {
-                key: "policy.rank",
+                key: "policy.rank".into(),
                 what: format!(
                     "the adapters (rank {r} on {} modules × {l} layers; value, gradient, Adam's two moments{})",
                     targets.len(),
@@ -232,7 +233,7 @@ fn policy_terms(ps: &crate::spec::PolicySpec, c: &ConfigPlan, p: &PolicyShape) -
                 bytes: mul(&[adapter, 4, 1 + critics]),
             },
             Term {
-                key: "generate.policy",
+                key: "generate.policy".into(),
                 what: "the generator's f32 merge of the adapted weights".into(),
                 bytes: merged,
             },
@@ -243,7 +244,7 @@ fn policy_terms(ps: &crate::spec::PolicySpec, c: &ConfigPlan, p: &PolicyShape) -
         // and Wᵀ (2 + 2): the same bytes; a ppo critic packs its backbone too (taken at the
         // policy's size)
         t.push(Term {
-            key: "generate.policy",
+            key: "generate.policy".into(),
             what: format!(
                 "the frozen weights packed for the CPU's products ({} weights, 4 bytes each{})",
                 p.weights,
@@ -254,7 +255,7 @@ fn policy_terms(ps: &crate::spec::PolicySpec, c: &ConfigPlan, p: &PolicyShape) -
     }
     let (len, kv) = (p.seq_len as u64, (cfg.kv_heads * cfg.head_dim) as u64);
     t.push(Term {
-        key: "generate.batch_prompts",
+        key: "generate.batch_prompts".into(),
         what: format!(
             "the KV cache of a generation batch ({} prompts × n = {}, {len} positions)",
             p.batch_prompts, p.n
@@ -270,7 +271,7 @@ fn policy_terms(ps: &crate::spec::PolicySpec, c: &ConfigPlan, p: &PolicyShape) -
     let factor = if p.routed { DEVICE_POLICY_ACTIVATIONS_ROUTED } else { DEVICE_POLICY_ACTIVATIONS };
     let (bytes, on) = on_device(host, p.on_device, factor);
     t.push(Term {
-        key: "policy.minibatch",
+        key: "policy.minibatch".into(),
         what: format!("a gradient pass's activations and logits ({seqs} sequences × {len} tokens{on})"),
         bytes,
     });
@@ -301,10 +302,14 @@ fn cell_terms(spec: &Spec, c: &ConfigPlan) -> Vec<Term> {
     let history = spec.stream.samples;
     match c.cfg_for(spec) {
         EstimatorConfig::OmdExact(o) => {
-            t.push(Term { key: dk, what: format!("omd-exact's 𝓗⁻¹ (packed, f64) at d = {d}"), bytes: packed(d) });
+            t.push(Term {
+                key: dk.into(),
+                what: format!("omd-exact's 𝓗⁻¹ (packed, f64) at d = {d}"),
+                bytes: packed(d),
+            });
             if o.radius.is_some() {
                 t.push(Term {
-                    key: dk,
+                    key: dk.into(),
                     what: "omd-exact's projection (dense H̃ and its eigenvectors)".into(),
                     bytes: d.saturating_mul(d).saturating_mul(8 * 3),
                 });
@@ -312,13 +317,13 @@ fn cell_terms(spec: &Spec, c: &ConfigPlan) -> Vec<Term> {
         }
         EstimatorConfig::Mle(m) => {
             t.push(Term {
-                key: "stream.samples",
+                key: "stream.samples".into(),
                 what: format!("mle's history ({history} pairs × d = {d}, f32)"),
                 bytes: f32s(history),
             });
             if matches!(m.solver, MleSolver::Newton) {
                 t.push(Term {
-                    key: dk,
+                    key: dk.into(),
                     what: format!("mle's Newton Hessian (d × d f64) at d = {d}"),
                     bytes: d.saturating_mul(d).saturating_mul(16),
                 });
@@ -326,28 +331,30 @@ fn cell_terms(spec: &Spec, c: &ConfigPlan) -> Vec<Term> {
         }
         EstimatorConfig::Ensemble(e) => {
             t.push(Term {
-                key: "stream.samples",
+                key: "stream.samples".into(),
                 what: format!("the ensemble's replay buffer ({history} pairs × d = {d}, f32)"),
                 bytes: f32s(history),
             });
+            // K × d: the larger of the two factors is the one to blame
+            let key = if e.heads as u64 > d { format!("estimator.{}.heads", c.table).into() } else { dk.into() };
             t.push(Term {
-                key: dk,
+                key,
                 what: format!("the ensemble's {} heads, their starts and Adam moments (f64) at d = {d}", e.heads),
                 bytes: (e.heads as u64).saturating_mul(d).saturating_mul(32),
             });
         }
         _ if c.kind == Kind::SgdReplay => {
             t.push(Term {
-                key: "stream.samples",
+                key: "stream.samples".into(),
                 what: format!("sgd-replay's history ({history} pairs × d = {d}, f32)"),
                 bytes: f32s(history),
             });
         }
-        _ => t.push(Term { key: dk, what: format!("{}'s vectors", c.kind), bytes: d.saturating_mul(8 * 16) }),
+        _ => t.push(Term { key: dk.into(), what: format!("{}'s vectors", c.kind), bytes: d.saturating_mul(8 * 16) }),
     }
     if needs_tracker(spec, c) {
         t.push(Term {
-            key: dk,
+            key: dk.into(),
             what: format!("the 𝓗_t tracker (𝓗⁻¹ and 𝓗, packed f64) at d = {d}"),
             bytes: packed(d).saturating_mul(2),
         });
@@ -356,7 +363,7 @@ fn cell_terms(spec: &Spec, c: &ConfigPlan) -> Vec<Term> {
         let e = &spec.env;
         let rows = (e.contexts as u64).saturating_mul(e.arms as u64).saturating_add(e.eval_pairs as u64);
         t.push(Term {
-            key: "env.contexts",
+            key: "env.contexts".into(),
             what: format!(
                 "the bandit's features ({} contexts × {} arms + {} evaluation pairs, d = {d})",
                 e.contexts, e.arms, e.eval_pairs
@@ -367,11 +374,15 @@ fn cell_terms(spec: &Spec, c: &ConfigPlan) -> Vec<Term> {
     if spec.setting == Setting::Active {
         if let Some(rule) = c.rule {
             if matches!(rule, ActiveRule::Stream) && spec.active.score_norm == ScoreNorm::V {
-                t.push(Term { key: dk, what: format!("the V tracker (packed f64) at d = {d}"), bytes: packed(d) });
+                t.push(Term {
+                    key: dk.into(),
+                    what: format!("the V tracker (packed f64) at d = {d}"),
+                    bytes: packed(d),
+                });
             }
             if spec.env.kind == EnvKind::Synthetic && !matches!(rule, ActiveRule::Fresh(_)) {
                 t.push(Term {
-                    key: "active.pool",
+                    key: "active.pool".into(),
                     what: format!("the active pool ({} pairs × d = {d}, f32)", spec.active.pool),
                     bytes: f32s(spec.active.pool as u64),
                 });
@@ -457,13 +468,16 @@ pub fn parse_size(s: &str) -> Result<u64, String> {
 }
 
 /// Refuses an estimate above `budget`: (the key of the largest term, a one-line message).
-pub fn check(e: &Estimate, budget: u64, budget_from: &str) -> Result<(), (&'static str, String)> {
+pub fn check(e: &Estimate, budget: u64, budget_from: &str) -> Result<(), (String, String)> {
     if e.total <= budget {
         return Ok(());
     }
-    let top = e.cell.first().map_or(("env.dim", String::new()), |t| (t.key, format!("{}: {}", t.what, show(t.bytes))));
+    let top = e
+        .cell
+        .first()
+        .map_or(("env.dim", String::new()), |t| (t.key.as_ref(), format!("{}: {}", t.what, show(t.bytes))));
     Err((
-        top.0,
+        top.0.to_string(),
         format!(
             "the run needs about {} ({} per cell — largest: {} — × {} {} at a time), more than the {} {budget_from}",
             show(e.total),

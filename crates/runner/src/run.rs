@@ -184,7 +184,7 @@ fn check_memory(
     };
     // threads = 0: one per core, as the pool starts them
     let threads = if threads == 0 { std::thread::available_parallelism().map_or(1, |n| n.get()) } else { threads };
-    let refuse = |(key, msg): (&str, String)| {
+    let refuse = |(key, msg): (String, String)| {
         let path: Vec<&str> = key.split('.').collect();
         anyhow::Error::new(plan.keys().err(&path, msg))
     };
