@@ -513,16 +513,16 @@ fn bad_features_files_name_the_file_the_row_and_the_column() {
     save(vec![("phi_chosen", list(&[&[1.0, 2.0]])), ("phi_other", list(&[&[1.0, 2.0]]))]);
     expect(&[], &["pairs.parquet", "no column `phi_rejected`", "phi_other"]);
     save(vec![("phi_chosen", list(&[&[1.0, 2.0], &[1.0, 2.0]])), ("phi_rejected", list(&[&[1.0, 2.0], &[1.0]]))]);
-    expect(&[], &["pairs.parquet", "row 1, column `phi_rejected`", "has 1 values, expected 2"]);
+    expect(&[], &["pairs.parquet", "row 2, column `phi_rejected`", "has 1 values, expected 2"]);
     save(vec![("phi_chosen", list(&[&[1.0, f32::NAN]])), ("phi_rejected", list(&[&[1.0, 2.0]]))]);
-    expect(&[], &["row 0, column `phi_chosen`", "element 1 is NaN"]);
+    expect(&[], &["row 1, column `phi_chosen`", "element 1 is NaN"]);
     let rows: Vec<&[f32]> = vec![&[1.0, 2.0]; 3];
     save(vec![
         ("phi_chosen", list(&rows)),
         ("phi_rejected", list(&rows)),
         ("label", std::sync::Arc::new(F64::from(vec![1.0, 0.0, 0.5]))),
     ]);
-    expect(&[], &["row 2, column `label`", "is 0.5, expected 0 or 1"]);
+    expect(&[], &["row 3, column `label`", "is 0.5, expected 0 or 1"]);
     write_pairs(&tmp.path().join("pairs.parquet"), 150, 3, true);
     expect(&[], &["stream.samples", "300", "only 50 training pairs"]);
     expect(&["stream.samples=10", "env.dim=4"], &["env.dim", "have 3 features"]);

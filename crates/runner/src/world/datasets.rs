@@ -28,6 +28,9 @@ use std::path::{Path, PathBuf};
 pub struct Pair {
     /// Row index over the files read, in order (0-based).
     pub row: usize,
+    /// Where the row is, for messages, numbered as every data-file message is (1-based): the
+    /// file and a jsonl file's line or a parquet file's row ("d.jsonl: line 4").
+    pub at: std::sync::Arc<str>,
     pub chosen: Vec<Message>,
     pub rejected: Vec<Message>,
     /// (score_chosen, score_rejected) when the file has them (UltraFeedback).
@@ -124,7 +127,10 @@ pub fn read_dataset(files: &[PathBuf], o: &ReadOptions) -> Result<ReadOut> {
             let row = out.rows_read;
             out.rows_read += 1;
             match v.and_then(|v| to_pairs(&v, format, &keys, form, row)) {
-                Ok(ps) => out.pairs.extend(ps),
+                Ok(ps) => {
+                    let at: std::sync::Arc<str> = format!("{name}: {}", place(&name, row_in_file)).into();
+                    out.pairs.extend(ps.into_iter().map(|p| Pair { at: at.clone(), ..p }))
+                }
                 Err(why) => {
                     let why = if format == Format::Generic { with_user_key(&why, &keys) } else { why };
                     let msg = format!("{name}: {}{why}", place(&name, row_in_file));
@@ -377,7 +383,15 @@ fn ranked_pairs(v: &Value, k: &Keys, rkey: &str, row: usize) -> Result<Vec<Pair>
         .into_iter()
         .map(|(i, j)| {
             let (si, sj) = (items[order[i]].1, items[order[j]].1);
-            Pair { row, chosen: conv(i), rejected: conv(j), scores: Some((si, sj)), tie: si == sj, soft: None }
+            Pair {
+                row,
+                at: "".into(),
+                chosen: conv(i),
+                rejected: conv(j),
+                scores: Some((si, sj)),
+                tie: si == sj,
+                soft: None,
+            }
         })
         .collect())
 }
@@ -483,7 +497,7 @@ fn to_pair(v: &Value, format: Format, k: &Keys, form: LabelForm<'_>, row: usize)
         (Some(a), Some(b)) => Some((a, b)),
         _ => None,
     };
-    Ok(Pair { row, chosen, rejected, scores, tie, soft })
+    Ok(Pair { row, at: "".into(), chosen, rejected, scores, tie, soft })
 }
 
 /// A list of {role, content} objects.

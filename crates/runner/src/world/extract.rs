@@ -133,12 +133,13 @@ pub fn extract_pairs(pairs: &[Pair], origin: &str, o: &PhiRun) -> Result<Extract
         .iter()
         .flat_map(|p| {
             [
-                (format!("row {}, field `chosen`", p.row), p.chosen.as_slice()),
-                (format!("row {}, field `rejected`", p.row), p.rejected.as_slice()),
+                (format!("{}, field `chosen`", p.at), p.chosen.as_slice()),
+                (format!("{}, field `rejected`", p.at), p.rejected.as_slice()),
             ]
         })
         .collect();
-    let (mut ex, items) = extract_conversations(&convs, origin, o)?;
+    // each label names its file and line already
+    let (mut ex, items) = extract_conversations(&convs, "", o)?;
     ex.degenerate = items.chunks_exact(2).map(|p| p[0].ids == p[1].ids).collect();
     if o.keep_ids {
         ex.ids = items.into_iter().map(|p| p.ids).collect();
@@ -149,7 +150,8 @@ pub fn extract_pairs(pairs: &[Pair], origin: &str, o: &PhiRun) -> Result<Extract
 }
 
 /// φ of conversations (each ending with the response), through the feature cache; each comes
-/// with where it is from (for errors: "row 3, field `chosen`"). `degenerate` is left empty.
+/// with where it is from (for errors: "prompt 3, sample 1"; a label that names its file itself,
+/// "d.jsonl: line 4, field `chosen`", comes with an empty `origin`). `degenerate` is left empty.
 pub fn extract_conversations(
     convs: &[(String, &[features::Message])],
     origin: &str,
@@ -165,7 +167,10 @@ pub fn extract_conversations(
     let mut keys = Vec::with_capacity(convs.len());
     let mut s = ExtractSummary { dim: backbone.dim(), ..Default::default() };
     for (what, msgs) in convs {
-        let prep = backbone.prepare(msgs, &o.phi).map_err(|e| anyhow!("{origin}: {what}: {e}"))?;
+        let prep = backbone.prepare(msgs, &o.phi).map_err(|e| match origin {
+            "" => anyhow!("{what}: {e}"),
+            _ => anyhow!("{origin}: {what}: {e}"),
+        })?;
         s.truncated_sequences += usize::from(prep.dropped > 0);
         s.response_cut_sequences += usize::from(prep.response_cut);
         items.push(prep);

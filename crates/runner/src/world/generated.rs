@@ -161,10 +161,11 @@ pub(super) fn generate_as(
     let mut out: Vec<Option<Vec<Sample>>> = vec![None; prompts.len()];
     let mut todo = Vec::new();
     for (i, p) in prompts.iter().enumerate() {
-        let ids = b.prompt_ids(p).map_err(|e| anyhow!("generate.prompts: prompt {i}: {e}"))?;
+        let ids = b.prompt_ids(p).map_err(|e| anyhow!("generate.prompts: prompt {}: {e}", i + 1))?;
         if ids.len() > g.max_prompt_tokens {
             bail!(
-                "generate.prompts: prompt {i} is {} tokens after the policy's chat template, over generate.max_prompt_tokens = {}",
+                "generate.prompts: prompt {} is {} tokens after the policy's chat template, over generate.max_prompt_tokens = {}",
+                i + 1,
                 ids.len(),
                 g.max_prompt_tokens
             );
@@ -263,7 +264,7 @@ pub fn build(g: &GenerateSpec, f: &FeatureSpec, o: &OracleSpec, holdout: usize, 
     let named: Vec<(String, &[Message])> = convs
         .iter()
         .enumerate()
-        .map(|(i, c)| (format!("prompt {}, sample {}", i / g.n, i % g.n), c.as_slice()))
+        .map(|(i, c)| (format!("prompt {}, sample {}", i / g.n + 1, i % g.n + 1), c.as_slice()))
         .collect();
     let (ex, _) =
         extract_conversations(&named, "generated responses", &PhiRun::new(&f.phi(), progress).context("features")?)?;
@@ -275,7 +276,7 @@ pub fn build(g: &GenerateSpec, f: &FeatureSpec, o: &OracleSpec, holdout: usize, 
     rep.dim = d;
     let phi: Vec<Vec<f32>> = ex.phi.into_iter().map(|r| r.expect("unsharded")).collect();
     if let Some((i, _)) = phi.iter().enumerate().find(|(_, r)| r.iter().any(|v| !v.is_finite())) {
-        bail!("φ of prompt {}, sample {} has non-finite values", i / g.n, i % g.n);
+        bail!("φ of prompt {}, sample {} has non-finite values", i / g.n + 1, i % g.n + 1);
     }
     let (rewards, theta_star, scorer) = oracle_rewards(g, f, o, &phi, &named, progress, &mut rep)?;
     if rewards.iter().any(|r| !r.is_finite()) {

@@ -92,7 +92,7 @@ fn warm_pairs(
     }
     let (mut out, mut dropped) = (Vec::with_capacity(pairs.len()), 0);
     for p in &pairs {
-        let row = |m: String| anyhow!("{key}: row {}: {m}", p.row);
+        let row = |m: String| anyhow!("{key}: {}: {m}", p.at);
         let (Some((c, prompt)), Some((r, _))) = (p.chosen.split_last(), p.rejected.split_last()) else {
             return Err(row("an empty conversation".into()));
         };
@@ -177,14 +177,15 @@ impl Online {
         let ids = |ps: &[Vec<Message>], what: &str| -> Result<Vec<Vec<u32>>> {
             ps.iter()
                 .enumerate()
-                .map(|(i, m)| policy.prompt_ids(m).map_err(|e| anyhow!("generate.prompts: {what} {i}: {e}")))
+                .map(|(i, m)| policy.prompt_ids(m).map_err(|e| anyhow!("generate.prompts: {what} {}: {e}", i + 1)))
                 .collect()
         };
         let prompt_ids = ids(&bank.prompts, "prompt")?;
         let eval_ids = ids(&bank.eval_prompts, "held-out prompt")?;
         if let Some((i, x)) = eval_ids.iter().enumerate().find(|(_, x)| x.len() > g.max_prompt_tokens) {
             return Err(anyhow!(
-                "generate.prompts: held-out prompt {i} is {} tokens after the chat template, over generate.max_prompt_tokens = {}",
+                "generate.prompts: held-out prompt {} is {} tokens after the chat template, over generate.max_prompt_tokens = {}",
+                i + 1,
                 x.len(),
                 g.max_prompt_tokens
             ));

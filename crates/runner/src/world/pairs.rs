@@ -232,7 +232,8 @@ pub fn read_pairs(path: &Path, dim: Option<usize>) -> Result<Pairs, SpecError> {
             false => None,
         };
         for i in 0..batch.num_rows() {
-            let at = |name: &str, m: String| bad(path, format!("row {row}, column `{name}`: {m}"));
+            // 1-based, as every data-file message
+            let at = |name: &str, m: String| bad(path, format!("row {}, column `{name}`: {m}", row + 1));
             let pc = list_row(&c, i).map_err(|m| at("phi_chosen", m))?;
             let pr = list_row(&r, i).map_err(|m| at("phi_rejected", m))?;
             let want = *d.get_or_insert(pc.len());

@@ -48,7 +48,7 @@ impl RewardBase {
                 .enumerate()
                 .map(|(j, s)| {
                     let item = backbone.prepare(&conversation(p, &s.text), &run.phi);
-                    Ok(item.map_err(|e| anyhow!("prompt {i}, response {j}: {e}"))?.ids)
+                    Ok(item.map_err(|e| anyhow!("prompt {}, response {}: {e}", i + 1, j + 1))?.ids)
                 })
                 .collect();
             bank_ids.push(ids?);
