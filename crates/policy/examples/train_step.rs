@@ -27,6 +27,12 @@ fn main() {
     let (batch, len, reps) = (arg(2, 8), arg(3, 256), arg(4, 3));
     let g = features::gguf::Gguf::read_with(&path, &Device::Cpu, DType::F32, true).expect("reading the model");
     let vocab = g.cfg.vocab;
+    // the shapes the report counts the step's FLOPs from (scripts/peak.py)
+    let c = &g.cfg;
+    let shapes = serde_json::json!({
+        "hidden": c.hidden, "intermediate": c.intermediate, "layers": c.layers, "heads": c.heads,
+        "kv_heads": c.kv_heads, "head_dim": c.head_dim, "vocab": c.vocab,
+    });
     let bf16 = match args.get(6).map(String::as_str) {
         None | Some("f32") => false,
         Some("bf16") => true,
@@ -88,7 +94,8 @@ fn main() {
             "engine": "candle", "model": path.display().to_string(), "dtype": if bf16 { "bfloat16" } else { "float32" },
             "threads": threads, "batch": batch, "len": len, "reps": reps, "pass_s": steps,
             "tok_s": (batch * len * reps) as f64 / steps.iter().sum::<f64>(),
-            "peak_rss_mb": rss, "abs_sum": loss,
+            "peak_rss_mb": rss, "abs_sum": loss, "shapes": shapes,
+            "lora": { "rank": 8, "targets": ["q_proj", "v_proj"] },
         })
     );
 }
