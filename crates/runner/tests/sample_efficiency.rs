@@ -239,6 +239,15 @@ fn a_deployment_report_draws_the_win_rate_against_the_base_policy() {
     assert_eq!(hand.keys().filter(|k| k.1 == 0).count(), 4, "2 estimators × 2 strategies at 0 labels: {hand:?}");
     check_panel(&csv, "win rate against the base policy", &hand);
     check_figure(&dir, "mean ± 95% t-interval over 2 seeds (bands, df = 1)");
+    // a noisy labeller is named in the subtitle; a noiseless one is not
+    if has_font() {
+        let svg = |d: &Path| std::fs::read_to_string(d.join("report/sample-efficiency.svg")).unwrap();
+        assert!(!svg(&dir).contains("flipped"));
+        let r = onepass(tmp.path(), &["run", spec.to_str().unwrap(), "--out", "flip", "--set", "oracle.flip=0.2"]);
+        let noisy = tmp.path().join(r.dir());
+        assert_eq!(onepass(tmp.path(), &["report", noisy.to_str().unwrap()]).code, 0);
+        assert!(svg(&noisy).contains("oracle linear, labels flipped with p = 0.2"));
+    }
     // the synthetic bandit deploys no generated responses: accuracy only, and the report says why
     let spec = util::root().join("experiments/deploy/synthetic.toml");
     let r = onepass(

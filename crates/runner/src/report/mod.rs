@@ -835,7 +835,15 @@ fn data_phrase(spec: &crate::spec::Spec) -> String {
         },
         EnvKind::Generated => match (&spec.generate, &spec.features) {
             (Some(g), Some(f)) => {
-                let oracle = spec.oracle.as_ref().map_or("?".to_string(), |o| format!("{:?}", o.kind).to_lowercase());
+                // a noisy labeller is part of the data: its flip rate in the subtitle
+                let oracle = spec.oracle.as_ref().map_or("?".to_string(), |o| {
+                    let kind = format!("{:?}", o.kind).to_lowercase();
+                    if o.flip > 0.0 {
+                        format!("{kind}, labels flipped with p = {}", o.flip)
+                    } else {
+                        kind
+                    }
+                });
                 let models = if g.policy == f.model {
                     format!("{}: samples and φ", short_name(&g.policy))
                 } else {
