@@ -154,7 +154,7 @@ struct ExtractArgs {
     #[arg(long, value_enum, default_value = "auto")]
     format: runner::spec::Format,
     /// Only the first N pairs.
-    #[arg(long)]
+    #[arg(long, allow_negative_numbers = true, value_parser = runner::spec::phi::count_arg)]
     limit: Option<usize>,
     /// Also write a "bring your own features" parquet (phi_chosen, phi_rejected, label).
     #[arg(long)]
@@ -272,6 +272,9 @@ fn features_cmd(cmd: FeaturesCmd, progress: runner::progress::Mode) -> anyhow::R
 fn extract_cmd(a: ExtractArgs, progress: runner::progress::Mode) -> anyhow::Result<()> {
     if let Err((k, m)) = a.phi.check() {
         anyhow::bail!("--{}: {m}", k.replace('_', "-"));
+    }
+    if a.limit == Some(0) {
+        anyhow::bail!("--limit: 0: expected at least 1 pair");
     }
     let o = runner::world::extract::ExtractOptions {
         phi: a.phi,

@@ -135,6 +135,21 @@ fn a_negative_count_or_size_is_a_bad_value_of_its_flag() {
     }
 }
 
+/// The same for `features extract`'s counts: a negative `--max-len`, `--batch` or `--limit` is a
+/// bad value of that flag (it was "unexpected argument '-1' found"), exit 2, before any file is
+/// read.
+#[test]
+fn a_negative_count_of_features_extract_is_a_bad_value_of_its_flag() {
+    let tmp = tempfile::tempdir().unwrap();
+    for flag in ["--max-len", "--batch", "--limit"] {
+        let r = onepass(tmp.path(), &["features", "extract", "--model", "m.gguf", "--dataset", "d.jsonl", flag, "-1"]);
+        assert_eq!(r.code, 2, "{flag} -1: {}", r.stderr);
+        let first = r.stderr.lines().next().unwrap_or_default();
+        assert!(!first.contains("unexpected argument") && first.contains(flag), "{flag} -1: {first}");
+        assert!(first.contains("expected a whole number ≥ 0"), "{flag} -1: {first}");
+    }
+}
+
 /// `onepass cells` shows a corrupt `.done` as corrupt, naming the file, with the expected header
 /// as text (it was counted "finished", the header a byte list); an empty slice's merge hint
 /// keeps the slice's `--set` flags.

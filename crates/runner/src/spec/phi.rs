@@ -34,7 +34,7 @@ pub struct PhiSpec {
     #[arg(long)]
     pub model: String,
     /// Tokens per sequence; longer conversations are truncated (see --truncation).
-    #[arg(long, default_value_t = d_max_len())]
+    #[arg(long, default_value_t = d_max_len(), allow_negative_numbers = true, value_parser = count_arg)]
     pub max_len: usize,
     /// How the sequence ends: "reference" (the authors': `" " + eos` appended, the last token
     /// forced to eos after truncation) or "plain" (the rendered template as is).
@@ -56,7 +56,7 @@ pub struct PhiSpec {
     #[arg(long, value_enum, default_value = "cpu")]
     pub device: Device,
     /// Sequences per forward pass.
-    #[arg(long, default_value_t = d_batch())]
+    #[arg(long, default_value_t = d_batch(), allow_negative_numbers = true, value_parser = count_arg)]
     pub batch: usize,
     /// The feature cache (content-addressed: model, options and text).
     #[arg(long, default_value = ".cache/features")]
@@ -66,6 +66,12 @@ pub struct PhiSpec {
 /// A flag's value read as the spec reads the same word (serde's kebab-case names).
 fn by_name<T: serde::de::DeserializeOwned>(v: &str) -> Result<T, String> {
     serde_json::from_value(serde_json::Value::String(v.to_string())).map_err(|e| e.to_string())
+}
+
+/// A count flag (`--max-len`, `--batch`, `--limit`): a negative number is a bad value of that
+/// flag, not taken by clap for an unknown argument.
+pub fn count_arg(s: &str) -> Result<usize, String> {
+    s.parse().map_err(|_| format!("expected a whole number ≥ 0, not `{s}`"))
 }
 
 impl PhiSpec {
