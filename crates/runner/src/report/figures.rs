@@ -212,7 +212,13 @@ where
         ))
     };
     top.draw_text(title, &centre(21), (w as i32 / 2, 8)).map_err(err)?;
-    top.draw_text(subtitle, &centre(14).color(&RGBColor(90, 90, 90)), (w as i32 / 2, 36)).map_err(err)?;
+    // a long subtitle (run · data · band) in a one-panel figure is set smaller rather than cut
+    // at the figure's edges
+    let mut size = 14;
+    while size > 9 && top.estimate_text_size(subtitle, &centre(size)).is_ok_and(|(tw, _)| tw + 16 > w) {
+        size -= 1;
+    }
+    top.draw_text(subtitle, &centre(size).color(&RGBColor(90, 90, 90)), (w as i32 / 2, 36)).map_err(err)?;
     Ok(rest)
 }
 
