@@ -1405,6 +1405,23 @@ pub fn compare(runs: &[PathBuf]) -> Result<String> {
     let mut intro = String::new();
     for r in runs {
         let name = r.file_name().unwrap_or_default().to_string_lossy().into_owned();
+        // what the directory is, before its tables are read: a slice, an unfinished run or no
+        // run at all each say so (they were all "opening DIR/metrics.parquet: No such file")
+        if !r.join("metrics.parquet").exists() {
+            if r.join("slice.json").exists() {
+                bail!(
+                    "{}: a slice of a run (onepass run --cells i/N), which has no tables: `onepass merge` the slices, then compare the run",
+                    r.display()
+                );
+            }
+            if r.join("resume.json").exists() {
+                bail!(
+                    "{}: the run has not finished (no metrics.parquet; its cells are in checkpoints/): continue it with `onepass run <its spec, its --set flags> --resume DIR`, then compare",
+                    r.display()
+                );
+            }
+            bail!("{}: not a onepass run directory (no metrics.parquet, no resume.json)", r.display());
+        }
         intro.push_str(&run_line(r, &name));
         all.push((name.clone(), read_metrics(r)?));
         if r.join("policy.parquet").exists() {
