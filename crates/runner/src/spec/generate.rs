@@ -42,7 +42,8 @@ pub struct GenerateSpec {
     /// Nucleus sampling: the smallest set of tokens whose probability reaches top_p (1: off).
     #[serde(default = "d_one")]
     pub top_p: f64,
-    /// Tokens per response at most (a response cut here is counted in cut_fraction).
+    /// Tokens per response at most (a response cut here is counted in cut_fraction); with
+    /// max_prompt_tokens at most 131,072 (the rotary table's positions).
     #[serde(default = "d_max_new")]
     pub max_new_tokens: usize,
     /// Seed of the sampling streams (one per prompt × sample; the same for every run seed, so
@@ -52,7 +53,8 @@ pub struct GenerateSpec {
     /// Prompts per generation batch (× n rows).
     #[serde(default = "d_batch_prompts")]
     pub batch_prompts: usize,
-    /// Prompts longer than this (templated tokens) are an error naming the row.
+    /// Prompts longer than this (templated tokens) are an error naming the row; with
+    /// max_new_tokens at most 131,072 (the rotary table's positions).
     #[serde(default = "d_max_prompt")]
     pub max_prompt_tokens: usize,
     #[serde(default = "d_dtype")]

@@ -33,7 +33,8 @@ pub struct PhiSpec {
     /// safetensors) or hf:<owner>/<name>[@rev]; `${VAR}` is expanded.
     #[arg(long)]
     pub model: String,
-    /// Tokens per sequence; longer conversations are truncated (see --truncation).
+    /// Tokens per sequence; longer conversations are truncated (see --truncation). At most
+    /// 131,072 (the rotary table's positions).
     #[arg(long, default_value_t = d_max_len(), allow_negative_numbers = true, value_parser = count_arg)]
     pub max_len: usize,
     /// How the sequence ends: "reference" (the authors': `" " + eos` appended, the last token
@@ -112,7 +113,8 @@ macro_rules! phi_table {
             $($own)*
             /// The feature model: a .gguf file, a model directory or hf:<owner>/<name>.
             pub model: String,
-            /// Tokens per sequence; longer conversations are truncated (`truncation`).
+            /// Tokens per sequence; longer conversations are truncated (`truncation`). At most
+            /// 131,072 (the rotary table's positions).
             #[serde(default = "crate::spec::phi::d_max_len")]
             pub max_len: usize,
             #[serde(default = "crate::spec::phi::d_eos_rule")]
