@@ -224,33 +224,13 @@ fn one_seed_synthetic_reports_and_finished_cells_say_what_applies() {
     assert!(!help.stdout.contains("and report are") && help.stdout.contains("onepass report"), "{}", help.stdout);
 }
 
-/// An online run's tables after [`util::tiny_world`].
-const ONLINE: &str = r#"
-[deploy]
-chunks = 2
-strategies = ["best-quantile"]
-q = 2
-policy = ["best-of-n", "rloo"]
-[policy]
-rank = 2
-alpha = 4.0
-targets = "all-linear"
-lr = 0.01
-epochs = 1
-minibatch = 4
-eval_prompts = 3
-[policy.rloo]
-kl_coef = 0.05
-[policy.dpo]
-beta = 0.1
-[[estimator]]
-kind = "sgd"
-lr = 0.1
-"#;
+/// An online run's tables after [`util::tiny_world`]: [`util::TINY_RLOO`] and a `[policy.dpo]`
+/// table for an arm the run does not deploy (ignored with one warning line).
+const DPO_NOT_DEPLOYED: &str = "[policy.dpo]\nbeta = 0.1\n";
 
 fn online_spec(dir: &Path) -> std::path::PathBuf {
     util::write_prompts(dir);
-    write(dir, "online.toml", &format!("{}{ONLINE}", util::tiny_world(2, 50)))
+    write(dir, "online.toml", &format!("{}{}{DPO_NOT_DEPLOYED}", util::tiny_world(2, 50), util::TINY_RLOO))
 }
 
 /// An online run ends with the held-out policy reward per arm (policy.parquet's policy_reward,

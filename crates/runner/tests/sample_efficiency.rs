@@ -270,27 +270,7 @@ fn a_deployment_report_draws_the_win_rate_against_the_base_policy() {
 fn an_online_report_draws_the_win_rate_against_chunk_zero() {
     let tmp = tempfile::tempdir().unwrap();
     util::write_prompts(tmp.path());
-    let online = r#"
-[deploy]
-chunks = 2
-strategies = ["best-quantile"]
-q = 2
-policy = ["best-of-n", "rloo"]
-[policy]
-rank = 2
-alpha = 4.0
-targets = "all-linear"
-lr = 0.01
-epochs = 1
-minibatch = 4
-eval_prompts = 3
-[policy.rloo]
-kl_coef = 0.05
-[[estimator]]
-kind = "sgd"
-lr = 0.1
-"#;
-    let spec = write(tmp.path(), "online.toml", &format!("{}{online}", util::tiny_world(2, 50)));
+    let spec = write(tmp.path(), "online.toml", &format!("{}{}", util::tiny_world(2, 50), util::TINY_RLOO));
     let r = onepass(tmp.path(), &["run", spec.to_str().unwrap(), "--out", "out"]);
     let dir = tmp.path().join(r.dir());
     let rep = onepass(tmp.path(), &["report", dir.to_str().unwrap()]);

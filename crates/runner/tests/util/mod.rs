@@ -299,6 +299,29 @@ pub fn write_prompts(dir: &Path) {
 }
 
 /// The head of an online spec on the tiny random Llama GGUF ([`tiny_gguf`]) — policy, φ model,
+/// The tables an online test appends to [`tiny_world`]: two chunks, best-quantile pairs, best-of-n
+/// beside an rloo policy (rank-2 adapters on every linear layer, 3 held-out prompts), sgd's θ.
+pub const TINY_RLOO: &str = r#"
+[deploy]
+chunks = 2
+strategies = ["best-quantile"]
+q = 2
+policy = ["best-of-n", "rloo"]
+[policy]
+rank = 2
+alpha = 4.0
+targets = "all-linear"
+lr = 0.01
+epochs = 1
+minibatch = 4
+eval_prompts = 3
+[policy.rloo]
+kl_coef = 0.05
+[[estimator]]
+kind = "sgd"
+lr = 0.1
+"#;
+
 /// 6 training prompts of [`write_prompts`], n = 3, ≤ 5 new tokens, a linear oracle, batches of
 /// 2, caches under `cache/` — up to `[stream]`; a test appends its `[deploy]`, `[policy]` and
 /// `[[estimator]]` tables.
