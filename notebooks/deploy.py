@@ -38,49 +38,10 @@ import matplotlib.pyplot as plt
 import numpy as np
 import pandas as pd
 
-def over(seeds):
-    """The figure's subtitle for its bands."""
-    return f"mean ± 1 std over {seeds} seeds" if seeds > 1 else "one seed (no band)"
-
+from onepass_runs import load, over  # noqa: E402 (beside this notebook)
 
 SETTING = "deploy"
-
-
-def find_run(setting):
-    """The run directory: the first argument, else $ONEPASS_RUN, else the newest run of `setting`
-    under results/ (a Jupyter kernel's own arguments are not a run)."""
-    args = [] if "ipykernel" in sys.modules else [a for a in sys.argv[1:] if not a.startswith("-")]
-    if args or os.environ.get("ONEPASS_RUN"):
-        return pathlib.Path(args[0] if args else os.environ["ONEPASS_RUN"])
-    runs = [
-        m.parent
-        for root in (pathlib.Path("results"), pathlib.Path("../results"))
-        for m in root.glob("*/meta.json")
-        if json.loads(m.read_text()).get("setting") == setting
-    ]
-    assert runs, f"no {setting} run under results/: pass a run directory (python3 notebooks/{setting}.py RUN_DIR) or set ONEPASS_RUN"
-    return max(runs, key=lambda p: p.stat().st_mtime)
-
-
-def check_run(run, setting):
-    """Fails, naming the file, unless `run` is a finished run of `setting`."""
-    meta_path = run / "meta.json"
-    assert meta_path.is_file(), f"{meta_path}: not found: {run} is not a finished onepass run directory"
-    meta = json.loads(meta_path.read_text())
-    assert meta.get("setting") == setting, (
-        f"{meta_path}: setting = {meta.get('setting')!r}, this notebook draws {setting!r} runs "
-        f"(use notebooks/{meta.get('setting')}.py)"
-    )
-    for name in ("metrics.parquet", "cells.parquet"):
-        assert (run / name).is_file(), f"{run / name}: not found in a {setting} run"
-    return meta
-
-
-RUN = find_run(SETTING)
-meta = check_run(RUN, SETTING)
-metrics = pd.read_parquet(RUN / "metrics.parquet")
-cells = pd.read_parquet(RUN / "cells.parquet")
-assert (metrics["setting"] == SETTING).all(), f"{RUN / 'metrics.parquet'}: rows of another setting than {SETTING!r}"
+RUN, meta, metrics, cells = load(SETTING)
 chunked = "cum_pair_reward" in metrics and metrics["cum_pair_reward"].notna().any()
 if chunked:
     assert (RUN / "winrates.parquet").is_file(), f"{RUN / 'winrates.parquet'}: not found in a chunked deploy run"
