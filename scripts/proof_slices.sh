@@ -32,8 +32,11 @@ case "${1:-}" in
 build)
     wt=$(mktemp -d)/onepass-$REV
     git worktree add --detach "$wt" "$REV"
-    (cd "$wt" && cargo build --release -p runner)
-    mkdir -p "$(dirname "$BIN")" && cp "$wt/target/release/onepass" "$BIN"
+    # the checkout's target dir: the dependencies are built once; the workspace's crates of the
+    # worktree build apart (another path), and the binary is copied out before anything relinks it
+    root=$(pwd)
+    (cd "$wt" && CARGO_TARGET_DIR="$root/target" cargo build --release -p runner)
+    mkdir -p "$(dirname "$BIN")" && cp "$root/target/release/onepass" "$BIN"
     git worktree remove --force "$wt"
     "$BIN" --version
     ;;
