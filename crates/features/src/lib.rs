@@ -12,6 +12,11 @@
 //! - [`generate`]: sampling responses with a KV cache (n per prompt, temperature, top-p).
 //! - [`cache::FeatureCache`]: content-addressed safetensors shards, one directory per
 //!   (model, tokenizer, template, options) space.
+//! - [`openai`]: sampling through an OpenAI-compatible server (vLLM) as token ids;
+//!   [`hub`]: `hf:<owner>/<name>` sources; [`head`]: linear reward heads over φ.
+//! - The CPU kernels the decoders run on: [`cpu`] (what the CPU has, `ONEPASS_CPU`), [`packed`]
+//!   (packed products and their epilogues), [`f32mm`] and [`bf16`] (the f32 and bf16 products,
+//!   [`amx`] the AMX tiles), [`ops`] (fused row kernels: RMSNorm, RoPE, attention, SwiGLU).
 //!
 //! This crate knows nothing of specs, parquet or the CLI.
 

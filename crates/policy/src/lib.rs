@@ -4,9 +4,12 @@
 //! - [`lora`]: low-rank adapters W + (α/r)·B·A on chosen linear layers, base weights frozen;
 //!   merging them into the weights for the fused inference path of `features`.
 //! - [`model::PolicyModel`]: the Llama/Qwen2 decoder of `features` written with differentiable
-//!   candle ops (RMSNorm, RoPE, attention, SiLU as plain tensor algebra), so `backward()` gives
-//!   the adapters' gradients. Training batches are right-padded: with causal attention a real
-//!   token never sees a pad, so no padding mask is needed; losses mask the pads.
+//!   candle ops, so `backward()` gives the adapters' gradients; on the CPU its sublayers run as
+//!   fused ops with their backward passes written out ([`ops`], [`attention`], `mm`: the
+//!   packed products of `features` for frozen weights), checked bit for bit against the
+//!   op-by-op graph (`set_sublayer_fusion(false)`). Training batches are right-padded: with
+//!   causal attention a real token never sees a pad, so no padding mask is needed; losses mask
+//!   the pads.
 //! - [`attention`]: grouped-query causal attention as one CPU op with its gradient written out
 //!   (recomputing the probabilities in the backward pass): the fused path's attention.
 //! - [`loss`]: per-token log-probabilities, the KL estimators k1 and k3, RLOO's leave-one-out
@@ -23,9 +26,10 @@
 //! - [`train`]: one policy update on a chunk — [`train::rloo_update`], [`train::dpo_update`],
 //!   [`train::ppo_update`] (actor and critic) —
 //!   and [`train::score`] (log-probabilities and KL to the reference, no gradients).
-//! - [`reward`]: a reward model whose features learn, r = θᵀh_ψ (issue 30), and its one-pass
-//!   updates over (ψ, θ) with the head-only estimators' rules, HVPs by differences of gradients
-//!   or exactly by [`rop`] (Pearlmutter's R-operator over the adapters and the head).
+//! - [`reward`]: a reward model whose features learn, r = θᵀh_ψ (the paper's appendix "Full
+//!   update of reward model"), and its one-pass updates over (ψ, θ) with the head-only
+//!   estimators' rules, HVPs by differences of gradients or exactly by [`rop`] (Pearlmutter's R-operator over the adapters and the head; its CPU
+//!   kernels in `rop_cpu`).
 //! - [`peft`]: adapters saved and read in PEFT's layout (`adapter_model.safetensors`,
 //!   `adapter_config.json`).
 

@@ -26,6 +26,9 @@ pub enum KlEstimator {
 }
 
 impl KlEstimator {
+    /// One token's estimate of KL(π‖π_ref) from its log-probabilities under π (the sampling
+    /// policy) and π_ref (Schulman's k1 and k3): both unbiased for tokens drawn from π; k3 is
+    /// never negative and has the lower variance where π ≈ π_ref.
     pub fn per_token(&self, lp: f64, lp_ref: f64) -> f64 {
         let d = lp_ref - lp;
         match self {

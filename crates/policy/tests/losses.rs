@@ -272,3 +272,34 @@ fn the_fused_lm_head_log_probabilities_equal_the_graphs() {
         assert!(rel(&ov, &fv) > 1e-2 && rel(&og, &fg) > 1e-2, "negative control: other targets");
     }
 }
+
+/// The KL the online loop computes (`train::KlEstimator::per_token`, used by its penalty and by
+/// policy.parquet's `kl`/`kl_initial`), against the divergence computed directly: for tokens
+/// drawn from π, both k1 = log π − log π_ref and k3 = e^d − d − 1 (d = log π_ref − log π) are
+/// unbiased, so their π-weighted sums over the vocabulary equal KL(π‖π_ref) = Σ π ln(π/π_ref);
+/// k3 is ≥ 0 on every token while k1 is not (the negative control that the two are told apart),
+/// and both are 0 where π = π_ref.
+#[test]
+fn the_production_kl_per_token_is_unbiased_for_kl() {
+    use policy::train::KlEstimator;
+    let pi: [f64; 5] = [0.5, 0.25, 0.125, 0.0625, 0.0625];
+    let pref: [f64; 5] = [0.2, 0.2, 0.3, 0.1, 0.2];
+    let kl: f64 = pi.iter().zip(&pref).map(|(p, q)| p * (p / q).ln()).sum();
+    for est in [KlEstimator::K1, KlEstimator::K3] {
+        let e: f64 = pi.iter().zip(&pref).map(|(p, q)| p * est.per_token(p.ln(), q.ln())).sum();
+        assert!((e - kl).abs() < 1e-12, "{est:?}: E_π = {e}, KL(π‖π_ref) = {kl}");
+        assert_eq!(est.per_token(0.3f64.ln(), 0.3f64.ln()), 0.0);
+    }
+    let k1: Vec<f64> = pi.iter().zip(&pref).map(|(p, q)| KlEstimator::K1.per_token(p.ln(), q.ln())).collect();
+    let k3: Vec<f64> = pi.iter().zip(&pref).map(|(p, q)| KlEstimator::K3.per_token(p.ln(), q.ln())).collect();
+    assert!(k1.iter().any(|&x| x < 0.0), "{k1:?}");
+    assert!(k3.iter().all(|&x| x >= 0.0), "{k3:?}");
+    // the same numbers as the tensor forms the losses use
+    let lp = t(&pi.map(f64::ln));
+    let lr = t(&pref.map(f64::ln));
+    let t1: Vec<f64> = kl_k1(&lp, &lr).unwrap().to_vec1().unwrap();
+    let t3: Vec<f64> = kl_k3(&lp, &lr).unwrap().to_vec1().unwrap();
+    for i in 0..pi.len() {
+        assert!((t1[i] - k1[i]).abs() < 1e-12 && (t3[i] - k3[i]).abs() < 1e-12, "token {i}");
+    }
+}
