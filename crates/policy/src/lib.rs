@@ -28,8 +28,8 @@
 //!   and [`train::score`] (log-probabilities and KL to the reference, no gradients).
 //! - [`reward`]: a reward model whose features learn, r = θᵀh_ψ (the paper's appendix "Full
 //!   update of reward model"), and its one-pass updates over (ψ, θ) with the head-only
-//!   estimators' rules, HVPs by differences of gradients or exactly by [`rop`] (Pearlmutter's R-operator over the adapters and the head; its CPU
-//!   kernels in `rop_cpu`).
+//!   estimators' rules, HVPs by differences of gradients or exactly by [`rop`] (Pearlmutter's
+//!   R-operator over the adapters and the head; its CPU kernels in `rop_cpu`).
 //! - [`peft`]: adapters saved and read in PEFT's layout (`adapter_model.safetensors`,
 //!   `adapter_config.json`).
 
