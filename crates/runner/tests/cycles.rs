@@ -18,7 +18,7 @@ use std::path::Path;
 const CRATES: &[&str] = &["features", "policy", "estimators", "selection", "runner"];
 
 /// (crate, module prefix): no circle may touch a module under these.
-const CYCLE_FREE: &[(&str, &str)] = &[];
+const CYCLE_FREE: &[(&str, &str)] = &[("runner", "settings")];
 
 /// Known circles, each as its sorted modules joined by ", ": to be broken (and then struck
 /// from this list, which the test enforces by failing on any circle not listed here).
@@ -27,11 +27,6 @@ const KNOWN: &[(&str, &str)] = &[
     ("features", "generate, openai"),
     ("policy", "attention, lora, ops"),
     ("policy", "reward, rop"),
-    (
-        "runner",
-        "settings::deploy, settings::deploy_rm, settings::learner, settings::live, settings::online, \
-         settings::passive, settings::passive_rm, settings::state",
-    ),
 ];
 
 /// Tarjan's strongly connected components of the graph `edges` over nodes `0..n`, each

@@ -49,6 +49,13 @@ pub struct DeployCell {
     pub reset_each_chunk: bool,
 }
 
+/// Chunk c of `chunks` over p prompts: positions [c·p/chunks, (c+1)·p/chunks) of the order
+/// (the chunked deployment's chunks, which the policy's and the reward model's step counts
+/// follow too).
+pub fn chunk_range(c: usize, p: usize, chunks: usize) -> std::ops::Range<usize> {
+    c * p / chunks..(c + 1) * p / chunks
+}
+
 /// What an active cell reads of `[active]` (its rule, q and β are in the config).
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub struct ActiveCell {

@@ -7,7 +7,7 @@
 mod cell;
 pub mod record;
 
-pub use cell::{ActiveCell, CellConfig, CurvatureCell, DeployCell, PassiveCell};
+pub use cell::{chunk_range, ActiveCell, CellConfig, CurvatureCell, DeployCell, PassiveCell};
 
 use crate::spec::estimator::{self, Bounds};
 use crate::spec::*;

@@ -2,9 +2,10 @@
 //! the 𝓗⁻¹-norm argmax over a pool (Eq. (4)), the authors' stream rule, random pool pairs, or
 //! the practical best-vs-worst of a fresh prompt's responses (§5).
 
+use super::checkpoint::{drive, CellCtx};
 use super::choose;
 use super::learner::Learner;
-use super::state::{drive, CellCtx, Progress};
+use super::state::Progress;
 use super::Source;
 use crate::plan::{ActiveCell, CellConfig};
 use crate::rows::CellResult;

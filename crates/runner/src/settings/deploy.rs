@@ -3,13 +3,14 @@
 //! bandit, per chunk of prompts on generated responses (the authors' form).
 
 use super::arms::Labelled;
+use super::checkpoint::{drive, CellCtx};
 use super::choose;
 use super::deploy_rm::LearnedRm;
 use super::learner::Learner;
 use super::live::{Completion, Live, Snapshot, COMPLETIONS};
 use super::online::PolicyCell;
-use super::state::{drive, CellCtx, DeployProgress, Progress};
-use crate::plan::{CellConfig, ConfigPlan};
+use super::state::{DeployProgress, Progress};
+use crate::plan::{chunk_range, CellConfig, ConfigPlan};
 use crate::rows::{CellResult, MetricRow, PolicyTiming, RoundRow};
 use crate::spec::Order;
 use crate::world::env::{dot, Context, Env};
@@ -74,11 +75,6 @@ pub(super) fn deploy(
         Ok(())
     })?;
     Ok(CellResult { rows: pr.rows, stream_hash: pr.hash.0, ..Default::default() })
-}
-
-/// Chunk c of `chunks` over p prompts: positions [c·p/chunks, (c+1)·p/chunks) of the order.
-pub(super) fn chunk_range(c: usize, p: usize, chunks: usize) -> std::ops::Range<usize> {
-    c * p / chunks..(c + 1) * p / chunks
 }
 
 /// Deployment on generated responses (paper Alg. 4 in the authors' chunked form): the prompts,

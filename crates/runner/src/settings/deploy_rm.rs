@@ -9,7 +9,8 @@
 
 use super::arms::Labelled;
 use super::learner::Learner;
-use super::passive_rm::{reward_model, CurrentFeatures, RmState};
+use super::passive_rm::{reward_model, CurrentFeatures};
+use super::rm_state::RmState;
 use super::state::Progress;
 use crate::plan::CellConfig;
 use crate::rows::AdapterFiles;
@@ -56,7 +57,7 @@ impl<'a> LearnedRm<'a> {
         // the run's number of updates (Alg. 5's damping schedule): a step per mini-batch of
         // each chunk's pairs, one pair per prompt
         let (p, chunks, b) = (env.contexts.len(), cell.deploy.chunks, cell.stream.batch_size);
-        let steps = (0..chunks).map(|c| super::deploy::chunk_range(c, p, chunks).len().div_ceil(b) as u64).sum();
+        let steps = (0..chunks).map(|c| crate::plan::chunk_range(c, p, chunks).len().div_ceil(b) as u64).sum();
         let rm = reward_model(cell, base, l.theta(), seed)?;
         match &pr.reward_state {
             Some(st) => rm.set_flat(&st.params).context("the checkpoint's reward model")?,

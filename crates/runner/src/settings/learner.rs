@@ -1,7 +1,7 @@
 //! The learner of a cell: the estimator, its curvature tracker 𝓗_t, the averaged iterate and
 //! the running window of training statistics that a metric row reports.
 
-use super::state::BucketClock;
+use super::clock::BucketClock;
 use super::Source;
 use crate::plan::CellConfig;
 use crate::rows::{Bucket, CellResult, MetricRow, StepRow};

@@ -5,6 +5,8 @@
 
 mod active;
 mod arms;
+mod checkpoint;
+mod clock;
 mod deploy;
 mod deploy_rm;
 mod learner;
@@ -13,11 +15,12 @@ mod online;
 mod passive;
 mod passive_rm;
 pub mod pessimism;
+mod rm_state;
 mod state;
 
+pub use checkpoint::{CellCtx, CellSaver, CellState};
 pub use learner::Learner;
 pub use live::Live;
-pub use state::{CellCtx, CellSaver, CellState};
 
 use crate::plan::CellConfig;
 use crate::rows::CellResult;

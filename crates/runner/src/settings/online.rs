@@ -14,6 +14,7 @@
 
 use super::arms::{self, Arm, Chunk, Labelled, Rollouts, Update};
 use super::passive_rm::CurrentFeatures;
+use super::state::PolicyState;
 use crate::plan::CellConfig;
 use crate::plan::{ArmPlan, Learning};
 use crate::rows::{AdapterFiles, EvalTimes, PolicyRow, PolicyTiming, SampleRow, UpdateRow};
@@ -25,24 +26,10 @@ use crate::world::online::Online;
 use anyhow::{anyhow, Result};
 use candle_core::DType;
 use features::generate::Sample;
-use policy::adam::{Adam, AdamState, LrWindow};
-use policy::model::LifeEvent;
+use policy::adam::{Adam, LrWindow};
 use policy::train::{logprob_sums, score, score_recorded, Rollout};
 use policy::PolicyModel;
-use serde::{Deserialize, Serialize};
 use std::time::Instant;
-
-/// A learning policy's state in a checkpoint: adapter values (in `PolicyModel::vars` order),
-/// Adam's state, whether an update has happened (before it, the bank's samples are the
-/// policy's), and the adapters' life-cycle events (merges, reference moves) to replay.
-#[derive(Clone, Debug, Serialize, Deserialize)]
-pub struct PolicyState {
-    pub vars: Vec<Vec<f32>>,
-    pub adam: AdamState,
-    pub moved: bool,
-    #[serde(default)]
-    pub life: Vec<LifeEvent>,
-}
 
 /// One cell's deployed policy: its arm ([`Arm`]: what it deploys, how it learns) and, for a
 /// learning arm, its adapters and Adam's state.
@@ -98,7 +85,7 @@ impl<'a> PolicyCell<'a> {
             LrRestart::Run => LrWindow::Run {
                 total: (0..chunks)
                     .map(|c| {
-                        let r = super::deploy::chunk_range(c, prompts, chunks).len();
+                        let r = crate::plan::chunk_range(c, prompts, chunks).len();
                         let p = cap.map_or(r, |cap| r.min(cap));
                         policy::train::update_steps(p * plan.items_per_prompt(), ps.minibatch, ps.epochs)
                     })

@@ -2,9 +2,10 @@
 //! read in a per-seed order (pairs files), every estimator on the same stream; with
 //! `stream.ranks` > 1 the authors' independent rank-local heads.
 
+use super::checkpoint::{drive, CellCtx};
 use super::learner::Learner;
 use super::pessimism::pessimistic;
-use super::state::{drive, CellCtx, Progress};
+use super::state::Progress;
 use super::Source;
 use crate::plan::CellConfig;
 use crate::rows::{CellResult, MetricRow};

@@ -6,9 +6,12 @@
 //! does (the config's `init`), ψ at the feature model (LoRA's B = 0) — so the first features
 //! are φ.
 
+use super::checkpoint::CellCtx;
+use super::clock::BucketClock;
 use super::learner::Learner;
 use super::passive::file_order;
-use super::state::{BucketClock, CellCtx, Progress};
+use super::rm_state::RmState;
+use super::state::Progress;
 use crate::plan::CellConfig;
 use crate::rows::{AdapterFiles, Bucket, CellResult, MetricRow};
 use crate::spec::RewardUpdate;
@@ -19,82 +22,6 @@ use anyhow::{anyhow, Context, Result};
 use estimators::logistic::{accuracy_credit, log_loss};
 use policy::reward::{OnePass, RewardModel, RmPair};
 use policy::PolicyModel;
-use serde::{Deserialize, Serialize};
-use std::time::Instant;
-
-/// What a checkpoint keeps of the reward model besides the stream: the update's state, every
-/// trainable parameter, and the running sums of the metric rows.
-#[derive(Serialize, Deserialize)]
-pub(super) struct RmState {
-    update: OnePass,
-    /// ψ then θ, flattened ([`RewardModel::flat`]).
-    pub(super) params: Vec<f32>,
-    steps: u64,
-    samples: u64,
-    prev_samples: u64,
-    win_loss: f64,
-    win_correct: f64,
-    win_n: f64,
-    win_kappa: f64,
-    win_kref: f64,
-    win_batches: f64,
-    grad_evals: u64,
-    hvp_evals: u64,
-    /// Steps whose direction fell back to the gradient (negative curvature along g).
-    negative_curvature: u64,
-    step_s: f64,
-    bucket_step_s: f64,
-    /// Wall time of the current evaluation bucket, carried through checkpoints.
-    bucket_clock: BucketClock,
-}
-
-impl RmState {
-    /// The state before the first step.
-    pub(super) fn new(update: OnePass) -> RmState {
-        RmState {
-            update,
-            params: Vec::new(),
-            steps: 0,
-            samples: 0,
-            prev_samples: 0,
-            win_loss: 0.0,
-            win_correct: 0.0,
-            win_n: 0.0,
-            win_kappa: 0.0,
-            win_kref: 0.0,
-            win_batches: 0.0,
-            grad_evals: 0,
-            hvp_evals: 0,
-            negative_curvature: 0,
-            step_s: 0.0,
-            bucket_step_s: 0.0,
-            bucket_clock: BucketClock::start(),
-        }
-    }
-
-    /// One step of the update on `pairs`, counted (steps, samples, gradient and HVP
-    /// evaluations per sample, fallbacks to the gradient, seconds).
-    pub(super) fn step(&mut self, rm: &RewardModel, pairs: &[RmPair<'_>]) -> Result<policy::reward::RmStep> {
-        let t0 = Instant::now();
-        let s = self.update.step(rm, pairs).with_context(|| format!("reward model step {}", self.steps + 1))?;
-        self.step_s += t0.elapsed().as_secs_f64();
-        crate::io::failpoint("update");
-        let b = pairs.len() as u64;
-        self.steps += 1;
-        self.prev_samples = self.samples;
-        self.samples += b;
-        self.grad_evals += b;
-        self.hvp_evals += u64::from(s.hvps) * b;
-        self.negative_curvature += u64::from(s.negative_curvature);
-        Ok(s)
-    }
-
-    /// The counters a metric row reports of the update: (gradient and HVP evaluations per
-    /// sample, steps whose direction fell back to the gradient).
-    pub(super) fn counters(&self) -> (u64, u64, u64) {
-        (self.grad_evals, self.hvp_evals, self.negative_curvature)
-    }
-}
 
 /// The reward model of a cell: the feature model with fresh adapters (drawn from the cell's
 /// seed) or a trainable copy of every weight, and θ₀.
