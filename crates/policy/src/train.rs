@@ -428,14 +428,63 @@ struct Epochs {
     seed: u64,
 }
 
-/// The epochs of a policy-gradient update (rloo, grpo, reinforce++): each epoch orders the
-/// prompt groups of `k` rollouts ([`group_order`], seeded by the run's step count so a fresh
-/// optimiser per chunk does not repeat the first chunk's order), cuts mini-batches, takes the
-/// gradient pass's per-token log π and `loss_of(indices, batch, log π)`, and one Adam step per
-/// mini-batch. The first step's gradient must not be exactly 0 while a mini-batch's advantages
-/// `adv` are not (the first step has ratio 1: nothing clipped, so a zero gradient means the graph
-/// does not reach the adapters; later steps may be clipped to an exact 0 legitimately).
-/// `st` gets the mean loss and ‖g‖ and the steps.
+/// A mini-batch of [`minibatch_loop`]: its loss, whether its gradient may not be exactly 0 at
+/// the update's first step, and its batch (handed to the loop's `after`).
+struct MiniStep {
+    loss: Tensor,
+    must_move: bool,
+    batch: SeqBatch,
+}
+
+/// The loop every policy update runs (rloo, grpo, reinforce++, dpo, ppo's actor), written once:
+/// `e.epochs` passes over `items` items, each epoch in the order `order(run step)` (seeded by
+/// the run's step count, so a fresh optimiser per chunk does not repeat the first chunk's
+/// order), cut into mini-batches of `e.minibatch`; per mini-batch `step_of(indices, run step)`
+/// gives the loss, one backward pass and one Adam step on `vars`, then `after(indices, batch)`
+/// (ppo's critic step). The first step's gradient must not be exactly 0 where `must_move` (the
+/// first step has ratio 1: nothing clipped, so a zero gradient means the graph does not reach
+/// the adapters; later steps may be clipped to an exact 0 legitimately): `name` and `zero` make
+/// the error. `st` gets the mean loss, the mean ‖g‖ before clipping and the steps.
+#[allow(clippy::too_many_arguments)]
+fn minibatch_loop(
+    (name, zero): (&str, &str),
+    vars: &[&candle_core::Var],
+    opt: &mut Adam,
+    e: Epochs,
+    items: usize,
+    order: impl Fn(u64) -> Vec<usize>,
+    st: &mut UpdateStats,
+    mut step_of: impl FnMut(&[usize], u64) -> Result<MiniStep>,
+    mut after: impl FnMut(&[usize], SeqBatch) -> Result<()>,
+) -> Result<()> {
+    let mb = e.minibatch.max(1);
+    opt.begin(e.lr_window, update_steps(items, mb, e.epochs));
+    for _ in 0..e.epochs {
+        let order = order(opt.run_steps());
+        for idx in order.chunks(mb) {
+            let s = step_of(idx, opt.run_steps())?;
+            st.loss += s.loss.to_dtype(candle_core::DType::F64)?.to_scalar::<f64>()?;
+            let grads = s.loss.backward()?;
+            if st.steps == 0 && s.must_move && grad_norm(vars, &grads)? == 0.0 {
+                candle_core::bail!("{name}: {zero}: no gradient reaches the adapters");
+            }
+            st.grad_norm += opt.step(vars, &grads)?.grad_norm;
+            st.steps += 1;
+            after(idx, s.batch)?;
+        }
+    }
+    if st.steps > 0 {
+        st.loss /= st.steps as f64;
+        st.grad_norm /= st.steps as f64;
+    }
+    Ok(())
+}
+
+/// The epochs of a policy-gradient update (rloo, grpo, reinforce++) by [`minibatch_loop`]: the
+/// prompt groups of `k` rollouts in a seeded order ([`group_order`]), the gradient pass's
+/// per-token log π (the adapters' dropout, if any, with this step's masks) and
+/// `loss_of(indices, batch, log π)`; a mini-batch must move where its advantages `adv` are
+/// not all 0.
 #[allow(clippy::too_many_arguments)]
 fn pg_epochs(
     name: &str,
@@ -448,37 +497,16 @@ fn pg_epochs(
     st: &mut UpdateStats,
     mut loss_of: impl FnMut(&[usize], &SeqBatch, &Tensor) -> Result<Tensor>,
 ) -> Result<()> {
-    let vars = m.vars();
-    let mb = e.minibatch.max(1);
-    opt.begin(e.lr_window, update_steps(rollouts.len(), mb, e.epochs));
-    for _ in 0..e.epochs {
-        let order = group_order(rollouts.len(), k, e.seed, opt.run_steps());
-        for idx in order.chunks(mb) {
-            let part: Vec<Rollout> = idx.iter().map(|&i| rollouts[i].clone()).collect();
-            let b = batch(m, &part)?;
-            // the gradient pass: the adapters' dropout, if any, with this step's masks
-            let lp = m.logprobs_train(&b, opt.run_steps())?;
-            let loss = loss_of(idx, &b, &lp)?;
-            st.loss += loss.to_dtype(candle_core::DType::F64)?.to_scalar::<f64>()?;
-            let grads = loss.backward()?;
-            if st.steps == 0
-                && idx.iter().any(|&i| adv[i].iter().any(|&a| a != 0.0))
-                && grad_norm(&vars, &grads)? == 0.0
-            {
-                candle_core::bail!(
-                    "{name}: the policy gradient is exactly 0 while the advantages are not: no gradient reaches the adapters"
-                );
-            }
-            let info = opt.step(&vars, &grads)?;
-            st.grad_norm += info.grad_norm;
-            st.steps += 1;
-        }
-    }
-    if st.steps > 0 {
-        st.loss /= st.steps as f64;
-        st.grad_norm /= st.steps as f64;
-    }
-    Ok(())
+    let zero = "the policy gradient is exactly 0 while the advantages are not";
+    let order = |step| group_order(rollouts.len(), k, e.seed, step);
+    let step_of = |idx: &[usize], step: u64| {
+        let part: Vec<Rollout> = idx.iter().map(|&i| rollouts[i].clone()).collect();
+        let batch = batch(m, &part)?;
+        let lp = m.logprobs_train(&batch, step)?;
+        let loss = loss_of(idx, &batch, &lp)?;
+        Ok(MiniStep { loss, must_move: idx.iter().any(|&i| adv[i].iter().any(|&a| a != 0.0)), batch })
+    };
+    minibatch_loop((name, zero), &m.vars(), opt, e, rollouts.len(), order, st, step_of, |_, _| Ok(()))
 }
 
 /// Token weights of TRL's default GRPO aggregation (`loss_type = "dapo"`) and OpenRLHF's
@@ -644,35 +672,22 @@ pub fn dpo_update(m: &PolicyModel, opt: &mut Adam, pairs: &[Preference<'_>], cfg
         reward: (0..n).map(|i| cfg.beta * (before[2 * i].1 - before[2 * i + 1].1)).sum::<f64>() / n as f64,
         ..Default::default()
     };
-    let vars = m.vars();
     let dev = m.device();
-    let mb = cfg.minibatch.max(1);
-    opt.begin(cfg.lr_window, update_steps(n, mb, cfg.epochs));
-    for _ in 0..cfg.epochs {
-        let order = epoch_order(n, cfg.seed, opt.run_steps());
-        for idx in order.chunks(mb) {
-            let c = idx.len();
-            let part: Vec<Preference> = idx.iter().map(|&i| pairs[i].clone()).collect();
-            let b = batch(m, &flat(&part))?;
-            let seq = b.seq_sum(&m.logprobs_train(&b, opt.run_steps())?)?.reshape((c, 2))?;
-            let (w, l) = (seq.narrow(1, 0, 1)?.squeeze(1)?, seq.narrow(1, 1, 1)?.squeeze(1)?);
-            let rw: Vec<f32> = idx.iter().map(|&i| refs[2 * i] as f32).collect();
-            let rl: Vec<f32> = idx.iter().map(|&i| refs[2 * i + 1] as f32).collect();
-            let loss = dpo_loss(&w, &l, &Tensor::from_vec(rw, c, dev)?, &Tensor::from_vec(rl, c, dev)?, cfg.beta)?;
-            st.loss += loss.to_dtype(candle_core::DType::F64)?.to_scalar::<f64>()?;
-            let grads = loss.backward()?;
-            if st.steps == 0 && part.iter().any(|p| p.chosen != p.rejected) && grad_norm(&vars, &grads)? == 0.0 {
-                candle_core::bail!(
-                    "dpo: the gradient is exactly 0 on pairs of distinct responses: no gradient reaches the adapters"
-                );
-            }
-            let info = opt.step(&vars, &grads)?;
-            st.grad_norm += info.grad_norm;
-            st.steps += 1;
-        }
-    }
-    st.loss /= st.steps.max(1) as f64;
-    st.grad_norm /= st.steps.max(1) as f64;
+    let e = Epochs { epochs: cfg.epochs, minibatch: cfg.minibatch, lr_window: cfg.lr_window, seed: cfg.seed };
+    let zero = "the gradient is exactly 0 on pairs of distinct responses";
+    let step_of = |idx: &[usize], step: u64| {
+        let c = idx.len();
+        let part: Vec<Preference> = idx.iter().map(|&i| pairs[i].clone()).collect();
+        let batch = batch(m, &flat(&part))?;
+        let seq = batch.seq_sum(&m.logprobs_train(&batch, step)?)?.reshape((c, 2))?;
+        let (w, l) = (seq.narrow(1, 0, 1)?.squeeze(1)?, seq.narrow(1, 1, 1)?.squeeze(1)?);
+        let rw: Vec<f32> = idx.iter().map(|&i| refs[2 * i] as f32).collect();
+        let rl: Vec<f32> = idx.iter().map(|&i| refs[2 * i + 1] as f32).collect();
+        let loss = dpo_loss(&w, &l, &Tensor::from_vec(rw, c, dev)?, &Tensor::from_vec(rl, c, dev)?, cfg.beta)?;
+        Ok(MiniStep { loss, must_move: part.iter().any(|p| p.chosen != p.rejected), batch })
+    };
+    let order = |step| epoch_order(n, cfg.seed, step);
+    minibatch_loop(("dpo", zero), &m.vars(), opt, e, n, order, &mut st, step_of, |_, _| Ok(()))?;
     Ok(st)
 }
 
@@ -774,44 +789,39 @@ pub fn ppo_update(
         return_mean: ret.iter().flatten().sum::<f64>() / tokens as f64,
         ..Default::default()
     };
-    let (avars, cvars) = (actor.vars(), critic.vars());
+    let cvars = critic.vars();
     let dev = actor.device();
-    let steps = update_steps(rollouts.len(), mb, cfg.epochs);
-    actor_opt.begin(cfg.lr_window, steps);
-    critic_opt.begin(cfg.lr_window, steps);
-    for _ in 0..cfg.epochs {
-        let order = group_order(rollouts.len(), k, cfg.seed, actor_opt.run_steps());
-        for idx in order.chunks(mb) {
-            let part: Vec<Rollout> = idx.iter().map(|&i| rollouts[i].clone()).collect();
-            let b = batch(actor, &part)?;
-            let w = token_weights(idx, &before, dev)?;
-            let old = per_token(idx, &before, |t| &t.logprobs, dev)?;
-            let lp = actor.logprobs_train(&b, actor_opt.run_steps())?;
-            let loss = token_pg_loss(&lp, &old, &per_token(idx, &adv, |a| a, dev)?, &w, cfg.clip)?;
-            st.actor.loss += loss.to_dtype(candle_core::DType::F64)?.to_scalar::<f64>()?;
-            let grads = loss.backward()?;
-            if st.actor.steps == 0
-                && idx.iter().any(|&i| adv[i].iter().any(|&a| a != 0.0))
-                && grad_norm(&avars, &grads)? == 0.0
-            {
-                candle_core::bail!(
-                    "ppo: the policy gradient is exactly 0 while the advantages are not: no gradient reaches the adapters"
-                );
-            }
-            st.actor.grad_norm += actor_opt.step(&avars, &grads)?.grad_norm;
-            st.actor.steps += 1;
-            let t1 = std::time::Instant::now();
-            let v = critic.values(&b, crate::lora::Pass::ADAPTED)?;
-            let (vo, r) = (per_token(idx, &old_v, |v| v, dev)?, per_token(idx, &ret, |r| r, dev)?);
-            let closs = value_loss(&v, &vo, &r, &w, cfg.value_clip)?;
-            st.critic_loss += closs.to_dtype(candle_core::DType::F64)?.to_scalar::<f64>()?;
-            st.critic_grad_norm += critic_opt.step(&cvars, &closs.backward()?)?.grad_norm;
-            critic_seconds += t1.elapsed().as_secs_f64();
-        }
-    }
+    critic_opt.begin(cfg.lr_window, update_steps(rollouts.len(), mb, cfg.epochs));
+    let e = Epochs { epochs: cfg.epochs, minibatch: cfg.minibatch, lr_window: cfg.lr_window, seed: cfg.seed };
+    let zero = "the policy gradient is exactly 0 while the advantages are not";
+    let order = |step| group_order(rollouts.len(), k, cfg.seed, step);
+    let step_of = |idx: &[usize], step: u64| {
+        let part: Vec<Rollout> = idx.iter().map(|&i| rollouts[i].clone()).collect();
+        let batch = batch(actor, &part)?;
+        let w = token_weights(idx, &before, dev)?;
+        let old = per_token(idx, &before, |t| &t.logprobs, dev)?;
+        let lp = actor.logprobs_train(&batch, step)?;
+        let loss = token_pg_loss(&lp, &old, &per_token(idx, &adv, |a| a, dev)?, &w, cfg.clip)?;
+        Ok(MiniStep { loss, must_move: idx.iter().any(|&i| adv[i].iter().any(|&a| a != 0.0)), batch })
+    };
+    // the critic's step on the actor's mini-batch, after the actor's
+    let (mut critic_loss, mut critic_grad_norm) = (0.0, 0.0);
+    let critic_step = |idx: &[usize], b: SeqBatch| {
+        let t1 = std::time::Instant::now();
+        let w = token_weights(idx, &before, dev)?;
+        let v = critic.values(&b, crate::lora::Pass::ADAPTED)?;
+        let (vo, r) = (per_token(idx, &old_v, |v| v, dev)?, per_token(idx, &ret, |r| r, dev)?);
+        let closs = value_loss(&v, &vo, &r, &w, cfg.value_clip)?;
+        critic_loss += closs.to_dtype(candle_core::DType::F64)?.to_scalar::<f64>()?;
+        critic_grad_norm += critic_opt.step(&cvars, &closs.backward()?)?.grad_norm;
+        critic_seconds += t1.elapsed().as_secs_f64();
+        Ok(())
+    };
+    let avars = actor.vars();
+    minibatch_loop(("ppo", zero), &avars, actor_opt, e, rollouts.len(), order, &mut st.actor, step_of, critic_step)?;
+    (st.critic_loss, st.critic_grad_norm) = (critic_loss, critic_grad_norm);
+    // minibatch_loop took the actor's means; the critic steps once per actor step
     let s = st.actor.steps.max(1) as f64;
-    st.actor.loss /= s;
-    st.actor.grad_norm /= s;
     st.critic_loss /= s;
     st.critic_grad_norm /= s;
     st.critic_seconds = critic_seconds;
