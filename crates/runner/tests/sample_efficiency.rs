@@ -296,7 +296,8 @@ fn an_online_report_draws_the_win_rate_against_chunk_zero() {
         util::bools(&t, "deployed"),
     );
     // (label, seed, chunk, prompt) → (deployed, all)
-    let mut at: BTreeMap<(String, u32, u64, u64), (Vec<f64>, Vec<f64>)> = BTreeMap::new();
+    type Rewards = (Vec<f64>, Vec<f64>);
+    let mut at: BTreeMap<(String, u32, u64, u64), Rewards> = BTreeMap::new();
     for i in 0..labels.len() {
         let e = at.entry((labels[i].clone(), seeds[i], chunks[i], prompts[i])).or_default();
         if deployed[i] {
