@@ -5,13 +5,13 @@
 //! prompts give the same tokens, the mean length of the common prefix, and a JSON record.
 
 use candle_core::{DType, Device};
-use features::generate::SampleOptions;
+use features::sampling::SampleOptions;
 use features::{Backbone, Source};
 
 mod common;
 
 fn main() {
-    features::keep_freed_memory();
+    kernels::mem::keep_freed_memory();
     let args: Vec<String> = std::env::args().collect();
     let model = args.get(1).expect("a .gguf file or model directory");
     let arg = |i: usize, d: usize| args.get(i).map_or(d, |s| s.parse().expect("a number"));

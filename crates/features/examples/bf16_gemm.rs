@@ -4,15 +4,15 @@
 //! BF16 — the instruction's peak: `VDPBF16PS` on registers alone, one core, times the threads.
 
 use candle_core::{Device, Tensor};
-use features::bf16::{Bf16Matrix, Kernel};
-use features::f32mm::F32Matrix;
-use features::packed::PackedMatrix;
+use kernels::bf16::{Bf16Matrix, Kernel};
+use kernels::f32mm::F32Matrix;
+use kernels::packed::PackedMatrix;
 use std::time::Instant;
 
 fn main() -> anyhow::Result<()> {
     // as onepass runs: freed buffers are reused rather than returned and faulted in again (each
     // product's output would otherwise pay a page fault and a zeroing per 4 KiB)
-    features::keep_freed_memory();
+    kernels::mem::keep_freed_memory();
     let args: Vec<usize> = std::env::args().skip(1).map(|a| a.parse()).collect::<Result<_, _>>()?;
     let m = args.first().copied().unwrap_or(2048);
     let reps = args.get(1).copied().unwrap_or(5);
@@ -21,7 +21,7 @@ fn main() -> anyhow::Result<()> {
     println!(
         "bf16 kernel {:?}, f32 kernel {:?}, {threads} threads, {m} rows",
         Kernel::detect(),
-        features::f32mm::Kernel::detect()
+        kernels::f32mm::Kernel::detect()
     );
     if let Some(per_core) = fma_peak() {
         println!(

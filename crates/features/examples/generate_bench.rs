@@ -9,14 +9,14 @@
 //! prompt ids so that transformers' `generate()` starts from the same tokens.
 
 use candle_core::{DType, Device};
-use features::generate::SampleOptions;
+use features::sampling::SampleOptions;
 use features::{Backbone, Source};
 
 mod common;
 
 fn main() {
     // the allocator settings of the onepass binary
-    features::keep_freed_memory();
+    kernels::mem::keep_freed_memory();
     let args: Vec<String> = std::env::args().collect();
     let model = args.get(1).expect("a .gguf file or model directory");
     let prompts_path = args.get(2).expect("a prompts .jsonl");
@@ -45,7 +45,7 @@ fn main() {
     let tokens: usize = out.iter().flatten().map(|x| x.tokens).sum();
     let stopped = out.iter().flatten().filter(|x| x.stopped).count();
     let threads = std::env::var("RAYON_NUM_THREADS").ok().and_then(|t| t.parse().ok()).unwrap_or(0usize);
-    let rss = features::peak_rss_mb().unwrap_or(0.0);
+    let rss = kernels::mem::peak_rss_mb().unwrap_or(0.0);
     eprintln!(
         "{tokens} tokens in {s:.2} s ({:.0} tok/s), {stopped} of {} rows stopped",
         tokens as f64 / s,

@@ -439,18 +439,18 @@ impl Backbone {
         if opts.truncation == Truncation::PromptFirst {
             parts.push(("prompt_first", "v2: keeps the template's opening and the first role header"));
         }
-        // bf16 on the CPU changed meaning (bf16 weights, f32 activations, `crate::bf16`): φ
+        // bf16 on the CPU changed meaning (bf16 weights, f32 activations, `kernels::bf16`): φ
         // computed by candle's all-bf16 composition before is not reused
         if self.model.dtype() == DType::BF16 && self.model.device().is_cpu() {
             parts.push(("bf16_cpu", "v2: bf16 weights and products, f32 activations"));
-            // AMX rounds its dot products unlike VDPBF16PS and the other kernels (`crate::amx`):
+            // AMX rounds its dot products unlike VDPBF16PS and the other kernels (`kernels::amx`):
             // its φ is kept apart from theirs
-            if crate::bf16::Kernel::detect() == crate::bf16::Kernel::Amx {
+            if kernels::bf16::Kernel::detect() == kernels::bf16::Kernel::Amx {
                 parts.push(("bf16_kernel", "amx"));
             }
         }
         // f32 on the CPU moved from candle's matmul to packed kernels with one FMA sequence per
-        // output (`crate::f32mm`): φ rounds differently, so it is not mixed with φ cached before
+        // output (`kernels::f32mm`): φ rounds differently, so it is not mixed with φ cached before
         if self.model.f32_packed() {
             parts.push(("f32_cpu", "v2: packed products, one FMA sequence per output on every CPU"));
         }

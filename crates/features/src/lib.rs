@@ -9,26 +9,24 @@
 //! - [`extract::Backbone`]: the three together, with [`extract::PhiOptions`] (max length, EOS
 //!   rule, truncation side, layer, pooling): conversation → ids → φ.
 //!
-//! - [`generate`]: sampling responses with a KV cache (n per prompt, temperature, top-p).
+//! - [`generate`]: sampling responses with a KV cache (n per prompt, temperature, top-p), with
+//!   the options of [`sampling`].
 //! - [`cache::FeatureCache`]: content-addressed safetensors shards, one directory per
 //!   (model, tokenizer, template, options) space.
 //! - [`openai`]: sampling through an OpenAI-compatible server (vLLM) as token ids;
 //!   [`hub`]: `hf:<owner>/<name>` sources; [`head`]: linear reward heads over φ.
-//! - The CPU kernels the decoders run on: [`cpu`] (what the CPU has, `ONEPASS_CPU`), [`packed`]
-//!   (packed products and their epilogues), [`f32mm`] and [`bf16`] (the f32 and bf16 products,
-//!   [`amx`] the AMX tiles), [`ops`] (fused row kernels: RMSNorm, RoPE, attention, SwiGLU).
+//! - The decoders run on the candle-free CPU kernels of the `kernels` crate (packed f32, bf16
+//!   and AMX products, fused row kernels): [`ops`] wraps the row kernels as candle custom ops,
+//!   [`model`] holds packed weights; [`cpu`] says what the CPU has, with candle's own matmul.
 //!
 //! This crate knows nothing of specs, parquet or the CLI.
 
 /// This crate's version (a run's meta.json records it).
 pub const VERSION: &str = env!("CARGO_PKG_VERSION");
 
-pub mod amx;
-pub mod bf16;
 pub mod cache;
 pub mod cpu;
 pub mod extract;
-pub mod f32mm;
 pub mod generate;
 pub mod gguf;
 pub mod head;
@@ -36,7 +34,7 @@ pub mod hub;
 pub mod model;
 pub mod openai;
 pub mod ops;
-pub mod packed;
+pub mod sampling;
 pub mod template;
 pub mod tokenizer;
 
@@ -70,30 +68,4 @@ pub enum Error {
     Input(String),
     #[error("candle: {0}")]
     Candle(#[from] candle_core::Error),
-}
-
-/// Makes glibc keep freed memory for reuse, for the processes that train or generate: one arena, no mmap of
-/// large blocks, no trimming of the heap's top. Otherwise every large tensor of a training step —
-/// activations, the log-softmax over the vocabulary (8 × 128 × 49,152 f32 = 201 MB) — comes back
-/// as fresh pages the kernel must zero: `clear_page` took a quarter to a third of a LoRA step
-/// (perf). `M_MMAP_THRESHOLD` alone is not enough (glibc caps it at 32 MiB), hence
-/// `M_MMAP_MAX = 0`; `M_TRIM_THRESHOLD = -1` disables trimming. The cost: the process keeps its
-/// peak memory until it exits. Call it first in `main`, before any other thread starts.
-pub fn keep_freed_memory() {
-    #[cfg(all(target_os = "linux", target_env = "gnu"))]
-    // SAFETY: mallopt only sets allocator parameters; the caller runs it before other threads.
-    unsafe {
-        libc::mallopt(libc::M_ARENA_MAX, 1);
-        libc::mallopt(libc::M_MMAP_MAX, 0);
-        libc::mallopt(libc::M_TRIM_THRESHOLD, -1);
-        libc::mallopt(libc::M_TOP_PAD, 1 << 28);
-    }
-}
-
-/// Peak resident set size of this process (Linux `VmHWM`), in MB; what the benchmarks report.
-pub fn peak_rss_mb() -> Option<f64> {
-    let s = std::fs::read_to_string("/proc/self/status").ok()?;
-    let line = s.lines().find(|l| l.starts_with("VmHWM:"))?;
-    let kb: f64 = line.split_whitespace().nth(1)?.parse().ok()?;
-    Some(kb / 1024.0)
 }

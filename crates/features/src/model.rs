@@ -183,7 +183,7 @@ fn llama3_factors(s: &RopeScaling, head_dim: usize, theta: f64) -> Result<Vec<f6
 }
 
 /// How a layer's weights are kept: candle tensors of the model's dtype, or — a bf16 or f32 model
-/// on the CPU — packed for the products of [`crate::bf16`] and [`crate::f32mm`], with f32
+/// on the CPU — packed for the products of [`kernels::bf16`] and [`kernels::f32mm`], with f32
 /// activations around them.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 enum Store {
@@ -192,7 +192,7 @@ enum Store {
     F32Cpu,
 }
 
-/// Whether f32 products on the CPU go through candle's matmul instead of [`crate::f32mm`]
+/// Whether f32 products on the CPU go through candle's matmul instead of [`kernels::f32mm`]
 /// (`ONEPASS_F32_KERNEL=candle`: how a benchmark measures both in one run).
 pub fn f32_uses_candle() -> bool {
     std::env::var("ONEPASS_F32_KERNEL").as_deref() == Ok("candle")
@@ -221,7 +221,7 @@ impl Store {
 }
 
 /// A weight packed for one of the CPU products.
-type Packed = std::sync::Arc<dyn crate::packed::PackedMatrix>;
+type Packed = std::sync::Arc<dyn kernels::packed::PackedMatrix>;
 
 enum Weight {
     Dense(Tensor),
@@ -267,7 +267,7 @@ impl candle_core::CustomOp1 for PackedLinear {
 }
 
 /// [`PackedLinear`] ending a residual sublayer: (x, residual r, norm weight) → (2, rows, out) =
-/// [r + y; RMSNorm(r + y)] (see [`crate::packed::PackedMatrix::matmul_t_add_rms`]).
+/// [r + y; RMSNorm(r + y)] (see [`kernels::packed::PackedMatrix::matmul_t_add_rms`]).
 struct PackedLinearAddNorm {
     w: Packed,
     swiglu: bool,
@@ -353,18 +353,14 @@ impl candle_core::CustomOp3 for PackedQkvRope {
                 self.w.k()
             );
         }
-        let fill = |out: &mut [std::mem::MaybeUninit<f32>]| {
-            let dst = crate::ops::OutPtr(out.as_mut_ptr() as *mut f32);
-            let done = |r: std::ops::Range<usize>, y: &mut [f32]| {
-                // SAFETY: the product's blocks of rows are disjoint; each writes its rows' entries.
-                unsafe {
-                    crate::ops::qkv_rope_rows(y, r, (t, heads, d), self.rotated, (cos, sin), self.interleaved, &dst)
-                }
-            };
-            drop(self.w.matmul_t_then(x, b * t, &done));
-        };
-        // SAFETY (of `overwritten`): the epilogue writes every (row, head) entry.
-        let out = unsafe { crate::ops::overwritten(b * heads * t * d, fill) };
+        let out = kernels::packed::qkv_rope_product(
+            self.w.as_ref(),
+            x,
+            (b, t, heads, d),
+            self.rotated,
+            (cos, sin),
+            self.interleaved,
+        );
         Ok((candle_core::CpuStorage::F32(out), candle_core::Shape::from((b, heads, t, d))))
     }
 }
@@ -391,11 +387,11 @@ impl Lin {
                     .iter()
                     .map(|v| v.to_bits())
                     .collect();
-                Weight::Packed(std::sync::Arc::new(crate::bf16::Bf16Matrix::from_bits(&bits, out, inp)))
+                Weight::Packed(std::sync::Arc::new(kernels::bf16::Bf16Matrix::from_bits(&bits, out, inp)))
             }
             Store::F32Cpu => {
                 let w = w.to_dtype(DType::F32)?.flatten_all()?.to_vec1::<f32>()?;
-                Weight::Packed(std::sync::Arc::new(crate::f32mm::F32Matrix::from_f32(&w, out, inp)))
+                Weight::Packed(std::sync::Arc::new(kernels::f32mm::F32Matrix::from_f32(&w, out, inp)))
             }
         };
         let b = b.map(|b| store.plain(b)).transpose()?;
@@ -836,7 +832,7 @@ pub struct Model {
     /// The activations' dtype: the weights' except on the bf16 CPU path, where it is f32.
     act: DType,
     device: Device,
-    /// f32 weights packed for [`crate::f32mm`] (f32 on the CPU unless `ONEPASS_F32_KERNEL=candle`).
+    /// f32 weights packed for [`kernels::f32mm`] (f32 on the CPU unless `ONEPASS_F32_KERNEL=candle`).
     f32_packed: bool,
 }
 
@@ -905,7 +901,7 @@ impl Model {
     pub fn dtype(&self) -> DType {
         self.dtype
     }
-    /// Whether the f32 products run on [`crate::f32mm`]'s packed kernels (the CPU's f32 path)
+    /// Whether the f32 products run on [`kernels::f32mm`]'s packed kernels (the CPU's f32 path)
     /// rather than candle's matmul: the two round differently, so φ's cache key says which.
     pub fn f32_packed(&self) -> bool {
         self.f32_packed
@@ -1079,7 +1075,7 @@ mod tests {
         let (h, kv, d, k) = (6, 2, 16, 40);
         let heads = h + 2 * kv;
         let w = Tensor::randn(0f32, 0.2, (heads * d, k), &dev).unwrap();
-        let mat = std::sync::Arc::new(crate::bf16::Bf16Matrix::from_f32(
+        let mat = std::sync::Arc::new(kernels::bf16::Bf16Matrix::from_f32(
             &w.flatten_all().unwrap().to_vec1::<f32>().unwrap(),
             heads * d,
             k,

@@ -6,7 +6,7 @@
 //! (no connection, HTTP 429 or 5xx) is retried with backoff, any other refusal is one error
 //! naming the server, the model and what it said.
 
-use crate::generate::SampleOptions;
+use crate::sampling::SampleOptions;
 use crate::Error;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::Duration;

@@ -1,60 +1,10 @@
-//! Fused CPU kernels for the forward pass (f32 activations: the f32 model and the bf16-weight
-//! path of [`crate::bf16`]), with the plain candle composition as the fallback (other devices
-//! and dtypes) and as the reference the tests compare against.
-//!
-//! candle 0.11 runs unary ops (silu, scaling) on one core and materialises every intermediate, so
-//! on a 2-core CPU the attention mask/scale/softmax chain and the MLP's silu·up were ~15% of a
-//! SmolLM2 forward pass next to the (multi-threaded) matmuls. Both kernels here work row by row on
-//! rayon's pool.
+//! The fused row kernels of the forward pass (`kernels::rows`: causal softmax, attention, RoPE,
+//! RMSNorm, silu·up) as candle custom ops on CPU f32 tensors, with the plain candle composition
+//! as the fallback (other devices and dtypes) and as the reference the tests compare against.
+//! Each op checks its tensors' shapes and hands the kernel plain slices.
 
 use candle_core::backend::BackendStorage;
 use candle_core::{CpuStorage, CustomOp1, CustomOp2, CustomOp3, DType, Layout, Result, Shape, Tensor};
-use multiversion::multiversion;
-use rayon::prelude::*;
-use std::mem::MaybeUninit;
-
-/// Rows per rayon task: enough work per task that scheduling stays negligible.
-const MIN_ROWS: usize = 16;
-
-/// e^x for every element, in place: Cody–Waite range reduction x = n·ln2 + r (|r| ≤ ln2/2) and a
-/// degree-6 polynomial for e^r (Taylor coefficients; relative error < 3e-7 over the f32 range, see
-/// the test), written branch-free so LLVM vectorises it: libm's scalar `expf` was ~40% of the
-/// softmax and silu time.
-///
-/// This and the other elementwise kernels here are compiled for AVX-512 and AVX2 as well as the
-/// baseline (`multiversion`, chosen at run time): the baseline's SSE copies of the softmax, silu
-/// and norm loops were ~5% of a bf16 forward pass. Neither width changes a bit: no sum is
-/// reordered and nothing is contracted into an FMA.
-#[multiversion(targets("x86_64+avx512f+avx512bw", "x86_64+avx2+fma"))]
-pub fn exp_in_place(x: &mut [f32]) {
-    exp_generic(x)
-}
-
-#[inline(always)]
-fn exp_generic(x: &mut [f32]) {
-    const LOG2E: f32 = std::f32::consts::LOG2_E;
-    const LN2_HI: f32 = 0.693_145_75;
-    const LN2_LO: f32 = 1.428_606_8e-6;
-    // 1.5·2^23: adding and subtracting it rounds to the nearest integer.
-    const ROUND: f32 = 12_582_912.0;
-    for v in x.iter_mut() {
-        // Below −87.3 the result is 0 (e^−87.3 ≈ 1.2e−38, the smallest normal; −∞ → 0); above
-        // ln(f32::MAX) ≈ 88.72 it is +∞.
-        let xi = v.clamp(-87.3, 89.0);
-        let shifted = xi * LOG2E + ROUND;
-        let n = shifted - ROUND;
-        let r = (xi - n * LN2_HI) - n * LN2_LO;
-        let p =
-            1.0 + r * (1.0 + r * (0.5 + r * (1.0 / 6.0 + r * (1.0 / 24.0 + r * (1.0 / 120.0 + r * (1.0 / 720.0))))));
-        // 2^n as 2·2^(n−1): n reaches 128 at the top of the range, one past the largest exponent.
-        // n is read from `shifted`'s low mantissa bits (its bits are ROUND's plus n, |n| ≤ 127)
-        // rather than with `n as i32`: Rust's saturating float → int cast does not vectorise, and
-        // was most of this function's time.
-        let n_int = shifted.to_bits().wrapping_sub(ROUND.to_bits()) as i32;
-        let scale = f32::from_bits(((n_int + 126) << 23) as u32);
-        *v = if *v < -87.3 { 0.0 } else { (p * scale) * 2.0 };
-    }
-}
 
 /// softmax(scale · s) over the last dim with a causal mask: the rows are query positions, grouped
 /// as (…, groups · t, t) so that row `r` of a (groups · t)-row block is position `r mod t` and sees
@@ -82,19 +32,7 @@ impl CustomOp1 for CausalSoftmax {
         if dims.last() != Some(&t) || dims.len() < 2 || !dims[dims.len() - 2].is_multiple_of(t) {
             candle_core::bail!("causal softmax: shape {dims:?} is not (…, k·{t}, {t})");
         }
-        let mut dst = vec![0f32; src.len()];
-        dst.par_chunks_mut(t).zip(src.par_chunks(t)).enumerate().with_min_len(MIN_ROWS).for_each(|(row, (d, s))| {
-            let n = row % t + 1;
-            let (s, d) = (&s[..n], &mut d[..n]);
-            let max = s.iter().copied().fold(f32::NEG_INFINITY, f32::max);
-            for (o, &v) in d.iter_mut().zip(s) {
-                *o = (v - max) * scale;
-            }
-            exp_in_place(d);
-            let inv = 1.0 / d.iter().sum::<f32>();
-            d.iter_mut().for_each(|o| *o *= inv);
-        });
-        Ok((CpuStorage::F32(dst), layout.shape().clone()))
+        Ok((CpuStorage::F32(kernels::rows::causal_softmax(src, t, scale)), layout.shape().clone()))
     }
 }
 
@@ -120,65 +58,10 @@ pub fn causal_softmax(s: &Tensor, scale: f64, t: usize) -> Result<Tensor> {
     }
 }
 
-/// Query rows per attention task: a block of rows sees only keys up to its last row, so the
-/// causal half of the score matrix is mostly never computed (10/16 of it at t = 256).
-const Q_BLOCK: usize = 64;
-
-/// Causal attention softmax(scale · q kᵀ) v for q (b, h, t, d) and k, v (b, kv, t, d), query head
-/// `j` reading key/value head `j / (h / kv)`; the output is (b, t, h, d), the layout the output
-/// projection reads. One rayon task per (batch row, head, block of query rows), each calling
-/// single-threaded gemm for its two products.
+/// Causal attention softmax(scale · q kᵀ) v for q (b, h, t, d) and k, v (b, kv, t, d)
+/// (`kernels::rows::attention`): (b, t, h, d), the layout the output projection reads.
 struct CausalAttention {
     scale: f32,
-}
-
-/// An output buffer shared by rayon tasks that write disjoint regions of it (attention's
-/// (batch, position block, head) rows; the bf16 product's tiles).
-pub(crate) struct OutPtr(pub(crate) *mut f32);
-// SAFETY: every user's tasks write distinct regions of the buffer.
-unsafe impl Send for OutPtr {}
-unsafe impl Sync for OutPtr {}
-
-impl OutPtr {
-    /// A method, so closures capture the wrapper (Send + Sync), not the raw pointer field.
-    pub(crate) fn at(&self, offset: usize) -> *mut f32 {
-        // SAFETY: callers stay inside the buffer.
-        unsafe { self.0.add(offset) }
-    }
-}
-
-/// A vector of `len` values that `fill` writes in full, never zeroed first: the memsets of every
-/// activation buffer that a kernel then overwrote were ~3% of a forward pass.
-///
-/// # Safety
-/// `fill` writes each of the `len` elements (through `write` or a pointer from `as_mut_ptr`)
-/// and reads none before writing it.
-pub(crate) unsafe fn overwritten<T: Copy>(len: usize, fill: impl FnOnce(&mut [MaybeUninit<T>])) -> Vec<T> {
-    let mut v: Vec<MaybeUninit<T>> = Vec::with_capacity(len);
-    // SAFETY: MaybeUninit needs no initialisation.
-    unsafe { v.set_len(len) };
-    fill(&mut v);
-    let mut v = std::mem::ManuallyDrop::new(v);
-    // SAFETY: every element was written (the caller's promise); MaybeUninit<T> has T's layout.
-    unsafe { Vec::from_raw_parts(v.as_mut_ptr() as *mut T, len, v.capacity()) }
-}
-
-/// The initialised view of a buffer [`overwritten`]'s `fill` has written.
-///
-/// # Safety
-/// Every element of `s` has been written.
-pub(crate) unsafe fn assume_written(s: &[MaybeUninit<f32>]) -> &[f32] {
-    // SAFETY: the caller's promise; same layout.
-    unsafe { std::slice::from_raw_parts(s.as_ptr() as *const f32, s.len()) }
-}
-
-/// [`assume_written`], mutable.
-///
-/// # Safety
-/// Every element of `s` has been written.
-pub(crate) unsafe fn assume_written_mut(s: &mut [MaybeUninit<f32>]) -> &mut [f32] {
-    // SAFETY: the caller's promise; same layout.
-    unsafe { std::slice::from_raw_parts_mut(s.as_mut_ptr() as *mut f32, s.len()) }
 }
 
 /// The f32 values of a contiguous CPU tensor (a custom op's input named `what`).
@@ -190,134 +73,6 @@ pub(crate) fn contiguous_f32<'a>(s: &'a CpuStorage, l: &Layout, what: &str) -> R
         candle_core::bail!("{what} is not contiguous");
     };
     Ok(&v[o1..o2])
-}
-
-/// Softmax(scale · s) of the rows of a block of query positions i0, i0 + 1, … (`n` scores each):
-/// row r sees keys 0..=i0 + r, the rest become 0.
-///
-/// Each row's max and sum run in key order (the bits of a plain per-row fold), but eight rows'
-/// chains side by side: one row's chain of dependent adds was most of the softmax's time.
-#[multiversion(targets("x86_64+avx512f+avx512bw", "x86_64+avx2+fma"))]
-fn causal_softmax_rows(sc: &mut [f32], n: usize, i0: usize, scale: f32) {
-    const R: usize = 8;
-    for (g, block) in sc.chunks_mut(R * n).enumerate() {
-        let rows = block.len() / n;
-        // Row r of the group sees `common + r` keys.
-        let common = i0 + g * R + 1;
-        let interleaved = |block: &[f32], init: f32, f: fn(f32, f32) -> f32| {
-            let mut acc = [init; R];
-            for j in 0..common {
-                for (r, a) in acc.iter_mut().enumerate().take(rows) {
-                    *a = f(*a, block[r * n + j]);
-                }
-            }
-            for (r, a) in acc.iter_mut().enumerate().take(rows) {
-                for &v in &block[r * n + common..r * n + common + r] {
-                    *a = f(*a, v);
-                }
-            }
-            acc
-        };
-        let max = interleaved(block, f32::NEG_INFINITY, f32::max);
-        for (r, row) in block.chunks_exact_mut(n).enumerate() {
-            let (live, dead) = row.split_at_mut(common + r);
-            live.iter_mut().for_each(|x| *x = (*x - max[r]) * scale);
-            exp_generic(live);
-            dead.fill(0.0);
-        }
-        // −0.0 is `Sum for f32`'s start: the bits of `iter().sum()`.
-        let sum = interleaved(block, -0.0, |a, v| a + v);
-        for (r, row) in block.chunks_exact_mut(n).enumerate() {
-            let inv = 1.0 / sum[r];
-            row[..common + r].iter_mut().for_each(|x| *x *= inv);
-        }
-    }
-}
-
-/// The core of [`CausalAttention`] and [`CausalAttentionPacked`]: `q(bi, head)`, `k(bi, g)` and
-/// `v(bi, g)` give the (t, d) rows of query head `head` and key/value head `g` of batch row `bi`;
-/// the result is (b, t, h, d).
-#[allow(clippy::too_many_arguments)]
-fn attend<'a>(
-    (b, h, kv, t, d): (usize, usize, usize, usize, usize),
-    scale: f32,
-    q: impl Fn(usize, usize) -> &'a [f32] + Sync,
-    k: impl Fn(usize, usize) -> &'a [f32] + Sync,
-    v: impl Fn(usize, usize) -> &'a [f32] + Sync,
-) -> Vec<f32> {
-    let rep = h / kv;
-    let blocks = t.div_ceil(Q_BLOCK);
-    // SAFETY (of `overwritten`): the tasks' (batch row, block, head) regions tile the output and
-    // each task's second product writes its region in full.
-    let fill = |out: &mut [MaybeUninit<f32>]| {
-        let dst = OutPtr(out.as_mut_ptr() as *mut f32);
-        // `sc`: the scores, one scratch buffer per rayon job.
-        (0..b * h * blocks).into_par_iter().for_each_init(Vec::<f32>::new, |sc, task| {
-            let (bh, blk) = (task / blocks, task % blocks);
-            let (bi, head) = (bh / h, bh % h);
-            let (i0, i1) = (blk * Q_BLOCK, ((blk + 1) * Q_BLOCK).min(t));
-            let (m, n) = (i1 - i0, i1);
-            let qp = &q(bi, head)[i0 * d..][..m * d];
-            let (kp, vp) = (&k(bi, head / rep)[..n * d], &v(bi, head / rep)[..n * d]);
-            sc.clear();
-            sc.reserve(m * n);
-            // SAFETY: the slices above hold m×d, n×d and n×d row-major values; `sc` has room for
-            // m×n, which the product writes in full. Kᵀ's element (i, j) is k[j·d + i].
-            unsafe {
-                gemm_into((m, n, d), sc.as_mut_ptr(), n, qp.as_ptr(), d, kp.as_ptr(), (1, d));
-                sc.set_len(m * n);
-            }
-            causal_softmax_rows(sc, n, i0, scale);
-            // SAFETY: rows i0..i1 of head `head` of batch row `bi` in the (b, t, h, d) output are
-            // written by this task only; `sc` is m×n and `vp` n×d.
-            unsafe {
-                let o = dst.at(((bi * t + i0) * h + head) * d);
-                gemm_into((m, d, n), o, h * d, sc.as_ptr(), n, vp.as_ptr(), (d, 1));
-            }
-        });
-    };
-    unsafe { overwritten(b * t * h * d, fill) }
-}
-
-/// dst (m × n, row stride `ldd`) = a (m × k, row stride `lda`) · b, where b's element (i, j) is
-/// at `b[i·rs + j·cs]` for `(rs, cs)`: one single-threaded gemm call (attention's tasks run in
-/// parallel already); dst is written without being read.
-///
-/// # Safety
-/// The pointers address matrices of those shapes and strides.
-unsafe fn gemm_into(
-    (m, n, k): (usize, usize, usize),
-    dst: *mut f32,
-    ldd: usize,
-    a: *const f32,
-    lda: usize,
-    b: *const f32,
-    (rs, cs): (usize, usize),
-) {
-    // SAFETY: the caller's promise.
-    unsafe {
-        gemm::gemm(
-            m,
-            n,
-            k,
-            dst,
-            1,
-            ldd as isize,
-            false,
-            a,
-            1,
-            lda as isize,
-            b,
-            cs as isize,
-            rs as isize,
-            0.0,
-            1.0,
-            false,
-            false,
-            false,
-            gemm::Parallelism::None,
-        )
-    }
 }
 
 impl CustomOp3 for CausalAttention {
@@ -349,13 +104,7 @@ impl CustomOp3 for CausalAttention {
                 lv.shape()
             );
         }
-        let out = attend(
-            (b, h, kv, t, d),
-            self.scale,
-            |bi, head| &q[(bi * h + head) * t * d..],
-            |bi, g| &k[(bi * kv + g) * t * d..],
-            |bi, g| &v[(bi * kv + g) * t * d..],
-        );
+        let out = kernels::rows::attention(q, k, v, (b, h, kv, t, d), self.scale);
         Ok((CpuStorage::F32(out), Shape::from((b, t, h, d))))
     }
 }
@@ -380,9 +129,7 @@ impl CustomOp1 for CausalAttentionPacked {
         if heads != h + 2 * kv || kv == 0 || h % kv != 0 {
             candle_core::bail!("causal attention: {:?} is not (b, {h} + 2·{kv}, t, d)", l.shape());
         }
-        let at = |bi: usize, j: usize| &x[(bi * heads + j) * t * d..];
-        let out =
-            attend((b, h, kv, t, d), self.scale, |bi, j| at(bi, j), |bi, g| at(bi, h + g), |bi, g| at(bi, h + kv + g));
+        let out = kernels::rows::attention_packed(x, (b, h, kv, t, d), self.scale);
         Ok((CpuStorage::F32(out), Shape::from((b, t, h, d))))
     }
 }
@@ -428,93 +175,8 @@ impl CustomOp3 for QkvRope {
         if d % 2 != 0 || half * 2 != d || self.offset + t > rows || ls.shape() != lc.shape() || self.rotated > heads {
             candle_core::bail!("qkv rope: {:?} against tables {:?} at offset {}", l.shape(), lc.shape(), self.offset);
         }
-        // SAFETY (of `overwritten`): every (row, head) chunk is written in full below.
-        let fill = |out: &mut [MaybeUninit<f32>]| {
-            out.par_chunks_mut(t * d).enumerate().for_each(|(bj, dst)| {
-                let (bi, j) = (bj / heads, bj % heads);
-                // Head j of batch row bi: rows at a stride of heads·d in x.
-                let src = &x[(bi * t * heads + j) * d..];
-                let tables = (j < self.rotated).then(|| (&cos[self.offset * half..], &sin[self.offset * half..]));
-                rope_head(src, (d, heads * d), tables, self.interleaved, dst);
-            });
-        };
-        let out = unsafe { overwritten(x.len(), fill) };
+        let out = kernels::rows::qkv_rope(x, (b, t, heads, d), self.rotated, self.offset, (cos, sin), self.interleaved);
         Ok((CpuStorage::F32(out), Shape::from((b, heads, t, d))))
-    }
-}
-
-/// One head's rows into `dst` (t × d): row ti read from `src[ti · stride..]`, rotated with the
-/// tables' rows from its position on (`tables`: cos, sin from the first row's position; `None`:
-/// copied, v). See [`QkvRope`].
-#[multiversion(targets("x86_64+avx512f+avx512bw", "x86_64+avx2+fma"))]
-fn rope_head(
-    src: &[f32],
-    (d, stride): (usize, usize),
-    tables: Option<(&[f32], &[f32])>,
-    interleaved: bool,
-    dst: &mut [MaybeUninit<f32>],
-) {
-    let half = d / 2;
-    for (ti, o) in dst.chunks_exact_mut(d).enumerate() {
-        let row = &src[ti * stride..][..d];
-        match tables {
-            Some((cos, sin)) => rope_row(row, &cos[ti * half..][..half], &sin[ti * half..][..half], interleaved, o),
-            None => o.iter_mut().zip(row).for_each(|(o, &v)| _ = o.write(v)),
-        }
-    }
-}
-
-/// Rows `rows` (flat b·t indices) of a fused q/k/v product's output `y` (those rows × heads·d)
-/// rotated and laid out into the packed (b, heads, t, d) tensor at `dst`: [`QkvRope`] at
-/// offset 0 on a block of rows (the same expressions, so the same bits), for the bf16 product's
-/// epilogue. The first `rotated` heads (q and k) are rotated with the tables `cos`, `sin`.
-///
-/// # Safety
-/// `dst` holds b·heads·t·d values and these rows' entries are written by this call only.
-#[multiversion(targets("x86_64+avx512f+avx512bw", "x86_64+avx2+fma"))]
-pub(crate) unsafe fn qkv_rope_rows(
-    y: &[f32],
-    rows: std::ops::Range<usize>,
-    (t, heads, d): (usize, usize, usize),
-    rotated: usize,
-    (cos, sin): (&[f32], &[f32]),
-    interleaved: bool,
-    dst: &OutPtr,
-) {
-    let half = d / 2;
-    for (r, row) in rows.zip(y.chunks_exact(heads * d)) {
-        let (bi, ti) = (r / t, r % t);
-        for j in 0..heads {
-            let src = &row[j * d..][..d];
-            // SAFETY: the caller's promise: this (row, head) entry is ours to write.
-            let o = unsafe {
-                std::slice::from_raw_parts_mut(dst.at(((bi * heads + j) * t + ti) * d) as *mut MaybeUninit<f32>, d)
-            };
-            if j < rotated {
-                rope_row(src, &cos[ti * half..][..half], &sin[ti * half..][..half], interleaved, o);
-            } else {
-                o.iter_mut().zip(src).for_each(|(o, &v)| _ = o.write(v));
-            }
-        }
-    }
-}
-
-#[inline(always)]
-fn rope_row(src: &[f32], c: &[f32], sn: &[f32], interleaved: bool, o: &mut [MaybeUninit<f32>]) {
-    let half = c.len();
-    if interleaved {
-        for i in 0..half {
-            let (a, b) = (src[2 * i], src[2 * i + 1]);
-            o[2 * i].write(a * c[i] - b * sn[i]);
-            o[2 * i + 1].write(a * sn[i] + b * c[i]);
-        }
-    } else {
-        let (lo, hi) = o.split_at_mut(half);
-        for i in 0..half {
-            let (a, b) = (src[i], src[i + half]);
-            lo[i].write(a * c[i] - b * sn[i]);
-            hi[i].write(a * sn[i] + b * c[i]);
-        }
     }
 }
 
@@ -537,56 +199,6 @@ pub fn qkv_rope(
     )
 }
 
-/// RMSNorm of each row of `src` into `dst` with candle_nn's arithmetic (Σx² summed in order in
-/// f32, m = √(Σx²/n + ε), x / m · w), so the bits match `candle_nn::ops::rms_norm`. The sum is a
-/// chain of dependent adds; running eight rows' chains side by side hides its latency.
-#[multiversion(targets("x86_64+avx512f+avx512bw", "x86_64+avx2+fma"))]
-fn rms_rows(src: &[f32], w: &[f32], eps: f32, dst: &mut [MaybeUninit<f32>]) {
-    rms_rows_generic(src, w, eps, dst)
-}
-
-/// `s` = x + a, then [`rms_rows`] of it into `d`: a chunk of [`AddRmsNorm`].
-#[multiversion(targets("x86_64+avx512f+avx512bw", "x86_64+avx2+fma"))]
-fn add_rms_rows(x: &[f32], a: &[f32], w: &[f32], eps: f32, s: &mut [MaybeUninit<f32>], d: &mut [MaybeUninit<f32>]) {
-    for ((o, &x), &a) in s.iter_mut().zip(x).zip(a) {
-        o.write(x + a);
-    }
-    // SAFETY: every element of `s` was written just above.
-    rms_rows_generic(unsafe { assume_written(s) }, w, eps, d)
-}
-
-/// s ← r + s in place, then [`rms_rows`] of it into `d`: the epilogue of a bf16 product ending a
-/// residual sublayer ([`crate::bf16::Bf16Matrix::matmul_t_add_rms`]); the bits of
-/// [`add_rms_rows`] (an f32 sum does not depend on its operands' order).
-#[multiversion(targets("x86_64+avx512f+avx512bw", "x86_64+avx2+fma"))]
-pub(crate) fn add_rms_rows_in_place(r: &[f32], s: &mut [f32], w: &[f32], eps: f32, d: &mut [MaybeUninit<f32>]) {
-    for (o, &r) in s.iter_mut().zip(r) {
-        *o += r;
-    }
-    rms_rows_generic(s, w, eps, d)
-}
-
-#[inline(always)]
-fn rms_rows_generic(src: &[f32], w: &[f32], eps: f32, dst: &mut [MaybeUninit<f32>]) {
-    let n = w.len();
-    for (s8, d8) in src.chunks(8 * n).zip(dst.chunks_mut(8 * n)) {
-        let rows = s8.len() / n;
-        let mut sum = [0f32; 8];
-        for i in 0..n {
-            for (r, acc) in sum.iter_mut().enumerate().take(rows) {
-                let v = s8[r * n + i];
-                *acc += v * v;
-            }
-        }
-        for (r, acc) in sum.iter().enumerate().take(rows) {
-            let m = (acc / n as f32 + eps).sqrt();
-            for ((o, &x), &a) in d8[r * n..(r + 1) * n].iter_mut().zip(&s8[r * n..(r + 1) * n]).zip(w) {
-                o.write(x / m * a);
-            }
-        }
-    }
-}
-
 /// RMSNorm over the last dim, `candle_nn::ops::rms_norm` bit for bit; rows in parallel.
 struct RmsNormOp {
     eps: f32,
@@ -603,15 +215,7 @@ impl CustomOp2 for RmsNormOp {
         if l.dims().last() != Some(&n) || n == 0 {
             candle_core::bail!("rms norm: {:?} against a weight of {n}", l.shape());
         }
-        // SAFETY (of `overwritten`): rms_rows writes every row of every chunk.
-        let out = unsafe {
-            overwritten(x.len(), |out| {
-                out.par_chunks_mut(8 * n)
-                    .zip(x.par_chunks(8 * n))
-                    .with_min_len(4)
-                    .for_each(|(d, s)| rms_rows(s, w, self.eps, d))
-            })
-        };
+        let out = kernels::rows::rms_norm(x, w, self.eps);
         Ok((CpuStorage::F32(out), l.shape().clone()))
     }
 }
@@ -644,17 +248,7 @@ impl CustomOp3 for AddRmsNorm {
         if lx.shape() != la.shape() || lx.dims().last() != Some(&n) || n == 0 {
             candle_core::bail!("add + rms norm: {:?} + {:?} against a weight of {n}", lx.shape(), la.shape());
         }
-        // SAFETY (of `overwritten`): add_rms_rows writes every sum and every normalised row.
-        let out = unsafe {
-            overwritten(2 * x.len(), |out| {
-                let (sum, normed) = out.split_at_mut(x.len());
-                sum.par_chunks_mut(8 * n)
-                    .zip(normed.par_chunks_mut(8 * n))
-                    .zip(x.par_chunks(8 * n).zip(a.par_chunks(8 * n)))
-                    .with_min_len(4)
-                    .for_each(|((s, d), (x, a))| add_rms_rows(x, a, w, self.eps, s, d))
-            })
-        };
+        let out = kernels::rows::add_rms_norm(x, a, w, self.eps);
         let mut dims = vec![2];
         dims.extend_from_slice(lx.dims());
         Ok((CpuStorage::F32(out), Shape::from(dims)))
@@ -723,24 +317,9 @@ impl CustomOp1 for SiluMul {
             candle_core::bail!("silu·mul: last dim {two} is not even");
         }
         let i = two / 2;
-        let mut dst = vec![0f32; src.len() / 2];
-        dst.par_chunks_mut(i).zip(src.par_chunks(two)).with_min_len(MIN_ROWS).for_each(|(d, s)| silu_mul_row(s, d));
+        let dst = kernels::rows::silu_mul(src, i);
         *dims.last_mut().expect("non-empty") = i;
         Ok((CpuStorage::F32(dst), Shape::from(dims)))
-    }
-}
-
-/// silu(g)·u of one row [g | u] into `d` (half its length): candle's silu, x / (1 + e^−x), with
-/// [`exp_in_place`]'s e^x.
-#[multiversion(targets("x86_64+avx512f+avx512bw", "x86_64+avx2+fma"))]
-pub(crate) fn silu_mul_row(s: &[f32], d: &mut [f32]) {
-    let (g, u) = s.split_at(d.len());
-    for (o, &g) in d.iter_mut().zip(g) {
-        *o = -g;
-    }
-    exp_generic(d);
-    for ((o, &g), &u) in d.iter_mut().zip(g).zip(u) {
-        *o = g / (1.0 + *o) * u;
     }
 }
 
@@ -767,65 +346,6 @@ mod tests {
 
     fn max_abs(a: &Tensor, b: &Tensor) -> f32 {
         (a - b).unwrap().abs().unwrap().flatten_all().unwrap().max(0).unwrap().to_scalar::<f32>().unwrap()
-    }
-
-    #[test]
-    fn fast_exp_matches_libm() {
-        // A dense sweep of the range that matters plus the ends.
-        let mut xs: Vec<f32> = (0..200_001).map(|i| -100.0 + i as f32 * 0.00095).collect();
-        xs.extend([f32::NEG_INFINITY, -87.0, -1e-30, 0.0, 1e-30, 88.0, 88.72, 1e30, f32::INFINITY]);
-        let mut got = xs.clone();
-        exp_in_place(&mut got);
-        let mut generic = xs.clone();
-        exp_generic(&mut generic);
-        for ((&x, &g), &h) in xs.iter().zip(&got).zip(&generic) {
-            let want = (x as f64).exp();
-            if want > f32::MAX as f64 {
-                assert_eq!(g, f32::INFINITY, "exp({x})");
-                continue;
-            }
-            let tol = 3e-7 * want + if want < 2e-38 { 2e-38 } else { 0.0 };
-            assert!(((g as f64) - want).abs() <= tol, "exp({x}) = {g}, want {want}");
-            assert_eq!(g.to_bits(), h.to_bits(), "the SIMD copy differs from the generic one at {x}");
-        }
-        // The generic body is what runs everywhere else; break it and this fails.
-        let mut one = [1.0f32];
-        exp_in_place(&mut one);
-        assert!((one[0] - std::f32::consts::E).abs() < 1e-6);
-    }
-
-    /// The interleaved rows give the bits of a plain per-row softmax (max, exp, sum in key
-    /// order), block sizes around the 8-row groups; a negative control: summing the row in
-    /// another order changes some bits.
-    #[test]
-    fn causal_softmax_rows_match_a_per_row_fold() {
-        let plain = |sc: &mut [f32], n: usize, i0: usize, scale: f32| {
-            for (r, row) in sc.chunks_exact_mut(n).enumerate() {
-                let (live, dead) = row.split_at_mut(i0 + r + 1);
-                let max = live.iter().copied().fold(f32::NEG_INFINITY, f32::max);
-                live.iter_mut().for_each(|x| *x = (*x - max) * scale);
-                exp_generic(live);
-                let inv = 1.0 / live.iter().sum::<f32>();
-                live.iter_mut().for_each(|x| *x *= inv);
-                dead.fill(0.0);
-            }
-        };
-        let mut reversed_differs = false;
-        for (m, i0) in [(1, 0), (7, 0), (8, 0), (13, 5), (64, 64), (37, 200)] {
-            let n = i0 + m;
-            let x = Tensor::randn(0f32, 3.0, m * n, &Device::Cpu).unwrap().to_vec1::<f32>().unwrap();
-            let (mut got, mut want) = (x.clone(), x.clone());
-            causal_softmax_rows(&mut got, n, i0, 0.125);
-            plain(&mut want, n, i0, 0.125);
-            assert!(got.iter().zip(&want).all(|(a, b)| a.to_bits() == b.to_bits()), "m {m}, i0 {i0}");
-            for (r, row) in x.chunks_exact(n).enumerate() {
-                let live = &row[..i0 + r + 1];
-                let forward: f32 = live.iter().sum();
-                let backward: f32 = live.iter().rev().sum();
-                reversed_differs |= forward.to_bits() != backward.to_bits();
-            }
-        }
-        assert!(reversed_differs, "the order of an f32 sum should show in its bits");
     }
 
     #[test]

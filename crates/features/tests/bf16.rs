@@ -1,5 +1,5 @@
 //! The bf16 CPU path at the model level: a bf16 model keeps f32 activations around bf16 products
-//! (`features::bf16`), so its hidden states and logits are within bf16's rounding of the f32
+//! (`kernels::bf16`), so its hidden states and logits are within bf16's rounding of the f32
 //! model's — and not equal to them (the path is taken); its KV-cache decoding agrees with its own
 //! full forward pass; and the portable kernel gives the same bits as the AVX-512 BF16 one, end
 //! to end (a child process forces it with ONEPASS_BF16_KERNEL=portable).
@@ -80,7 +80,7 @@ fn print_bf16_hidden_state_bits() {
     let h = m.hidden_states(&ids(2, 70), m.cfg.layers).unwrap();
     let bits: Vec<u32> = h.flatten_all().unwrap().to_vec1::<f32>().unwrap().iter().map(|x| x.to_bits()).collect();
     println!("\nBITS {}", serde_json::to_string(&bits).unwrap());
-    println!("KERNEL {:?}", features::bf16::Kernel::detect());
+    println!("KERNEL {:?}", kernels::bf16::Kernel::detect());
 }
 
 /// The native kernel, the portable one (`ONEPASS_BF16_KERNEL=portable`) and the one an AVX2-only

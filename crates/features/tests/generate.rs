@@ -4,8 +4,9 @@
 
 use candle_core::{DType, Device, Tensor};
 use candle_nn::VarBuilder;
-use features::generate::{sample_token, SampleOptions};
+use features::generate::sample_token;
 use features::model::{Config, HfConfig, Model};
+use features::sampling::SampleOptions;
 use features::{Backbone, Message, Source};
 use std::path::PathBuf;
 

@@ -187,7 +187,7 @@ fn bad_inputs_are_errors_that_name_the_problem() {
 /// left-padded batch, two samples each.
 #[test]
 fn greedy_generation_matches_transformers() {
-    use features::generate::SampleOptions;
+    use features::sampling::SampleOptions;
     let b = Backbone::load_with(&Source::Gguf(gguf()), &Device::Cpu, DType::F32, 512, true).unwrap();
     let f = fixture("smollm2_greedy.json");
     let cases = f["cases"].as_array().unwrap();

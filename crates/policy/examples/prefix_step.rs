@@ -13,7 +13,7 @@ use policy::{LoraConfig, PolicyModel};
 use rand::{Rng, SeedableRng};
 
 fn main() {
-    policy::keep_freed_memory();
+    kernels::mem::keep_freed_memory();
     let args: Vec<String> = std::env::args().collect();
     let path = std::path::PathBuf::from(args.get(1).expect("a .gguf file"));
     let arg = |i: usize, d: usize| args.get(i).map_or(d, |s| s.parse().expect("a number"));

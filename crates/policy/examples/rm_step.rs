@@ -57,7 +57,7 @@ unsafe impl GlobalAlloc for Counting {
 static ALLOC: Counting = Counting;
 
 fn main() {
-    policy::keep_freed_memory();
+    kernels::mem::keep_freed_memory();
     let args: Vec<String> = std::env::args().collect();
     let path = std::path::PathBuf::from(args.get(1).expect("a .gguf file"));
     let rule = args.get(2).expect("sgd or omd").clone();
@@ -147,7 +147,7 @@ fn main() {
             "engine": "candle", "rule": rule, "device": format!("{dev:?}"), "update": if full { "full" } else { "lora" },
             "pairs_per_pass": ppp.unwrap_or(pairs), "kernels": format!("{kernels:?}").to_lowercase(), "buffers": buffers, "model": path.display().to_string(), "dtype": "float32",
             "threads": threads, "pairs": pairs, "len": len, "reps": reps, "step_s": steps, "hvps": hvps,
-            "peak_rss_mb": features::peak_rss_mb().unwrap_or(0.0), "loss": loss,
+            "peak_rss_mb": kernels::mem::peak_rss_mb().unwrap_or(0.0), "loss": loss,
         })
     );
 }

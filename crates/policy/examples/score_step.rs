@@ -12,7 +12,7 @@ use rand::{Rng, SeedableRng};
 
 fn main() {
     // the allocator settings of the onepass binary: freed tensors are reused
-    policy::keep_freed_memory();
+    kernels::mem::keep_freed_memory();
     let args: Vec<String> = std::env::args().collect();
     let path = std::path::PathBuf::from(args.get(1).expect("a .gguf file"));
     let arg = |i: usize, d: usize| args.get(i).map_or(d, |s| s.parse().expect("a number"));

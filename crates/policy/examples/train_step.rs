@@ -20,7 +20,7 @@ use rand::{Rng, SeedableRng};
 
 fn main() {
     // the allocator settings of the onepass binary: freed tensors are reused
-    policy::keep_freed_memory();
+    kernels::mem::keep_freed_memory();
     let args: Vec<String> = std::env::args().collect();
     let path = std::path::PathBuf::from(args.get(1).expect("a .gguf file"));
     let arg = |i: usize, d: usize| args.get(i).map_or(d, |s| s.parse().expect("a number"));
@@ -87,7 +87,7 @@ fn main() {
         }
     }
     let threads = std::env::var("RAYON_NUM_THREADS").ok().and_then(|t| t.parse().ok()).unwrap_or(0usize);
-    let rss = features::peak_rss_mb().unwrap_or(0.0);
+    let rss = kernels::mem::peak_rss_mb().unwrap_or(0.0);
     println!(
         "{}",
         serde_json::json!({

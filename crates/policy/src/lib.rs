@@ -53,6 +53,3 @@ pub mod train;
 
 pub use lora::{Dropout, LoraConfig, Pass, Target};
 pub use model::PolicyModel;
-
-/// glibc's allocator settings for training and generating processes (see the function's doc).
-pub use features::keep_freed_memory;

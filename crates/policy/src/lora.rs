@@ -239,12 +239,12 @@ pub const BF16_MERGE: &str = "merging adapters into weights that train with bf16
      adapters (policy.adapter = \"persistent\") with bf16 products, or f32";
 
 /// A frozen weight W (out, in) packed once for the CPU's products, in the layouts of the
-/// `features::packed` kernels.
-/// - bf16 ([`PackedWeight::bf16`], `features::bf16`: each weight and each input rounded to
+/// `kernels::packed` kernels.
+/// - bf16 ([`PackedWeight::bf16`], `kernels::bf16`: each weight and each input rounded to
 ///   bf16, the products summed in f32 — `VDPBF16PS`'s arithmetic on AVX-512 BF16): W for the
 ///   forward's x Wᵀ and Wᵀ for the backward's g W, both streaming half the bytes of f32; two
 ///   bf16 copies take the memory of one f32 copy.
-/// - f32 ([`PackedWeight::f32`], `features::f32mm`: each output one fused multiply-add chain
+/// - f32 ([`PackedWeight::f32`], `kernels::f32mm`: each output one fused multiply-add chain
 ///   from 0 over the inputs in order, the bits φ's extraction and generation compute): W
 ///   packed for the forward of passes of at most [`F32_PACKED_MAX_ROWS`] rows, where `gemm`
 ///   packs W again on every call; the `gemm` call of onepass's own products
@@ -256,9 +256,9 @@ pub struct PackedWeight {
     /// W itself (f32, contiguous; f32 only): `gemm`'s products where the packed kernel is the
     /// slower. It shares the weight's storage where the weight is f32 and contiguous.
     w: Option<Tensor>,
-    fwd: Box<dyn features::packed::PackedMatrix>,
+    fwd: Box<dyn kernels::packed::PackedMatrix>,
     /// Wᵀ packed (bf16 only).
-    bwd: Option<Box<dyn features::packed::PackedMatrix>>,
+    bwd: Option<Box<dyn kernels::packed::PackedMatrix>>,
     /// The products round their inputs to bf16 (a merge would round its update away).
     pub bf16: bool,
 }
@@ -273,8 +273,8 @@ impl PackedWeight {
         let (v, vt, out, inp) = both_layouts(w)?;
         Ok(PackedWeight {
             w: None,
-            fwd: Box::new(features::bf16::Bf16Matrix::from_f32(&v, out, inp)),
-            bwd: Some(Box::new(features::bf16::Bf16Matrix::from_f32(&vt, inp, out))),
+            fwd: Box::new(kernels::bf16::Bf16Matrix::from_f32(&v, out, inp)),
+            bwd: Some(Box::new(kernels::bf16::Bf16Matrix::from_f32(&vt, inp, out))),
             bf16: true,
         })
     }
@@ -286,7 +286,7 @@ impl PackedWeight {
         let v: Vec<f32> = w.flatten_all()?.to_vec1()?;
         Ok(PackedWeight {
             w: Some(w),
-            fwd: Box::new(features::f32mm::F32Matrix::from_f32(&v, out, inp)),
+            fwd: Box::new(kernels::f32mm::F32Matrix::from_f32(&v, out, inp)),
             bwd: None,
             bf16: false,
         })

@@ -145,11 +145,11 @@ pub(crate) trait ExpRow: Float + Send + Sync + 'static {
 }
 
 impl ExpRow for f32 {
-    /// The vectorised kernel of the inference path (`features::ops::exp_in_place`: relative
+    /// The vectorised kernel of the inference path (`kernels::rows::exp_in_place`: relative
     /// error < 3e-7): libm's scalar `expf` was 7% of an f32 training step (attention's softmax
     /// forward and recomputed in the backward, SwiGLU's sigmoid).
     fn exp_row(x: &mut [f32]) {
-        features::ops::exp_in_place(x)
+        kernels::rows::exp_in_place(x)
     }
 }
 

@@ -305,7 +305,7 @@ impl PolicyModel {
 
     /// Trains with bf16 products (issue 31, `[policy] dtype = "bf16"`): every frozen weight's
     /// product with its input, forward (x Wᵀ) and backward (g W), and the LM head's, run on the
-    /// CPU's packed bf16 kernel (`features::bf16`: W and the product's input rounded to bf16,
+    /// CPU's packed bf16 kernel (`kernels::bf16`: W and the product's input rounded to bf16,
     /// sums in f32); the adapters, their products and gradients, the norms, attention's scores
     /// and Adam stay f32. The CPU's fused kernels and an f32 adapter model only; merging the
     /// adapters into the weights is refused from then on ([`crate::lora::BF16_MERGE`]).
@@ -321,7 +321,7 @@ impl PolicyModel {
 
     /// Every frozen weight (and the LM head) packed once for the CPU's packed products
     /// ([`crate::lora::PackedWeight`]): bf16 (as [`PolicyModel::use_bf16_products`]), forward
-    /// and backward, or f32 — the f32 kernel of φ and generation (`features::f32mm`) for
+    /// and backward, or f32 — the f32 kernel of φ and generation (`kernels::f32mm`) for
     /// forwards of at most [`crate::lora::F32_PACKED_MAX_ROWS`] rows, instead of candle's
     /// matmul, which packs W on every call. f32 keeps
     /// merging: a merged layer is packed again. An error where

@@ -18,7 +18,7 @@ mod common;
 
 use candle_core::{DType, Device, Tensor};
 use common::*;
-use features::generate::SampleOptions;
+use features::sampling::SampleOptions;
 use features::model::Family;
 use features::{Backbone, EosRule, Message, PhiOptions, Source};
 use policy::batch::SeqBatch;

@@ -1,6 +1,6 @@
 //! f32 products on the packed kernel (`PolicyModel::use_packed_products(false)`, issue 31: what
 //! onepass trains and scores with in f32 on the CPU): every frozen weight and the LM head
-//! packed once for `features::f32mm`'s forward x Wᵀ of passes of at most
+//! packed once for `kernels::f32mm`'s forward x Wᵀ of passes of at most
 //! `F32_PACKED_MAX_ROWS` rows, instead of candle's matmul, which packs W on every call (longer
 //! passes and every backward g W stay candle's, the faster there). The values and every adapter's gradient are candle's to
 //! f32 rounding (the two sum in different orders); a merge packs the merged weight again (else
@@ -106,7 +106,7 @@ fn packed_products_are_refused_where_they_do_not_apply() {
 #[test]
 fn f32_packing_runs_short_forwards_packed_and_the_rest_on_gemm() {
     use candle_core::Tensor;
-    use features::packed::PackedMatrix;
+    use kernels::packed::PackedMatrix;
     use policy::lora::{PackedWeight, F32_PACKED_MAX_ROWS};
     // both contractions long: gemm splits a sum this long into blocks, the packed kernel adds it
     // in order, so the two differ in some bits (what tells the paths apart)
@@ -118,7 +118,7 @@ fn f32_packing_runs_short_forwards_packed_and_the_rest_on_gemm() {
     let w = Tensor::from_vec(wv.clone(), (n, k), &Device::Cpu).unwrap();
     let wt: Vec<f32> = w.t().unwrap().contiguous().unwrap().flatten_all().unwrap().to_vec1().unwrap();
     let (kernel_w, kernel_wt) =
-        (features::f32mm::F32Matrix::from_f32(&wv, n, k), features::f32mm::F32Matrix::from_f32(&wt, k, n));
+        (kernels::f32mm::F32Matrix::from_f32(&wv, n, k), kernels::f32mm::F32Matrix::from_f32(&wt, k, n));
     let p = PackedWeight::f32(&w).unwrap();
     let flat = |t: &Tensor| -> Vec<f32> { t.flatten_all().unwrap().to_vec1().unwrap() };
     let differ = |a: &[f32], b: &[f32]| a.iter().zip(b).filter(|(x, y)| x.to_bits() != y.to_bits()).count();

@@ -93,7 +93,7 @@ pub fn bench(o: &BenchOptions) -> Result<BenchReport> {
         tok_s: (o.batch * o.len * o.reps) as f64 / total.max(1e-12),
         pass_s,
         load_s,
-        peak_rss_mb: features::peak_rss_mb(),
+        peak_rss_mb: kernels::mem::peak_rss_mb(),
         abs_sum,
     })
 }

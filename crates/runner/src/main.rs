@@ -342,7 +342,7 @@ fn main() -> ExitCode {
         libc::signal(libc::SIGPIPE, libc::SIG_DFL);
     }
     // a LoRA step's large tensors are reused, not handed back and zeroed again
-    policy::keep_freed_memory();
+    kernels::mem::keep_freed_memory();
     let cli = Cli::parse();
     if let Err(e) = runner::io::check_env() {
         return bad_input(&format!("{e:#}"));

@@ -21,7 +21,7 @@ mod util;
 
 use candle_core::{DType, Device};
 use features::extract::{Backbone, Source};
-use features::generate::SampleOptions;
+use features::sampling::SampleOptions;
 use features::Message;
 use policy::batch::SeqBatch;
 use policy::{LoraConfig, PolicyModel};

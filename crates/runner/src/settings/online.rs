@@ -205,7 +205,7 @@ impl<'a> PolicyCell<'a> {
     fn sample(
         &self,
         prompts: &[Vec<features::Message>],
-        opts: &features::generate::SampleOptions,
+        opts: &features::sampling::SampleOptions,
         base: Option<&Vec<Vec<Sample>>>,
         measure: bool,
     ) -> Result<(Vec<Vec<Sample>>, f64)> {
@@ -231,7 +231,7 @@ impl<'a> PolicyCell<'a> {
         &self,
         m: &PolicyModel,
         prompts: &[Vec<features::Message>],
-        opts: &features::generate::SampleOptions,
+        opts: &features::sampling::SampleOptions,
     ) -> Result<Vec<Vec<Sample>>> {
         let s = self.online.server.as_ref().expect("routed here with a server");
         let name = self.adapter_name(m)?;
@@ -370,7 +370,7 @@ impl<'a> PolicyCell<'a> {
                 let t0 = Instant::now();
                 let prompts: Vec<Vec<features::Message>> = xs[..p].iter().map(|&x| g.prompts[x].clone()).collect();
                 let seed = per_chunk_seed(b"onepass-rollouts", self.rollout_seed, chunk);
-                let opts = features::generate::SampleOptions { n: k, seed, ..self.online.opts.clone() };
+                let opts = features::sampling::SampleOptions { n: k, seed, ..self.online.opts.clone() };
                 let (samples, _) = self.sample(&prompts, &opts, None, false)?;
                 time.generation_s += t0.elapsed().as_secs_f64();
                 let t1 = Instant::now();

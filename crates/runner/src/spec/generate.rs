@@ -4,7 +4,7 @@
 use super::data::expand_env;
 use super::phi::{d_batch, d_device, d_dtype};
 use super::phi::{DType, Device, PhiSpec};
-use features::generate::SampleOptions;
+use features::sampling::SampleOptions;
 use schemars::JsonSchema;
 use serde::{Deserialize, Serialize};
 use std::path::PathBuf;

@@ -107,7 +107,7 @@ pub fn slow_bf16_warning(spec: &Spec, slow: bool) -> Option<String> {
 pub fn build(plan: &Plan, progress: Mode) -> Result<World, SpecError> {
     let keys = plan.keys();
     let spec = &plan.spec;
-    if let Some(w) = slow_bf16_warning(spec, features::cpu::bf16_is_slow()) {
+    if let Some(w) = slow_bf16_warning(spec, kernels::bf16::is_slow()) {
         eprintln!("onepass: warning: {w}");
     }
     let (mut data, mut generated, mut online, mut reward) = (None, None, None, None);

@@ -64,12 +64,12 @@ pub(crate) fn pack_rows(x: crate::packed::Rows, m: usize, k: usize) -> Vec<u32> 
         if i < m {
             // SAFETY: MaybeUninit<u32> and u32 have the same layout, and every word was written.
             let w = unsafe { &mut *(dst as *mut [std::mem::MaybeUninit<u32>] as *mut [u32]) };
-            crate::bf16::round_row(x, i, k, row, w);
+            crate::round::round_row(x, i, k, row, w);
         }
     };
     // SAFETY (of `overwritten`): the rows cover xs and `fill` writes each in full.
     unsafe {
-        crate::ops::overwritten(len, |xs| {
+        crate::buf::overwritten(len, |xs| {
             if m * k >= 1 << 16 {
                 xs.par_chunks_mut(pairs.max(1)).enumerate().for_each_init(Vec::new, |row, (i, d)| fill(row, i, d));
             } else {

@@ -7,7 +7,7 @@
 //! A format says how it packs and how it multiplies one block ([`Blocked`]); the driver here
 //! splits the work and runs the epilogues, so every format gets the same fusions.
 
-use crate::ops::OutPtr;
+use crate::buf::OutPtr;
 use rayon::prelude::*;
 
 /// A product's epilogue: called with a block of rows and their finished outputs (rows × n,
@@ -27,7 +27,7 @@ impl Rows<'_> {
     pub(crate) fn row_into(self, i: usize, k: usize, dst: &mut [f32]) {
         match self {
             Rows::Plain(x) => dst.copy_from_slice(&x[i * k..][..k]),
-            Rows::SiluMul(gu) => crate::ops::silu_mul_row(&gu[i * 2 * k..][..2 * k], dst),
+            Rows::SiluMul(gu) => crate::rows::silu_mul_row(&gu[i * 2 * k..][..2 * k], dst),
         }
     }
 }
@@ -69,7 +69,7 @@ pub(crate) fn product_into<B: Blocked>(
         y.iter_mut().for_each(|v| _ = v.write(0.0));
         if let Some(done) = done {
             // SAFETY: written just above.
-            done(0..m, unsafe { crate::ops::assume_written_mut(y) });
+            done(0..m, unsafe { crate::buf::assume_written_mut(y) });
         }
         return;
     }
@@ -104,14 +104,14 @@ pub(crate) fn product_into<B: Blocked>(
     });
     if let (false, Some(done)) = (whole_rows, done) {
         // SAFETY: every output was written above.
-        let y = unsafe { crate::ops::assume_written_mut(y) };
+        let y = unsafe { crate::buf::assume_written_mut(y) };
         y.par_chunks_mut(B::MC * n).enumerate().for_each(|(rb, s)| done(rb * B::MC..rb * B::MC + s.len() / n, s));
     }
 }
 
 fn product<B: Blocked>(w: &B, x: Rows, m: usize, done: Option<RowsDone>) -> Vec<f32> {
     // SAFETY (of `overwritten`): product_into writes every output.
-    unsafe { crate::ops::overwritten(m * w.n(), |y| product_into(w, x, m, y, done)) }
+    unsafe { crate::buf::overwritten(m * w.n(), |y| product_into(w, x, m, y, done)) }
 }
 
 /// The products a packed weight offers; what the model's layers hold (`dyn`, one per format).
@@ -124,7 +124,7 @@ pub trait PackedMatrix: Send + Sync {
     fn matmul_t(&self, x: &[f32], m: usize) -> Vec<f32>;
     /// y = (silu(g) ⊙ u) Wᵀ for gu = [g | u] (m, 2k) row-major f32: SwiGLU's down projection,
     /// silu(g)·u formed row by row while the product's input is packed (the bits of
-    /// [`crate::ops::silu_mul`] followed by [`PackedMatrix::matmul_t`], without writing and
+    /// [`crate::rows::silu_mul`] followed by [`PackedMatrix::matmul_t`], without writing and
     /// re-reading the (m, k) activation).
     fn matmul_t_swiglu(&self, gu: &[f32], m: usize) -> Vec<f32>;
     /// y = x Wᵀ as [`PackedMatrix::matmul_t`], then `done(rows, y[rows])` on each block of
@@ -135,7 +135,7 @@ pub trait PackedMatrix: Send + Sync {
     /// The residual sublayer's end: y = x Wᵀ (`swiglu`: of silu(g)·u for x = [g | u], as
     /// [`PackedMatrix::matmul_t_swiglu`]), then s = r + y and RMSNorm(s) with weight `norm` —
     /// returned as one (2, m, n) buffer [s; RMSNorm(s)], the bits of the product followed by
-    /// [`crate::ops::add_rms_norm`]. With enough rows each task owns whole rows and normalises
+    /// [`crate::rows::add_rms_norm`]. With enough rows each task owns whole rows and normalises
     /// its block while it is still in cache, rather than writing y out for a separate pass.
     fn matmul_t_add_rms(&self, x: &[f32], swiglu: bool, m: usize, r: &[f32], norm: &[f32], eps: f32) -> Vec<f32>;
 }
@@ -180,14 +180,50 @@ impl<B: Blocked + Send> PackedMatrix for B {
                         s.len(),
                     )
                 };
-                crate::ops::add_rms_rows_in_place(&r[rows.start * n..rows.end * n], s, norm, eps, d);
+                crate::rows::add_rms_rows_in_place(&r[rows.start * n..rows.end * n], s, norm, eps, d);
             };
             product_into(self, x, m, y, Some(&done))
         };
         // SAFETY (of `overwritten`): product_into writes the first half and the epilogue, called
         // on every block of rows, the second.
-        unsafe { crate::ops::overwritten(2 * m * n, fill) }
+        unsafe { crate::buf::overwritten(2 * m * n, fill) }
     }
+}
+
+/// The q/k/v product with RoPE and the attention layout as its epilogue: x (b·t, k) row-major
+/// f32 → the packed (b, heads, t, d) buffer of [`crate::rows::qkv_rope`] at offset 0, bit for bit,
+/// without a separate pass over the product's output; the first `rotated` heads (q and k) are
+/// rotated with the (≥ t, d/2) tables `cos`, `sin`.
+///
+/// # Panics
+/// If the shapes do not fit W (n = heads · d) or the tables (callers check them first).
+pub fn qkv_rope_product(
+    w: &(impl PackedMatrix + ?Sized),
+    x: &[f32],
+    (b, t, heads, d): (usize, usize, usize, usize),
+    rotated: usize,
+    (cos, sin): (&[f32], &[f32]),
+    interleaved: bool,
+) -> Vec<f32> {
+    assert!(
+        w.n() == heads * d && x.len() == b * t * w.k() && d.is_multiple_of(2) && rotated <= heads,
+        "qkv rope product: x of {} values and (b, t, heads, d) = {:?} against a {} × {} weight",
+        x.len(),
+        (b, t, heads, d),
+        w.n(),
+        w.k()
+    );
+    assert!(cos.len() >= t * (d / 2) && sin.len() == cos.len(), "qkv rope product: tables shorter than {t} rows");
+    let fill = |out: &mut [std::mem::MaybeUninit<f32>]| {
+        let dst = OutPtr(out.as_mut_ptr() as *mut f32);
+        let done = |r: std::ops::Range<usize>, y: &mut [f32]| {
+            // SAFETY: the product's blocks of rows are disjoint; each writes its rows' entries.
+            unsafe { crate::rows::qkv_rope_rows(y, r, (t, heads, d), rotated, (cos, sin), interleaved, &dst) }
+        };
+        drop(w.matmul_t_then(x, b * t, &done));
+    };
+    // SAFETY (of `overwritten`): the epilogue writes every (row, head) entry.
+    unsafe { crate::buf::overwritten(b * heads * t * d, fill) }
 }
 
 /// The store mask of panel `j` of a register tile of `cols` outputs in panels of 16 (AVX-512's

@@ -20,35 +20,9 @@
 //! differently; `ONEPASS_BF16_KERNEL=avx512bf16` keeps this sequence there.
 
 use crate::packed::Rows;
+use crate::round::round_row;
+pub use crate::round::{from_bf16, to_bf16};
 use rayon::prelude::*;
-
-/// f32 → bf16 bits, rounding to nearest even (as PyTorch, `half` and `VCVTNE2PS2BF16` do);
-/// subnormals become ±0 (the dot-product instruction would treat them as 0 anyway), NaN stays a
-/// quiet NaN, values past the largest bf16 become ±∞.
-#[inline(always)]
-pub fn to_bf16(x: f32) -> u16 {
-    let b = x.to_bits();
-    // Adding 0x7fff plus the lowest kept bit rounds half to even; a carry into the exponent is the
-    // correct rounding up to the next binade (or to ∞). Written with selects, no branches, so
-    // that packing a row of activations vectorises.
-    let rounded = b.wrapping_add(0x7fff + ((b >> 16) & 1)) >> 16;
-    let quiet_nan = (b >> 16) | 0x40;
-    let signed_zero = (b >> 16) & 0x8000;
-    let r = if b & 0x7fff_ffff > 0x7f80_0000 {
-        quiet_nan
-    } else if b & 0x7f80_0000 == 0 {
-        signed_zero
-    } else {
-        rounded
-    };
-    r as u16
-}
-
-/// bf16 bits → f32 (exact).
-#[inline(always)]
-pub fn from_bf16(h: u16) -> f32 {
-    f32::from_bits((h as u32) << 16)
-}
 
 /// Output columns per packed panel: one 512-bit register of f32.
 const LANES: usize = 16;
@@ -242,7 +216,7 @@ fn pack_rows(x: Rows, m: usize, k: usize) -> Vec<u32> {
     };
     // SAFETY (of `overwritten`): the tiles cover xs and `fill` writes each tile in full.
     unsafe {
-        crate::ops::overwritten(len, |xs| {
+        crate::buf::overwritten(len, |xs| {
             if m * k >= 1 << 16 {
                 xs.par_chunks_mut((MR * pairs).max(1))
                     .enumerate()
@@ -293,37 +267,6 @@ unsafe fn interleave8_avx2(words: &[u32], pairs: usize, dst: &mut [std::mem::May
         }
     }
     full
-}
-
-/// Row `i` of a product's input (x's row, or silu(g)·u formed in `row`) rounded into `w`, words
-/// of two bf16 ([`round_pairs`]).
-pub(crate) fn round_row(x: Rows, i: usize, k: usize, row: &mut Vec<f32>, w: &mut [u32]) {
-    match x {
-        Rows::Plain(x) => round_pairs(&x[i * k..][..k], w),
-        Rows::SiluMul(gu) => {
-            row.resize(k, 0.0);
-            crate::ops::silu_mul_row(&gu[i * 2 * k..][..2 * k], row);
-            round_pairs(row, w);
-        }
-    }
-}
-
-/// A row of f32 into words of two bf16 (low: the even input), an odd last input alone.
-/// Compiled for AVX-512 and AVX2 as well, chosen at run time (the baseline's SSE copy was ~6% of
-/// a bf16 forward pass).
-#[multiversion::multiversion(targets("x86_64+avx512f+avx512bw", "x86_64+avx2"))]
-fn round_pairs(row: &[f32], words: &mut [u32]) {
-    round_pairs_generic(row, words)
-}
-
-#[inline(always)]
-fn round_pairs_generic(row: &[f32], words: &mut [u32]) {
-    for (pair, w) in row.chunks_exact(2).zip(words.iter_mut()) {
-        *w = to_bf16(pair[0]) as u32 | ((to_bf16(pair[1]) as u32) << 16);
-    }
-    if row.len() % 2 == 1 {
-        words[row.len() / 2] = to_bf16(row[row.len() - 1]) as u32;
-    }
 }
 
 /// One register tile: `rows` (≤ MR) rows of packed activations from `a` (MR words per pair, see
@@ -627,6 +570,15 @@ unsafe fn tile_dpbf16<const R: usize>(t: &Tile) {
     }
 }
 
+/// Whether bf16 products run slower than f32's here: the AVX2 + FMA kernel (an AVX2-only CPU, or
+/// capped) and the portable one widen every weight in software below f32's speed (before the AVX2
+/// kernel, 11x on an AVX2-only EPYC: 40 against 439 tok/s). An AVX-512F CPU without bf16
+/// instructions (Skylake-SP, Cascade Lake, Ice Lake) widens in 512-bit registers at f32's speed
+/// (on a Cascade Lake: φ 1.0–1.2x of f32, generation 1.16x, half the weight memory), so it is not.
+pub fn is_slow() -> bool {
+    matches!(Kernel::detect(), Kernel::Avx2 | Kernel::Portable)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -804,10 +756,7 @@ mod tests {
                 *d = g / (1.0 + (-g).exp()) * u;
             }
         }
-        let want = {
-            let t = candle_core::Tensor::from_vec(gu.clone(), (m, 2 * k), &candle_core::Device::Cpu).unwrap();
-            crate::ops::silu_mul(&t).unwrap().flatten_all().unwrap().to_vec1::<f32>().unwrap()
-        };
+        let want = crate::rows::silu_mul(&gu, k);
         // The f32 op itself is silu·up (within its exp's error) — not, say, the gate alone.
         assert!(want.iter().zip(&a).all(|(x, y)| (x - y).abs() <= 1e-5 * (1.0 + y.abs())));
         let fused = mat.matmul_t_swiglu(&gu, m);
@@ -821,7 +770,6 @@ mod tests {
     /// plain and SwiGLU inputs.
     #[test]
     fn add_rms_epilogue_is_the_product_then_the_norm() {
-        use candle_core::{Device, Tensor};
         let (n, k) = (100, 70);
         let w = random(n * k, 8, 0.1);
         let mat = Bf16Matrix::from_f32(&w, n, k);
@@ -831,16 +779,7 @@ mod tests {
                 let x = random(m * if swiglu { 2 * k } else { k }, 10, 2.0);
                 let r = random(m * n, 11, 1.0);
                 let y = if swiglu { mat.matmul_t_swiglu(&x, m) } else { mat.matmul_t(&x, m) };
-                let t = |v: &[f32], c: usize| Tensor::from_vec(v.to_vec(), (m, c), &Device::Cpu).unwrap();
-                let (s, d) = crate::ops::add_rms_norm(
-                    &t(&r, n),
-                    &t(&y, n),
-                    &Tensor::new(norm.as_slice(), &Device::Cpu).unwrap(),
-                    1e-5,
-                )
-                .unwrap();
-                let mut want = s.flatten_all().unwrap().to_vec1::<f32>().unwrap();
-                want.extend(d.flatten_all().unwrap().to_vec1::<f32>().unwrap());
+                let want = crate::rows::add_rms_norm(&r, &y, &norm, 1e-5);
                 let got = mat.matmul_t_add_rms(&x, swiglu, m, &r, &norm, 1e-5);
                 assert!(got.iter().zip(&want).all(|(a, b)| a.to_bits() == b.to_bits()), "m {m}, swiglu {swiglu}");
                 // The residual is really added (the norm of y alone differs).

@@ -1,0 +1,22 @@
+//! The CPU kernels onepass's decoders run on, with no candle, tokenizer or I/O in them: CPU
+//! detection and the `ONEPASS_CPU` cap ([`cpu`]), the packed matrix products y = x Wᵀ in f32
+//! ([`f32mm`]), bf16 ([`bf16`], [`round`]) and AMX tiles ([`amx`]) with their fused epilogues
+//! ([`packed`]), the fused row kernels of a forward pass ([`rows`]: causal softmax, attention,
+//! RoPE, RMSNorm, silu·up), the uninitialised buffers they fill (`buf`) and the allocator
+//! settings of the processes that use them ([`mem`]). `features` and `policy` wrap them as candle
+//! ops; everything here takes and returns plain slices.
+//!
+//! Files sit on each other in this order (a file imports only from files before it): `buf`,
+//! `mem` → `rows` → `packed` → `round` → `amx` → `cpu` → `bf16` → `f32mm`. Every `unsafe` sits
+//! behind a safe entry point; the unsafe contracts (a product's block, the uninitialised
+//! buffers of `buf`) stay inside the crate.
+
+pub mod amx;
+pub mod bf16;
+mod buf;
+pub mod cpu;
+pub mod f32mm;
+pub mod mem;
+pub mod packed;
+pub mod round;
+pub mod rows;
