@@ -26,7 +26,8 @@ KEEP=${KEEP:-docs/results/slices/$NAME}
 WORK=${WORK:-results/slices-$NAME}
 BIN=results/bin-$REV/onepass
 
-slice_dir() { find "$WORK/s$1" -mindepth 1 -maxdepth 1 -type d 2>/dev/null | head -n 1; }
+# the slice's run directory, or nothing (not an error: `d=$(slice_dir i)` runs under set -e)
+slice_dir() { find "$WORK/s$1" -mindepth 1 -maxdepth 1 -type d 2>/dev/null | head -n 1 || true; }
 
 case "${1:-}" in
 build)
