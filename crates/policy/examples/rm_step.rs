@@ -21,7 +21,8 @@
 
 use candle_core::{DType, Device};
 use estimators::{EstimatorConfig, HvpCgConfig, SgdConfig};
-use policy::reward::{HvpConfig, HvpScheme, OnePass, RewardModel, RmPair};
+use policy::reward::{RewardModel, RmPair};
+use policy::rm_update::{HvpConfig, HvpScheme, OnePass};
 use policy::{LoraConfig, PolicyModel, Target};
 use rand::{Rng, SeedableRng};
 use std::alloc::{GlobalAlloc, Layout, System};

@@ -17,7 +17,7 @@
 //! Backward, with dy: dPⱼ = dy·vⱼ, D = dy·yᵢ (= Σⱼ Pⱼ dPⱼ), dSⱼ = Pⱼ (dPⱼ − D),
 //! dqᵢ = c Σⱼ dSⱼ kⱼ, dkⱼ += c dSⱼ qᵢ, dvⱼ += Pⱼ dy.
 
-use crate::mm::{mm, ExpRow, Mat};
+use crate::mm::{mm, slice, with_slices, ExpRow, Mat};
 use candle_core::{CpuStorage, CustomOp3, Layout, Result, Shape, Tensor};
 use rayon::prelude::*;
 
@@ -56,33 +56,6 @@ struct Attention {
     shape: Dims,
     /// The forward pass's log-sum-exp per query row (b, h, t), for the backward's recomputation.
     lse: std::sync::Mutex<Option<Vec<f64>>>,
-}
-
-/// The values of a contiguous CPU storage under `l`.
-pub(crate) fn slice<'a, T: candle_core::WithDType>(s: &'a CpuStorage, l: &Layout) -> Result<&'a [T]> {
-    let v = s.as_slice::<T>()?;
-    match l.contiguous_offsets() {
-        Some((a, b)) => Ok(&v[a..b]),
-        None => candle_core::bail!("expected a contiguous tensor"),
-    }
-}
-
-/// `f` on the values of contiguous CPU tensors, read in place (a backward pass reads its
-/// saved activations without copying them out).
-pub(crate) fn with_slices<T: candle_core::WithDType, R, const N: usize>(
-    ts: [&Tensor; N],
-    f: impl FnOnce([&[T]; N]) -> R,
-) -> Result<R> {
-    let held = ts.map(|t| t.storage_and_layout());
-    let mut vals: Vec<&[T]> = Vec::with_capacity(N);
-    for (st, l) in &held {
-        match &**st {
-            candle_core::Storage::Cpu(s) => vals.push(slice(s, l)?),
-            _ => candle_core::bail!("expected CPU tensors"),
-        }
-    }
-    let vals: [&[T]; N] = vals.try_into().map_err(|_| candle_core::Error::Msg("tensor count".into()))?;
-    Ok(f(vals))
 }
 
 /// Keys row r of a group's (g·t) query rows sees: 0..s − t + (r mod t) + 1.

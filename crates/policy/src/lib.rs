@@ -1,13 +1,17 @@
 //! A policy that learns between deployment chunks (paper §6: each chunk's pairs update the
 //! reward model and then the policy). Pure maths and models: no specs, files of runs or CLI.
 //!
+//! Its files from the bottom up, each naming only files before it: `mm`, [`adam`], [`batch`],
+//! [`loss`], [`ops`], [`attention`], [`lora`], [`head`], [`model`], [`critic`], [`train`],
+//! [`reward`], [`peft`], `rop_cpu`, [`rop`], [`rm_update`].
+//!
 //! - [`lora`]: low-rank adapters W + (α/r)·B·A on chosen linear layers, base weights frozen;
 //!   merging them into the weights for the fused inference path of `features`.
 //! - [`model::PolicyModel`]: the Llama/Qwen2 decoder of `features` written with differentiable
 //!   candle ops, so `backward()` gives the adapters' gradients; on the CPU its sublayers run as
-//!   fused ops with their backward passes written out ([`ops`], [`attention`], `mm`: the
-//!   packed products of `features` for frozen weights), checked bit for bit against the
-//!   op-by-op graph (`set_sublayer_fusion(false)`). Training batches are right-padded: with
+//!   fused ops with their backward passes written out ([`ops`], [`attention`], [`head`],
+//!   `mm`: the packed products of `features` for frozen weights), checked bit for bit against
+//!   the op-by-op graph (`set_sublayer_fusion(false)`). Training batches are right-padded: with
 //!   causal attention a real token never sees a pad, so no padding mask is needed; losses mask
 //!   the pads.
 //! - [`attention`]: grouped-query causal attention as one CPU op with its gradient written out
@@ -27,9 +31,9 @@
 //!   [`train::ppo_update`] (actor and critic) —
 //!   and [`train::score`] (log-probabilities and KL to the reference, no gradients).
 //! - [`reward`]: a reward model whose features learn, r = θᵀh_ψ (the paper's appendix "Full
-//!   update of reward model"), and its one-pass updates over (ψ, θ) with the head-only
-//!   estimators' rules, HVPs by differences of gradients or exactly by [`rop`] (Pearlmutter's
-//!   R-operator over the adapters and the head; its CPU kernels in `rop_cpu`).
+//!   update of reward model"), and ([`rm_update`]) its one-pass updates over (ψ, θ) with the
+//!   head-only estimators' rules, HVPs by differences of gradients or exactly by [`rop`]
+//!   (Pearlmutter's R-operator over the adapters and the head; its CPU kernels in `rop_cpu`).
 //! - [`peft`]: adapters saved and read in PEFT's layout (`adapter_model.safetensors`,
 //!   `adapter_config.json`).
 
@@ -40,6 +44,7 @@ pub mod adam;
 pub mod attention;
 pub mod batch;
 pub mod critic;
+pub mod head;
 pub mod lora;
 pub mod loss;
 mod mm;
@@ -47,6 +52,7 @@ pub mod model;
 pub mod ops;
 pub mod peft;
 pub mod reward;
+pub mod rm_update;
 pub mod rop;
 mod rop_cpu;
 pub mod train;

@@ -309,7 +309,7 @@ impl PackedWeight {
         let y = match &self.w {
             Some(w) if !self.packed_forward(rows) => {
                 let (out, inp) = w.dims2()?;
-                crate::attention::with_slices::<f32, _, 1>([w], |[w]| {
+                crate::mm::with_slices::<f32, _, 1>([w], |[w]| {
                     product(rows, out, inp, Mat::rows(x, inp), Mat::t(w, inp))
                 })?
             }
@@ -330,7 +330,7 @@ impl PackedWeight {
             (Some(b), _) => b.matmul_t(g, rows),
             (None, Some(w)) => {
                 let (out, inp) = w.dims2()?;
-                crate::attention::with_slices::<f32, _, 1>([w], |[w]| {
+                crate::mm::with_slices::<f32, _, 1>([w], |[w]| {
                     product(rows, inp, out, Mat::rows(g, out), Mat::rows(w, inp))
                 })?
             }
@@ -342,14 +342,14 @@ impl PackedWeight {
     /// x Wᵀ for x (rows, in) f32 on the CPU: (rows, out).
     pub fn forward(&self, x: &Tensor) -> Result<Tensor> {
         let rows = check_input(x, self.fwd.k(), self.fwd.n())?;
-        let y = crate::attention::with_slices::<f32, _, 1>([&x.contiguous()?], |[x]| self.forward_values(x, rows))??;
+        let y = crate::mm::with_slices::<f32, _, 1>([&x.contiguous()?], |[x]| self.forward_values(x, rows))??;
         Tensor::from_vec(y, (rows, self.fwd.n()), x.device())
     }
 
     /// g W for g (rows, out) f32 on the CPU: (rows, in) — the gradient of x.
     pub fn backward(&self, g: &Tensor) -> Result<Tensor> {
         let rows = check_input(g, self.fwd.n(), self.fwd.k())?;
-        let dx = crate::attention::with_slices::<f32, _, 1>([&g.contiguous()?], |[g]| self.backward_values(g, rows))??;
+        let dx = crate::mm::with_slices::<f32, _, 1>([&g.contiguous()?], |[g]| self.backward_values(g, rows))??;
         Tensor::from_vec(dx, (rows, self.fwd.k()), g.device())
     }
 }
@@ -691,15 +691,11 @@ impl Inner {
                 let out = op.w.dim(0)?;
                 match x.dtype() {
                     candle_core::DType::F32 => {
-                        let y = crate::attention::with_slices::<f32, _, 3>([&x, &a, &b], |[x, a, b]| {
-                            op.fwd(x, a, b, rows)
-                        })??;
+                        let y = crate::mm::with_slices::<f32, _, 3>([&x, &a, &b], |[x, a, b]| op.fwd(x, a, b, rows))??;
                         Tensor::from_vec(y, (rows, out), x.device())
                     }
                     candle_core::DType::F64 => {
-                        let y = crate::attention::with_slices::<f64, _, 3>([&x, &a, &b], |[x, a, b]| {
-                            op.fwd(x, a, b, rows)
-                        })??;
+                        let y = crate::mm::with_slices::<f64, _, 3>([&x, &a, &b], |[x, a, b]| op.fwd(x, a, b, rows))??;
                         Tensor::from_vec(y, (rows, out), x.device())
                     }
                     other => candle_core::bail!("lora-matmul: the fused op runs in f32 or f64, not {other:?}"),
@@ -776,7 +772,7 @@ impl FrozenMatmul {
         if self.w.dim(1)? != inp || x.len() != rows * inp {
             candle_core::bail!("frozen-matmul: a ({rows}, {inp}) input for a {:?} weight", self.w.dims());
         }
-        crate::attention::with_slices::<T, _, 1>([&self.w], |[w]| x_wt(x, rows, inp, w, out))
+        crate::mm::with_slices::<T, _, 1>([&self.w], |[w]| x_wt(x, rows, inp, w, out))
     }
 
     fn bwd_t<T: num_traits::Float + candle_core::WithDType>(&self, g: &Tensor) -> Result<Tensor> {
@@ -785,7 +781,7 @@ impl FrozenMatmul {
         if n != out {
             candle_core::bail!("frozen-matmul: a ({rows}, {n}) gradient for a {:?} weight", self.w.dims());
         }
-        let dx = crate::attention::with_slices::<T, _, 2>([g, &self.w], |[g, w]| g_w(g, rows, out, w, inp))?;
+        let dx = crate::mm::with_slices::<T, _, 2>([g, &self.w], |[g, w]| g_w(g, rows, out, w, inp))?;
         Tensor::from_vec(dx, (rows, inp), g.device())
     }
 }
@@ -803,8 +799,8 @@ impl candle_core::CustomOp1 for FrozenMatmul {
         use candle_core::CpuStorage;
         let (rows, inp) = l.shape().dims2()?;
         let out = match s {
-            CpuStorage::F32(_) => CpuStorage::F32(self.fwd(crate::attention::slice(s, l)?, rows, inp)?),
-            CpuStorage::F64(_) => CpuStorage::F64(self.fwd(crate::attention::slice(s, l)?, rows, inp)?),
+            CpuStorage::F32(_) => CpuStorage::F32(self.fwd(crate::mm::slice(s, l)?, rows, inp)?),
+            CpuStorage::F64(_) => CpuStorage::F64(self.fwd(crate::mm::slice(s, l)?, rows, inp)?),
             _ => candle_core::bail!("frozen-matmul: the fused op runs in f32 or f64"),
         };
         Ok((out, candle_core::Shape::from((rows, self.w.dim(0)?))))
@@ -869,7 +865,7 @@ impl WeightMatmul {
             );
         }
         use crate::mm::Mat;
-        let (dx, dw) = crate::attention::with_slices::<T, _, 3>([x, w, g], |[x, w, g]| {
+        let (dx, dw) = crate::mm::with_slices::<T, _, 3>([x, w, g], |[x, w, g]| {
             // ∂W: xᵀ g (in, out) as candle forms it, stored as (out, in)
             let dw = crate::mm::product_transposed(inp, out, rows, Mat::t(x, inp), Mat::rows(g, out));
             (g_w(g, rows, out, w, inp), dw)
@@ -890,7 +886,7 @@ impl candle_core::CustomOp2 for WeightMatmul {
         s2: &candle_core::CpuStorage,
         l2: &candle_core::Layout,
     ) -> Result<(candle_core::CpuStorage, candle_core::Shape)> {
-        use crate::attention::slice;
+        use crate::mm::slice;
         use candle_core::CpuStorage;
         let (xd, wd) = (l1.shape().dims2()?, l2.shape().dims2()?);
         let out = match (s1, s2) {
@@ -1051,7 +1047,7 @@ impl LoraMatmul {
         let (out, inp) = self.w.dims2()?;
         match &self.packed {
             Some(p) => p.forward_values(x, rows),
-            None => crate::attention::with_slices::<T, _, 1>([&self.w], |[w]| {
+            None => crate::mm::with_slices::<T, _, 1>([&self.w], |[w]| {
                 product(rows, out, inp, Mat::rows(x, inp), Mat::t(w, inp))
             }),
         }
@@ -1088,7 +1084,7 @@ impl LoraMatmul {
         g: &Tensor,
         want_dx: bool,
     ) -> Result<(Option<Tensor>, Tensor, Tensor)> {
-        use crate::attention::with_slices;
+        use crate::mm::with_slices;
         use crate::mm::{mm_add, product, scaled_product, Mat};
         let (out, inp) = self.w.dims2()?;
         let (rows, r) = (x.dim(0)?, a.dim(0)?);
@@ -1165,7 +1161,7 @@ impl candle_core::CustomOp3 for LoraMatmul {
         s3: &candle_core::CpuStorage,
         l3: &candle_core::Layout,
     ) -> Result<(candle_core::CpuStorage, candle_core::Shape)> {
-        use crate::attention::slice;
+        use crate::mm::slice;
         use candle_core::CpuStorage;
         let rows = l1.shape().dims2()?.0;
         let out = match s1 {

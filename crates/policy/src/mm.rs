@@ -1,8 +1,10 @@
 //! The fused CPU path's dense products and exponentials, shared by its ops (attention, the
 //! frozen matmul, SwiGLU, the LM head): one call of the `gemm` crate (candle's CPU matmul, so
-//! the same results for the same shapes) written straight into the op's output, and e^x on a
-//! whole row at a time.
+//! the same results for the same shapes) written straight into the op's output, e^x on a
+//! whole row at a time, and the values of contiguous CPU tensors read in place
+//! ([`with_slices`]).
 
+use candle_core::{CpuStorage, Layout, Result, Tensor};
 use num_traits::Float;
 
 /// A matrix in memory: its first element and its row and column strides (so a transpose is a
@@ -137,6 +139,33 @@ fn fresh<T: Float + 'static>(m: usize, n: usize, k: usize, a: Mat<T>, b: Mat<T>,
         out.set_len(len);
     }
     out
+}
+
+/// The values of a contiguous CPU storage under `l`.
+pub(crate) fn slice<'a, T: candle_core::WithDType>(s: &'a CpuStorage, l: &Layout) -> Result<&'a [T]> {
+    let v = s.as_slice::<T>()?;
+    match l.contiguous_offsets() {
+        Some((a, b)) => Ok(&v[a..b]),
+        None => candle_core::bail!("expected a contiguous tensor"),
+    }
+}
+
+/// `f` on the values of contiguous CPU tensors, read in place (a backward pass reads its
+/// saved activations without copying them out).
+pub(crate) fn with_slices<T: candle_core::WithDType, R, const N: usize>(
+    ts: [&Tensor; N],
+    f: impl FnOnce([&[T]; N]) -> R,
+) -> Result<R> {
+    let held = ts.map(|t| t.storage_and_layout());
+    let mut vals: Vec<&[T]> = Vec::with_capacity(N);
+    for (st, l) in &held {
+        match &**st {
+            candle_core::Storage::Cpu(s) => vals.push(slice(s, l)?),
+            _ => candle_core::bail!("expected CPU tensors"),
+        }
+    }
+    let vals: [&[T]; N] = vals.try_into().map_err(|_| candle_core::Error::Msg("tensor count".into()))?;
+    Ok(f(vals))
 }
 
 /// e^x in place over a row.

@@ -608,7 +608,7 @@ impl PolicyModel {
             return r.logprobs_pass(batch, Pass::BASE);
         }
         let rows = self.response_rows(batch, pass)?;
-        crate::ops::lm_head_logprobs(&rows, &self.lm_head, self.lm_head_packed.as_ref(), &batch.targets, self.kernels)
+        crate::head::lm_head_logprobs(&rows, &self.lm_head, self.lm_head_packed.as_ref(), &batch.targets, self.kernels)
     }
 
     /// The final-norm hidden states (P, hidden) that predict the batch's response tokens, row

@@ -7,7 +7,7 @@
 //!   custom op that computes its value straight into its output (RMSNorm, SwiGLU, the head
 //!   layout with RoPE, attention in `crate::attention`, the frozen and LoRA products in
 //!   `crate::lora`), or a value computed outside the graph that [`routed`] attaches to its input
-//!   (the LM head's log-probabilities, softmax), each with its gradient written out: on the CPU
+//!   (the LM head's log-probabilities in `crate::head`, softmax), each with its gradient written out: on the CPU
 //!   a training step runs about as many passes over memory as inference does, and its graph holds
 //!   a dozen nodes per decoder block (in candle's autograd each node costs a zeroed gradient and
 //!   an add in the backward). These ops are CPU-only: they refuse any other device.
@@ -343,7 +343,7 @@ impl RmsNorm {
     fn fwd<T: num_traits::Float + candle_core::WithDType>(&self, x: &[T]) -> Result<Vec<T>> {
         use rayon::prelude::*;
         let eps = T::from(self.eps).unwrap_or_else(T::zero);
-        crate::attention::with_slices::<T, _, 1>([&self.w], |[w]| {
+        crate::mm::with_slices::<T, _, 1>([&self.w], |[w]| {
             let d = w.len();
             let mut y = vec![T::zero(); x.len()];
             y.par_chunks_mut(d).zip(x.par_chunks(d)).with_min_len(16).for_each(|(y, x)| {
@@ -358,7 +358,7 @@ impl RmsNorm {
     fn bwd_t<T: num_traits::Float + candle_core::WithDType>(&self, x: &Tensor, g: &Tensor) -> Result<Tensor> {
         use rayon::prelude::*;
         let eps = T::from(self.eps).unwrap_or_else(T::zero);
-        let dx = crate::attention::with_slices::<T, _, 3>([x, g, &self.w], |[x, g, w]| {
+        let dx = crate::mm::with_slices::<T, _, 3>([x, g, &self.w], |[x, g, w]| {
             let d = w.len();
             let dn = T::from(d).unwrap_or_else(T::one);
             let mut dx = vec![T::zero(); x.len()];
@@ -382,8 +382,8 @@ impl CustomOp1 for RmsNorm {
 
     fn cpu_fwd(&self, s: &CpuStorage, l: &Layout) -> Result<(CpuStorage, Shape)> {
         let out = match s {
-            CpuStorage::F32(_) => CpuStorage::F32(self.fwd(crate::attention::slice(s, l)?)?),
-            CpuStorage::F64(_) => CpuStorage::F64(self.fwd(crate::attention::slice(s, l)?)?),
+            CpuStorage::F32(_) => CpuStorage::F32(self.fwd(crate::mm::slice(s, l)?)?),
+            CpuStorage::F64(_) => CpuStorage::F64(self.fwd(crate::mm::slice(s, l)?)?),
             _ => candle_core::bail!("rms-norm: the fused op runs in f32 or f64"),
         };
         Ok((out, l.shape().clone()))
@@ -480,11 +480,11 @@ pub(crate) fn heads_values(
     let y = y.contiguous()?;
     let v = match y.dtype() {
         candle_core::DType::F32 => {
-            let v = crate::attention::with_slices::<f32, _, 1>([&y], |[y]| op.run(y, to_heads, inverse))??;
+            let v = crate::mm::with_slices::<f32, _, 1>([&y], |[y]| op.run(y, to_heads, inverse))??;
             Tensor::from_vec(v, op.shape(to_heads), y.device())?
         }
         candle_core::DType::F64 => {
-            let v = crate::attention::with_slices::<f64, _, 1>([&y], |[y]| op.run(y, to_heads, inverse))??;
+            let v = crate::mm::with_slices::<f64, _, 1>([&y], |[y]| op.run(y, to_heads, inverse))??;
             Tensor::from_vec(v, op.shape(to_heads), y.device())?
         }
         other => candle_core::bail!("heads: the fused layout change runs in f32 or f64, not {other:?}"),
@@ -604,7 +604,7 @@ impl Heads {
             }
         };
         match tables.as_slice() {
-            [c, s] => crate::attention::with_slices::<T, _, 2>([c, s], |[c, s]| body(&[c, s]))?,
+            [c, s] => crate::mm::with_slices::<T, _, 2>([c, s], |[c, s]| body(&[c, s]))?,
             _ => body(&[]),
         }
         Ok(dst)
@@ -631,8 +631,8 @@ impl CustomOp1 for Heads {
 
     fn cpu_fwd(&self, s: &CpuStorage, l: &Layout) -> Result<(CpuStorage, Shape)> {
         let out = match s {
-            CpuStorage::F32(_) => CpuStorage::F32(self.run(crate::attention::slice(s, l)?, self.split, false)?),
-            CpuStorage::F64(_) => CpuStorage::F64(self.run(crate::attention::slice(s, l)?, self.split, false)?),
+            CpuStorage::F32(_) => CpuStorage::F32(self.run(crate::mm::slice(s, l)?, self.split, false)?),
+            CpuStorage::F64(_) => CpuStorage::F64(self.run(crate::mm::slice(s, l)?, self.split, false)?),
             _ => candle_core::bail!("{}: the fused op runs in f32 or f64", self.name()),
         };
         Ok((out, self.shape(self.split)))
@@ -642,11 +642,11 @@ impl CustomOp1 for Heads {
         let g = g.contiguous()?;
         let dx = match g.dtype() {
             candle_core::DType::F32 => {
-                let v = crate::attention::with_slices::<f32, _, 1>([&g], |[g]| self.run(g, !self.split, true))??;
+                let v = crate::mm::with_slices::<f32, _, 1>([&g], |[g]| self.run(g, !self.split, true))??;
                 Tensor::from_vec(v, x.shape(), x.device())?
             }
             candle_core::DType::F64 => {
-                let v = crate::attention::with_slices::<f64, _, 1>([&g], |[g]| self.run(g, !self.split, true))??;
+                let v = crate::mm::with_slices::<f64, _, 1>([&g], |[g]| self.run(g, !self.split, true))??;
                 Tensor::from_vec(v, x.shape(), x.device())?
             }
             other => candle_core::bail!("{}: no backward in {other:?}", self.name()),
@@ -675,127 +675,6 @@ fn rope_composed(x: &Tensor, cos: &Tensor, sin: &Tensor, interleaved: bool) -> R
         let (ra, rc) = turn(&a, &c)?;
         Tensor::cat(&[ra, rc], 3)
     }
-}
-
-/// Rows per block of [`lm_head_logprobs`]: a block's logits are 128 × vocabulary (25 MB for
-/// SmolLM2's 49,152 tokens in f32).
-const LM_BLOCK: usize = 128;
-
-/// log π(t_r | row r) = log-softmax(x Wᵀ)[r, t_r]: the LM head, the log-softmax over the
-/// vocabulary and the gather of each row's target in one op, for x (P, hidden), W (vocab,
-/// hidden) and targets (P,) u32. ∂L/∂x_r = g_r (W[t_r] − softmax(x_r Wᵀ) W).
-///
-/// Fused (the CPU, W frozen): the rows in blocks of `LM_BLOCK`; each block's logits go through
-/// candle's log-softmax kernel and are dropped, its log-softmax is kept for the backward only
-/// when x needs a gradient, and the backward forms e^{log-softmax} ⊙ (−g) plus g at the
-/// target block by block. A training step so holds one (P, vocab) tensor for the LM head where
-/// the graph of `frozen_matmul` → `log_softmax_last` → `gather` held the logits and the
-/// log-softmax through the backward and made four more (P, vocab) temporaries in it (issue 31:
-/// the step's memory). The values are that graph's. With `packed` (a policy on packed
-/// products, bf16 or f32) both products run on that packed kernel. Routed or composed (other devices), or
-/// W a variable (a full-parameter policy, whose LM head takes a gradient): that graph.
-pub fn lm_head_logprobs(
-    x: &Tensor,
-    w: &Tensor,
-    packed: Option<&std::sync::Arc<crate::lora::PackedWeight>>,
-    targets: &Tensor,
-    k: Kernels,
-) -> Result<Tensor> {
-    let p = targets.dim(0)?;
-    if k != Kernels::Fused || w.is_variable() {
-        let logits = crate::lora::frozen_matmul(x, w, k)?;
-        let lp = log_softmax_last(&logits, k)?;
-        return lp.gather(&targets.reshape((p, 1))?, 1)?.squeeze(1);
-    }
-    if x.dim(0)? != p {
-        candle_core::bail!("lm-head log-probabilities: {} rows for {p} targets", x.dim(0)?);
-    }
-    match x.dtype() {
-        candle_core::DType::F32 => lm_head_fused::<f32>(x, w, packed, targets),
-        candle_core::DType::F64 if packed.is_none() => lm_head_fused::<f64>(x, w, None, targets),
-        other => candle_core::bail!("lm-head log-probabilities: the fused op runs in f32 or f64, not {other:?}"),
-    }
-}
-
-/// The fused branch of [`lm_head_logprobs`]: per block of rows, the logits written by one
-/// product and turned into their log-softmax in place, row by row on rayon's pool (max, then
-/// Σ e^{x − max} on the vectorised exponential, then x − max − log Σ); the backward forms
-/// −g_r e^{ls} + g_r at the target in one pass per row, then one product. candle's
-/// log-softmax took six single-threaded passes over each block (and its backward four).
-fn lm_head_fused<T: crate::mm::ExpRow + candle_core::WithDType>(
-    x: &Tensor,
-    w: &Tensor,
-    packed: Option<&std::sync::Arc<crate::lora::PackedWeight>>,
-    targets: &Tensor,
-) -> Result<Tensor> {
-    use crate::attention::with_slices;
-    use crate::mm::{product, Mat};
-    use rayon::prelude::*;
-    let (p, hidden) = x.dims2()?;
-    let vocab = w.dim(0)?;
-    let tg: Vec<u32> = targets.to_vec1()?;
-    if let Some(bad) = tg.iter().find(|&&t| t as usize >= vocab) {
-        candle_core::bail!("lm-head log-probabilities: target {bad} outside a vocabulary of {vocab}");
-    }
-    let xd = x.detach().contiguous()?;
-    let w = w.contiguous()?;
-    let keep = x.track_op();
-    let (mut lps, mut kept) = (Vec::with_capacity(p), Vec::new());
-    for start in (0..p).step_by(LM_BLOCK) {
-        let n = LM_BLOCK.min(p - start);
-        let rows = xd.narrow(0, start, n)?;
-        let mut ls: Vec<T> = match packed {
-            Some(pk) => with_slices::<T, _, 1>([&rows], |[r]| pk.forward_values(r, n))??,
-            None => with_slices::<T, _, 2>([&rows, &w], |[r, w]| {
-                product(n, vocab, hidden, Mat::rows(r, hidden), Mat::t(w, hidden))
-            })?,
-        };
-        ls.par_chunks_mut(vocab).for_each(|row| {
-            let m = row.iter().fold(T::neg_infinity(), |a, &b| num_traits::Float::max(a, b));
-            let mut buf = [T::zero(); 512];
-            let mut sum = T::zero();
-            for c in row.chunks(buf.len()) {
-                let e = &mut buf[..c.len()];
-                e.iter_mut().zip(c).for_each(|(e, &v)| *e = v - m);
-                T::exp_row(e);
-                sum = e.iter().fold(sum, |a, &v| a + v);
-            }
-            let shift = m + sum.ln();
-            row.iter_mut().for_each(|v| *v -= shift);
-        });
-        lps.extend(ls.chunks(vocab).zip(&tg[start..start + n]).map(|(row, &t)| row[t as usize]));
-        if keep {
-            kept.push(ls);
-        }
-    }
-    let y = Tensor::from_vec(lps, p, x.device())?;
-    let packed = packed.cloned();
-    routed(x, y, "lm-head-logprobs", move |_, _, g| {
-        let g: Vec<T> = g.to_vec1()?;
-        let mut dx = Vec::with_capacity(kept.len());
-        for (b, ls) in kept.iter().enumerate() {
-            let n = ls.len() / vocab;
-            let at = b * LM_BLOCK;
-            let mut d = ls.clone();
-            d.par_chunks_mut(vocab).enumerate().for_each(|(r, row)| {
-                T::exp_row(row);
-                let gr = g[at + r];
-                row.iter_mut().for_each(|v| *v = -gr * *v);
-                let t = tg[at + r] as usize;
-                row[t] += gr;
-            });
-            dx.push(match &packed {
-                Some(pk) => Tensor::from_vec(pk.backward_values(&d, n)?, (n, hidden), &candle_core::Device::Cpu)?,
-                None => {
-                    let v = with_slices::<T, _, 1>([&w], |[w]| {
-                        product(n, hidden, vocab, Mat::rows(&d, vocab), Mat::rows(w, hidden))
-                    })?;
-                    Tensor::from_vec(v, (n, hidden), &candle_core::Device::Cpu)?
-                }
-            });
-        }
-        Tensor::cat(&dx, 0)
-    })
 }
 
 /// log-softmax over the last dimension; ∂L/∂x = g − e^y Σg. Composed: x − m − log Σ e^{x − m}
@@ -885,12 +764,8 @@ impl candle_core::CustomOp2 for SiluMul {
 
     fn cpu_fwd(&self, s1: &CpuStorage, l1: &Layout, s2: &CpuStorage, l2: &Layout) -> Result<(CpuStorage, Shape)> {
         let out = match s1 {
-            CpuStorage::F32(_) => {
-                CpuStorage::F32(SiluMul::fwd(crate::attention::slice(s1, l1)?, crate::attention::slice(s2, l2)?))
-            }
-            CpuStorage::F64(_) => {
-                CpuStorage::F64(SiluMul::fwd(crate::attention::slice(s1, l1)?, crate::attention::slice(s2, l2)?))
-            }
+            CpuStorage::F32(_) => CpuStorage::F32(SiluMul::fwd(crate::mm::slice(s1, l1)?, crate::mm::slice(s2, l2)?)),
+            CpuStorage::F64(_) => CpuStorage::F64(SiluMul::fwd(crate::mm::slice(s1, l1)?, crate::mm::slice(s2, l2)?)),
             _ => candle_core::bail!("silu-mul: the fused op runs in f32 or f64"),
         };
         Ok((out, l1.shape().clone()))
@@ -900,8 +775,7 @@ impl candle_core::CustomOp2 for SiluMul {
         let da = da.contiguous()?;
         macro_rules! run {
             ($t:ty) => {{
-                let (dg, du) =
-                    crate::attention::with_slices::<$t, _, 3>([g, u, &da], |[g, u, d]| SiluMul::bwd(g, u, d))?;
+                let (dg, du) = crate::mm::with_slices::<$t, _, 3>([g, u, &da], |[g, u, d]| SiluMul::bwd(g, u, d))?;
                 (Tensor::from_vec(dg, g.shape(), g.device())?, Tensor::from_vec(du, u.shape(), u.device())?)
             }};
         }

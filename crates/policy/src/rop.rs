@@ -28,7 +28,7 @@
 
 use crate::lora::Linear;
 use crate::model::{Block, PolicyModel};
-use crate::reward::{RewardModel, RmPair};
+use crate::reward::{Gradient, RewardModel, RmPair};
 use crate::rop_cpu as cpu;
 use candle_core::{DType, Result, Tensor, D};
 
@@ -559,6 +559,25 @@ pub struct Recorded {
     pub tape: Tape,
     pub grads: Vec<Tensor>,
     pub margins: Vec<f64>,
+}
+
+// the reward model's gradient pass that records this module's tape
+impl RewardModel {
+    /// The gradient of [`RewardModel::gradient`] by a hand-written forward and backward pass
+    /// that records what the exact Hessian–vector products of [`Tape::hvp`] need
+    /// (Pearlmutter's R-operator; LoRA adapters and the head). The same passes and loss; the
+    /// gradient equals the autograd one to rounding (tested).
+    pub fn gradient_tape(&self, pairs: &[RmPair<'_>]) -> Result<(Gradient, Tape)> {
+        if pairs.is_empty() {
+            candle_core::bail!("reward model gradient: no pairs");
+        }
+        let rec = Tape::record(self, pairs, &self.pass_groups(pairs))?;
+        let y: Vec<f32> = pairs.iter().map(|p| p.y).collect();
+        let n = pairs.len();
+        let (mut coef, mut curv) = (vec![0.0; n], vec![0.0; n]);
+        let stats = estimators::BatchStats::compute(&rec.margins, &y, &mut coef, &mut curv);
+        Ok((Gradient { stats, grads: rec.grads, curvature: curv }, rec.tape))
+    }
 }
 
 impl Tape {

@@ -5,8 +5,7 @@
 //! tangents in one pass. The same maths as `rop`'s composed ops (which other devices run and
 //! the tests compare against).
 
-use crate::attention::with_slices;
-use crate::mm::{mm, mm_acc, mm_add, product, scaled_product, ExpRow, Mat};
+use crate::mm::{mm, mm_acc, mm_add, product, scaled_product, with_slices, ExpRow, Mat};
 use candle_core::{DType, Result, Tensor};
 use rayon::prelude::*;
 

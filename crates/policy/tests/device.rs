@@ -23,7 +23,7 @@ use features::model::Family;
 use features::{Backbone, EosRule, Message, PhiOptions, Source};
 use policy::batch::SeqBatch;
 use policy::ops::Kernels;
-use policy::reward::{HvpConfig, OnePass};
+use policy::rm_update::{HvpConfig, OnePass};
 use policy::{LoraConfig, PolicyModel, Target};
 use std::collections::HashMap;
 use std::path::PathBuf;

@@ -219,14 +219,15 @@ fn the_clipped_value_loss_and_its_gradient_equal_a_hand_computation() {
     assert!((s(&plain) - want).abs() < 1e-12);
 }
 
-/// The fused LM head + log-softmax + gather (`ops::lm_head_logprobs`) against the graph it
+/// The fused LM head + log-softmax + gather (`head::lm_head_logprobs`) against the graph it
 /// replaces (the LM head's product, log-softmax and gather in candle's differentiable ops), in
 /// f64 and f32: values and ∂/∂x of a weighted sum, over rows that span three blocks (the last
 /// one partial) and a vocabulary that spans three of the log-softmax's exponential buffers.
 /// Negative control: other targets give other values.
 #[test]
 fn the_fused_lm_head_log_probabilities_equal_the_graphs() {
-    use policy::ops::{lm_head_logprobs, Kernels};
+    use policy::head::lm_head_logprobs;
+    use policy::ops::Kernels;
     use rand::{Rng, SeedableRng};
     let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(3);
     let (p, h, v) = (300, 7, 1300);

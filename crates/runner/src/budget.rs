@@ -162,7 +162,7 @@ fn reward_terms(spec: &Spec, r: &RewardShape) -> Vec<Term> {
     let curvature = spec.estimators.iter().any(|e| {
         matches!(e.get("kind").and_then(|k| k.as_str()), Some("omd-hvp-cg" | "omd-hvp-cg+adam" | "omd-reference"))
     });
-    if curvature && rs.hvp_scheme() == policy::reward::HvpScheme::Exact {
+    if curvature && rs.hvp_scheme() == policy::rm_update::HvpScheme::Exact {
         let batch = 2 * spec.stream.batch_size as u64;
         let (qw, kvw) = ((cfg.heads * cfg.head_dim) as u64, (cfg.kv_heads * cfg.head_dim) as u64);
         let per_token = 8 * h + 4 * qw + 4 * kvw + 3 * i;

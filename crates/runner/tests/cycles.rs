@@ -18,16 +18,31 @@ use std::path::Path;
 const CRATES: &[&str] = &["features", "policy", "estimators", "selection", "runner"];
 
 /// (crate, module prefix): no circle may touch a module under these.
-const CYCLE_FREE: &[(&str, &str)] = &[("runner", "settings")];
+const CYCLE_FREE: &[(&str, &str)] = &[
+    ("runner", "settings"),
+    // policy has no circle: every one of its modules (a prefix of "" names none)
+    ("policy", "lib"),
+    ("policy", "adam"),
+    ("policy", "attention"),
+    ("policy", "batch"),
+    ("policy", "critic"),
+    ("policy", "head"),
+    ("policy", "lora"),
+    ("policy", "loss"),
+    ("policy", "mm"),
+    ("policy", "model"),
+    ("policy", "ops"),
+    ("policy", "peft"),
+    ("policy", "reward"),
+    ("policy", "rm_update"),
+    ("policy", "rop"),
+    ("policy", "rop_cpu"),
+    ("policy", "train"),
+];
 
 /// Known circles, each as its sorted modules joined by ", ": to be broken (and then struck
 /// from this list, which the test enforces by failing on any circle not listed here).
-const KNOWN: &[(&str, &str)] = &[
-    ("features", "amx, bf16, cpu, f32mm, model"),
-    ("features", "generate, openai"),
-    ("policy", "attention, lora, ops"),
-    ("policy", "reward, rop"),
-];
+const KNOWN: &[(&str, &str)] = &[("features", "amx, bf16, cpu, f32mm, model"), ("features", "generate, openai")];
 
 /// Tarjan's strongly connected components of the graph `edges` over nodes `0..n`, each
 /// component's nodes sorted, components of one node included.

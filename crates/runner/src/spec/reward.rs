@@ -5,7 +5,7 @@
 //! estimator tables' rules (`policy::reward`).
 
 use super::policy::{d_alpha, d_rank, Targets};
-use policy::reward::HvpScheme;
+use policy::rm_update::HvpScheme;
 use schemars::JsonSchema;
 use serde::{Deserialize, Serialize};
 
@@ -168,9 +168,9 @@ impl RewardSpec {
     }
 
     /// How the update takes Hessian–vector products.
-    pub fn hvp_config(&self) -> policy::reward::HvpConfig {
+    pub fn hvp_config(&self) -> policy::rm_update::HvpConfig {
         let scheme = self.hvp_scheme();
-        policy::reward::HvpConfig { eps: self.hvp_eps.unwrap_or(scheme.default_eps()), scheme }
+        policy::rm_update::HvpConfig { eps: self.hvp_eps.unwrap_or(scheme.default_eps()), scheme }
     }
 
     /// The adapters of update = "lora", their initial draw from `seed`.
