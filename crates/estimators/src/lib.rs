@@ -22,6 +22,10 @@
 //! V_t for selection rules, whatever the estimator. Kernels ([`linalg`]) are plain loops with
 //! fixed-order reductions, so a run is bit-reproducible across CPUs; this crate knows nothing
 //! of files, specs or the command line.
+//!
+//! Files sit in this order, each naming only files before it (`crates/runner/tests/cycles.rs`
+//! fails on a circle): `config`, `lib` → `linalg` → `logistic` → `cg`, `curvature`, `ensemble`,
+//! `mle`, `omd_exact` → `rule` → `first_order`.
 
 // Numeric kernels index several arrays in lock-step; index loops read better there.
 #![allow(clippy::needless_range_loop)]

@@ -19,6 +19,10 @@
 //!   and AMX products, fused row kernels): [`ops`] wraps the row kernels as candle custom ops,
 //!   [`model`] holds packed weights; [`cpu`] says what the CPU has, with candle's own matmul.
 //!
+//! Files sit in this order, each naming only files before it (`crates/runner/tests/cycles.rs`
+//! fails on a circle): `lib` (the error type), `hub`, `ops`, `sampling`, `template` → `cache`,
+//! `model` → `openai`, `cpu`, `gguf`, `tokenizer` → `extract` → `generate`, `head`.
+//!
 //! This crate knows nothing of specs, parquet or the CLI.
 
 /// This crate's version (a run's meta.json records it).
