@@ -8,7 +8,8 @@
 //! is the part before the first " / ", the colour the rest. The colours are assigned once per run
 //! ([`Layout`]) so a strategy keeps its colour in every figure of the run.
 
-use super::{mean_std, mean_t95, series, Row};
+use super::row::{series, Row};
+use super::stats::{mean_std, mean_t95};
 use anyhow::{anyhow, bail, Result};
 use plotters::coord::Shift;
 use plotters::prelude::*;
