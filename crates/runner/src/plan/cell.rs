@@ -3,7 +3,7 @@
 //! else of the spec: every word ("auto", "theory", a strategy's name) is a value here, every
 //! default applied (`deploy.chunks` of 0 is one chunk).
 
-use super::{needs_tracker, ConfigPlan, CurvatureChoice};
+use super::config::{needs_tracker, ConfigPlan, CurvatureChoice};
 use crate::spec::{
     CurvaturePoint, EnvSpec, Order, Pessimism, PessimismReference, RewardSpec, ScoreNorm, Setting, Spec, StreamSpec,
 };
