@@ -3,44 +3,23 @@
 //! then the policy), and how it is evaluated.
 
 use super::Sweep;
-use policy::train::{KlEstimator, KlPenalty};
+use policy::train::KlEstimator;
 use schemars::JsonSchema;
 use serde::{Deserialize, Serialize};
 
-/// What reward drives a learning arm's policy update (rloo): the paper's learned reward, or one
-/// of the two controls a policy-level claim needs.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize, JsonSchema)]
-#[serde(rename_all = "kebab-case")]
-pub enum RewardSource {
-    /// φᵀθ_t, the reward model learned in one pass (the paper's method).
-    Learned,
-    /// The oracle's own reward of each sample: the ceiling — can this update improve this
-    /// policy at this budget at all?
-    Oracle,
-    /// φᵀθ̃ with θ̃ a random direction (drawn per seed) of ‖θ_t‖: a reward with no information
-    /// about the oracle — the floor: what the update's drift alone does.
-    Null,
-}
-
-impl std::fmt::Display for RewardSource {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.write_str(match self {
-            RewardSource::Learned => "learned",
-            RewardSource::Oracle => "oracle",
-            RewardSource::Null => "null",
-        })
-    }
-}
-
-/// How rloo scales its reward before the KL penalty.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
-#[serde(rename_all = "kebab-case")]
-pub enum RewardNormKind {
-    /// (r − mean)/sd over the chunk's rewards, clipped to ±reward_clip (OpenRLHF's convention).
-    Chunk,
-    /// The raw reward: its scale (‖θ‖) sets the KL penalty's weight.
-    None,
-}
+mod dpo;
+mod grpo;
+mod ppo;
+mod reinforce_pp;
+mod rloo;
+mod shared;
+pub use dpo::{DpoPairs, DpoParameters, DpoSpec, WarmStart};
+pub use grpo::GrpoSpec;
+pub use ppo::{CriticHead, PpoSpec};
+pub use reinforce_pp::ReinforcePpSpec;
+pub use rloo::RlooSpec;
+use shared::{d_epochs, d_lr, d_one};
+pub use shared::{RewardNormKind, RewardSource};
 
 /// The learning-rate schedule of the policy's Adam.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
@@ -119,56 +98,6 @@ pub enum RolloutSource {
     Fresh,
 }
 
-/// The pairs the dpo arm learns from.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
-#[serde(rename_all = "kebab-case")]
-pub enum DpoPairs {
-    /// The pair the deploy strategy picked among a prompt's n samples, with its label.
-    Strategy,
-    /// The authors' DPO arm: the first two of each prompt's rollouts (`[policy] rollouts`),
-    /// chosen = the oracle's higher reward (their argmax labels); equal rewards or identical
-    /// responses are dropped and counted.
-    FreshTwo,
-}
-
-/// What the dpo arm trains.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
-#[serde(rename_all = "kebab-case")]
-pub enum DpoParameters {
-    /// LoRA adapters (`[policy]` rank, alpha, targets, dropout).
-    Lora,
-    /// Every weight of the policy (the authors' DPO arm): embeddings, norms, every linear
-    /// layer's weight and bias, the LM head. Training holds the weights, their gradients and
-    /// Adam's two moments besides the frozen reference: ~5 copies of the model in f32.
-    Full,
-}
-
-/// `[policy.dpo.warm_start]`: DPO on the first `rows` pairs of a preference dataset before the
-/// first chunk (the authors' DPO arm: 1,000 UltraFeedback train_prefs pairs), read as `[data]`
-/// reads (`path`, `format`, `keys`). Prompts are templated by the policy; each response is
-/// tokenised and cut to generate.max_new_tokens (an end-of-turn token closes the ones not cut).
-#[derive(Clone, Debug, PartialEq, Serialize, Deserialize, JsonSchema)]
-#[serde(deny_unknown_fields)]
-pub struct WarmStart {
-    /// The dataset's file (as `[data] path`).
-    pub path: String,
-    /// How its rows are read (as `[data] format`).
-    #[serde(default = "d_format")]
-    pub format: super::Format,
-    /// Key names of the generic format (as `[data.keys]`).
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub keys: Option<super::data::Keys>,
-    /// The first rows used (pairs).
-    pub rows: usize,
-    /// Passes over the pairs (mini-batches of `[policy] minibatch`).
-    #[serde(default = "d_epochs")]
-    pub epochs: usize,
-}
-
-fn d_format() -> super::Format {
-    super::Format::Auto
-}
-
 /// The policy the KL penalty (and the evaluation's KL) is measured against.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
 #[serde(rename_all = "kebab-case")]
@@ -178,16 +107,6 @@ pub enum KlReference {
     /// The policy at the start of the chunk's update (the authors': each chunk's actor and
     /// reference start from the previous chunk's merged policy).
     ChunkStart,
-}
-
-impl RewardNormKind {
-    /// The update's normalisation, clipped to ±`clip` when per chunk.
-    fn resolve(self, clip: f64) -> policy::train::RewardNorm {
-        match self {
-            RewardNormKind::Chunk => policy::train::RewardNorm::Chunk { clip },
-            RewardNormKind::None => policy::train::RewardNorm::None,
-        }
-    }
 }
 
 /// What a learning policy's run saves of its adapters (PEFT layout, under `adapters/`).
@@ -325,231 +244,6 @@ pub struct PolicySpec {
     /// `[policy.reinforce_pp]`: the reinforce-pp arm's own keys.
     #[serde(default)]
     pub reinforce_pp: ReinforcePpSpec,
-}
-
-/// `[policy.grpo]`: GRPO as TRL's `GRPOTrainer` runs it by default (TRL 1.10.0.dev0, revision
-/// f2cd577): the reward (a sweep of sources, as rloo's) centred on its prompt group's mean and
-/// divided by the group's sample standard deviation + 1e-4 (`scale_rewards = "group"`), the
-/// same advantage at every token of a response, the per-token ratio clipped to 1 ± `clip`
-/// (`epsilon` 0.2), β·k3 per token in the loss (`beta`, TRL's default 0: no KL term), the token
-/// losses summed over the mini-batch's token count (`loss_type = "dapo"`). The `[policy]` keys
-/// `epochs` (TRL's `num_iterations`, 1) and `minibatch` apply.
-#[derive(Clone, Debug, PartialEq, Serialize, Deserialize, JsonSchema)]
-#[serde(deny_unknown_fields)]
-pub struct GrpoSpec {
-    /// The reward that drives the update: "learned" (φᵀθ_t), or the controls "oracle" (the ceiling)
-    /// and "null" (the floor). A list sweeps: one cell per source.
-    #[serde(default = "d_reward")]
-    pub reward: Sweep<RewardSource>,
-    /// β of the per-token k3 KL to the reference in the loss (TRL's `beta`, default 0: no KL
-    /// term).
-    #[serde(default)]
-    pub kl_coef: f64,
-    /// The clip ε of the per-token probability ratio (TRL's `epsilon`; 0: no clip).
-    #[serde(default = "d_clip")]
-    pub clip: f64,
-    /// What the group-centred rewards are divided by (TRL's `scale_rewards`): "group" (the
-    /// group's sample sd + 1e-4, TRL's default), "batch" (the update's) or "none" (Dr. GRPO).
-    #[serde(default = "d_group_scale")]
-    pub scale_rewards: policy::loss::GroupScale,
-    /// Rollouts per prompt, ≥ 2 (TRL's `num_generations`; default generate.n).
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub rollouts_per_prompt: Option<usize>,
-}
-
-impl Default for GrpoSpec {
-    fn default() -> Self {
-        toml::from_str("").expect("defaults")
-    }
-}
-
-/// `[policy.reinforce_pp]`: REINFORCE++ as OpenRLHF runs `advantage_estimator = "reinforce"`
-/// (OpenRLHF 0.11.0, revision 3c3be62): the reward (a sweep of sources) clipped to
-/// ±`reward_clip` (OpenRLHF's `reward.clip_range`, ±10; not normalised, its
-/// `normalize_enable` default) at the last token, −`kl_coef`·KL_t at every token (k1, clamped
-/// to ±10; `init_coef` 0.01), discounted returns (`gamma` 1) as advantages, centred and divided
-/// by their standard deviation over every token of the update; the per-token ratio clipped to
-/// 1 ± `clip` (`eps_clip` 0.2); the token losses summed over the mini-batch's token count
-/// (`token_level_loss`). No critic.
-#[derive(Clone, Debug, PartialEq, Serialize, Deserialize, JsonSchema)]
-#[serde(deny_unknown_fields)]
-pub struct ReinforcePpSpec {
-    /// The reward that drives the update: "learned" (φᵀθ_t), or the controls "oracle" (the ceiling)
-    /// and "null" (the floor). A list sweeps: one cell per source.
-    #[serde(default = "d_reward")]
-    pub reward: Sweep<RewardSource>,
-    /// How the reward is scaled before it is clipped and the KL penalty added: "none"
-    /// (OpenRLHF's default) or "chunk" ((r − mean)/sd over the update).
-    #[serde(default = "d_reward_norm_none")]
-    pub reward_norm: RewardNormKind,
-    /// The reward is clipped to ±reward_clip (OpenRLHF's `reward.clip_range`).
-    #[serde(default = "d_reward_clip")]
-    pub reward_clip: f64,
-    /// β of the per-token KL penalty in the reward (OpenRLHF's `kl.init_coef`).
-    #[serde(default = "d_ppo_kl")]
-    pub kl_coef: f64,
-    /// The clip ε of the per-token probability ratio (OpenRLHF's `eps_clip`; 0: no clip).
-    #[serde(default = "d_clip")]
-    pub clip: f64,
-    /// The discount γ of the returns (OpenRLHF's `advantage.gamma`).
-    #[serde(default = "d_one")]
-    pub gamma: f64,
-    /// Divide the centred advantages by their standard deviation over the update's tokens
-    /// (OpenRLHF's default; its `no_std_norm` turns it off).
-    #[serde(default = "d_true")]
-    pub normalize_advantages: bool,
-    /// Rollouts per prompt, ≥ 1 (default generate.n).
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub rollouts_per_prompt: Option<usize>,
-}
-
-impl Default for ReinforcePpSpec {
-    fn default() -> Self {
-        toml::from_str("").expect("defaults")
-    }
-}
-
-/// Where a PPO critic's value head starts each chunk.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
-#[serde(rename_all = "kebab-case")]
-pub enum CriticHead {
-    /// v = θ_t: the critic starts as the learned reward model (OpenRLHF initialises the critic
-    /// from the reward model); needs features.model = generate.policy (the critic runs on the
-    /// policy's backbone, φ on the feature model's).
-    Theta,
-    /// v = 0.
-    Zero,
-}
-
-/// `[policy.ppo]`: PPO with a critic (OpenRLHF's, the authors' loop). The reward source (a
-/// sweep, as rloo's) normalised per chunk and clipped; per token the reward −`kl_coef`·KL_t
-/// plus the sequence's reward at its last token; GAE (`gamma`, `lambda`); the ratio clipped to
-/// 1 ± `clip`, the value loss clipped to ± `value_clip` around the old values (0: no clip);
-/// the critic's learning rate and value head's start; advantages divided by their sd.
-#[derive(Clone, Debug, PartialEq, Serialize, Deserialize, JsonSchema)]
-#[serde(deny_unknown_fields)]
-pub struct PpoSpec {
-    /// The reward that drives the update: "learned" (φᵀθ_t), or the controls "oracle" (the ceiling)
-    /// and "null" (the floor). A list sweeps: one cell per source.
-    #[serde(default = "d_reward")]
-    pub reward: Sweep<RewardSource>,
-    /// How the sequence reward is scaled before the KL penalty.
-    #[serde(default = "d_reward_norm")]
-    pub reward_norm: RewardNormKind,
-    /// reward_norm = "chunk": the normalised reward is clipped to ±reward_clip.
-    #[serde(default = "d_reward_clip")]
-    pub reward_clip: f64,
-    /// β of the per-token KL penalty in the reward.
-    #[serde(default = "d_ppo_kl")]
-    pub kl_coef: f64,
-    /// The clip ε of the probability ratio.
-    #[serde(default = "d_clip")]
-    pub clip: f64,
-    /// The value loss is clipped to ± value_clip around the old values (0: no clip).
-    #[serde(default = "d_clip")]
-    pub value_clip: f64,
-    /// γ of GAE.
-    #[serde(default = "d_one")]
-    pub gamma: f64,
-    /// λ of GAE.
-    #[serde(default = "d_lambda")]
-    pub lambda: f64,
-    /// The critic's Adam learning rate.
-    #[serde(default = "d_lr")]
-    pub critic_lr: f64,
-    /// Where the critic's value head starts each chunk. Absent: per reward source — "theta"
-    /// for reward = "learned", "zero" for the controls "oracle" and "null" (a control's critic
-    /// must carry no learned signal); "theta" written with a control source is refused.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub critic_head: Option<CriticHead>,
-    /// Divide the advantages by their standard deviation.
-    #[serde(default = "d_true")]
-    pub normalize_advantages: bool,
-    /// Rollouts per prompt (default generate.n; the authors' PPO: 1).
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub rollouts_per_prompt: Option<usize>,
-}
-
-impl PpoSpec {
-    /// The critic's head for the reward source `reward`: `critic_head` when written, else θ for
-    /// the learned reward and 0 for the controls (which must carry no learned signal).
-    pub fn critic_head_for(&self, reward: RewardSource) -> CriticHead {
-        self.critic_head.unwrap_or(match reward {
-            RewardSource::Learned => CriticHead::Theta,
-            RewardSource::Oracle | RewardSource::Null => CriticHead::Zero,
-        })
-    }
-}
-
-impl Default for PpoSpec {
-    fn default() -> Self {
-        toml::from_str("").expect("defaults")
-    }
-}
-
-/// `[policy.rloo]`: which reward drives the update (a sweep: one cell per source), how it is
-/// normalised before the KL penalty (`reward_norm`, `reward_clip`), β of the KL penalty and
-/// where it enters (`kl_penalty`: per sequence as TRL's RLOO, or per token as OpenRLHF), the PPO
-/// clip ε of the ratio (0: none), advantages centred and divided by their sd.
-#[derive(Clone, Debug, PartialEq, Serialize, Deserialize, JsonSchema)]
-#[serde(deny_unknown_fields)]
-pub struct RlooSpec {
-    /// The reward that drives the update: "learned" (φᵀθ_t), or the controls "oracle" (the ceiling)
-    /// and "null" (the floor). A list sweeps: one cell per source.
-    #[serde(default = "d_reward")]
-    pub reward: Sweep<RewardSource>,
-    /// How the reward is scaled before the KL penalty.
-    #[serde(default = "d_reward_norm")]
-    pub reward_norm: RewardNormKind,
-    /// reward_norm = "chunk": the normalised reward is clipped to ±reward_clip.
-    #[serde(default = "d_reward_clip")]
-    pub reward_clip: f64,
-    /// β of the KL penalty.
-    #[serde(default = "d_kl_coef")]
-    pub kl_coef: f64,
-    /// Where the KL penalty enters: per sequence (TRL's RLOO) or per token (OpenRLHF).
-    #[serde(default = "d_kl_penalty")]
-    pub kl_penalty: KlPenalty,
-    /// The PPO clip ε of the probability ratio (0: no clip).
-    #[serde(default = "d_clip")]
-    pub clip: f64,
-    /// Centre the leave-one-out advantages on their mean over the chunk and divide them by
-    /// their sample standard deviation (TRL's `normalize_advantage`).
-    #[serde(default = "d_true")]
-    pub normalize_advantages: bool,
-    /// Rollouts per prompt, ≥ 2 (the leave-one-out baseline; default generate.n).
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub rollouts_per_prompt: Option<usize>,
-}
-
-impl Default for RlooSpec {
-    fn default() -> Self {
-        toml::from_str("").expect("defaults")
-    }
-}
-
-/// `[policy.dpo]`: β of the DPO loss, the pairs it learns from, and a warm start.
-#[derive(Clone, Debug, PartialEq, Serialize, Deserialize, JsonSchema)]
-#[serde(deny_unknown_fields)]
-pub struct DpoSpec {
-    /// β of the DPO loss (TRL's default 0.1).
-    #[serde(default = "d_dpo_beta")]
-    pub beta: f64,
-    /// The pairs the dpo arm learns from.
-    #[serde(default = "d_dpo_pairs")]
-    pub pairs: DpoPairs,
-    /// What the dpo arm trains: LoRA adapters or every weight.
-    #[serde(default = "d_dpo_parameters")]
-    pub parameters: DpoParameters,
-    /// `[policy.dpo.warm_start]`: DPO on a preference dataset before the first chunk.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub warm_start: Option<WarmStart>,
-}
-
-impl Default for DpoSpec {
-    fn default() -> Self {
-        toml::from_str("").expect("defaults")
-    }
 }
 
 /// PEFT's `target_modules`: names, or "all-linear".
@@ -912,23 +606,11 @@ impl PolicySpec {
     }
 }
 
-fn d_ppo_kl() -> f64 {
-    0.01
-}
-fn d_lambda() -> f64 {
-    0.95
-}
 fn d_adapter() -> Sweep<AdapterLife> {
     Sweep::one(AdapterLife::Persistent)
 }
 fn d_rollouts() -> RolloutSource {
     RolloutSource::Samples
-}
-fn d_dpo_parameters() -> DpoParameters {
-    DpoParameters::Lora
-}
-fn d_dpo_pairs() -> DpoPairs {
-    DpoPairs::Strategy
 }
 fn d_kl_reference() -> KlReference {
     KlReference::Initial
@@ -960,53 +642,14 @@ pub(super) fn d_alpha() -> f64 {
 fn d_targets() -> Targets {
     Targets::List(vec!["q_proj".into(), "v_proj".into()])
 }
-fn d_lr() -> f64 {
-    1e-4
-}
-fn d_one() -> f64 {
-    1.0
-}
 fn d_one_usize() -> usize {
-    1
-}
-fn d_epochs() -> usize {
     1
 }
 fn d_minibatch() -> usize {
     8
 }
-fn d_kl_coef() -> f64 {
-    0.05
-}
 fn d_kl() -> KlEstimator {
     KlEstimator::K1
-}
-fn d_kl_penalty() -> KlPenalty {
-    KlPenalty::Sequence
-}
-fn d_reward() -> Sweep<RewardSource> {
-    Sweep::one(RewardSource::Learned)
-}
-fn d_reward_norm() -> RewardNormKind {
-    RewardNormKind::Chunk
-}
-fn d_reward_norm_none() -> RewardNormKind {
-    RewardNormKind::None
-}
-fn d_group_scale() -> policy::loss::GroupScale {
-    policy::loss::GroupScale::Group
-}
-fn d_reward_clip() -> f64 {
-    10.0
-}
-fn d_clip() -> f64 {
-    0.2
-}
-fn d_true() -> bool {
-    true
-}
-fn d_dpo_beta() -> f64 {
-    0.1
 }
 fn d_max_kl() -> f64 {
     50.0
