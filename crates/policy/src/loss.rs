@@ -1,35 +1,18 @@
 //! The losses of a policy update, on per-token log-probabilities of sampled responses.
 //!
-//! Conventions (TRL's RLOO trainer, the reference we follow): the KL penalty is the k1
-//! estimator log π(y_t) − log π_ref(y_t) summed over the response and subtracted from the
-//! reward (r̃ = r̂ − β_KL·Σ_t k1_t); the baseline of a sample is the mean r̃ of the other k − 1
-//! samples of its prompt (leave-one-out); the policy-gradient loss is sequence-level,
-//! −A·ρ with ρ = exp(Σ_t log π − Σ_t log π_old), PPO-clipped to [1 − ε, 1 + ε] when ε is given
-//! (ρ = 1 with gradient ∇ log π on the first pass over freshly sampled responses).
-//! k3 = e^{log π_ref − log π} − (log π_ref − log π) − 1 (Schulman's unbiased, non-negative
-//! estimator) is reported beside k1.
+//! Conventions (TRL's RLOO trainer, the reference we follow): the KL penalty subtracted from the
+//! reward is β_KL·Σ_t KL_t with the per-token estimator of `train::KlEstimator` (k1 = log π −
+//! log π_ref by default; k3 inside a reward is refused by the runner, its gradient being
+//! biased); the baseline of a sample is the mean r̃ of the other k − 1 samples of its prompt
+//! (leave-one-out); the policy-gradient loss is sequence-level, −A·ρ with ρ = exp(Σ_t log π −
+//! Σ_t log π_old), PPO-clipped to [1 − ε, 1 + ε] when ε is given (ρ = 1 with gradient ∇ log π
+//! on the first pass over freshly sampled responses). GRPO carries β·k3 per token as a term of
+//! its loss (`train::GrpoConfig`), never in the reward.
 
-use candle_core::{Result, Tensor, D};
+use candle_core::{Result, Tensor};
 
-/// log π(ids[:, i+1] | ids[:, ..=i]) for i < t − 1: (b, t − 1), from logits (b, t, vocab).
-pub fn token_logprobs(logits: &Tensor, ids: &Tensor) -> Result<Tensor> {
-    let (b, t, _) = logits.dims3()?;
-    let lp = candle_nn::ops::log_softmax(&logits.narrow(1, 0, t - 1)?, D::Minus1)?;
-    let next = ids.narrow(1, 1, t - 1)?.to_dtype(candle_core::DType::U32)?.contiguous()?;
-    lp.gather(&next.reshape((b, t - 1, 1))?, 2)?.squeeze(2)
-}
-
-/// Σ_t x[:, t]·mask[:, t]: (b,).
-pub fn masked_sum(x: &Tensor, mask: &Tensor) -> Result<Tensor> {
-    (x * mask)?.sum(1)
-}
-
-/// Per-token k1 = log π − log π_ref.
-pub fn kl_k1(lp: &Tensor, lp_ref: &Tensor) -> Result<Tensor> {
-    lp - lp_ref
-}
-
-/// Per-token k3 = e^{d} − d − 1 with d = log π_ref − log π.
+/// Per-token k3 = e^{d} − d − 1 with d = log π_ref − log π, on tensors (GRPO's KL term in its
+/// loss; `train::KlEstimator::per_token` is the same estimate on one token's numbers).
 pub fn kl_k3(lp: &Tensor, lp_ref: &Tensor) -> Result<Tensor> {
     let d = (lp_ref - lp)?;
     (d.exp()? - &d)? - 1.0

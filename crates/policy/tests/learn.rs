@@ -9,7 +9,7 @@ use candle_core::{DType, Device, Tensor};
 use common::*;
 use features::model::Family;
 use policy::adam::{Adam, AdamConfig};
-use policy::loss::{masked_sum, rloo_advantages, rloo_loss, token_logprobs};
+use policy::loss::{rloo_advantages, rloo_loss};
 use policy::{LoraConfig, PolicyModel, Target};
 use rand::{Rng, SeedableRng};
 use std::collections::HashMap;

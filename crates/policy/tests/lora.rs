@@ -8,7 +8,6 @@ mod common;
 use candle_core::{DType, Device, Tensor};
 use common::*;
 use features::model::Family;
-use policy::loss::{masked_sum, token_logprobs};
 use policy::{LoraConfig, PolicyModel, Target};
 use std::collections::HashMap;
 

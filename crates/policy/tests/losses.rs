@@ -1,9 +1,13 @@
 //! The losses against hand computations on fixed numbers, and Adam against its update written
 //! out in f64.
 
+mod common;
+
 use candle_core::{DType, Device, Tensor, Var};
+use common::token_logprobs;
 use policy::adam::{Adam, AdamConfig};
 use policy::loss::*;
+use policy::train::KlEstimator;
 
 fn t(v: &[f64]) -> Tensor {
     Tensor::from_vec(v.to_vec(), v.len(), &Device::Cpu).unwrap()
@@ -32,13 +36,16 @@ fn token_logprobs_gather_the_next_token() {
 #[test]
 fn kl_estimators_match_their_formulas() {
     let (lp, lr) = ([-1.0, -0.2, -3.0], [-1.5, -0.1, -2.0]);
-    let k1: Vec<f64> = kl_k1(&t(&lp), &t(&lr)).unwrap().to_vec1().unwrap();
-    let k3: Vec<f64> = kl_k3(&t(&lp), &t(&lr)).unwrap().to_vec1().unwrap();
+    let k3_tensor: Vec<f64> = kl_k3(&t(&lp), &t(&lr)).unwrap().to_vec1().unwrap();
     for i in 0..3 {
-        let d = lr[i] - lp[i];
-        assert!((k1[i] - (lp[i] - lr[i])).abs() < 1e-12);
-        assert!((k3[i] - (d.exp() - d - 1.0)).abs() < 1e-12);
-        assert!(k3[i] >= 0.0, "k3 is non-negative");
+        let d: f64 = lr[i] - lp[i];
+        let (k1, k3) = (KlEstimator::K1.per_token(lp[i], lr[i]), KlEstimator::K3.per_token(lp[i], lr[i]));
+        assert!((k1 - (lp[i] - lr[i])).abs() < 1e-12);
+        assert!((k3 - (d.exp() - d - 1.0)).abs() < 1e-12);
+        assert!(k3 >= 0.0, "k3 is non-negative");
+        assert!((k3_tensor[i] - k3).abs() < 1e-12, "GRPO's tensor k3 is the per-token k3");
+        // negative control: the two differ wherever π ≠ π_ref
+        assert!((k1 - k3).abs() > 1e-3);
     }
 }
 
@@ -282,7 +289,6 @@ fn the_fused_lm_head_log_probabilities_equal_the_graphs() {
 /// and both are 0 where π = π_ref.
 #[test]
 fn the_production_kl_per_token_is_unbiased_for_kl() {
-    use policy::train::KlEstimator;
     let pi: [f64; 5] = [0.5, 0.25, 0.125, 0.0625, 0.0625];
     let pref: [f64; 5] = [0.2, 0.2, 0.3, 0.1, 0.2];
     let kl: f64 = pi.iter().zip(&pref).map(|(p, q)| p * (p / q).ln()).sum();
@@ -295,12 +301,9 @@ fn the_production_kl_per_token_is_unbiased_for_kl() {
     let k3: Vec<f64> = pi.iter().zip(&pref).map(|(p, q)| KlEstimator::K3.per_token(p.ln(), q.ln())).collect();
     assert!(k1.iter().any(|&x| x < 0.0), "{k1:?}");
     assert!(k3.iter().all(|&x| x >= 0.0), "{k3:?}");
-    // the same numbers as the tensor forms the losses use
-    let lp = t(&pi.map(f64::ln));
-    let lr = t(&pref.map(f64::ln));
-    let t1: Vec<f64> = kl_k1(&lp, &lr).unwrap().to_vec1().unwrap();
-    let t3: Vec<f64> = kl_k3(&lp, &lr).unwrap().to_vec1().unwrap();
+    // the same numbers as the tensor form GRPO's loss uses
+    let t3: Vec<f64> = kl_k3(&t(&pi.map(f64::ln)), &t(&pref.map(f64::ln))).unwrap().to_vec1().unwrap();
     for i in 0..pi.len() {
-        assert!((t1[i] - k1[i]).abs() < 1e-12 && (t3[i] - k3[i]).abs() < 1e-12, "token {i}");
+        assert!((t3[i] - k3[i]).abs() < 1e-12, "token {i}");
     }
 }

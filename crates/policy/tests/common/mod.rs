@@ -126,3 +126,17 @@ pub fn rel(a: &[f64], b: &[f64]) -> f64 {
     let scale = b.iter().fold(0f64, |m, x| m.max(x.abs()));
     a.iter().zip(b).map(|(x, y)| (x - y).abs()).fold(0.0, f64::max) / scale
 }
+
+/// log π(ids[:, i+1] | ids[:, ..=i]) for i < t − 1: (b, t − 1), from logits (b, t, vocab) — the
+/// plain composition (log-softmax, gather) the fused log-probability paths are checked against.
+pub fn token_logprobs(logits: &Tensor, ids: &Tensor) -> candle_core::Result<Tensor> {
+    let (b, t, _) = logits.dims3()?;
+    let lp = candle_nn::ops::log_softmax(&logits.narrow(1, 0, t - 1)?, candle_core::D::Minus1)?;
+    let next = ids.narrow(1, 1, t - 1)?.to_dtype(DType::U32)?.contiguous()?;
+    lp.gather(&next.reshape((b, t - 1, 1))?, 2)?.squeeze(2)
+}
+
+/// Σ_t x[:, t]·mask[:, t]: (b,).
+pub fn masked_sum(x: &Tensor, mask: &Tensor) -> candle_core::Result<Tensor> {
+    (x * mask)?.sum(1)
+}
