@@ -393,138 +393,152 @@ impl EstimatorConfig {
 
     /// Range checks of every hyper-parameter, and what they need of `setup`.
     pub fn validate(&self, setup: &Setup) -> Result<(), EstimatorError> {
-        let kind = self.kind().as_str();
-        let bad = |field: &'static str, value: String, expected: &'static str| {
-            Err(EstimatorError::BadConfig { kind, field, value, expected })
-        };
-        let positive = |field: &'static str, v: f64| -> Result<(), EstimatorError> {
-            if v.is_finite() && v > 0.0 {
-                Ok(())
-            } else {
-                bad(field, v.to_string(), "a finite number > 0")
-            }
-        };
+        let c = Check { kind: self.kind().as_str() };
         if setup.dim == 0 {
-            return bad("dim", "0".into(), "d ≥ 1");
+            return c.bad("dim", "0".into(), "d ≥ 1");
         }
         if let crate::Init::Normal { std: Some(s) } = setup.init {
-            if !(s.is_finite() && s >= 0.0) {
-                return bad("init.std", s.to_string(), "a finite number ≥ 0");
-            }
+            c.non_negative("init.std", s)?;
         }
-        let adam = |a: &AdamConfig| -> Result<(), EstimatorError> {
-            positive("lr", a.lr)?;
-            positive("eps", a.eps)?;
-            for (f, b) in [("beta1", a.beta1), ("beta2", a.beta2)] {
-                if !(0.0..1.0).contains(&b) {
-                    return bad(f, b.to_string(), "a number in [0, 1)");
-                }
-            }
-            Ok(())
-        };
-        let sgd = |s: &SgdConfig| -> Result<(), EstimatorError> {
-            positive("lr", s.lr)?;
-            if let Some(c) = s.clip {
-                positive("clip", c)?;
-            }
-            Ok(())
-        };
-        let cg = |c: &HvpCgConfig| -> Result<(), EstimatorError> {
-            if c.cg_steps == 0 {
-                return bad("cg_steps", "0".into(), "K ≥ 1");
-            }
-            positive("lambda0", c.lambda0)?;
-            positive("lambda_min", c.lambda_min)?;
-            positive("lr", c.lr)?;
-            if !(c.cg_tol >= 0.0 && c.cg_tol < 1.0) {
-                return bad("cg_tol", c.cg_tol.to_string(), "a number in [0, 1)");
-            }
-            if c.schedule != DampingSchedule::Constant && setup.planned_steps.unwrap_or(0) == 0 {
-                return bad(
-                    "planned_steps",
-                    format!("{:?}", setup.planned_steps),
-                    "T ≥ 1 for a linear or log damping schedule",
-                );
-            }
-            Ok(())
-        };
         match self {
-            EstimatorConfig::OmdExact(c) => {
-                positive("eta", c.eta)?;
-                positive("lambda", c.lambda)?;
-                if let Some(r) = c.radius {
-                    positive("radius", r)?;
+            EstimatorConfig::OmdExact(o) => {
+                c.positive("eta", o.eta)?;
+                c.positive("lambda", o.lambda)?;
+                if let Some(r) = o.radius {
+                    c.positive("radius", r)?;
                 }
                 Ok(())
             }
-            EstimatorConfig::OmdHvpCg(c) => cg(c),
-            EstimatorConfig::OmdHvpCgAdam { cg: c, adam: a } => {
-                cg(c)?;
-                adam(a)
+            EstimatorConfig::OmdHvpCg(g) => c.cg(g, setup),
+            EstimatorConfig::OmdHvpCgAdam { cg: g, adam: a } => {
+                c.cg(g, setup)?;
+                c.adam(a)
             }
-            EstimatorConfig::OmdReference(c) => {
-                positive("lr", c.lr)?;
-                if !(c.lambda0 > 0.0 && c.lambda0 <= 1.0) {
-                    return bad("lambda0", c.lambda0.to_string(), "a number in (0, 1]");
-                }
-                if c.cg_steps == 0 {
-                    return bad("cg_steps", "0".into(), "K ≥ 1");
-                }
-                positive("growth", c.growth)?;
-                if c.growth <= 1.0 && setup.planned_steps.unwrap_or(0) == 0 {
-                    return bad(
-                        "planned_steps",
-                        format!("{:?}", setup.planned_steps),
-                        "T ≥ 1 when growth ≤ 1 (c_t uses t/T then)",
-                    );
-                }
-                if let Some(a) = &c.adam {
-                    adam(a)?;
-                }
-                Ok(())
-            }
-            EstimatorConfig::Sgd(s) => sgd(s),
+            EstimatorConfig::OmdReference(o) => c.omd_reference(o, setup),
+            EstimatorConfig::Sgd(g) => c.sgd(g),
             EstimatorConfig::SgdReplay(r) => {
-                sgd(&r.sgd)?;
-                if r.every == 0 {
-                    return bad("every", "0".into(), "R ≥ 1");
-                }
-                Ok(())
+                c.sgd(&r.sgd)?;
+                c.at_least_one("every", r.every, "R ≥ 1")
             }
-            EstimatorConfig::Adam(a) | EstimatorConfig::AdamReference(a) => adam(a),
+            EstimatorConfig::Adam(a) | EstimatorConfig::AdamReference(a) => c.adam(a),
             EstimatorConfig::Mle(m) => {
-                if !(m.ridge.is_finite() && m.ridge >= 0.0) {
-                    return bad("ridge", m.ridge.to_string(), "a finite number ≥ 0");
-                }
-                if m.refit_every == 0 {
-                    return bad("refit_every", "0".into(), "≥ 1");
-                }
-                if m.max_iters == 0 {
-                    return bad("max_iters", "0".into(), "≥ 1");
-                }
-                if m.lbfgs_memory == 0 {
-                    return bad("lbfgs_memory", "0".into(), "≥ 1");
-                }
-                Ok(())
+                c.non_negative("ridge", m.ridge)?;
+                c.at_least_one("refit_every", m.refit_every, "≥ 1")?;
+                c.at_least_one("max_iters", m.max_iters, "≥ 1")?;
+                c.at_least_one("lbfgs_memory", m.lbfgs_memory, "≥ 1")
             }
-            EstimatorConfig::Ensemble(e) => {
-                if e.heads < 2 {
-                    return bad("heads", e.heads.to_string(), "K ≥ 2 (one head has no spread)");
-                }
-                positive("lr", e.lr)?;
-                for (f, v) in [("weight_decay", e.weight_decay), ("prior", e.prior), ("init_scale", e.init_scale)] {
-                    if !(v.is_finite() && v >= 0.0) {
-                        return bad(f, v.to_string(), "a finite number ≥ 0");
-                    }
-                }
-                if e.steps_per_update == 0 {
-                    return bad("steps_per_update", "0".into(), "≥ 1");
-                }
-                if e.batch == 0 {
-                    return bad("batch", "0".into(), "≥ 1");
-                }
-                Ok(())
+            EstimatorConfig::Ensemble(e) => c.ensemble(e),
+        }
+    }
+}
+
+/// The checks of [`EstimatorConfig::validate`], each naming the estimator kind, the field, its
+/// value and what was expected.
+struct Check {
+    kind: &'static str,
+}
+
+impl Check {
+    fn bad(&self, field: &'static str, value: String, expected: &'static str) -> Result<(), EstimatorError> {
+        Err(EstimatorError::BadConfig { kind: self.kind, field, value, expected })
+    }
+
+    fn positive(&self, field: &'static str, v: f64) -> Result<(), EstimatorError> {
+        if v.is_finite() && v > 0.0 {
+            Ok(())
+        } else {
+            self.bad(field, v.to_string(), "a finite number > 0")
+        }
+    }
+
+    fn non_negative(&self, field: &'static str, v: f64) -> Result<(), EstimatorError> {
+        if v.is_finite() && v >= 0.0 {
+            Ok(())
+        } else {
+            self.bad(field, v.to_string(), "a finite number ≥ 0")
+        }
+    }
+
+    /// A count that must not be 0 (any unsigned integer type).
+    fn at_least_one<T: PartialEq + Default>(
+        &self,
+        field: &'static str,
+        v: T,
+        expected: &'static str,
+    ) -> Result<(), EstimatorError> {
+        if v == T::default() {
+            self.bad(field, "0".into(), expected)
+        } else {
+            Ok(())
+        }
+    }
+
+    fn adam(&self, a: &AdamConfig) -> Result<(), EstimatorError> {
+        self.positive("lr", a.lr)?;
+        self.positive("eps", a.eps)?;
+        for (f, b) in [("beta1", a.beta1), ("beta2", a.beta2)] {
+            if !(0.0..1.0).contains(&b) {
+                return self.bad(f, b.to_string(), "a number in [0, 1)");
             }
         }
+        Ok(())
+    }
+
+    fn sgd(&self, s: &SgdConfig) -> Result<(), EstimatorError> {
+        self.positive("lr", s.lr)?;
+        if let Some(c) = s.clip {
+            self.positive("clip", c)?;
+        }
+        Ok(())
+    }
+
+    fn cg(&self, c: &HvpCgConfig, setup: &Setup) -> Result<(), EstimatorError> {
+        self.at_least_one("cg_steps", c.cg_steps, "K ≥ 1")?;
+        self.positive("lambda0", c.lambda0)?;
+        self.positive("lambda_min", c.lambda_min)?;
+        self.positive("lr", c.lr)?;
+        if !(c.cg_tol >= 0.0 && c.cg_tol < 1.0) {
+            return self.bad("cg_tol", c.cg_tol.to_string(), "a number in [0, 1)");
+        }
+        if c.schedule != DampingSchedule::Constant && setup.planned_steps.unwrap_or(0) == 0 {
+            return self.bad(
+                "planned_steps",
+                format!("{:?}", setup.planned_steps),
+                "T ≥ 1 for a linear or log damping schedule",
+            );
+        }
+        Ok(())
+    }
+
+    fn omd_reference(&self, c: &OmdReferenceConfig, setup: &Setup) -> Result<(), EstimatorError> {
+        self.positive("lr", c.lr)?;
+        if !(c.lambda0 > 0.0 && c.lambda0 <= 1.0) {
+            return self.bad("lambda0", c.lambda0.to_string(), "a number in (0, 1]");
+        }
+        self.at_least_one("cg_steps", c.cg_steps, "K ≥ 1")?;
+        self.positive("growth", c.growth)?;
+        if c.growth <= 1.0 && setup.planned_steps.unwrap_or(0) == 0 {
+            return self.bad(
+                "planned_steps",
+                format!("{:?}", setup.planned_steps),
+                "T ≥ 1 when growth ≤ 1 (c_t uses t/T then)",
+            );
+        }
+        if let Some(a) = &c.adam {
+            self.adam(a)?;
+        }
+        Ok(())
+    }
+
+    fn ensemble(&self, e: &EnsembleConfig) -> Result<(), EstimatorError> {
+        if e.heads < 2 {
+            return self.bad("heads", e.heads.to_string(), "K ≥ 2 (one head has no spread)");
+        }
+        self.positive("lr", e.lr)?;
+        for (f, v) in [("weight_decay", e.weight_decay), ("prior", e.prior), ("init_scale", e.init_scale)] {
+            self.non_negative(f, v)?;
+        }
+        self.at_least_one("steps_per_update", e.steps_per_update, "≥ 1")?;
+        self.at_least_one("batch", e.batch, "≥ 1")
     }
 }
