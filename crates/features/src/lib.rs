@@ -21,6 +21,7 @@
 //!
 //! Files sit in this order, each naming only files before it (`crates/runner/tests/cycles.rs`
 //! fails on a circle): `lib` (the error type), `hub`, `ops`, `sampling`, `template` → `cache`,
+//! `model::config` → `model::linear` →
 //! `model` → `openai`, `cpu`, `gguf`, `tokenizer` → `extract` → `generate`, `head`.
 //!
 //! This crate knows nothing of specs, parquet or the CLI.
