@@ -109,7 +109,6 @@ impl Config {
 /// [`available`] is true; `xs` holds the padded rows, `w` the panels of n outputs, `y` the
 /// product's m × n values, of which this region is written by this call only.
 #[cfg(target_arch = "x86_64")]
-#[allow(clippy::too_many_arguments)]
 pub(crate) unsafe fn block(
     xs: &[u32],
     w: &[u32],

@@ -520,8 +520,8 @@ mod tests {
             let both = mat.matmul_t_add_rms(&a, false, m, &r, &norm, 1e-5);
             let sh = crate::rows::add_rms_norm(&r, &want, &norm, 1e-5);
             let (s, h) = sh.split_at(m * n);
-            assert_eq!(bits(&both[..m * n]), bits(&s), "residual sum at {m} rows");
-            assert_eq!(bits(&both[m * n..]), bits(&h), "norm at {m} rows");
+            assert_eq!(bits(&both[..m * n]), bits(s), "residual sum at {m} rows");
+            assert_eq!(bits(&both[m * n..]), bits(h), "norm at {m} rows");
             let fused = mat.matmul_t_add_rms(&gu, true, m, &r, &norm, 1e-5);
             assert_eq!(bits(&fused), bits(&both), "swiglu + norm at {m} rows");
         }

@@ -170,7 +170,6 @@ fn causal_softmax_rows(sc: &mut [f32], n: usize, i0: usize, scale: f32) {
 /// The core of [`attention`] and [`attention_packed`]: `q(bi, head)`, `k(bi, g)` and
 /// `v(bi, g)` give the (t, d) rows of query head `head` and key/value head `g` of batch row `bi`;
 /// the result is (b, t, h, d).
-#[allow(clippy::too_many_arguments)]
 fn attend<'a>(
     (b, h, kv, t, d): (usize, usize, usize, usize, usize),
     scale: f32,
