@@ -554,10 +554,7 @@ impl PackedSym {
             let cs: [f64; 4] = std::array::from_fn(|k| c * u[i0 + k]);
             let xs: [f64; 4] = std::array::from_fn(|k| x[i0 + k]);
             let t = update_matvec_block4(
-                &mut a[..tail],
-                &mut b[..tail],
-                &mut cc[..tail],
-                &mut rest[..tail],
+                [&mut a[..tail], &mut b[..tail], &mut cc[..tail], &mut rest[..tail]],
                 cs,
                 xs,
                 &u[i0 + 4..],
@@ -583,11 +580,12 @@ impl PackedSym {
 
 dispatched! {
     /// Four rows at once: rₖⱼ ← rₖⱼ − cₖuⱼ; returns Σⱼ rₖⱼxⱼ per row and adds Σₖ rₖⱼxsₖ to accⱼ.
-    #[allow(clippy::too_many_arguments)]
+    /// `rows` are r₀…r₃ (equal lengths), borrowed side by side.
     fn update_matvec_block4(
-        r0: &mut [f64], r1: &mut [f64], r2: &mut [f64], r3: &mut [f64],
+        rows: [&mut [f64]; 4],
         cs: [f64; 4], xs: [f64; 4], u: &[f64], x: &[f64], acc: &mut [f64],
     ) -> [f64; 4] {
+        let [r0, r1, r2, r3] = rows;
         const L: usize = 4;
         let n = r0.len();
         assert!(r1.len() == n && r2.len() == n && r3.len() == n && u.len() >= n && x.len() >= n && acc.len() >= n);

@@ -58,22 +58,32 @@ impl Objective<'_> {
     }
 }
 
-/// Backtracking (Armijo, c = 1e-4) along `dir` from `theta`. On success `trial` holds the new
-/// point, `grad` and `m` its gradient and margins, and the step and F(trial) are returned.
+/// Where a line search starts: the point and what is known there.
+#[derive(Clone, Copy)]
+struct LineStart<'a> {
+    /// The current point θ.
+    theta: &'a [f64],
+    /// F(θ).
+    f0: f64,
+    /// The directional derivative ∇F(θ)·dir (negative along a descent direction).
+    slope: f64,
+    /// ‖∇F(θ)‖.
+    g0_norm: f64,
+}
+
+/// Backtracking (Armijo, c = 1e-4) along `dir` from `start.theta`. On success `trial` holds the
+/// new point, `grad` and `m` its gradient and margins, and the step and F(trial) are returned.
 /// Every trial evaluates the gradient too: the first trial is almost always accepted, so this
 /// saves the extra pass a value-only search would need afterwards.
-#[allow(clippy::too_many_arguments)]
 fn armijo(
     obj: &mut Objective<'_>,
-    theta: &[f64],
-    f0: f64,
-    slope: f64,
+    start: LineStart<'_>,
     dir: &[f64],
-    g0_norm: f64,
     trial: &mut [f64],
     grad: &mut [f64],
     m: &mut Vec<f64>,
 ) -> Option<(f64, f64)> {
+    let LineStart { theta, f0, slope, g0_norm } = start;
     let mut t = 1.0;
     for _ in 0..60 {
         for i in 0..theta.len() {
@@ -122,7 +132,14 @@ fn newton(obj: &mut Objective<'_>, theta: &mut [f64], tol: f64, max_iters: u32) 
         };
         let slope = dot_f64(step.as_slice(), &grad);
         let g0 = norm_f64(&grad);
-        match armijo(obj, theta, f, slope, step.as_slice(), g0, &mut trial, &mut grad, &mut m) {
+        match armijo(
+            obj,
+            LineStart { theta, f0: f, slope, g0_norm: g0 },
+            step.as_slice(),
+            &mut trial,
+            &mut grad,
+            &mut m,
+        ) {
             Some((_, f_new)) => {
                 theta.copy_from_slice(&trial);
                 f = f_new;
@@ -180,7 +197,9 @@ fn lbfgs(obj: &mut Objective<'_>, theta: &mut [f64], tol: f64, max_iters: u32, m
             }
             slope = -gnorm;
         }
-        let Some((t, f_new)) = armijo(obj, theta, f, slope, &dir, gnorm, &mut trial, &mut new_grad, &mut m) else {
+        let Some((t, f_new)) =
+            armijo(obj, LineStart { theta, f0: f, slope, g0_norm: gnorm }, &dir, &mut trial, &mut new_grad, &mut m)
+        else {
             return Fit { iterations: it + 1, converged: false, extra_flops: 0 };
         };
         let s: Vec<f64> = dir.iter().map(|v| t * v).collect();
