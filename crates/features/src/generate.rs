@@ -278,18 +278,7 @@ impl Backbone {
         let mut order: Vec<usize> = (0..prompts.len()).collect();
         order.sort_by_key(|&i| std::cmp::Reverse(ids[i].len()));
         for group in order.chunks(batch_prompts.max(1)) {
-            let longest = group.iter().map(|&i| ids[i].len()).max().unwrap_or(0);
-            let pads: Vec<usize> = group.iter().map(|&i| longest - ids[i].len()).collect();
-            let pad_id = stops[0];
-            let mut flat = Vec::with_capacity(group.len() * longest);
-            for (&i, &p) in group.iter().zip(&pads) {
-                flat.extend(std::iter::repeat_n(pad_id, p));
-                flat.extend_from_slice(&ids[i]);
-            }
-            let dev = model.device().clone();
-            let mut cache = model.new_cache(pads, longest + opts.max_new_tokens)?;
-            let logits = model.forward_cached(&Tensor::from_vec(flat, (group.len(), longest), &dev)?, &mut cache)?;
-            let logits: Vec<Vec<f32>> = logits.to_vec2()?;
+            let (mut cache, logits) = prefill(model, group, &ids, stops[0], opts.max_new_tokens)?;
             let mut rows: Vec<Row> = Vec::new();
             let mut expand = Vec::new();
             for (g, &i) in group.iter().enumerate() {
@@ -305,40 +294,13 @@ impl Backbone {
                 }
             }
             cache.select(&expand)?;
-            let mut next: Vec<(u32, f32)> =
-                rows.iter_mut().zip(&expand).map(|(r, &g)| draw(&logits[g], opts, r)).collect();
-            let mut done: Vec<(Row, bool)> = Vec::new();
-            loop {
-                prog.tokens += next.len();
-                // record the new tokens; retire rows that stopped or reached the limit
-                let mut keep = Vec::new();
-                let mut live = Vec::new();
-                for (k, (mut r, (tok, lp))) in rows.drain(..).zip(next.iter().copied()).enumerate() {
-                    r.out.push(tok);
-                    r.lps.push(lp);
-                    if stops.contains(&tok) {
-                        done.push((r, true));
-                    } else if r.out.len() >= opts.max_new_tokens {
-                        done.push((r, false));
-                    } else {
-                        keep.push(k);
-                        live.push(r);
-                    }
-                }
-                rows = live;
+            let next: Vec<(u32, f32)> = rows.iter_mut().zip(&expand).map(|(r, &g)| draw(&logits[g], opts, r)).collect();
+            let mut step = |tokens: usize| {
+                prog.tokens += tokens;
                 prog.seconds = t0.elapsed().as_secs_f64();
                 progress(prog);
-                if rows.is_empty() {
-                    break;
-                }
-                if keep.len() < cache.rows() {
-                    cache.select(&keep)?;
-                }
-                let feed: Vec<u32> = rows.iter().map(|r| *r.out.last().expect("one token at least")).collect();
-                let logits = model.forward_cached(&Tensor::from_vec(feed, (rows.len(), 1), &dev)?, &mut cache)?;
-                let logits: Vec<Vec<f32>> = logits.to_vec2()?;
-                next = rows.iter_mut().zip(&logits).map(|(r, l)| draw(l, opts, r)).collect();
-            }
+            };
+            let mut done = decode(model, &mut cache, rows, next, &stops, opts, &mut step)?;
             done.sort_by_key(|(r, _)| (r.prompt, r.sample));
             for (r, stopped) in done {
                 let body = if stopped { &r.out[..r.out.len() - 1] } else { &r.out[..] };
@@ -349,6 +311,74 @@ impl Backbone {
             progress(prog);
         }
         Ok(out)
+    }
+}
+
+/// One batch's prompts (`group`, indices into `ids`) left-padded to the longest with `pad_id`
+/// and prefilled: the KV cache (room for `max_new` more positions) and each prompt's logits at
+/// its last position.
+fn prefill(
+    model: &crate::model::Model,
+    group: &[usize],
+    ids: &[Vec<u32>],
+    pad_id: u32,
+    max_new: usize,
+) -> Result<(crate::model::KvCache, Vec<Vec<f32>>), Error> {
+    let longest = group.iter().map(|&i| ids[i].len()).max().unwrap_or(0);
+    let pads: Vec<usize> = group.iter().map(|&i| longest - ids[i].len()).collect();
+    let mut flat = Vec::with_capacity(group.len() * longest);
+    for (&i, &p) in group.iter().zip(&pads) {
+        flat.extend(std::iter::repeat_n(pad_id, p));
+        flat.extend_from_slice(&ids[i]);
+    }
+    let mut cache = model.new_cache(pads, longest + max_new)?;
+    let logits = model.forward_cached(&Tensor::from_vec(flat, (group.len(), longest), model.device())?, &mut cache)?;
+    Ok((cache, logits.to_vec2()?))
+}
+
+/// Decodes `rows` (one per sample; `next` holds each row's first drawn token) one token per
+/// step until each row draws a stop id or reaches `max_new_tokens`, retiring finished rows from
+/// the cache; `step` is told how many tokens each step added. Returns every row with whether it
+/// stopped at a stop id.
+fn decode(
+    model: &crate::model::Model,
+    cache: &mut crate::model::KvCache,
+    mut rows: Vec<Row>,
+    mut next: Vec<(u32, f32)>,
+    stops: &[u32],
+    opts: &SampleOptions,
+    step: &mut dyn FnMut(usize),
+) -> Result<Vec<(Row, bool)>, Error> {
+    let mut done: Vec<(Row, bool)> = Vec::new();
+    loop {
+        // record the new tokens; retire rows that stopped or reached the limit
+        let added = next.len();
+        let mut keep = Vec::new();
+        let mut live = Vec::new();
+        for (k, (mut r, (tok, lp))) in rows.drain(..).zip(next.iter().copied()).enumerate() {
+            r.out.push(tok);
+            r.lps.push(lp);
+            if stops.contains(&tok) {
+                done.push((r, true));
+            } else if r.out.len() >= opts.max_new_tokens {
+                done.push((r, false));
+            } else {
+                keep.push(k);
+                live.push(r);
+            }
+        }
+        rows = live;
+        step(added);
+        if rows.is_empty() {
+            return Ok(done);
+        }
+        if keep.len() < cache.rows() {
+            cache.select(&keep)?;
+        }
+        let feed: Vec<u32> = rows.iter().map(|r| *r.out.last().expect("one token at least")).collect();
+        let logits = model.forward_cached(&Tensor::from_vec(feed, (rows.len(), 1), model.device())?, cache)?;
+        let logits: Vec<Vec<f32>> = logits.to_vec2()?;
+        next = rows.iter_mut().zip(&logits).map(|(r, l)| draw(l, opts, r)).collect();
     }
 }
 
