@@ -100,6 +100,29 @@ impl FirstOrder {
         stats
     }
 
+    /// sgd-replay: stores the batch, and every R steps runs one SGD pass over all stored
+    /// batches, its gradients and flops added to `cost`. Nothing for the other rules.
+    fn replay_pass(&mut self, batch: &Batch<'_>, cost: &mut Counters) -> Result<(), EstimatorError> {
+        let Some(mut r) = self.replay.take() else { return Ok(()) };
+        let d = self.theta.len();
+        r.z.extend_from_slice(batch.z());
+        r.y.extend_from_slice(batch.y());
+        r.sizes.push(batch.len());
+        if self.rule.steps().is_multiple_of(r.every) {
+            let mut start = 0;
+            for &n in &r.sizes {
+                let end = start + n;
+                let rb = Batch::new(&r.z[start * d..end * d], &r.y[start..end], d)?;
+                self.plain_sgd_step(&rb);
+                cost.grad_evals += (end - start) as u64;
+                cost.flops += 4 * ((end - start) * d) as u64 + 4 * d as u64;
+                start = end;
+            }
+        }
+        self.replay = Some(r);
+        Ok(())
+    }
+
     /// θ ← θ − lr·clip(g) on one batch (sgd-replay's replay pass).
     fn plain_sgd_step(&mut self, batch: &Batch<'_>) {
         self.gradient(batch);
@@ -201,25 +224,7 @@ impl Estimator for FirstOrder {
         }
         let cos_step_grad = if step_norm > 0.0 && grad_norm > 0.0 { sg / (step_norm * grad_norm) } else { 0.0 };
 
-        // sgd-replay: store, and every R steps one SGD pass over all stored batches.
-        if let Some(mut r) = self.replay.take() {
-            r.z.extend_from_slice(batch.z());
-            r.y.extend_from_slice(batch.y());
-            r.sizes.push(b);
-            if self.rule.steps().is_multiple_of(r.every) {
-                let mut start = 0;
-                for &n in &r.sizes {
-                    let end = start + n;
-                    let rb = Batch::new(&r.z[start * d..end * d], &r.y[start..end], d)?;
-                    self.plain_sgd_step(&rb);
-                    cost.grad_evals += (end - start) as u64;
-                    cost.flops += 4 * ((end - start) * d) as u64 + 4 * d64;
-                    start = end;
-                }
-            }
-            self.replay = Some(r);
-        }
-
+        self.replay_pass(batch, &mut cost)?;
         self.counters.add(&cost);
         Ok(StepReport {
             before,
