@@ -27,6 +27,17 @@ impl<T> Mat<T> {
     }
 }
 
+/// A product's destination: its first element and its row and column strides.
+#[derive(Clone, Copy)]
+struct MatMut<T> {
+    /// The first element.
+    ptr: *mut T,
+    /// Row stride (elements).
+    rs: isize,
+    /// Column stride (elements).
+    cs: isize,
+}
+
 /// dst (m × n, row-major) = c · a (m × k) · b (k × n), or with `add` dst += c · a · b; on the
 /// calling thread (`threads` 1: an op that runs one product per rayon task) or split over
 /// `threads` of rayon's pool, as candle's matmul does.
@@ -34,11 +45,8 @@ impl<T> Mat<T> {
 /// # Safety
 /// `dst` must be valid for m × n writes (initialised when `add`; otherwise it is never read),
 /// `a` and `b` must view memory holding m × k and k × n values at their strides.
-#[allow(clippy::too_many_arguments)]
 pub(crate) unsafe fn mm_raw<T: Float + 'static>(
-    m: usize,
-    n: usize,
-    k: usize,
+    (m, n, k): (usize, usize, usize),
     dst: *mut T,
     a: Mat<T>,
     b: Mat<T>,
@@ -47,21 +55,16 @@ pub(crate) unsafe fn mm_raw<T: Float + 'static>(
     add: bool,
 ) {
     // SAFETY: the caller's contract; row-major dst.
-    unsafe { mm_strided(m, n, k, dst, n as isize, 1, a, b, c, threads, add) }
+    unsafe { mm_strided((m, n, k), MatMut { ptr: dst, rs: n as isize, cs: 1 }, a, b, c, threads, add) }
 }
 
 /// [`mm_raw`] with dst's row and column strides given.
 ///
 /// # Safety
 /// As [`mm_raw`], dst valid at those strides.
-#[allow(clippy::too_many_arguments)]
 unsafe fn mm_strided<T: Float + 'static>(
-    m: usize,
-    n: usize,
-    k: usize,
-    dst: *mut T,
-    dst_rs: isize,
-    dst_cs: isize,
+    (m, n, k): (usize, usize, usize),
+    dst: MatMut<T>,
     a: Mat<T>,
     b: Mat<T>,
     c: T,
@@ -74,7 +77,8 @@ unsafe fn mm_strided<T: Float + 'static>(
     // SAFETY: the caller's contract.
     unsafe {
         gemm::gemm(
-            m, n, k, dst, dst_cs, dst_rs, add, a.ptr, a.cs, a.rs, b.ptr, b.cs, b.rs, alpha, c, false, false, false, par,
+            m, n, k, dst.ptr, dst.cs, dst.rs, add, a.ptr, a.cs, a.rs, b.ptr, b.cs, b.rs, alpha, c, false, false, false,
+            par,
         )
     }
 }
@@ -93,14 +97,14 @@ pub(crate) fn mm_add<T: Float + 'static>(m: usize, n: usize, k: usize, dst: &mut
     assert!(dst.len() >= m * n);
     // SAFETY: dst holds m × n initialised values (read, then written); the callers' views hold
     // the stated shapes (the LoRA op checks its operands' dimensions).
-    unsafe { mm_raw(m, n, k, dst.as_mut_ptr(), a, b, c, candle_core::utils::get_num_threads(), true) }
+    unsafe { mm_raw((m, n, k), dst.as_mut_ptr(), a, b, c, candle_core::utils::get_num_threads(), true) }
 }
 
 /// dst (m × n, row-major, initialised) += c · a · b on the calling thread.
 pub(crate) fn mm_acc<T: Float + 'static>(m: usize, n: usize, k: usize, dst: &mut [T], a: Mat<T>, b: Mat<T>, c: T) {
     assert!(dst.len() >= m * n);
     // SAFETY: dst holds m × n initialised values; the callers' views hold the stated shapes.
-    unsafe { mm_raw(m, n, k, dst.as_mut_ptr(), a, b, c, 1, true) }
+    unsafe { mm_raw((m, n, k), dst.as_mut_ptr(), a, b, c, 1, true) }
 }
 
 /// [`mm_raw`] into `dst` (≥ m × n values), on the calling thread.
@@ -108,7 +112,7 @@ pub(crate) fn mm<T: Float + 'static>(m: usize, n: usize, k: usize, dst: &mut [T]
     assert!(dst.len() >= m * n);
     // SAFETY: dst holds m × n values; every caller passes `a` and `b` over a block of the op's
     // inputs or its own buffers of the stated shapes.
-    unsafe { mm_raw(m, n, k, dst.as_mut_ptr(), a, b, c, 1, false) }
+    unsafe { mm_raw((m, n, k), dst.as_mut_ptr(), a, b, c, 1, false) }
 }
 
 /// A new m × n row-major product a · b on candle's thread count (`RAYON_NUM_THREADS`), written
@@ -135,7 +139,15 @@ fn fresh<T: Float + 'static>(m: usize, n: usize, k: usize, a: Mat<T>, b: Mat<T>,
     // false and k > 0; element (i, j) at i·rs + j·cs) before the length covers them; `a`, `b`
     // are the caller's views (the callers check the slices' lengths).
     unsafe {
-        mm_strided(m, n, k, out.as_mut_ptr(), rs, cs, a, b, c, candle_core::utils::get_num_threads(), false);
+        mm_strided(
+            (m, n, k),
+            MatMut { ptr: out.as_mut_ptr(), rs, cs },
+            a,
+            b,
+            c,
+            candle_core::utils::get_num_threads(),
+            false,
+        );
         out.set_len(len);
     }
     out

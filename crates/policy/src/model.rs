@@ -389,8 +389,9 @@ impl PolicyModel {
         let mut x = self.embed(ids)?;
         let mask = causal_mask(t, 0, &self.device, self.embed.dtype())?;
         let (cos, sin) = (self.cos.narrow(0, 0, t)?, self.sin.narrow(0, 0, t)?);
+        let seg = Segment::alone(&cos, &sin, &mask);
         for blk in &self.blocks {
-            x = self.block(blk, x, &cos, &sin, &mask, pass, None, false)?.0;
+            x = self.block(blk, x, seg, pass)?.0;
         }
         crate::ops::rms_norm(&x, &self.norm, self.cfg.eps, self.kernels)?.reshape((b, t, self.cfg.hidden))
     }
@@ -419,12 +420,13 @@ impl PolicyModel {
         let Some((last, first)) = self.blocks.split_last() else {
             return crate::ops::rms_norm(&x.index_select(&idx, 0)?, &self.norm, self.cfg.eps, self.kernels);
         };
+        let seg = Segment::alone(&cos, &sin, &mask);
         for blk in first {
-            x = self.block(blk, x, &cos, &sin, &mask, pass, None, false)?.0;
+            x = self.block(blk, x, seg, pass)?.0;
         }
         let k = self.kernels;
         let h = crate::ops::rms_norm(&x, &last.norm1, self.cfg.eps, k)?;
-        let (a, _) = self.attention(last, &h, &cos, &sin, &mask, pass, None, false, Some(&idx), None)?;
+        let (a, _) = self.attention(last, &h, seg, pass, Some(&idx), None)?;
         let x = (x.index_select(&idx, 0)? + a)?;
         let h = crate::ops::rms_norm(&x, &last.norm2, self.cfg.eps, k)?;
         let m = last.down.forward(
@@ -449,24 +451,19 @@ impl PolicyModel {
         self.embed.index_select(&ids.flatten_all()?, 0)
     }
 
-    /// One decoder block on x (b·t, hidden) at the t positions of `cos`/`sin`, attending to
-    /// `prefix`'s keys and values first when given; returns the block's output and, with
-    /// `need_kv`, this segment's (roped) keys and values (b, kv, t, hd).
-    #[allow(clippy::too_many_arguments)]
+    /// One decoder block on x (b·t, hidden) at the t positions of `seg.cos`/`seg.sin`, attending
+    /// to `seg.prefix`'s keys and values first when given; returns the block's output and, with
+    /// `seg.need_kv`, this segment's (roped) keys and values (b, kv, t, hd).
     fn block(
         &self,
         blk: &Block,
         x: Tensor,
-        cos: &Tensor,
-        sin: &Tensor,
-        mask: &Tensor,
+        seg: Segment<'_>,
         pass: Pass<'_>,
-        prefix: Option<(&Tensor, &Tensor)>,
-        need_kv: bool,
     ) -> Result<(Tensor, Option<(Tensor, Tensor)>)> {
         let k = self.kernels;
         let h = crate::ops::rms_norm(&x, &blk.norm1, self.cfg.eps, k)?;
-        let (x, kv) = self.attention(blk, &h, cos, sin, mask, pass, prefix, need_kv, None, Some(&x))?;
+        let (x, kv) = self.attention(blk, &h, seg, pass, None, Some(&x))?;
         if let Some(y) = self.mlp_fused(blk, &x, pass)? {
             return Ok((y, kv));
         }
@@ -564,13 +561,15 @@ impl PolicyModel {
         let (cp, sp) = (self.cos.narrow(0, 0, p)?, self.sin.narrow(0, 0, p)?);
         let (cr, sr) = (self.cos.narrow(0, p, r)?, self.sin.narrow(0, p, r)?);
         for blk in &self.blocks {
-            let (y, kv) = self.block(blk, xp, &cp, &sp, &mp, pass, None, true)?;
+            let prompt = Segment { need_kv: true, ..Segment::alone(&cp, &sp, &mp) };
+            let (y, kv) = self.block(blk, xp, prompt, pass)?;
             let (keys, values) = kv.expect("asked for");
             xp = y;
             let (kv, hd) = (self.cfg.kv_heads, self.cfg.head_dim);
             let keys = keys.broadcast_as((n, kv, p, hd))?;
             let values = values.broadcast_as((n, kv, p, hd))?;
-            xr = self.block(blk, xr, &cr, &sr, &mr, pass, Some((&keys, &values)), false)?.0;
+            let responses = Segment { prefix: Some((&keys, &values)), ..Segment::alone(&cr, &sr, &mr) };
+            xr = self.block(blk, xr, responses, pass)?.0;
         }
         let last = crate::ops::rms_norm(&xp.narrow(0, p - 1, 1)?, &self.norm, self.cfg.eps, self.kernels)?;
         let hr = crate::ops::rms_norm(&xr, &self.norm, self.cfg.eps, self.kernels)?;
@@ -631,26 +630,23 @@ impl PolicyModel {
         }
     }
 
-    /// Grouped-query causal attention of x (b·t, hidden), t the positions of `cos`; with `prefix` ((b, kv, p, hd) keys
-    /// and values of earlier positions), the queries attend to those first (`mask` is then
-    /// (t, p + t)). Returns the output — the output projection on the `rows` of (b·t) alone
-    /// when given — and, with `need_kv`, this segment's keys and values; with `residual` (the
-    /// block's input), residual + that output. On the routed path without a prefix, attention
-    /// is one node from the projections' rows ([`crate::attention::attention_routed`]).
-    #[allow(clippy::too_many_arguments)]
+    /// Grouped-query causal attention of x (b·t, hidden), t the positions of `seg.cos`; with
+    /// `seg.prefix` ((b, kv, p, hd) keys and values of earlier positions), the queries attend to
+    /// those first (`seg.mask` is then (t, p + t)). Returns the output — the output projection
+    /// on the `rows` of (b·t) alone when given — and, with `seg.need_kv`, this segment's keys and
+    /// values; with `residual` (the block's input), residual + that output. On the routed path
+    /// without a prefix, attention is one node from the projections' rows
+    /// ([`crate::attention::attention_routed`]).
     fn attention(
         &self,
         blk: &Block,
         x: &Tensor,
-        cos: &Tensor,
-        sin: &Tensor,
-        mask: &Tensor,
+        seg: Segment<'_>,
         pass: Pass<'_>,
-        prefix: Option<(&Tensor, &Tensor)>,
-        need_kv: bool,
         rows: Option<&Tensor>,
         residual: Option<&Tensor>,
     ) -> Result<(Tensor, Option<(Tensor, Tensor)>)> {
+        let Segment { cos, sin, mask, prefix, need_kv } = seg;
         let add = |y: Tensor| -> Result<Tensor> {
             match residual {
                 Some(x0) => x0 + y,
@@ -1024,6 +1020,29 @@ impl PolicyModel {
     /// The family, for adapters exported in another layout.
     pub fn family(&self) -> Family {
         self.cfg.family
+    }
+}
+
+/// The positions one pass of a decoder block runs at, and what its attention reads besides
+/// them: borrowed from the caller, so a copy is a handful of references.
+#[derive(Clone, Copy)]
+struct Segment<'a> {
+    /// The RoPE cos table's rows for the segment's t positions.
+    cos: &'a Tensor,
+    /// The RoPE sin table's rows for the same positions.
+    sin: &'a Tensor,
+    /// The additive causal mask: (t, t), or (t, p + t) with a prefix.
+    mask: &'a Tensor,
+    /// Keys and values (b, kv, p, hd) of earlier positions, attended to first.
+    prefix: Option<(&'a Tensor, &'a Tensor)>,
+    /// Return this segment's (roped) keys and values (b, kv, t, hd) too.
+    need_kv: bool,
+}
+
+impl<'a> Segment<'a> {
+    /// A segment with no prefix whose keys and values are not wanted.
+    fn alone(cos: &'a Tensor, sin: &'a Tensor, mask: &'a Tensor) -> Segment<'a> {
+        Segment { cos, sin, mask, prefix: None, need_kv: false }
     }
 }
 

@@ -126,16 +126,13 @@ impl Lin {
 
     /// The tangent of [`Lin::bwd`] given ġ = the tangent of ∂ℓ/∂y: with (gB)˙ = ġ B + g Ḃ,
     /// (∂ℓ/∂x)˙ = ġ W + s ((gB)˙ A + (g B) Ȧ), (∂ℓ/∂A)˙ = s ((gB)˙ᵀ x + (g B)ᵀ ẋ),
-    /// (∂ℓ/∂B)˙ = s (ġᵀ (x Aᵀ) + gᵀ (x Aᵀ)˙).
-    #[allow(clippy::too_many_arguments)]
+    /// (∂ℓ/∂B)˙ = s (ġᵀ (x Aᵀ) + gᵀ (x Aᵀ)˙). The pairs: the input x and x Aᵀ, their tangents
+    /// ẋ and (x Aᵀ)˙, the adjoint g and g B (x Aᵀ, (x Aᵀ)˙ and g B for an adapted layer only).
     fn tan_bwd(
         &self,
-        x: &Tensor,
-        xa: Option<&Tensor>,
-        xd: &Tensor,
-        xad: Option<&Tensor>,
-        g: &Tensor,
-        gb: Option<&Tensor>,
+        (x, xa): (&Tensor, Option<&Tensor>),
+        (xd, xad): (&Tensor, Option<&Tensor>),
+        (g, gb): (&Tensor, Option<&Tensor>),
         gd: &Tensor,
         v: Option<&(Tensor, Tensor)>,
         need_gx: bool,
@@ -202,7 +199,6 @@ fn norm_tan(x: &Tensor, r: &Tensor, gamma: &Tensor, xd: &Tensor) -> Result<(Tens
 
 /// The tangent of [`norm_bwd`]: with u = γ ⊙ ∂ℓ/∂h, u̇ = γ ⊙ its tangent, k = ⟨x, u⟩,
 /// k̇ = ⟨ẋ, u⟩ + ⟨x, u̇⟩: ṙ u + r u̇ − ((3 r² ṙ k + r³ k̇) / d) x − (r³ k / d) ẋ.
-#[allow(clippy::too_many_arguments)]
 fn norm_tan_bwd(
     x: &Tensor,
     xd: &Tensor,
@@ -438,7 +434,6 @@ fn attn_tan(geo: &Geo, f: &BlockFwd, qd: &Tensor, kd: &Tensor, vd: &Tensor) -> R
 
 /// The tangent of attention's backward pass given Ō̇ (grouped heads) and Ḋ: (Q̄̇, K̄̇, V̄̇)
 /// ([`cpu::attn_tan_bwd`]).
-#[allow(clippy::too_many_arguments)]
 fn attn_tan_bwd(
     geo: &Geo,
     f: &BlockFwd,
@@ -774,9 +769,7 @@ impl Tape {
                 geo,
                 &self.blocks[l],
                 &self.gammas[l],
-                &p.fwd[l],
-                &p.adj[l],
-                &tans[l],
+                (&p.fwd[l], &p.adj[l], &tans[l]),
                 &dirs[l],
                 gxd,
                 l > 0,
@@ -897,14 +890,13 @@ fn block_tan(
 
 /// One block's tangent backward pass from the tangent of ∂ℓ/∂(its output): the tangents of its
 /// adapters' gradients (the block's share of Hv) and, with `need_gx`, of ∂ℓ/∂(its input).
-#[allow(clippy::too_many_arguments)]
+/// `(f, a, td)`: the block's records of the forward pass, the backward (adjoint) pass and the
+/// tangent forward pass.
 fn block_tan_bwd(
     geo: &Geo,
     lin: &[Lin; 7],
     (g1, g2): &(Tensor, Tensor),
-    f: &BlockFwd,
-    a: &BlockAdj,
-    td: &BlockTan,
+    (f, a, td): (&BlockFwd, &BlockAdj, &BlockTan),
     dir: &[Option<(Tensor, Tensor)>; 7],
     gxnd: Tensor,
     need_gx: bool,
@@ -921,12 +913,9 @@ fn block_tan_bwd(
             }
         };
         let r = lin[j].tan_bwd(
-            x,
-            f.xa[j].as_ref(),
-            xd,
-            td.xa[j].as_ref(),
-            g,
-            a.lin[j].gb.as_ref(),
+            (x, f.xa[j].as_ref()),
+            (xd, td.xa[j].as_ref()),
+            (g, a.lin[j].gb.as_ref()),
             gd,
             dir[j].as_ref(),
             need,

@@ -305,7 +305,6 @@ fn scores_adjoint<T: El>(at: Att, p: &[T], v: &[T], d: &[T], go: &[T], gs: &mut 
 }
 
 /// One group's Z = Ṡ − ⟨P, Ṡ⟩ per row, Ṡ = c (Q̇ Kᵀ + Q K̇ᵀ), into `z` (Ṗ = P ⊙ Z).
-#[allow(clippy::too_many_arguments)]
 fn score_tangent<T: El>(at: Att, q: &[T], k: &[T], qd: &[T], kd: &[T], p: &[T], z: &mut [T]) {
     let (gt, t, hd) = (at.g * at.t, at.t, at.hd);
     mm(gt, t, hd, z, Mat::rows(qd, hd), Mat::t(k, hd), at.scale());
@@ -541,7 +540,6 @@ fn mlp_bwd_t<T: El>(gate: &Tensor, up: &Tensor, ga: &Tensor) -> Result<(Tensor, 
 
 /// The tangent of [`mlp_bwd`]: ḡ̇ = (ā̇ ⊙ u + ā ⊙ u̇) ⊙ silu′ + ā ⊙ u ⊙ silu″ ⊙ ġ,
 /// ū̇ = ā̇ ⊙ silu + ā ⊙ silu′ ⊙ ġ.
-#[allow(clippy::too_many_arguments)]
 pub(crate) fn mlp_tan_bwd(
     gate: &Tensor,
     up: &Tensor,

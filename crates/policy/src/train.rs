@@ -389,7 +389,8 @@ pub fn rloo_update(
     let mut st = before_stats(&before, rewards);
     let dev = m.device();
     let sched = Epochs { epochs: cfg.epochs, minibatch: cfg.minibatch, lr_window: cfg.lr_window, seed: cfg.seed };
-    pg_epochs("rloo", m, opt, rollouts, k, sched, &adv, &mut st, |idx, b, lp| match cfg.kl_penalty {
+    let groups = Groups { rollouts, k, adv: &adv };
+    pg_epochs("rloo", m, opt, groups, sched, &mut st, |idx, b, lp| match cfg.kl_penalty {
         KlPenalty::Sequence => {
             let old: Vec<f32> = idx.iter().map(|&i| seq_lp[i] as f32).collect();
             let a: Vec<f32> = idx.iter().map(|&i| adv[i][0] as f32).collect();
@@ -480,23 +481,32 @@ fn minibatch_loop(
     Ok(())
 }
 
+/// The rollouts a policy-gradient update walks, in prompt groups, with their advantages.
+#[derive(Clone, Copy)]
+struct Groups<'r, 'a> {
+    /// The rollouts, `k` consecutive ones per prompt.
+    rollouts: &'r [Rollout<'a>],
+    /// Rollouts per prompt group.
+    k: usize,
+    /// Each rollout's advantages (one per sequence or one per token).
+    adv: &'r [Vec<f64>],
+}
+
 /// The epochs of a policy-gradient update (rloo, grpo, reinforce++) by [`minibatch_loop`]: the
-/// prompt groups of `k` rollouts in a seeded order ([`group_order`]), the gradient pass's
-/// per-token log π (the adapters' dropout, if any, with this step's masks) and
-/// `loss_of(indices, batch, log π)`; a mini-batch must move where its advantages `adv` are
-/// not all 0.
-#[allow(clippy::too_many_arguments)]
+/// prompt groups of `groups.k` rollouts in a seeded order ([`group_order`]), the gradient
+/// pass's per-token log π (the adapters' dropout, if any, with this step's masks) and
+/// `loss_of(indices, batch, log π)`; a mini-batch must move where its advantages
+/// (`groups.adv`) are not all 0.
 fn pg_epochs(
     name: &str,
     m: &PolicyModel,
     opt: &mut Adam,
-    rollouts: &[Rollout<'_>],
-    k: usize,
+    groups: Groups<'_, '_>,
     e: Epochs,
-    adv: &[Vec<f64>],
     st: &mut UpdateStats,
     mut loss_of: impl FnMut(&[usize], &SeqBatch, &Tensor) -> Result<Tensor>,
 ) -> Result<()> {
+    let Groups { rollouts, k, adv } = groups;
     let zero = "the policy gradient is exactly 0 while the advantages are not";
     let order = |step| group_order(rollouts.len(), k, e.seed, step);
     let step_of = |idx: &[usize], step: u64| {
@@ -577,7 +587,8 @@ pub fn grpo_update(
     let mut st = before_stats(&reported, rewards);
     let dev = m.device();
     let sched = Epochs { epochs: cfg.epochs, minibatch: cfg.minibatch, lr_window: cfg.lr_window, seed: cfg.seed };
-    pg_epochs("grpo", m, opt, rollouts, k, sched, &adv, &mut st, |idx, _, lp| {
+    let groups = Groups { rollouts, k, adv: &adv };
+    pg_epochs("grpo", m, opt, groups, sched, &mut st, |idx, _, lp| {
         let old = per_token(idx, &before, |t| &t.logprobs, dev)?;
         let lr = per_token(idx, &refs, |r| r, dev)?;
         let a = per_token(idx, &adv, |a| a, dev)?;
@@ -628,7 +639,8 @@ pub fn reinforce_pp_update(
     let mut st = before_stats(&before, rewards);
     let dev = m.device();
     let sched = Epochs { epochs: cfg.epochs, minibatch: cfg.minibatch, lr_window: cfg.lr_window, seed: cfg.seed };
-    pg_epochs("reinforce-pp", m, opt, rollouts, k, sched, &adv, &mut st, |idx, _, lp| {
+    let groups = Groups { rollouts, k, adv: &adv };
+    pg_epochs("reinforce-pp", m, opt, groups, sched, &mut st, |idx, _, lp| {
         let old = per_token(idx, &before, |t| &t.logprobs, dev)?;
         let a = per_token(idx, &adv, |a| a, dev)?;
         token_pg_loss(lp, &old, &a, &batch_token_weights(idx, &before, dev)?, cfg.clip)
@@ -730,13 +742,11 @@ pub struct PpoStats {
 }
 
 /// One PPO update on `rollouts` (k consecutive samples per prompt; k = 1 for one rollout per
-/// prompt) with sequence rewards `rewards`.
-#[allow(clippy::too_many_arguments)]
+/// prompt) with sequence rewards `rewards`; the actor and the critic each come with its own
+/// optimiser.
 pub fn ppo_update(
-    actor: &PolicyModel,
-    actor_opt: &mut Adam,
-    critic: &crate::critic::Critic,
-    critic_opt: &mut Adam,
+    (actor, actor_opt): (&PolicyModel, &mut Adam),
+    (critic, critic_opt): (&crate::critic::Critic, &mut Adam),
     rollouts: &[Rollout<'_>],
     rewards: &[f64],
     k: usize,

@@ -526,7 +526,7 @@ fn a_tiny_policy_learns_the_rewarded_token_with_ppo_and_lr_zero_does_not_move() 
             let r: Vec<f64> = seqs.iter().map(|s| reward(s)).collect();
             let rollouts: Vec<Rollout> =
                 seqs.iter().map(|s| Rollout { prompt: &PROMPT, response: &s[PROMPT.len()..] }).collect();
-            let st = ppo_update(&m, &mut aopt, &critic, &mut copt, &rollouts, &r, 8, &cfg).unwrap();
+            let st = ppo_update((&m, &mut aopt), (&critic, &mut copt), &rollouts, &r, 8, &cfg).unwrap();
             assert_eq!(st.actor.steps, 1);
             closs.push(st.critic_loss);
         }

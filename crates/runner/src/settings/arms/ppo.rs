@@ -97,7 +97,7 @@ impl Arm for Ppo {
         // a schedule over the run does not restart
         let mut copt =
             critic.adam(policy::adam::AdamConfig { lr: self.critic.lr, ..adam.cfg })?.continuing(adam.run_steps());
-        let st = ppo_update(m, adam, &critic, &mut copt, &rollouts, &rewards, k, &self.update)?;
+        let st = ppo_update((m, adam), (&critic, &mut copt), &rollouts, &rewards, k, &self.update)?;
         Ok(Update {
             stats: st.actor,
             pairs: 0,
