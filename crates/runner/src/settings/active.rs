@@ -68,7 +68,7 @@ pub(super) fn active(
                 return Err(anyhow!("active: the pool ran out after {} steps", s - 1));
             }
             let pool = Pool { z: &pool_z, d, avail: &avail };
-            let (chosen, t) = pool.pick(rule, a, b, l, vtrack, data, select);
+            let (chosen, t) = pool.pick(rule, a, b, (l, vtrack), (data, select));
             *ties += u64::from(t);
             for &i in &chosen {
                 used[i] = true;
@@ -138,17 +138,15 @@ impl Pool<'_> {
 
     /// The `b` pool rows a pool rule labels next, and the ties its ranking broke: Eq. (4)'s
     /// argmax of ‖z‖_{𝓗⁻¹}, uniform, or the authors' stream rule (the top `keep` of
-    /// `candidates` random rows under the V- or 𝓗-norm).
-    #[allow(clippy::too_many_arguments)]
+    /// `candidates` random rows under the V- or 𝓗-norm). `(l, vtrack)`: the learner (its
+    /// 𝓗-norm) and the V tracker; `(data, select)`: the cell's data and selection streams.
     fn pick(
         &self,
         rule: ActiveRule,
         a: &ActiveCell,
         b: usize,
-        l: &mut Learner,
-        vtrack: &mut Curvature,
-        data: &mut ChaCha20Rng,
-        select: &mut ChaCha20Rng,
+        (l, vtrack): (&mut Learner, &mut Curvature),
+        (data, select): (&mut ChaCha20Rng, &mut ChaCha20Rng),
     ) -> (Vec<usize>, u32) {
         let avail = self.avail;
         match rule {

@@ -8,7 +8,7 @@ use super::choose;
 use super::deploy_rm::LearnedRm;
 use super::learner::Learner;
 use super::live::{Completion, Live, Snapshot, COMPLETIONS};
-use super::online::PolicyCell;
+use super::online::{ChunkIn, PolicyCell};
 use super::state::{DeployProgress, Progress};
 use crate::plan::{chunk_range, CellConfig, ConfigPlan};
 use crate::rows::{CellResult, MetricRow, PolicyTiming, RoundRow};
@@ -23,6 +23,20 @@ use rand::seq::SliceRandom;
 use rand::Rng;
 use selection::{kendall_tau_b, Strategy};
 use std::time::Instant;
+
+/// What [`deploy_chunked`] deploys on: the prompts' environment, the generated bank and, when
+/// the run has them, the learning policy and the reward model whose features learn.
+#[derive(Clone, Copy)]
+pub(super) struct ChunkedWorld<'a> {
+    /// The prompts, their responses' φ and oracle rewards.
+    pub(super) env: &'a Env,
+    /// The generated bank (prompts, samples) behind `env`.
+    pub(super) g: &'a Generated,
+    /// The run's learning policy (`world.online`).
+    pub(super) online: Option<&'a Online>,
+    /// The reward model whose features learn (`world.reward`).
+    pub(super) reward: Option<&'a RewardBase>,
+}
 
 /// The cell's strategy, its parameters resolved by the plan ([`ConfigPlan::for_cells`]).
 fn strategy_of(config: &ConfigPlan) -> Result<Strategy> {
@@ -90,18 +104,15 @@ pub(super) fn deploy(
 /// A chunk is five steps: its responses ([`responses`]), their labels ([`label_chunk`]), the
 /// reward's update ([`update_reward`]), the metric row ([`chunk_row`]), the policy's step
 /// ([`policy_step`]).
-#[allow(clippy::too_many_arguments)]
 pub(super) fn deploy_chunked(
     cell: &CellConfig,
-    env: &Env,
-    g: &Generated,
-    online: Option<&Online>,
-    reward: Option<&RewardBase>,
+    world: ChunkedWorld<'_>,
     l: &mut Learner,
     seed: u32,
     ctx: &mut CellCtx,
     resumed: Option<Progress>,
 ) -> Result<CellResult> {
+    let ChunkedWorld { env, g, online, reward } = world;
     let strategy = strategy_of(&cell.config)?;
     let mut fresh = Progress::fresh(cell.master_seed, seed);
     let p = env.contexts.len();
@@ -140,7 +151,7 @@ pub(super) fn deploy_chunked(
             None => (String::new(), String::new()),
         };
         let mut chunk = responses(pc.as_ref(), lrm.as_ref(), env, g, online, xs, &mut time)?;
-        let labels = label_chunk(env, &strategy, l, pr, pc.as_ref(), &chunk, xs, t);
+        let labels = label_chunk(env, &strategy, l, pr, pc.as_ref(), (&chunk, xs), t);
         live.completions(t, &completions(g, env, &chunk, xs, l.theta()));
         let t0 = Instant::now();
         update_reward(lrm.as_mut(), l, pr, &labels, &chunk.ids, cell.stream.batch_size, env.d)?;
@@ -157,8 +168,10 @@ pub(super) fn deploy_chunked(
                 rollout_served_as,
                 label: &cell.config.label,
                 seed,
+                g,
+                d: env.d,
             };
-            policy_step(pc, lrm.as_ref(), l, pr, &mut chunk, &labels, step, g, env.d, time)?;
+            policy_step(pc, lrm.as_ref(), l, pr, (&mut chunk, &labels), step, time)?;
         }
         live.publish(Snapshot::of(l, pr));
         Ok(())
@@ -294,16 +307,15 @@ struct ChunkLabels {
 }
 
 /// Step 2: per prompt of the chunk, θ ranks its responses, the strategy picks a pair, the
-/// oracle labels it; the regret, the stream hash and rounds.parquet's row move on.
-#[allow(clippy::too_many_arguments)]
+/// oracle labels it; the regret, the stream hash and rounds.parquet's row move on. `(chunk, xs)`:
+/// the chunk's responses and its prompts.
 fn label_chunk(
     env: &Env,
     strategy: &Strategy,
     l: &mut Learner,
     pr: &mut Progress,
     pc: Option<&PolicyCell<'_>>,
-    chunk: &ChunkResponses,
-    xs: &[usize],
+    (chunk, xs): (&ChunkResponses, &[usize]),
     t: u64,
 ) -> ChunkLabels {
     let k = env.k;
@@ -442,25 +454,25 @@ struct PolicyStep<'a> {
     rollout_served_as: String,
     label: &'a str,
     seed: u32,
+    /// The generated bank (the prompts of fresh rollouts).
+    g: &'a Generated,
+    /// φ's dimension.
+    d: usize,
 }
 
 /// Step 5: the policy's update after θ's (on the reward as the chunk's steps left it), its
 /// evaluation every `policy.eval_every_chunks` chunks and at the last, the chunk's timings,
-/// adapters and checkpoint state.
-#[allow(clippy::too_many_arguments)]
+/// adapters and checkpoint state. `(chunk, labels)`: the chunk's responses and what was labelled.
 fn policy_step(
     pc: &mut PolicyCell<'_>,
     lrm: Option<&LearnedRm<'_>>,
     l: &Learner,
     pr: &mut Progress,
-    chunk: &mut ChunkResponses,
-    labels: &ChunkLabels,
+    (chunk, labels): (&mut ChunkResponses, &ChunkLabels),
     s: PolicyStep<'_>,
-    g: &Generated,
-    d: usize,
     mut time: PolicyTiming,
 ) -> Result<()> {
-    let t = s.chunk;
+    let (t, g, d) = (s.chunk, s.g, s.d);
     let (t1, rollout_s) = (Instant::now(), time.generation_s + time.phi_s);
     let learned = lrm.map(|m| m.features());
     if let (Some(m), true) = (lrm, pc.learns()) {
@@ -470,7 +482,8 @@ fn policy_step(
         time.phi_s += t2.elapsed().as_secs_f64();
     }
     let (samples, contexts) = (&chunk.samples, &chunk.contexts);
-    let up = pc.update(t, s.xs, samples, contexts, &labels.labelled, l.theta(), d, g, learned, &mut time)?;
+    let c = ChunkIn { chunk: t, xs: s.xs, samples, contexts, pairs: &labels.labelled };
+    let up = pc.update(c, l.theta(), d, g, learned, &mut time)?;
     // the policy's own time: less fresh rollouts' generation and φ, less the critic
     time.critic_s = up.as_ref().and_then(|u| u.critic).map_or(0.0, |c| c.seconds);
     time.policy_s = t1.elapsed().as_secs_f64() - (time.generation_s + time.phi_s - rollout_s) - time.critic_s;

@@ -129,7 +129,8 @@ pub fn run_cell_with(world: &World, cell: &CellConfig, seed: u32, ctx: &mut Cell
         (Setting::Deploy, Source::Synthetic(env)) if world.generated.is_some() => {
             let g = world.generated.as_deref().expect("checked");
             let (online, reward) = (world.online.as_deref(), world.reward.as_deref());
-            deploy::deploy_chunked(cell, env, g, online, reward, &mut learner, seed, ctx, resumed)?
+            let world = deploy::ChunkedWorld { env, g, online, reward };
+            deploy::deploy_chunked(cell, world, &mut learner, seed, ctx, resumed)?
         }
         (Setting::Deploy, Source::Synthetic(env)) => deploy::deploy(cell, env, &mut learner, seed, ctx, resumed)?,
         (Setting::Deploy, Source::Pairs(_)) => return Err(anyhow!("deploy needs the synthetic environment")),

@@ -31,6 +31,22 @@ use policy::train::{logprob_sums, score, score_recorded, Rollout};
 use policy::PolicyModel;
 use std::time::Instant;
 
+/// A chunk as the policy's step reads it: its prompts, their responses and the pairs θ was
+/// labelled with.
+#[derive(Clone, Copy)]
+pub(super) struct ChunkIn<'a> {
+    /// The chunk's number (1-based).
+    pub(super) chunk: u64,
+    /// The chunk's prompts (indices into the bank).
+    pub(super) xs: &'a [usize],
+    /// Each prompt's samples.
+    pub(super) samples: &'a [Vec<Sample>],
+    /// Each prompt's φ rows and oracle rewards.
+    pub(super) contexts: &'a [Context],
+    /// The chunk's labelled pairs.
+    pub(super) pairs: &'a [Labelled],
+}
+
 /// One cell's deployed policy: its arm ([`Arm`]: what it deploys, how it learns) and, for a
 /// learning arm, its adapters and Adam's state.
 pub(super) struct PolicyCell<'a> {
@@ -327,21 +343,18 @@ impl<'a> PolicyCell<'a> {
         self.arm.deploy(truth, est)
     }
 
-    /// The arm's rollouts on chunk `chunk` (`plan::RolloutPlan`): the first k of each of the
+    /// The arm's rollouts on chunk `c.chunk` (`plan::RolloutPlan`): the first k of each of the
     /// first P prompts' samples, or k fresh samples of those prompts from the current policy
     /// (their generation and φ timed into `time`). Empty for an arm without rollouts.
-    #[allow(clippy::too_many_arguments)]
     fn rollouts(
         &self,
-        chunk: u64,
-        xs: &[usize],
-        samples: &[Vec<Sample>],
-        contexts: &[Context],
+        c: ChunkIn<'_>,
         d: usize,
         g: &Generated,
         learned: Option<&CurrentFeatures>,
         time: &mut PolicyTiming,
     ) -> Result<Rollouts> {
+        let ChunkIn { chunk, xs, samples, contexts, .. } = c;
         let Some(plan) = self.learning.as_ref().map(|l| l.rollouts).filter(|r| r.per_prompt > 0) else {
             return Ok(Rollouts::default());
         };
@@ -424,28 +437,24 @@ impl<'a> PolicyCell<'a> {
         Ok(())
     }
 
-    /// The policy step after θ's update on chunk `chunk` (the arm's [`Arm::update`] on its
+    /// The policy step after θ's update on chunk `c.chunk` (the arm's [`Arm::update`] on its
     /// rollouts, their generation and φ timed into `time`), then the adapter's life cycle for
     /// the next chunk ([`PolicyCell::after_update`]). None when the policy does not learn.
-    #[allow(clippy::too_many_arguments)]
     pub(super) fn update(
         &mut self,
-        chunk: u64,
-        xs: &[usize],
-        samples: &[Vec<Sample>],
-        contexts: &[Context],
-        pairs: &[Labelled],
+        c: ChunkIn<'_>,
         theta: &[f64],
         d: usize,
         g: &Generated,
         learned: Option<&CurrentFeatures>,
         time: &mut PolicyTiming,
     ) -> Result<Option<Update>> {
+        let ChunkIn { chunk, xs, samples, pairs, .. } = c;
         if self.learner.is_none() {
             return Ok(None);
         }
         crate::io::failpoint("policy-update");
-        let rollouts = self.rollouts(chunk, xs, samples, contexts, d, g, learned, time)?;
+        let rollouts = self.rollouts(c, d, g, learned, time)?;
         let Some((m, adam)) = &mut self.learner else { return Ok(None) };
         let prompts = xs.iter().map(|&x| self.online.prompt_ids[x].as_slice()).collect();
         let c = Chunk { index: chunk, prompts, samples, pairs, rollouts: &rollouts, theta, d };

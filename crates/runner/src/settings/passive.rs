@@ -54,7 +54,6 @@ fn mean_rows(rows: &[MetricRow]) -> MetricRow {
 
 /// Passive with `stream.ranks` = R independent heads (the authors' un-synchronised OMD ranks):
 /// head r reads rows r, r+R, … of the stream; a metric row is the mean over heads.
-#[allow(clippy::too_many_arguments)]
 pub(super) fn passive_ranks(
     cell: &CellConfig,
     src: &Source<'_>,
@@ -118,7 +117,6 @@ pub(super) fn passive_ranks(
     Ok(CellResult { rows, stream_hash: h.0, ..Default::default() })
 }
 
-#[allow(clippy::too_many_arguments)]
 pub(super) fn passive(
     cell: &CellConfig,
     src: &Source<'_>,

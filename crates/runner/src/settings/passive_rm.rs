@@ -124,7 +124,6 @@ fn evaluate(
     Ok((loss / n, right / n, ties))
 }
 
-#[allow(clippy::too_many_arguments)]
 pub(super) fn passive_features(
     cell: &CellConfig,
     p: &PairData,

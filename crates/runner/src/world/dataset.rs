@@ -188,7 +188,7 @@ pub fn load(d: &DataSpec, progress: Mode, keep_ids: bool) -> Result<(PairData, D
         score_ties,
         ranked: read.ranked,
     };
-    assemble(d, &files, sp.eval_file, &origin, &both, n_train, &ex, keep_ids, counts)
+    assemble(d, (&files, sp.eval_file), &origin, (&both, n_train), &ex, keep_ids, counts)
 }
 
 /// What [`read_selected`] read: the selected pairs and the counts the report keeps.
@@ -337,15 +337,14 @@ struct Counts {
 }
 
 /// Step 4: z = φ(chosen) − φ(rejected) and y of each split (degenerate pairs dropped when
-/// `data.degenerate` says so), the token ids when kept, and the report.
-#[allow(clippy::too_many_arguments)]
+/// `data.degenerate` says so), the token ids when kept, and the report. `(files, eval_file)`:
+/// the data's files and the eval split's own, if any; `(both, n_train)`: the selected pairs,
+/// the first `n_train` of them the training split.
 fn assemble(
     d: &DataSpec,
-    files: &[PathBuf],
-    eval_file: Option<Vec<PathBuf>>,
+    (files, eval_file): (&[PathBuf], Option<Vec<PathBuf>>),
     origin: &str,
-    both: &[Pair],
-    n_train: usize,
+    (both, n_train): (&[Pair], usize),
     ex: &super::extract::Extracted,
     keep_ids: bool,
     c: Counts,

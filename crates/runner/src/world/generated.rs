@@ -336,7 +336,6 @@ fn read_prompts(g: &GenerateSpec, holdout: usize) -> Result<(Vec<std::path::Path
 /// The oracle's reward of each response (from φ: a linear θ* or a trained head; or a reward
 /// model over its own backbone), θ* when it is linear in φ (else empty), and the scorer of new
 /// responses over φ (None for a reward model).
-#[allow(clippy::too_many_arguments)]
 fn oracle_rewards(
     g: &GenerateSpec,
     f: &FeatureSpec,
