@@ -17,8 +17,8 @@ README.md's tables come from the same summaries: a block opened by
 `<!-- table: NAME.csv columns=a,b,c [known=col] [latest=col] [where=col:v1|v2] -->` and closed
 by `<!-- end table -->` is rewritten with the summary's columns a, b, c (rows whose `known`
 column says `unknown` left out; with `latest`, the newest row per value of that column; with
-`where`, only rows whose column holds one of the values), each row's date, CPU and revision
-after them.
+`where`, only rows whose column holds one of the values; a value with spaces goes in double
+quotes, `where="comparison:a − b|c − d"`), each row's date, CPU and revision after them.
 
 Bad input (a missing provenance column, a malformed date or revision, a row of the wrong
 length, an empty provenance cell) stops with one line naming the file, the row and the column.
@@ -28,6 +28,7 @@ Python 3 standard library only.
 import csv
 import pathlib
 import re
+import shlex
 import sys
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
@@ -122,7 +123,10 @@ BLOCK = re.compile(r"(<!-- table: (\S+\.csv)([^>]*)-->\n)(.*?)(<!-- end table --
 def readme_table(summary, params, where_from):
     """One README block's table (see the module doc)."""
     header, body = read_summary(summary)
-    opts = dict(p.split("=", 1) for p in params.split())
+    try:
+        opts = dict(p.split("=", 1) for p in shlex.split(params))
+    except ValueError as e:
+        raise BadSummary(f"{where_from}: the table block `{params.strip()}`: {e} (expected key=value words)")
     cols = opts.get("columns", "").split(",")
     for c in cols + [opts[k].split(":")[0] for k in ("known", "latest", "where") if k in opts]:
         if c not in header:

@@ -7,6 +7,7 @@ Each failing case runs on a copy of docs/results and docs/src/results in a tempo
 (`--root`), so the tree is never touched. Python 3 standard library only.
 """
 
+import csv
 import pathlib
 import shutil
 import subprocess
@@ -47,9 +48,15 @@ class DocsResults(unittest.TestCase):
         self.assertEqual(rc, 0, out)
         readme = self.tmp / "README.md"
         text = readme.read_text(encoding="utf-8")
-        self.assertIn("| rloo, learned reward − base | +0.117 |", text)
+        # the row a quoted `where` value (with spaces) selects, with the summary's number
+        want = "rloo (learned reward) − rloo (null reward)"
+        with open(self.tmp / "docs" / "results" / "online-proof-8.csv", encoding="utf-8") as f:
+            row = next(r for r in csv.DictReader(f) if r["comparison"] == want)
+        line = f"| {want} | {row['difference']} |"
+        self.assertIn(line, text)
+        self.assertNotIn("| rloo (learned reward) − rloo (oracle reward) |", text, "a row the block does not select")
         # a number typed into the block by hand is caught, and rendering puts the summary's back
-        readme.write_text(text.replace("| +0.117 |", "| +0.217 |", 1), encoding="utf-8")
+        readme.write_text(text.replace(line, f"| {want} | +9.999 |", 1), encoding="utf-8")
         rc, out = self.check()
         self.assertEqual(rc, 1, out)
         self.assertIn("README.md", out)
@@ -61,6 +68,11 @@ class DocsResults(unittest.TestCase):
         rc, out = self.check()
         self.assertEqual(rc, 2, out)
         self.assertIn("column `comparisons`", out)
+        # an unclosed quote is one line naming the block
+        readme.write_text(text.replace('best-of-n − base" -->', 'best-of-n − base -->', 1), encoding="utf-8")
+        rc, out = self.check()
+        self.assertEqual(rc, 2, out)
+        self.assertIn("expected key=value words", out)
 
     def test_an_edited_value_makes_the_check_fail_naming_the_fragment(self):
         csv = self.tmp / "docs" / "results" / "online-proof.csv"
