@@ -147,7 +147,6 @@ pub(super) enum Ran<'p> {
 
 /// Runs `mine` on `pool` with a progress meter. An interrupt stops the run with its resume
 /// command; a full disk is an error that says how many cells finished and how to resume.
-#[allow(clippy::too_many_arguments)]
 pub(super) fn run_cells<'p>(
     opts: &RunOptions,
     plan: &'p Plan,
