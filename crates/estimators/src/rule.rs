@@ -5,7 +5,7 @@
 //! Only the direction's CG solve depends on the model: its products with the damped batch
 //! Hessian. The caller passes that solve, so one rule runs on a linear head's θ
 //! ([`crate::FirstOrder`]: closed-form HVPs on cached features) and on every trainable
-//! parameter of a reward model whose features learn (issue 30; `policy::reward`: HVPs by
+//! parameter of a reward model whose features learn (issue 30; `policy::rm::model`: HVPs by
 //! central differences of gradients).
 
 use crate::cg::{Beta, CgOptions, Stop};

@@ -5,7 +5,7 @@
 //! Hessian with HVPs by central differences of gradients — two more passes each — lr 1e-3),
 //! `omd-forward` (the same with forward differences: one more pass each) or `omd-gn` (the
 //! Gauss–Newton matrix's products: two forward passes and one backward each) or `omd-exact`
-//! (exact products by Pearlmutter's R-operator on the step's recorded gradient pass, `policy::rop`).
+//! (exact products by Pearlmutter's R-operator on the step's recorded gradient pass, `policy::rm::rop`).
 //! The reward model is r = θᵀh_ψ, ψ LoRA r = 8, α = 16 on every linear layer, θ = 1/(d+1)·1.
 //! Each side of a pair has LEN random tokens (ChaCha8, seed 0), label 1. One untimed warm-up
 //! step, then REPS timed ones; the last line is a JSON record for `just bench-rm-step`
@@ -21,8 +21,8 @@
 
 use candle_core::{DType, Device};
 use estimators::{EstimatorConfig, HvpCgConfig, SgdConfig};
-use policy::reward::{RewardModel, RmPair};
-use policy::rm_update::{HvpConfig, HvpScheme, OnePass};
+use policy::rm::model::{RewardModel, RmPair};
+use policy::rm::update::{HvpConfig, HvpScheme, OnePass};
 use policy::{LoraConfig, PolicyModel, Target};
 use rand::{Rng, SeedableRng};
 use std::alloc::{GlobalAlloc, Layout, System};

@@ -3,7 +3,7 @@
 //!
 //! Its files from the bottom up, each naming only files before it: `mm`, [`adam`], [`batch`],
 //! [`loss`], [`ops`], [`attention`], [`lora`], [`head`], [`model`], [`critic`], [`train`],
-//! [`reward`], [`peft`], `rop_cpu`, [`rop`], [`rm_update`].
+//! [`rm`] (within it `model`, `rop_cpu`, `rop`, `update`), [`peft`].
 //!
 //! - [`lora`]: low-rank adapters W + (α/r)·B·A on chosen linear layers, base weights frozen;
 //!   merging them into the weights for the fused inference path of `features`.
@@ -30,10 +30,11 @@
 //! - [`train`]: one policy update on a chunk — [`train::rloo_update`], [`train::dpo_update`],
 //!   [`train::ppo_update`] (actor and critic) —
 //!   and [`train::score`] (log-probabilities and KL to the reference, no gradients).
-//! - [`reward`]: a reward model whose features learn, r = θᵀh_ψ (the paper's appendix "Full
-//!   update of reward model"), and ([`rm_update`]) its one-pass updates over (ψ, θ) with the
-//!   head-only estimators' rules, HVPs by differences of gradients or exactly by [`rop`]
-//!   (Pearlmutter's R-operator over the adapters and the head; its CPU kernels in `rop_cpu`).
+//! - [`rm`]: a reward model whose features learn ([`rm::model`]), r = θᵀh_ψ (the paper's appendix
+//!   "Full update of reward model"), and ([`rm::update`]) its one-pass updates over (ψ, θ) with
+//!   the head-only estimators' rules, HVPs by differences of gradients or exactly by
+//!   [`rm::rop`] (Pearlmutter's R-operator over the adapters and the head; its CPU kernels in
+//!   `rm::rop_cpu`).
 //! - [`peft`]: adapters saved and read in PEFT's layout (`adapter_model.safetensors`,
 //!   `adapter_config.json`).
 
@@ -51,10 +52,7 @@ mod mm;
 pub mod model;
 pub mod ops;
 pub mod peft;
-pub mod reward;
-pub mod rm_update;
-pub mod rop;
-mod rop_cpu;
+pub mod rm;
 pub mod train;
 
 pub use lora::{Dropout, LoraConfig, Pass, Target};

@@ -56,7 +56,7 @@ pub fn encode(m: &PolicyModel, base_model: &str) -> std::result::Result<(Vec<u8>
 /// `modules_to_save`), task_type SEQ_CLS. transformers scores a sequence at its last
 /// non-padding token with the final-norm state: θᵀh.
 pub fn encode_reward(
-    rm: &crate::reward::RewardModel,
+    rm: &crate::rm::model::RewardModel,
     base_model: &str,
 ) -> std::result::Result<(Vec<u8>, String), features::Error> {
     let d = rm.head.as_tensor().elem_count();
@@ -67,7 +67,7 @@ pub fn encode_reward(
 /// Writes a reward model's `dir/adapter_model.safetensors` and `dir/adapter_config.json`
 /// ([`encode_reward`]).
 pub fn save_reward(
-    rm: &crate::reward::RewardModel,
+    rm: &crate::rm::model::RewardModel,
     dir: &Path,
     base_model: &str,
 ) -> std::result::Result<(), features::Error> {
@@ -80,7 +80,7 @@ pub fn save_reward(
 
 /// Reads a reward model saved by [`save_reward`] (or by PEFT for a sequence classifier with one
 /// label) into `rm`: the adapters, then θ from `score.weight`.
-pub fn load_reward(rm: &crate::reward::RewardModel, dir: &Path) -> std::result::Result<(), features::Error> {
+pub fn load_reward(rm: &crate::rm::model::RewardModel, dir: &Path) -> std::result::Result<(), features::Error> {
     load(&rm.model, dir)?;
     let st = dir.join("adapter_model.safetensors");
     let t = candle_core::safetensors::load(&st, rm.model.device())

@@ -23,7 +23,7 @@ use features::model::Family;
 use features::{Backbone, EosRule, Message, PhiOptions, Source};
 use policy::batch::SeqBatch;
 use policy::ops::Kernels;
-use policy::rm_update::{HvpConfig, OnePass};
+use policy::rm::update::{HvpConfig, OnePass};
 use policy::{LoraConfig, PolicyModel, Target};
 use std::collections::HashMap;
 use std::path::PathBuf;
@@ -183,7 +183,7 @@ fn a_reward_models_gradient_hvps_and_step_on_the_device_equal_pytorchs_and_the_c
         }
         // one step of paper Alg. 5 (K = 3 CG steps on HVPs), f64: the device's and the CPU's
         let cfg = estimators::EstimatorConfig::OmdHvpCg(Default::default());
-        let after = |rm: &policy::reward::RewardModel| -> Vec<f64> {
+        let after = |rm: &policy::rm::model::RewardModel| -> Vec<f64> {
             let mut up = OnePass::new(&cfg, rm, Some(10), HvpConfig { eps: 1e-5, ..Default::default() }, 1.0).unwrap();
             let before = flat64(&rm.vars().iter().map(|v| v.as_tensor().copy().unwrap()).collect::<Vec<_>>());
             let s = up.step(rm, &pairs).unwrap();

@@ -17,8 +17,8 @@ use candle_core::{DType, Device, Tensor};
 use common::*;
 use estimators::EstimatorConfig;
 use features::model::{Config, Family};
-use policy::reward::{RewardModel, RmPair};
-use policy::rm_update::{HvpConfig, OnePass};
+use policy::rm::model::{RewardModel, RmPair};
+use policy::rm::update::{HvpConfig, OnePass};
 use policy::{LoraConfig, PolicyModel, Target};
 use std::collections::HashMap;
 use std::path::Path;
@@ -59,7 +59,7 @@ fn loss_gradient_and_hvps_by_differences_equal_pytorchs_exact_ones() {
             let (g64, g32) = (rm.gradient(&pairs).unwrap().grads, rm32.gradient(&pairs).unwrap().grads);
             let fwd64 = rel_l2(&flat64(&rm.hvp_with(&pairs, &v, 1e-7, Some(&g64)).unwrap()), &exact);
             let fwd = |eps: f64| rel_l2(&flat64(&rm32.hvp_with(&pairs, &v32, eps, Some(&g32)).unwrap()), &exact);
-            let (f_default, f_far) = (fwd(policy::rm_update::HvpScheme::Forward.default_eps()), fwd(3e-2));
+            let (f_default, f_far) = (fwd(policy::rm::update::HvpScheme::Forward.default_eps()), fwd(3e-2));
             eprintln!("{case} v{k}: forward HVP error {fwd64:.2e} (f64, ε = 1e-7), {f_default:.2e} (f32, ε = 3e-4), {f_far:.2e} (f32, ε = 3e-2)");
             // measured 4e-7–1.2e-6 (f64); f32 1.4e-3–4.6e-3 on a Zen 4 (AVX-512), 4.7e-3–1.7e-2
             // on a Zen 3 (AVX2): the products round differently, and the difference quotient
@@ -81,7 +81,7 @@ fn loss_gradient_and_hvps_by_differences_equal_pytorchs_exact_ones() {
     }
 }
 
-/// The exact products of Pearlmutter's R-operator (`policy::rop`): the recorded gradient pass
+/// The exact products of Pearlmutter's R-operator (`policy::rm::rop`): the recorded gradient pass
 /// gives the autograd gradient, and its HVPs PyTorch's double-backward ones, to rounding — in
 /// f64 on the fixture's LoRA model (every layer adapted), whole and in passes of one pair, and
 /// in f32 at the f32 gradient's own rounding (closer than central differences at their best ε). Negative controls: the two
@@ -322,7 +322,7 @@ fn accuracy(rm: &RewardModel, data: &[(Vec<u32>, Vec<u32>, f32)]) -> f64 {
 /// the farthest from where it breaks) at 0.960–0.977 in all six.
 #[test]
 fn a_tiny_reward_model_learns_a_planted_preference() {
-    use policy::rm_update::HvpScheme;
+    use policy::rm::update::HvpScheme;
     let (train, test) = (planted(480, 7), planted(300, 8));
     let central = HvpConfig::default();
     let exact = HvpConfig { eps: 0.0, scheme: HvpScheme::Exact };

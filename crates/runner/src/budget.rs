@@ -104,7 +104,7 @@ fn on_device(host: u64, device: bool, factor: f64) -> (u64, String) {
     }
 }
 
-/// The terms of a cell whose reward model learns its features (`policy::reward`): the
+/// The terms of a cell whose reward model learns its features (`policy::rm::model`): the
 /// trainable parameters with their gradient and the optimiser's moments, the one-pass update's
 /// flat vectors (parameters before and after, gradient, direction, CG's three, an HVP's saved
 /// parameters and two gradients: 10 copies), and a gradient pass's activations over its
@@ -154,7 +154,7 @@ fn reward_terms(spec: &Spec, r: &RewardShape) -> Vec<Term> {
         what: format!("a gradient pass's activations ({seqs} sequences × {len} tokens{on})"),
         bytes,
     });
-    // exact HVPs (`policy::rop`): the tape of every pass of a step, held through its K products
+    // exact HVPs (`policy::rm::rop`): the tape of every pass of a step, held through its K products
     // — per token and layer each layer's inputs and adapted products' adjoints, 8h + 4·(q width)
     // + 4·(kv width) + 3i values (10,288 for SmolLM2-135M: 1.26 GB for 4 × 256 tokens, whose
     // step peaked at 3.15 GB against 1.87 GB for a gradient; the tangent pass's values are the
@@ -162,7 +162,7 @@ fn reward_terms(spec: &Spec, r: &RewardShape) -> Vec<Term> {
     let curvature = spec.estimators.iter().any(|e| {
         matches!(e.get("kind").and_then(|k| k.as_str()), Some("omd-hvp-cg" | "omd-hvp-cg+adam" | "omd-reference"))
     });
-    if curvature && rs.hvp_scheme() == policy::rm_update::HvpScheme::Exact {
+    if curvature && rs.hvp_scheme() == policy::rm::update::HvpScheme::Exact {
         let batch = 2 * spec.stream.batch_size as u64;
         let (qw, kvw) = ((cfg.heads * cfg.head_dim) as u64, (cfg.kv_heads * cfg.head_dim) as u64);
         let per_token = 8 * h + 4 * qw + 4 * kvw + 3 * i;

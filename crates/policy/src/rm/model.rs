@@ -3,8 +3,8 @@
 //! chat-templated conversation — `features`' φ when ψ is the base model — ψ the LoRA adapters of
 //! a [`PolicyModel`] or all its weights ([`PolicyModel::new_full`]), θ a linear head.
 //!
-//! Its one-pass update over (ψ, θ) is `crate::rm_update`'s `OnePass`, its exact Hessian–vector
-//! products `crate::rop`'s; candle has no double backward, so [`RewardModel::hvp`] takes them by
+//! Its one-pass update over (ψ, θ) is `crate::rm::update`'s `OnePass`, its exact Hessian–vector
+//! products `crate::rm::rop`'s; candle has no double backward, so [`RewardModel::hvp`] takes them by
 //! central differences of gradients (its doc states the step and its error).
 
 use crate::model::PolicyModel;

@@ -23,13 +23,13 @@
 //! Scope: LoRA adapters and the head (the reward model of `[reward] update = "lora"`); a
 //! full-parameter model (its W learn: their tangents would enter every product) takes
 //! differences of gradients. On the CPU in f32 and f64 the products and the attention and MLP
-//! passes run on [`crate::rop_cpu`]'s kernels; elsewhere (a GPU) on composed candle ops on
+//! passes run on [`crate::rm::rop_cpu`]'s kernels; elsewhere (a GPU) on composed candle ops on
 //! detached tensors, which the tests also run on the CPU.
 
 use crate::lora::Linear;
 use crate::model::{Block, PolicyModel};
-use crate::reward::{Gradient, RewardModel, RmPair};
-use crate::rop_cpu as cpu;
+use crate::rm::model::{Gradient, RewardModel, RmPair};
+use crate::rm::rop_cpu as cpu;
 use candle_core::{DType, Result, Tensor, D};
 
 /// A linear layer's parts as detached tensors: W (out, in), its bias, and (A, B, s) where it
@@ -632,7 +632,7 @@ impl Tape {
         let seqs: Vec<&[u32]> = pairs.iter().map(|p| p.a).chain(pairs.iter().map(|p| p.b)).collect();
         let b = seqs.len();
         // the batch of `RewardModel::features`
-        let (ids, last, t) = crate::reward::padded(&seqs)?;
+        let (ids, last, t) = crate::rm::model::padded(&seqs)?;
         let dev = m.device();
         let dt = m.var_dtype();
         if t > m.cos.dim(0)? {

@@ -1,4 +1,4 @@
-//! The CPU's kernels of [`crate::rop`] (f32, f64): the adapted products with every low-rank
+//! The CPU's kernels of [`crate::rm::rop`] (f32, f64): the adapted products with every low-rank
 //! term added into the frozen product's buffer (one `gemm` call each, no zero fill, no
 //! temporary sums), attention's passes one (batch, kv head) group at a time with each
 //! probability row's work in one pass over its visible keys, and the MLP's elementwise
@@ -41,7 +41,7 @@ fn new<T: El>(v: Vec<T>, shape: &[usize], like: &Tensor) -> Result<Tensor> {
 /// The adapter of a layer: A (r, in), B (out, r), s.
 pub(crate) type Ad<'a> = (&'a Tensor, &'a Tensor, f64);
 
-/// y = x Wᵀ + b + s (x Aᵀ) Bᵀ and x Aᵀ (`crate::rop::Lin::fwd`).
+/// y = x Wᵀ + b + s (x Aᵀ) Bᵀ and x Aᵀ (`crate::rm::rop::Lin::fwd`).
 pub(crate) fn lin_fwd(
     x: &Tensor,
     w: &Tensor,
@@ -125,7 +125,7 @@ fn lin_bwd_t<T: El>(
     Ok((gx, grads, gbt))
 }
 
-/// The tangent of [`lin_fwd`] along (ẋ, Ȧ, Ḃ): ẏ and (x Aᵀ)˙ (`crate::rop::Lin::tan`).
+/// The tangent of [`lin_fwd`] along (ẋ, Ȧ, Ḃ): ẏ and (x Aᵀ)˙ (`crate::rm::rop::Lin::tan`).
 pub(crate) fn lin_tan(
     x: &Tensor,
     w: &Tensor,
@@ -162,7 +162,7 @@ fn lin_tan_t<T: El>(
 /// A layer's recorded backward values for [`lin_tan_bwd`]: g, g B.
 pub(crate) type Saved<'a> = (&'a Tensor, &'a Tensor);
 
-/// The tangent of [`lin_bwd`] given ġ (`crate::rop::Lin::tan_bwd`).
+/// The tangent of [`lin_bwd`] given ġ (`crate::rm::rop::Lin::tan_bwd`).
 #[allow(clippy::type_complexity)]
 pub(crate) fn lin_tan_bwd(
     x: &Tensor,

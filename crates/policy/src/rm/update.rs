@@ -1,13 +1,13 @@
-//! The one-pass update of a reward model's (ψ, θ) ([`crate::reward`]): [`OnePass`] updates
+//! The one-pass update of a reward model's (ψ, θ) ([`crate::rm::model`]): [`OnePass`] updates
 //! (ψ, θ) one batch at a time with the rules of the head-only estimators
 //! ([`estimators::Rule`]: sgd, adam, the paper's Alg. 5 `omd-hvp-cg`, the authors'
 //! `omd-reference`), each step on the batch alone: no replay, no stored history, so a step's
 //! cost does not grow with t. Alg. 5's conjugate gradient needs Hessian–vector products over
 //! every trainable parameter; candle has no double backward, so [`RewardModel::hvp`] takes them
 //! by central differences of gradients (its doc states the step and its error), or exactly
-//! ([`HvpScheme::Exact`]) by [`crate::rop`].
+//! ([`HvpScheme::Exact`]) by [`crate::rm::rop`].
 
-use crate::reward::{flatten, unflatten, RewardModel, RmPair};
+use crate::rm::model::{flatten, unflatten, RewardModel, RmPair};
 use candle_core::Result;
 use estimators::cg::{self, CgOptions, CgScratch};
 use estimators::{EstimatorConfig, Rule};
@@ -22,7 +22,7 @@ pub enum HvpScheme {
     Central,
     /// (g(w + hv) − g(w)) / h with the step's own gradient g(w): one pass, error O(ε).
     Forward,
-    /// Exact: Pearlmutter's R-operator ([`crate::rop`]) — the step's gradient pass recorded,
+    /// Exact: Pearlmutter's R-operator ([`crate::rm::rop`]) — the step's gradient pass recorded,
     /// then a tangent forward and backward pass per product, about one gradient pass of
     /// products each. LoRA adapters and the head only.
     Exact,
@@ -120,7 +120,7 @@ impl OnePass {
         }
         if hvp.scheme == HvpScheme::Exact
             && matches!(kind, Kind::OmdHvpCg | Kind::OmdHvpCgAdam | Kind::OmdReference)
-            && !crate::rop::Tape::applies(rm)
+            && !crate::rm::rop::Tape::applies(rm)
         {
             candle_core::bail!(
                 "exact HVPs cover a reward model's LoRA adapters and head: this one {} (use central differences)",

@@ -4,7 +4,7 @@
 
 use candle_core::{DType, Device, Tensor};
 use features::model::{Config, HfConfig};
-use policy::reward::{RewardModel, RmPair};
+use policy::rm::model::{RewardModel, RmPair};
 use policy::{LoraConfig, PolicyModel, Target};
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};

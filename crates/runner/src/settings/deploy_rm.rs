@@ -3,7 +3,7 @@
 //! r_{ψ,θ} = θᵀh_ψ scores the chunk's n responses per prompt (h_ψ on the fused inference path,
 //! [`CurrentFeatures`]), the strategy picks pairs with the head θ and the uncertainty of the
 //! head's curvature over those features, the oracle labels them, and each mini-batch of
-//! `stream.batch_size` labelled pairs is one [`policy::rm_update::OnePass`] step over (ψ, θ) on the
+//! `stream.batch_size` labelled pairs is one [`policy::rm::update::OnePass`] step over (ψ, θ) on the
 //! pairs' token ids. A learning policy then updates on the reward model as it is after the
 //! chunk's steps (h_ψ recomputed), and its evaluation's learned reward is that model's.
 
@@ -21,8 +21,8 @@ use crate::world::online::Online;
 use crate::world::reward::RewardBase;
 use anyhow::{anyhow, Context as _, Result};
 use features::generate::Sample;
-use policy::reward::{RewardModel, RmPair};
-use policy::rm_update::OnePass;
+use policy::rm::model::{RewardModel, RmPair};
+use policy::rm::update::OnePass;
 use std::time::Instant;
 
 /// A cell's reward model and its current features. The update's state (the rule's, the

@@ -1,7 +1,7 @@
 //! Passive data collection (paper Alg. 2) with a reward model whose features learn (issue 30,
 //! `[reward] update = "lora" | "full"`): the stream of training pairs in the order `passive`
 //! reads them (so the stream hash is the head-only cells'), each batch one
-//! [`policy::rm_update::OnePass`] step over (ψ, θ) on the pairs' token ids; every evaluation point
+//! [`policy::rm::update::OnePass`] step over (ψ, θ) on the pairs' token ids; every evaluation point
 //! scores the held-out pairs with the current r_{ψ,θ}. θ starts where the head-only estimator's
 //! does (the config's `init`), ψ at the feature model (LoRA's B = 0) — so the first features
 //! are φ.
@@ -20,8 +20,8 @@ use crate::world::pairs::PairData;
 use crate::world::reward::RewardBase;
 use anyhow::{anyhow, Context, Result};
 use estimators::logistic::{accuracy_credit, log_loss};
-use policy::reward::{RewardModel, RmPair};
-use policy::rm_update::OnePass;
+use policy::rm::model::{RewardModel, RmPair};
+use policy::rm::update::OnePass;
 use policy::PolicyModel;
 
 /// The reward model of a cell: the feature model with fresh adapters (drawn from the cell's

@@ -3,8 +3,8 @@
 
 use super::clock::BucketClock;
 use anyhow::{Context, Result};
-use policy::reward::{RewardModel, RmPair};
-use policy::rm_update::OnePass;
+use policy::rm::model::{RewardModel, RmPair};
+use policy::rm::update::OnePass;
 use serde::{Deserialize, Serialize};
 use std::time::Instant;
 
@@ -60,7 +60,7 @@ impl RmState {
 
     /// One step of the update on `pairs`, counted (steps, samples, gradient and HVP
     /// evaluations per sample, fallbacks to the gradient, seconds).
-    pub(super) fn step(&mut self, rm: &RewardModel, pairs: &[RmPair<'_>]) -> Result<policy::rm_update::RmStep> {
+    pub(super) fn step(&mut self, rm: &RewardModel, pairs: &[RmPair<'_>]) -> Result<policy::rm::update::RmStep> {
         let t0 = Instant::now();
         let s = self.update.step(rm, pairs).with_context(|| format!("reward model step {}", self.steps + 1))?;
         self.step_s += t0.elapsed().as_secs_f64();

@@ -2,10 +2,10 @@
 //! reward model"). "head" — the default, and every run before this table — learns θ on
 //! frozen φ (the `[[estimator]]` tables on cached features); "lora" and "full" learn θ and the
 //! feature model's adapters or all its weights, one pass over the data with the same
-//! estimator tables' rules (`policy::reward`).
+//! estimator tables' rules (`policy::rm::model`).
 
 use super::policy::{d_alpha, d_rank, Targets};
-use policy::rm_update::HvpScheme;
+use policy::rm::update::HvpScheme;
 use schemars::JsonSchema;
 use serde::{Deserialize, Serialize};
 
@@ -168,9 +168,9 @@ impl RewardSpec {
     }
 
     /// How the update takes Hessian–vector products.
-    pub fn hvp_config(&self) -> policy::rm_update::HvpConfig {
+    pub fn hvp_config(&self) -> policy::rm::update::HvpConfig {
         let scheme = self.hvp_scheme();
-        policy::rm_update::HvpConfig { eps: self.hvp_eps.unwrap_or(scheme.default_eps()), scheme }
+        policy::rm::update::HvpConfig { eps: self.hvp_eps.unwrap_or(scheme.default_eps()), scheme }
     }
 
     /// The adapters of update = "lora", their initial draw from `seed`.
