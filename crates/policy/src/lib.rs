@@ -4,7 +4,7 @@
 //! Its files from the bottom up, each naming only files before it: `mm`, [`adam`], [`batch`],
 //! [`loss`], [`ops`], [`attention`], [`lora`], [`head`], [`model`], [`critic`], [`train`]
 //! (its `mod.rs`, then `dpo`, `ppo`),
-//! [`rm`] (within it `model`, `rop_cpu`, `rop`, `update`), [`peft`].
+//! [`rm`] (within it `model`, `rop_cpu`, `rop`, `update`; see its doc), [`peft`].
 //!
 //! - [`lora`]: low-rank adapters W + (α/r)·B·A on chosen linear layers, base weights frozen;
 //!   merging them into the weights for the fused inference path of `features`.

@@ -5,7 +5,7 @@
 //! the exact Hessian-vector products by Pearlmutter's R-operator (its CPU kernels in `rop_cpu`).
 //!
 //! Its files from the bottom up, each naming only files before it: [`model`], `rop_cpu`,
-//! [`rop`], [`update`].
+//! [`rop`] (its `layers`, then its `mod.rs`), [`update`].
 
 pub mod model;
 pub mod rop;
