@@ -18,8 +18,8 @@ mod common;
 
 use candle_core::{DType, Device, Tensor};
 use common::*;
-use features::sampling::SampleOptions;
 use features::model::Family;
+use features::sampling::SampleOptions;
 use features::{Backbone, EosRule, Message, PhiOptions, Source};
 use policy::batch::SeqBatch;
 use policy::ops::Kernels;

@@ -11,8 +11,8 @@ use crate::spec::{FeatureSpec, GenerateSpec, OracleKind, OracleSpec, PolicySpec}
 use anyhow::{anyhow, Context as _, Result};
 use candle_core::Tensor;
 use features::generate::Sample;
-use features::sampling::SampleOptions;
 use features::model::{Config, Model};
+use features::sampling::SampleOptions;
 use features::{Backbone, FeatureCache, Message, Source};
 use std::collections::HashMap;
 use std::sync::Mutex;
