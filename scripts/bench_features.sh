@@ -34,4 +34,4 @@ for r in $(seq 1 "$rounds"); do
             --reps "$reps" 2>/dev/null >"$out/torch-$dt-$r.json"
     done
 done
-python3 scripts/bench_features_report.py "$out"/candle-*.json "$out"/gemm-*.json "$out"/torch-*.json
+python3 scripts/bench_features_report.py --pass features --model "$model" "$out"/candle-*.json "$out"/gemm-*.json "$out"/torch-*.json

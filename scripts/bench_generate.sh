@@ -43,4 +43,4 @@ for r in $(seq 1 "$rounds"); do
             2>/dev/null >"$out/llamacpp-$r.json"
     fi
 done
-python3 scripts/bench_features_report.py "$out"/candle-*.json "$out"/gemm-*.json "$out"/torch-*.json $(ls "$out"/llamacpp-*.json 2>/dev/null)
+python3 scripts/bench_features_report.py --pass generate --model "$model" --ids "$out/ids.json" "$out"/candle-*.json "$out"/gemm-*.json "$out"/torch-*.json $(ls "$out"/llamacpp-*.json 2>/dev/null)

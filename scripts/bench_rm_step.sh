@@ -37,4 +37,4 @@ for r in $(seq 1 "$rounds"); do
         fi
     done
 done
-python3 scripts/bench_rm_step_report.py "$out"/candle-*.json "$out"/torch-*.json
+python3 scripts/bench_rm_step_report.py --model "$model" "$out"/candle-*.json "$out"/torch-*.json

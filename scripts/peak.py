@@ -97,6 +97,18 @@ def peak(dtype, info=None):
     return info["cores"] * per_cycle * info["mhz"] * 1e6
 
 
+def _dims(shapes):
+    """(in, out) of each linear layer of a Llama/Qwen2 block, from the model's shapes."""
+    d, ff = shapes["hidden"], shapes["intermediate"]
+    q_out = shapes["heads"] * shapes["head_dim"]
+    kv_out = shapes["kv_heads"] * shapes["head_dim"]
+    return {"q_proj": (d, q_out), "k_proj": (d, kv_out), "v_proj": (d, kv_out), "o_proj": (q_out, d),
+            "gate_proj": (d, ff), "up_proj": (d, ff), "down_proj": (ff, d)}
+
+
+ALL_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
 def train_step_flops(shapes, batch, length, lora_rank=8, lora_targets=("q_proj", "v_proj")):
     """FLOPs of one LoRA policy-update step (scripts/bench_train.sh: forward, backward, Adam) on
     `batch` sequences of `length` tokens whose second half is the response, counted as 2 x m x k x n
@@ -113,13 +125,10 @@ def train_step_flops(shapes, batch, length, lora_rank=8, lora_targets=("q_proj",
       gradient, 3 x 2 x (in + out) x r x tokens.
 
     Returns a dict of the parts and their "total"."""
-    d, ff = shapes["hidden"], shapes["intermediate"]
     q_out = shapes["heads"] * shapes["head_dim"]
-    kv_out = shapes["kv_heads"] * shapes["head_dim"]
-    layers, vocab = shapes["layers"], shapes["vocab"]
+    layers, vocab, d = shapes["layers"], shapes["vocab"], shapes["hidden"]
     tokens = batch * length
-    dims = {"q_proj": (d, q_out), "k_proj": (d, kv_out), "v_proj": (d, kv_out), "o_proj": (q_out, d),
-            "gate_proj": (d, ff), "up_proj": (d, ff), "down_proj": (ff, d)}
+    dims = _dims(shapes)
     frozen_params = layers * sum(i * o for i, o in dims.values())
     parts = {
         "frozen": 2 * 2 * frozen_params * tokens,
@@ -129,6 +138,135 @@ def train_step_flops(shapes, batch, length, lora_rank=8, lora_targets=("q_proj",
     }
     parts["total"] = sum(parts.values())
     return parts
+
+
+def features_flops(shapes, batch, length):
+    """FLOPs of one φ pass (`onepass features bench`, scripts/bench_features_torch.py): the decoder's
+    forward over `batch` sequences of `length` tokens to the final-norm hidden state, no LM head
+    (φ is that state). Counted as in train_step_flops: the linear layers' forward, 2 x params x
+    tokens, and dense attention forward (QK^T and PV), 2 x 2 x L^2 x heads x head_dim per layer and
+    sequence; elementwise work not counted. Returns the parts and their "total"."""
+    q_out = shapes["heads"] * shapes["head_dim"]
+    params = shapes["layers"] * sum(i * o for i, o in _dims(shapes).values())
+    parts = {
+        "frozen": 2 * params * batch * length,
+        "attention": shapes["layers"] * batch * 2 * 2 * length * length * q_out,
+    }
+    parts["total"] = sum(parts.values())
+    return parts
+
+
+def generate_flops(shapes, prompt_lens, samples, generated):
+    """FLOPs of a generation run (`just bench-generate`): each prompt of `prompt_lens` (tokens)
+    prefilled once (features_flops at its length, plus the LM head on its last row), then
+    `generated` tokens in all, decoded one at a time over prompts x `samples` sequences with a KV
+    cache: per token the linear layers and the LM head, 2 x (params + vocab x hidden), and
+    attention to its context, 2 x 2 x ctx x heads x head_dim per layer. The context sums use each
+    sequence's mean length (generated / sequences), so they are exact when all sequences stop at
+    the same length and a slight undercount otherwise (attention is a few % of a token at these
+    lengths). The minimal algorithm's count: an engine that prefills a prompt once per sample
+    (transformers' `generate` expands the batch first) does more work than is counted.
+    Returns the parts and their "total"."""
+    q_out = shapes["heads"] * shapes["head_dim"]
+    layers, vocab, d = shapes["layers"], shapes["vocab"], shapes["hidden"]
+    params = layers * sum(i * o for i, o in _dims(shapes).values())
+    prefill = sum(features_flops(shapes, 1, p)["total"] + 2 * vocab * d for p in prompt_lens)
+    seqs = len(prompt_lens) * samples
+    g = generated / seqs if seqs else 0.0
+    # Σ over a sequence's decode steps j = 0..g-1 of its context P + j + 1, summed over sequences
+    ctx = sum(samples * (g * p + g * (g + 1) / 2) for p in prompt_lens)
+    parts = {
+        "prefill": prefill,
+        "decode": 2 * (params + vocab * d) * generated,
+        "attention": layers * 2 * 2 * q_out * ctx,
+    }
+    parts["total"] = sum(parts.values())
+    return parts
+
+
+# Gradient passes one Hessian-vector product costs, by how it is formed (matrix products only):
+# central differences two gradients; forward differences one; the exact products (onepass's
+# R-operator over the recorded pass, PyTorch's double backward) a tangent forward and a tangent
+# backward, about one; the Gauss-Newton product two forwards and one backward, 1.5 (a forward is
+# half a gradient pass when the frozen weights need no weight gradient).
+HVP_PASSES = {"central": 2.0, "forward": 1.0, "exact": 1.0, "gauss-newton": 1.5}
+
+
+def rm_step_flops(shapes, pairs, length, hvps=0, hvp="exact", lora_rank=8, lora_targets=ALL_TARGETS):
+    """FLOPs of one reward-model step (`just bench-rm-step`: LoRA r on every linear layer, a head
+    on the last token's state) on `pairs` pairs of two `length`-token sequences: one gradient
+    pass — frozen products forward and input gradient, dense attention forward and backward, the
+    adapters' three products, as in train_step_flops but with no LM head — plus `hvps`
+    Hessian-vector products at HVP_PASSES[hvp] gradient passes each (an approximation for the
+    matrix products, stated there). Returns the parts, "grad_pass" and "total"."""
+    f = train_step_flops({**shapes, "vocab": 0}, 2 * pairs, length, lora_rank, lora_targets)
+    grad = f["total"]
+    parts = {"grad_pass": grad, "hvps": hvps * HVP_PASSES[hvp] * grad}
+    parts["total"] = grad + parts["hvps"]
+    return parts
+
+
+def model_shapes(path):
+    """The shapes the counts need (hidden, intermediate, layers, heads, kv_heads, head_dim, vocab)
+    from a GGUF file's metadata or a transformers directory's config.json."""
+    if os.path.isdir(path):
+        c = json.load(open(os.path.join(path, "config.json")))
+        heads = c["num_attention_heads"]
+        return {"hidden": c["hidden_size"], "intermediate": c["intermediate_size"],
+                "layers": c["num_hidden_layers"], "heads": heads,
+                "kv_heads": c.get("num_key_value_heads", heads),
+                "head_dim": c.get("head_dim") or c["hidden_size"] // heads, "vocab": c["vocab_size"]}
+    kv = gguf_metadata(path)
+    arch = kv["general.architecture"]
+    heads = kv[f"{arch}.attention.head_count"]
+    vocab = kv.get(f"{arch}.vocab_size") or kv["tokenizer.ggml.tokens"]
+    return {"hidden": kv[f"{arch}.embedding_length"], "intermediate": kv[f"{arch}.feed_forward_length"],
+            "layers": kv[f"{arch}.block_count"], "heads": heads,
+            "kv_heads": kv.get(f"{arch}.attention.head_count_kv", heads),
+            "head_dim": kv.get(f"{arch}.attention.key_length") or kv[f"{arch}.embedding_length"] // heads,
+            "vocab": vocab}
+
+
+def gguf_metadata(path):
+    """A GGUF file's key-value metadata (format version 2 or 3, little-endian): scalars and
+    strings as values; an array is given as its length (the tokenizer's token list is long and
+    only its length is needed). Raises ValueError, naming the file, on anything else."""
+    import struct
+    scalar = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?", 10: "<Q", 11: "<q", 12: "<d"}
+    with open(path, "rb") as f:
+        def read(fmt):
+            size = struct.calcsize(fmt)
+            b = f.read(size)
+            if len(b) != size:
+                raise ValueError(f"{path}: GGUF metadata ends early")
+            return struct.unpack(fmt, b)[0]
+
+        def string():
+            return f.read(read("<Q")).decode("utf-8", "replace")
+
+        def value(t):
+            if t in scalar:
+                return read(scalar[t])
+            if t == 8:
+                return string()
+            if t == 9:
+                inner, n = read("<I"), read("<Q")
+                for _ in range(n):
+                    value(inner)
+                return n
+            raise ValueError(f"{path}: GGUF value type {t}: expected 0-12")
+
+        if f.read(4) != b"GGUF":
+            raise ValueError(f"{path}: not a GGUF file (expected the magic GGUF)")
+        version = read("<I")
+        if version not in (2, 3):
+            raise ValueError(f"{path}: GGUF version {version}: expected 2 or 3")
+        read("<Q")  # tensor count
+        out = {}
+        for _ in range(read("<Q")):
+            key = string()
+            out[key] = value(read("<I"))
+        return out
 
 
 def main(argv):

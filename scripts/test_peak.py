@@ -59,6 +59,143 @@ class TrainStepFlops(unittest.TestCase):
         self.assertEqual(f["lm_head"], 4 * 49152 * 576 * 1024)
 
 
+class OtherPasses(unittest.TestCase):
+    def test_features_by_hand(self):
+        # φ: forward only, no LM head. 144 frozen params x 2 tokens x 2 = 576; attention forward
+        # (QK^T and PV, 32 each as above) = 64
+        f = peak.features_flops(TINY, batch=1, length=2)
+        self.assertEqual((f["frozen"], f["attention"], f["total"]), (576, 64, 640))
+        # negative control: the LM head is not in φ's count but is in the training step's
+        self.assertLess(f["total"], peak.train_step_flops(TINY, batch=1, length=2, lora_rank=1)["total"])
+
+    def test_generate_by_hand(self):
+        # one prompt of 2 tokens, one sample, 2 tokens generated: prefill 640 + LM head on the last
+        # row 2*10*4 = 80; decode 2 x (144 + 40) x 2 = 736; the two new tokens attend to 3 and 4
+        # positions: 7 x 2 x 2 x 4 (heads x head_dim) = 112
+        f = peak.generate_flops(TINY, [2], samples=1, generated=2)
+        self.assertEqual((f["prefill"], f["decode"], f["attention"]), (720, 736, 112))
+        self.assertEqual(f["total"], 720 + 736 + 112)
+        # two samples of one prompt: the prefill counted once, decode and attention twice
+        g = peak.generate_flops(TINY, [2], samples=2, generated=4)
+        self.assertEqual((g["prefill"], g["decode"], g["attention"]), (720, 2 * 736, 2 * 112))
+
+    def test_rm_step_by_hand(self):
+        # one pair = 2 sequences of 2 tokens, LoRA r = 1 on all 7 layers (64 adapter params):
+        # frozen 2 x 2 x 144 x 4 = 2304; attention 2 seqs x 192 = 384; LoRA 3 x 2 x 64 x 4 = 1536
+        f = peak.rm_step_flops(TINY, pairs=1, length=2, lora_rank=1)
+        self.assertEqual(f["grad_pass"], 2304 + 384 + 1536)
+        self.assertEqual(f["total"], f["grad_pass"])
+        c = peak.rm_step_flops(TINY, pairs=1, length=2, hvps=2, hvp="central", lora_rank=1)
+        self.assertEqual(c["total"], 5 * 4224)
+        e = peak.rm_step_flops(TINY, pairs=1, length=2, hvps=2, hvp="exact", lora_rank=1)
+        self.assertEqual(e["total"], 3 * 4224)
+        with self.assertRaises(KeyError):
+            peak.rm_step_flops(TINY, pairs=1, length=2, hvps=1, hvp="guess")
+
+
+def gguf_bytes(kv, magic=b"GGUF", version=3):
+    """A GGUF header with metadata `kv` ({key: (type, value)}) and no tensors, written by hand."""
+    import struct
+
+    def s(x):
+        b = x.encode()
+        return struct.pack("<Q", len(b)) + b
+    out = magic + struct.pack("<IQQ", version, 0, len(kv))
+    for k, (t, v) in kv.items():
+        out += s(k) + struct.pack("<I", t)
+        if t == 4:
+            out += struct.pack("<I", v)
+        elif t == 8:
+            out += s(v)
+        elif t == 9:  # an array of strings
+            out += struct.pack("<IQ", 8, len(v)) + b"".join(s(x) for x in v)
+    return out
+
+
+class Shapes(unittest.TestCase):
+    KV = {"general.architecture": (8, "llama"), "llama.embedding_length": (4, 4),
+          "llama.feed_forward_length": (4, 8), "llama.block_count": (4, 1), "llama.attention.head_count": (4, 2),
+          "llama.attention.head_count_kv": (4, 1), "tokenizer.ggml.tokens": (9, [f"t{i}" for i in range(10)])}
+
+    def test_gguf_metadata_gives_the_shapes(self):
+        import tempfile
+        with tempfile.TemporaryDirectory() as d:
+            p = os.path.join(d, "m.gguf")
+            pathlib.Path(p).write_bytes(gguf_bytes(self.KV))
+            self.assertEqual(peak.model_shapes(p), TINY)  # head_dim = 4 / 2, vocab = 10 tokens
+            pathlib.Path(p).write_bytes(gguf_bytes(self.KV, magic=b"GGUX"))
+            with self.assertRaisesRegex(ValueError, "not a GGUF"):
+                peak.model_shapes(p)
+            pathlib.Path(p).write_bytes(gguf_bytes(self.KV)[:-7])
+            with self.assertRaisesRegex(ValueError, "ends early"):
+                peak.model_shapes(p)
+
+    def test_config_json(self):
+        import json
+        import tempfile
+        with tempfile.TemporaryDirectory() as d:
+            json.dump({"hidden_size": 4, "intermediate_size": 8, "num_hidden_layers": 1, "num_attention_heads": 2,
+                       "num_key_value_heads": 1, "vocab_size": 10}, open(os.path.join(d, "config.json"), "w"))
+            self.assertEqual(peak.model_shapes(d), TINY)
+
+
+class Reports(unittest.TestCase):
+    """The bench reports' GFLOP/s columns: the counts above, applied to each record's rate."""
+
+    def run_report(self, module, argv):
+        import contextlib
+        import importlib
+        import io
+        out = io.StringIO()
+        with contextlib.redirect_stdout(out):
+            importlib.import_module(module).main(argv)
+        return out.getvalue()
+
+    def gflops(self, text, engine):
+        # the GFLOP/s column is the second to last of the engine's row
+        row = next(l for l in text.splitlines() if l.startswith(engine + " "))
+        return float(row.split()[-2])
+
+    def test_features_and_generate_rates(self):
+        import json
+        import tempfile
+        with tempfile.TemporaryDirectory() as d:
+            m = os.path.join(d, "m.gguf")
+            pathlib.Path(m).write_bytes(gguf_bytes(Shapes.KV))
+            rec = {"engine": "candle", "dtype": "float32", "model": m, "threads": 2, "batch": 1, "len": 2, "reps": 1,
+                   "tok_s": 1e9, "peak_rss_mb": 1.0, "abs_sum": 2.0}
+            a = os.path.join(d, "a.json")
+            pathlib.Path(a).write_text(json.dumps(rec))
+            # φ: 640 FLOP per 2 tokens at 1e9 tok/s = 320 GFLOP/s
+            self.assertEqual(self.gflops(self.run_report("bench_features_report", ["--pass", "features", "--model", m, a]),
+                                         "candle"), 320)
+            # generation: 1568 FLOP for the 2 generated tokens (abs_sum) at 1e9 tok/s = 784 GFLOP/s
+            ids = os.path.join(d, "ids.json")
+            pathlib.Path(ids).write_text(json.dumps({"ids": [[1, 2]], "n": 1}))
+            out = self.run_report("bench_features_report", ["--pass", "generate", "--model", m, "--ids", ids, a])
+            self.assertEqual(self.gflops(out, "candle"), 784)
+            # negative control: without --pass the record carries no shapes and no rate is printed
+            self.assertNotIn("GFLOP/s", self.run_report("bench_features_report", [a]).splitlines()[1])
+
+    def test_rm_step_rates(self):
+        import json
+        import tempfile
+        with tempfile.TemporaryDirectory() as d:
+            m = os.path.join(d, "m.gguf")
+            pathlib.Path(m).write_bytes(gguf_bytes(Shapes.KV))
+            paths = []
+            for eng, rule, hvps in (("candle", "omd", 2), ("torch", "omd", 2)):
+                p = os.path.join(d, f"{eng}.json")
+                json.dump({"engine": eng, "rule": rule, "model": m, "threads": 2, "pairs": 1, "len": 2, "reps": 1,
+                           "step_s": [1e-9], "hvps": hvps, "peak_rss_mb": 1.0, "loss": 0.5}, open(p, "w"))
+                paths.append(p)
+            out = self.run_report("bench_rm_step_report", ["--model", m] + paths)
+            # r 8 on all 7 layers of TINY: 4 tokens x 3 x 2 x 64 x 8 = 12288 + 2304 + 384 = 14976 per gradient
+            # pass; onepass's central differences: 1 + 2 x 2 passes; PyTorch's double backward: 1 + 2
+            self.assertEqual(self.gflops(out, "candle"), 5 * 14976)
+            self.assertEqual(self.gflops(out, "torch"), 3 * 14976)
+
+
 class Peak(unittest.TestCase):
     def setUp(self):
         os.environ.pop("ONEPASS_FMA_UNITS", None)
