@@ -3,18 +3,21 @@
 //! ([`f32mm`]), bf16 ([`bf16`], [`round`]) and AMX tiles ([`amx`]) with their fused epilogues
 //! ([`packed`]), the fused row kernels of a forward pass ([`rows`]: causal softmax, attention,
 //! RoPE, RMSNorm, silu·up), the uninitialised buffers they fill (`buf`) and the allocator
-//! settings of the processes that use them ([`mem`]). `features` and `policy` wrap them as candle
-//! ops; everything here takes and returns plain slices.
+//! settings of the processes that use them ([`mem`]); for the training path (f32 and f64), the
+//! dense products on slices viewed at strides ([`dense`]: one `gemm` call each, candle's
+//! matmul). `features` and `policy` wrap them as candle ops; everything here takes and returns
+//! plain slices.
 //!
 //! Files sit on each other in this order (a file imports only from files before it): `buf`,
-//! `mem` → `rows` → `packed` → `round` → `amx` → `cpu` → `bf16` → `f32mm`. Every `unsafe` sits
-//! behind a safe entry point; the unsafe contracts (a product's block, the uninitialised
-//! buffers of `buf`) stay inside the crate.
+//! `mem`, `dense` → `rows` → `packed` → `round` → `amx` → `cpu` → `bf16` → `f32mm`. Every
+//! `unsafe` sits behind a safe entry point; the unsafe contracts (a product's block, the
+//! uninitialised buffers of `buf`) stay inside the crate.
 
 pub mod amx;
 pub mod bf16;
 mod buf;
 pub mod cpu;
+pub mod dense;
 pub mod f32mm;
 pub mod mem;
 pub mod packed;
