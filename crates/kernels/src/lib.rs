@@ -5,11 +5,13 @@
 //! RoPE, RMSNorm, silu·up), the uninitialised buffers they fill (`buf`) and the allocator
 //! settings of the processes that use them ([`mem`]); for the training path (f32 and f64), the
 //! dense products on slices viewed at strides ([`dense`]: one `gemm` call each, candle's
-//! matmul). `features` and `policy` wrap them as candle ops; everything here takes and returns
-//! plain slices.
+//! matmul) and the fused row kernels with their backward passes ([`rows_grad`]: RMSNorm, the
+//! head layout with RoPE, silu·up). `features` and `policy` wrap them as candle ops; everything
+//! here takes and returns plain slices.
 //!
 //! Files sit on each other in this order (a file imports only from files before it): `buf`,
-//! `mem`, `dense` → `rows` → `packed` → `round` → `amx` → `cpu` → `bf16` → `f32mm`. Every
+//! `mem`, `dense` → `rows` → `rows_grad` → `packed` → `round` → `amx` → `cpu` → `bf16` →
+//! `f32mm`. Every
 //! `unsafe` sits behind a safe entry point; the unsafe contracts (a product's block, the
 //! uninitialised buffers of `buf`) stay inside the crate.
 
@@ -23,3 +25,4 @@ pub mod mem;
 pub mod packed;
 pub mod round;
 pub mod rows;
+pub mod rows_grad;

@@ -67,23 +67,6 @@ pub(crate) fn with_slices<T: candle_core::WithDType, R, const N: usize>(
     Ok(f(vals))
 }
 
-/// e^x in place over a row.
-pub(crate) trait ExpRow: Float + Send + Sync + 'static {
-    fn exp_row(x: &mut [Self]);
-}
-
-impl ExpRow for f32 {
-    /// The vectorised kernel of the inference path (`kernels::rows::exp_in_place`: relative
-    /// error < 3e-7): libm's scalar `expf` was 7% of an f32 training step (attention's softmax
-    /// forward and recomputed in the backward, SwiGLU's sigmoid).
-    fn exp_row(x: &mut [f32]) {
-        kernels::rows::exp_in_place(x)
-    }
-}
-
-impl ExpRow for f64 {
-    /// libm: the f64 path is the exact gradient checks'.
-    fn exp_row(x: &mut [f64]) {
-        x.iter_mut().for_each(|v| *v = v.exp())
-    }
-}
+/// e^x in place over a row: `kernels::rows_grad::ExpRow` (f32 on the inference path's vectorised
+/// kernel, f64 on libm).
+pub(crate) use kernels::rows_grad::ExpRow;

@@ -340,36 +340,15 @@ struct RmsNorm {
 }
 
 impl RmsNorm {
+    /// The values (`kernels::rows_grad::rms_norm`).
     fn fwd<T: num_traits::Float + candle_core::WithDType>(&self, x: &[T]) -> Result<Vec<T>> {
-        use rayon::prelude::*;
-        let eps = T::from(self.eps).unwrap_or_else(T::zero);
-        crate::mm::with_slices::<T, _, 1>([&self.w], |[w]| {
-            let d = w.len();
-            let mut y = vec![T::zero(); x.len()];
-            y.par_chunks_mut(d).zip(x.par_chunks(d)).with_min_len(16).for_each(|(y, x)| {
-                let ss = x.iter().fold(T::zero(), |a, &v| a + v * v);
-                let m = (ss / T::from(d).unwrap_or_else(T::one) + eps).sqrt();
-                y.iter_mut().zip(x).zip(w).for_each(|((y, &x), &w)| *y = x / m * w);
-            });
-            y
-        })
+        crate::mm::with_slices::<T, _, 1>([&self.w], |[w]| kernels::rows_grad::rms_norm(x, w, self.eps))
     }
 
+    /// The gradient of x (`kernels::rows_grad::rms_norm_grad`).
     fn bwd_t<T: num_traits::Float + candle_core::WithDType>(&self, x: &Tensor, g: &Tensor) -> Result<Tensor> {
-        use rayon::prelude::*;
-        let eps = T::from(self.eps).unwrap_or_else(T::zero);
         let dx = crate::mm::with_slices::<T, _, 3>([x, g, &self.w], |[x, g, w]| {
-            let d = w.len();
-            let dn = T::from(d).unwrap_or_else(T::one);
-            let mut dx = vec![T::zero(); x.len()];
-            dx.par_chunks_mut(d).zip(x.par_chunks(d).zip(g.par_chunks(d))).with_min_len(16).for_each(|(dx, (x, g))| {
-                let ss = x.iter().fold(T::zero(), |a, &v| a + v * v);
-                let r = T::one() / (ss / dn + eps).sqrt();
-                let dot = x.iter().zip(g).zip(w).fold(T::zero(), |a, ((&x, &g), &w)| a + w * g * x);
-                let c = r * r * r * dot / dn;
-                dx.iter_mut().zip(x).zip(g.iter().zip(w)).for_each(|((o, &x), (&g, &w))| *o = r * w * g - x * c);
-            });
-            dx
+            kernels::rows_grad::rms_norm_grad(x, g, w, self.eps)
         })?;
         Tensor::from_vec(dx, x.shape(), x.device())
     }
@@ -423,21 +402,6 @@ pub fn rope(x: &Tensor, cos: &Tensor, sin: &Tensor, interleaved: bool, k: Kernel
     let y = f(&x.detach().contiguous()?, &cos, &sin)?;
     let neg = sin.neg()?;
     routed(x, y, "rope", move |_, _, g| f(&g.contiguous()?, &cos, &neg))
-}
-
-/// The rotation of one head's row: pairs (x_i, x_{i+hd/2}) (rotate-half) or (x_{2i}, x_{2i+1})
-/// (interleaved), each turned by its angle, (a, b) ↦ (a c − b s, a s + b c) — candle's RoPE
-/// kernels' arithmetic, in their order — with `sin` negated for the inverse rotation.
-#[inline]
-fn turn_row<T: num_traits::Float>(src: &[T], dst: &mut [T], cos: &[T], sin: &[T], interleaved: bool, inverse: bool) {
-    let half = cos.len();
-    for i in 0..half {
-        let (c, s) = (cos[i], if inverse { -sin[i] } else { sin[i] });
-        let (ia, ib) = if interleaved { (2 * i, 2 * i + 1) } else { (i, i + half) };
-        let (a, b) = (src[ia], src[ib]);
-        dst[ia] = a * c - b * s;
-        dst[ib] = a * s + b * c;
-    }
 }
 
 /// A projection's rows (b·t, n·hd) as heads (b, n, t, hd), RoPE applied on the way when `rope`
@@ -567,47 +531,22 @@ struct Heads {
 
 impl Heads {
     /// rows (b·t, n·hd) → heads (b, n, t, hd) (`to_heads`) or back, rotating (or, `inverse`,
-    /// rotating back) each head's row on the way.
+    /// rotating back) each head's row on the way (`kernels::rows_grad::heads`).
     fn run<T: num_traits::Float + candle_core::WithDType>(
         &self,
         src: &[T],
         to_heads: bool,
         inverse: bool,
     ) -> Result<Vec<T>> {
-        use rayon::prelude::*;
         let Heads { b, t, n, hd, .. } = *self;
-        let tables: Vec<&Tensor> = self.rope.iter().flat_map(|(c, s, _)| [c, s]).collect();
-        let interleaved = self.rope.as_ref().is_some_and(|r| r.2);
-        let half = hd / 2;
-        let mut dst = vec![T::zero(); b * t * n * hd];
-        let mut body = |tabs: &[&[T]]| {
-            let rot = |src: &[T], dst: &mut [T], pos: usize| match tabs {
-                [c, s] => turn_row(src, dst, &c[pos * half..][..half], &s[pos * half..][..half], interleaved, inverse),
-                _ => dst.copy_from_slice(src),
-            };
-            if to_heads {
-                // one task per (sequence, head): its t rows of hd
-                dst.par_chunks_mut(t * hd).enumerate().for_each(|(bn, out)| {
-                    let (bi, ni) = (bn / n, bn % n);
-                    for (ti, o) in out.chunks_exact_mut(hd).enumerate() {
-                        rot(&src[((bi * t + ti) * n + ni) * hd..][..hd], o, ti);
-                    }
-                });
-            } else {
-                // one task per row (sequence, position): its n heads of hd
-                dst.par_chunks_mut(n * hd).enumerate().with_min_len(8).for_each(|(bt, out)| {
-                    let (bi, ti) = (bt / t, bt % t);
-                    for (ni, o) in out.chunks_exact_mut(hd).enumerate() {
-                        rot(&src[((bi * n + ni) * t + ti) * hd..][..hd], o, ti);
-                    }
-                });
+        let run =
+            |rope: Option<(&[T], &[T], bool)>| kernels::rows_grad::heads((b, t, n, hd), src, rope, to_heads, inverse);
+        match &self.rope {
+            Some((c, s, interleaved)) => {
+                crate::mm::with_slices::<T, _, 2>([c, s], |[c, s]| run(Some((c, s, *interleaved))))
             }
-        };
-        match tables.as_slice() {
-            [c, s] => crate::mm::with_slices::<T, _, 2>([c, s], |[c, s]| body(&[c, s]))?,
-            _ => body(&[]),
+            None => Ok(run(None)),
         }
-        Ok(dst)
     }
 
     fn shape(&self, heads: bool) -> Shape {
@@ -703,50 +642,8 @@ pub fn silu_mul(g: &Tensor, u: &Tensor, k: Kernels) -> Result<Tensor> {
     g.contiguous()?.apply_op2(&u.contiguous()?, SiluMul)
 }
 
+/// [`silu_mul`]'s fused op: its passes are `kernels::rows_grad::{silu_mul, silu_mul_grad}`.
 struct SiluMul;
-
-/// Elements per task of [`SiluMul`]'s passes.
-const SILU_CHUNK: usize = 1 << 14;
-
-impl SiluMul {
-    /// e^{−g} of a chunk into `e` (the sigmoid's exponential, on the vectorised kernel).
-    fn exp_neg<T: crate::mm::ExpRow>(g: &[T], e: &mut [T]) {
-        e.iter_mut().zip(g).for_each(|(e, &x)| *e = -x);
-        T::exp_row(e);
-    }
-
-    fn fwd<T: crate::mm::ExpRow>(g: &[T], u: &[T]) -> Vec<T> {
-        use rayon::prelude::*;
-        let mut a = vec![T::zero(); g.len()];
-        a.par_chunks_mut(SILU_CHUNK).enumerate().for_each(|(c, out)| {
-            let at = c * SILU_CHUNK;
-            let (g, u) = (&g[at..at + out.len()], &u[at..at + out.len()]);
-            SiluMul::exp_neg(g, out);
-            for ((o, &x), &up) in out.iter_mut().zip(g).zip(u) {
-                // candle's silu, x / (1 + e^{−x}), then the product
-                *o = x / (T::one() + *o) * up;
-            }
-        });
-        a
-    }
-
-    fn bwd<T: crate::mm::ExpRow>(g: &[T], u: &[T], da: &[T]) -> (Vec<T>, Vec<T>) {
-        use rayon::prelude::*;
-        let (mut dg, mut du) = (vec![T::zero(); g.len()], vec![T::zero(); g.len()]);
-        dg.par_chunks_mut(SILU_CHUNK).zip(du.par_chunks_mut(SILU_CHUNK)).enumerate().for_each(|(c, (dg, du))| {
-            let at = c * SILU_CHUNK;
-            let (g, u, da) = (&g[at..at + dg.len()], &u[at..at + dg.len()], &da[at..at + dg.len()]);
-            SiluMul::exp_neg(g, dg);
-            for (i, (dgi, dui)) in dg.iter_mut().zip(du.iter_mut()).enumerate() {
-                let (x, up, d) = (g[i], u[i], da[i]);
-                let sig = T::one() / (T::one() + *dgi);
-                *dgi = d * up * sig * (T::one() + x * (T::one() - sig));
-                *dui = d * x * sig;
-            }
-        });
-        (dg, du)
-    }
-}
 
 /// The fused [`silu_mul`]'s gradients (∂L/∂g, ∂L/∂u) of a = silu(g) ⊙ u at ∂L/∂a = `da`: its
 /// op's backward, for a fused op that holds the product inside it.
@@ -764,8 +661,12 @@ impl candle_core::CustomOp2 for SiluMul {
 
     fn cpu_fwd(&self, s1: &CpuStorage, l1: &Layout, s2: &CpuStorage, l2: &Layout) -> Result<(CpuStorage, Shape)> {
         let out = match s1 {
-            CpuStorage::F32(_) => CpuStorage::F32(SiluMul::fwd(crate::mm::slice(s1, l1)?, crate::mm::slice(s2, l2)?)),
-            CpuStorage::F64(_) => CpuStorage::F64(SiluMul::fwd(crate::mm::slice(s1, l1)?, crate::mm::slice(s2, l2)?)),
+            CpuStorage::F32(_) => {
+                CpuStorage::F32(kernels::rows_grad::silu_mul(crate::mm::slice(s1, l1)?, crate::mm::slice(s2, l2)?))
+            }
+            CpuStorage::F64(_) => {
+                CpuStorage::F64(kernels::rows_grad::silu_mul(crate::mm::slice(s1, l1)?, crate::mm::slice(s2, l2)?))
+            }
             _ => candle_core::bail!("silu-mul: the fused op runs in f32 or f64"),
         };
         Ok((out, l1.shape().clone()))
@@ -775,7 +676,9 @@ impl candle_core::CustomOp2 for SiluMul {
         let da = da.contiguous()?;
         macro_rules! run {
             ($t:ty) => {{
-                let (dg, du) = crate::mm::with_slices::<$t, _, 3>([g, u, &da], |[g, u, d]| SiluMul::bwd(g, u, d))?;
+                let (dg, du) = crate::mm::with_slices::<$t, _, 3>([g, u, &da], |[g, u, d]| {
+                    kernels::rows_grad::silu_mul_grad(g, u, d)
+                })?;
                 (Tensor::from_vec(dg, g.shape(), g.device())?, Tensor::from_vec(du, u.shape(), u.device())?)
             }};
         }
@@ -792,6 +695,7 @@ impl candle_core::CustomOp2 for SiluMul {
 mod tests {
     use super::*;
     use candle_core::{Device, Var};
+    use kernels::rows_grad::SILU_CHUNK;
 
     /// The fused RMSNorm gives the composed ops' values and autograd's gradient of x (f64, rows
     /// over several rayon tasks), and in f32 candle's own RMSNorm kernel's values bit for bit.
