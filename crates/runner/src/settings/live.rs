@@ -244,39 +244,14 @@ impl Live {
         self.w = None;
     }
 
+    /// The scalars of every row `s` holds past those already written (`self.done`, per table),
+    /// each at its first wall time where a replaced file had one; then `done` moves to the end.
     fn write_new(&mut self, s: &Snapshot<'_>) -> std::io::Result<()> {
         let Some(w) = self.w.as_mut() else { return Ok(()) };
         let walls = &self.walls;
         let mut put =
             |tag: &str, step: i64, v: f64| w.scalar(tag, step, v, walls.get(&(tag.to_string(), step)).copied());
-        for r in s.rows.iter().skip(self.done[0]) {
-            let t = step_of(r);
-            put("eval/loss", t, r.eval_loss)?;
-            put("eval/accuracy", t, r.eval_accuracy)?;
-            put("eval/ties", t, r.eval_ties as f64)?;
-            put("reward/train_loss", t, r.train_loss)?;
-            put("reward/train_accuracy", t, r.train_accuracy)?;
-            put("reward/kappa", t, r.kappa)?;
-            put("reward/samples_seen", t, r.samples_seen as f64)?;
-            let opt = [
-                ("theta/err", r.theta_err),
-                ("theta/err_h", r.theta_err_h),
-                ("eval/subopt", r.subopt),
-                ("eval/subopt_avg", r.subopt_avg),
-                ("deploy/regret", r.regret),
-                ("deploy/mean_reward", r.mean_reward),
-                ("deploy/pair_reward", r.pair_reward),
-                ("deploy/cum_pair_reward", r.cum_pair_reward),
-                ("deploy/policy_reward", r.policy_reward),
-                ("deploy/kendall_tau", r.kendall_tau),
-                ("deploy/oracle_ties", r.oracle_ties.map(|v| v as f64)),
-            ];
-            for (tag, v) in opt {
-                if let Some(v) = v {
-                    put(tag, t, v)?;
-                }
-            }
-        }
+        put_metric_rows(&mut put, s.rows.iter().skip(self.done[0]))?;
         // a bucket is the time up to its row: written with it, on the row's step
         let rows_now = s.rows.len();
         if s.times.is_empty() {
@@ -286,63 +261,118 @@ impl Live {
                 put("time/other_s", t, b.other_s)?;
             }
         }
-        for p in s.policy.iter().skip(self.done[2]) {
-            let t = p.chunk as i64;
-            put("policy/reward", t, p.policy_reward)?;
-            put("policy/sample_reward", t, p.sample_reward)?;
-            put("policy/bon_reward", t, p.bon_reward)?;
-            put("policy/learned_reward", t, p.learned_reward)?;
-            put("policy/kl", t, p.kl)?;
-            if let Some(e) = p.entropy {
-                put("policy/entropy", t, e)?;
-            }
-            put("policy/response_tokens", t, p.response_tokens)?;
-            put("policy/cut_fraction", t, p.cut_fraction)?;
-            put("policy/merge_error", t, p.merge_error)?;
-        }
-        for u in s.updates.iter().skip(self.done[3]) {
-            let t = u.chunk as i64;
-            put("train/loss", t, u.update_loss)?;
-            put("train/grad_norm", t, u.update_grad_norm)?;
-            put("train/reward", t, u.update_reward)?;
-            put("train/steps", t, u.update_steps as f64)?;
-            put("train/kl", t, u.kl)?;
-            put("train/entropy", t, u.entropy)?;
-            put("train/rollout_oracle_reward", t, u.rollout_oracle_reward)?;
-            put("train/rollout_learned_reward", t, u.rollout_learned_reward)?;
-            put("train/pairs", t, u.pairs as f64)?;
-            put("train/dropped_pairs", t, u.dropped_pairs as f64)?;
-            let critic = [
-                ("train/critic_loss", u.critic_loss),
-                ("train/critic_grad_norm", u.critic_grad_norm),
-                ("train/value_mean", u.value_mean),
-                ("train/return_mean", u.return_mean),
-            ];
-            for (tag, v) in critic {
-                if let Some(v) = v {
-                    put(tag, t, v)?;
-                }
-            }
-        }
-        for x in s.times.iter().skip(self.done[4]) {
-            let t = x.chunk as i64;
-            let stages = [
-                ("time/generation_s", x.generation_s),
-                ("time/phi_s", x.phi_s),
-                ("time/estimator_s", x.estimator_s),
-                ("time/policy_s", x.policy_s),
-                ("time/critic_s", x.critic_s),
-                ("time/eval_s", x.eval_s),
-                ("time/eval_generation_s", x.eval_generation_s),
-                ("time/eval_phi_s", x.eval_phi_s),
-                ("time/eval_score_s", x.eval_score_s),
-            ];
-            for (tag, v) in stages {
-                put(tag, t, v)?;
-            }
-        }
+        put_policy_rows(&mut put, s.policy.iter().skip(self.done[2]))?;
+        put_update_rows(&mut put, s.updates.iter().skip(self.done[3]))?;
+        put_policy_times(&mut put, s.times.iter().skip(self.done[4]))?;
         self.done =
             [rows_now, s.buckets.len().min(rows_now).max(self.done[1]), s.policy.len(), s.updates.len(), s.times.len()];
         Ok(())
     }
+}
+
+/// A scalar writer: (tag, step, value).
+type Put<'p> = dyn FnMut(&str, i64, f64) -> std::io::Result<()> + 'p;
+
+/// metrics.parquet's rows as `eval/`, `reward/`, `theta/` and `deploy/` scalars on their
+/// [`step_of`] (the optional columns where the row has them).
+fn put_metric_rows<'r>(put: &mut Put<'_>, rows: impl Iterator<Item = &'r MetricRow>) -> std::io::Result<()> {
+    for r in rows {
+        let t = step_of(r);
+        put("eval/loss", t, r.eval_loss)?;
+        put("eval/accuracy", t, r.eval_accuracy)?;
+        put("eval/ties", t, r.eval_ties as f64)?;
+        put("reward/train_loss", t, r.train_loss)?;
+        put("reward/train_accuracy", t, r.train_accuracy)?;
+        put("reward/kappa", t, r.kappa)?;
+        put("reward/samples_seen", t, r.samples_seen as f64)?;
+        let opt = [
+            ("theta/err", r.theta_err),
+            ("theta/err_h", r.theta_err_h),
+            ("eval/subopt", r.subopt),
+            ("eval/subopt_avg", r.subopt_avg),
+            ("deploy/regret", r.regret),
+            ("deploy/mean_reward", r.mean_reward),
+            ("deploy/pair_reward", r.pair_reward),
+            ("deploy/cum_pair_reward", r.cum_pair_reward),
+            ("deploy/policy_reward", r.policy_reward),
+            ("deploy/kendall_tau", r.kendall_tau),
+            ("deploy/oracle_ties", r.oracle_ties.map(|v| v as f64)),
+        ];
+        for (tag, v) in opt {
+            if let Some(v) = v {
+                put(tag, t, v)?;
+            }
+        }
+    }
+    Ok(())
+}
+
+/// policy.parquet's held-out evaluations as `policy/` scalars, per chunk.
+fn put_policy_rows<'r>(put: &mut Put<'_>, rows: impl Iterator<Item = &'r PolicyRow>) -> std::io::Result<()> {
+    for p in rows {
+        let t = p.chunk as i64;
+        put("policy/reward", t, p.policy_reward)?;
+        put("policy/sample_reward", t, p.sample_reward)?;
+        put("policy/bon_reward", t, p.bon_reward)?;
+        put("policy/learned_reward", t, p.learned_reward)?;
+        put("policy/kl", t, p.kl)?;
+        if let Some(e) = p.entropy {
+            put("policy/entropy", t, e)?;
+        }
+        put("policy/response_tokens", t, p.response_tokens)?;
+        put("policy/cut_fraction", t, p.cut_fraction)?;
+        put("policy/merge_error", t, p.merge_error)?;
+    }
+    Ok(())
+}
+
+/// policy_updates.parquet's rows as `train/` scalars, per chunk (ppo's critic where it has one).
+fn put_update_rows<'r>(put: &mut Put<'_>, rows: impl Iterator<Item = &'r UpdateRow>) -> std::io::Result<()> {
+    for u in rows {
+        let t = u.chunk as i64;
+        put("train/loss", t, u.update_loss)?;
+        put("train/grad_norm", t, u.update_grad_norm)?;
+        put("train/reward", t, u.update_reward)?;
+        put("train/steps", t, u.update_steps as f64)?;
+        put("train/kl", t, u.kl)?;
+        put("train/entropy", t, u.entropy)?;
+        put("train/rollout_oracle_reward", t, u.rollout_oracle_reward)?;
+        put("train/rollout_learned_reward", t, u.rollout_learned_reward)?;
+        put("train/pairs", t, u.pairs as f64)?;
+        put("train/dropped_pairs", t, u.dropped_pairs as f64)?;
+        let critic = [
+            ("train/critic_loss", u.critic_loss),
+            ("train/critic_grad_norm", u.critic_grad_norm),
+            ("train/value_mean", u.value_mean),
+            ("train/return_mean", u.return_mean),
+        ];
+        for (tag, v) in critic {
+            if let Some(v) = v {
+                put(tag, t, v)?;
+            }
+        }
+    }
+    Ok(())
+}
+
+/// policy_timings.parquet's rows as `time/<stage>_s` scalars, per chunk.
+fn put_policy_times<'r>(put: &mut Put<'_>, rows: impl Iterator<Item = &'r PolicyTiming>) -> std::io::Result<()> {
+    for x in rows {
+        let t = x.chunk as i64;
+        let stages = [
+            ("time/generation_s", x.generation_s),
+            ("time/phi_s", x.phi_s),
+            ("time/estimator_s", x.estimator_s),
+            ("time/policy_s", x.policy_s),
+            ("time/critic_s", x.critic_s),
+            ("time/eval_s", x.eval_s),
+            ("time/eval_generation_s", x.eval_generation_s),
+            ("time/eval_phi_s", x.eval_phi_s),
+            ("time/eval_score_s", x.eval_score_s),
+        ];
+        for (tag, v) in stages {
+            put(tag, t, v)?;
+        }
+    }
+    Ok(())
 }

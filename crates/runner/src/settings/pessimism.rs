@@ -17,18 +17,7 @@ pub fn pessimistic(
     centred: bool,
 ) -> Vec<usize> {
     let k = env.k;
-    let mean_arm = |c: usize| -> Vec<f64> {
-        let mut m = vec![0.0; env.d];
-        if centred {
-            for a in 0..k {
-                for (mi, &v) in m.iter_mut().zip(env.arm(&env.contexts[c], a)) {
-                    *mi += f64::from(v) / k as f64;
-                }
-            }
-        }
-        m
-    };
-    let refs: Vec<Vec<f64>> = (0..env.contexts.len()).map(mean_arm).collect();
+    let refs = reference_arms(env, centred);
     let phi64 = |c: usize, a: usize| -> Vec<f64> {
         env.arm(&env.contexts[c], a).iter().zip(&refs[c]).map(|(&v, r)| f64::from(v) - r).collect()
     };
@@ -43,67 +32,109 @@ pub fn pessimistic(
             // phi64 is already centred: m is m_π − v, and (m_π − v)ᵀθ ranks policies as m_πᵀθ does
             let mut objective =
                 |m: &[f64]| -> f64 { m.iter().zip(theta).map(|(a, b)| a * b).sum::<f64>() - beta * norm(m) };
-            let mean = |choice: &[usize]| -> Vec<f64> {
-                let mut m = vec![0.0; env.d];
-                for (c, &a) in choice.iter().enumerate() {
-                    for (mi, v) in m.iter_mut().zip(phi64(c, a)) {
-                        *mi += v / n as f64;
-                    }
-                }
-                m
-            };
             if (k as f64).powi(n as i32) <= 1e5 {
-                let mut best = (f64::NEG_INFINITY, vec![0; n]);
-                let mut choice = vec![0usize; n];
-                loop {
-                    let v = objective(&mean(&choice));
-                    if v > best.0 {
-                        best = (v, choice.clone());
-                    }
-                    // next policy in lexicographic order
-                    let mut i = 0;
-                    while i < n && choice[i] + 1 == k {
-                        choice[i] = 0;
-                        i += 1;
-                    }
-                    if i == n {
-                        break;
-                    }
-                    choice[i] += 1;
-                }
-                best.1
+                policy_exhaustive(env, &phi64, &mut objective)
             } else {
-                let mut choice = env.greedy(theta);
-                let mut m = mean(&choice);
-                let mut current = objective(&m);
-                loop {
-                    let mut improved = false;
-                    #[allow(clippy::needless_range_loop)] // c indexes contexts and `choice`
-                    for c in 0..n {
-                        for a in 0..k {
-                            if a == choice[c] {
-                                continue;
-                            }
-                            let (old, new) = (phi64(c, choice[c]), phi64(c, a));
-                            let trial: Vec<f64> = m
-                                .iter()
-                                .zip(old.iter().zip(&new))
-                                .map(|(mi, (o, w))| mi + (w - o) / n as f64)
-                                .collect();
-                            let v = objective(&trial);
-                            if v > current + 1e-12 {
-                                current = v;
-                                m = trial;
-                                choice[c] = a;
-                                improved = true;
-                            }
-                        }
-                    }
-                    if !improved {
-                        break choice;
-                    }
+                policy_ascent(env, env.greedy(theta), &phi64, &mut objective)
+            }
+        }
+    }
+}
+
+/// Each context's reference vector φ̄(x): the mean of its arms' features (a uniform reference
+/// policy) when `centred`, else 0 (the paper's form).
+fn reference_arms(env: &Env, centred: bool) -> Vec<Vec<f64>> {
+    let k = env.k;
+    let mean_arm = |c: usize| -> Vec<f64> {
+        let mut m = vec![0.0; env.d];
+        if centred {
+            for a in 0..k {
+                for (mi, &v) in m.iter_mut().zip(env.arm(&env.contexts[c], a)) {
+                    *mi += f64::from(v) / k as f64;
                 }
             }
+        }
+        m
+    };
+    (0..env.contexts.len()).map(mean_arm).collect()
+}
+
+/// m of Eq. (5) for the policy `choice` (an arm per context): mean_x φ(x, π(x)) of the
+/// (centred) features `phi64`.
+fn policy_mean(env: &Env, phi64: &dyn Fn(usize, usize) -> Vec<f64>, choice: &[usize]) -> Vec<f64> {
+    let n = env.contexts.len();
+    let mut m = vec![0.0; env.d];
+    for (c, &a) in choice.iter().enumerate() {
+        for (mi, v) in m.iter_mut().zip(phi64(c, a)) {
+            *mi += v / n as f64;
+        }
+    }
+    m
+}
+
+/// Eq. (5) by enumeration: every policy of the class (k^n of them, in lexicographic order),
+/// the first with the largest `objective` J(π).
+fn policy_exhaustive(
+    env: &Env,
+    phi64: &dyn Fn(usize, usize) -> Vec<f64>,
+    objective: &mut dyn FnMut(&[f64]) -> f64,
+) -> Vec<usize> {
+    let (n, k) = (env.contexts.len(), env.k);
+    let mut best = (f64::NEG_INFINITY, vec![0; n]);
+    let mut choice = vec![0usize; n];
+    loop {
+        let v = objective(&policy_mean(env, phi64, &choice));
+        if v > best.0 {
+            best = (v, choice.clone());
+        }
+        // next policy in lexicographic order
+        let mut i = 0;
+        while i < n && choice[i] + 1 == k {
+            choice[i] = 0;
+            i += 1;
+        }
+        if i == n {
+            break;
+        }
+        choice[i] += 1;
+    }
+    best.1
+}
+
+/// Eq. (5) by coordinate ascent from `choice` (the greedy policy): sweep the contexts, taking
+/// any single-context change of arm that raises `objective` J(π) by more than 1e-12, until a
+/// sweep changes nothing.
+fn policy_ascent(
+    env: &Env,
+    mut choice: Vec<usize>,
+    phi64: &dyn Fn(usize, usize) -> Vec<f64>,
+    objective: &mut dyn FnMut(&[f64]) -> f64,
+) -> Vec<usize> {
+    let (n, k) = (env.contexts.len(), env.k);
+    let mut m = policy_mean(env, phi64, &choice);
+    let mut current = objective(&m);
+    loop {
+        let mut improved = false;
+        #[allow(clippy::needless_range_loop)] // c indexes contexts and `choice`
+        for c in 0..n {
+            for a in 0..k {
+                if a == choice[c] {
+                    continue;
+                }
+                let (old, new) = (phi64(c, choice[c]), phi64(c, a));
+                let trial: Vec<f64> =
+                    m.iter().zip(old.iter().zip(&new)).map(|(mi, (o, w))| mi + (w - o) / n as f64).collect();
+                let v = objective(&trial);
+                if v > current + 1e-12 {
+                    current = v;
+                    m = trial;
+                    choice[c] = a;
+                    improved = true;
+                }
+            }
+        }
+        if !improved {
+            break choice;
         }
     }
 }
