@@ -116,23 +116,14 @@ pub(super) fn deploy_chunked(
     let strategy = strategy_of(&cell.config)?;
     let mut fresh = Progress::fresh(cell.master_seed, seed);
     let p = env.contexts.len();
-    let mut order: Vec<usize> = (0..p).collect();
-    if cell.deploy.prompt_order == Order::Shuffled {
-        order.shuffle(&mut fresh.data);
-    }
+    let order = prompt_order(cell, p, &mut fresh.data);
     let chunks = cell.deploy.chunks;
     let mut pr = resumed.unwrap_or(fresh);
     let mut lrm = match reward {
         Some(base) => Some(LearnedRm::start(cell, base, l, seed, &mut pr, env)?),
         None => None,
     };
-    let mut pc = match online {
-        Some(o) => {
-            let arm = cell.config.arm.as_ref().ok_or_else(|| anyhow!("deploy cell without a policy arm"))?;
-            Some(PolicyCell::new(o, arm, cell, seed, pr.policy.state.as_ref())?)
-        }
-        None => None,
-    };
+    let mut pc = policy_cell(cell, online, seed, &pr)?;
     if let (Some(pc), true) = (&mut pc, pr.policy.rows.is_empty()) {
         before_first_chunk(pc, lrm.as_ref(), l, &mut pr, env.d, chunks)?;
     }
@@ -178,8 +169,40 @@ pub(super) fn deploy_chunked(
     });
     ctx.live = live;
     ran?;
-    // the reward model's adapter and head (LoRA) beside the policy's adapters
-    if let Some(a) = lrm.as_ref().map(|m| m.adapter()).transpose()?.flatten() {
+    chunked_result(pr, lrm.as_ref())
+}
+
+/// The order the prompts are deployed in: the bank's, or shuffled by the seed's data stream
+/// (`deploy.prompt_order`).
+fn prompt_order(cell: &CellConfig, p: usize, data: &mut rand_chacha::ChaCha20Rng) -> Vec<usize> {
+    let mut order: Vec<usize> = (0..p).collect();
+    if cell.deploy.prompt_order == Order::Shuffled {
+        order.shuffle(data);
+    }
+    order
+}
+
+/// The cell's deployed policy with `world.online` (its adapters from the checkpoint `pr` holds,
+/// if any), else None.
+fn policy_cell<'o>(
+    cell: &CellConfig,
+    online: Option<&'o Online>,
+    seed: u32,
+    pr: &Progress,
+) -> Result<Option<PolicyCell<'o>>> {
+    match online {
+        Some(o) => {
+            let arm = cell.config.arm.as_ref().ok_or_else(|| anyhow!("deploy cell without a policy arm"))?;
+            Ok(Some(PolicyCell::new(o, arm, cell, seed, pr.policy.state.as_ref())?))
+        }
+        None => Ok(None),
+    }
+}
+
+/// The chunked cell's tables from its progress, with the reward model's adapter and head
+/// (LoRA) beside the policy's adapters.
+fn chunked_result(mut pr: Progress, lrm: Option<&LearnedRm<'_>>) -> Result<CellResult> {
+    if let Some(a) = lrm.map(|m| m.adapter()).transpose()?.flatten() {
         pr.policy.adapters.push(a);
     }
     Ok(CellResult {

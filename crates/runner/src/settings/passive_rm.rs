@@ -124,6 +124,9 @@ fn evaluate(
     Ok((loss / n, right / n, ties))
 }
 
+/// Alg. 2's passive loop with a learning reward model: per step a batch of the file order, one
+/// [`OnePass`] step over (ψ, θ), and at each evaluation point a metric row scored on
+/// [`CurrentFeatures`]; checkpointed when the saver is due.
 pub(super) fn passive_features(
     cell: &CellConfig,
     p: &PairData,
@@ -149,52 +152,17 @@ pub(super) fn passive_features(
         None => RmState::new(OnePass::new(&cell.config.cfg, &rm, Some(steps), r.hvp_config(), r.backbone_lr_scale)?),
     };
     for t in pr.done + 1..=steps {
-        let rows = order
-            .get(pr.position as usize..pr.position as usize + b)
-            .ok_or_else(|| anyhow!("the training pairs ran out at step {t}"))?;
-        pr.position += b as u64;
-        let y: Vec<f32> = rows.iter().map(|&i| p.train.y[i]).collect();
-        // the head-only cells' stream hash: the same pairs in the same order
-        for &i in rows {
-            pr.hash.f32s(p.train.row(i));
-        }
-        pr.hash.f32s(&y);
+        let (rows, y) = next_batch(&order, &mut pr, p, t, b)?;
         let pairs: Vec<RmPair> =
             rows.iter().zip(&y).map(|(&i, &y)| RmPair { a: &ids.train[i].0, b: &ids.train[i].1, y }).collect();
         let s = st.step(&rm, &pairs)?;
-        let n = b as f64;
-        st.win_loss += s.before.loss * n;
-        st.win_correct += s.before.accuracy * n;
-        st.win_n += n;
-        st.win_kappa = st.win_kappa.max(s.before.kappa);
-        st.win_kref += s.before.kappa_reference;
-        st.win_batches += 1.0;
+        add_to_window(&mut st, &s.before, b as f64);
         if t == steps || st.samples / cell.stream.eval_every > st.prev_samples / cell.stream.eval_every {
             let wall = st.bucket_clock.lap();
             let est = st.step_s - st.bucket_step_s;
             l.buckets.push(Bucket { step: t, samples_seen: st.samples, estimator_s: est, other_s: wall - est });
-            let (eval_loss, eval_accuracy, eval_ties) = evaluate(&rm, base, &ids.eval, &p.eval.y, r.eval_batch)?;
-            pr.rows.push(MetricRow {
-                step: t,
-                samples_seen: st.samples,
-                train_loss: st.win_loss / st.win_n.max(1.0),
-                train_accuracy: st.win_correct / st.win_n.max(1.0),
-                eval_loss,
-                eval_accuracy,
-                eval_ties,
-                kappa: st.win_kappa,
-                kappa_reference: st.win_kref / st.win_batches.max(1.0),
-                grad_evals: st.grad_evals,
-                hvp_evals: st.hvp_evals,
-                negative_quad_forms: st.negative_curvature,
-                converged: true,
-                ..Default::default()
-            });
-            (st.win_loss, st.win_correct, st.win_n, st.win_kappa, st.win_kref, st.win_batches) =
-                (0.0, 0.0, 0.0, 0.0, 0.0, 0.0);
-            st.bucket_step_s = st.step_s;
-            // the held-out scoring is not the next bucket's
-            st.bucket_clock = BucketClock::start();
+            let eval = evaluate(&rm, base, &ids.eval, &p.eval.y, r.eval_batch)?;
+            pr.rows.push(close_window(&mut st, t, eval));
         }
         pr.done = t;
         ctx.live.publish(super::live::Snapshot::of(l, &pr));
@@ -211,16 +179,82 @@ pub(super) fn passive_features(
     l.steps = st.steps;
     l.samples = st.samples;
     l.est_s = st.step_s;
-    // LoRA: the adapters and θ as a PEFT sequence classifier (`adapters/<cell>/`); a full
-    // update's weights are the whole model, not written here
-    let adapters = match r.update {
+    let adapters = reward_adapters(r.update, &rm, base)?;
+    Ok(CellResult { rows: pr.rows, stream_hash: pr.hash.0, adapters, ..Default::default() })
+}
+
+/// Step `t`'s batch: the next `b` training pairs of the file order (`order` from the stream's
+/// position, which moves past them) and their labels, hashed into the stream hash as the
+/// head-only cells hash theirs.
+fn next_batch<'o>(
+    order: &'o [usize],
+    pr: &mut Progress,
+    p: &PairData,
+    t: u64,
+    b: usize,
+) -> Result<(&'o [usize], Vec<f32>)> {
+    let rows = order
+        .get(pr.position as usize..pr.position as usize + b)
+        .ok_or_else(|| anyhow!("the training pairs ran out at step {t}"))?;
+    pr.position += b as u64;
+    let y: Vec<f32> = rows.iter().map(|&i| p.train.y[i]).collect();
+    // the head-only cells' stream hash: the same pairs in the same order
+    for &i in rows {
+        pr.hash.f32s(p.train.row(i));
+    }
+    pr.hash.f32s(&y);
+    Ok((rows, y))
+}
+
+/// A step's prequential statistics (`before`: on its batch of `n` pairs before the step) into
+/// the evaluation window: loss and accuracy summed per pair, κ's maximum, κ_ref per batch.
+fn add_to_window(st: &mut RmState, before: &estimators::BatchStats, n: f64) {
+    st.win_loss += before.loss * n;
+    st.win_correct += before.accuracy * n;
+    st.win_n += n;
+    st.win_kappa = st.win_kappa.max(before.kappa);
+    st.win_kref += before.kappa_reference;
+    st.win_batches += 1.0;
+}
+
+/// The evaluation point after step `t`: its metric row (the window's prequential means, the
+/// held-out `eval` = (loss, accuracy, ties), the update's counters); then a fresh window and
+/// bucket, whose clock starts after the held-out scoring.
+fn close_window(st: &mut RmState, t: u64, eval: (f64, f64, u64)) -> MetricRow {
+    let (eval_loss, eval_accuracy, eval_ties) = eval;
+    let row = MetricRow {
+        step: t,
+        samples_seen: st.samples,
+        train_loss: st.win_loss / st.win_n.max(1.0),
+        train_accuracy: st.win_correct / st.win_n.max(1.0),
+        eval_loss,
+        eval_accuracy,
+        eval_ties,
+        kappa: st.win_kappa,
+        kappa_reference: st.win_kref / st.win_batches.max(1.0),
+        grad_evals: st.grad_evals,
+        hvp_evals: st.hvp_evals,
+        negative_quad_forms: st.negative_curvature,
+        converged: true,
+        ..Default::default()
+    };
+    (st.win_loss, st.win_correct, st.win_n, st.win_kappa, st.win_kref, st.win_batches) = (0.0, 0.0, 0.0, 0.0, 0.0, 0.0);
+    st.bucket_step_s = st.step_s;
+    // the held-out scoring is not the next bucket's
+    st.bucket_clock = BucketClock::start();
+    row
+}
+
+/// The cell's adapter files: LoRA's adapters and θ as a PEFT sequence classifier
+/// (`adapters/<cell>/`); a full update's weights are the whole model, not written here.
+fn reward_adapters(update: RewardUpdate, rm: &RewardModel, base: &RewardBase) -> Result<Vec<AdapterFiles>> {
+    Ok(match update {
         RewardUpdate::Lora => {
-            let (safetensors, config) = policy::peft::encode_reward(&rm, &base.source)?;
+            let (safetensors, config) = policy::peft::encode_reward(rm, &base.source)?;
             vec![AdapterFiles { dir: String::new(), safetensors, config }]
         }
         _ => Vec::new(),
-    };
-    Ok(CellResult { rows: pr.rows, stream_hash: pr.hash.0, adapters, ..Default::default() })
+    })
 }
 
 #[cfg(test)]
