@@ -47,6 +47,17 @@ pub(super) struct ChunkIn<'a> {
     pub(super) pairs: &'a [Labelled],
 }
 
+/// [`PolicyCell::evaluate`]'s sums over the held-out samples: oracle and learned rewards over
+/// `count` samples, best-of-n under θ and the deployed reward over `groups` groups of n.
+struct HeldOut {
+    oracle: f64,
+    learned: f64,
+    bon: f64,
+    deployed: f64,
+    count: usize,
+    groups: usize,
+}
+
 /// One cell's deployed policy: its arm ([`Arm`]: what it deploys, how it learns) and, for a
 /// learning arm, its adapters and Adam's state.
 pub(super) struct PolicyCell<'a> {
@@ -90,37 +101,12 @@ impl<'a> PolicyCell<'a> {
         if seed as usize >= online.eval_opts.len() {
             return Err(anyhow!("seed index {seed}: the run prepared held-out streams for {}", online.eval_opts.len()));
         }
-        let ps = &online.spec;
-        // the schedule's window: each update's steps, or the run's (Σ over the chunks of the
-        // steps of an update that sees its items on every prompt it updates on)
-        let (prompts, chunks) = (online.prompt_ids.len(), cell.deploy.chunks);
         let learning = plan.learning().cloned();
-        let cap = learning.as_ref().filter(|l| l.rollouts.per_prompt > 0).and_then(|l| l.rollouts.prompts);
-        let window = match ps.lr_restart {
-            LrRestart::Chunk => LrWindow::Update,
-            LrRestart::Run => LrWindow::Run {
-                total: (0..chunks)
-                    .map(|c| {
-                        let r = crate::plan::chunk_range(c, prompts, chunks).len();
-                        let p = cap.map_or(r, |cap| r.min(cap));
-                        policy::train::update_steps(p * plan.items_per_prompt(), ps.minibatch, ps.epochs)
-                    })
-                    .sum(),
-            },
-        };
+        let window = lr_window(online, plan, cell);
         let arm = arms::build(plan, cell.master_seed, seed, window, online);
         let learns = arm.learns();
         let policy_seed = seed_of(cell.master_seed, seed, Component::Policy);
-        let warm = match plan {
-            ArmPlan::Dpo { update, warm_start: Some(w), .. } => Some(policy::train::DpoConfig {
-                epochs: w.epochs,
-                seed: per_chunk_seed(b"onepass-warm-start", policy_seed, 0),
-                lr_window: LrWindow::Update,
-                ..update.clone()
-            }),
-            _ => None,
-        };
-        let mut cell = PolicyCell {
+        let mut pc = PolicyCell {
             online,
             arm,
             learner: None,
@@ -130,43 +116,17 @@ impl<'a> PolicyCell<'a> {
             policy_seed,
             learning,
             rollout_seed: seed_of(cell.master_seed, seed, Component::Rollouts),
-            warm,
+            warm: warm_config(plan, policy_seed),
             merged_adapter: None,
-            served_tag: {
-                let mut h = blake3::Hasher::new();
-                h.update(cell.config.label.as_bytes());
-                h.update(&seed.to_le_bytes());
-                h.finalize().to_hex()[..12].to_string()
-            },
+            served_tag: served_tag(&cell.config.label, seed),
             served: std::cell::RefCell::new(None),
             initial: std::cell::OnceCell::new(),
         };
         if learns {
-            let (base, cfg) = (online.base.clone(), online.cfg.clone());
-            let mut m = if plan.full_parameters() {
-                PolicyModel::new_full(base, cfg, online.max_len, DType::F32)?
-            } else {
-                PolicyModel::new(base, cfg, &online.spec.lora(policy_seed), online.max_len, DType::F32)?
-            };
-            if online.spec.dtype == crate::spec::policy::TrainDtype::Bf16 {
-                m.use_bf16_products()?;
-            } else if m.can_pack_products() {
-                // f32 on the CPU: the packed f32 kernel, W packed once (candle's matmul packs it per call)
-                m.use_packed_products(false)?;
-            }
-            if let Some(st) = state {
-                // merges and reference moves first, each with the adapter values it saw
-                m.replay(&st.life)?;
-            }
-            let mut adam = m.adam(online.spec.adam())?;
-            if let Some(st) = state {
-                m.set_var_values(&st.vars).map_err(|e| anyhow!("the checkpoint's adapters: {e}"))?;
-                adam.restore(&st.adam)?;
-                cell.moved = st.moved;
-            }
-            cell.learner = Some((m, adam));
+            pc.learner = Some(learner(online, plan, policy_seed, state)?);
+            pc.moved = state.is_some_and(|st| st.moved);
         }
-        Ok(cell)
+        Ok(pc)
     }
 
     /// The initial policy (the base weights, no adapters), built on first use: what
@@ -529,11 +489,47 @@ impl<'a> PolicyCell<'a> {
         let refs: Vec<&[features::Message]> = o.eval_prompts.iter().map(|p| p.as_slice()).collect();
         let contexts = self.contexts(&refs, &samples, learned)?;
         times.phi_s = t1.elapsed().as_secs_f64();
-        let n = o.opts.n;
+        let (sums, mut rows) = self.held_out_rows(chunk, &contexts, &samples, theta, d)?;
+        let HeldOut { oracle, learned, bon, deployed, count, groups } = sums;
+        let all: Vec<&Sample> = samples.iter().flatten().collect();
+        let (sample_reward, bon_reward) = (oracle / count as f64, bon / groups as f64);
+        let mut row = PolicyRow {
+            chunk,
+            policy_reward: deployed / groups as f64,
+            sample_reward,
+            bon_reward,
+            learned_reward: learned / count as f64,
+            response_tokens: all.iter().map(|s| s.tokens as f64).sum::<f64>() / count as f64,
+            cut_fraction: all.iter().filter(|s| !s.stopped).count() as f64 / count as f64,
+            merge_error,
+            policy_digest: self.digest()?,
+            served_as: self.served_as(false)?,
+            ..Default::default()
+        };
+        if let Some((m, _)) = &self.learner {
+            let t2 = Instant::now();
+            self.score_held_out(m, &samples, &all, &mut rows, &mut row)?;
+            times.score_s = t2.elapsed().as_secs_f64();
+        }
+        Ok((row, rows, times))
+    }
+
+    /// [`PolicyCell::evaluate`]'s rewards: per held-out prompt and group of n samples, the
+    /// oracle reward of each sample, its learned reward φᵀθ, best-of-n under θ (the oracle
+    /// reward of argmax_j φ_jᵀθ) and what the arm deploys; summed, with a row per sample.
+    fn held_out_rows(
+        &self,
+        chunk: u64,
+        contexts: &[Context],
+        samples: &[Vec<Sample>],
+        theta: &[f64],
+        d: usize,
+    ) -> Result<(HeldOut, Vec<SampleRow>)> {
+        let n = self.online.opts.n;
         let (mut oracle, mut learned, mut bon, mut deployed) = (0.0, 0.0, 0.0, 0.0);
         let (mut count, mut groups) = (0usize, 0usize);
         let mut rows: Vec<SampleRow> = Vec::new();
-        for ((p, c), ss) in contexts.iter().enumerate().zip(&samples) {
+        for ((p, c), ss) in contexts.iter().enumerate().zip(samples) {
             let truth = c.reward.as_ref().expect("scored");
             let est: Vec<f64> = c.phi.chunks_exact(d).map(|p| dot(p, theta)).collect();
             oracle += truth.iter().sum::<f64>();
@@ -569,80 +565,85 @@ impl<'a> PolicyCell<'a> {
             }
             count += truth.len();
         }
-        let all: Vec<&Sample> = samples.iter().flatten().collect();
-        let (sample_reward, bon_reward) = (oracle / count as f64, bon / groups as f64);
-        let mut row = PolicyRow {
-            chunk,
-            policy_reward: deployed / groups as f64,
-            sample_reward,
-            bon_reward,
-            learned_reward: learned / count as f64,
-            response_tokens: all.iter().map(|s| s.tokens as f64).sum::<f64>() / count as f64,
-            cut_fraction: all.iter().filter(|s| !s.stopped).count() as f64 / count as f64,
-            merge_error,
-            policy_digest: self.digest()?,
-            served_as: self.served_as(false)?,
-            ..Default::default()
+        Ok((HeldOut { oracle, learned, bon, deployed, count, groups }, rows))
+    }
+
+    /// A learning policy's scores of its held-out samples (`all`, flattened): per sequence
+    /// (Σ log π, Σ KL to the reference, tokens) into each sample's row, and the means into
+    /// `row`: KL per sequence, KL to the initial policy, entropy −Σ log π / tokens.
+    fn score_held_out(
+        &self,
+        m: &PolicyModel,
+        samples: &[Vec<Sample>],
+        all: &[&Sample],
+        rows: &mut [SampleRow],
+        row: &mut PolicyRow,
+    ) -> Result<()> {
+        let o = self.online;
+        let rollouts: Vec<Rollout> = samples
+            .iter()
+            .zip(&o.eval_ids)
+            .flat_map(|(ss, p)| ss.iter().map(move |s| Rollout { prompt: p, response: &s.ids }))
+            .collect();
+        // a moved policy's samples come from onepass's f32 sampler on its merged weights,
+        // which records log π of every token it draws (its batches fixed by the spec: they
+        // are not cached): the policy's pass is not run again. The base's samples (cached,
+        // their log-probabilities dropped) and a server's are scored here.
+        let recorded: Option<Vec<&[f32]>> = all.iter().map(|s| s.recorded_logprobs()).collect();
+        let kl_initial = self.kl_to_initial(m, &rollouts, recorded.as_deref())?;
+        // per sequence (Σ log π, Σ KL, tokens); at its reference (unmoved, or every B still
+        // exactly 0) the policy's KL is exactly 0
+        let sc: Vec<(f64, f64, usize)> = match (!self.moved || m.at_reference()?, recorded) {
+            (false, Some(r)) => score_recorded(m, &rollouts, &r, o.spec.kl_estimator, o.spec.minibatch)?,
+            (false, None) => score(m, &rollouts, o.spec.kl_estimator, o.spec.minibatch)?,
+            (true, Some(r)) => r.iter().map(|l| (l.iter().map(|&x| x as f64).sum(), 0.0, l.len())).collect(),
+            (true, None) => {
+                logprob_sums(m, &rollouts, o.spec.minibatch, false)?.into_iter().map(|(lp, n)| (lp, 0.0, n)).collect()
+            }
         };
-        if let Some((m, _)) = &self.learner {
-            let t2 = Instant::now();
-            let rollouts: Vec<Rollout> = samples
-                .iter()
-                .zip(&o.eval_ids)
-                .flat_map(|(ss, p)| ss.iter().map(move |s| Rollout { prompt: p, response: &s.ids }))
-                .collect();
-            // a moved policy's samples come from onepass's f32 sampler on its merged weights,
-            // which records log π of every token it draws (its batches fixed by the spec: they
-            // are not cached): the policy's pass is not run again. The base's samples (cached,
-            // their log-probabilities dropped) and a server's are scored here.
-            let recorded: Option<Vec<&[f32]>> = all.iter().map(|s| s.recorded_logprobs()).collect();
-            // the KL to the initial policy when the reference has moved away from it (a
-            // chunk-start reference of a moved policy): the policy's per-token log π (recorded,
-            // or scored) against the base weights' pass
-            let kl_initial = if o.spec.kl_reference == KlReference::ChunkStart && self.moved {
-                let scored: Vec<Vec<f32>>;
-                let lps: Vec<&[f32]> = match &recorded {
-                    Some(r) => r.clone(),
-                    None => {
-                        scored = policy::train::score_tokens(m, &rollouts, o.spec.kl_estimator, o.spec.minibatch)?
-                            .into_iter()
-                            .map(|t| t.logprobs.iter().map(|&x| x as f32).collect())
-                            .collect();
-                        scored.iter().map(|v| v.as_slice()).collect()
-                    }
-                };
-                let sc = score_recorded(self.initial()?, &rollouts, &lps, o.spec.kl_estimator, o.spec.minibatch)?;
-                Some(sc.iter().map(|s| s.1).collect::<Vec<f64>>())
-            } else {
-                None
-            };
-            // per sequence (Σ log π, Σ KL, tokens); at its reference (unmoved, or every B still
-            // exactly 0) the policy's KL is exactly 0
-            let sc: Vec<(f64, f64, usize)> = match (!self.moved || m.at_reference()?, recorded) {
-                (false, Some(r)) => score_recorded(m, &rollouts, &r, o.spec.kl_estimator, o.spec.minibatch)?,
-                (false, None) => score(m, &rollouts, o.spec.kl_estimator, o.spec.minibatch)?,
-                (true, Some(r)) => r.iter().map(|l| (l.iter().map(|&x| x as f64).sum(), 0.0, l.len())).collect(),
-                (true, None) => logprob_sums(m, &rollouts, o.spec.minibatch, false)?
-                    .into_iter()
-                    .map(|(lp, n)| (lp, 0.0, n))
-                    .collect(),
-            };
-            if sc.len() != rows.len() {
-                return Err(anyhow!("{} held-out samples scored for {} drawn", sc.len(), rows.len()));
-            }
-            let kl = sc.iter().map(|s| s.1).sum::<f64>() / sc.len() as f64;
-            let (lp, tokens) = (sc.iter().map(|s| s.0).sum::<f64>(), sc.iter().map(|s| s.2).sum::<usize>());
-            for (i, (r, s)) in rows.iter_mut().zip(&sc).enumerate() {
-                r.kl = Some(s.1);
-                r.kl_initial = Some(kl_initial.as_ref().map_or(s.1, |k| k[i]));
-                r.logprob = Some(s.0);
-            }
-            row.kl = kl;
-            row.kl_initial = kl_initial.map_or(kl, |k| k.iter().sum::<f64>() / k.len() as f64);
-            row.entropy = Some(-lp / tokens as f64);
-            times.score_s = t2.elapsed().as_secs_f64();
+        if sc.len() != rows.len() {
+            return Err(anyhow!("{} held-out samples scored for {} drawn", sc.len(), rows.len()));
         }
-        Ok((row, rows, times))
+        let kl = sc.iter().map(|s| s.1).sum::<f64>() / sc.len() as f64;
+        let (lp, tokens) = (sc.iter().map(|s| s.0).sum::<f64>(), sc.iter().map(|s| s.2).sum::<usize>());
+        for (i, (r, s)) in rows.iter_mut().zip(&sc).enumerate() {
+            r.kl = Some(s.1);
+            r.kl_initial = Some(kl_initial.as_ref().map_or(s.1, |k| k[i]));
+            r.logprob = Some(s.0);
+        }
+        row.kl = kl;
+        row.kl_initial = kl_initial.map_or(kl, |k| k.iter().sum::<f64>() / k.len() as f64);
+        row.entropy = Some(-lp / tokens as f64);
+        Ok(())
+    }
+
+    /// The KL of each held-out sequence to the initial policy when the reference has moved away
+    /// from it (a chunk-start reference of a moved policy), else None (it is the KL to the
+    /// reference): the policy's per-token log π (`recorded`, or scored) against the base
+    /// weights' pass.
+    fn kl_to_initial(
+        &self,
+        m: &PolicyModel,
+        rollouts: &[Rollout<'_>],
+        recorded: Option<&[&[f32]]>,
+    ) -> Result<Option<Vec<f64>>> {
+        let o = self.online;
+        if !(o.spec.kl_reference == KlReference::ChunkStart && self.moved) {
+            return Ok(None);
+        }
+        let scored: Vec<Vec<f32>>;
+        let lps: Vec<&[f32]> = match recorded {
+            Some(r) => r.to_vec(),
+            None => {
+                scored = policy::train::score_tokens(m, rollouts, o.spec.kl_estimator, o.spec.minibatch)?
+                    .into_iter()
+                    .map(|t| t.logprobs.iter().map(|&x| x as f32).collect())
+                    .collect();
+                scored.iter().map(|v| v.as_slice()).collect()
+            }
+        };
+        let sc = score_recorded(self.initial()?, rollouts, &lps, o.spec.kl_estimator, o.spec.minibatch)?;
+        Ok(Some(sc.iter().map(|s| s.1).collect::<Vec<f64>>()))
     }
 
     /// policy.max_kl's guard on an evaluation `row` after an update (`base`: the chunk-0 row):
@@ -683,6 +684,82 @@ impl<'a> PolicyCell<'a> {
         };
         Ok(Some(AdapterFiles { dir, safetensors, config }))
     }
+}
+
+/// The learning-rate schedule's window (`policy.lr_restart`): each update's steps, or the run's
+/// (Σ over the chunks of the steps of an update that sees its items on every prompt it updates
+/// on, the rollouts' prompt cap applied).
+fn lr_window(online: &Online, plan: &ArmPlan, cell: &CellConfig) -> LrWindow {
+    let ps = &online.spec;
+    let (prompts, chunks) = (online.prompt_ids.len(), cell.deploy.chunks);
+    let cap = plan.learning().filter(|l| l.rollouts.per_prompt > 0).and_then(|l| l.rollouts.prompts);
+    match ps.lr_restart {
+        LrRestart::Chunk => LrWindow::Update,
+        LrRestart::Run => LrWindow::Run {
+            total: (0..chunks)
+                .map(|c| {
+                    let r = crate::plan::chunk_range(c, prompts, chunks).len();
+                    let p = cap.map_or(r, |cap| r.min(cap));
+                    policy::train::update_steps(p * plan.items_per_prompt(), ps.minibatch, ps.epochs)
+                })
+                .sum(),
+        },
+    }
+}
+
+/// dpo with `[policy.dpo.warm_start]`: the warm start's update (its epochs, a mini-batch stream
+/// drawn from the policy's seed, a window of its own); None otherwise.
+fn warm_config(plan: &ArmPlan, policy_seed: u64) -> Option<policy::train::DpoConfig> {
+    match plan {
+        ArmPlan::Dpo { update, warm_start: Some(w), .. } => Some(policy::train::DpoConfig {
+            epochs: w.epochs,
+            seed: per_chunk_seed(b"onepass-warm-start", policy_seed, 0),
+            lr_window: LrWindow::Update,
+            ..update.clone()
+        }),
+        _ => None,
+    }
+}
+
+/// A cell's adapters' name prefix on a server: the first 12 hex digits of blake3(label, seed).
+fn served_tag(label: &str, seed: u32) -> String {
+    let mut h = blake3::Hasher::new();
+    h.update(label.as_bytes());
+    h.update(&seed.to_le_bytes());
+    h.finalize().to_hex()[..12].to_string()
+}
+
+/// A learning cell's policy and Adam: LoRA adapters drawn from `policy_seed` (or every weight,
+/// for parameters = "full") on the products `policy.dtype` asks for; with a checkpoint's
+/// `state`, its adapter life replayed and its values and moments restored.
+fn learner(
+    online: &Online,
+    plan: &ArmPlan,
+    policy_seed: u64,
+    state: Option<&PolicyState>,
+) -> Result<(PolicyModel, Adam)> {
+    let (base, cfg) = (online.base.clone(), online.cfg.clone());
+    let mut m = if plan.full_parameters() {
+        PolicyModel::new_full(base, cfg, online.max_len, DType::F32)?
+    } else {
+        PolicyModel::new(base, cfg, &online.spec.lora(policy_seed), online.max_len, DType::F32)?
+    };
+    if online.spec.dtype == crate::spec::policy::TrainDtype::Bf16 {
+        m.use_bf16_products()?;
+    } else if m.can_pack_products() {
+        // f32 on the CPU: the packed f32 kernel, W packed once (candle's matmul packs it per call)
+        m.use_packed_products(false)?;
+    }
+    if let Some(st) = state {
+        // merges and reference moves first, each with the adapter values it saw
+        m.replay(&st.life)?;
+    }
+    let mut adam = m.adam(online.spec.adam())?;
+    if let Some(st) = state {
+        m.set_var_values(&st.vars).map_err(|e| anyhow!("the checkpoint's adapters: {e}"))?;
+        adam.restore(&st.adam)?;
+    }
+    Ok((m, adam))
 }
 
 /// [`PolicyCell::check_not_destroyed`]'s rule on one evaluation `row` (`base`: the chunk-0
