@@ -3,7 +3,8 @@
 //!
 //! Its files from the bottom up, each naming only files before it: `mm`, [`adam`], [`batch`],
 //! [`loss`], [`ops`], [`attention`], [`lora`] (its `packed`, `matmul`, then its `mod.rs`),
-//! [`head`], [`model`], [`critic`], [`train`] (its `mod.rs`, then `dpo`, `ppo`),
+//! [`head`], [`model`] (its `mod.rs`, then `load`, `blocks`), [`critic`], [`train`] (its `mod.rs`,
+//! then `dpo`, `ppo`),
 //! [`rm`] (within it `model`, `rop_cpu`, `rop`, `update`; see its doc), [`peft`].
 //!
 //! - [`lora`]: low-rank adapters W + (α/r)·B·A on chosen linear layers, base weights frozen;

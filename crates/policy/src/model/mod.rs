@@ -5,6 +5,14 @@
 //! gradients (`crate::ops`). The fused CPU kernels of `features` have no backward pass; this path is
 //! for training and log-probabilities, `features` stays the path for generation and φ
 //! (with [`PolicyModel::merged_weights`]).
+//!
+//! Its files from the bottom up, each naming only files before it: this `mod.rs` (the model,
+//! its blocks' layers, the passes over the whole decoder, the adapters' life cycle), `load`
+//! (building a model from a checkpoint's tensors), `blocks` (a decoder block's pass: attention
+//! and the MLP). The two add methods to [`PolicyModel`].
+
+mod blocks;
+mod load;
 
 use crate::lora::{frozen_matmul, init_rng, is_zero, Adapter, Dropout, Linear, LoraConfig, Pass, Reference, Target};
 use crate::ops::Kernels;
@@ -91,33 +99,6 @@ struct Full {
     reference: Box<PolicyModel>,
 }
 
-/// The Hugging Face names of the weights the decoder of `cfg` reads (the LM head only when
-/// `tensors` has its own), in name order.
-fn weight_names(cfg: &Config, tensors: &HashMap<String, Tensor>) -> Vec<String> {
-    let mut out = vec!["model.embed_tokens.weight".to_string(), "model.norm.weight".to_string()];
-    if tensors.contains_key("lm_head.weight") {
-        out.push("lm_head.weight".into());
-    }
-    for i in 0..cfg.layers {
-        let p = format!("model.layers.{i}");
-        out.push(format!("{p}.input_layernorm.weight"));
-        out.push(format!("{p}.post_attention_layernorm.weight"));
-        for t in Target::ALL {
-            out.push(format!("{p}.{}.weight", t.path()));
-            let bias = match t {
-                Target::QProj | Target::KProj | Target::VProj => cfg.qkv_bias,
-                Target::OProj => cfg.o_bias,
-                _ => false,
-            };
-            if bias {
-                out.push(format!("{p}.{}.bias", t.path()));
-            }
-        }
-    }
-    out.sort();
-    out
-}
-
 /// The adapter config of a model without adapters (a full-parameter policy and its reference).
 fn no_adapters() -> LoraConfig {
     LoraConfig { rank: 1, alpha: 1.0, targets: Vec::new(), seed: 0, dropout: 0.0 }
@@ -133,113 +114,7 @@ pub enum LifeEvent {
     Reference { vars: Vec<Vec<f32>> },
 }
 
-fn get_as(t: &HashMap<String, Tensor>, name: &str, dtype: DType) -> std::result::Result<Tensor, features::Error> {
-    t.get(name)
-        .cloned()
-        .ok_or_else(|| features::Error::Weights(format!("`{name}` is missing")))?
-        .to_dtype(dtype)
-        .map_err(features::Error::from)
-}
-
 impl PolicyModel {
-    /// The model over `tensors` (Hugging Face names, e.g. from `features::gguf::Gguf`), with
-    /// fresh adapters on `lora.targets` of every block; positions up to `max_len`; computing in
-    /// `dtype` (f32; f64 for exact gradient checks).
-    pub fn new(
-        tensors: HashMap<String, Tensor>,
-        cfg: Config,
-        lora: &LoraConfig,
-        max_len: usize,
-        dtype: DType,
-    ) -> std::result::Result<PolicyModel, features::Error> {
-        cfg.check()?;
-        if lora.rank == 0 {
-            return Err(features::Error::Input("LoRA rank 0: expected at least 1".into()));
-        }
-        let embed = get_as(&tensors, "model.embed_tokens.weight", dtype)?;
-        let device = embed.device().clone();
-        let lm_head = match tensors.get("lm_head.weight") {
-            Some(_) => get_as(&tensors, "lm_head.weight", dtype)?,
-            None => embed.clone(),
-        };
-        let mut rng = init_rng(lora.seed);
-        let mut blocks = Vec::with_capacity(cfg.layers);
-        for i in 0..cfg.layers {
-            let p = format!("model.layers.{i}");
-            let mut lin = |t: Target, bias: bool| -> std::result::Result<Linear, features::Error> {
-                let w = get_as(&tensors, &format!("{p}.{}.weight", t.path()), dtype)?;
-                let bias = if bias { Some(get_as(&tensors, &format!("{p}.{}.bias", t.path()), dtype)?) } else { None };
-                let adapter = if lora.targets.contains(&t) {
-                    let (out, inp) = w.dims2()?;
-                    Some(Adapter::new(inp, out, lora.rank, lora.scale(), &mut rng, &device, dtype)?)
-                } else {
-                    None
-                };
-                Ok(Linear { w, bias, adapter, reference: Reference::Frozen, packed: None, packed_reference: None })
-            };
-            blocks.push(Block {
-                q: lin(Target::QProj, cfg.qkv_bias)?,
-                k: lin(Target::KProj, cfg.qkv_bias)?,
-                v: lin(Target::VProj, cfg.qkv_bias)?,
-                o: lin(Target::OProj, cfg.o_bias)?,
-                gate: lin(Target::GateProj, false)?,
-                up: lin(Target::UpProj, false)?,
-                down: lin(Target::DownProj, false)?,
-                norm1: get_as(&tensors, &format!("{p}.input_layernorm.weight"), dtype)?,
-                norm2: get_as(&tensors, &format!("{p}.post_attention_layernorm.weight"), dtype)?,
-            });
-        }
-        let norm = get_as(&tensors, "model.norm.weight", dtype)?;
-        let (cos, sin) = rope_tables(&cfg, max_len.max(1), &device)?;
-        let (cos, sin) = (cos.to_dtype(dtype)?, sin.to_dtype(dtype)?);
-        let kernels = Kernels::for_device(&device);
-        Ok(PolicyModel {
-            cfg,
-            lora: lora.clone(),
-            base: tensors,
-            embed,
-            lm_head,
-            lm_head_packed: None,
-            blocks,
-            norm,
-            cos,
-            sin,
-            device,
-            kernels,
-            fuse_sublayers: true,
-            life: Vec::new(),
-            history: None,
-            full: None,
-        })
-    }
-
-    /// A policy that trains every weight (full-parameter; issue 29's DPO as the authors ran
-    /// it): the embeddings, every linear layer's weight and bias, the RMSNorm weights and the
-    /// LM head (tied to the embeddings when `tensors` has no `lm_head.weight`) become variables
-    /// — copies of `tensors`, which stay as the reference policy. No adapters; training holds
-    /// the weights, their gradients and Adam's two moments (4 copies of the model) besides the
-    /// reference: for tiny models on the CPU.
-    pub fn new_full(
-        tensors: HashMap<String, Tensor>,
-        cfg: Config,
-        max_len: usize,
-        dtype: DType,
-    ) -> std::result::Result<PolicyModel, features::Error> {
-        let reference = PolicyModel::new(tensors.clone(), cfg.clone(), &no_adapters(), max_len, dtype)?;
-        let mut vars = Vec::new();
-        let mut trainable = tensors.clone();
-        for name in weight_names(&cfg, &tensors) {
-            // a copy in the compute dtype (Var::from_tensor copies a tensor that is no variable)
-            let v = Var::from_tensor(&get_as(&tensors, &name, dtype)?)?;
-            trainable.insert(name.clone(), v.as_tensor().clone());
-            vars.push((name, v));
-        }
-        let mut m = PolicyModel::new(trainable, cfg, &no_adapters(), max_len, dtype)?;
-        m.base = tensors;
-        m.full = Some(Full { vars, reference: Box::new(reference) });
-        Ok(m)
-    }
-
     /// Whether every weight trains ([`PolicyModel::new_full`]) rather than adapters.
     pub fn is_full(&self) -> bool {
         self.full.is_some()
@@ -451,103 +326,6 @@ impl PolicyModel {
         self.embed.index_select(&ids.flatten_all()?, 0)
     }
 
-    /// One decoder block on x (b·t, hidden) at the t positions of `seg.cos`/`seg.sin`, attending
-    /// to `seg.prefix`'s keys and values first when given; returns the block's output and, with
-    /// `seg.need_kv`, this segment's (roped) keys and values (b, kv, t, hd).
-    fn block(
-        &self,
-        blk: &Block,
-        x: Tensor,
-        seg: Segment<'_>,
-        pass: Pass<'_>,
-    ) -> Result<(Tensor, Option<(Tensor, Tensor)>)> {
-        let k = self.kernels;
-        let h = crate::ops::rms_norm(&x, &blk.norm1, self.cfg.eps, k)?;
-        let (x, kv) = self.attention(blk, &h, seg, pass, None, Some(&x))?;
-        if let Some(y) = self.mlp_fused(blk, &x, pass)? {
-            return Ok((y, kv));
-        }
-        let h = crate::ops::rms_norm(&x, &blk.norm2, self.cfg.eps, k)?;
-        let a = crate::ops::silu_mul(&blk.gate.forward(&h, pass, k)?, &blk.up.forward(&h, pass, k)?, k)?;
-        let m = blk.down.forward(&a, pass, k)?;
-        Ok(((x + m)?, kv))
-    }
-
-    /// The MLP sublayer y = x + down(silu(gate h) ⊙ up h), h = RMSNorm₂(x), as one node of the
-    /// graph when each of its three products is frozen or a plain adapted one in `pass`
-    /// ([`Linear::inner`]) on the fused kernels; None otherwise (the sublayer's ops one by one).
-    /// The node's inputs are x and, when a product is adapted, its A and B (flattened into one
-    /// tensor). The forward is those ops' own, outside the graph; the backward calls each op's
-    /// backward in the graph's order (down, silu ⊙ up, gate + up, the norm, + the residual; the
-    /// SwiGLU product recomputed for an adapted down), so values and gradients are theirs bit
-    /// for bit. What changes is what the graph keeps: gate h and up h (and h where gate or up is
-    /// adapted) where it kept h, both products, their SwiGLU product, down's output and the
-    /// residual sum — 2·i + h values per token and layer instead of 3·i + 3·h (SmolLM2: 3,648 of
-    /// 6,336; issue 31's memory item).
-    fn mlp_fused(&self, blk: &Block, x: &Tensor, pass: Pass<'_>) -> Result<Option<Tensor>> {
-        let k = self.kernels;
-        if k != Kernels::Fused
-            || !self.fuse_sublayers
-            || !matches!(x.dtype(), DType::F32 | DType::F64)
-            || blk.norm2.is_variable()
-        {
-            return Ok(None);
-        }
-        let (Some(gate), Some(up), Some(down)) =
-            (blk.gate.inner(pass, k), blk.up.inner(pass, k), blk.down.inner(pass, k))
-        else {
-            return Ok(None);
-        };
-        // the adapters' A and B, in the order the backward returns their gradients
-        let params: Vec<Tensor> =
-            [&gate, &up, &down].iter().filter_map(|p| p.adapter()).flat_map(|(a, b)| [a.clone(), b.clone()]).collect();
-        if !x.track_op() && params.is_empty() {
-            return Ok(None);
-        }
-        let xd = x.detach();
-        let eps = self.cfg.eps;
-        let h = crate::ops::rms_norm(&xd, &blk.norm2, eps, k)?;
-        let (g, u) = (gate.forward(&blk.gate, &h, pass, k)?, up.forward(&blk.up, &h, pass, k)?);
-        let act = crate::ops::silu_mul(&g, &u, k)?;
-        let m = down.forward(&blk.down, &act, pass, k)?;
-        drop(act);
-        let y = (&xd + m)?;
-        let w = blk.norm2.clone();
-        // h is what an adapted gate or up reads in its backward
-        let h = (gate.adapter().is_some() || up.adapter().is_some()).then_some(h);
-        let sizes: Vec<usize> = params.iter().map(|t| t.elem_count()).collect();
-        let backward = move |x: &Tensor, dy: &Tensor| -> Result<(Tensor, Vec<Tensor>)> {
-            let mut grads = Vec::new();
-            let act = match down.adapter() {
-                Some(_) => Some(crate::ops::silu_mul(&g, &u, Kernels::Fused)?),
-                None => None,
-            };
-            let (da, dd) = down.backward(act.as_ref(), dy)?;
-            let (dg, du) = crate::ops::silu_mul_grads(&g, &u, &da)?;
-            let (dh_g, gg) = gate.backward(h.as_ref(), &dg)?;
-            let (dh_u, gu) = up.backward(h.as_ref(), &du)?;
-            for (da, db) in [gg, gu, dd].into_iter().flatten() {
-                grads.push(da.flatten_all()?);
-                grads.push(db.flatten_all()?);
-            }
-            let dh = (dh_g + dh_u)?;
-            Ok(((dy + crate::ops::rms_norm_x_grad(x, &w, eps, &dh)?)?, grads))
-        };
-        if params.is_empty() {
-            let y = crate::ops::routed(x, y, "mlp", move |x, _, dy| Ok(backward(x, dy)?.0))?;
-            return Ok(Some(y));
-        }
-        let flat = Tensor::cat(&params.iter().map(|t| t.flatten_all()).collect::<Result<Vec<_>>>()?, 0)?;
-        let y = crate::ops::routed2((x, &flat), y, "mlp", move |x, _, _, dy| {
-            let (dx, grads) = backward(x, dy)?;
-            if grads.iter().map(|t| t.elem_count()).ne(sizes.iter().copied()) {
-                candle_core::bail!("mlp: the adapters' gradients do not match their sizes");
-            }
-            Ok((Some(dx), Some(Tensor::cat(&grads, 0)?)))
-        })?;
-        Ok(Some(y))
-    }
-
     /// The hidden states that predict a shared-prompt group's response tokens (its `at` rows):
     /// the prompt (positions 0..p) runs through every block once; the k responses (positions
     /// p..p + r) attend to the prompt's keys and values, then causally to their own. The same
@@ -628,140 +406,6 @@ impl PolicyModel {
                 Tensor::cat(&rows, 0)
             }
         }
-    }
-
-    /// Grouped-query causal attention of x (b·t, hidden), t the positions of `seg.cos`; with
-    /// `seg.prefix` ((b, kv, p, hd) keys and values of earlier positions), the queries attend to
-    /// those first (`seg.mask` is then (t, p + t)). Returns the output — the output projection
-    /// on the `rows` of (b·t) alone when given — and, with `seg.need_kv`, this segment's keys and
-    /// values; with `residual` (the block's input), residual + that output. On the routed path
-    /// without a prefix, attention is one node from the projections' rows
-    /// ([`crate::attention::attention_routed`]).
-    fn attention(
-        &self,
-        blk: &Block,
-        x: &Tensor,
-        seg: Segment<'_>,
-        pass: Pass<'_>,
-        rows: Option<&Tensor>,
-        residual: Option<&Tensor>,
-    ) -> Result<(Tensor, Option<(Tensor, Tensor)>)> {
-        let Segment { cos, sin, mask, prefix, need_kv } = seg;
-        let add = |y: Tensor| -> Result<Tensor> {
-            match residual {
-                Some(x0) => x0 + y,
-                None => Ok(y),
-            }
-        };
-        // the attention's output rows that go on: all, or `rows`
-        let pick = |y: Tensor| -> Result<Tensor> {
-            match rows {
-                Some(r) => y.index_select(r, 0),
-                None => Ok(y),
-            }
-        };
-        let t = cos.dim(0)?;
-        let b = x.dim(0)? / t.max(1);
-        let (h, kv, hd) = (self.cfg.heads, self.cfg.kv_heads, self.cfg.head_dim);
-        if self.kernels == Kernels::Routed && prefix.is_none() && !need_kv {
-            let (q, k, v) = (
-                blk.q.forward(x, pass, self.kernels)?,
-                blk.k.forward(x, pass, self.kernels)?,
-                blk.v.forward(x, pass, self.kernels)?,
-            );
-            let geo = crate::attention::Geometry { b, t, heads: h, kv, hd, interleaved: self.cfg.rope_interleaved };
-            let y = pick(crate::attention::attention_routed(&q, &k, &v, cos, sin, mask, geo)?)?;
-            return Ok((add(blk.o.forward(&y, pass, self.kernels)?)?, None));
-        }
-        let fused = self.kernels == Kernels::Fused;
-        // rows (b·t, n·hd) → heads (b, n, t, hd), RoPE on the way for q and k
-        let heads = |y: Tensor, n: usize, rope: bool| -> Result<Tensor> {
-            if fused {
-                return crate::ops::split_heads(
-                    &y,
-                    (b, t, n, hd),
-                    rope.then_some((cos, sin, self.cfg.rope_interleaved)),
-                );
-            }
-            let y = y.reshape((b, t, n, hd))?.transpose(1, 2)?;
-            match rope {
-                true => crate::ops::rope(&y, cos, sin, self.cfg.rope_interleaved, self.kernels)?.contiguous(),
-                false => y.contiguous(),
-            }
-        };
-        let (q, k, v) = if fused && self.fuse_sublayers {
-            // each projection written in heads by its own op: its rows never enter the graph
-            let to = |n: usize, rope: bool| {
-                crate::ops::HeadsOut::new((b, t, n, hd), rope.then_some((cos, sin, self.cfg.rope_interleaved)))
-            };
-            (
-                blk.q.forward_heads(x, pass, self.kernels, to(h, true)?)?,
-                blk.k.forward_heads(x, pass, self.kernels, to(kv, true)?)?,
-                blk.v.forward_heads(x, pass, self.kernels, to(kv, false)?)?,
-            )
-        } else {
-            (
-                heads(blk.q.forward(x, pass, self.kernels)?, h, true)?,
-                heads(blk.k.forward(x, pass, self.kernels)?, kv, true)?,
-                heads(blk.v.forward(x, pass, self.kernels)?, kv, false)?,
-            )
-        };
-        let (keys, values) = match prefix {
-            // candle's cat along an inner dimension returns a strided view: matmul wants rows
-            Some((pk, pv)) => (Tensor::cat(&[pk, &k], 2)?.contiguous()?, Tensor::cat(&[pv, &v], 2)?.contiguous()?),
-            None => (k.clone(), v.clone()),
-        };
-        let y = if self.kernels == Kernels::Fused {
-            // one op with its gradient written out: no (b, h, t, s) tensor in the graph
-            crate::attention::causal_attention(&q, &keys, &values)?
-        } else {
-            let s_len = keys.dim(2)?;
-            // grouped-query attention: query head j reads kv head j / g
-            let g = h / kv;
-            let q = q.contiguous()?.reshape((b, kv, g * t, hd))?;
-            let s = (q.matmul(&keys.t()?)? * (1.0 / (hd as f64).sqrt()))?;
-            let s = s.reshape((b, kv, g, t, s_len))?.broadcast_add(mask)?;
-            let p = crate::ops::softmax_last(&s.contiguous()?, self.kernels)?;
-            p.reshape((b, kv, g * t, s_len))?.matmul(&values)?.reshape((b, h, t, hd))?
-        };
-        if let (Some(x0), None) = (residual, rows) {
-            if let Some(out) = self.o_fused(blk, x0, &y, pass)? {
-                return Ok((out, need_kv.then_some((k, v))));
-            }
-        }
-        let y = pick(match fused {
-            true => crate::ops::merge_heads(&y)?,
-            false => y.transpose(1, 2)?.reshape((b * t, h * hd))?,
-        })?;
-        Ok((add(blk.o.forward(&y, pass, self.kernels)?)?, need_kv.then_some((k, v))))
-    }
-
-    /// The attention's tail x + o(merge(y)), y the heads (b, h, t, hd), as one node of the
-    /// graph over x and y when the output projection is frozen in `pass`
-    /// ([`Linear::frozen_x_grad`]) on the fused kernels and either carries a gradient; None
-    /// otherwise. As [`PolicyModel::mlp_fused`]: the ops' own forward outside the graph, their
-    /// backwards in the graph's order (∂x = g; ∂y = heads(g W_o)), the same bits; the graph no
-    /// longer keeps the merged rows and the projection's output (heads·head_dim + hidden values
-    /// per token and layer).
-    fn o_fused(&self, blk: &Block, x: &Tensor, y: &Tensor, pass: Pass<'_>) -> Result<Option<Tensor>> {
-        let k = self.kernels;
-        if k != Kernels::Fused
-            || !self.fuse_sublayers
-            || !(x.track_op() || y.track_op())
-            || !matches!(y.dtype(), DType::F32 | DType::F64)
-            || y.dtype() != x.dtype()
-        {
-            return Ok(None);
-        }
-        let Some(dout) = blk.o.frozen_x_grad(pass, k) else { return Ok(None) };
-        let (b, n, t, hd) = y.dims4()?;
-        let out = blk.o.forward(&crate::ops::merge_heads(&y.detach())?, pass, k)?;
-        let v = (x.detach() + out)?;
-        let out = crate::ops::routed2((x, y), v, "attention-out", move |_, _, _, g| {
-            let dy = crate::ops::heads_values(&dout.apply(g)?, (b, t, n, hd), None, true, true)?;
-            Ok((Some(g.clone()), Some(dy)))
-        })?;
-        Ok(Some(out))
     }
 
     /// The adapters as (PEFT-style name without the `base_model.model.` prefix, A, B), e.g.
@@ -1053,22 +697,4 @@ pub(crate) fn causal_mask(t: usize, p: usize, dev: &Device, dtype: DType) -> Res
     let s = p + t;
     let m: Vec<f32> = (0..t * s).map(|i| if i % s > p + i / s { -1e30 } else { 0.0 }).collect();
     Tensor::from_vec(m, (t, s), dev)?.to_dtype(dtype)
-}
-
-/// cos and sin of position × inverse frequency: (max_len, head_dim / 2).
-fn rope_tables(cfg: &Config, max_len: usize, dev: &Device) -> Result<(Tensor, Tensor)> {
-    let half = cfg.head_dim / 2;
-    let mut cos = Vec::with_capacity(max_len * half);
-    let mut sin = Vec::with_capacity(max_len * half);
-    for p in 0..max_len {
-        for i in 0..half {
-            let f = 1.0 / cfg.rope_theta.powf(2.0 * i as f64 / cfg.head_dim as f64);
-            let f = f / cfg.rope_factors.as_ref().map_or(1.0, |v| v[i]);
-            // the angle in f32, as the inference path computes it
-            let a = (p as f32) * (f as f32);
-            cos.push(a.cos());
-            sin.push(a.sin());
-        }
-    }
-    Ok((Tensor::from_vec(cos, (max_len, half), dev)?, Tensor::from_vec(sin, (max_len, half), dev)?))
 }
