@@ -12,11 +12,11 @@
 //! Errors name the file, the row and the field. A malformed row is an error, or, with
 //! `skip_malformed`, skipped and counted (the first few reasons are kept for the run's report).
 
+pub use super::arrow::arrow_cell;
 pub use crate::spec::data::{LabelForm, PairRule};
 pub use crate::spec::{Format, Keys};
 use anyhow::{anyhow, bail, Context, Result};
 use arrow_array::{Array, RecordBatch};
-use arrow_schema::DataType;
 use features::Message;
 use parquet::arrow::arrow_reader::ParquetRecordBatchReaderBuilder;
 use serde_json::Value;
@@ -398,85 +398,113 @@ fn ranked_pairs(v: &Value, k: &Keys, rkey: &str, row: usize) -> Result<Vec<Pair>
 
 /// Row errors are written as ", field `x`: what" or ": what" after "file: row N".
 fn to_pair(v: &Value, format: Format, k: &Keys, form: LabelForm<'_>, row: usize) -> Result<Pair, String> {
-    let field = |key: &str| -> Result<&Value, String> {
-        match v.get(key) {
-            None | Some(Value::Null) => Err(format!(", field `{key}`: missing or null")),
-            Some(x) => Ok(x),
-        }
-    };
-    let (mut tie, mut soft) = (false, None);
-    let (chosen, rejected) = if format == Format::HhRlhf {
+    let Sides { chosen, rejected, tie, soft } = if format == Format::HhRlhf {
         let side = |key: &str| -> Result<Vec<Message>, String> {
-            let s = field(key)?.as_str().ok_or_else(|| format!(", field `{key}`: not a string"))?;
+            let s = field(v, key)?.as_str().ok_or_else(|| format!(", field `{key}`: not a string"))?;
             hh_messages(s).map_err(|m| format!(", field `{key}`: {m}"))
         };
-        (side(&k.chosen)?, side(&k.rejected)?)
+        Sides { chosen: side(&k.chosen)?, rejected: side(&k.rejected)?, tie: false, soft: None }
     } else {
-        let prompt = match &k.prompt {
-            None => None,
-            Some(key) => Some(match field(key)? {
-                Value::String(s) => vec![Message::new("user", s)],
-                x => messages(x).map_err(|m| format!(", field `{key}`: {m}"))?,
-            }),
-        };
-        let side = |key: &str| -> Result<Vec<Message>, String> {
-            let mut conv = prompt.clone().unwrap_or_default();
-            match (field(key)?, &prompt) {
-                (Value::String(s), Some(_)) => conv.push(Message::new("assistant", s)),
-                (Value::String(_), None) => {
-                    return Err(format!(
-                        ", field `{key}`: a response string needs a prompt: name the prompt's key (data.keys.prompt)"
-                    ))
-                }
-                (x, _) => conv.extend(messages(x).map_err(|m| format!(", field `{key}`: {m}"))?),
-            }
-            match conv.last() {
-                Some(m) if m.role == "assistant" => Ok(conv),
-                _ => Err(format!(", field `{key}`: does not end with an assistant message")),
-            }
-        };
-        match form {
-            LabelForm::Strength { a, b, strength: key } => {
-                let sv = field(key)?;
-                let st = sv
-                    .as_f64()
-                    .or_else(|| sv.as_str().and_then(|x| x.trim().parse().ok()))
-                    .filter(|x: &f64| x.is_finite())
-                    .ok_or_else(|| format!(", field `{key}`: {sv} is not a number"))?;
-                let y = k.strength_y(st);
-                let (sa, sb) = (side(a)?, side(b)?);
-                // chosen is the side the strength favours; its soft label in [½, 1]
-                if y == 0.5 {
-                    tie = true;
-                    (sa, sb)
-                } else if y > 0.5 {
-                    soft = Some(y as f32);
-                    (sa, sb)
-                } else {
-                    soft = Some((1.0 - y) as f32);
-                    (sb, sa)
-                }
-            }
-            LabelForm::Winner { a, b, label } => {
-                let lv = field(label)?;
-                let (sa, sb) = (side(a)?, side(b)?);
-                if k.label_a.iter().any(|t| label_is(lv, t)) {
-                    (sa, sb)
-                } else if k.label_b.iter().any(|t| label_is(lv, t)) {
-                    (sb, sa)
-                } else if k.label_tie.iter().any(|t| label_is(lv, t)) {
-                    tie = true;
-                    (sa, sb)
-                } else {
-                    return Err(format!(
-                        ", field `{label}`: {lv} is not a mapped label value (data.keys.label_a, label_b, label_tie)"
-                    ));
-                }
-            }
-            LabelForm::ChosenRejected { chosen, rejected } => (side(chosen)?, side(rejected)?),
-            LabelForm::Ranked { .. } => return Err(": the ranked form makes its pairs from the responses list".into()),
-        }
+        labelled_sides(v, k, form)?
     };
+    let scores = pair_scores(v, format, k)?;
+    Ok(Pair { row, at: "".into(), chosen, rejected, scores, tie, soft })
+}
+
+/// A pair's two conversations as its label form orders them, with the form's tie or soft label.
+struct Sides {
+    chosen: Vec<Message>,
+    rejected: Vec<Message>,
+    tie: bool,
+    soft: Option<f32>,
+}
+
+/// The row's field `key`, an error when it is missing or null.
+fn field<'v>(v: &'v Value, key: &str) -> Result<&'v Value, String> {
+    match v.get(key) {
+        None | Some(Value::Null) => Err(format!(", field `{key}`: missing or null")),
+        Some(x) => Ok(x),
+    }
+}
+
+/// A message-list format's two sides, ordered by the label form: chosen/rejected as named; a
+/// winner label mapped by data.keys.label_a/label_b/label_tie; a preference strength's y
+/// (chosen: the side it favours, soft label max(y, 1 − y); y = ½ a tie).
+fn labelled_sides(v: &Value, k: &Keys, form: LabelForm<'_>) -> Result<Sides, String> {
+    let prompt = match &k.prompt {
+        None => None,
+        Some(key) => Some(match field(v, key)? {
+            Value::String(s) => vec![Message::new("user", s)],
+            x => messages(x).map_err(|m| format!(", field `{key}`: {m}"))?,
+        }),
+    };
+    let side = |key: &str| side_conversation(v, prompt.as_deref(), key);
+    let (mut tie, mut soft) = (false, None);
+    let (chosen, rejected) = match form {
+        LabelForm::Strength { a, b, strength: key } => {
+            let sv = field(v, key)?;
+            let st = sv
+                .as_f64()
+                .or_else(|| sv.as_str().and_then(|x| x.trim().parse().ok()))
+                .filter(|x: &f64| x.is_finite())
+                .ok_or_else(|| format!(", field `{key}`: {sv} is not a number"))?;
+            let y = k.strength_y(st);
+            let (sa, sb) = (side(a)?, side(b)?);
+            // chosen is the side the strength favours; its soft label in [½, 1]
+            if y == 0.5 {
+                tie = true;
+                (sa, sb)
+            } else if y > 0.5 {
+                soft = Some(y as f32);
+                (sa, sb)
+            } else {
+                soft = Some((1.0 - y) as f32);
+                (sb, sa)
+            }
+        }
+        LabelForm::Winner { a, b, label } => {
+            let lv = field(v, label)?;
+            let (sa, sb) = (side(a)?, side(b)?);
+            if k.label_a.iter().any(|t| label_is(lv, t)) {
+                (sa, sb)
+            } else if k.label_b.iter().any(|t| label_is(lv, t)) {
+                (sb, sa)
+            } else if k.label_tie.iter().any(|t| label_is(lv, t)) {
+                tie = true;
+                (sa, sb)
+            } else {
+                return Err(format!(
+                    ", field `{label}`: {lv} is not a mapped label value (data.keys.label_a, label_b, label_tie)"
+                ));
+            }
+        }
+        LabelForm::ChosenRejected { chosen, rejected } => (side(chosen)?, side(rejected)?),
+        LabelForm::Ranked { .. } => return Err(": the ranked form makes its pairs from the responses list".into()),
+    };
+    Ok(Sides { chosen, rejected, tie, soft })
+}
+
+/// One side's conversation: the prompt (if the format names one) and the field `key` (a
+/// response string after a prompt, or a message list), ending with an assistant message.
+fn side_conversation(v: &Value, prompt: Option<&[Message]>, key: &str) -> Result<Vec<Message>, String> {
+    let mut conv = prompt.map(|p| p.to_vec()).unwrap_or_default();
+    match (field(v, key)?, prompt) {
+        (Value::String(s), Some(_)) => conv.push(Message::new("assistant", s)),
+        (Value::String(_), None) => {
+            return Err(format!(
+                ", field `{key}`: a response string needs a prompt: name the prompt's key (data.keys.prompt)"
+            ))
+        }
+        (x, _) => conv.extend(messages(x).map_err(|m| format!(", field `{key}`: {m}"))?),
+    }
+    match conv.last() {
+        Some(m) if m.role == "assistant" => Ok(conv),
+        _ => Err(format!(", field `{key}`: does not end with an assistant message")),
+    }
+}
+
+/// (score_chosen, score_rejected) when the format's keys name both and the row has them.
+fn pair_scores(v: &Value, format: Format, k: &Keys) -> Result<Option<(f64, f64)>, String> {
     // a score key the generic form names is required (as its parquet column is); UltraFeedback's
     // are optional
     let required = format == Format::Generic;
@@ -493,11 +521,10 @@ fn to_pair(v: &Value, format: Format, k: &Keys, form: LabelForm<'_>, row: usize)
             },
         }
     };
-    let scores = match (score(&k.score_chosen)?, score(&k.score_rejected)?) {
+    Ok(match (score(&k.score_chosen)?, score(&k.score_rejected)?) {
         (Some(a), Some(b)) => Some((a, b)),
         _ => None,
-    };
-    Ok(Pair { row, at: "".into(), chosen, rejected, scores, tie, soft })
+    })
 }
 
 /// A list of {role, content} objects.
@@ -653,71 +680,6 @@ fn parquet_rows(path: &Path, columns: &[(String, bool)], visit: &mut Visit<'_>) 
         }
     }
     Ok(())
-}
-
-/// One cell of an arrow column as JSON: strings, numbers, booleans, and lists and structs of them.
-pub fn arrow_cell(col: &dyn Array, i: usize) -> Result<Value, String> {
-    use arrow_array::cast::AsArray;
-    use arrow_array::types::*;
-    if col.is_null(i) {
-        return Ok(Value::Null);
-    }
-    let num = |x: f64| -> Result<Value, String> {
-        serde_json::Number::from_f64(x).map(Value::Number).ok_or_else(|| format!("is {x}, not a finite number"))
-    };
-    // a dictionary-encoded column: the cell is its key's entry of the dictionary
-    macro_rules! dict {
-        ($($k:ty),*) => {
-            match col.data_type() {
-                $(DataType::Dictionary(k, _) if **k == <$k as ArrowPrimitiveType>::DATA_TYPE => {
-                    let d = col.as_dictionary::<$k>();
-                    let key = d.key(i).ok_or("has a null dictionary key")?;
-                    return arrow_cell(d.values().as_ref(), key);
-                })*
-                _ => {}
-            }
-        };
-    }
-    dict!(Int8Type, Int16Type, Int32Type, Int64Type, UInt8Type, UInt16Type, UInt32Type, UInt64Type);
-    Ok(match col.data_type() {
-        DataType::Utf8 => Value::String(col.as_string::<i32>().value(i).to_string()),
-        DataType::LargeUtf8 => Value::String(col.as_string::<i64>().value(i).to_string()),
-        DataType::Utf8View => Value::String(col.as_string_view().value(i).to_string()),
-        DataType::Boolean => Value::Bool(col.as_boolean().value(i)),
-        DataType::Float64 => num(col.as_primitive::<Float64Type>().value(i))?,
-        DataType::Float32 => num(f64::from(col.as_primitive::<Float32Type>().value(i)))?,
-        DataType::Float16 => num(col.as_primitive::<Float16Type>().value(i).to_f64())?,
-        DataType::Decimal128(_, scale) => {
-            let v = col.as_primitive::<Decimal128Type>().value(i);
-            match (*scale, i64::try_from(v)) {
-                (0, Ok(x)) => Value::from(x),
-                _ => num(v as f64 / 10f64.powi(i32::from(*scale)))?,
-            }
-        }
-        DataType::UInt16 => Value::from(col.as_primitive::<UInt16Type>().value(i)),
-        DataType::UInt8 => Value::from(col.as_primitive::<UInt8Type>().value(i)),
-        DataType::Int64 => Value::from(col.as_primitive::<Int64Type>().value(i)),
-        DataType::Int32 => Value::from(col.as_primitive::<Int32Type>().value(i)),
-        DataType::Int16 => Value::from(col.as_primitive::<Int16Type>().value(i)),
-        DataType::Int8 => Value::from(col.as_primitive::<Int8Type>().value(i)),
-        DataType::UInt64 => Value::from(col.as_primitive::<UInt64Type>().value(i)),
-        DataType::UInt32 => Value::from(col.as_primitive::<UInt32Type>().value(i)),
-        DataType::List(_) => list(col.as_list::<i32>().value(i).as_ref())?,
-        DataType::LargeList(_) => list(col.as_list::<i64>().value(i).as_ref())?,
-        DataType::Struct(fields) => {
-            let s = col.as_struct();
-            let mut obj = serde_json::Map::new();
-            for (f, c) in fields.iter().zip(s.columns()) {
-                obj.insert(f.name().clone(), arrow_cell(c.as_ref(), i)?);
-            }
-            Value::Object(obj)
-        }
-        t => return Err(format!("has type {t}, which onepass does not read (strings, numbers, lists, structs)")),
-    })
-}
-
-fn list(values: &dyn Array) -> Result<Value, String> {
-    (0..values.len()).map(|j| arrow_cell(values, j)).collect::<Result<Vec<_>, _>>().map(Value::Array)
 }
 
 /// The files a dataset path names: one file, or a `*` pattern in the file name (sorted).

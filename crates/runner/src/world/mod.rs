@@ -6,11 +6,13 @@
 //! with the facts ([`crate::plan::resolve`]).
 //!
 //! - [`env`]: the synthetic contextual dueling bandit (and the environment over a [`env::Bank`]);
+//! - [`arrow`]: a parquet row's cells as JSON (how [`datasets`] reads parquet files);
 //! - [`datasets`], [`dataset`]: preference datasets → pairs → φ;
 //! - [`pairs`]: "bring your own features" parquet files and order files;
 //! - [`extract`]: φ through the feature cache (`onepass features extract` too);
 //! - [`generated`]: a policy's responses, their φ and an oracle's rewards.
 
+pub mod arrow;
 pub mod dataset;
 pub mod datasets;
 pub mod env;
