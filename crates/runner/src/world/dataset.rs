@@ -351,28 +351,9 @@ fn assemble(
 ) -> Result<(PairData, DataReport)> {
     let dim = ex.summary.dim;
     let drop = d.degenerate == Degenerate::Drop;
-    let kept = |range: std::ops::Range<usize>| range.filter(move |&i| !(drop && ex.degenerate[i]));
-    let build = |range: std::ops::Range<usize>| -> Pairs {
-        let mut z = Vec::new();
-        let mut y = Vec::new();
-        for i in kept(range) {
-            let (c, r) = (ex.phi[2 * i].as_ref().expect("all rows"), ex.phi[2 * i + 1].as_ref().expect("all rows"));
-            z.extend(c.iter().zip(r).map(|(a, b)| a - b));
-            y.push(both[i].y());
-        }
-        Pairs { d: dim, z, y, digest: String::new() }
-    };
-    let ids = |range: std::ops::Range<usize>| -> Vec<(Vec<u32>, Vec<u32>)> {
-        kept(range).map(|i| (ex.ids[2 * i].clone(), ex.ids[2 * i + 1].clone())).collect()
-    };
-    let ids = keep_ids.then(|| PairIds { train: ids(0..n_train), eval: ids(n_train..both.len()) });
-    let kept_tokens = |range: std::ops::Range<usize>| -> usize {
-        kept(range).map(|i| ex.lengths[2 * i] + ex.lengths[2 * i + 1]).sum()
-    };
-    let (train_tokens, eval_tokens) = (kept_tokens(0..n_train), kept_tokens(n_train..both.len()));
+    let Splits { train: mut tr, eval: mut ev, ids, train_tokens, eval_tokens, train_origin } =
+        split_pairs(ex, both, n_train, drop, keep_ids);
     let digest = files_blake3(files)?;
-    let mut tr = build(0..n_train);
-    let mut ev = build(n_train..both.len());
     tr.digest = digest.clone();
     ev.digest = match &eval_file {
         Some(e) => files_blake3(e)?,
@@ -422,12 +403,57 @@ fn assemble(
         train_path: path,
         eval_path: eval_file.map(|e| e[0].clone()),
         report: None,
-        train_origin: kept(0..n_train).collect(),
+        train_origin,
         train_total: n_train,
         order: None,
         ids,
     };
     Ok((data, report))
+}
+
+/// [`split_pairs`]' splits: each one's z and y (digests unset), the token ids when kept, the
+/// tokens each split's kept pairs hold, and the training pairs kept (indices into the
+/// training split as selected).
+struct Splits {
+    train: Pairs,
+    eval: Pairs,
+    ids: Option<PairIds>,
+    train_tokens: usize,
+    eval_tokens: usize,
+    train_origin: Vec<usize>,
+}
+
+/// Step 4's pairs: of `both` (the first `n_train` the training split, the rest the eval split),
+/// those kept (degenerate ones dropped with `drop`), each as z = φ(chosen) − φ(rejected) and its
+/// label y, with their token ids when `keep_ids`.
+fn split_pairs(ex: &super::extract::Extracted, both: &[Pair], n_train: usize, drop: bool, keep_ids: bool) -> Splits {
+    let dim = ex.summary.dim;
+    let kept = |range: std::ops::Range<usize>| range.filter(move |&i| !(drop && ex.degenerate[i]));
+    let build = |range: std::ops::Range<usize>| -> Pairs {
+        let mut z = Vec::new();
+        let mut y = Vec::new();
+        for i in kept(range) {
+            let (c, r) = (ex.phi[2 * i].as_ref().expect("all rows"), ex.phi[2 * i + 1].as_ref().expect("all rows"));
+            z.extend(c.iter().zip(r).map(|(a, b)| a - b));
+            y.push(both[i].y());
+        }
+        Pairs { d: dim, z, y, digest: String::new() }
+    };
+    let ids = |range: std::ops::Range<usize>| -> Vec<(Vec<u32>, Vec<u32>)> {
+        kept(range).map(|i| (ex.ids[2 * i].clone(), ex.ids[2 * i + 1].clone())).collect()
+    };
+    let ids = keep_ids.then(|| PairIds { train: ids(0..n_train), eval: ids(n_train..both.len()) });
+    let kept_tokens = |range: std::ops::Range<usize>| -> usize {
+        kept(range).map(|i| ex.lengths[2 * i] + ex.lengths[2 * i + 1]).sum()
+    };
+    Splits {
+        train: build(0..n_train),
+        eval: build(n_train..both.len()),
+        ids,
+        train_tokens: kept_tokens(0..n_train),
+        eval_tokens: kept_tokens(n_train..both.len()),
+        train_origin: kept(0..n_train).collect(),
+    }
 }
 
 #[cfg(test)]

@@ -157,26 +157,8 @@ pub(super) fn generate_as(
         )?,
     )
     .with_context(|| format!("writing {}", dir.join("describe.json").display()))?;
-    let file_of =
-        |p: &[Message]| dir.join(format!("{}.json", blake3::Hash::from(features::cache::text_key(p)).to_hex()));
-    let mut out: Vec<Option<Vec<Sample>>> = vec![None; prompts.len()];
-    let mut todo = Vec::new();
-    for (i, p) in prompts.iter().enumerate() {
-        let ids = b.prompt_ids(p).map_err(|e| anyhow!("generate.prompts: prompt {}: {e}", i + 1))?;
-        if ids.len() > g.max_prompt_tokens {
-            bail!(
-                "generate.prompts: prompt {} is {} tokens after the policy's chat template, over generate.max_prompt_tokens = {}",
-                i + 1,
-                ids.len(),
-                g.max_prompt_tokens
-            );
-        }
-        match std::fs::read(file_of(p)).ok().and_then(|b| serde_json::from_slice::<Vec<Sample>>(&b).ok()) {
-            // a cache written before samples kept their token ids is generated again
-            Some(s) if s.len() == g.n && s.iter().all(|x| !x.ids.is_empty()) => out[i] = Some(s),
-            _ => todo.push(i),
-        }
-    }
+    let file_of = |p: &[Message]| cache_file(&dir, p);
+    let (mut out, todo) = cached_samples(b, g, prompts, &dir)?;
     rep.generation_cache_hits = prompts.len() - todo.len();
     rep.generated_prompts = todo.len();
     match (&server, todo.is_empty(), adapter) {
@@ -219,6 +201,41 @@ pub(super) fn generate_as(
         rep.generation_tok_per_s = rep.generated_tokens as f64 / rep.generation_s.max(1e-9);
     }
     Ok(out.into_iter().map(|s| s.expect("every prompt generated or cached")).collect())
+}
+
+/// A prompt's file in the generation cache directory `dir`: blake3 of its text key, `.json`.
+fn cache_file(dir: &std::path::Path, p: &[Message]) -> std::path::PathBuf {
+    dir.join(format!("{}.json", blake3::Hash::from(features::cache::text_key(p)).to_hex()))
+}
+
+/// Each prompt's n samples from the generation cache `dir` where it holds them (None
+/// otherwise), and the indices of the prompts to generate; a prompt over
+/// generate.max_prompt_tokens after the chat template is an error.
+fn cached_samples(
+    b: &Backbone,
+    g: &GenerateSpec,
+    prompts: &[Vec<Message>],
+    dir: &std::path::Path,
+) -> Result<(Vec<Option<Vec<Sample>>>, Vec<usize>)> {
+    let mut out: Vec<Option<Vec<Sample>>> = vec![None; prompts.len()];
+    let mut todo = Vec::new();
+    for (i, p) in prompts.iter().enumerate() {
+        let ids = b.prompt_ids(p).map_err(|e| anyhow!("generate.prompts: prompt {}: {e}", i + 1))?;
+        if ids.len() > g.max_prompt_tokens {
+            bail!(
+                "generate.prompts: prompt {} is {} tokens after the policy's chat template, over generate.max_prompt_tokens = {}",
+                i + 1,
+                ids.len(),
+                g.max_prompt_tokens
+            );
+        }
+        match std::fs::read(cache_file(dir, p)).ok().and_then(|b| serde_json::from_slice::<Vec<Sample>>(&b).ok()) {
+            // a cache written before samples kept their token ids is generated again
+            Some(s) if s.len() == g.n && s.iter().all(|x| !x.ids.is_empty()) => out[i] = Some(s),
+            _ => todo.push(i),
+        }
+    }
+    Ok((out, todo))
 }
 
 /// (prompt, response) as the conversation φ reads.

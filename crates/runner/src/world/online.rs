@@ -154,19 +154,7 @@ impl Online {
         eval_seeds: &[u64],
         progress: Mode,
     ) -> Result<Online> {
-        let oracle = match (&bank.scorer, o.kind) {
-            (Some(s), _) => Oracle::Phi(s.clone()),
-            (None, OracleKind::RewardModel) => {
-                let model =
-                    expand_env(o.model.as_deref().expect("checked")).map_err(|m| anyhow!("oracle.model: {m}"))?;
-                let rm =
-                    Phi::load(PhiRun::new(&o.phi(model.clone(), f.cache.clone()), Mode::Quiet).context("oracle")?)?;
-                let h = features::head::load_score_head(&model, rm.backbone.dim())
-                    .map_err(|e| anyhow!("oracle.model: {e}"))?;
-                Oracle::RewardModel(Box::new(Mutex::new(rm)), h)
-            }
-            (None, k) => return Err(anyhow!("oracle.kind = {k:?}: no scorer was built")),
-        };
+        let oracle = oracle_of(bank, o, f)?;
         let model = expand_env(&g.policy).map_err(|m| anyhow!("generate.policy: {m}"))?;
         let source = Source::parse(&model)?;
         let dev = device(g.device)?;
@@ -175,22 +163,7 @@ impl Online {
         let (policy, base, tied) = Backbone::load_base(&source, &dev, dtype(g.dtype), max_len)
             .with_context(|| format!("loading the policy {model}"))?;
         let cfg = policy.model.cfg.clone();
-        let ids = |ps: &[Vec<Message>], what: &str| -> Result<Vec<Vec<u32>>> {
-            ps.iter()
-                .enumerate()
-                .map(|(i, m)| policy.prompt_ids(m).map_err(|e| anyhow!("generate.prompts: {what} {}: {e}", i + 1)))
-                .collect()
-        };
-        let prompt_ids = ids(&bank.prompts, "prompt")?;
-        let eval_ids = ids(&bank.eval_prompts, "held-out prompt")?;
-        if let Some((i, x)) = eval_ids.iter().enumerate().find(|(_, x)| x.len() > g.max_prompt_tokens) {
-            return Err(anyhow!(
-                "generate.prompts: held-out prompt {} is {} tokens after the chat template, over generate.max_prompt_tokens = {}",
-                i + 1,
-                x.len(),
-                g.max_prompt_tokens
-            ));
-        }
+        let (prompt_ids, eval_ids) = prompt_ids(&policy, bank, g.max_prompt_tokens)?;
         let opts = g.sample_options();
         let m = p.eval_samples(g.n);
         let eval_opts: Vec<SampleOptions> =
@@ -224,20 +197,28 @@ impl Online {
             phi: Mutex::new(phi),
             oracle,
         };
-        for (i, eo) in o.eval_opts.iter().enumerate() {
-            let samples = if o.bank_is_f32() || o.server.is_some() {
+        o.sample_base_eval(g, bank, progress)?;
+        Ok(o)
+    }
+
+    /// The base policy's samples of the held-out prompts, one set per evaluation stream
+    /// (`eval_opts`): the f32 generator's (or the server's) through the generation cache when
+    /// the bank is theirs, else generated here in f32 from the base weights.
+    fn sample_base_eval(&mut self, g: &GenerateSpec, bank: &Generated, progress: Mode) -> Result<()> {
+        for (i, eo) in self.eval_opts.iter().enumerate() {
+            let samples = if self.bank_is_f32() || self.server.is_some() {
                 // the f32 generator's (or the server's) samples, through the generation cache
                 let gs = GenerateSpec { n: eo.n, seed: eo.seed, ..g.clone() };
-                generate_with(&o.policy, &gs, &bank.eval_prompts, progress, &mut BankReport::default())?
+                generate_with(&self.policy, &gs, &bank.eval_prompts, progress, &mut BankReport::default())?
             } else {
-                o.generate(o.base.clone(), &o.eval_prompts, eo)?
+                self.generate(self.base.clone(), &self.eval_prompts, eo)?
             };
             if samples.iter().any(|s| s.len() != eo.n) {
                 return Err(anyhow!("held-out samples of seed {i}: expected {} per prompt", eo.n));
             }
-            o.eval_base.push(samples);
+            self.eval_base.push(samples);
         }
-        Ok(o)
+        Ok(())
     }
 
     /// Samples of each prompt from the policy with `weights` (f32, the adapters merged in: see
@@ -329,6 +310,44 @@ impl Online {
             })
             .collect()
     }
+}
+
+/// The oracle that scores the responses: the bank's scorer (φ-based), or a reward model
+/// (oracle.model's backbone and score head) loaded here.
+fn oracle_of(bank: &Generated, o: &OracleSpec, f: &FeatureSpec) -> Result<Oracle> {
+    Ok(match (&bank.scorer, o.kind) {
+        (Some(s), _) => Oracle::Phi(s.clone()),
+        (None, OracleKind::RewardModel) => {
+            let model = expand_env(o.model.as_deref().expect("checked")).map_err(|m| anyhow!("oracle.model: {m}"))?;
+            let rm = Phi::load(PhiRun::new(&o.phi(model.clone(), f.cache.clone()), Mode::Quiet).context("oracle")?)?;
+            let h =
+                features::head::load_score_head(&model, rm.backbone.dim()).map_err(|e| anyhow!("oracle.model: {e}"))?;
+            Oracle::RewardModel(Box::new(Mutex::new(rm)), h)
+        }
+        (None, k) => return Err(anyhow!("oracle.kind = {k:?}: no scorer was built")),
+    })
+}
+
+/// The chat-templated token ids of the bank's prompts and of its held-out prompts; a held-out
+/// prompt over generate.max_prompt_tokens is an error (generation would cut it).
+fn prompt_ids(policy: &Backbone, bank: &Generated, max_prompt_tokens: usize) -> Result<(Vec<Vec<u32>>, Vec<Vec<u32>>)> {
+    let ids = |ps: &[Vec<Message>], what: &str| -> Result<Vec<Vec<u32>>> {
+        ps.iter()
+            .enumerate()
+            .map(|(i, m)| policy.prompt_ids(m).map_err(|e| anyhow!("generate.prompts: {what} {}: {e}", i + 1)))
+            .collect()
+    };
+    let prompt_ids = ids(&bank.prompts, "prompt")?;
+    let eval_ids = ids(&bank.eval_prompts, "held-out prompt")?;
+    if let Some((i, x)) = eval_ids.iter().enumerate().find(|(_, x)| x.len() > max_prompt_tokens) {
+        return Err(anyhow!(
+            "generate.prompts: held-out prompt {} is {} tokens after the chat template, over generate.max_prompt_tokens = {}",
+            i + 1,
+            x.len(),
+            max_prompt_tokens
+        ));
+    }
+    Ok((prompt_ids, eval_ids))
 }
 
 fn lock<T>(m: &Mutex<T>) -> Result<std::sync::MutexGuard<'_, T>> {
