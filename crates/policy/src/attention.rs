@@ -10,16 +10,17 @@
 //! probabilities in the backward pass (as FlashAttention does, Dao et al. 2022, Alg. 2's
 //! recomputation). Per (batch, kv head) the g query heads are one (g·t × d) block and every
 //! product is one `gemm` call on that task's thread (the masked scores are computed and zeroed:
-//! dense products ran faster than skipping them row by row).
+//! dense products ran faster than skipping them row by row). The passes over values are
+//! `kernels::attention_grad`'s; this file is their candle op.
 //!
 //! The maths, per query row i (position p + i of s = p + t keys; it sees keys 0..=p + i):
 //! sⱼ = c qᵢ·kⱼ (c = 1/√d), L = m + ln Σⱼ e^{sⱼ − m} (m = maxⱼ sⱼ), Pⱼ = e^{sⱼ − L}, yᵢ = Σⱼ Pⱼ vⱼ.
 //! Backward, with dy: dPⱼ = dy·vⱼ, D = dy·yᵢ (= Σⱼ Pⱼ dPⱼ), dSⱼ = Pⱼ (dPⱼ − D),
 //! dqᵢ = c Σⱼ dSⱼ kⱼ, dkⱼ += c dSⱼ qᵢ, dvⱼ += Pⱼ dy.
 
-use crate::mm::{mm, slice, with_slices, ExpRow, Mat};
+use crate::mm::{slice, with_slices};
 use candle_core::{CpuStorage, CustomOp3, Layout, Result, Shape, Tensor};
-use rayon::prelude::*;
+use kernels::attention_grad::{self as kernel, Dims};
 
 /// The attention of `q` (b, heads, t, d) over `keys` and `values` (b, kv, s, d), s ≥ t: query i
 /// sits at position s − t + i and attends keys 0..=s − t + i (a prefix of s − t positions, then
@@ -39,120 +40,10 @@ pub fn causal_attention(q: &Tensor, keys: &Tensor, values: &Tensor) -> Result<Te
     q.contiguous()?.apply_op3(&keys.contiguous()?, &values.contiguous()?, op)
 }
 
-/// What the backward pass reads: q, keys, values, the output and its gradient.
-type Saved<'a, T> = (&'a [T], &'a [T], &'a [T], &'a [T], &'a [T]);
-
-#[derive(Clone, Copy)]
-struct Dims {
-    b: usize,
-    h: usize,
-    kv: usize,
-    t: usize,
-    s: usize,
-    d: usize,
-}
-
 struct Attention {
     shape: Dims,
     /// The forward pass's log-sum-exp per query row (b, h, t), for the backward's recomputation.
     lse: std::sync::Mutex<Option<Vec<f64>>>,
-}
-
-/// Keys row r of a group's (g·t) query rows sees: 0..s − t + (r mod t) + 1.
-fn visible(r: usize, t: usize, s: usize) -> usize {
-    s - t + r % t + 1
-}
-
-impl Attention {
-    /// y and the log-sum-exps for one (batch, kv head): its g query heads as one (g·t × d) block.
-    fn forward_group<T: ExpRow>(&self, q: &[T], k: &[T], v: &[T], y: &mut [T], lse: &mut [f64]) {
-        let Dims { h, kv, t, s, d, .. } = self.shape;
-        let rows = h / kv * t;
-        let c = T::from(1.0 / (d as f64).sqrt()).unwrap_or_else(T::one);
-        let mut p = vec![T::zero(); rows * s];
-        mm(rows, s, d, &mut p, Mat::rows(q, d), Mat::t(k, d), c);
-        for (r, pr) in p.chunks_exact_mut(s).enumerate() {
-            let n = visible(r, t, s);
-            let m = pr[..n].iter().fold(T::neg_infinity(), |a, &b| a.max(b));
-            pr[..n].iter_mut().for_each(|e| *e = *e - m);
-            T::exp_row(&mut pr[..n]);
-            let l = pr[..n].iter().fold(T::zero(), |a, &e| a + e);
-            let inv = T::one() / l;
-            pr[..n].iter_mut().for_each(|e| *e = *e * inv);
-            pr[n..].iter_mut().for_each(|e| *e = T::zero());
-            lse[r] = (m + l.ln()).to_f64().unwrap_or(f64::NAN);
-        }
-        mm(rows, d, s, y, Mat::rows(&p, s), Mat::rows(v, d), T::one());
-    }
-
-    /// dq of the group's query heads, dk and dv of its kv head.
-    fn backward_group<T: ExpRow>(
-        &self,
-        (q, k, v, y, dy): Saved<'_, T>,
-        lse: &[f64],
-        dq: &mut [T],
-        dk: &mut [T],
-        dv: &mut [T],
-    ) {
-        let Dims { h, kv, t, s, d, .. } = self.shape;
-        let rows = h / kv * t;
-        let c = T::from(1.0 / (d as f64).sqrt()).unwrap_or_else(T::one);
-        let (mut p, mut ds) = (vec![T::zero(); rows * s], vec![T::zero(); rows * s]);
-        // P recomputed from the scores and the forward's log-sum-exps
-        mm(rows, s, d, &mut p, Mat::rows(q, d), Mat::t(k, d), c);
-        // dP = dy vᵀ
-        mm(rows, s, d, &mut ds, Mat::rows(dy, d), Mat::t(v, d), T::one());
-        for (r, (pr, dr)) in p.chunks_exact_mut(s).zip(ds.chunks_exact_mut(s)).enumerate() {
-            let n = visible(r, t, s);
-            let l = T::from(lse[r]).unwrap_or_else(T::nan);
-            let dd = dy[r * d..(r + 1) * d].iter().zip(&y[r * d..(r + 1) * d]).fold(T::zero(), |a, (&x, &w)| a + x * w);
-            pr[..n].iter_mut().for_each(|e| *e = *e - l);
-            T::exp_row(&mut pr[..n]);
-            for (e, g) in pr[..n].iter().zip(dr[..n].iter_mut()) {
-                *g = *e * (*g - dd) * c;
-            }
-            pr[n..].iter_mut().for_each(|e| *e = T::zero());
-            dr[n..].iter_mut().for_each(|e| *e = T::zero());
-        }
-        mm(rows, d, s, dq, Mat::rows(&ds, s), Mat::rows(k, d), T::one());
-        mm(s, d, rows, dk, Mat::t(&ds, s), Mat::rows(q, d), T::one());
-        mm(s, d, rows, dv, Mat::t(&p, s), Mat::rows(dy, d), T::one());
-    }
-
-    fn fwd<T: ExpRow + candle_core::WithDType>(&self, q: &[T], k: &[T], v: &[T]) -> (Vec<T>, Vec<f64>) {
-        let Dims { b, h, kv, t, s, d } = self.shape;
-        let g = h / kv;
-        let mut y = vec![T::zero(); b * h * t * d];
-        let mut lse = vec![0f64; b * h * t];
-        y.par_chunks_mut(g * t * d).zip(lse.par_chunks_mut(g * t)).enumerate().for_each(|(i, (y, lse))| {
-            let qs = &q[i * g * t * d..(i + 1) * g * t * d];
-            let (ks, vs) = (&k[i * s * d..(i + 1) * s * d], &v[i * s * d..(i + 1) * s * d]);
-            self.forward_group(qs, ks, vs, y, lse);
-        });
-        (y, lse)
-    }
-
-    fn bwd_t<T: ExpRow + candle_core::WithDType>(
-        &self,
-        (q, k, v, y, dy): Saved<'_, T>,
-        lse: &[f64],
-    ) -> (Vec<T>, Vec<T>, Vec<T>) {
-        let Dims { b, h, kv, t, s, d } = self.shape;
-        let g = h / kv;
-        let (gt, sd) = (g * t * d, s * d);
-        let mut dq = vec![T::zero(); b * h * t * d];
-        let mut dk = vec![T::zero(); b * kv * s * d];
-        let mut dv = vec![T::zero(); b * kv * s * d];
-        dq.par_chunks_mut(gt).zip(dk.par_chunks_mut(sd)).zip(dv.par_chunks_mut(sd)).enumerate().for_each(
-            |(i, ((dq, dk), dv))| {
-                let r = i * gt..(i + 1) * gt;
-                let kv = i * sd..(i + 1) * sd;
-                let parts = (&q[r.clone()], &k[kv.clone()], &v[kv], &y[r.clone()], &dy[r]);
-                self.backward_group(parts, &lse[i * g * t..(i + 1) * g * t], dq, dk, dv);
-            },
-        );
-        (dq, dk, dv)
-    }
 }
 
 impl CustomOp3 for Attention {
@@ -172,11 +63,13 @@ impl CustomOp3 for Attention {
         let Dims { b, h, t, d, .. } = self.shape;
         let (out, lse) = match s1 {
             CpuStorage::F32(_) => {
-                let (y, lse) = self.fwd::<f32>(slice(s1, l1)?, slice(s2, l2)?, slice(s3, l3)?);
+                let (y, lse) =
+                    kernel::causal_attention::<f32>(self.shape, slice(s1, l1)?, slice(s2, l2)?, slice(s3, l3)?);
                 (CpuStorage::F32(y), lse)
             }
             CpuStorage::F64(_) => {
-                let (y, lse) = self.fwd::<f64>(slice(s1, l1)?, slice(s2, l2)?, slice(s3, l3)?);
+                let (y, lse) =
+                    kernel::causal_attention::<f64>(self.shape, slice(s1, l1)?, slice(s2, l2)?, slice(s3, l3)?);
                 (CpuStorage::F64(y), lse)
             }
             _ => candle_core::bail!("attention: the fused op runs in f32 or f64"),
@@ -199,8 +92,9 @@ impl CustomOp3 for Attention {
         let dev = q.device();
         macro_rules! run {
             ($t:ty) => {{
-                let (a, b, c) =
-                    with_slices::<$t, _, 5>([q, k, v, y, &dy], |[q, k, v, y, dy]| self.bwd_t((q, k, v, y, dy), lse))?;
+                let (a, b, c) = with_slices::<$t, _, 5>([q, k, v, y, &dy], |[q, k, v, y, dy]| {
+                    kernel::causal_attention_grad(self.shape, (q, k, v, y, dy), lse)
+                })?;
                 (
                     Tensor::from_vec(a, q.shape(), dev)?,
                     Tensor::from_vec(b, k.shape(), dev)?,
