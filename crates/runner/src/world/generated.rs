@@ -208,15 +208,13 @@ fn cache_file(dir: &std::path::Path, p: &[Message]) -> std::path::PathBuf {
     dir.join(format!("{}.json", blake3::Hash::from(features::cache::text_key(p)).to_hex()))
 }
 
+/// [`cached_samples`]' answer: each prompt's samples where cached, and the prompts to generate.
+type Cached = (Vec<Option<Vec<Sample>>>, Vec<usize>);
+
 /// Each prompt's n samples from the generation cache `dir` where it holds them (None
 /// otherwise), and the indices of the prompts to generate; a prompt over
 /// generate.max_prompt_tokens after the chat template is an error.
-fn cached_samples(
-    b: &Backbone,
-    g: &GenerateSpec,
-    prompts: &[Vec<Message>],
-    dir: &std::path::Path,
-) -> Result<(Vec<Option<Vec<Sample>>>, Vec<usize>)> {
+fn cached_samples(b: &Backbone, g: &GenerateSpec, prompts: &[Vec<Message>], dir: &std::path::Path) -> Result<Cached> {
     let mut out: Vec<Option<Vec<Sample>>> = vec![None; prompts.len()];
     let mut todo = Vec::new();
     for (i, p) in prompts.iter().enumerate() {

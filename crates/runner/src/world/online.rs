@@ -328,9 +328,12 @@ fn oracle_of(bank: &Generated, o: &OracleSpec, f: &FeatureSpec) -> Result<Oracle
     })
 }
 
+/// Each prompt's token ids.
+type TokenIds = Vec<Vec<u32>>;
+
 /// The chat-templated token ids of the bank's prompts and of its held-out prompts; a held-out
 /// prompt over generate.max_prompt_tokens is an error (generation would cut it).
-fn prompt_ids(policy: &Backbone, bank: &Generated, max_prompt_tokens: usize) -> Result<(Vec<Vec<u32>>, Vec<Vec<u32>>)> {
+fn prompt_ids(policy: &Backbone, bank: &Generated, max_prompt_tokens: usize) -> Result<(TokenIds, TokenIds)> {
     let ids = |ps: &[Vec<Message>], what: &str| -> Result<Vec<Vec<u32>>> {
         ps.iter()
             .enumerate()
