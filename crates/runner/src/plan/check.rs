@@ -354,7 +354,6 @@ pub(super) fn check_policy(
     keys: Locator<'_>,
     warnings: &mut Vec<String>,
 ) -> Result<Option<PolicySpec>, SpecError> {
-    use crate::spec::DeployPolicy as P;
     let learns = spec.deploy.policy.0.iter().any(|p| p.learns());
     let generated_deploy = spec.setting == Setting::Deploy && spec.env.kind == EnvKind::Generated;
     if spec.policy.is_some() && !generated_deploy {
@@ -364,34 +363,7 @@ pub(super) fn check_policy(
         ));
     }
     if spec.policy.is_some() {
-        let has = |a| spec.deploy.policy.0.contains(&a);
-        let mut unused: Vec<&str> = Vec::new();
-        if !learns {
-            unused.push("[policy]");
-        }
-        for (table, arm) in
-            [("rloo", P::Rloo), ("dpo", P::Dpo), ("ppo", P::Ppo), ("grpo", P::Grpo), ("reinforce_pp", P::ReinforcePp)]
-        {
-            if keys.written(&["policy", table]) && (!learns || !has(arm)) {
-                unused.push(match table {
-                    "rloo" => "[policy.rloo]",
-                    "dpo" => "[policy.dpo]",
-                    "ppo" => "[policy.ppo]",
-                    "grpo" => "[policy.grpo]",
-                    _ => "[policy.reinforce_pp]",
-                });
-            }
-        }
-        if !unused.is_empty() {
-            let arms: Vec<String> = spec.deploy.policy.0.iter().map(|p| format!("\"{p}\"")).collect();
-            warnings.push(format!(
-                "{}: {} ignored: deploy.policy = [{}] deploys no arm that reads {}",
-                keys.file.display(),
-                unused.join(", "),
-                arms.join(", "),
-                if unused.len() == 1 { "it" } else { "them" }
-            ));
-        }
+        warn_unused_policy_tables(spec, keys, learns, warnings);
     }
     if !learns {
         return Ok(None);
@@ -409,86 +381,142 @@ pub(super) fn check_policy(
     p.check_arms(arms).map_err(|(k, m)| keys.err(&[&["policy"], k.as_slice()].concat(), m))?;
     warnings.extend(p.warnings(arms).into_iter().map(|w| format!("{}: {w}", keys.file.display())));
     if let Some(g) = &spec.generate {
-        // the update's log-probabilities are those of the untransformed policy: samples drawn
-        // at another temperature or from a nucleus are not its samples
-        for (key, v, why) in [
-            ("temperature", g.temperature, "at temperature 1 (its update scores log π at T = 1)"),
-            ("top_p", g.top_p, "with top_p = 1 (its update scores log π without a nucleus)"),
-        ] {
-            if v != 1.0 {
-                return Err(keys.err(&["generate", key], format!("{v}: a policy that learns samples {why}")));
-            }
+        check_policy_sampling(g, keys)?;
+        check_policy_model(spec, p, g, keys)?;
+        check_policy_rollouts(spec, p, g, keys)?;
+    }
+    Ok(Some(resolved))
+}
+
+/// The one warning naming the `[policy]` tables no deployed arm reads: `[policy]` itself when
+/// no arm learns, `[policy.<arm>]` when its arm is not in `deploy.policy`.
+fn warn_unused_policy_tables(spec: &Spec, keys: Locator<'_>, learns: bool, warnings: &mut Vec<String>) {
+    use crate::spec::DeployPolicy as P;
+    let has = |a| spec.deploy.policy.0.contains(&a);
+    let mut unused: Vec<&str> = Vec::new();
+    if !learns {
+        unused.push("[policy]");
+    }
+    for (table, arm) in
+        [("rloo", P::Rloo), ("dpo", P::Dpo), ("ppo", P::Ppo), ("grpo", P::Grpo), ("reinforce_pp", P::ReinforcePp)]
+    {
+        if keys.written(&["policy", table]) && (!learns || !has(arm)) {
+            unused.push(match table {
+                "rloo" => "[policy.rloo]",
+                "dpo" => "[policy.dpo]",
+                "ppo" => "[policy.ppo]",
+                "grpo" => "[policy.grpo]",
+                _ => "[policy.reinforce_pp]",
+            });
         }
-        let has = |a| spec.deploy.policy.0.contains(&a);
-        let ppo = has(crate::spec::DeployPolicy::Ppo);
-        let same_model = spec.features.as_ref().is_some_and(|f| f.model == g.policy);
-        let theta_critic = p.ppo.reward.0.iter().any(|&r| p.ppo.critic_head_for(r) == crate::spec::CriticHead::Theta);
-        if ppo && theta_critic && !same_model {
+    }
+    if !unused.is_empty() {
+        let arms: Vec<String> = spec.deploy.policy.0.iter().map(|p| format!("\"{p}\"")).collect();
+        warnings.push(format!(
+            "{}: {} ignored: deploy.policy = [{}] deploys no arm that reads {}",
+            keys.file.display(),
+            unused.join(", "),
+            arms.join(", "),
+            if unused.len() == 1 { "it" } else { "them" }
+        ));
+    }
+}
+
+/// A learning policy samples at temperature 1 without a nucleus.
+fn check_policy_sampling(g: &GenerateSpec, keys: Locator<'_>) -> Result<(), SpecError> {
+    // the update's log-probabilities are those of the untransformed policy: samples drawn
+    // at another temperature or from a nucleus are not its samples
+    for (key, v, why) in [
+        ("temperature", g.temperature, "at temperature 1 (its update scores log π at T = 1)"),
+        ("top_p", g.top_p, "with top_p = 1 (its update scores log π without a nucleus)"),
+    ] {
+        if v != 1.0 {
+            return Err(keys.err(&["generate", key], format!("{v}: a policy that learns samples {why}")));
+        }
+    }
+    Ok(())
+}
+
+/// What the learner's model allows: ppo's θ critic needs features.model = generate.policy,
+/// bf16 products need frozen LoRA-packed weights on the CPU, and a saved adapter needs a LoRA arm.
+fn check_policy_model(spec: &Spec, p: &PolicySpec, g: &GenerateSpec, keys: Locator<'_>) -> Result<(), SpecError> {
+    use crate::spec::DeployPolicy as P;
+    let has = |a| spec.deploy.policy.0.contains(&a);
+    let ppo = has(crate::spec::DeployPolicy::Ppo);
+    let same_model = spec.features.as_ref().is_some_and(|f| f.model == g.policy);
+    let theta_critic = p.ppo.reward.0.iter().any(|&r| p.ppo.critic_head_for(r) == crate::spec::CriticHead::Theta);
+    if ppo && theta_critic && !same_model {
+        return Err(keys.err(
+            &["policy", "ppo", "critic_head"],
+            "\"theta\": the critic runs on the policy's backbone, θ is over features.model's φ, and they differ: expected \"zero\" (or features.model = generate.policy)".into(),
+        ));
+    }
+    let full = p.dpo.parameters == crate::spec::policy::DpoParameters::Full;
+    if p.dtype == crate::spec::policy::TrainDtype::Bf16 {
+        // bf16 products are the CPU's fused kernels over frozen weights and a LoRA adapter
+        // (`PolicyModel::use_bf16_products`); what they cannot do is refused here, by key
+        let why = if p.adapter.0.contains(&crate::spec::policy::AdapterLife::FreshPerChunk) {
+            Some("with adapter = \"fresh-per-chunk\": each chunk merges its adapter into the weights, and weights packed in bf16 would round the merged update away: expected \"f32\" (or adapter = \"persistent\")")
+        } else if full && has(crate::spec::DeployPolicy::Dpo) {
+            Some("with policy.dpo.parameters = \"full\": every weight trains, none is frozen to pack: expected \"f32\"")
+        } else if matches!(g.device, crate::spec::Device::Cuda | crate::spec::Device::Metal) {
+            Some("with generate.device on a GPU: bf16 products are the CPU's packed kernels: expected \"f32\"")
+        } else {
+            None
+        };
+        if let Some(why) = why {
+            return Err(keys.err(&["policy", "dtype"], format!("\"bf16\" {why}")));
+        }
+    }
+    // save_adapter saves the LoRA cells' adapters; a full-parameter cell has none, so a run
+    // whose only learning arm is full-parameter dpo would save nothing it was asked to
+    let lora_arm = [P::Rloo, P::Ppo, P::Grpo, P::ReinforcePp].into_iter().any(has);
+    if full && has(crate::spec::DeployPolicy::Dpo) && !lora_arm && p.save_adapter != crate::spec::SaveAdapter::None {
+        return Err(keys.err(
+            &["policy", "dpo", "parameters"],
+            "\"full\" trains every weight: there is no LoRA adapter to save; expected policy.save_adapter = \"none\" (or parameters = \"lora\")".into(),
+        ));
+    }
+    Ok(())
+}
+
+/// Rollout counts against generate.n: at most n from the chunk's samples, at least 2 for
+/// rloo's and grpo's leave-one-out baselines, and eval_samples in whole groups of n.
+fn check_policy_rollouts(spec: &Spec, p: &PolicySpec, g: &GenerateSpec, keys: Locator<'_>) -> Result<(), SpecError> {
+    use crate::spec::DeployPolicy as P;
+    let has = |a| spec.deploy.policy.0.contains(&a);
+    // rollouts from the chunk's samples are the first k of its n
+    let samples = p.rollouts == crate::spec::policy::RolloutSource::Samples;
+    let dpo_two = has(crate::spec::DeployPolicy::Dpo) && p.dpo.pairs == crate::spec::policy::DpoPairs::FreshTwo;
+    for (key, k) in [
+        (["policy", "rloo", "rollouts_per_prompt"], p.rloo.rollouts_per_prompt),
+        (["policy", "ppo", "rollouts_per_prompt"], p.ppo.rollouts_per_prompt),
+        (["policy", "grpo", "rollouts_per_prompt"], p.grpo.rollouts_per_prompt),
+        (["policy", "reinforce_pp", "rollouts_per_prompt"], p.reinforce_pp.rollouts_per_prompt),
+        (["policy", "dpo", "pairs"], dpo_two.then_some(2)),
+    ] {
+        if let Some(k) = k.filter(|&k| samples && k > g.n) {
             return Err(keys.err(
-                &["policy", "ppo", "critic_head"],
-                "\"theta\": the critic runs on the policy's backbone, θ is over features.model's φ, and they differ: expected \"zero\" (or features.model = generate.policy)".into(),
-            ));
-        }
-        let full = p.dpo.parameters == crate::spec::policy::DpoParameters::Full;
-        if p.dtype == crate::spec::policy::TrainDtype::Bf16 {
-            // bf16 products are the CPU's fused kernels over frozen weights and a LoRA adapter
-            // (`PolicyModel::use_bf16_products`); what they cannot do is refused here, by key
-            let why = if p.adapter.0.contains(&crate::spec::policy::AdapterLife::FreshPerChunk) {
-                Some("with adapter = \"fresh-per-chunk\": each chunk merges its adapter into the weights, and weights packed in bf16 would round the merged update away: expected \"f32\" (or adapter = \"persistent\")")
-            } else if full && has(crate::spec::DeployPolicy::Dpo) {
-                Some("with policy.dpo.parameters = \"full\": every weight trains, none is frozen to pack: expected \"f32\"")
-            } else if matches!(g.device, crate::spec::Device::Cuda | crate::spec::Device::Metal) {
-                Some("with generate.device on a GPU: bf16 products are the CPU's packed kernels: expected \"f32\"")
-            } else {
-                None
-            };
-            if let Some(why) = why {
-                return Err(keys.err(&["policy", "dtype"], format!("\"bf16\" {why}")));
-            }
-        }
-        // save_adapter saves the LoRA cells' adapters; a full-parameter cell has none, so a run
-        // whose only learning arm is full-parameter dpo would save nothing it was asked to
-        let lora_arm = [P::Rloo, P::Ppo, P::Grpo, P::ReinforcePp].into_iter().any(has);
-        if full && has(crate::spec::DeployPolicy::Dpo) && !lora_arm && p.save_adapter != crate::spec::SaveAdapter::None
-        {
-            return Err(keys.err(
-                &["policy", "dpo", "parameters"],
-                "\"full\" trains every weight: there is no LoRA adapter to save; expected policy.save_adapter = \"none\" (or parameters = \"lora\")".into(),
-            ));
-        }
-        // rollouts from the chunk's samples are the first k of its n
-        let samples = p.rollouts == crate::spec::policy::RolloutSource::Samples;
-        let dpo_two = has(crate::spec::DeployPolicy::Dpo) && p.dpo.pairs == crate::spec::policy::DpoPairs::FreshTwo;
-        for (key, k) in [
-            (["policy", "rloo", "rollouts_per_prompt"], p.rloo.rollouts_per_prompt),
-            (["policy", "ppo", "rollouts_per_prompt"], p.ppo.rollouts_per_prompt),
-            (["policy", "grpo", "rollouts_per_prompt"], p.grpo.rollouts_per_prompt),
-            (["policy", "reinforce_pp", "rollouts_per_prompt"], p.reinforce_pp.rollouts_per_prompt),
-            (["policy", "dpo", "pairs"], dpo_two.then_some(2)),
-        ] {
-            if let Some(k) = k.filter(|&k| samples && k > g.n) {
-                return Err(keys.err(
-                    &key,
-                    format!("{k} rollouts per prompt from the chunk's samples, but generate.n = {}: expected at most n (or policy.rollouts = \"fresh\")", g.n),
-                ));
-            }
-        }
-        for (arm, table, k) in
-            [(P::Rloo, "rloo", p.rloo.rollouts_per_prompt), (P::Grpo, "grpo", p.grpo.rollouts_per_prompt)]
-        {
-            if has(arm) && k.is_none() && g.n < 2 {
-                return Err(keys.err(
-                    &["policy", table, "rollouts_per_prompt"],
-                    format!("defaults to generate.n = {}: {arm} needs at least 2 rollouts per prompt", g.n),
-                ));
-            }
-        }
-        if let Some(m) = p.eval_samples.filter(|m| !m.is_multiple_of(g.n)) {
-            return Err(keys.err(
-                &["policy", "eval_samples"],
-                format!("{m}: expected a multiple of generate.n = {} (best-of-n is read off groups of n)", g.n),
+                &key,
+                format!("{k} rollouts per prompt from the chunk's samples, but generate.n = {}: expected at most n (or policy.rollouts = \"fresh\")", g.n),
             ));
         }
     }
-    Ok(Some(resolved))
+    for (arm, table, k) in
+        [(P::Rloo, "rloo", p.rloo.rollouts_per_prompt), (P::Grpo, "grpo", p.grpo.rollouts_per_prompt)]
+    {
+        if has(arm) && k.is_none() && g.n < 2 {
+            return Err(keys.err(
+                &["policy", table, "rollouts_per_prompt"],
+                format!("defaults to generate.n = {}: {arm} needs at least 2 rollouts per prompt", g.n),
+            ));
+        }
+    }
+    if let Some(m) = p.eval_samples.filter(|m| !m.is_multiple_of(g.n)) {
+        return Err(keys.err(
+            &["policy", "eval_samples"],
+            format!("{m}: expected a multiple of generate.n = {} (best-of-n is read off groups of n)", g.n),
+        ));
+    }
+    Ok(())
 }

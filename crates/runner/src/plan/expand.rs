@@ -54,18 +54,7 @@ pub(super) fn configs(spec: &Spec, keys: Locator<'_>, arms: &[Arm]) -> Result<Ve
     if spec.estimators.is_empty() {
         return Err(keys.err(&[], "no [[estimator]] tables: expected at least one".into()));
     }
-    let several_rules = spec.setting == Setting::Active && spec.active.rule.0.len() > 1;
-    let several_policies = spec.deploy.policy.0.len() > 1;
-    // of the arms deployed: a table of an arm not deployed is ignored (check_policy)
-    let has = |a| spec.deploy.policy.0.contains(&a);
-    let several_sources = spec.policy.as_ref().is_some_and(|p| {
-        (has(DeployPolicy::Rloo) && p.rloo.reward.0.len() > 1)
-            || (has(DeployPolicy::Ppo) && p.ppo.reward.0.len() > 1)
-            || (has(DeployPolicy::Grpo) && p.grpo.reward.0.len() > 1)
-            || (has(DeployPolicy::ReinforcePp) && p.reinforce_pp.reward.0.len() > 1)
-    });
-    let learns = spec.deploy.policy.0.iter().any(|p| p.learns());
-    let several_lives = learns && spec.policy.as_ref().is_some_and(|p| p.adapter.0.len() > 1);
+    let several = Several::of(spec);
     let bounds = Bounds {
         theta_norm_feature_norm_dim: (spec.env.kind == EnvKind::Synthetic).then_some((
             spec.env.theta_norm,
@@ -101,47 +90,10 @@ pub(super) fn configs(spec: &Spec, keys: Locator<'_>, arms: &[Arm]) -> Result<Ve
             let hparams = es.hparams();
             let lambda_auto = es.lambda_auto();
             let estimator_index = configs.len() / arms.len();
-            for (strategy_index, (strategy, rule, policy)) in arms.iter().enumerate() {
-                // thompson, double-thompson, ensemble-uncertainty and baits read an ensemble's heads
-                let needs = match (strategy, rule) {
-                    (Some(s), _) if s.needs_ensemble() => Some((s, ["deploy", "strategies"])),
-                    (_, Some(ActiveRule::Fresh(s))) if s.needs_ensemble() => Some((s, ["active", "rule"])),
-                    _ => None,
-                };
-                if let (Some((s, path)), false) = (needs, cfg.kind() == Kind::Ensemble) {
-                    return Err(keys.err(
-                        &path,
-                        format!(
-                            "strategy `{s}` draws from an ensemble's heads: estimator {ei} is `{}`, expected kind = \"ensemble\"",
-                            cfg.kind()
-                        ),
-                    ));
-                }
-                let mut label = estimator_label.clone();
-                if let Some(s) = strategy {
-                    label = format!("{label} / {s}");
-                }
-                if let (Some(r), true) = (rule, several_rules) {
-                    label = format!("{label} / {r}");
-                }
-                if let (Some(a), true) = (policy, several_policies || several_sources) {
-                    label = format!("{label} / {}", a.kind());
-                }
-                if let (
-                    Some(
-                        a @ (ArmPlan::Rloo { .. }
-                        | ArmPlan::Ppo { .. }
-                        | ArmPlan::Grpo { .. }
-                        | ArmPlan::ReinforcePp { .. }),
-                    ),
-                    true,
-                ) = (policy, several_sources)
-                {
-                    label = format!("{label} ({} reward)", a.reward());
-                }
-                if let (Some(l), true) = (policy.as_ref().and_then(|a| a.learning()), several_lives) {
-                    label = format!("{label} [{}]", l.adapter);
-                }
+            for (strategy_index, arm) in arms.iter().enumerate() {
+                check_ensemble(keys, arm, cfg.kind(), ei)?;
+                let label = arm_label(&estimator_label, arm, several);
+                let (strategy, rule, policy) = arm;
                 configs.push(ConfigPlan {
                     config_id: configs.len(),
                     kind: cfg.kind(),
@@ -164,6 +116,84 @@ pub(super) fn configs(spec: &Spec, keys: Locator<'_>, arms: &[Arm]) -> Result<Ve
         }
     }
     Ok(configs)
+}
+
+/// Which parts of an arm join a config's label: each only where the spec runs several of it
+/// (several active rules, deployed policies, reward sources or adapter lives), so that labels
+/// differ without naming what every config shares.
+#[derive(Clone, Copy)]
+struct Several {
+    rules: bool,
+    policies: bool,
+    sources: bool,
+    lives: bool,
+}
+
+impl Several {
+    /// What the spec runs several of.
+    fn of(spec: &Spec) -> Self {
+        let rules = spec.setting == Setting::Active && spec.active.rule.0.len() > 1;
+        let policies = spec.deploy.policy.0.len() > 1;
+        // of the arms deployed: a table of an arm not deployed is ignored (check_policy)
+        let has = |a| spec.deploy.policy.0.contains(&a);
+        let sources = spec.policy.as_ref().is_some_and(|p| {
+            (has(DeployPolicy::Rloo) && p.rloo.reward.0.len() > 1)
+                || (has(DeployPolicy::Ppo) && p.ppo.reward.0.len() > 1)
+                || (has(DeployPolicy::Grpo) && p.grpo.reward.0.len() > 1)
+                || (has(DeployPolicy::ReinforcePp) && p.reinforce_pp.reward.0.len() > 1)
+        });
+        let learns = spec.deploy.policy.0.iter().any(|p| p.learns());
+        let lives = learns && spec.policy.as_ref().is_some_and(|p| p.adapter.0.len() > 1);
+        Several { rules, policies, sources, lives }
+    }
+}
+
+/// A strategy or active rule that draws from an ensemble's heads needs an estimator of kind
+/// "ensemble".
+fn check_ensemble(keys: Locator<'_>, arm: &Arm, kind: Kind, ei: usize) -> Result<(), SpecError> {
+    let (strategy, rule, _) = arm;
+    // thompson, double-thompson, ensemble-uncertainty and baits read an ensemble's heads
+    let needs = match (strategy, rule) {
+        (Some(s), _) if s.needs_ensemble() => Some((s, ["deploy", "strategies"])),
+        (_, Some(ActiveRule::Fresh(s))) if s.needs_ensemble() => Some((s, ["active", "rule"])),
+        _ => None,
+    };
+    if let (Some((s, path)), false) = (needs, kind == Kind::Ensemble) {
+        return Err(keys.err(
+            &path,
+            format!(
+                "strategy `{s}` draws from an ensemble's heads: estimator {ei} is `{kind}`, expected kind = \"ensemble\""
+            ),
+        ));
+    }
+    Ok(())
+}
+
+/// A config's label: the estimator's, then ` / strategy`, ` / rule` and ` / policy`, the
+/// ` (reward)` a learning arm reads and its ` [adapter]` life, each where `several` says so.
+fn arm_label(estimator_label: &str, arm: &Arm, several: Several) -> String {
+    let (strategy, rule, policy) = arm;
+    let mut label = estimator_label.to_string();
+    if let Some(s) = strategy {
+        label = format!("{label} / {s}");
+    }
+    if let (Some(r), true) = (rule, several.rules) {
+        label = format!("{label} / {r}");
+    }
+    if let (Some(a), true) = (policy, several.policies || several.sources) {
+        label = format!("{label} / {}", a.kind());
+    }
+    if let (
+        Some(a @ (ArmPlan::Rloo { .. } | ArmPlan::Ppo { .. } | ArmPlan::Grpo { .. } | ArmPlan::ReinforcePp { .. })),
+        true,
+    ) = (policy, several.sources)
+    {
+        label = format!("{label} ({} reward)", a.reward());
+    }
+    if let (Some(l), true) = (policy.as_ref().and_then(|a| a.learning()), several.lives) {
+        label = format!("{label} [{}]", l.adapter);
+    }
+    label
 }
 
 /// The estimator's part of a config's label, from its own `[[estimator]]` table alone (another
