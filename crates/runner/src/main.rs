@@ -348,7 +348,12 @@ fn main() -> ExitCode {
         return bad_input(&format!("{e:#}"));
     }
     let progress = runner::progress::Mode::for_stderr(cli.quiet);
-    match cli.cmd {
+    dispatch(cli.cmd, progress)
+}
+
+/// Runs one subcommand; the exit code says how it ended.
+fn dispatch(cmd: Cmd, progress: runner::progress::Mode) -> ExitCode {
+    match cmd {
         Cmd::Report { run } => match runner::report::report(&run) {
             Ok(dir) => {
                 println!("{}", dir.join("report.md").display());
@@ -367,41 +372,12 @@ fn main() -> ExitCode {
             Ok(()) => ExitCode::SUCCESS,
             Err(e) => bad_input(&format!("{e:#}")),
         },
-        Cmd::Cells { dirs, json } => {
-            let mut all = Vec::new();
-            for d in &dirs {
-                match runner::inspect::cells(d) {
-                    Ok(s) => all.push(s),
-                    Err(e) => return bad_input(&format!("{e:#}")),
-                }
-            }
-            if json {
-                for s in &all {
-                    match serde_json::to_string(s) {
-                        Ok(t) => println!("{t}"),
-                        Err(e) => return bad_input(&format!("{e:#}")),
-                    }
-                }
-            } else {
-                print!("{}", runner::inspect::render(&all));
-            }
-            ExitCode::SUCCESS
-        }
+        Cmd::Cells { dirs, json } => cells_cmd(&dirs, json),
         Cmd::Cpu => {
             println!("{}", features::cpu::summary());
             ExitCode::SUCCESS
         }
-        Cmd::Estimators { long: false } => {
-            for k in estimators::Kind::ALL {
-                println!("{k}");
-            }
-            ExitCode::SUCCESS
-        }
-        Cmd::Estimators { long: true } => {
-            let mut missing = Vec::new();
-            print!("{}", runner::reference::estimators_text(&mut missing, false));
-            ExitCode::SUCCESS
-        }
+        Cmd::Estimators { long } => estimators_cmd(long),
         Cmd::Reference { out } => reference(&out),
         Cmd::Merge { spec, slices, overrides, out } => finish_run(runner::RunOptions {
             spec,
@@ -445,30 +421,71 @@ fn main() -> ExitCode {
                 cap_library_threads: true,
             };
             if dry_run {
-                return match runner::load_plan(&opts.spec, &opts.overrides) {
-                    Ok(plan) => {
-                        // sizes the spec asks for are checked before anything is built
-                        if let Err(e) = runner::run::dry_run_preflight(&opts, &plan) {
-                            return bad_input(&format!("{e:#}"));
-                        }
-                        match runner::plan::record::resolved_text(&plan, &plan.spec) {
-                            Ok(text) => print!("{text}"),
-                            Err(e) => return bad_input(&e),
-                        }
-                        for c in &plan.cells {
-                            println!("# {} {} seed {}", c.cell_id, plan.configs[c.config].label, c.seed);
-                        }
-                        match runner::run::dry_run_notes(&plan) {
-                            Ok(notes) => notes.iter().for_each(|n| println!("{n}")),
-                            Err(e) => return bad_input(&e.to_string()),
-                        }
-                        ExitCode::SUCCESS
-                    }
-                    Err(e) => bad_input(&e.to_string()),
-                };
+                return dry_run_cmd(&opts);
             }
             finish_run(opts)
         }
+    }
+}
+
+/// `onepass cells`: the cells of each run directory, as one table or one JSON line per directory.
+fn cells_cmd(dirs: &[PathBuf], json: bool) -> ExitCode {
+    let mut all = Vec::new();
+    for d in dirs {
+        match runner::inspect::cells(d) {
+            Ok(s) => all.push(s),
+            Err(e) => return bad_input(&format!("{e:#}")),
+        }
+    }
+    if json {
+        for s in &all {
+            match serde_json::to_string(s) {
+                Ok(t) => println!("{t}"),
+                Err(e) => return bad_input(&format!("{e:#}")),
+            }
+        }
+    } else {
+        print!("{}", runner::inspect::render(&all));
+    }
+    ExitCode::SUCCESS
+}
+
+/// `onepass estimators [--long]`: the names, one a line, or each estimator's reference text.
+fn estimators_cmd(long: bool) -> ExitCode {
+    if long {
+        let mut missing = Vec::new();
+        print!("{}", runner::reference::estimators_text(&mut missing, false));
+    } else {
+        for k in estimators::Kind::ALL {
+            println!("{k}");
+        }
+    }
+    ExitCode::SUCCESS
+}
+
+/// `onepass run --dry-run`: the resolved spec, one `# cell config seed` line per cell and the
+/// plan's notes, with nothing run or written.
+fn dry_run_cmd(opts: &runner::RunOptions) -> ExitCode {
+    match runner::load_plan(&opts.spec, &opts.overrides) {
+        Ok(plan) => {
+            // sizes the spec asks for are checked before anything is built
+            if let Err(e) = runner::run::dry_run_preflight(opts, &plan) {
+                return bad_input(&format!("{e:#}"));
+            }
+            match runner::plan::record::resolved_text(&plan, &plan.spec) {
+                Ok(text) => print!("{text}"),
+                Err(e) => return bad_input(&e),
+            }
+            for c in &plan.cells {
+                println!("# {} {} seed {}", c.cell_id, plan.configs[c.config].label, c.seed);
+            }
+            match runner::run::dry_run_notes(&plan) {
+                Ok(notes) => notes.iter().for_each(|n| println!("{n}")),
+                Err(e) => return bad_input(&e.to_string()),
+            }
+            ExitCode::SUCCESS
+        }
+        Err(e) => bad_input(&e.to_string()),
     }
 }
 

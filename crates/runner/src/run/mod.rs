@@ -188,18 +188,52 @@ pub fn run(opts: &RunOptions) -> Result<RunSummary> {
     let id = RunIdentity::of(&plan, &world)?;
     let fingerprint = id.fingerprint();
     let shared = shared_digest(&world)?;
+    let keys = (fingerprint.as_str(), shared.as_str());
     // a merge checks its slices before it makes its directory — each finished cell's file
     // too: a corrupt one is named before anything is created
     let (_slice_locks, merged) =
         if opts.merge.is_empty() { (Vec::new(), Default::default()) } else { gather_slices(&opts.merge, &plan, &id)? };
-    for (cell_id, from) in &merged {
+    verify_merged(opts, &plan, &merged, keys)?;
+    let (dir, _lock, forced) = open_run_dir(opts, &plan, &world, &id, claimed)?;
+    copy_merged(&merged, &dir)?;
+    if let Some(done) = already_complete(&plan, &dir)? {
+        return Ok(done);
+    }
+    let mine = my_cells(&plan, opts.slice);
+    verify_checkpoints(opts, &plan, &mine, &dir, keys)?;
+    let pool = rayon::ThreadPoolBuilder::new().num_threads(threads).build().context("starting the worker threads")?;
+    let outcomes = match run_cells(opts, &plan, &world, &mine, &dir, &pool, keys)? {
+        Ran::All(o) => o,
+        Ran::Stopped(summary) => return Ok(summary),
+    };
+    if let Some(sl) = opts.slice {
+        return Ok(finish_slice(opts, &plan, sl, &outcomes, dir));
+    }
+    let started = Started { at: started, forced, data_scale, threads: pool.current_num_threads() };
+    finish_run(opts, &plan, &world, &outcomes, dir, started)
+}
+
+/// `onepass merge`: each slice's finished cell file checked against this run's identity
+/// (fingerprint and the cell's digest; `keys` = (fingerprint, shared digest)).
+fn verify_merged(
+    opts: &RunOptions,
+    plan: &Plan,
+    merged: &std::collections::BTreeMap<String, std::path::PathBuf>,
+    (fingerprint, shared): (&str, &str),
+) -> Result<()> {
+    for (cell_id, from) in merged {
         if let Some(cell) = plan.cells.iter().find(|c| &c.cell_id == cell_id) {
-            io::verify(from, &fingerprint, &cell_what(&shared, &plan.configs[cell.config], cell), opts.force)
+            io::verify(from, fingerprint, &cell_what(shared, &plan.configs[cell.config], cell), opts.force)
                 .context("merge")?;
         }
     }
-    let (dir, _lock, forced) = open_run_dir(opts, &plan, &world, &id, claimed)?;
-    for (cell, from) in &merged {
+    Ok(())
+}
+
+/// `onepass merge`: each slice's finished cell file, and its live curves, copied into the
+/// merged run directory.
+fn copy_merged(merged: &std::collections::BTreeMap<String, std::path::PathBuf>, dir: &Path) -> Result<()> {
+    for (cell, from) in merged {
         let to = dir.join("checkpoints").join(format!("{cell}.done"));
         let bytes = std::fs::read(from).with_context(|| format!("merge: reading {}", from.display()))?;
         io::write_atomic(&to, &bytes)?;
@@ -208,51 +242,76 @@ pub fn run(opts: &RunOptions) -> Result<RunSummary> {
             copy_tb(&slice.join("tb").join(cell), &dir.join("tb").join(cell))?;
         }
     }
-    if let Some(done) = already_complete(&plan, &dir)? {
-        return Ok(done);
-    }
-    let mine = my_cells(&plan, opts.slice);
+    Ok(())
+}
+
+/// Every checkpoint (`.done`, `.ckpt`) of this process's cells checked against this run's
+/// identity (`keys` = (fingerprint, shared digest)).
+fn verify_checkpoints(
+    opts: &RunOptions,
+    plan: &Plan,
+    mine: &[&CellPlan],
+    dir: &Path,
+    (fingerprint, shared): (&str, &str),
+) -> Result<()> {
     // every checkpoint left by a killed run is checked before any cell starts
-    for cell in &mine {
-        let what = cell_what(&shared, &plan.configs[cell.config], cell);
+    for cell in mine {
+        let what = cell_what(shared, &plan.configs[cell.config], cell);
         for ext in ["done", "ckpt"] {
             let p = dir.join("checkpoints").join(format!("{}.{ext}", cell.cell_id));
             if p.exists() {
-                io::verify(&p, &fingerprint, &what, opts.force)?;
+                io::verify(&p, fingerprint, &what, opts.force)?;
             }
         }
     }
-    let pool = rayon::ThreadPoolBuilder::new().num_threads(threads).build().context("starting the worker threads")?;
-    let outcomes = match run_cells(opts, &plan, &world, &mine, &dir, &pool, (&fingerprint, &shared))? {
-        Ran::All(o) => o,
-        Ran::Stopped(summary) => return Ok(summary),
+    Ok(())
+}
+
+/// A slice's end (`--cells i/N`): its cells' results stay in checkpoints/ for the merge, and
+/// one line says how to merge.
+fn finish_slice(
+    opts: &RunOptions,
+    plan: &Plan,
+    sl: features::ShardSpec,
+    outcomes: &[results::CellOutcome<'_>],
+    dir: std::path::PathBuf,
+) -> RunSummary {
+    // a slice keeps its cells' results in checkpoints/ for the merge: no tables of its own
+    let failed = outcomes.iter().filter(|o| o.result.is_err()).count();
+    // the merge takes the slices' --set flags too: the hint keeps them
+    let sets: String = opts.overrides.iter().map(|o| format!(" --set {}", shell_word(o))).collect();
+    let empty = if outcomes.is_empty() {
+        format!(
+            " (the run has {} cells: slices {}/{} and above hold none)",
+            plan.cells.len(),
+            plan.cells.len(),
+            sl.count
+        )
+    } else {
+        String::new()
     };
-    if let Some(sl) = opts.slice {
-        // a slice keeps its cells' results in checkpoints/ for the merge: no tables of its own
-        let failed = outcomes.iter().filter(|o| o.result.is_err()).count();
-        // the merge takes the slices' --set flags too: the hint keeps them
-        let sets: String = opts.overrides.iter().map(|o| format!(" --set {}", shell_word(o))).collect();
-        let empty = if outcomes.is_empty() {
-            format!(
-                " (the run has {} cells: slices {}/{} and above hold none)",
-                plan.cells.len(),
-                plan.cells.len(),
-                sl.count
-            )
-        } else {
-            String::new()
-        };
-        eprintln!(
-            "onepass: slice {}/{}: {} cells finished ({failed} failed){empty} in {}; when every slice is done: onepass merge {}{sets} SLICE_DIR…",
-            sl.index,
-            sl.count,
-            outcomes.len(),
-            dir.display(),
-            shell_word(&opts.spec.display().to_string())
-        );
-        return Ok(RunSummary { dir, failed, cells: outcomes.len(), interrupted: false });
-    }
-    let schemas = results::write_tables(&dir, &plan, &world, &outcomes).with_context(|| {
+    eprintln!(
+        "onepass: slice {}/{}: {} cells finished ({failed} failed){empty} in {}; when every slice is done: onepass merge {}{sets} SLICE_DIR…",
+        sl.index,
+        sl.count,
+        outcomes.len(),
+        dir.display(),
+        shell_word(&opts.spec.display().to_string())
+    );
+    RunSummary { dir, failed, cells: outcomes.len(), interrupted: false }
+}
+
+/// A whole run's end: the tables and schema.json, then meta.json (the run is complete), then
+/// checkpoints/ removed and the summary printed.
+fn finish_run(
+    opts: &RunOptions,
+    plan: &Plan,
+    world: &world::World,
+    outcomes: &[results::CellOutcome<'_>],
+    dir: std::path::PathBuf,
+    started: Started,
+) -> Result<RunSummary> {
+    let schemas = results::write_tables(&dir, plan, world, outcomes).with_context(|| {
         format!(
             "the finished cells are kept in {}/checkpoints: fix this, then `{}`",
             dir.display(),
@@ -261,18 +320,12 @@ pub fn run(opts: &RunOptions) -> Result<RunSummary> {
     })?;
     io::write_atomic(&dir.join("schema.json"), results::schema_json(&schemas).as_bytes())?;
     let failed = outcomes.iter().filter(|o| o.result.is_err()).count();
-    let meta = Meta::of(
-        opts,
-        &plan,
-        &world,
-        Started { at: started, forced, data_scale, threads: pool.current_num_threads() },
-        failed,
-    );
+    let meta = Meta::of(opts, plan, world, started, failed);
     io::write_atomic(&dir.join("meta.json"), serde_json::to_string_pretty(&meta)?.as_bytes())?;
     // complete: what resume needed is now in the tables
     io::failpoint("meta-written");
     remove_checkpoints(&dir)?;
-    print_summary(&plan, &world, &outcomes);
+    print_summary(plan, world, outcomes);
     Ok(RunSummary { dir, failed, cells: outcomes.len(), interrupted: false })
 }
 
