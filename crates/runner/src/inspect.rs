@@ -54,15 +54,7 @@ pub fn cells(dir: &Path) -> Result<DirStatus> {
     )
     .with_context(|| format!("{}/resume.json: not a run identity", dir.display()))?;
     let cells = planned_cells(dir)?;
-    let slice = match std::fs::read_to_string(dir.join("slice.json")) {
-        Ok(t) => {
-            let f: SliceFile = serde_json::from_str(&t)
-                .with_context(|| format!("{}/slice.json: expected {{\"index\": i, \"count\": N}}", dir.display()))?;
-            Some((f.index, f.count))
-        }
-        Err(e) if e.kind() == std::io::ErrorKind::NotFound => None,
-        Err(e) => return Err(e).with_context(|| format!("reading {}/slice.json", dir.display())),
-    };
+    let slice = read_slice(dir)?;
     let complete = dir.join("meta.json").exists();
     let tables = if complete { from_tables(dir) } else { None };
     let mut out = Vec::with_capacity(cells.len());
@@ -88,41 +80,7 @@ pub fn cells(dir: &Path) -> Result<DirStatus> {
                 st = CellStatus { config, ..t.clone() };
             }
         } else if done.exists() {
-            match crate::io::read_any::<DoneCell>(&done) {
-                Ok((_, d)) => {
-                    st.wall_s = Some(d.wall_s);
-                    match d.result {
-                        Ok(r) => {
-                            st.state = "finished";
-                            st.estimator_s = Some(r.estimator_s);
-                            if let Some(last) = r.rows.iter().max_by_key(|m| m.step) {
-                                st.step = Some(last.step);
-                                st.eval_loss = Some(last.eval_loss);
-                                st.eval_accuracy = Some(last.eval_accuracy);
-                            }
-                        }
-                        Err(e) => {
-                            st.state = "failed";
-                            st.error = Some(e);
-                        }
-                    }
-                }
-                Err(e) => {
-                    // a .done that cannot be read is not a finished cell: corrupt (or, from
-                    // another revision, unreadable here), named with its file
-                    let other = if id.git_revision != env!("ONEPASS_GIT_REV") {
-                        st.state = "unreadable";
-                        format!(" (written by revision {}: read it with a build of that revision)", id.git_revision)
-                    } else {
-                        st.state = "corrupt";
-                        String::new()
-                    };
-                    let e = format!("{e:#}");
-                    let named =
-                        if e.contains(&done.display().to_string()) { e } else { format!("{}: {e}", done.display()) };
-                    st.error = Some(format!("{named}{other}"));
-                }
-            }
+            read_done(&mut st, &done, &id);
         } else if ckpt.exists() {
             st.state = "checkpointed";
         } else if slice.is_some_and(|(i, n)| k % n != i) {
@@ -138,6 +96,58 @@ pub fn cells(dir: &Path) -> Result<DirStatus> {
         complete,
         cells: out,
     })
+}
+
+/// `--cells i/N` of a slice directory, from its slice.json (None: not a slice).
+fn read_slice(dir: &Path) -> Result<Option<(usize, usize)>> {
+    Ok(match std::fs::read_to_string(dir.join("slice.json")) {
+        Ok(t) => {
+            let f: SliceFile = serde_json::from_str(&t)
+                .with_context(|| format!("{}/slice.json: expected {{\"index\": i, \"count\": N}}", dir.display()))?;
+            Some((f.index, f.count))
+        }
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => None,
+        Err(e) => return Err(e).with_context(|| format!("reading {}/slice.json", dir.display())),
+    })
+}
+
+/// A `.done` cell file read into its status: finished (its wall time, estimator seconds and
+/// last evaluation) or failed (its error); corrupt or unreadable (another revision's) with why.
+fn read_done(st: &mut CellStatus, done: &Path, id: &RunIdentity) {
+    match crate::io::read_any::<DoneCell>(done) {
+        Ok((_, d)) => {
+            st.wall_s = Some(d.wall_s);
+            match d.result {
+                Ok(r) => {
+                    st.state = "finished";
+                    st.estimator_s = Some(r.estimator_s);
+                    if let Some(last) = r.rows.iter().max_by_key(|m| m.step) {
+                        st.step = Some(last.step);
+                        st.eval_loss = Some(last.eval_loss);
+                        st.eval_accuracy = Some(last.eval_accuracy);
+                    }
+                }
+                Err(e) => {
+                    st.state = "failed";
+                    st.error = Some(e);
+                }
+            }
+        }
+        Err(e) => {
+            // a .done that cannot be read is not a finished cell: corrupt (or, from
+            // another revision, unreadable here), named with its file
+            let other = if id.git_revision != env!("ONEPASS_GIT_REV") {
+                st.state = "unreadable";
+                format!(" (written by revision {}: read it with a build of that revision)", id.git_revision)
+            } else {
+                st.state = "corrupt";
+                String::new()
+            };
+            let e = format!("{e:#}");
+            let named = if e.contains(&done.display().to_string()) { e } else { format!("{}: {e}", done.display()) };
+            st.error = Some(format!("{named}{other}"));
+        }
+    }
 }
 
 /// A complete run's cells as its tables hold them (cells.parquet: finished or failed, the

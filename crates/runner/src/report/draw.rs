@@ -127,23 +127,64 @@ pub(super) fn draw_figures(
     times: &BTreeMap<String, Vec<(f64, f64)>>,
     spec: Option<&crate::spec::Spec>,
 ) -> Result<Vec<String>> {
+    let layout = Layout::new(rows.iter().chain(policy).map(|r| r.label.as_str()), legend_title(rows, spec));
+    let seeds = rows.iter().map(|r| r.seed).collect::<std::collections::BTreeSet<_>>().len();
+    let name = run.file_name().unwrap_or_default().to_string_lossy();
+    // run directories are `<name>-<UTC time>`
+    let name = name.rsplit_once('-').map_or(name.as_ref(), |x| x.0);
+    let cap = Caption { name, data: spec.map(data_phrase).unwrap_or_default(), seeds };
+    let mut made = Vec::new();
+    draw_metric_lines(out, rows, policy, &layout, &cap, &mut made)?;
+    if !se.is_empty() {
+        draw_sample_efficiency(out, se, &cap, &mut made)?;
+    }
+    draw_times(out, rows, times, &cap, &mut made)?;
+    draw_win_rates(run, out, &layout, &cap, &mut made)?;
+    Ok(made)
+}
+
+/// What every figure's subtitle says of the run: its name, its data and its number of seeds.
+struct Caption<'a> {
+    name: &'a str,
+    data: String,
+    seeds: usize,
+}
+
+impl Caption<'_> {
+    /// "s" after "seed" unless there is one.
+    fn plural(&self) -> &'static str {
+        if self.seeds == 1 {
+            ""
+        } else {
+            "s"
+        }
+    }
+}
+
+/// The legend's title: what tells the run's configs apart in its setting.
+fn legend_title(rows: &[Row], spec: Option<&crate::spec::Spec>) -> &'static str {
     use crate::spec::Setting;
-    let legend_title = match spec.map(|s| s.setting) {
+    match spec.map(|s| s.setting) {
         // labels `estimator / strategy / arm` when several policy arms are swept
         Some(Setting::Deploy) if rows.iter().any(|r| r.label.matches(" / ").count() >= 2) => "strategy / policy arm",
         Some(Setting::Deploy) => "strategy",
         Some(Setting::Active) => "selection rule",
         _ => "config",
-    };
-    let layout = Layout::new(rows.iter().chain(policy).map(|r| r.label.as_str()), legend_title);
-    let seeds = rows.iter().map(|r| r.seed).collect::<std::collections::BTreeSet<_>>().len();
-    let name = run.file_name().unwrap_or_default().to_string_lossy();
-    // run directories are `<name>-<UTC time>`
-    let name = name.rsplit_once('-').map_or(name.as_ref(), |x| x.0);
-    let data = spec.map(data_phrase).unwrap_or_default();
-    let plural = if seeds == 1 { "" } else { "s" };
+    }
+}
+
+/// One line figure per metric the rows have (`FIGURES` over samples seen, `POLICY_FIGURES`
+/// over chunks): mean ± 1 sd over seeds.
+fn draw_metric_lines(
+    out: &Path,
+    rows: &[Row],
+    policy: &[Row],
+    layout: &Layout,
+    cap: &Caption<'_>,
+    made: &mut Vec<String>,
+) -> Result<()> {
+    let (name, data, seeds, plural) = (cap.name, &cap.data, cap.seeds, cap.plural());
     let sub = format!("{name} · {data} · mean ± 1 sd over {seeds} seed{plural} (bands)");
-    let mut made = Vec::new();
     // (figures, their rows, the x axis, the file-name prefix)
     type FigureSet<'a> = (&'a [(&'a str, &'a str)], &'a [Row], &'a str, &'a str);
     let sets: [FigureSet<'_>; 2] = [
@@ -162,7 +203,7 @@ pub(super) fn draw_figures(
                 subtitle: &sub,
                 x_title,
                 rows,
-                layout: &layout,
+                layout,
                 band: Band::Sd,
             };
             let size = figures::line_size(figures::panel_count(&fig));
@@ -171,34 +212,50 @@ pub(super) fn draw_figures(
             made.push(file);
         }
     }
-    if !se.is_empty() {
-        // a panel per quantity (accuracy; win rate), a colour per config (estimator × strategy)
-        let se_layout = Layout::new(se.iter().map(|r| r.label.as_str()), "config");
-        let win = se.iter().any(|r| r.label.starts_with(SE_WIN));
-        let band = if seeds == 1 {
-            "1 seed: no band".to_string()
+    Ok(())
+}
+
+/// The sample-efficiency figure: held-out accuracy (and win rate) against oracle queries,
+/// mean ± a 95% t-interval over seeds.
+fn draw_sample_efficiency(out: &Path, se: &[Row], cap: &Caption<'_>, made: &mut Vec<String>) -> Result<()> {
+    let (name, data, seeds) = (cap.name, &cap.data, cap.seeds);
+    // a panel per quantity (accuracy; win rate), a colour per config (estimator × strategy)
+    let se_layout = Layout::new(se.iter().map(|r| r.label.as_str()), "config");
+    let win = se.iter().any(|r| r.label.starts_with(SE_WIN));
+    let band = if seeds == 1 {
+        "1 seed: no band".to_string()
+    } else {
+        format!("mean ± 95% t-interval over {seeds} seeds (bands, df = {})", seeds - 1)
+    };
+    let sub = format!("{name} · {data} · {band}");
+    let fig = LineFigure {
+        metric: "value",
+        y_title: if win { "accuracy / win rate" } else { "accuracy" },
+        title: if win {
+            "Sample efficiency: held-out reward accuracy and win rate against the base policy".to_string()
         } else {
-            format!("mean ± 95% t-interval over {seeds} seeds (bands, df = {})", seeds - 1)
-        };
-        let sub = format!("{name} · {data} · {band}");
-        let fig = LineFigure {
-            metric: "value",
-            y_title: if win { "accuracy / win rate" } else { "accuracy" },
-            title: if win {
-                "Sample efficiency: held-out reward accuracy and win rate against the base policy".to_string()
-            } else {
-                "Sample efficiency: held-out reward accuracy".to_string()
-            },
-            subtitle: &sub,
-            x_title: "oracle queries (labelled pairs so far)",
-            rows: se,
-            layout: &se_layout,
-            band: Band::T95,
-        };
-        let size = figures::line_size(figures::panel_count(&fig));
-        png_and_svg!(out, "sample-efficiency", size, |root| figures::lines(root, &fig));
-        made.push("sample-efficiency".to_string());
-    }
+            "Sample efficiency: held-out reward accuracy".to_string()
+        },
+        subtitle: &sub,
+        x_title: "oracle queries (labelled pairs so far)",
+        rows: se,
+        layout: &se_layout,
+        band: Band::T95,
+    };
+    let size = figures::line_size(figures::panel_count(&fig));
+    png_and_svg!(out, "sample-efficiency", size, |root| figures::lines(root, &fig));
+    made.push("sample-efficiency".to_string());
+    Ok(())
+}
+
+/// Fig. 3c: each config's mean estimator and wall time per cell, as bars in the plan's order.
+fn draw_times(
+    out: &Path,
+    rows: &[Row],
+    times: &BTreeMap<String, Vec<(f64, f64)>>,
+    cap: &Caption<'_>,
+    made: &mut Vec<String>,
+) -> Result<()> {
     // Fig. 3c: configs in the plan's order
     let mut order: Vec<&str> = Vec::new();
     for r in rows {
@@ -218,20 +275,27 @@ pub(super) fn draw_figures(
         .collect();
     if !bars.is_empty() {
         let size = (1000, 62 + 90 + 34 * bars.len() as u32);
+        let (name, data, seeds, plural) = (cap.name, &cap.data, cap.seeds, cap.plural());
         let sub = format!("{name} · {data} · mean over {seeds} seed{plural}");
         png_and_svg!(out, "time_per_cell", size, |root| figures::time_bars(root, &bars, &sub));
         made.push("time_per_cell".to_string());
     }
+    Ok(())
+}
+
+/// The win-rate heatmap from winrates.parquet, when the run wrote one with rows.
+fn draw_win_rates(run: &Path, out: &Path, layout: &Layout, cap: &Caption<'_>, made: &mut Vec<String>) -> Result<()> {
     let wpath = run.join("winrates.parquet");
     if wpath.exists() {
         let wins: Vec<(String, f64)> =
             results::read_winrates(run)?.into_iter().map(|(label, w)| (label, w.chunk_win_rate)).collect();
         if !wins.is_empty() {
-            let size = figures::heatmap_size(&wins, &layout);
+            let size = figures::heatmap_size(&wins, layout);
+            let (name, data, seeds, plural) = (cap.name, &cap.data, cap.seeds, cap.plural());
             let sub = format!("{name} · {data} · over {seeds} seed{plural} × chunks");
-            png_and_svg!(out, "win_rates", size, |root| figures::win_heatmap(root, &wins, &layout, &sub));
+            png_and_svg!(out, "win_rates", size, |root| figures::win_heatmap(root, &wins, layout, &sub));
             made.push("win_rates".to_string());
         }
     }
-    Ok(made)
+    Ok(())
 }

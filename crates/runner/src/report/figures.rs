@@ -273,6 +273,36 @@ where
     if groups.is_empty() {
         bail!("no values of {}", fig.metric);
     }
+    let (xs, ys) = line_ranges(fig, &data)?;
+    let rest = titled(&root, &fig.title, fig.subtitle)?;
+    let (w, _) = rest.dim_in_pixel();
+    let (plots, side) = rest.split_horizontally(w - LEGEND_W);
+    let (r, c) = grid(groups.len());
+    let areas = plots.split_evenly((r, c));
+    let mut used = Vec::new();
+    for (area, (panel, lines)) in areas.iter().zip(&groups) {
+        let mut chart = line_panel(area, panel, fig, xs, ys)?;
+        // a band per line, lighter the more lines share the panel, so lines stay visible through them
+        let alpha = (0.22 / (lines.len() as f64).sqrt()).clamp(0.05, 0.16);
+        for (key, by) in lines {
+            let (colour, dashed) = fig.layout.style(key);
+            if !used.contains(key) {
+                used.push(key.clone());
+            }
+            draw_curve(&mut chart, &curve(by, fig.band), (colour, dashed), alpha)?;
+        }
+    }
+    legend(&side, fig.layout, &used)?;
+    root.present().map_err(err)?;
+    Ok(())
+}
+
+/// The axes' ranges shared by every panel of a line figure, (x0, x1) and (y0, y1): x over all
+/// the values' counts, y over mean ± band with 5% padding (a flat curve gets ± 0.5).
+fn line_ranges(
+    fig: &LineFigure<'_>,
+    data: &BTreeMap<String, BTreeMap<u64, Vec<f64>>>,
+) -> Result<((f64, f64), (f64, f64))> {
     let (mut y0, mut y1) = (f64::INFINITY, f64::NEG_INFINITY);
     let (mut x0, mut x1) = (u64::MAX, 0u64);
     for by in data.values() {
@@ -297,69 +327,76 @@ where
     let pad = 0.05 * (y1 - y0);
     let (y0, y1) = (y0 - pad, y1 + pad);
     let (x0, x1) = (x0 as f64, (x1 as f64).max(x0 as f64 + 1.0));
-    let rest = titled(&root, &fig.title, fig.subtitle)?;
-    let (w, _) = rest.dim_in_pixel();
-    let (plots, side) = rest.split_horizontally(w - LEGEND_W);
-    let (r, c) = grid(groups.len());
-    let areas = plots.split_evenly((r, c));
+    Ok(((x0, x1), (y0, y1)))
+}
+
+/// A line panel's coordinates: x and y as f64.
+type LineCoords = Cartesian2d<plotters::coord::types::RangedCoordf64, plotters::coord::types::RangedCoordf64>;
+
+/// One panel of a line figure: its caption, axes and mesh drawn, ready for the curves.
+fn line_panel<'a, DB: DrawingBackend>(
+    area: &'a DrawingArea<DB, Shift>,
+    panel: &str,
+    fig: &LineFigure<'_>,
+    (x0, x1): (f64, f64),
+    (y0, y1): (f64, f64),
+) -> Result<ChartContext<'a, DB, LineCoords>>
+where
+    DB::ErrorType: 'static,
+{
     let yfmt = tick_formatter(y0, y1);
     // x is a count (samples, chunks): integer ticks, one per value when there are few
     let xfmt = |x: &f64| format!("{:.0}", x.round());
     let few = x1 - x0 <= 20.0;
-    let mut used = Vec::new();
-    for (area, (panel, lines)) in areas.iter().zip(&groups) {
-        let mut b = ChartBuilder::on(area);
-        b.margin(10).margin_right(18).x_label_area_size(40).y_label_area_size(64);
-        if !panel.is_empty() {
-            b.caption(panel, ("sans-serif", 16));
-        }
-        let mut chart = b.build_cartesian_2d(x0..x1, y0..y1).map_err(err)?;
-        let mut mesh = chart.configure_mesh();
-        mesh.light_line_style(WHITE)
-            .bold_line_style(GRID)
-            .x_label_formatter(&xfmt)
-            .y_label_formatter(&yfmt)
-            .x_desc(fig.x_title)
-            .y_desc(fig.y_title)
-            .label_style(("sans-serif", 13))
-            .axis_desc_style(("sans-serif", 14));
-        if few {
-            mesh.x_labels((x1 - x0) as usize + 1);
-        } else {
-            mesh.x_labels(6);
-        }
-        mesh.y_labels(7).draw().map_err(err)?;
-        // a band per line, lighter the more lines share the panel, so lines stay visible through them
-        let alpha = (0.22 / (lines.len() as f64).sqrt()).clamp(0.05, 0.16);
-        for (key, by) in lines {
-            let (colour, dashed) = fig.layout.style(key);
-            if !used.contains(key) {
-                used.push(key.clone());
-            }
-            let stats = curve(by, fig.band);
-            if stats.iter().any(|p| p.2 > 0.0) {
-                let band: Vec<(f64, f64)> = stats
-                    .iter()
-                    .map(|&(x, m, s)| (x, m + s))
-                    .chain(stats.iter().rev().map(|&(x, m, s)| (x, m - s)))
-                    .collect();
-                chart.draw_series(std::iter::once(Polygon::new(band, colour.mix(alpha)))).map_err(err)?;
-            }
-            let pts = stats.iter().map(|&(x, m, _)| (x, m));
-            if dashed {
-                chart.draw_series(DashedLineSeries::new(pts, 8, 5, colour.stroke_width(2))).map_err(err)?;
-            } else {
-                chart.draw_series(LineSeries::new(pts, colour.stroke_width(2))).map_err(err)?;
-            }
-            if stats.len() <= 12 {
-                chart
-                    .draw_series(stats.iter().map(|&(x, m, _)| Circle::new((x, m), 3, colour.filled())))
-                    .map_err(err)?;
-            }
-        }
+    let mut b = ChartBuilder::on(area);
+    b.margin(10).margin_right(18).x_label_area_size(40).y_label_area_size(64);
+    if !panel.is_empty() {
+        b.caption(panel, ("sans-serif", 16));
     }
-    legend(&side, fig.layout, &used)?;
-    root.present().map_err(err)?;
+    let mut chart = b.build_cartesian_2d(x0..x1, y0..y1).map_err(err)?;
+    let mut mesh = chart.configure_mesh();
+    mesh.light_line_style(WHITE)
+        .bold_line_style(GRID)
+        .x_label_formatter(&xfmt)
+        .y_label_formatter(&yfmt)
+        .x_desc(fig.x_title)
+        .y_desc(fig.y_title)
+        .label_style(("sans-serif", 13))
+        .axis_desc_style(("sans-serif", 14));
+    if few {
+        mesh.x_labels((x1 - x0) as usize + 1);
+    } else {
+        mesh.x_labels(6);
+    }
+    mesh.y_labels(7).draw().map_err(err)?;
+    Ok(chart)
+}
+
+/// One curve of a panel: its band (where any is wider than 0) at opacity `alpha`, the mean as a
+/// solid or dashed line, and a dot per point when there are at most 12.
+fn draw_curve<DB: DrawingBackend>(
+    chart: &mut ChartContext<'_, DB, LineCoords>,
+    stats: &[(f64, f64, f64)],
+    (colour, dashed): (RGBColor, bool),
+    alpha: f64,
+) -> Result<()>
+where
+    DB::ErrorType: 'static,
+{
+    if stats.iter().any(|p| p.2 > 0.0) {
+        let band: Vec<(f64, f64)> =
+            stats.iter().map(|&(x, m, s)| (x, m + s)).chain(stats.iter().rev().map(|&(x, m, s)| (x, m - s))).collect();
+        chart.draw_series(std::iter::once(Polygon::new(band, colour.mix(alpha)))).map_err(err)?;
+    }
+    let pts = stats.iter().map(|&(x, m, _)| (x, m));
+    if dashed {
+        chart.draw_series(DashedLineSeries::new(pts, 8, 5, colour.stroke_width(2))).map_err(err)?;
+    } else {
+        chart.draw_series(LineSeries::new(pts, colour.stroke_width(2))).map_err(err)?;
+    }
+    if stats.len() <= 12 {
+        chart.draw_series(stats.iter().map(|&(x, m, _)| Circle::new((x, m), 3, colour.filled()))).map_err(err)?;
+    }
     Ok(())
 }
 

@@ -123,13 +123,7 @@ fn write_report(run: &Path, out: &Path, rows: &[Row]) -> Result<()> {
         md.push_str("\n## Win rates\n\nPer (seed, chunk), the cell with the highest chunk mean of oracle r(a) + r(a′) wins (ties share the win); per (seed, prompt), the same on the pair each cell chose. Over every estimator × strategy cell of the run, so chance is 1 / configs.\n\n");
         md.push_str(&win_table(run)?);
     }
-    let policy = if run.join("policy.parquet").exists() { read_policy(run)? } else { Vec::new() };
-    if !policy.is_empty() {
-        md.push_str(&format!("\n## The policy\n\nOn the held-out prompts, the oracle reward of what each arm deploys (`policy_reward`: a learning policy's samples, best-of-n its pick under θ) after the last chunk against the base policy (chunk 0: the mean of its samples, `sample_reward`, the same for every arm of a seed), both on the seed's sampling streams; their paired difference over seeds with its 95% t-interval (df = seeds − 1) and two-sided p, and the smallest difference detectable at 80% power ((t₀.₉₇₅ + t₀.₈₀)·SE). The t-interval treats the held-out prompts as fixed; the seeds × prompts column resamples seeds and prompts together (the pigeonhole bootstrap, {} resamples, percentile interval; from policy_samples.parquet), so it also covers which prompts were drawn. Best of n under θ and the sequence KL to the initial policy after the last chunk are means over seeds.\n\n", stats::RESAMPLES));
-        let cs = policy_comparisons(&policy, read_prompt_grid(run)?.as_ref());
-        md.push_str(&policy_table(&cs));
-        crate::io::write_atomic(&out.join("policy_comparisons.csv"), policy_csv(&cs).as_bytes())?;
-    }
+    let policy = policy_section(run, out, &mut md)?;
     let times = cell_times(run).unwrap_or_default();
     md.push_str("\n## Time and κ\n\nPer cell, mean ± std over seeds. κ over the samples each estimator trained on (windows between evaluations, all seeds); the paper's appendix reports κ = 171.6 ± 85.5 (Llama-3-8B, UltraFeedback).\n\n");
     md.push_str(&time_and_kappa_table(rows, &times));
@@ -142,8 +136,43 @@ fn write_report(run: &Path, out: &Path, rows: &[Row]) -> Result<()> {
         md.push('\n');
         md.push_str(&s);
     }
+    heads_section(run, out, spec.as_ref(), &mut md)?;
+    let se = sample_efficiency_section(run, out, rows, spec.as_ref(), seeds, &mut md)?;
+    let figures = match register_font() {
+        Ok(_) => draw_figures(run, out, rows, &policy, &se, &times, spec.as_ref())?,
+        Err(e) => {
+            eprintln!("onepass: {e:#}; writing the tables only");
+            Vec::new()
+        }
+    };
+    md.push_str("\n## Figures\n\n");
+    for m in &figures {
+        md.push_str(&format!("![{m}]({m}.png)\n\n"));
+    }
+    md.push_str(&failed_cells(run)?);
+    crate::io::write_atomic(&out.join("report.md"), md.as_bytes())?;
+    Ok(())
+}
+
+/// The policy section: each arm's held-out oracle reward after the last chunk against the base
+/// policy, paired over seeds, and policy_comparisons.csv; returns the policy rows (none without
+/// policy.parquet).
+fn policy_section(run: &Path, out: &Path, md: &mut String) -> Result<Vec<Row>> {
+    let policy = if run.join("policy.parquet").exists() { read_policy(run)? } else { Vec::new() };
+    if !policy.is_empty() {
+        md.push_str(&format!("\n## The policy\n\nOn the held-out prompts, the oracle reward of what each arm deploys (`policy_reward`: a learning policy's samples, best-of-n its pick under θ) after the last chunk against the base policy (chunk 0: the mean of its samples, `sample_reward`, the same for every arm of a seed), both on the seed's sampling streams; their paired difference over seeds with its 95% t-interval (df = seeds − 1) and two-sided p, and the smallest difference detectable at 80% power ((t₀.₉₇₅ + t₀.₈₀)·SE). The t-interval treats the held-out prompts as fixed; the seeds × prompts column resamples seeds and prompts together (the pigeonhole bootstrap, {} resamples, percentile interval; from policy_samples.parquet), so it also covers which prompts were drawn. Best of n under θ and the sequence KL to the initial policy after the last chunk are means over seeds.\n\n", stats::RESAMPLES));
+        let cs = policy_comparisons(&policy, read_prompt_grid(run)?.as_ref());
+        md.push_str(&policy_table(&cs));
+        crate::io::write_atomic(&out.join("policy_comparisons.csv"), policy_csv(&cs).as_bytes())?;
+    }
+    Ok(policy)
+}
+
+/// The reward-heads section: θ of each config's first seed exported as a classifier head
+/// (none for a synthetic bandit).
+fn heads_section(run: &Path, out: &Path, spec: Option<&crate::spec::Spec>, md: &mut String) -> Result<()> {
     // θ over a synthetic bandit's features is the head of no model: no heads
-    let synthetic = spec.as_ref().is_some_and(|s| s.env.kind == crate::spec::EnvKind::Synthetic);
+    let synthetic = spec.is_some_and(|s| s.env.kind == crate::spec::EnvKind::Synthetic);
     if !synthetic {
         let heads = export_heads(run, out)?;
         md.push_str("\n## Reward heads\n\nθ of the first seed of each config as `score.weight` ([1, d], f32, no bias), the head of transformers' `*ForSequenceClassification` on the feature model:\n\n");
@@ -151,8 +180,22 @@ fn write_report(run: &Path, out: &Path, rows: &[Row]) -> Result<()> {
             md.push_str(&format!("- `heads/{}`\n", h.file_name().unwrap_or_default().to_string_lossy()));
         }
     }
+    Ok(())
+}
+
+/// The sample-efficiency section of active and deployment runs: held-out accuracy (and win
+/// rate) against oracle queries, with sample-efficiency.csv; returns its points (none in the
+/// other settings).
+fn sample_efficiency_section(
+    run: &Path,
+    out: &Path,
+    rows: &[Row],
+    spec: Option<&crate::spec::Spec>,
+    seeds: usize,
+    md: &mut String,
+) -> Result<Vec<Row>> {
     // active and deployment runs: the sample-efficiency figure and its points
-    let setting = spec.as_ref().map(|s| s.setting);
+    let setting = spec.map(|s| s.setting);
     let se = match setting {
         Some(crate::spec::Setting::Active | crate::spec::Setting::Deploy) => {
             let (se, why) = sample_efficiency(run, rows, setting == Some(crate::spec::Setting::Deploy))?;
@@ -172,20 +215,7 @@ fn write_report(run: &Path, out: &Path, rows: &[Row]) -> Result<()> {
         }
         _ => Vec::new(),
     };
-    let figures = match register_font() {
-        Ok(_) => draw_figures(run, out, rows, &policy, &se, &times, spec.as_ref())?,
-        Err(e) => {
-            eprintln!("onepass: {e:#}; writing the tables only");
-            Vec::new()
-        }
-    };
-    md.push_str("\n## Figures\n\n");
-    for m in &figures {
-        md.push_str(&format!("![{m}]({m}.png)\n\n"));
-    }
-    md.push_str(&failed_cells(run)?);
-    crate::io::write_atomic(&out.join("report.md"), md.as_bytes())?;
-    Ok(())
+    Ok(se)
 }
 
 /// A section naming every failed cell and its error (a failed config is missing from the
