@@ -116,7 +116,6 @@ fn reward_terms(spec: &Spec, r: &RewardShape) -> Vec<Term> {
         return Vec::new();
     };
     let cfg = &r.cfg;
-    let mul = |xs: &[u64]| xs.iter().fold(1u64, |a, &b| a.saturating_mul(b));
     let l = cfg.layers as u64;
     let params = match rs.update {
         crate::spec::RewardUpdate::Full => r.weights,
@@ -191,10 +190,24 @@ pub enum Memory {
 /// trains and generates in f32).
 fn policy_terms(ps: &crate::spec::PolicySpec, c: &ConfigPlan, p: &PolicyShape) -> Vec<Term> {
     let Some(arm) = c.arm.as_ref().filter(|a| a.learning().is_some()) else { return Vec::new() };
+    let mut t = policy_weight_terms(ps, arm, p);
+    policy_pass_terms(ps, arm, p, &mut t);
+    t
+}
+
+/// A product of sizes, saturating at u64::MAX.
+fn mul(xs: &[u64]) -> u64 {
+    xs.iter().fold(1u64, |a, &b| a.saturating_mul(b))
+}
+
+/// A learning policy's weight terms: full-parameter dpo's every weight (value, gradient, Adam's
+/// two moments, the reference; the generator's copy; a checkpoint's), else the LoRA adapters
+/// (A: r × in and B: out × r per target and layer, with gradient and moments; a ppo critic's
+/// too), the generator's merge of the adapted weights and, on the CPU, the packed frozen weights.
+fn policy_weight_terms(ps: &crate::spec::PolicySpec, arm: &crate::plan::ArmPlan, p: &PolicyShape) -> Vec<Term> {
     let cfg = &p.cfg;
     let (l, r) = (cfg.layers as u64, ps.rank as u64);
     let targets = ps.targets.resolve().unwrap_or_default();
-    let mul = |xs: &[u64]| xs.iter().fold(1u64, |a, &b| a.saturating_mul(b));
     // A (r × in) and B (out × r) per target and layer
     let adapter: u64 = targets.iter().map(|t| t.dims(cfg)).map(|(i, o)| mul(&[r, (i + o) as u64, l, 4])).sum();
     let merged: u64 = targets.iter().map(|t| t.dims(cfg)).map(|(i, o)| mul(&[i as u64, o as u64, l, 4])).sum();
@@ -253,6 +266,16 @@ fn policy_terms(ps: &crate::spec::PolicySpec, c: &ConfigPlan, p: &PolicyShape) -
             bytes: mul(&[p.weights, 4, 1 + critics]),
         });
     }
+    t
+}
+
+/// A learning policy's pass terms: a generation batch's KV cache (prompts × n × positions ×
+/// layers × K and V) and a gradient pass's activations and logits (per token and layer
+/// 10h + 3i values, the attention's heads × len² twice, and the logits three times over the
+/// vocabulary), scaled by the accelerator's factor when the policy lives there.
+fn policy_pass_terms(ps: &crate::spec::PolicySpec, arm: &crate::plan::ArmPlan, p: &PolicyShape, t: &mut Vec<Term>) {
+    let cfg = &p.cfg;
+    let l = cfg.layers as u64;
     let (len, kv) = (p.seq_len as u64, (cfg.kv_heads * cfg.head_dim) as u64);
     t.push(Term {
         key: "generate.batch_prompts".into(),
@@ -275,7 +298,6 @@ fn policy_terms(ps: &crate::spec::PolicySpec, c: &ConfigPlan, p: &PolicyShape) -
         what: format!("a gradient pass's activations and logits ({seqs} sequences × {len} tokens{on})"),
         bytes,
     });
-    t
 }
 
 /// d(d+1)/2 f64: a packed symmetric matrix.
@@ -297,8 +319,27 @@ fn dim_key(spec: &Spec) -> &'static str {
 fn cell_terms(spec: &Spec, c: &ConfigPlan) -> Vec<Term> {
     let d = spec.env.dim as u64;
     let dk = dim_key(spec);
-    let f32s = |n: u64| n.saturating_mul(d).saturating_mul(4);
     let mut t = Vec::new();
+    estimator_terms(spec, c, &mut t);
+    if needs_tracker(spec, c) {
+        t.push(Term {
+            key: dk.into(),
+            what: format!("the 𝓗_t tracker (𝓗⁻¹ and 𝓗, packed f64) at d = {d}"),
+            bytes: packed(d).saturating_mul(2),
+        });
+    }
+    data_terms(spec, c, &mut t);
+    t.sort_by_key(|x| std::cmp::Reverse(x.bytes));
+    t
+}
+
+/// The estimator's own terms: omd-exact's packed 𝓗⁻¹ (d(d+1)/2 f64) and its projection's dense
+/// matrices, mle's, the ensemble's and sgd-replay's histories (T × d f32), mle's Newton Hessian,
+/// the ensemble's heads with their starts and Adam moments; else a few d-vectors.
+fn estimator_terms(spec: &Spec, c: &ConfigPlan, t: &mut Vec<Term>) {
+    let d = spec.env.dim as u64;
+    let dk = dim_key(spec);
+    let f32s = |n: u64| n.saturating_mul(d).saturating_mul(4);
     let history = spec.stream.samples;
     match c.cfg_for(spec) {
         EstimatorConfig::OmdExact(o) => {
@@ -352,13 +393,14 @@ fn cell_terms(spec: &Spec, c: &ConfigPlan) -> Vec<Term> {
         }
         _ => t.push(Term { key: dk.into(), what: format!("{}'s vectors", c.kind), bytes: d.saturating_mul(8 * 16) }),
     }
-    if needs_tracker(spec, c) {
-        t.push(Term {
-            key: dk.into(),
-            what: format!("the 𝓗_t tracker (𝓗⁻¹ and 𝓗, packed f64) at d = {d}"),
-            bytes: packed(d).saturating_mul(2),
-        });
-    }
+}
+
+/// The data's terms: the synthetic bandit's features and evaluation pairs, and in the active
+/// setting the V tracker (stream rule with score_norm = "v") and a synthetic pool.
+fn data_terms(spec: &Spec, c: &ConfigPlan, t: &mut Vec<Term>) {
+    let d = spec.env.dim as u64;
+    let dk = dim_key(spec);
+    let f32s = |n: u64| n.saturating_mul(d).saturating_mul(4);
     if spec.env.kind == EnvKind::Synthetic {
         let e = &spec.env;
         let rows = (e.contexts as u64).saturating_mul(e.arms as u64).saturating_add(e.eval_pairs as u64);
@@ -389,8 +431,6 @@ fn cell_terms(spec: &Spec, c: &ConfigPlan) -> Vec<Term> {
             }
         }
     }
-    t.sort_by_key(|x| std::cmp::Reverse(x.bytes));
-    t
 }
 
 /// The estimate of `on`'s memory for a plan whose `spec` has its final env.dim, `threads`
