@@ -7,10 +7,11 @@
 //! by central differences of gradients (its doc states the step and its error), or exactly
 //! ([`HvpScheme::Exact`]) by [`crate::rm::rop`].
 
-use crate::rm::model::{flatten, unflatten, RewardModel, RmPair};
-use candle_core::Result;
+use crate::rm::model::{flatten, unflatten, Gradient, RewardModel, RmPair};
+use crate::rm::rop::Tape;
+use candle_core::{Result, Tensor, Var};
 use estimators::cg::{self, CgOptions, CgScratch};
-use estimators::{EstimatorConfig, Rule};
+use estimators::{EstimatorConfig, Rule, RuleStep};
 
 /// The difference quotient of [`RewardModel::hvp_with`] (`"central"`, `"forward"`).
 #[cfg_attr(feature = "schema", derive(schemars::JsonSchema))]
@@ -147,7 +148,9 @@ impl OnePass {
 
     /// One step on `pairs` (paper Alg. 5 over (ψ, θ) for omd-hvp-cg). Errors: no pairs, a
     /// missing gradient, a non-finite gradient (before anything moves) or parameters that are
-    /// not finite after the step.
+    /// not finite after the step. Its phases: the batch's gradient ([`OnePass::gradient`]), the
+    /// rule's step with CG on the curvature products ([`OnePass::rule_step`]), the backbone's
+    /// share of the step and the new parameters ([`OnePass::scale_and_set`]).
     pub fn step(&mut self, rm: &RewardModel, pairs: &[RmPair<'_>]) -> Result<RmStep> {
         if pairs.is_empty() {
             candle_core::bail!("reward model step {}: no pairs", self.steps() + 1);
@@ -156,6 +159,37 @@ impl OnePass {
         if rm.dim() != self.rule.dim() {
             candle_core::bail!("a reward model of {} parameters for an update of {}", rm.dim(), self.rule.dim());
         }
+        let (g0, tape, g, grad_norm) = self.gradient(rm, pairs)?;
+        let old = rm.flat()?;
+        let mut w = old.clone();
+        let scheme = self.hvp.scheme;
+        let curvature = Curvature {
+            rm,
+            pairs,
+            vars,
+            scheme,
+            eps: self.hvp.eps,
+            tape,
+            g_at_w: (scheme == HvpScheme::Forward).then_some(g0.grads.as_slice()),
+            curvature: g0.curvature.as_slice(),
+        };
+        let (st, hvps, negative_curvature) = self.rule_step(&curvature, &mut w, &g)?;
+        let step_norm = self.scale_and_set(rm, &old, &mut w)?;
+        Ok(RmStep {
+            before: g0.stats,
+            grad_norm,
+            step_norm,
+            clip_factor: st.clip_factor,
+            damping: st.damping,
+            hvps,
+            negative_curvature,
+        })
+    }
+
+    /// The batch's gradient at the step's start — with the exact products' tape when the step
+    /// solves with them — as ([`Gradient`], the tape, the flat gradient, its norm); an error
+    /// when the norm is not finite (the loss diverged), before anything moves.
+    fn gradient(&self, rm: &RewardModel, pairs: &[RmPair<'_>]) -> Result<(Gradient, Option<Tape>, Vec<f32>, f64)> {
         // the exact products' tape comes from the step's own gradient pass
         // (only for a step that solves: another rule's gradient stays autograd's, bit for bit)
         let solves = self.rule.solves_at(self.rule.steps() + 1);
@@ -174,31 +208,24 @@ impl OnePass {
                 self.steps() + 1
             );
         }
-        let old = rm.flat()?;
-        let mut w = old.clone();
+        Ok((g0, tape, g, grad_norm))
+    }
+
+    /// The rule's step of the flat parameters `w` along the flat gradient `g`, its CG solves of
+    /// (H_B + λI) v = g on `curvature`'s products (Newton–CG's steepest-descent fallback where
+    /// H_B + λI curves down along g): (the rule's report, the products taken, whether a solve
+    /// fell back). A product's error is the step's, once the rule has returned.
+    fn rule_step(&mut self, curvature: &Curvature<'_, '_>, w: &mut [f32], g: &[f32]) -> Result<(RuleStep, u32, bool)> {
         let mut failed: Option<candle_core::Error> = None;
         let (mut hvps, mut downhill) = (0u32, 0u32);
-        let (eps, cg_scratch) = (self.hvp.eps, &mut self.cg);
-        let g_at_w = (self.hvp.scheme == HvpScheme::Forward).then_some(g0.grads.as_slice());
-        let scheme = self.hvp.scheme;
-        let curvature = g0.curvature.as_slice();
+        let cg_scratch = &mut self.cg;
         let mut solve = |lambda: f32, opts: &CgOptions, g: &[f32], dir: &mut [f32]| -> u32 {
             let apply = |p: &[f32], out: &mut [f32]| {
                 if failed.is_some() {
                     out.fill(0.0);
                     return;
                 }
-                let hv = unflatten(p, &vars)
-                    .and_then(|v| match (scheme, &tape) {
-                        (HvpScheme::Exact, Some(t)) => t.hvp(&v),
-                        (HvpScheme::Exact, None) => {
-                            Err(candle_core::Error::Msg("exact HVPs asked for at a step that was not to solve".into()))
-                        }
-                        (HvpScheme::GaussNewton, _) => rm.gauss_newton_vp(pairs, &v, eps, curvature),
-                        _ => rm.hvp_with(pairs, &v, eps, g_at_w),
-                    })
-                    .and_then(|hv| flatten(&hv));
-                match hv {
+                match curvature.product(p) {
                     Ok(hv) => {
                         hvps += 1;
                         for ((o, h), p) in out.iter_mut().zip(hv).zip(p) {
@@ -222,10 +249,16 @@ impl OnePass {
             }
             it
         };
-        let st = self.rule.step(&mut w, &g, &mut solve);
+        let st = self.rule.step(w, g, &mut solve);
         if let Some(e) = failed {
             return Err(e);
         }
+        Ok((st, hvps, downhill > 0))
+    }
+
+    /// The backbone's share of the step, ψ ← ψ_t + s·(ψ_rule − ψ_t) (θ's step as the rule made
+    /// it), then the parameters set to `w`; returns ‖w − old‖, an error when not finite.
+    fn scale_and_set(&self, rm: &RewardModel, old: &[f32], w: &mut [f32]) -> Result<f64> {
         let n_psi = w.len() - rm.head.as_tensor().elem_count();
         if self.backbone_scale != 1.0 {
             let s = self.backbone_scale as f32;
@@ -233,19 +266,46 @@ impl OnePass {
                 *x = o + s * (*x - o);
             }
         }
-        let step_norm = w.iter().zip(&old).map(|(a, b)| f64::from(a - b).powi(2)).sum::<f64>().sqrt();
+        let step_norm = w.iter().zip(old).map(|(a, b)| f64::from(a - b).powi(2)).sum::<f64>().sqrt();
         if !step_norm.is_finite() {
             candle_core::bail!("reward model step {}: the parameters are no longer finite", self.steps());
         }
-        rm.set_flat(&w)?;
-        Ok(RmStep {
-            before: g0.stats,
-            grad_norm,
-            step_norm,
-            clip_factor: st.clip_factor,
-            damping: st.damping,
-            hvps,
-            negative_curvature: downhill > 0,
-        })
+        rm.set_flat(w)?;
+        Ok(step_norm)
+    }
+}
+
+/// What a step's CG multiplies by, at the step's parameters: H_B v by differences of gradients
+/// (central, or forward from the step's own gradient), exactly on the step's tape
+/// ([`crate::rm::rop`]), or the Gauss–Newton product G v ([`HvpScheme`]).
+struct Curvature<'a, 'p> {
+    rm: &'a RewardModel,
+    pairs: &'a [RmPair<'p>],
+    /// The trainable variables, whose shapes a flat direction takes.
+    vars: Vec<&'a Var>,
+    scheme: HvpScheme,
+    /// ε of the differences.
+    eps: f64,
+    /// The step's gradient pass recorded (exact products at a step that solves).
+    tape: Option<Tape>,
+    /// The step's own gradient g(w) (forward differences only).
+    g_at_w: Option<&'a [Tensor]>,
+    /// σ′(mᵢ) of the pairs' margins (the Gauss–Newton product's weights).
+    curvature: &'a [f64],
+}
+
+impl Curvature<'_, '_> {
+    /// The product with the flat direction `p`, flat.
+    fn product(&self, p: &[f32]) -> Result<Vec<f32>> {
+        unflatten(p, &self.vars)
+            .and_then(|v| match (self.scheme, &self.tape) {
+                (HvpScheme::Exact, Some(t)) => t.hvp(&v),
+                (HvpScheme::Exact, None) => {
+                    Err(candle_core::Error::Msg("exact HVPs asked for at a step that was not to solve".into()))
+                }
+                (HvpScheme::GaussNewton, _) => self.rm.gauss_newton_vp(self.pairs, &v, self.eps, self.curvature),
+                _ => self.rm.hvp_with(self.pairs, &v, self.eps, self.g_at_w),
+            })
+            .and_then(|hv| flatten(&hv))
     }
 }

@@ -3,7 +3,7 @@
 
 use super::{
     batch, group_order, minibatch_loop, per_token, score_tokens, token_weights, update_steps, Epochs, KlEstimator,
-    MiniStep, RewardNorm, Rollout, UpdateStats,
+    MiniStep, RewardNorm, Rollout, TokenScores, UpdateStats,
 };
 use crate::adam::{Adam, LrWindow};
 use crate::batch::SeqBatch;
@@ -69,45 +69,12 @@ pub fn ppo_update(
     }
     let mb = cfg.minibatch.max(1);
     let before = score_tokens(actor, rollouts, cfg.kl, mb)?;
-    // the critic's values before the update, per token
     let t0 = std::time::Instant::now();
-    let mut old_v: Vec<Vec<f64>> = Vec::with_capacity(rollouts.len());
-    for part in rollouts.chunks(mb) {
-        let b = batch(&critic.model, part)?;
-        let v: Vec<f64> =
-            critic.values(&b, crate::lora::Pass::ADAPTED)?.to_dtype(candle_core::DType::F64)?.to_vec1()?;
-        let mut at = 0;
-        for &l in &b.lens {
-            old_v.push(v[at..at + l].to_vec());
-            at += l;
-        }
-    }
+    let old_v = old_values(critic, rollouts, mb)?;
     let mut critic_seconds = t0.elapsed().as_secs_f64();
-    let r = cfg.reward_norm.apply(rewards);
-    let (mut adv, mut ret) = (Vec::with_capacity(r.len()), Vec::with_capacity(r.len()));
-    for ((ri, t), v) in r.iter().zip(&before).zip(&old_v) {
-        let (a, g) = crate::loss::gae(&crate::loss::token_rewards(*ri, &t.kl, cfg.kl_coef), v, cfg.gamma, cfg.lambda);
-        adv.push(a);
-        ret.push(g);
-    }
     let tokens: usize = before.iter().map(|t| t.logprobs.len()).sum();
-    if cfg.normalize_advantages {
-        let mean = adv.iter().flatten().sum::<f64>() / tokens as f64;
-        let sd = (adv.iter().flatten().map(|a| (a - mean).powi(2)).sum::<f64>() / tokens as f64).sqrt();
-        adv.iter_mut().flatten().for_each(|a| *a = (*a - mean) / (sd + 1e-8));
-    }
-    let seq_kl: Vec<f64> = before.iter().map(|t| t.kl.iter().sum()).collect();
-    let mut st = PpoStats {
-        actor: UpdateStats {
-            kl: seq_kl.iter().sum::<f64>() / seq_kl.len() as f64,
-            entropy: -before.iter().flat_map(|t| &t.logprobs).sum::<f64>() / tokens as f64,
-            reward: rewards.iter().sum::<f64>() / rewards.len() as f64,
-            ..Default::default()
-        },
-        value_mean: old_v.iter().flatten().sum::<f64>() / tokens as f64,
-        return_mean: ret.iter().flatten().sum::<f64>() / tokens as f64,
-        ..Default::default()
-    };
+    let (adv, ret) = gae_targets(&cfg.reward_norm.apply(rewards), &before, &old_v, cfg, tokens);
+    let mut st = stats_before(&before, rewards, &old_v, &ret, tokens);
     let cvars = critic.vars();
     let dev = actor.device();
     critic_opt.begin(cfg.lr_window, update_steps(rollouts.len(), mb, cfg.epochs));
@@ -145,4 +112,68 @@ pub fn ppo_update(
     st.critic_grad_norm /= s;
     st.critic_seconds = critic_seconds;
     Ok(st)
+}
+
+/// The critic's values before the update, per token of each rollout, in mini-batches of `mb`.
+fn old_values(critic: &crate::critic::Critic, rollouts: &[Rollout<'_>], mb: usize) -> Result<Vec<Vec<f64>>> {
+    let mut old_v: Vec<Vec<f64>> = Vec::with_capacity(rollouts.len());
+    for part in rollouts.chunks(mb) {
+        let b = batch(&critic.model, part)?;
+        let v: Vec<f64> =
+            critic.values(&b, crate::lora::Pass::ADAPTED)?.to_dtype(candle_core::DType::F64)?.to_vec1()?;
+        let mut at = 0;
+        for &l in &b.lens {
+            old_v.push(v[at..at + l].to_vec());
+            at += l;
+        }
+    }
+    Ok(old_v)
+}
+
+/// GAE(γ, λ) per rollout ([`crate::loss::gae`]) of the token rewards −β·KL_t plus the
+/// normalised sequence reward `r` at the last token, against the critic's values `old_v`:
+/// (advantages, returns); the advantages normalised over the update's `tokens` (mean and sd)
+/// when `cfg.normalize_advantages`.
+fn gae_targets(
+    r: &[f64],
+    before: &[TokenScores],
+    old_v: &[Vec<f64>],
+    cfg: &PpoConfig,
+    tokens: usize,
+) -> (Vec<Vec<f64>>, Vec<Vec<f64>>) {
+    let (mut adv, mut ret) = (Vec::with_capacity(r.len()), Vec::with_capacity(r.len()));
+    for ((ri, t), v) in r.iter().zip(before).zip(old_v) {
+        let (a, g) = crate::loss::gae(&crate::loss::token_rewards(*ri, &t.kl, cfg.kl_coef), v, cfg.gamma, cfg.lambda);
+        adv.push(a);
+        ret.push(g);
+    }
+    if cfg.normalize_advantages {
+        let mean = adv.iter().flatten().sum::<f64>() / tokens as f64;
+        let sd = (adv.iter().flatten().map(|a| (a - mean).powi(2)).sum::<f64>() / tokens as f64).sqrt();
+        adv.iter_mut().flatten().for_each(|a| *a = (*a - mean) / (sd + 1e-8));
+    }
+    (adv, ret)
+}
+
+/// The update's statistics before it: the mean sequence KL, the entropy estimate −mean log π
+/// and the mean reward (the actor's), the mean value and return over the `tokens`.
+fn stats_before(
+    before: &[TokenScores],
+    rewards: &[f64],
+    old_v: &[Vec<f64>],
+    ret: &[Vec<f64>],
+    tokens: usize,
+) -> PpoStats {
+    let seq_kl: Vec<f64> = before.iter().map(|t| t.kl.iter().sum()).collect();
+    PpoStats {
+        actor: UpdateStats {
+            kl: seq_kl.iter().sum::<f64>() / seq_kl.len() as f64,
+            entropy: -before.iter().flat_map(|t| &t.logprobs).sum::<f64>() / tokens as f64,
+            reward: rewards.iter().sum::<f64>() / rewards.len() as f64,
+            ..Default::default()
+        },
+        value_mean: old_v.iter().flatten().sum::<f64>() / tokens as f64,
+        return_mean: ret.iter().flatten().sum::<f64>() / tokens as f64,
+        ..Default::default()
+    }
 }
