@@ -12,7 +12,8 @@
 //! - [`model::PolicyModel`]: the Llama/Qwen2 decoder of `features` written with differentiable
 //!   candle ops, so `backward()` gives the adapters' gradients; on the CPU its sublayers run as
 //!   fused ops with their backward passes written out ([`ops`], [`attention`], [`head`],
-//!   `mm`: the packed products of `features` for frozen weights), checked bit for bit against
+//!   `mm`: the packed products of `features` for frozen weights; the passes over values are the
+//!   `kernels` crate's `dense`, `rows_grad` and `attention_grad`), checked bit for bit against
 //!   the op-by-op graph (`set_sublayer_fusion(false)`). Training batches are right-padded: with
 //!   causal attention a real token never sees a pad, so no padding mask is needed; losses mask
 //!   the pads.
@@ -35,8 +36,8 @@
 //! - [`rm`]: a reward model whose features learn ([`rm::model`]), r = θᵀh_ψ (the paper's appendix
 //!   "Full update of reward model"), and ([`rm::update`]) its one-pass updates over (ψ, θ) with
 //!   the head-only estimators' rules, HVPs by differences of gradients or exactly by
-//!   [`rm::rop`] (Pearlmutter's R-operator over the adapters and the head; its CPU kernels in
-//!   `rm::rop_cpu`).
+//!   [`rm::rop`] (Pearlmutter's R-operator over the adapters and the head; its CPU kernels are
+//!   `kernels::rop`, wrapped for tensors in `rm::rop_cpu`).
 //! - [`peft`]: adapters saved and read in PEFT's layout (`adapter_model.safetensors`,
 //!   `adapter_config.json`).
 

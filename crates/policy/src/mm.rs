@@ -1,5 +1,5 @@
-//! The fused CPU path's dense products and exponentials, shared by its ops (attention, the
-//! frozen matmul, SwiGLU, the LM head): the products are `kernels::dense`'s (one call of the
+//! The fused CPU path's dense products and exponentials, shared by its ops (the frozen, weight
+//! and LoRA products, the LM head): the products are `kernels::dense`'s (one call of the
 //! `gemm` crate, candle's CPU matmul, so the same results for the same shapes, written straight
 //! into the op's output), here given candle's thread count; e^x on a whole row at a time, and
 //! the values of contiguous CPU tensors read in place ([`with_slices`]).
@@ -7,10 +7,6 @@
 use candle_core::{CpuStorage, Layout, Result, Tensor};
 use num_traits::Float;
 
-/// dst (m × n, row-major) = c · a · b on the calling thread (one product per rayon task).
-pub(crate) use kernels::dense::mm;
-/// dst (m × n, row-major, initialised) += c · a · b on the calling thread.
-pub(crate) use kernels::dense::mm_acc;
 /// A matrix in a slice at row and column strides (`Mat::rows`, `Mat::t`: a transpose is a view).
 pub(crate) use kernels::dense::Mat;
 
