@@ -2,6 +2,7 @@
 //! the running window of training statistics that a metric row reports.
 
 use super::clock::BucketClock;
+use super::window::Window;
 use super::Source;
 use crate::plan::CellConfig;
 use crate::rows::{Bucket, CellResult, MetricRow, StepRow};
@@ -40,12 +41,8 @@ pub struct Learner {
     pub(super) next: Vec<f64>,
     pub(super) theta_sum: Vec<f64>,
     pub(super) iterates: u64,
-    pub(super) win_loss: f64,
-    pub(super) win_correct: f64,
-    pub(super) win_n: f64,
-    pub(super) win_kappa: f64,
-    pub(super) win_kref: f64,
-    pub(super) win_batches: f64,
+    /// The prequential sums since the last evaluation point.
+    pub(super) window: Window,
     pub(super) converged: bool,
     pub(super) est_s: f64,
     /// Wall time of the current bucket, carried through checkpoints.
@@ -160,12 +157,7 @@ impl Learner {
             next: theta.clone(),
             theta,
             iterates: 1,
-            win_loss: 0.0,
-            win_correct: 0.0,
-            win_n: 0.0,
-            win_kappa: 0.0,
-            win_kref: 0.0,
-            win_batches: 0.0,
+            window: Window::default(),
             converged: true,
             est_s: 0.0,
             bucket_clock: BucketClock::start(),
@@ -239,12 +231,7 @@ impl Learner {
         let n = batch.len() as f64;
         self.prev_samples = self.samples;
         self.samples += batch.len() as u64;
-        self.win_loss += before.loss * n;
-        self.win_correct += before.accuracy * n;
-        self.win_n += n;
-        self.win_kappa = self.win_kappa.max(before.kappa);
-        self.win_kref += before.kappa_reference;
-        self.win_batches += 1.0;
+        self.window.add(&before, n);
     }
 
     pub(super) fn averaged(&self) -> Vec<f64> {
@@ -281,16 +268,16 @@ impl Learner {
         let row = MetricRow {
             step: self.steps,
             samples_seen: self.samples,
-            train_loss: self.win_loss / self.win_n.max(1.0),
-            train_accuracy: self.win_correct / self.win_n.max(1.0),
+            train_loss: self.window.train_loss(),
+            train_accuracy: self.window.train_accuracy(),
             eval_loss: loss / n,
             eval_accuracy: right / n,
             eval_ties: ties,
             theta_err: err.as_ref().map(|e| e.iter().map(|v| v * v).sum::<f64>().sqrt()),
             theta_err_h: err.as_ref().and_then(|e| self.curv.as_ref().map(|c| c.norm(e).unwrap_or(f64::NAN))),
             subopt: truth.map(|env| env.subopt_of(&env.greedy(&self.theta))),
-            kappa: self.win_kappa,
-            kappa_reference: self.win_kref / self.win_batches.max(1.0),
+            kappa: self.window.kappa(),
+            kappa_reference: self.window.kappa_reference(),
             grad_evals: c.grad_evals,
             hvp_evals: c.hvp_evals,
             negative_quad_forms: c.negative_quad_forms + self.curv.as_ref().map_or(0, |c| c.negative_quad_forms()),
@@ -299,12 +286,7 @@ impl Learner {
             estimator_bytes: Some(self.est.state_bytes() as u64),
             ..Default::default()
         };
-        self.win_loss = 0.0;
-        self.win_correct = 0.0;
-        self.win_n = 0.0;
-        self.win_kappa = 0.0;
-        self.win_kref = 0.0;
-        self.win_batches = 0.0;
+        self.window = Window::default();
         row
     }
 

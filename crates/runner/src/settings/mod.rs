@@ -17,6 +17,7 @@ mod passive_rm;
 pub mod pessimism;
 mod rm_state;
 mod state;
+mod window;
 
 pub use checkpoint::{CellCtx, CellSaver, CellState};
 pub use learner::Learner;

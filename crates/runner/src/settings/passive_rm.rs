@@ -156,7 +156,7 @@ pub(super) fn passive_features(
         let pairs: Vec<RmPair> =
             rows.iter().zip(&y).map(|(&i, &y)| RmPair { a: &ids.train[i].0, b: &ids.train[i].1, y }).collect();
         let s = st.step(&rm, &pairs)?;
-        add_to_window(&mut st, &s.before, b as f64);
+        st.window.add(&s.before, b as f64);
         if t == steps || st.samples / cell.stream.eval_every > st.prev_samples / cell.stream.eval_every {
             let wall = st.bucket_clock.lap();
             let est = st.step_s - st.bucket_step_s;
@@ -206,17 +206,6 @@ fn next_batch<'o>(
     Ok((rows, y))
 }
 
-/// A step's prequential statistics (`before`: on its batch of `n` pairs before the step) into
-/// the evaluation window: loss and accuracy summed per pair, κ's maximum, κ_ref per batch.
-fn add_to_window(st: &mut RmState, before: &estimators::BatchStats, n: f64) {
-    st.win_loss += before.loss * n;
-    st.win_correct += before.accuracy * n;
-    st.win_n += n;
-    st.win_kappa = st.win_kappa.max(before.kappa);
-    st.win_kref += before.kappa_reference;
-    st.win_batches += 1.0;
-}
-
 /// The evaluation point after step `t`: its metric row (the window's prequential means, the
 /// held-out `eval` = (loss, accuracy, ties), the update's counters); then a fresh window and
 /// bucket, whose clock starts after the held-out scoring.
@@ -225,20 +214,20 @@ fn close_window(st: &mut RmState, t: u64, eval: (f64, f64, u64)) -> MetricRow {
     let row = MetricRow {
         step: t,
         samples_seen: st.samples,
-        train_loss: st.win_loss / st.win_n.max(1.0),
-        train_accuracy: st.win_correct / st.win_n.max(1.0),
+        train_loss: st.window.train_loss(),
+        train_accuracy: st.window.train_accuracy(),
         eval_loss,
         eval_accuracy,
         eval_ties,
-        kappa: st.win_kappa,
-        kappa_reference: st.win_kref / st.win_batches.max(1.0),
+        kappa: st.window.kappa(),
+        kappa_reference: st.window.kappa_reference(),
         grad_evals: st.grad_evals,
         hvp_evals: st.hvp_evals,
         negative_quad_forms: st.negative_curvature,
         converged: true,
         ..Default::default()
     };
-    (st.win_loss, st.win_correct, st.win_n, st.win_kappa, st.win_kref, st.win_batches) = (0.0, 0.0, 0.0, 0.0, 0.0, 0.0);
+    st.window = super::window::Window::default();
     st.bucket_step_s = st.step_s;
     // the held-out scoring is not the next bucket's
     st.bucket_clock = BucketClock::start();

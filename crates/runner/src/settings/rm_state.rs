@@ -2,6 +2,7 @@
 //! update's state, its parameters and the running sums of the metric rows ([`RmState`]).
 
 use super::clock::BucketClock;
+use super::window::Window;
 use anyhow::{Context, Result};
 use policy::rm::model::{RewardModel, RmPair};
 use policy::rm::update::OnePass;
@@ -18,12 +19,8 @@ pub(super) struct RmState {
     pub(super) steps: u64,
     pub(super) samples: u64,
     pub(super) prev_samples: u64,
-    pub(super) win_loss: f64,
-    pub(super) win_correct: f64,
-    pub(super) win_n: f64,
-    pub(super) win_kappa: f64,
-    pub(super) win_kref: f64,
-    pub(super) win_batches: f64,
+    /// The prequential sums since the last evaluation point.
+    pub(super) window: Window,
     pub(super) grad_evals: u64,
     pub(super) hvp_evals: u64,
     /// Steps whose direction fell back to the gradient (negative curvature along g).
@@ -43,12 +40,7 @@ impl RmState {
             steps: 0,
             samples: 0,
             prev_samples: 0,
-            win_loss: 0.0,
-            win_correct: 0.0,
-            win_n: 0.0,
-            win_kappa: 0.0,
-            win_kref: 0.0,
-            win_batches: 0.0,
+            window: Window::default(),
             grad_evals: 0,
             hvp_evals: 0,
             negative_curvature: 0,
