@@ -19,6 +19,7 @@
 //! never get there.) An AMX machine runs its own instruction ([`crate::amx`]), which rounds
 //! differently; `ONEPASS_BF16_KERNEL=avx512bf16` keeps this sequence there.
 
+use crate::amx::Aligned;
 use crate::packed::Rows;
 use crate::round::round_row;
 pub use crate::round::{from_bf16, to_bf16};
@@ -49,7 +50,7 @@ pub struct Bf16Matrix {
     n: usize,
     k: usize,
     pairs: usize,
-    data: Vec<u32>,
+    data: Aligned,
 }
 
 impl Bf16Matrix {
@@ -70,7 +71,7 @@ impl Bf16Matrix {
     fn pack(n: usize, k: usize, at: impl Fn(usize, usize) -> u16 + Sync) -> Bf16Matrix {
         let pairs = k.div_ceil(2);
         let panels = n.div_ceil(LANES);
-        let mut data = vec![0u32; panels * pairs * LANES];
+        let mut data = Aligned::zeroed(panels * pairs * LANES);
         let fill = |panel: usize, dst: &mut [u32]| {
             let lanes = LANES.min(n - panel * LANES);
             for (p, words) in dst.chunks_exact_mut(LANES).enumerate() {
@@ -124,7 +125,7 @@ impl Bf16Matrix {
 }
 
 impl crate::packed::Blocked for Bf16Matrix {
-    type Input = Vec<u32>;
+    type Input = Aligned;
     const GROUP: usize = LANES * NB;
     const MC: usize = MC;
     fn n(&self) -> usize {
@@ -134,7 +135,7 @@ impl crate::packed::Blocked for Bf16Matrix {
         self.k
     }
     /// x rounded to bf16 and packed ([`pack_rows`]; for AMX row-major, [`crate::amx::pack_rows`]).
-    fn pack_input(&self, x: Rows, m: usize) -> Vec<u32> {
+    fn pack_input(&self, x: Rows, m: usize) -> Aligned {
         if self.on_amx() {
             crate::amx::pack_rows(x, m, self.k)
         } else {
@@ -147,7 +148,7 @@ impl crate::packed::Blocked for Bf16Matrix {
     ///
     /// # Safety
     /// `y` holds m × n values and this region of it is written by this call only.
-    unsafe fn block(&self, xs: &Vec<u32>, rows: std::ops::Range<usize>, groups: std::ops::Range<usize>, y: *mut f32) {
+    unsafe fn block(&self, xs: &Aligned, rows: std::ops::Range<usize>, groups: std::ops::Range<usize>, y: *mut f32) {
         #[cfg(target_arch = "x86_64")]
         if self.on_amx() {
             // SAFETY: on_amx holds only where the kernel is AMX (`available`), and pack_input then
@@ -186,7 +187,7 @@ impl crate::packed::Blocked for Bf16Matrix {
 /// x (m, k) rounded to bf16 and packed for the kernel: tiles of MR rows; within a tile, for each
 /// input pair p, MR words (x[r, 2p] low, x[r, 2p+1] high), so that a step of the kernel reads
 /// its MR broadcasts from one place. Rows past m and an odd k's last input are zeros.
-fn pack_rows(x: Rows, m: usize, k: usize) -> Vec<u32> {
+fn pack_rows(x: Rows, m: usize, k: usize) -> Aligned {
     let pairs = k.div_ceil(2);
     let len = m.div_ceil(MR) * MR * pairs;
     // Round the tile's rows into `words` (a contiguous, vectorised pass), then interleave them;
@@ -216,7 +217,7 @@ fn pack_rows(x: Rows, m: usize, k: usize) -> Vec<u32> {
     };
     // SAFETY (of `overwritten`): the tiles cover xs and `fill` writes each tile in full.
     unsafe {
-        crate::buf::overwritten(len, |xs| {
+        Aligned::overwritten(len, |xs| {
             if m * k >= 1 << 16 {
                 xs.par_chunks_mut((MR * pairs).max(1))
                     .enumerate()
