@@ -231,7 +231,7 @@ impl Learner {
         let n = batch.len() as f64;
         self.prev_samples = self.samples;
         self.samples += batch.len() as u64;
-        self.window.add(&before, n);
+        self.window.add(before, n);
     }
 
     pub(super) fn averaged(&self) -> Vec<f64> {
