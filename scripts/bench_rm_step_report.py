@@ -57,7 +57,11 @@ def main(argv):
         extra = ""
         if shapes:
             r0 = rs[-1]
-            f = peak.rm_step_flops(shapes, r0["pairs"], r0["len"], r0["hvps"], HVP_KIND.get((eng, rule), "exact"))
+            kind = HVP_KIND.get((eng, rule))
+            if r0["hvps"] and kind is None:
+                sys.exit(f"bench_rm_step_report: {eng} {rule}: its HVPs have no cost in HVP_KIND (expected one of "
+                         f"{sorted(HVP_KIND)})")
+            f = peak.rm_step_flops(shapes, r0["pairs"], r0["len"], r0["hvps"], kind or "exact")
             rate = f["total"] / med[(eng, rule)]
             extra = f" {rate / 1e9:>8.0f} {100 * rate / top:>6.1f}%" if top else f" {rate / 1e9:>8.0f} {'?':>7}"
         print(f"{eng:<7} {rule:<11} {len(rs):>6} {med[(eng, rule)]:>14.2f} {min(s):>7.2f} {max(s):>7.2f} {rs[-1]['hvps']:>5} {rss:>12.0f} {rs[-1]['loss']:>8.4f}{extra}")

@@ -194,6 +194,13 @@ class Reports(unittest.TestCase):
             # pass; onepass's central differences: 1 + 2 x 2 passes; PyTorch's double backward: 1 + 2
             self.assertEqual(self.gflops(out, "candle"), 5 * 14976)
             self.assertEqual(self.gflops(out, "torch"), 3 * 14976)
+            # a rule whose HVPs have no stated cost is refused, not counted as exact
+            unknown = os.path.join(d, "unknown.json")
+            pathlib.Path(unknown).write_text(json.dumps({"engine": "candle", "rule": "omd-new", "model": m, "threads": 2,
+                                                         "pairs": 1, "len": 2, "reps": 1, "step_s": [1e-9], "hvps": 2,
+                                                         "peak_rss_mb": 1.0, "loss": 0.5}))
+            with self.assertRaises(SystemExit):
+                self.run_report("bench_rm_step_report", ["--model", m, unknown])
 
 
 class Peak(unittest.TestCase):
