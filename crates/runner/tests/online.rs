@@ -1014,3 +1014,32 @@ fn bf16_training_moves_the_policy_and_resumes_to_the_same_bytes() {
         "bf16 and f32 training gave the same KLs: did the key take effect?"
     );
 }
+
+/// `[policy] dtype = "bf16"` reaches ppo's critic: its backbone's frozen products run in bf16
+/// as the learner's. The first chunk's rollouts are the base policy's in both runs (the same
+/// digest: the sampler is f32 and the adapters start at B = 0, so the k1 penalty is 0 in both),
+/// so the critic's targets agree, and its loss can differ only through the critic's own products:
+/// a critic left in f32 gives the f32 run's loss to the bit, which this test refuses.
+#[test]
+fn bf16_policy_products_reach_the_ppo_critic() {
+    let tmp = setup(0.05);
+    let p = tmp.path();
+    let text = spec(0.05)
+        .replace("strategies = [\"random-pair\", \"best-quantile\"]", "strategies = [\"best-quantile\"]")
+        .replace("policy = [\"best-of-n\", \"rloo\", \"dpo\"]", "policy = [\"ppo\"]")
+        .replace("[[estimator]]", "[policy.ppo]\nreward = \"oracle\"\ncritic_lr = 0.01\n[[estimator]]");
+    let first = |dir: &Path| {
+        let t = table(&dir.join("policy_updates.parquet"));
+        let (chunk, seed) = (u64s(&t, "chunk"), u32s(&t, "seed"));
+        let (digest, loss) = (strs(&t, "rollout_digest"), util::opt_f64s(&t, "critic_loss"));
+        let i = (0..chunk.len()).find(|&i| chunk[i] == 1 && seed[i] == 0).expect("seed 0's first update");
+        (digest[i].clone(), loss[i].expect("ppo's critic loss"))
+    };
+    std::fs::write(p.join("run.toml"), &text).unwrap();
+    let (d32, l32) = first(&run(p, "f", "1"));
+    std::fs::write(p.join("run.toml"), text.replace("[policy]\n", "[policy]\ndtype = \"bf16\"\n")).unwrap();
+    let (d16, l16) = first(&run(p, "b", "1"));
+    assert_eq!(d32, d16, "the first rollouts should be the base policy's in both runs");
+    assert!(l32.is_finite() && l16.is_finite());
+    assert_ne!(l32.to_bits(), l16.to_bits(), "the critic's loss is the f32 run's: its products stayed f32");
+}

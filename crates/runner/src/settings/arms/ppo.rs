@@ -22,17 +22,19 @@ use policy::PolicyModel;
 use std::collections::HashMap;
 
 /// What a critic is built on: the policy's frozen weights (shared tensors), its architecture,
-/// the longest sequence, the adapters' shape.
+/// the longest sequence, the adapters' shape, and the products `[policy] dtype` asks for.
 pub(super) struct Backbone {
     base: HashMap<String, Tensor>,
     cfg: features::model::Config,
     max_len: usize,
     lora: policy::LoraConfig,
+    bf16: bool,
 }
 
 impl Backbone {
     pub(super) fn of(o: &crate::world::online::Online) -> Backbone {
-        Backbone { base: o.base.clone(), cfg: o.cfg.clone(), max_len: o.max_len, lora: o.spec.lora(0) }
+        let bf16 = o.spec.dtype == crate::spec::policy::TrainDtype::Bf16;
+        Backbone { base: o.base.clone(), cfg: o.cfg.clone(), max_len: o.max_len, lora: o.spec.lora(0), bf16 }
     }
 }
 
@@ -54,7 +56,11 @@ impl Ppo {
         let seed = crate::world::env::per_chunk_seed(b"onepass-critic", self.critic_seed, chunk);
         let lora = policy::LoraConfig { seed, dropout: 0.0, ..b.lora.clone() };
         let mut m = PolicyModel::new(b.base.clone(), b.cfg.clone(), &lora, b.max_len, DType::F32)?;
-        if m.can_pack_products() {
+        if b.bf16 {
+            // the critic's backbone on the policy's products: its frozen weights in bf16 as the
+            // learner's (the value head, the adapters and Adam stay f32)
+            m.use_bf16_products()?;
+        } else if m.can_pack_products() {
             m.use_packed_products(false)?;
         }
         let head = match self.critic.head {

@@ -140,8 +140,9 @@ pub struct PolicySpec {
     #[serde(default)]
     pub dropout: f64,
     /// "f32" or "bf16": the frozen products of the policy's updates and scoring passes
-    /// ([`TrainDtype`]; the CPU only, a persistent LoRA adapter only). The sampler keeps
-    /// `generate.dtype`, and the ppo critic f32.
+    /// ([`TrainDtype`]; the CPU only, a persistent LoRA adapter only), and of the ppo critic's
+    /// backbone (its value head f32). A learning arm's sampler stays f32 whatever
+    /// generate.dtype says (adapters merged into bf16 weights would round a small update away).
     #[serde(default)]
     pub dtype: TrainDtype,
     /// Adam on the adapters, gradients clipped to this global norm; `lr` is the peak learning
