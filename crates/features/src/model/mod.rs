@@ -168,7 +168,10 @@ impl Attention {
         let s = (q.matmul(&kc.t()?)? * (1.0 / (hd as f64).sqrt()))?;
         let s = s.reshape((b, kv, g, t, len))?.broadcast_add(mask)?;
         let p = candle_nn::ops::softmax_last_dim(&s)?;
-        let y = p.reshape((b, kv, g * t, len))?.matmul(&vc.contiguous()?)?;
+        // vc is a view of the first len slots of each (row, kv head)'s cap slots: each matrix is
+        // contiguous and the batch strides fold into one, which the matmul takes as it is (a
+        // copy here moved the whole cache every decoding step)
+        let y = p.reshape((b, kv, g * t, len))?.matmul(&vc)?;
         let y = y.reshape((b, h, t, hd))?.transpose(1, 2)?.reshape((b, t, h * hd))?;
         self.o.forward(&y)
     }
