@@ -117,6 +117,12 @@ def main(argv):
             per_round = [a["tok_s"] / b["tok_s"] for a, b in zip(c, t)]
             print(f"candle {cd} / {peer[0]} {peer[1]}: {med[('candle', cd)] / med[peer]:.2f}x"
                   f" (per round {min(per_round):.2f}-{max(per_round):.2f}x)")
+    # onepass's bf16 over its own f32 (the bf16 target's first bar), per round as above
+    b, f = runs.get(("candle", "bf16")), runs.get(("candle", "f32"))
+    if b and f:
+        per_round = [x["tok_s"] / y["tok_s"] for x, y in zip(b, f)]
+        print(f"candle bf16 / candle f32: {med[('candle', 'bf16')] / med[('candle', 'f32')]:.2f}x"
+              f" (per round {min(per_round):.2f}-{max(per_round):.2f}x)")
 
 
 if __name__ == "__main__":

@@ -50,6 +50,10 @@ def main():
     ap.add_argument("--cpu", help="the machine, when this is not the one that made the run")
     ap.add_argument("--wall", default="", help="the run's wall time, as measured")
     ap.add_argument("--out", help="append to this CSV (written with its header when new); else print")
+    ap.add_argument("--tree-of", metavar="REV",
+                    help="the run's build had uncommitted changes that were then committed as REV, a child of "
+                         "the revision meta.json names: the rows name REV (checked with git: REV's parent must be "
+                         "meta.json's revision)")
     a = ap.parse_args()
     comp = os.path.join(a.run, "report", "policy_comparisons.csv")
     if not os.path.exists(comp):
@@ -58,12 +62,21 @@ def main():
         meta = json.load(open(os.path.join(a.run, "meta.json")))
     except (OSError, ValueError) as e:
         sys.exit(f"policy_results: {a.run}/meta.json: {e}")
+    rev = meta["git_revision"][:7]
     if meta.get("git_dirty") != "false":
-        sys.exit(f"policy_results: {a.run}: made by a build with uncommitted changes (git_dirty = {meta.get('git_dirty')}): a summary needs a committed revision")
+        if not a.tree_of:
+            sys.exit(f"policy_results: {a.run}: made by a build with uncommitted changes (git_dirty = {meta.get('git_dirty')}): a summary needs a committed revision (or --tree-of REV)")
+        import subprocess
+        parent = subprocess.run(["git", "rev-parse", f"{a.tree_of}^"], capture_output=True, text=True).stdout.strip()
+        if not parent.startswith(meta["git_revision"][:7]):
+            sys.exit(f"policy_results: --tree-of {a.tree_of}: its parent is {parent[:7] or 'unknown'}, the run's build was of {rev}")
+        rev = a.tree_of[:7]
+    elif a.tree_of:
+        sys.exit(f"policy_results: --tree-of {a.tree_of}: the run's build was clean ({rev}): leave it out")
     cpu = a.cpu or cpu_name()
     if not cpu:
         sys.exit("policy_results: the CPU is unknown: pass --cpu")
-    date, rev = meta["finished"][:10], meta["git_revision"][:7]
+    date = meta["finished"][:10]
     header = ["date", "revision", "cpu", "command", "wall_time", "shared", "comparison", "seeds", "base", "last",
               "difference", "ci95", "p", "detectable_80", "prompts", "boot95"]
     rows = []

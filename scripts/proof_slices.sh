@@ -9,7 +9,11 @@
 #   scripts/proof_slices.sh merge               # every slice finished → onepass merge + report + check
 #
 # Set PRESET (default experiments/deploy/online-proof.toml), N (slices, default 8), REV (the
-# pinned revision, default 6c8cb6f) and THREADS (default 2). The run's identity holds the
+# pinned revision, default 6c8cb6f), THREADS (default 2), SET (--set overrides, one KEY=VALUE a
+# line, passed to every run and to the merge) and NAME (the folders' name, default the preset's).
+# e.g. the bf16 proof: REV=e4cc6cd NAME=online-proof-bf16 \
+#   SET=$'policy.dtype="bf16"\nfeatures.dtype="bf16"' scripts/proof_slices.sh run
+# The run's identity holds the
 # revision and digests of its data (the generated responses and their φ), so every slice must
 # come from one build of REV and read the same world: `restore` copies the committed cache into
 # .cache/ before anything runs. Only what `onepass merge` reads is kept: slice.json, plan.json,
@@ -21,7 +25,10 @@ PRESET=${PRESET:-experiments/deploy/online-proof.toml}
 N=${N:-8}
 REV=${REV:-6c8cb6f}
 THREADS=${THREADS:-2}
-NAME=$(basename "$PRESET" .toml)
+NAME=${NAME:-$(basename "$PRESET" .toml)}
+SETS=()
+while IFS= read -r kv; do [[ -n "$kv" ]] && SETS+=(--set "$kv"); done <<<"${SET:-}"
+
 KEEP=${KEEP:-docs/results/slices/$NAME}
 WORK=${WORK:-results/slices-$NAME}
 BIN=results/bin-$REV/onepass
@@ -64,10 +71,10 @@ run)
                 echo "proof_slices: slice $i/$N finished"
                 continue
             fi
-            "$BIN" run "$PRESET" --cells "$i/$N" --resume "$d" --threads "$THREADS"
+            "$BIN" run "$PRESET" --cells "$i/$N" --resume "$d" --threads "$THREADS" "${SETS[@]}"
         else
             mkdir -p "$WORK/s$i"
-            "$BIN" run "$PRESET" --cells "$i/$N" --out "$WORK/s$i" --threads "$THREADS"
+            "$BIN" run "$PRESET" --cells "$i/$N" --out "$WORK/s$i" --threads "$THREADS" "${SETS[@]}"
         fi
     done
     ;;
@@ -95,7 +102,7 @@ merge)
         [[ -n "$d" ]] || { echo "proof_slices: slice $i/$N: not run" >&2; exit 1; }
         dirs+=("$d")
     done
-    run=$("$BIN" merge "$PRESET" "${dirs[@]}" --out results | tail -n 1)
+    run=$("$BIN" merge "$PRESET" "${dirs[@]}" --out results "${SETS[@]}" | tail -n 1)
     "$BIN" report "$run"
     python3 scripts/check_policy_stats.py "$run"
     echo "$run"
