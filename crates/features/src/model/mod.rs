@@ -15,9 +15,14 @@ mod config;
 mod linear;
 
 pub use config::{Config, Family, HfConfig, RopeScaling};
-pub use linear::f32_uses_candle;
+pub use linear::{f32_uses_candle, LowRank};
 use linear::{Lin, PackedQkvRope, RmsNorm, Store, Weight};
 
+/// LoRA adapters by the name of the layer they adapt, as the policy and PEFT name it
+/// (`model.layers.{i}.self_attn.q_proj`, …): what [`Model::with_adapters`] applies.
+pub type Adapters = std::collections::HashMap<String, LowRank>;
+
+#[derive(Clone)]
 struct Rope {
     cos: Tensor,
     sin: Tensor,
@@ -64,6 +69,7 @@ impl Rope {
     }
 }
 
+#[derive(Clone)]
 struct Attention {
     /// q, k and v fused: (heads + 2·kv_heads)·head_dim outputs.
     qkv: Lin,
@@ -91,8 +97,9 @@ impl Attention {
         let (b, t, _) = x.dims3()?;
         let (h, kv, hd) = (self.heads, self.kv_heads, self.head_dim);
         let scale = 1.0 / (hd as f64).sqrt();
-        if let (Weight::Packed(w), None) = (&self.qkv.w, &self.qkv.b) {
-            // The bf16 CPU path: RoPE and the heads' layout in the product's epilogue.
+        if let (Weight::Packed(w), None, None) = (&self.qkv.w, &self.qkv.b, &self.qkv.low) {
+            // The bf16 CPU path: RoPE and the heads' layout in the product's epilogue (an
+            // adapter's branch, added before RoPE, takes the path below).
             let packed = {
                 let _s = tracing::trace_span!("qkv").entered();
                 let op = PackedQkvRope {
@@ -177,6 +184,7 @@ impl Attention {
     }
 }
 
+#[derive(Clone)]
 struct Mlp {
     /// gate and up fused: 2·intermediate outputs.
     gate_up: Lin,
@@ -201,6 +209,7 @@ impl Mlp {
     }
 }
 
+#[derive(Clone)]
 struct Block {
     norm1: RmsNorm,
     attn: Attention,
@@ -342,6 +351,7 @@ impl KvCache {
 }
 
 /// A decoder that returns hidden states.
+#[derive(Clone)]
 pub struct Model {
     pub cfg: Config,
     embed: Embedding,
@@ -415,6 +425,56 @@ impl Model {
         let rope = Rope::new(&cfg, max_len.max(1), &device, act).map_err(ctx("rope tables".into()))?;
         let f32_packed = store == Store::F32Cpu;
         Ok(Model { cfg, embed, lm_head, blocks, norm, rope, dtype, act, device, f32_packed })
+    }
+
+    /// This model with LoRA adapters applied unmerged beside its weights ([`LowRank`]: y = x Wᵀ
+    /// + s·(x Aᵀ) Bᵀ, in f32 whatever the weights' dtype), replacing any it had: the packed
+    /// weights are shared, not copied. Every adapter must name a layer of the model (q, k, v, o,
+    /// gate, up or down of a block) and fit its shape.
+    pub fn with_adapters(&self, adapters: &Adapters) -> Result<Model, Error> {
+        let cfg = &self.cfg;
+        let (hd, inter) = (cfg.head_dim, cfg.intermediate);
+        let mut used = 0;
+        let mut get = |i: usize, t: &str| {
+            let a = adapters.get(&format!("model.layers.{i}.{t}"));
+            used += a.is_some() as usize;
+            a
+        };
+        let mut m = self.clone();
+        for (i, blk) in m.blocks.iter_mut().enumerate() {
+            let name = |t: &str| format!("model.layers.{i}.{t}");
+            let parts = [
+                (get(i, "self_attn.q_proj"), cfg.heads * hd),
+                (get(i, "self_attn.k_proj"), cfg.kv_heads * hd),
+                (get(i, "self_attn.v_proj"), cfg.kv_heads * hd),
+            ];
+            blk.attn.qkv = blk.attn.qkv.adapted(&parts, &name("self_attn.qkv_proj"))?;
+            blk.attn.o = blk.attn.o.adapted(&[(get(i, "self_attn.o_proj"), cfg.hidden)], &name("self_attn.o_proj"))?;
+            let parts = [(get(i, "mlp.gate_proj"), inter), (get(i, "mlp.up_proj"), inter)];
+            blk.mlp.gate_up = blk.mlp.gate_up.adapted(&parts, &name("mlp.gate_up_proj"))?;
+            blk.mlp.down = blk.mlp.down.adapted(&[(get(i, "mlp.down_proj"), cfg.hidden)], &name("mlp.down_proj"))?;
+        }
+        if used != adapters.len() {
+            let mut unknown: Vec<&String> = adapters
+                .keys()
+                .filter(|k| {
+                    !(0..cfg.layers).any(|i| {
+                        ["q_proj", "k_proj", "v_proj", "o_proj"]
+                            .iter()
+                            .any(|t| **k == format!("model.layers.{i}.self_attn.{t}"))
+                            || ["gate_proj", "up_proj", "down_proj"]
+                                .iter()
+                                .any(|t| **k == format!("model.layers.{i}.mlp.{t}"))
+                    })
+                })
+                .collect();
+            unknown.sort();
+            return Err(Error::Input(format!(
+                "adapters {unknown:?} name no layer of this {}-layer model (expected model.layers.{{i}}.self_attn.{{q,k,v,o}}_proj or model.layers.{{i}}.mlp.{{gate,up,down}}_proj)",
+                cfg.layers
+            )));
+        }
+        Ok(m)
     }
 
     pub fn device(&self) -> &Device {
@@ -611,7 +671,7 @@ mod tests {
             for interleaved in [false, true] {
                 let op = PackedQkvRope { w: mat.clone(), dims: (b, t, heads, d), rotated: h + kv, interleaved };
                 let got = x.apply_op3_no_bwd(&cos, &sin, &op).unwrap();
-                let plain = x.apply_op1_no_bwd(&PackedLinear { w: mat.clone(), swiglu: false }).unwrap();
+                let plain = x.apply_op1_no_bwd(&PackedLinear { w: mat.clone(), swiglu: false, low: None }).unwrap();
                 let plain = plain.reshape((b, t, heads, d)).unwrap();
                 let want = crate::ops::qkv_rope(&plain, &cos, &sin, h + kv, 0, interleaved).unwrap();
                 let bits = |t: &Tensor| -> Vec<u32> {

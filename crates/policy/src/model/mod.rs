@@ -630,6 +630,52 @@ impl PolicyModel {
         Ok(out)
     }
 
+    /// The adapters as a generator applies them unmerged (`features::model::Model::with_adapters`:
+    /// y = x Wᵀ + (α/r)·(x Aᵀ) Bᵀ beside the base weights — the bf16 sampler, whose base is
+    /// never merged into), copied out of the graph in f32. An error for a full-parameter policy
+    /// (it has no adapters: its weights are [`PolicyModel::merged_weights`]) and after a merge
+    /// (the base weights would no longer be the base's).
+    pub fn unmerged_adapters(&self) -> Result<features::model::Adapters> {
+        if self.full.is_some() {
+            candle_core::bail!("a full-parameter policy has no adapters to apply unmerged");
+        }
+        if self.history.is_some() {
+            candle_core::bail!("adapters applied unmerged after a merge: the base weights have moved");
+        }
+        let copy = |v: &Var| v.as_tensor().detach().to_dtype(DType::F32)?.copy();
+        self.adapters()
+            .into_iter()
+            .map(|(name, ad)| {
+                Ok((name, features::model::LowRank { a: copy(&ad.a)?, b: copy(&ad.b)?, scale: ad.scale }))
+            })
+            .collect()
+    }
+
+    /// [`PolicyModel::merge_error`] of adapters applied unmerged: over every adapted layer,
+    /// ‖B'A − (α/r)BA‖_F / ‖(α/r)BA‖_F with B' = the generator's s·B rounded to f32
+    /// (`LowRank::scaled_b`), the target in f64 from this policy's own A and B. 0 when exact;
+    /// an adapter the generator lacks counts whole.
+    pub fn unmerged_error(&self, adapters: &features::model::Adapters) -> Result<f64> {
+        let (mut err, mut size) = (0f64, 0f64);
+        for (name, ad) in self.adapters() {
+            let (a, b) = (ad.a.as_tensor().to_dtype(DType::F64)?, ad.b.as_tensor().to_dtype(DType::F64)?);
+            let want = (b.matmul(&a)? * ad.scale)?;
+            let got = match adapters.get(&name) {
+                Some(l) => l.scaled_b()?.to_dtype(DType::F64)?.matmul(&l.a.to_dtype(DType::F64)?)?,
+                None => want.zeros_like()?,
+            };
+            err += (got - &want)?.sqr()?.sum_all()?.to_scalar::<f64>()?;
+            size += want.sqr()?.sum_all()?.to_scalar::<f64>()?;
+        }
+        Ok(if size > 0.0 {
+            (err / size).sqrt()
+        } else if err > 0.0 {
+            f64::INFINITY
+        } else {
+            0.0
+        })
+    }
+
     /// How far generation weights are from the trained policy: over every adapted layer,
     /// ‖W_gen − (W + (α/r)BA)‖_F / ‖(α/r)BA‖_F, the target computed in f64 (0 when the update
     /// is exact to f64, e.g. adapters at zero; ~1 when a merge rounded the update away).

@@ -3,11 +3,12 @@
 //! policy: LoRA adapters on the frozen policy model (or, for dpo with parameters = "full",
 //! every weight) and their Adam state. Per chunk the policy
 //! samples n responses to the chunk's prompts (the bank's responses while it has not moved and
-//! the bank is the f32 generator's), φ and the oracle score them, the chunk loop labels pairs
+//! the bank's generator is its sampler), φ and the oracle score them, the chunk loop labels pairs
 //! and updates θ, then [`PolicyCell::update`] takes the policy step: RLOO on the reward its
 //! source names (learned φᵀθ, the oracle's, or the null control's) of all n samples, or online
 //! DPO on the labelled pairs. The sampler is the trained policy: it generates from the adapters
-//! merged in f32 (`PolicyModel::merged_weights`). [`PolicyCell::evaluate`] samples the
+//! merged in f32 (`PolicyModel::merged_weights`), or with policy.dtype = "bf16" from the packed
+//! bf16 base with the adapters unmerged beside it (`PolicyModel::unmerged_adapters`). [`PolicyCell::evaluate`] samples the
 //! held-out prompts with the seed's streams; cells whose policy does not learn (best-of-n,
 //! fixed) are evaluated on the base policy's samples of those streams, so every arm of a seed
 //! is measured on the same prompts and streams.
@@ -158,7 +159,7 @@ impl<'a> PolicyCell<'a> {
     pub(super) fn served_as(&self, rollouts: bool) -> Result<String> {
         let Some(s) = &self.online.server else { return Ok(String::new()) };
         match &self.learner {
-            Some((m, _)) if self.moved || (rollouts && !self.online.bank_is_f32()) => self.adapter_name(m),
+            Some((m, _)) if self.moved || (rollouts && !self.online.bank_is_sampler()) => self.adapter_name(m),
             _ => Ok(s.model.clone()),
         }
     }
@@ -175,9 +176,10 @@ impl<'a> PolicyCell<'a> {
         }
     }
 
-    /// Samples of `prompts` from the current policy: generated from the f32 merge once it has
-    /// moved (or when `base` is None), else `base`; with the generating weights' merge error
-    /// when `measure` asks for it (0 for `base`).
+    /// Samples of `prompts` from the current policy: generated once it has moved (or when
+    /// `base` is None) — from the f32 merge, or with policy.dtype = "bf16" on the bf16 base with
+    /// the adapters unmerged — else `base`; with the generating weights' merge error when
+    /// `measure` asks for it (0 for `base`; unmerged, that of the adapters as applied).
     fn sample(
         &self,
         prompts: &[Vec<features::Message>],
@@ -189,6 +191,11 @@ impl<'a> PolicyCell<'a> {
             (_, Some(b)) if !self.moved => Ok((b.clone(), 0.0)),
             // the server applies the adapter itself: no merge of onepass's to measure
             (Some((m, _)), _) if self.online.server.is_some() => Ok((self.sample_served(m, prompts, opts)?, f64::NAN)),
+            (Some((m, _)), _) if self.online.spec.dtype == crate::spec::policy::TrainDtype::Bf16 => {
+                let ad = m.unmerged_adapters()?;
+                let err = if measure { m.unmerged_error(&ad)? } else { 0.0 };
+                Ok((self.online.generate_unmerged(&ad, prompts, opts)?, err))
+            }
             (Some((m, _)), _) => {
                 let w = m.merged_weights()?;
                 let err = if measure { m.merge_error(&w)? } else { 0.0 };
@@ -283,7 +290,7 @@ impl<'a> PolicyCell<'a> {
         if self.learner.is_none() {
             return Ok((xs.iter().map(|&x| env.contexts[x].clone()).collect(), Vec::new()));
         }
-        if !self.moved && self.online.bank_is_f32() {
+        if !self.moved && self.online.bank_is_sampler() {
             let samples = xs.iter().map(|&x| g.samples[x].clone()).collect();
             return Ok((xs.iter().map(|&x| env.contexts[x].clone()).collect(), samples));
         }
@@ -585,7 +592,7 @@ impl<'a> PolicyCell<'a> {
             .zip(&o.eval_ids)
             .flat_map(|(ss, p)| ss.iter().map(move |s| Rollout { prompt: p, response: &s.ids }))
             .collect();
-        // a moved policy's samples come from onepass's f32 sampler on its merged weights,
+        // a moved policy's samples come from onepass's sampler (f32 merged, or bf16 unmerged),
         // which records log π of every token it draws (its batches fixed by the spec: they
         // are not cached): the policy's pass is not run again. The base's samples (cached,
         // their log-probabilities dropped) and a server's are scored here.

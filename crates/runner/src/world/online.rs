@@ -7,9 +7,10 @@ use super::extract::{device, dtype, PhiRun};
 use super::generated::{generate_as, generate_with, BankReport, Generated, Scorer};
 use crate::progress::Mode;
 use crate::spec::data::expand_env;
+use crate::spec::policy::TrainDtype;
 use crate::spec::{FeatureSpec, GenerateSpec, OracleKind, OracleSpec, PolicySpec};
 use anyhow::{anyhow, Context as _, Result};
-use candle_core::Tensor;
+use candle_core::{DType, Tensor};
 use features::generate::Sample;
 use features::model::{Config, Model};
 use features::sampling::SampleOptions;
@@ -35,6 +36,10 @@ pub struct Online {
     tied: bool,
     /// The policy's tokenizer and chat template (generation with merged weights).
     policy: Backbone,
+    /// `policy.dtype = "bf16"`: the base policy on packed bf16 weights, which a learning arm
+    /// samples with its adapters unmerged beside them (`Model::with_adapters`) — the bank's
+    /// backbone when generate.dtype is bf16 too, else built once from `base`.
+    sampler16: Option<Model>,
     pub opts: SampleOptions,
     /// The held-out sampling options of seed index i: `eval_opts[i]` (its own streams).
     pub eval_opts: Vec<SampleOptions>,
@@ -45,8 +50,8 @@ pub struct Online {
     pub prompt_ids: Vec<Vec<u32>>,
     pub eval_prompts: Vec<Vec<Message>>,
     pub eval_ids: Vec<Vec<u32>>,
-    /// The base policy's samples of the held-out prompts per seed index, from the f32
-    /// generator with the seed's streams: every policy's evaluation before its first update,
+    /// The base policy's samples of the held-out prompts per seed index, from the learning
+    /// arms' sampler (f32, or bf16 with policy.dtype = "bf16") with the seed's streams: every policy's evaluation before its first update,
     /// and the evaluation of the arms whose policy does not learn.
     pub eval_base: Vec<Vec<Vec<Sample>>>,
     /// `[policy.dpo.warm_start]`'s pairs, tokenised for the policy (empty without one), and the
@@ -174,6 +179,14 @@ impl Online {
             None => (Vec::new(), 0),
         };
         let server = g.server().map_err(|(k, m)| anyhow!("generate.{k}: {m}"))?;
+        let sampler16 = match p.dtype {
+            TrainDtype::F32 => None,
+            TrainDtype::Bf16 if policy.model.dtype() == DType::BF16 => Some(policy.model.clone()),
+            TrainDtype::Bf16 => {
+                let vb = candle_nn::VarBuilder::from_tensors(base.clone(), DType::BF16, &dev);
+                Some(Model::load_with(vb, cfg.clone(), max_len, Some(tied)).context("the bf16 sampler")?)
+            }
+        };
         let mut o = Online {
             spec: p.clone(),
             server,
@@ -183,6 +196,7 @@ impl Online {
             cfg,
             tied,
             policy,
+            sampler16,
             opts,
             eval_opts,
             batch_prompts: g.batch_prompts,
@@ -202,14 +216,16 @@ impl Online {
     }
 
     /// The base policy's samples of the held-out prompts, one set per evaluation stream
-    /// (`eval_opts`): the f32 generator's (or the server's) through the generation cache when
-    /// the bank is theirs, else generated here in f32 from the base weights.
+    /// (`eval_opts`): the bank's generator's (or the server's) through the generation cache when
+    /// it is the learning arms' sampler, else generated here by that sampler from the base.
     fn sample_base_eval(&mut self, g: &GenerateSpec, bank: &Generated, progress: Mode) -> Result<()> {
         for (i, eo) in self.eval_opts.iter().enumerate() {
-            let samples = if self.bank_is_f32() || self.server.is_some() {
-                // the f32 generator's (or the server's) samples, through the generation cache
+            let samples = if self.bank_is_sampler() || self.server.is_some() {
+                // the sampler's (or the server's) samples, through the generation cache
                 let gs = GenerateSpec { n: eo.n, seed: eo.seed, ..g.clone() };
                 generate_with(&self.policy, &gs, &bank.eval_prompts, progress, &mut BankReport::default())?
+            } else if self.sampler16.is_some() {
+                self.generate_unmerged(&Default::default(), &self.eval_prompts, eo)?
             } else {
                 self.generate(self.base.clone(), &self.eval_prompts, eo)?
             };
@@ -221,9 +237,26 @@ impl Online {
         Ok(())
     }
 
+    /// Samples of each prompt from the bf16 base with `adapters` beside its weights, unmerged
+    /// (`PolicyModel::unmerged_adapters`; policy.dtype = "bf16": the trained policy's own
+    /// products, and an update far below a bf16 ulp of W is kept). Streams as
+    /// [`Online::generate`]'s.
+    pub fn generate_unmerged(
+        &self,
+        adapters: &features::model::Adapters,
+        prompts: &[Vec<Message>],
+        opts: &SampleOptions,
+    ) -> Result<Vec<Vec<Sample>>> {
+        let base =
+            self.sampler16.as_ref().ok_or_else(|| anyhow!("an unmerged sampler without policy.dtype = \"bf16\""))?;
+        let model = base.with_adapters(adapters)?;
+        Ok(self.policy.generate_on(&model, prompts, opts, self.batch_prompts, &mut |_| {})?)
+    }
+
     /// Samples of each prompt from the policy with `weights` (f32, the adapters merged in: see
     /// `PolicyModel::merged_weights`), generated in f32 whatever generate.dtype says — a bf16
-    /// generator would round a small update away. The streams are the options' (a policy that
+    /// merge would round a small update away (policy.dtype = "bf16" samples with
+    /// [`Online::generate_unmerged`] instead). The streams are the options' (a policy that
     /// has not moved gives the base policy's samples, and two policies are compared on common
     /// random numbers).
     pub fn generate(
@@ -278,10 +311,13 @@ impl Online {
         }
     }
 
-    /// The base policy's training samples are the bank's only when the bank was generated in
-    /// f32 (the learning arms' generator); otherwise a learning arm generates its own.
-    pub fn bank_is_f32(&self) -> bool {
-        self.policy.model.dtype() == candle_core::DType::F32
+    /// Whether the bank's generator is the learning arms' sampler (both f32, or both bf16 with
+    /// policy.dtype = "bf16"): then the base policy's training samples are the bank's and its
+    /// held-out samples go through the generation cache; otherwise a learning arm generates
+    /// its own.
+    pub fn bank_is_sampler(&self) -> bool {
+        let sampler = if self.sampler16.is_some() { DType::BF16 } else { DType::F32 };
+        self.policy.model.dtype() == sampler
     }
 
     /// The learner's φ of (prompt, response) conversations and the oracle's rewards.

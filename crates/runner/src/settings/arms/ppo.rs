@@ -32,6 +32,19 @@ pub(super) struct Backbone {
 }
 
 impl Backbone {
+    /// The critic's backbone with adapters `lora`, on the policy's products: its frozen weights
+    /// in bf16 as the learner's with policy.dtype = "bf16" (the value head, the adapters and
+    /// Adam stay f32), else packed f32 where the CPU path allows.
+    fn model(&self, lora: &policy::LoraConfig) -> Result<PolicyModel> {
+        let mut m = PolicyModel::new(self.base.clone(), self.cfg.clone(), lora, self.max_len, DType::F32)?;
+        if self.bf16 {
+            m.use_bf16_products()?;
+        } else if m.can_pack_products() {
+            m.use_packed_products(false)?;
+        }
+        Ok(m)
+    }
+
     pub(super) fn of(o: &crate::world::online::Online) -> Backbone {
         let bf16 = o.spec.dtype == crate::spec::policy::TrainDtype::Bf16;
         Backbone { base: o.base.clone(), cfg: o.cfg.clone(), max_len: o.max_len, lora: o.spec.lora(0), bf16 }
@@ -55,14 +68,7 @@ impl Ppo {
         let b = &self.backbone;
         let seed = crate::world::env::per_chunk_seed(b"onepass-critic", self.critic_seed, chunk);
         let lora = policy::LoraConfig { seed, dropout: 0.0, ..b.lora.clone() };
-        let mut m = PolicyModel::new(b.base.clone(), b.cfg.clone(), &lora, b.max_len, DType::F32)?;
-        if b.bf16 {
-            // the critic's backbone on the policy's products: its frozen weights in bf16 as the
-            // learner's (the value head, the adapters and Adam stay f32)
-            m.use_bf16_products()?;
-        } else if m.can_pack_products() {
-            m.use_packed_products(false)?;
-        }
+        let m = b.model(&lora)?;
         let head = match self.critic.head {
             CriticHead::Theta if theta.len() != b.cfg.hidden => {
                 return Err(anyhow!(
@@ -116,5 +122,28 @@ impl Arm for Ppo {
                 seconds: st.critic_seconds,
             }),
         })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// With policy.dtype = "bf16" the critic's frozen products are bf16, as the learner's; with
+    /// f32 they are not (the control).
+    #[test]
+    fn the_critic_follows_the_policys_products() {
+        let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../features/tests/fixtures/tiny-llama");
+        let hf: features::model::HfConfig =
+            serde_json::from_str(&std::fs::read_to_string(dir.join("config.json")).unwrap()).unwrap();
+        let cfg = features::model::Config::from_hf(&hf).unwrap();
+        let base: HashMap<String, Tensor> =
+            candle_core::safetensors::load(dir.join("model.safetensors"), &candle_core::Device::Cpu).unwrap();
+        let base = base.into_iter().map(|(k, v)| (k, v.to_dtype(DType::F32).unwrap())).collect();
+        let lora = policy::LoraConfig { rank: 2, alpha: 4.0, ..Default::default() };
+        for bf16 in [false, true] {
+            let b = Backbone { base: Clone::clone(&base), cfg: cfg.clone(), max_len: 32, lora: lora.clone(), bf16 };
+            assert_eq!(b.model(&lora).unwrap().bf16_products(), bf16);
+        }
     }
 }

@@ -141,8 +141,11 @@ pub struct PolicySpec {
     pub dropout: f64,
     /// "f32" or "bf16": the frozen products of the policy's updates and scoring passes
     /// ([`TrainDtype`]; the CPU only, a persistent LoRA adapter only), and of the ppo critic's
-    /// backbone (its value head f32). A learning arm's sampler stays f32 whatever
-    /// generate.dtype says (adapters merged into bf16 weights would round a small update away).
+    /// backbone (its value head f32), and a learning arm's sampler: with "bf16" it samples on
+    /// the packed bf16 base with the adapters unmerged beside it in f32 (merged into bf16
+    /// weights a small update would be rounded away), with "f32" on the adapters merged in f32,
+    /// whatever generate.dtype says. The unmoved policy's samples are the bank's only when
+    /// generate.dtype is the same as this.
     #[serde(default)]
     pub dtype: TrainDtype,
     /// Adam on the adapters, gradients clipped to this global norm; `lr` is the peak learning
