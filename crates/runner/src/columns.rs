@@ -180,7 +180,7 @@ pub const COLUMNS: &[ColumnDoc] = &[
     ColumnDoc { tables: &[POLICY], column: "entropy", ty: "f64?", unit: "nats/token", doc: "−mean log π(y_t) over the sampled tokens (null for a policy that does not learn)." },
     ColumnDoc { tables: &[POLICY], column: "response_tokens", ty: "f64", unit: "tokens", doc: "Mean response length." },
     ColumnDoc { tables: &[POLICY], column: "cut_fraction", ty: "f64", unit: "fraction", doc: "Samples cut at max_new_tokens." },
-    ColumnDoc { tables: &[POLICY], column: "merge_error", ty: "f64", unit: "", doc: "‖W_gen − (W + (α/r)BA)‖_F / ‖(α/r)BA‖_F over the adapted layers: the generating weights against the trained policy (0 when exact or unmoved)." },
+    ColumnDoc { tables: &[POLICY], column: "merge_error", ty: "f64", unit: "", doc: "‖W_gen − (W + (α/r)BA)‖_F / ‖(α/r)BA‖_F over the adapted layers: the generating weights against the trained policy (0 when exact or unmoved). With policy.dtype = \"bf16\" the sampler keeps the adapters unmerged: the same for its update, B'A with B' = (α/r)·B rounded to f32, against (α/r)BA." },
     ColumnDoc { tables: &[POLICY], column: "policy_digest", ty: "string", unit: "", doc: "blake3 of the adapters that generated the samples (`base` for an arm that does not learn)." },
     ColumnDoc { tables: &[POLICY], column: "served_as", ty: "string", unit: "", doc: "`generate.backend = \"openai\"`: the model name the samples were requested under; empty for onepass's sampler." },
     // policy_samples.parquet

@@ -140,7 +140,7 @@ pub struct PolicyRow {
     pub cut_fraction: f64,
     /// The generating weights against the trained policy: ‖W_gen − (W + (α/r)BA)‖_F /
     /// ‖(α/r)BA‖_F over the adapted layers (0 when exact or unmoved; see
-    /// `PolicyModel::merge_error`).
+    /// `PolicyModel::merge_error`; unmerged bf16 samplers: `PolicyModel::unmerged_error`).
     pub merge_error: f64,
     /// Which adapters generated the samples (blake3 of their values; "base" for an arm that
     /// does not learn).
