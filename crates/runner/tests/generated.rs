@@ -249,3 +249,38 @@ fn active_best_worst_on_generated_responses() {
     assert_eq!(*seen.iter().max().unwrap(), 12);
     assert!(f64s(&m, "subopt").iter().all(|v| v.is_finite()));
 }
+
+/// The generation cache keys the generator's dtype: a bf16 bank is drawn by the bf16 model, not
+/// read from the f32 bank's files (that key is unchanged: f32 caches stay valid), and each kind
+/// says its dtype in its describe.json.
+#[test]
+fn a_bf16_bank_is_not_read_from_the_f32_banks_cache() {
+    let tmp = setup();
+    let p = tmp.path();
+    let dirs = || -> Vec<(String, String)> {
+        let mut v: Vec<(String, String)> = std::fs::read_dir(p.join("cache/gen"))
+            .unwrap()
+            .map(|e| {
+                let e = e.unwrap();
+                let d: serde_json::Value =
+                    serde_json::from_slice(&std::fs::read(e.path().join("describe.json")).unwrap()).unwrap();
+                (e.file_name().to_string_lossy().into_owned(), d["dtype"].as_str().unwrap_or("").to_string())
+            })
+            .collect();
+        v.sort();
+        v
+    };
+    let text = spec("kind = \"linear\"\nseed = 3");
+    std::fs::write(p.join("run.toml"), &text).unwrap();
+    let (code, _, err) = onepass(p, &["run", "run.toml", "--out", "a"]).parts();
+    assert_eq!(code, 0, "{err}");
+    let f32_dirs = dirs();
+    assert!(!f32_dirs.is_empty() && f32_dirs.iter().all(|d| d.1 == "f32"), "{f32_dirs:?}");
+    std::fs::write(p.join("run.toml"), text.replace("[generate]\n", "[generate]\ndtype = \"bf16\"\n")).unwrap();
+    let (code, _, err) = onepass(p, &["run", "run.toml", "--out", "b"]).parts();
+    assert_eq!(code, 0, "{err}");
+    let all = dirs();
+    let bf16: Vec<_> = all.iter().filter(|d| !f32_dirs.iter().any(|f| f.0 == d.0)).collect();
+    assert_eq!(bf16.len(), f32_dirs.len(), "the bf16 bank read the f32 bank's cache: {all:?}");
+    assert!(bf16.iter().all(|d| d.1 == "bf16"), "{all:?}");
+}

@@ -61,8 +61,8 @@ pub struct GenerateSpec {
     pub dtype: DType,
     #[serde(default = "d_device")]
     pub device: Device,
-    /// The generation cache: a bank of samples is generated once per (policy, prompts, sampling
-    /// options) and read back after.
+    /// The generation cache: a bank of samples is generated once per (policy, its dtype,
+    /// prompts, sampling options) and read back after.
     #[serde(default = "d_gen_cache")]
     pub cache: PathBuf,
     /// Where the samples come from: onepass's own sampler, or an OpenAI-compatible server

@@ -87,8 +87,8 @@ impl Scorer {
     }
 }
 
-/// The generation cache's key: the policy's weights, tokenizer and template, the options and,
-/// for a server, the backend and the name the samples are requested under (the served model or
+/// The generation cache's key: the policy's weights, tokenizer and template, the options, the
+/// weights' dtype unless f32 (bf16 draws other tokens) and, for a server, the backend and the name the samples are requested under (the served model or
 /// a cell's adapter, whose name carries its digest): its samples are the server's sampler's.
 fn policy_key(b: &Backbone, o: &SampleOptions, server: Option<(&features::openai::Server, &str)>) -> String {
     let mut h = blake3::Hasher::new();
@@ -97,6 +97,13 @@ fn policy_key(b: &Backbone, o: &SampleOptions, server: Option<(&features::openai
         h.update(part.as_bytes());
     }
     h.update(serde_json::to_string(o).expect("options serialise").as_bytes());
+    // the weights' dtype draws other tokens (bf16 rounds every product): anything but f32 is
+    // keyed apart; f32 keeps the key it always had, so existing caches stay valid
+    if b.model.dtype() != candle_core::DType::F32 {
+        let dtype = format!("dtype={:?}", b.model.dtype());
+        h.update(&(dtype.len() as u64).to_le_bytes());
+        h.update(dtype.as_bytes());
+    }
     if let Some((_, served_as)) = server {
         for part in ["openai", served_as] {
             h.update(&(part.len() as u64).to_le_bytes());
@@ -153,6 +160,7 @@ pub(super) fn generate_as(
         dir.join("describe.json"),
         serde_json::to_string_pretty(
             &serde_json::json!({"policy": b.source, "weights_blake3": b.weights_digest, "options": opts,
+                "dtype": format!("{:?}", b.model.dtype()).to_lowercase(),
                 "backend": g.backend, "server_model": server.as_ref().map(|s| &s.model), "adapter": adapter.map(|a| a.0)}),
         )?,
     )
