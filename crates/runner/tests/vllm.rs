@@ -378,6 +378,22 @@ lr = 0.5
         policy.iter().map(|(_, r)| key(r)).collect::<Vec<_>>(),
         rerun.iter().map(|(_, r)| key(r)).collect::<Vec<_>>()
     );
+    // policy.dtype = "bf16" changes the updates' products, not who samples: the unmoved
+    // policy's rollouts are still the served model's bank, not a zero adapter pushed to the
+    // server
+    let live = std::fs::read_to_string(&file).unwrap().replace("http://127.0.0.1:9", &s.base_url);
+    std::fs::write(&file, live.replace("[policy]\n", "[policy]\ndtype = \"bf16\"\n")).unwrap();
+    let bf16 = dir.path().join("bf16");
+    let o = std::process::Command::new(env!("CARGO_BIN_EXE_onepass"))
+        .args(["run", file.to_str().unwrap(), "--out", bf16.to_str().unwrap(), "--threads", "1"])
+        .output()
+        .unwrap();
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    let bf16_dir = std::fs::read_dir(&bf16).unwrap().next().unwrap().unwrap().path();
+    let t = util::table(&bf16_dir.join("policy_updates.parquet"));
+    let (chunk, served) = (util::u64s(&t, "chunk"), util::strs(&t, "rollout_served_as"));
+    let first = (0..chunk.len()).find(|&i| chunk[i] == 1).expect("the first update");
+    assert_eq!(served[first], s.model, "the unmoved bf16 policy's rollouts were not the bank's");
 }
 
 fn walk(dir: &std::path::Path) -> Vec<std::path::PathBuf> {

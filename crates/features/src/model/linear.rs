@@ -76,7 +76,9 @@ impl LowRank {
 
 /// A layer's low-rank branch: the adapters of the layers it fuses, A = [A₁; A₂; …] (R × in)
 /// and B' block-diagonal with the blocks s_i·B_i (out × R), in f32 whatever the weights' dtype
-/// — packed for [`kernels::f32mm`] beside a packed weight, candle tensors beside a dense one.
+/// — packed for [`kernels::f32mm`] beside a packed weight (whose activations are f32: the
+/// branch is added in f32), candle tensors beside a dense one (added in the activations'
+/// dtype: on a dense bf16 model, bf16).
 #[derive(Clone)]
 pub(super) enum Low {
     Packed(LowPair),

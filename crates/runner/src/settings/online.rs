@@ -155,7 +155,8 @@ impl<'a> PolicyCell<'a> {
 
     /// The name this cell's samples are requested under on the server ("" without one): its
     /// adapter's when it samples from its adapter (it has moved, or `rollouts` of a policy
-    /// whose bank was not drawn in f32), else the served model's (the bank's samples).
+    /// whose bank is not its sampler's: never with a server, which draws both), else the served
+    /// model's (the bank's samples).
     pub(super) fn served_as(&self, rollouts: bool) -> Result<String> {
         let Some(s) = &self.online.server else { return Ok(String::new()) };
         match &self.learner {

@@ -36,7 +36,7 @@ pub struct Online {
     tied: bool,
     /// The policy's tokenizer and chat template (generation with merged weights).
     policy: Backbone,
-    /// `policy.dtype = "bf16"`: the base policy on packed bf16 weights, which a learning arm
+    /// `policy.dtype = "bf16"` without a server: the base policy on packed bf16 weights, which a learning arm
     /// samples with its adapters unmerged beside them (`Model::with_adapters`) — the bank's
     /// backbone when generate.dtype is bf16 too, else built once from `base`.
     sampler16: Option<Model>,
@@ -179,7 +179,9 @@ impl Online {
             None => (Vec::new(), 0),
         };
         let server = g.server().map_err(|(k, m)| anyhow!("generate.{k}: {m}"))?;
+        // a server samples every policy itself (its adapters pushed to it): no bf16 model here
         let sampler16 = match p.dtype {
+            _ if server.is_some() => None,
             TrainDtype::F32 => None,
             TrainDtype::Bf16 if policy.model.dtype() == DType::BF16 => Some(policy.model.clone()),
             TrainDtype::Bf16 => {
@@ -312,10 +314,14 @@ impl Online {
     }
 
     /// Whether the bank's generator is the learning arms' sampler (both f32, or both bf16 with
-    /// policy.dtype = "bf16"): then the base policy's training samples are the bank's and its
+    /// policy.dtype = "bf16"; or both the server): then the base policy's training samples are the bank's and its
     /// held-out samples go through the generation cache; otherwise a learning arm generates
     /// its own.
     pub fn bank_is_sampler(&self) -> bool {
+        if self.server.is_some() {
+            // the server draws the bank and samples every policy
+            return true;
+        }
         let sampler = if self.sampler16.is_some() { DType::BF16 } else { DType::F32 };
         self.policy.model.dtype() == sampler
     }

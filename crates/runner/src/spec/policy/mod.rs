@@ -144,8 +144,9 @@ pub struct PolicySpec {
     /// backbone (its value head f32), and a learning arm's sampler: with "bf16" it samples on
     /// the packed bf16 base with the adapters unmerged beside it in f32 (merged into bf16
     /// weights a small update would be rounded away), with "f32" on the adapters merged in f32,
-    /// whatever generate.dtype says. The unmoved policy's samples are the bank's only when
-    /// generate.dtype is the same as this.
+    /// whatever generate.dtype says (with generate.backend = "openai" the server samples, its
+    /// adapters pushed to it, whatever this says). The unmoved policy's samples are the bank's
+    /// only when generate.dtype is the same as this (or a server draws both).
     #[serde(default)]
     pub dtype: TrainDtype,
     /// Adam on the adapters, gradients clipped to this global norm; `lr` is the peak learning
