@@ -427,9 +427,9 @@ impl Model {
         Ok(Model { cfg, embed, lm_head, blocks, norm, rope, dtype, act, device, f32_packed })
     }
 
-    /// This model with LoRA adapters applied unmerged beside its weights ([`LowRank`]: y = x Wᵀ
-    /// + s·(x Aᵀ) Bᵀ, the branch's products in f32; added in f32 on the CPU's packed path, in the
-    /// activations' dtype on a dense one), replacing any it had: the packed
+    /// This model with LoRA adapters applied unmerged beside its weights ([`LowRank`]:
+    /// y = x Wᵀ + s·(x Aᵀ) Bᵀ, the branch's products in f32; added in f32 on the CPU's packed
+    /// path, in the activations' dtype on a dense one), replacing any it had: the packed
     /// weights are shared, not copied. Every adapter must name a layer of the model (q, k, v, o,
     /// gate, up or down of a block) and fit its shape.
     pub fn with_adapters(&self, adapters: &Adapters) -> Result<Model, Error> {
