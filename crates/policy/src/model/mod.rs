@@ -667,13 +667,7 @@ impl PolicyModel {
             err += (got - &want)?.sqr()?.sum_all()?.to_scalar::<f64>()?;
             size += want.sqr()?.sum_all()?.to_scalar::<f64>()?;
         }
-        Ok(if size > 0.0 {
-            (err / size).sqrt()
-        } else if err > 0.0 {
-            f64::INFINITY
-        } else {
-            0.0
-        })
+        Ok(relative_error(err, size))
     }
 
     /// How far generation weights are from the trained policy: over every adapted layer,
@@ -698,13 +692,7 @@ impl PolicyModel {
             err += (gen.to_dtype(DType::F64)? - want)?.sqr()?.sum_all()?.to_scalar::<f64>()?;
             size += delta.sqr()?.sum_all()?.to_scalar::<f64>()?;
         }
-        Ok(if size > 0.0 {
-            (err / size).sqrt()
-        } else if err > 0.0 {
-            f64::INFINITY
-        } else {
-            0.0
-        })
+        Ok(relative_error(err, size))
     }
 
     /// The family, for adapters exported in another layout.
@@ -743,4 +731,17 @@ pub(crate) fn causal_mask(t: usize, p: usize, dev: &Device, dtype: DType) -> Res
     let s = p + t;
     let m: Vec<f32> = (0..t * s).map(|i| if i % s > p + i / s { -1e30 } else { 0.0 }).collect();
     Tensor::from_vec(m, (t, s), dev)?.to_dtype(dtype)
+}
+
+/// √(err / size), the relative Frobenius error of [`PolicyModel::merge_error`] and
+/// [`PolicyModel::unmerged_error`] from its squared sums: ∞ when an update of size 0 is missed,
+/// 0 when both are 0.
+fn relative_error(err: f64, size: f64) -> f64 {
+    if size > 0.0 {
+        (err / size).sqrt()
+    } else if err > 0.0 {
+        f64::INFINITY
+    } else {
+        0.0
+    }
 }
