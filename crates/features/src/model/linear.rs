@@ -187,10 +187,18 @@ impl candle_core::CustomOp1 for PackedLinear {
             );
         }
         let x = &x[o1..o2];
-        let mut y = if self.swiglu { self.w.matmul_t_swiglu(x, rows) } else { self.w.matmul_t(x, rows) };
-        if let Some(low) = &self.low {
-            Low::add_into(low, &Low::input(x, self.swiglu, k), rows, &mut y);
-        }
+        let y = match &self.low {
+            // with a branch, silu(g)·u is formed once for both products (the fused SwiGLU
+            // product gives the bits of silu_mul followed by the plain one)
+            Some(low) => {
+                let x = Low::input(x, self.swiglu, k);
+                let mut y = self.w.matmul_t(&x, rows);
+                Low::add_into(low, &x, rows, &mut y);
+                y
+            }
+            None if self.swiglu => self.w.matmul_t_swiglu(x, rows),
+            None => self.w.matmul_t(x, rows),
+        };
         Ok((candle_core::CpuStorage::F32(y), candle_core::Shape::from((rows, self.w.n()))))
     }
 }
@@ -239,9 +247,9 @@ impl candle_core::CustomOp3 for PackedLinearAddNorm {
         }
         let y = match &self.low {
             Some(low) => {
-                let mut r = r.to_vec();
-                Low::add_into(low, &Low::input(x, self.swiglu, k), rows, &mut r);
-                self.w.matmul_t_add_rms(x, self.swiglu, rows, &r, w, self.eps)
+                let (x, mut r) = (Low::input(x, self.swiglu, k), r.to_vec());
+                Low::add_into(low, &x, rows, &mut r);
+                self.w.matmul_t_add_rms(&x, false, rows, &r, w, self.eps)
             }
             None => self.w.matmul_t_add_rms(x, self.swiglu, rows, r, w, self.eps),
         };

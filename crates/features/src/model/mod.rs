@@ -435,10 +435,13 @@ impl Model {
     pub fn with_adapters(&self, adapters: &Adapters) -> Result<Model, Error> {
         let cfg = &self.cfg;
         let (hd, inter) = (cfg.head_dim, cfg.intermediate);
-        let mut used = 0;
+        let mut used = std::collections::HashSet::new();
         let mut get = |i: usize, t: &str| {
-            let a = adapters.get(&format!("model.layers.{i}.{t}"));
-            used += a.is_some() as usize;
+            let name = format!("model.layers.{i}.{t}");
+            let a = adapters.get(&name);
+            if a.is_some() {
+                used.insert(name);
+            }
             a
         };
         let mut m = self.clone();
@@ -455,20 +458,8 @@ impl Model {
             blk.mlp.gate_up = blk.mlp.gate_up.adapted(&parts, &name("mlp.gate_up_proj"))?;
             blk.mlp.down = blk.mlp.down.adapted(&[(get(i, "mlp.down_proj"), cfg.hidden)], &name("mlp.down_proj"))?;
         }
-        if used != adapters.len() {
-            let mut unknown: Vec<&String> = adapters
-                .keys()
-                .filter(|k| {
-                    !(0..cfg.layers).any(|i| {
-                        ["q_proj", "k_proj", "v_proj", "o_proj"]
-                            .iter()
-                            .any(|t| **k == format!("model.layers.{i}.self_attn.{t}"))
-                            || ["gate_proj", "up_proj", "down_proj"]
-                                .iter()
-                                .any(|t| **k == format!("model.layers.{i}.mlp.{t}"))
-                    })
-                })
-                .collect();
+        let mut unknown: Vec<&String> = adapters.keys().filter(|k| !used.contains(*k)).collect();
+        if !unknown.is_empty() {
             unknown.sort();
             return Err(Error::Input(format!(
                 "adapters {unknown:?} name no layer of this {}-layer model (expected model.layers.{{i}}.self_attn.{{q,k,v,o}}_proj or model.layers.{{i}}.mlp.{{gate,up,down}}_proj)",

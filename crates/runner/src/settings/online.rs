@@ -8,10 +8,10 @@
 //! source names (learned φᵀθ, the oracle's, or the null control's) of all n samples, or online
 //! DPO on the labelled pairs. The sampler is the trained policy: it generates from the adapters
 //! merged in f32 (`PolicyModel::merged_weights`), or with policy.dtype = "bf16" from the packed
-//! bf16 base with the adapters unmerged beside it (`PolicyModel::unmerged_adapters`). [`PolicyCell::evaluate`] samples the
-//! held-out prompts with the seed's streams; cells whose policy does not learn (best-of-n,
-//! fixed) are evaluated on the base policy's samples of those streams, so every arm of a seed
-//! is measured on the same prompts and streams.
+//! bf16 base with the adapters unmerged beside it (`PolicyModel::unmerged_adapters`).
+//! [`PolicyCell::evaluate`] samples the held-out prompts with the seed's streams; cells whose
+//! policy does not learn (best-of-n, fixed) are evaluated on the base policy's samples of those
+//! streams, so every arm of a seed is measured on the same prompts and streams.
 
 use super::arms::{self, Arm, Chunk, Labelled, Rollouts, Update};
 use super::passive_rm::CurrentFeatures;
@@ -192,7 +192,7 @@ impl<'a> PolicyCell<'a> {
             (_, Some(b)) if !self.moved => Ok((b.clone(), 0.0)),
             // the server applies the adapter itself: no merge of onepass's to measure
             (Some((m, _)), _) if self.online.server.is_some() => Ok((self.sample_served(m, prompts, opts)?, f64::NAN)),
-            (Some((m, _)), _) if self.online.spec.dtype == crate::spec::policy::TrainDtype::Bf16 => {
+            (Some((m, _)), _) if self.online.samples_unmerged() => {
                 let ad = m.unmerged_adapters()?;
                 let err = if measure { m.unmerged_error(&ad)? } else { 0.0 };
                 Ok((self.online.generate_unmerged(&ad, prompts, opts)?, err))

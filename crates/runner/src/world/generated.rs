@@ -88,8 +88,9 @@ impl Scorer {
 }
 
 /// The generation cache's key: the policy's weights, tokenizer and template, the options, the
-/// weights' dtype unless f32 (bf16 draws other tokens) and, for a server, the backend and the name the samples are requested under (the served model or
-/// a cell's adapter, whose name carries its digest): its samples are the server's sampler's.
+/// weights' dtype unless f32 (bf16 draws other tokens) and, for a server, the backend and the
+/// name the samples are requested under (the served model or a cell's adapter, whose name
+/// carries its digest): its samples are the server's sampler's.
 fn policy_key(b: &Backbone, o: &SampleOptions, server: Option<(&features::openai::Server, &str)>) -> String {
     let mut h = blake3::Hasher::new();
     for part in [b.weights_digest.as_str(), b.tok.digest.as_str(), b.template.source.as_str()] {

@@ -36,9 +36,9 @@ pub struct Online {
     tied: bool,
     /// The policy's tokenizer and chat template (generation with merged weights).
     policy: Backbone,
-    /// `policy.dtype = "bf16"` without a server: the base policy on packed bf16 weights, which a learning arm
-    /// samples with its adapters unmerged beside them (`Model::with_adapters`) — the bank's
-    /// backbone when generate.dtype is bf16 too, else built once from `base`.
+    /// `policy.dtype = "bf16"` without a server: the base policy on packed bf16 weights, which a
+    /// learning arm samples with its adapters unmerged beside them (`Model::with_adapters`) —
+    /// the bank's backbone when generate.dtype is bf16 too, else built once from `base`.
     sampler16: Option<Model>,
     pub opts: SampleOptions,
     /// The held-out sampling options of seed index i: `eval_opts[i]` (its own streams).
@@ -51,7 +51,8 @@ pub struct Online {
     pub eval_prompts: Vec<Vec<Message>>,
     pub eval_ids: Vec<Vec<u32>>,
     /// The base policy's samples of the held-out prompts per seed index, from the learning
-    /// arms' sampler (f32, or bf16 with policy.dtype = "bf16") with the seed's streams: every policy's evaluation before its first update,
+    /// arms' sampler (f32, or bf16 with policy.dtype = "bf16") with the seed's streams: every
+    /// policy's evaluation before its first update,
     /// and the evaluation of the arms whose policy does not learn.
     pub eval_base: Vec<Vec<Vec<Sample>>>,
     /// `[policy.dpo.warm_start]`'s pairs, tokenised for the policy (empty without one), and the
@@ -222,7 +223,7 @@ impl Online {
     /// it is the learning arms' sampler, else generated here by that sampler from the base.
     fn sample_base_eval(&mut self, g: &GenerateSpec, bank: &Generated, progress: Mode) -> Result<()> {
         for (i, eo) in self.eval_opts.iter().enumerate() {
-            let samples = if self.bank_is_sampler() || self.server.is_some() {
+            let samples = if self.bank_is_sampler() {
                 // the sampler's (or the server's) samples, through the generation cache
                 let gs = GenerateSpec { n: eo.n, seed: eo.seed, ..g.clone() };
                 generate_with(&self.policy, &gs, &bank.eval_prompts, progress, &mut BankReport::default())?
@@ -313,10 +314,16 @@ impl Online {
         }
     }
 
-    /// Whether the bank's generator is the learning arms' sampler (both f32, or both bf16 with
-    /// policy.dtype = "bf16"; or both the server): then the base policy's training samples are the bank's and its
-    /// held-out samples go through the generation cache; otherwise a learning arm generates
-    /// its own.
+    /// Whether a learning arm samples with its adapters unmerged, on the bf16 base
+    /// ([`Online::generate_unmerged`]), rather than from an f32 merge.
+    pub fn samples_unmerged(&self) -> bool {
+        self.sampler16.is_some()
+    }
+
+    /// Whether the bank's generator is the learning arms' sampler (both f32, both bf16 with
+    /// policy.dtype = "bf16", or both the server): then the base policy's training samples are
+    /// the bank's and its held-out samples go through the generation cache; otherwise a
+    /// learning arm generates its own.
     pub fn bank_is_sampler(&self) -> bool {
         if self.server.is_some() {
             // the server draws the bank and samples every policy
