@@ -70,7 +70,7 @@ def main():
         metrics = pq.read_table(os.path.join(a.run, "metrics.parquet"), columns=["label", "seed", "samples_seen", "estimator_bytes"]).to_pylist()
     except (OSError, ValueError) as e:
         sys.exit(f"estimator_costs: {a.run}: {e}")
-    if meta.get("git_dirty") != "false":
+    if meta.get("git_dirty") not in ("false", False):
         sys.exit(f"estimator_costs: {a.run}: made by a build with uncommitted changes: a summary needs a committed revision")
     date, rev = meta["finished"][:10], meta["git_revision"][:7]
     header = ["date", "revision", "cpu", "command", "wall_time", "estimator", "cells", "estimator_s_per_chunk",

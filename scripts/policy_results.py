@@ -63,7 +63,7 @@ def main():
     except (OSError, ValueError) as e:
         sys.exit(f"policy_results: {a.run}/meta.json: {e}")
     rev = meta["git_revision"][:7]
-    if meta.get("git_dirty") != "false":
+    if meta.get("git_dirty") not in ("false", False):
         if not a.tree_of:
             sys.exit(f"policy_results: {a.run}: made by a build with uncommitted changes (git_dirty = {meta.get('git_dirty')}): a summary needs a committed revision (or --tree-of REV)")
         import subprocess

@@ -33,7 +33,44 @@ pub struct Estimate {
     pub per_cell: u64,
     /// cells that run at once (threads, at most the cells)
     pub parallel: usize,
+    /// the result rows of every cell, held until the tables are written ([`row_terms`]),
+    /// largest first
+    pub rows: Vec<Term>,
     pub total: u64,
+}
+
+/// Bytes an update's steps.parquet row takes until the tables are written (the row, the cell's
+/// outcome and the table's columns). Measured: 381 B per update, the peak RSS of
+/// `experiments/passive/synthetic.toml`-like runs (d = 8, one cell, 10⁶ updates) with and
+/// without `stream.record_steps`; rounded up.
+const STEP_ROW_BYTES: u64 = 400;
+
+/// The same for an evaluation point's metrics and timings rows: 930 B measured (2·10⁵
+/// evaluation points, `stream.eval_every = 1`); rounded up.
+const METRIC_ROW_BYTES: u64 = 1000;
+
+/// The run's result rows, which every cell keeps until the tables are written: one metrics row
+/// per evaluation point (T / eval_every + 1) and, with `stream.record_steps`, one steps row per
+/// update (T / (batch_size · ranks)), times the cells.
+fn row_terms(spec: &Spec, plan: &Plan) -> Vec<Term> {
+    let cells = plan.cells.len() as u64;
+    let st = &spec.stream;
+    let evals = (st.samples / st.eval_every.max(1)).saturating_add(1);
+    let mut t = vec![Term {
+        key: "stream.eval_every".into(),
+        what: format!("metrics rows ({evals} evaluation points × {cells} cells)"),
+        bytes: evals.saturating_mul(cells).saturating_mul(METRIC_ROW_BYTES),
+    }];
+    if st.record_steps {
+        let updates = st.samples / (st.batch_size.max(1) as u64).saturating_mul(st.ranks.max(1) as u64);
+        t.push(Term {
+            key: "stream.record_steps".into(),
+            what: format!("steps rows ({updates} updates × {cells} cells)"),
+            bytes: updates.saturating_mul(cells).saturating_mul(STEP_ROW_BYTES),
+        });
+    }
+    t.sort_by_key(|x| std::cmp::Reverse(x.bytes));
+    t
 }
 
 /// What sizes a learning policy's memory, known once the world has loaded the policy: its
@@ -464,7 +501,10 @@ pub fn estimate(
         }
     }
     let parallel = threads.max(1).min(plan.cells.len().max(1));
-    Estimate { cell, per_cell, parallel, total: per_cell.saturating_mul(parallel as u64) }
+    // the rows live in the host's memory whatever the device
+    let rows = if on == Memory::Host { row_terms(spec, plan) } else { Vec::new() };
+    let kept = rows.iter().map(|x| x.bytes).fold(0, u64::saturating_add);
+    Estimate { cell, per_cell, parallel, rows, total: per_cell.saturating_mul(parallel as u64).saturating_add(kept) }
 }
 
 /// `MemAvailable` of /proc/meminfo (Linux), in bytes.
@@ -482,8 +522,10 @@ pub fn show(bytes: u64) -> String {
         format!("{g:.2e} GiB")
     } else if g >= 0.1 {
         format!("{g:.1} GiB")
-    } else {
+    } else if bytes >= 1 << 17 {
         format!("{:.1} MiB", bytes as f64 / (1u64 << 20) as f64)
+    } else {
+        format!("{:.1} KiB", bytes as f64 / 1024.0)
     }
 }
 
@@ -512,27 +554,66 @@ pub fn check(e: &Estimate, budget: u64, budget_from: &str) -> Result<(), (String
     if e.total <= budget {
         return Ok(());
     }
-    let top = e
-        .cell
-        .first()
-        .map_or(("env.dim", String::new()), |t| (t.key.as_ref(), format!("{}: {}", t.what, show(t.bytes))));
+    let line = |t: &Term| format!("{}: {}", t.what, show(t.bytes));
+    let kept = e.rows.iter().map(|x| x.bytes).fold(0, u64::saturating_add);
+    let cells = format!(
+        "{} per cell — largest: {} — × {} {} at a time",
+        show(e.per_cell),
+        e.cell.first().map_or(String::new(), line),
+        e.parallel,
+        if e.parallel == 1 { "cell" } else { "cells" },
+    );
+    // blame the larger share: the cells' state or the rows they keep
+    let per_cells = e.per_cell.saturating_mul(e.parallel as u64);
+    let (key, what) = match e.rows.first() {
+        Some(r) if kept > per_cells => {
+            (r.key.as_ref(), format!("{} of result rows — largest: {} — and {cells}", show(kept), line(r)))
+        }
+        _ => (e.cell.first().map_or("env.dim", |t| t.key.as_ref()), cells),
+    };
     Err((
-        top.0.to_string(),
-        format!(
-            "the run needs about {} ({} per cell — largest: {} — × {} {} at a time), more than the {} {budget_from}",
-            show(e.total),
-            show(e.per_cell),
-            top.1,
-            e.parallel,
-            if e.parallel == 1 { "cell" } else { "cells" },
-            show(budget),
-        ),
+        key.to_string(),
+        format!("the run needs about {} ({what}), more than the {} {budget_from}", show(e.total), show(budget)),
     ))
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// The rows every cell keeps until the tables are written count over all the cells, not
+    /// the ones at a time: steps rows only with `record_steps` (the control: the same spec
+    /// without it), metrics rows per evaluation point; a large enough stream is refused naming
+    /// the key behind the larger share.
+    #[test]
+    fn result_rows_count_for_every_cell_of_the_run() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("spec.toml");
+        let at = |samples: u64, eval_every: u64, steps: bool| -> Estimate {
+            std::fs::write(
+                &path,
+                format!(
+                    "setting = \"passive\"\nseeds = 3\n[env]\ndim = 4\n[stream]\nsamples = {samples}\n\
+                     eval_every = {eval_every}\nbatch_size = 2\nrecord_steps = {steps}\n[[estimator]]\nkind = \"sgd\"\n"
+                ),
+            )
+            .unwrap();
+            let plan = crate::load_plan(&path, &[]).unwrap();
+            estimate(&plan.spec, &plan, 1, None, None, Memory::Host)
+        };
+        let (plain, steps) = (at(1000, 100, false), at(1000, 100, true));
+        assert_eq!(plain.parallel, 1);
+        // 11 evaluation points × 3 cells; 500 updates × 3 cells
+        assert_eq!(plain.total - plain.per_cell, 33 * METRIC_ROW_BYTES);
+        assert_eq!(steps.total - plain.total, 1500 * STEP_ROW_BYTES);
+        assert_eq!(steps.per_cell, plain.per_cell, "rows are not a cell's state");
+        let (key, msg) = check(&at(2_000_000_000, 1_000_000_000, true), 8 << 30, "allowed").unwrap_err();
+        assert_eq!(key, "stream.record_steps", "{msg}");
+        assert!(msg.contains("steps rows (1000000000 updates × 3 cells)"), "{msg}");
+        let (key, msg) = check(&at(2_000_000_000, 1, false), 8 << 30, "allowed").unwrap_err();
+        assert_eq!(key, "stream.eval_every", "{msg}");
+        assert!(check(&at(1_000_000, 1000, true), 8 << 30, "allowed").is_ok());
+    }
 
     /// A small decoder's shape for the memory terms.
     /// A policy of [`tiny_cfg`]'s shape with 1 Mi weights, on the CPU or a GPU.
@@ -689,6 +770,8 @@ mod tests {
         assert_eq!(parse_size("1.5g"), Ok(3 << 29));
         assert_eq!(parse_size("4096"), Ok(4096));
         assert!(parse_size("lots").is_err() && parse_size("-1G").is_err() && parse_size("0").is_err());
+        // a budget of a few KiB is shown as such, not as "0.0 MiB"
+        assert_eq!((show(1024), show(3 << 20), show(3 << 30)), ("1.0 KiB".into(), "3.0 MiB".into(), "3.0 GiB".into()));
     }
 
     /// A learning policy's terms count where the policy lives: on the host for a CPU policy, on

@@ -319,6 +319,23 @@ pub fn remove_temporaries(dir: &Path) -> Result<usize> {
 }
 
 /// Writes `bytes` to `path` through `path.tmp` (flushed to disk) and a rename.
+/// An I/O error on `path` as a message, with [`where_looked`].
+pub fn io_message(path: &Path, e: &std::io::Error) -> String {
+    format!("{e}{}", where_looked(path, e))
+}
+
+/// For a relative path that was not found: " (looked for in DIR; …)", the directory it was
+/// looked for in (a spec's paths are relative to where onepass runs, and a `spec.resolved.toml`
+/// re-run from elsewhere misses them); else nothing.
+pub fn where_looked(path: &Path, e: &std::io::Error) -> String {
+    match std::env::current_dir() {
+        Ok(cwd) if e.kind() == std::io::ErrorKind::NotFound && path.is_relative() => {
+            format!(" (looked for in {}; relative paths are relative to the directory onepass runs in)", cwd.display())
+        }
+        _ => String::new(),
+    }
+}
+
 pub fn write_atomic(path: &Path, bytes: &[u8]) -> Result<()> {
     write_atomic_at(path, bytes, "write")
 }

@@ -7,10 +7,21 @@ use clap::{Args, Parser, Subcommand};
 use std::path::PathBuf;
 use std::process::ExitCode;
 
+/// `--version`: the crate's version and the git revision the binary was built from (a run's
+/// `--resume` and `onepass merge` compare revisions, so this says which one a binary is).
+const VERSION: &str = concat!(
+    env!("CARGO_PKG_VERSION"),
+    " (git ",
+    env!("ONEPASS_GIT_REV"),
+    ", uncommitted changes: ",
+    env!("ONEPASS_GIT_DIRTY"),
+    ")"
+);
+
 #[derive(Parser)]
 #[command(
     name = "onepass",
-    version,
+    version = VERSION,
     about = "One-pass reward modeling experiments (Li, Qian, Zhao, Zhou, NeurIPS 2025)"
 )]
 struct Cli {
@@ -331,6 +342,7 @@ fn reference(out: &std::path::Path) -> ExitCode {
             return ExitCode::from(2);
         }
     }
+    eprintln!("onepass reference: wrote {} pages to {}", pages.len() + 1, out.display());
     ExitCode::SUCCESS
 }
 

@@ -168,6 +168,12 @@ fn show_default(v: Option<&Value>) -> String {
     match v {
         None | Some(Value::Null) => "—".into(),
         Some(Value::String(s)) => format!("`\"{s}\"`"),
+        // a list of words or numbers is shown whole, however long (a default the reader must
+        // know to write a spec that differs from it)
+        Some(Value::Array(a)) if a.iter().all(|x| !(x.is_array() || x.is_object())) => {
+            let items: Vec<String> = a.iter().map(Value::to_string).collect();
+            format!("`[{}]`", items.join(", "))
+        }
         Some(x @ (Value::Array(_) | Value::Object(_))) => {
             let s = x.to_string();
             if s.len() > 60 {

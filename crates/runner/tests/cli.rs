@@ -100,6 +100,12 @@ fn passive_run_writes_every_table_and_methods_share_the_stream() {
         serde_json::from_str(&std::fs::read_to_string(dir.join("meta.json")).unwrap()).unwrap();
     assert_eq!(meta["master_seed"], 20251);
     assert!(meta["git_revision"].as_str().unwrap().len() >= 7);
+    // git_dirty is a bool (or null without git), never the string "false" that reads as true
+    assert!(meta["git_dirty"].is_boolean() || meta["git_dirty"].is_null(), "{}", meta["git_dirty"]);
+    // the CPU the numbers came from, and where the relative paths were resolved
+    assert!(!meta["cpu"]["model"].as_str().unwrap().is_empty() && meta["cpu"]["logical_cpus"].as_u64() >= Some(1));
+    assert!(meta["cpu"]["features"].is_array(), "{}", meta["cpu"]);
+    assert_eq!(meta["cwd"].as_str().map(std::path::PathBuf::from), Some(tmp.path().canonicalize().unwrap()));
 }
 
 #[test]

@@ -24,7 +24,8 @@ pub fn resolved_text(plan: &Plan, spec: &Spec) -> Result<String, String> {
     let body = toml::to_string(&t).map_err(|e| format!("serialising the resolved spec: {e}"))?;
     let mut head = String::from(
         "# The spec as it ran: every key that applied, defaults filled in, one [[estimator]]\n\
-         # per config; `onepass run` of this file runs the same cells to the same tables.\n",
+         # per config; `onepass run` of this file runs the same cells to the same tables.\n\
+         # Relative paths are relative to the directory onepass ran in (meta.json's `cwd`).\n",
     );
     if let Some(scale) = spec.data_scale.filter(|d| d.pairs > 0) {
         head.push_str(&format!(

@@ -111,6 +111,17 @@ fn write_report(run: &Path, out: &Path, rows: &[Row]) -> Result<()> {
         std::fs::read_to_string(run.join("spec.resolved.toml")).ok().and_then(|t| toml::from_str(&t).ok());
     if let Some(d) = spec.as_ref().and_then(|s| s.description.as_ref()) {
         md.push_str(&format!("{}\n\n", d.trim()));
+        // the description is the preset's words: say what the run changed from it
+        let overrides: Vec<String> = read_meta(run)
+            .and_then(|m| m.get("overrides").and_then(|o| o.as_array()).cloned())
+            .map(|o| o.iter().filter_map(|v| v.as_str().map(|s| format!("`{s}`"))).collect())
+            .unwrap_or_default();
+        if !overrides.is_empty() {
+            md.push_str(&format!(
+                "(That is the preset's description; this run changed it with --set {}.)\n\n",
+                overrides.join(", ")
+            ));
+        }
     }
     let seeds = rows.iter().map(|r| r.seed).collect::<std::collections::BTreeSet<_>>().len();
     md.push_str(if seeds == 1 {

@@ -145,7 +145,13 @@ pub(super) fn time_and_kappa_table(rows: &[Row], times: &BTreeMap<String, Vec<(f
             .filter(|v| *v > 0.0)
             .collect();
         let kmax = k.iter().copied().fold(f64::NAN, f64::max);
-        let kmax = if kmax.is_infinite() { "∞".to_string() } else { format!("{kmax:.1}") };
+        let kmax = if kmax.is_infinite() {
+            "∞".to_string()
+        } else if kmax.abs() >= 1e6 {
+            format!("{kmax:.3e}")
+        } else {
+            format!("{kmax:.1}")
+        };
         s.push_str(&format!("| {label} | {} | {} | {} (max {kmax}) | {} |\n", ms(&est), ms(&wall), ms(&k), ms(&kr)));
     }
     s

@@ -21,8 +21,13 @@ impl<'a> Meta<'a> {
         Meta {
             onepass_version: env!("CARGO_PKG_VERSION"),
             git_revision: env!("ONEPASS_GIT_REV"),
-            git_dirty: env!("ONEPASS_GIT_DIRTY"),
+            git_dirty: match env!("ONEPASS_GIT_DIRTY") {
+                "true" => Some(true),
+                "false" => Some(false),
+                _ => None,
+            },
             spec_file: opts.spec.display().to_string(),
+            cwd: std::env::current_dir().map(|d| d.display().to_string()).unwrap_or_default(),
             overrides: &opts.overrides,
             resumed: opts.resume.is_some(),
             forced: st.forced,
@@ -48,6 +53,12 @@ impl<'a> Meta<'a> {
             threads: st.threads,
             candle_threads: candle_core::utils::get_num_threads(),
             host: std::fs::read_to_string("/etc/hostname").map(|s| s.trim().to_string()).unwrap_or_default(),
+            cpu: CpuMeta {
+                model: kernels::cpu::model(),
+                logical_cpus: std::thread::available_parallelism().map_or(0, |n| n.get()),
+                features: kernels::cpu::features(),
+                capped_at_avx2: kernels::cpu::capped_at_avx2(),
+            },
             os: std::env::consts::OS,
             arch: std::env::consts::ARCH,
             crates: Meta::crates(),
@@ -62,9 +73,14 @@ impl<'a> Meta<'a> {
 pub(super) struct Meta<'a> {
     onepass_version: &'static str,
     git_revision: &'static str,
-    /// "true", "false", or "unknown" (no git at build time).
-    git_dirty: &'static str,
+    /// Whether the build had uncommitted changes to tracked files; null where git was not there
+    /// at build time. (Runs written before 2026-11-30 hold the strings "true", "false" or
+    /// "unknown".)
+    git_dirty: Option<bool>,
     spec_file: String,
+    /// The directory the run was started in: the spec's relative paths (and `spec_file`) are
+    /// relative to it.
+    cwd: String,
     overrides: &'a [String],
     resumed: bool,
     /// `--resume --force` over a difference of spec, code or data: which (cells whose config
@@ -86,12 +102,28 @@ pub(super) struct Meta<'a> {
     /// The threads candle splits a matmul into (`RAYON_NUM_THREADS`; [`cap_library_threads`]).
     candle_threads: usize,
     host: String,
+    /// The CPU the numbers were computed on: a learning policy's bits can differ between CPU
+    /// models (the kernels' summation order follows the vector features they find).
+    cpu: CpuMeta,
     os: &'static str,
     arch: &'static str,
     /// The project's crates and the third-party crates that produce the numbers (from Cargo.lock).
     crates: std::collections::BTreeMap<&'static str, &'static str>,
     started: String,
     finished: String,
+}
+
+/// meta.json's `cpu` block.
+#[derive(Serialize)]
+struct CpuMeta {
+    /// `/proc/cpuinfo`'s model name (the architecture where it cannot be read).
+    model: String,
+    /// Logical CPUs this process may run on.
+    logical_cpus: usize,
+    /// The vector features onepass's kernels choose between (AMX where the process may use it).
+    features: Vec<&'static str>,
+    /// `ONEPASS_CPU=avx2` capped onepass's kernels at AVX2 + FMA.
+    capped_at_avx2: bool,
 }
 
 /// ‖z‖²/λ above this: a full 𝓗⁻¹z step early in the stream moves the margin by ~100 units, and

@@ -299,11 +299,14 @@ impl EstimatorSpec {
 }
 
 /// A hyper-parameter value as labels and cells.parquet show it: numbers as Rust prints them
-/// (1, 0.001), words bare.
+/// (1, 0.001; in exponent form at or past 1e16 and below 1e-6: 1e300, 5e-7), words bare.
 pub fn show(v: &toml::Value) -> String {
     match v {
         toml::Value::String(s) => s.clone(),
         toml::Value::Integer(i) => i.to_string(),
+        // Rust writes every digit of a float; past 1e16 or below 1e-6 a label takes the
+        // exponent form (`lr=1e300`, not 301 digits)
+        toml::Value::Float(f) if *f != 0.0 && (f.abs() >= 1e16 || f.abs() < 1e-6) => format!("{f:e}"),
         toml::Value::Float(f) => f.to_string(),
         toml::Value::Boolean(b) => b.to_string(),
         other => other.to_string(),
@@ -416,6 +419,16 @@ mod tests {
 
     fn table(s: &str) -> toml::Table {
         toml::from_str(s).unwrap()
+    }
+
+    /// Labels keep Rust's plain form for ordinary values and take the exponent form at the
+    /// extremes, so that `lr = 1e300` does not become a 301-digit label.
+    #[test]
+    fn extreme_values_show_in_exponent_form() {
+        let f = |x: f64| show(&toml::Value::Float(x));
+        assert_eq!((f(0.5), f(2.0), f(0.001), f(0.0), f(-3e-5)), ("0.5".into(), "2".into(), "0.001".into(), "0".into(), "-0.00003".into()));
+        assert_eq!((f(1e300), f(5e-7), f(-2.5e20)), ("1e300".into(), "5e-7".into(), "-2.5e20".into()));
+        assert_eq!(show(&toml::Value::Integer(7)), "7");
     }
 
     /// Every estimator name reads into the variant of that kind, with the estimators' defaults.

@@ -92,7 +92,7 @@ fn ranked_summary(pairs: &[Pair]) -> serde_json::Value {
 }
 
 fn file_blake3(p: &std::path::Path) -> Result<String> {
-    let f = std::fs::File::open(p).map_err(|e| anyhow!("{}: {e}", p.display()))?;
+    let f = std::fs::File::open(p).map_err(|e| anyhow!("{}: {}", p.display(), crate::io::io_message(p, &e)))?;
     let mut h = blake3::Hasher::new();
     h.update_reader(f).map_err(|e| anyhow!("{}: {e}", p.display()))?;
     Ok(h.finalize().to_hex().to_string())
