@@ -426,7 +426,10 @@ mod tests {
     #[test]
     fn extreme_values_show_in_exponent_form() {
         let f = |x: f64| show(&toml::Value::Float(x));
-        assert_eq!((f(0.5), f(2.0), f(0.001), f(0.0), f(-3e-5)), ("0.5".into(), "2".into(), "0.001".into(), "0".into(), "-0.00003".into()));
+        assert_eq!(
+            (f(0.5), f(2.0), f(0.001), f(0.0), f(-3e-5)),
+            ("0.5".into(), "2".into(), "0.001".into(), "0".into(), "-0.00003".into())
+        );
         assert_eq!((f(1e300), f(5e-7), f(-2.5e20)), ("1e300".into(), "5e-7".into(), "-2.5e20".into()));
         assert_eq!(show(&toml::Value::Integer(7)), "7");
     }

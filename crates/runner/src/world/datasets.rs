@@ -583,7 +583,8 @@ type Visit<'a> = dyn FnMut(usize, Result<Value, String>) -> Result<bool> + 'a;
 pub const MAX_ROW_BYTES: usize = 4 << 20;
 
 fn jsonl_rows(path: &Path, visit: &mut Visit<'_>) -> Result<()> {
-    let f = std::fs::File::open(path).map_err(|e| anyhow::anyhow!("opening {}: {}", path.display(), crate::io::io_message(path, &e)))?;
+    let f = std::fs::File::open(path)
+        .map_err(|e| anyhow::anyhow!("opening {}: {}", path.display(), crate::io::io_message(path, &e)))?;
     let mut r: Box<dyn BufRead> = if path.to_string_lossy().ends_with(".gz") {
         Box::new(BufReader::new(flate2::read::GzDecoder::new(f)))
     } else {
@@ -640,7 +641,8 @@ fn jsonl_rows(path: &Path, visit: &mut Visit<'_>) -> Result<()> {
 }
 
 fn parquet_rows(path: &Path, columns: &[(String, bool)], visit: &mut Visit<'_>) -> Result<()> {
-    let f = std::fs::File::open(path).map_err(|e| anyhow::anyhow!("opening {}: {}", path.display(), crate::io::io_message(path, &e)))?;
+    let f = std::fs::File::open(path)
+        .map_err(|e| anyhow::anyhow!("opening {}: {}", path.display(), crate::io::io_message(path, &e)))?;
     let builder = ParquetRecordBatchReaderBuilder::try_new(f)
         .with_context(|| format!("{}: not a readable parquet file", path.display()))?;
     let schema = builder.schema().clone();

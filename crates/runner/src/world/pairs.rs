@@ -124,7 +124,8 @@ fn labels_of(col: &ArrayRef) -> Result<Vec<Option<f64>>, String> {
 /// i8/i16/i32/i64/u8/u16/u32/u64, what `np.save(torch.randperm(n).numpy())` writes) or a text file
 /// of whitespace-separated integers. Indices must be distinct and below `n`.
 pub fn read_order(path: &Path, n: usize) -> Result<Vec<usize>, SpecError> {
-    let bytes = std::fs::read(path).map_err(|e| bad(path, format!("cannot read the order file: {}", crate::io::io_message(path, &e))))?;
+    let bytes = std::fs::read(path)
+        .map_err(|e| bad(path, format!("cannot read the order file: {}", crate::io::io_message(path, &e))))?;
     let idx: Vec<i128> = if bytes.starts_with(b"\x93NUMPY") {
         npy_ints(&bytes).map_err(|m| bad(path, m))?
     } else {
@@ -206,7 +207,8 @@ fn npy_ints(b: &[u8]) -> Result<Vec<i128>, String> {
 
 /// Reads one pairs file. `dim`: the dimension the rows must have, when already known.
 pub fn read_pairs(path: &Path, dim: Option<usize>) -> Result<Pairs, SpecError> {
-    let bytes = std::fs::read(path).map_err(|e| bad(path, format!("cannot read the features file: {}", crate::io::io_message(path, &e))))?;
+    let bytes = std::fs::read(path)
+        .map_err(|e| bad(path, format!("cannot read the features file: {}", crate::io::io_message(path, &e))))?;
     let digest = blake3::hash(&bytes).to_hex().to_string();
     let reader = ParquetRecordBatchReaderBuilder::try_new(bytes::Bytes::from(bytes))
         .map_err(|e| bad(path, format!("not a readable parquet file: {e}")))?;
