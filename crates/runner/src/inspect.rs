@@ -273,7 +273,8 @@ pub fn render(dirs: &[DirStatus]) -> String {
                 c.step.map_or("-".to_string(), |v| v.to_string()),
                 f(c.eval_loss, 4),
                 f(c.eval_accuracy, 4),
-                f(c.wall_s, 0),
+                // a cell under 10 s keeps a decimal: a sub-second cell is not "0"
+                f(c.wall_s, if c.wall_s.is_some_and(|w| w < 10.0) { 1 } else { 0 }),
             ));
             if let Some(e) = &c.error {
                 s.push_str(&format!("         {}: {e}\n", c.cell_id));

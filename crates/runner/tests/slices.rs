@@ -177,6 +177,11 @@ fn cells_reads_each_slices_finished_cells_as_the_merged_tables_have_them() {
     }
     let text = onepass(p, &["cells", parts[0].to_str().unwrap()]).parts();
     assert!(text.1.contains("slice 0/3") && text.1.contains("12 cells, 4 finished"), "{}", text.1);
+    // the wall column: a cell under 10 s keeps a decimal (a sub-second cell is not "0")
+    let wall = cells_json(p, &parts[0])["cells"][0]["wall_s"].as_f64().unwrap();
+    let line = text.1.lines().find(|l| l.trim_start().starts_with("c0000")).unwrap();
+    let want = if wall < 10.0 { format!("{wall:.1}") } else { format!("{wall:.0}") };
+    assert_eq!(line.split_whitespace().last(), Some(want.as_str()), "{line}");
 
     // a killed slice: its first cell in progress is checkpointed
     let out = finish(
