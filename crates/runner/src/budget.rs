@@ -33,8 +33,8 @@ pub struct Estimate {
     pub per_cell: u64,
     /// cells that run at once (threads, at most the cells)
     pub parallel: usize,
-    /// the result rows of every cell, held until the tables are written ([`row_terms`]),
-    /// largest first
+    /// the result rows of the process's cells, held until the tables are written
+    /// ([`row_terms`]), largest first
     pub rows: Vec<Term>,
     pub total: u64,
 }
@@ -49,20 +49,22 @@ const STEP_ROW_BYTES: u64 = 400;
 /// evaluation points, `stream.eval_every = 1`); rounded up.
 const METRIC_ROW_BYTES: u64 = 1000;
 
-/// The run's result rows, which every cell keeps until the tables are written: one metrics row
-/// per evaluation point (T / eval_every + 1) and, with `stream.record_steps`, one steps row per
-/// update (T / (batch_size · ranks)), times the cells.
-fn row_terms(spec: &Spec, plan: &Plan) -> Vec<Term> {
-    let cells = plan.cells.len() as u64;
+/// The result rows the process's `cells` keep until the tables are written: one metrics row per
+/// evaluation point — at most one per update, so min(T / eval_every, T / (batch_size · ranks))
+/// + 1 — and, with `stream.record_steps`, one steps row per update of every head (T /
+/// batch_size: each of the `ranks` heads records its own). A chunked deployment writes one
+/// metrics row per chunk, fewer than this counts.
+fn row_terms(spec: &Spec, cells: u64) -> Vec<Term> {
     let st = &spec.stream;
-    let evals = (st.samples / st.eval_every.max(1)).saturating_add(1);
+    let batch = (st.batch_size.max(1) as u64).saturating_mul(st.ranks.max(1) as u64);
+    let evals = (st.samples / st.eval_every.max(1)).min(st.samples / batch).saturating_add(1);
     let mut t = vec![Term {
         key: "stream.eval_every".into(),
         what: format!("metrics rows ({evals} evaluation points × {cells} cells)"),
         bytes: evals.saturating_mul(cells).saturating_mul(METRIC_ROW_BYTES),
     }];
     if st.record_steps {
-        let updates = st.samples / (st.batch_size.max(1) as u64).saturating_mul(st.ranks.max(1) as u64);
+        let updates = st.samples / st.batch_size.max(1) as u64;
         t.push(Term {
             key: "stream.record_steps".into(),
             what: format!("steps rows ({updates} updates × {cells} cells)"),
@@ -470,7 +472,8 @@ fn data_terms(spec: &Spec, c: &ConfigPlan, t: &mut Vec<Term>) {
     }
 }
 
-/// The estimate of `on`'s memory for a plan whose `spec` has its final env.dim, `threads`
+/// The estimate of `on`'s memory for a plan whose `spec` has its final env.dim, of which this
+/// process runs `cells` cells (a slice's, or all: their rows stay until the tables), `threads`
 /// workers; `policy` the learning policy's shape when the run has one (its world is loaded):
 /// its terms count on the host, or on the device when it lives there.
 /// `reward`: a reward model whose features learn, when the run has one: counted on the host, or
@@ -478,6 +481,7 @@ fn data_terms(spec: &Spec, c: &ConfigPlan, t: &mut Vec<Term>) {
 pub fn estimate(
     spec: &Spec,
     plan: &Plan,
+    cells: usize,
     threads: usize,
     policy: Option<&PolicyShape>,
     reward: Option<&RewardShape>,
@@ -500,9 +504,9 @@ pub fn estimate(
             (per_cell, cell) = (sum, t);
         }
     }
-    let parallel = threads.max(1).min(plan.cells.len().max(1));
+    let parallel = threads.max(1).min(cells.max(1));
     // the rows live in the host's memory whatever the device
-    let rows = if on == Memory::Host { row_terms(spec, plan) } else { Vec::new() };
+    let rows = if on == Memory::Host { row_terms(spec, cells as u64) } else { Vec::new() };
     let kept = rows.iter().map(|x| x.bytes).fold(0, u64::saturating_add);
     Estimate { cell, per_cell, parallel, rows, total: per_cell.saturating_mul(parallel as u64).saturating_add(kept) }
 }
@@ -569,6 +573,11 @@ pub fn check(e: &Estimate, budget: u64, budget_from: &str) -> Result<(), (String
         Some(r) if kept > per_cells => {
             (r.key.as_ref(), format!("{} of result rows — largest: {} — and {cells}", show(kept), line(r)))
         }
+        // named where they are 1 % of the total or more, so that the figures add up
+        _ if kept.saturating_mul(100) >= e.total => (
+            e.cell.first().map_or("env.dim", |t| t.key.as_ref()),
+            format!("{cells}, and {} of result rows", show(kept)),
+        ),
         _ => (e.cell.first().map_or("env.dim", |t| t.key.as_ref()), cells),
     };
     Err((
@@ -599,7 +608,7 @@ mod tests {
             )
             .unwrap();
             let plan = crate::load_plan(&path, &[]).unwrap();
-            estimate(&plan.spec, &plan, 1, None, None, Memory::Host)
+            estimate(&plan.spec, &plan, plan.cells.len(), 1, None, None, Memory::Host)
         };
         let (plain, steps) = (at(1000, 100, false), at(1000, 100, true));
         assert_eq!(plain.parallel, 1);
@@ -613,6 +622,28 @@ mod tests {
         let (key, msg) = check(&at(2_000_000_000, 1, false), 8 << 30, "allowed").unwrap_err();
         assert_eq!(key, "stream.eval_every", "{msg}");
         assert!(check(&at(1_000_000, 1000, true), 8 << 30, "allowed").is_ok());
+        // an evaluation at most once per update: eval_every = 1 with batches of 2 is 501 points
+        let fine = at(1000, 1, false);
+        assert_eq!(fine.total - fine.per_cell, 3 * 501 * METRIC_ROW_BYTES);
+        // a slice keeps its own cells' rows only
+        let plan = crate::load_plan(&path, &[]).unwrap();
+        let one = estimate(&plan.spec, &plan, 1, 1, None, None, Memory::Host);
+        assert_eq!(one.total - one.per_cell, 501 * METRIC_ROW_BYTES);
+        // when the cells are blamed, rows of 1 % of the total or more are named too, so that
+        // the figures add up; smaller ones are not (the control)
+        let term = |key: &'static str, bytes: u64| Term { key: key.into(), what: key.into(), bytes };
+        let mixed = |rows: u64| Estimate {
+            cell: vec![term("env.dim", 10 << 20)],
+            per_cell: 10 << 20,
+            parallel: 2,
+            rows: vec![term("stream.eval_every", rows)],
+            total: (20 << 20) + rows,
+        };
+        let (key, msg) = check(&mixed(8 << 20), 1 << 20, "allowed").unwrap_err();
+        assert_eq!(key, "env.dim");
+        assert!(msg.contains("× 2 cells at a time, and 8.0 MiB of result rows"), "{msg}");
+        let (_, msg) = check(&mixed(1 << 10), 1 << 20, "allowed").unwrap_err();
+        assert!(!msg.contains("result rows"), "{msg}");
     }
 
     /// A small decoder's shape for the memory terms.
@@ -669,7 +700,7 @@ mod tests {
         let on = |update: &str, ppp: usize, shape: &RewardShape, mem: Memory| -> Estimate {
             std::fs::write(&path, spec(update, ppp)).unwrap();
             let plan = crate::load_plan(&path, &[]).unwrap();
-            estimate(&plan.spec, &plan, 1, None, Some(shape), mem)
+            estimate(&plan.spec, &plan, plan.cells.len(), 1, None, Some(shape), mem)
         };
         let at = |update: &str, ppp: usize| on(update, ppp, &shape, Memory::Host);
         let term = |e: &Estimate, key: &str| e.cell.iter().filter(|t| t.key == key).map(|t| t.bytes).sum::<u64>();
@@ -693,7 +724,7 @@ mod tests {
                 .replace("[[estimator]]\nkind = \"sgd\"\n", &format!("{extra}[[estimator]]\nkind = \"{kind}\"\n"));
             std::fs::write(&path, text).unwrap();
             let plan = crate::load_plan(&path, &[]).unwrap();
-            estimate(&plan.spec, &plan, 1, None, Some(&shape), Memory::Host)
+            estimate(&plan.spec, &plan, plan.cells.len(), 1, None, Some(&shape), Memory::Host)
         };
         let c = tiny_cfg();
         let per_token =
@@ -749,14 +780,14 @@ mod tests {
             device_free: None,
             routed: false,
         };
-        let gpu = estimate(&plan.spec, &plan, 3, None, Some(&shape(true)), Memory::Device);
-        let cpu = estimate(&plan.spec, &plan, 3, None, Some(&shape(false)), Memory::Host);
+        let gpu = estimate(&plan.spec, &plan, plan.cells.len(), 3, None, Some(&shape(true)), Memory::Device);
+        let cpu = estimate(&plan.spec, &plan, plan.cells.len(), 3, None, Some(&shape(false)), Memory::Host);
         assert_eq!(gpu.parallel, 3);
         assert!(gpu.total >= 76_000_000_000, "{} bytes for three cells: {:?}", gpu.total, gpu.cell);
         assert!(cpu.total < 40_000_000_000, "the host calibration: {} bytes", cpu.total);
         // the routed kernels (CUDA's default since) count the host calibration's activations
         let routed = RewardShape { routed: true, ..shape(true) };
-        let r = estimate(&plan.spec, &plan, 3, None, Some(&routed), Memory::Device);
+        let r = estimate(&plan.spec, &plan, plan.cells.len(), 3, None, Some(&routed), Memory::Device);
         let acts =
             |e: &Estimate| e.cell.iter().filter(|t| t.key == "reward.pairs_per_pass").map(|t| t.bytes).sum::<u64>();
         assert_eq!(acts(&r), (acts(&cpu) as f64 * DEVICE_REWARD_ACTIVATIONS_ROUTED) as u64);
@@ -789,14 +820,14 @@ mod tests {
         std::fs::write(&path, text).unwrap();
         let plan = crate::load_plan(&path, &[]).unwrap();
         let (cpu, gpu) = (tiny_policy(false), tiny_policy(true));
-        let at = |p: &PolicyShape, on| estimate(&plan.spec, &plan, 1, Some(p), None, on).per_cell;
-        let none = estimate(&plan.spec, &plan, 1, None, None, Memory::Host).per_cell;
+        let at = |p: &PolicyShape, on| estimate(&plan.spec, &plan, plan.cells.len(), 1, Some(p), None, on).per_cell;
+        let none = estimate(&plan.spec, &plan, plan.cells.len(), 1, None, None, Memory::Host).per_cell;
         assert_eq!(at(&gpu, Memory::Host), none, "a GPU policy adds nothing to host memory");
         assert_eq!(at(&cpu, Memory::Device), 0, "a CPU policy takes no device memory");
         assert!(at(&gpu, Memory::Device) >= 20 << 20, "full-parameter: 5 f32 copies of 1 Mi weights at least");
         // the same terms counted elsewhere, the activations scaled for the GPU's composed ops
         let acts = |p: &PolicyShape, on| {
-            let e = estimate(&plan.spec, &plan, 1, Some(p), None, on);
+            let e = estimate(&plan.spec, &plan, plan.cells.len(), 1, Some(p), None, on);
             e.cell.iter().filter(|t| t.key == "policy.minibatch").map(|t| t.bytes).sum::<u64>()
         };
         let (a_cpu, a_gpu) = (acts(&cpu, Memory::Host), acts(&gpu, Memory::Device));
@@ -829,7 +860,7 @@ mod tests {
             );
             std::fs::write(&path, text).unwrap();
             let plan = crate::load_plan(&path, &[]).unwrap();
-            estimate(&plan.spec, &plan, 1, Some(&tiny_policy(on_device)), None, on).cell
+            estimate(&plan.spec, &plan, plan.cells.len(), 1, Some(&tiny_policy(on_device)), None, on).cell
         };
         let packed = |ts: &[Term]| -> u64 {
             ts.iter().filter(|t| t.what.starts_with("the frozen weights packed")).map(|t| t.bytes).sum()

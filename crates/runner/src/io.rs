@@ -318,7 +318,6 @@ pub fn remove_temporaries(dir: &Path) -> Result<usize> {
     Ok(n)
 }
 
-/// Writes `bytes` to `path` through `path.tmp` (flushed to disk) and a rename.
 /// An I/O error on `path` as a message, with [`where_looked`].
 pub fn io_message(path: &Path, e: &std::io::Error) -> String {
     format!("{e}{}", where_looked(path, e))
@@ -336,6 +335,7 @@ pub fn where_looked(path: &Path, e: &std::io::Error) -> String {
     }
 }
 
+/// Writes `bytes` to `path` through `path.tmp` (flushed to disk) and a rename.
 pub fn write_atomic(path: &Path, bytes: &[u8]) -> Result<()> {
     write_atomic_at(path, bytes, "write")
 }

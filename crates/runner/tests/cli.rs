@@ -106,6 +106,9 @@ fn passive_run_writes_every_table_and_methods_share_the_stream() {
     assert!(!meta["cpu"]["model"].as_str().unwrap().is_empty() && meta["cpu"]["logical_cpus"].as_u64() >= Some(1));
     assert!(meta["cpu"]["features"].is_array(), "{}", meta["cpu"]);
     assert_eq!(meta["cwd"].as_str().map(std::path::PathBuf::from), Some(tmp.path().canonicalize().unwrap()));
+    // --version names the revision meta.json records
+    let v = onepass(tmp.path(), &["--version"]);
+    assert!(v.stdout.contains(meta["git_revision"].as_str().unwrap()), "{}", v.stdout);
 }
 
 #[test]

@@ -230,7 +230,7 @@ pub fn estimator_label(
         if let Init::Normal { std } = init {
             parts.push("init=normal".into());
             if let Some(s) = std {
-                parts.push(format!("init_std={s}"));
+                parts.push(format!("init_std={}", estimator::show(&toml::Value::Float(s))));
             }
         }
     }

@@ -107,18 +107,20 @@ fn write_report(run: &Path, out: &Path, rows: &[Row]) -> Result<()> {
     if !run.join("meta.json").exists() {
         md.push_str("**This run is unfinished** (no meta.json): the tables below cover what it wrote.\n\n");
     }
+    let meta = read_meta(run);
     let spec: Option<crate::spec::Spec> =
         std::fs::read_to_string(run.join("spec.resolved.toml")).ok().and_then(|t| toml::from_str(&t).ok());
     if let Some(d) = spec.as_ref().and_then(|s| s.description.as_ref()) {
         md.push_str(&format!("{}\n\n", d.trim()));
         // the description is the preset's words: say what the run changed from it
-        let overrides: Vec<String> = read_meta(run)
+        let overrides: Vec<String> = meta
+            .as_ref()
             .and_then(|m| m.get("overrides").and_then(|o| o.as_array()).cloned())
             .map(|o| o.iter().filter_map(|v| v.as_str().map(|s| format!("`{s}`"))).collect())
             .unwrap_or_default();
         if !overrides.is_empty() {
             md.push_str(&format!(
-                "(That is the preset's description; this run changed it with --set {}.)\n\n",
+                "(That is the preset's description; this run was started with --set {}.)\n\n",
                 overrides.join(", ")
             ));
         }
@@ -138,7 +140,6 @@ fn write_report(run: &Path, out: &Path, rows: &[Row]) -> Result<()> {
     let times = cell_times(run).unwrap_or_default();
     md.push_str("\n## Time and κ\n\nPer cell, mean ± std over seeds. κ over the samples each estimator trained on (windows between evaluations, all seeds); the paper's appendix reports κ = 171.6 ± 85.5 (Llama-3-8B, UltraFeedback).\n\n");
     md.push_str(&time_and_kappa_table(rows, &times));
-    let meta = read_meta(run);
     if let Some(s) = meta.as_ref().and_then(data_summary) {
         md.push('\n');
         md.push_str(&s);

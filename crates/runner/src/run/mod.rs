@@ -60,7 +60,9 @@ fn check_memory(
         let path: Vec<&str> = key.split('.').collect();
         anyhow::Error::new(plan.keys().err(&path, msg))
     };
-    let e = crate::budget::estimate(spec, plan, threads, policy, reward, crate::budget::Memory::Host);
+    // the cells this process runs: a slice keeps only its own cells' rows
+    let cells = my_cells(plan, opts.slice).len();
+    let e = crate::budget::estimate(spec, plan, cells, threads, policy, reward, crate::budget::Memory::Host);
     crate::budget::check(&e, limit, &from).map_err(refuse)?;
     // a policy or a learning reward model on an accelerator: its terms against the device's
     // memory, not the host's
@@ -73,7 +75,7 @@ fn check_memory(
         (None, Some(f)) => (f, "free on the GPU (--max-gpu-memory sets another budget)".to_string()),
         (None, None) => return Ok(()),
     };
-    let e = crate::budget::estimate(spec, plan, threads, policy, reward, crate::budget::Memory::Device);
+    let e = crate::budget::estimate(spec, plan, cells, threads, policy, reward, crate::budget::Memory::Device);
     crate::budget::check(&e, limit, &from).map_err(refuse)
 }
 
