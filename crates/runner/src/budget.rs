@@ -50,8 +50,8 @@ const STEP_ROW_BYTES: u64 = 400;
 const METRIC_ROW_BYTES: u64 = 1000;
 
 /// The result rows the process's `cells` keep until the tables are written: one metrics row per
-/// evaluation point — at most one per update, so min(T / eval_every, T / (batch_size · ranks))
-/// + 1 — and, with `stream.record_steps`, one steps row per update of every head (T /
+/// evaluation point (at most one per update, so 1 + min(T / eval_every, T / (batch_size ·
+/// ranks))) and, with `stream.record_steps`, one steps row per update of every head (T /
 /// batch_size: each of the `ranks` heads records its own). A chunked deployment writes one
 /// metrics row per chunk, fewer than this counts.
 fn row_terms(spec: &Spec, cells: u64) -> Vec<Term> {
