@@ -318,17 +318,18 @@ pub fn remove_temporaries(dir: &Path) -> Result<usize> {
     Ok(n)
 }
 
-/// An I/O error on `path` as a message, with [`where_looked`].
+/// An I/O error on `path` as a message; for a file not found, with [`where_missing`].
 pub fn io_message(path: &Path, e: &std::io::Error) -> String {
-    format!("{e}{}", where_looked(path, e))
+    let hint = if e.kind() == std::io::ErrorKind::NotFound { where_missing(path) } else { String::new() };
+    format!("{e}{hint}")
 }
 
 /// For a relative path that was not found: " (looked for in DIR; …)", the directory it was
 /// looked for in (a spec's paths are relative to where onepass runs, and a `spec.resolved.toml`
-/// re-run from elsewhere misses them); else nothing.
-pub fn where_looked(path: &Path, e: &std::io::Error) -> String {
+/// re-run from elsewhere misses them); nothing for an absolute path.
+pub fn where_missing(path: &Path) -> String {
     match std::env::current_dir() {
-        Ok(cwd) if e.kind() == std::io::ErrorKind::NotFound && path.is_relative() => {
+        Ok(cwd) if path.is_relative() => {
             format!(" (looked for in {}; relative paths are relative to the directory onepass runs in)", cwd.display())
         }
         _ => String::new(),

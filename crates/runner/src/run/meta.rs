@@ -74,8 +74,8 @@ pub(super) struct Meta<'a> {
     onepass_version: &'static str,
     git_revision: &'static str,
     /// Whether the build had uncommitted changes to tracked files; null where git was not there
-    /// at build time. (Runs written before 2026-11-30 hold the strings "true", "false" or
-    /// "unknown".)
+    /// at build time. (Runs written by builds before 2026-11-29 hold the strings "true", "false"
+    /// or "unknown".)
     git_dirty: Option<bool>,
     spec_file: String,
     /// The directory the run was started in: the spec's relative paths (and `spec_file`) are

@@ -689,8 +689,7 @@ pub fn expand_glob(path: &Path) -> Result<Vec<PathBuf>> {
     let name = path.file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_default();
     if !name.contains('*') {
         if !path.exists() {
-            let e = std::io::Error::from(std::io::ErrorKind::NotFound);
-            bail!("{}: no such file{}", path.display(), crate::io::where_looked(path, &e));
+            bail!("{}: no such file{}", path.display(), crate::io::where_missing(path));
         }
         return Ok(vec![path.to_path_buf()]);
     }

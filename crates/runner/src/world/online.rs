@@ -52,8 +52,8 @@ pub struct Online {
     pub eval_ids: Vec<Vec<u32>>,
     /// The base policy's samples of the held-out prompts per seed index, from the learning
     /// arms' sampler (f32, or bf16 with policy.dtype = "bf16") with the seed's streams: every
-    /// policy's evaluation before its first update,
-    /// and the evaluation of the arms whose policy does not learn.
+    /// policy's evaluation before its first update, and the evaluation of the arms whose policy
+    /// does not learn.
     pub eval_base: Vec<Vec<Vec<Sample>>>,
     /// `[policy.dpo.warm_start]`'s pairs, tokenised for the policy (empty without one), and the
     /// count of its rows dropped for a prompt over generate.max_prompt_tokens.
